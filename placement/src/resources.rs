@@ -16,7 +16,9 @@ pub const GPU: &str = "GPU";
 pub const MEMORY: &str = "memory";
 
 /// An amount of a resource, as an integer number of 1/[`Quantity::SCALE`] units.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize,
+)]
 #[serde(transparent)]
 pub struct Quantity(u64);
 
@@ -79,7 +81,7 @@ impl Quantity {
 
     /// Whether this is a whole number of units.
     pub const fn is_whole(self) -> bool {
-        self.0 % Self::SCALE == 0
+        self.0.is_multiple_of(Self::SCALE)
     }
 
     /// Addition that reports overflow instead of wrapping.
@@ -177,7 +179,10 @@ impl ResourceSet {
     }
 
     /// Subtracts `other`, failing (and changing nothing) when any amount would go negative.
-    pub fn try_subtract(&mut self, other: &ResourceSet) -> Result<(), (String, Quantity, Quantity)> {
+    pub fn try_subtract(
+        &mut self,
+        other: &ResourceSet,
+    ) -> Result<(), (String, Quantity, Quantity)> {
         if let Some(shortfall) = self.first_shortfall(other) {
             return Err(shortfall);
         }
@@ -222,7 +227,10 @@ mod tests {
     #[test]
     fn rejects_bad_amounts() {
         assert!(matches!(Quantity::from_f64(-1.0), Err(QuantityError::NotFiniteNonNegative(_))));
-        assert!(matches!(Quantity::from_f64(f64::NAN), Err(QuantityError::NotFiniteNonNegative(_))));
+        assert!(matches!(
+            Quantity::from_f64(f64::NAN),
+            Err(QuantityError::NotFiniteNonNegative(_))
+        ));
         assert!(matches!(Quantity::from_f64(0.00001), Err(QuantityError::TooFine(_))));
     }
 

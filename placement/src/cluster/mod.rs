@@ -1,0 +1,444 @@
+//! The cluster as the placement logic sees it: nodes, placement groups with their reserved
+//! bundles, and allocations (actors and tasks) on nodes or inside bundles.
+//!
+//! [`ClusterState`] is a plain state machine. The runtime registers nodes, then asks it to
+//! create and remove groups and to place and release demands; it answers with decisions (which
+//! node, which GPUs) and never blocks. A group that cannot be placed yet is kept pending: after
+//! anything is released the runtime calls [`ClusterState::schedule_pending`], which places
+//! every pending group that now fits, oldest first.
+
+mod arrange;
+mod group;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::PlacementError;
+use crate::gpu::{GpuPool, GpuShare, cuda_visible_devices};
+use crate::node::{NodeId, NodeResources};
+use crate::resources::{GPU, ResourceSet};
+
+/// How a placement group spreads its bundles over nodes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum Strategy {
+    /// As few nodes as possible; one node when it fits, else nodes filled in cluster order.
+    #[default]
+    Pack,
+    /// Bundles spread over nodes, reusing a node only when needed.
+    Spread,
+    /// All bundles on one node, or the group waits.
+    StrictPack,
+    /// Every bundle on a different node, or the group waits.
+    StrictSpread,
+}
+
+impl fmt::Display for Strategy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Strategy::Pack => "PACK",
+            Strategy::Spread => "SPREAD",
+            Strategy::StrictPack => "STRICT_PACK",
+            Strategy::StrictSpread => "STRICT_SPREAD",
+        })
+    }
+}
+
+/// A placement group id, unique for the life of a [`ClusterState`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct GroupId(pub u64);
+
+impl fmt::Display for GroupId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "pg-{}", self.0)
+    }
+}
+
+/// An allocation id (one actor or task), unique for the life of a [`ClusterState`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct AllocationId(pub u64);
+
+impl fmt::Display for AllocationId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "alloc-{}", self.0)
+    }
+}
+
+/// What to reserve: a named group of bundles and how to spread them.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PlacementGroupRequest {
+    /// The group's name, unique among live groups.
+    pub name: String,
+    /// How to spread the bundles.
+    pub strategy: Strategy,
+    /// The bundles, in the order their indices refer to.
+    pub bundles: Vec<ResourceSet>,
+}
+
+/// One bundle of one group.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct BundleRef {
+    /// The group.
+    pub group: GroupId,
+    /// The bundle's index in the group's request.
+    pub index: usize,
+}
+
+/// Where one bundle was reserved.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BundlePlacement {
+    /// The bundle's index.
+    pub index: usize,
+    /// The node holding it.
+    pub node: NodeId,
+    /// What it reserves.
+    pub resources: ResourceSet,
+    /// The GPUs it reserves, ascending by index.
+    pub gpus: Vec<GpuShare>,
+}
+
+impl BundlePlacement {
+    /// The reserved GPUs' device indices.
+    pub fn gpu_indices(&self) -> Vec<u32> {
+        self.gpus.iter().map(|share| share.gpu.index).collect()
+    }
+
+    /// The reserved GPUs' UUIDs.
+    pub fn gpu_uuids(&self) -> Vec<&str> {
+        self.gpus.iter().map(|share| share.gpu.uuid.as_str()).collect()
+    }
+}
+
+/// Where every bundle of a placed group lives, indexed by bundle index. Identical bundles are
+/// ordered by node (cluster order) and, on one node, by ascending GPU index, so rank `i` of a
+/// role group using bundle `i` sits next to ranks `i ± 1`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BundleTable {
+    /// The group.
+    pub group: GroupId,
+    /// The group's name.
+    pub name: String,
+    /// The bundles by index.
+    pub bundles: Vec<BundlePlacement>,
+}
+
+/// Whether a group's bundles are reserved.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum GroupStatus {
+    /// Waiting for resources to free up.
+    Pending,
+    /// Every bundle is reserved.
+    Placed,
+}
+
+/// Where to put a single actor or task.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum PlacementTarget {
+    /// The first node (in cluster order) with room.
+    Anywhere,
+    /// This node.
+    Node(NodeId),
+    /// Inside this bundle, sharing its reserved resources.
+    Bundle(BundleRef),
+}
+
+/// Resources handed to one actor or task.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Allocation {
+    /// The allocation's id, for [`ClusterState::release`].
+    pub id: AllocationId,
+    /// The node it runs on.
+    pub node: NodeId,
+    /// What it was given.
+    pub resources: ResourceSet,
+    /// Its GPUs and shares, ascending by index.
+    pub gpus: Vec<GpuShare>,
+    /// The bundle it lives in, if any.
+    pub bundle: Option<BundleRef>,
+}
+
+impl Allocation {
+    /// The value of `CUDA_VISIBLE_DEVICES` for this worker: its GPU indices, comma-separated.
+    pub fn cuda_visible_devices(&self) -> String {
+        cuda_visible_devices(&self.gpus)
+    }
+
+    /// Its GPUs' device indices.
+    pub fn gpu_indices(&self) -> Vec<u32> {
+        self.gpus.iter().map(|share| share.gpu.index).collect()
+    }
+
+    /// Its GPUs' UUIDs.
+    pub fn gpu_uuids(&self) -> Vec<&str> {
+        self.gpus.iter().map(|share| share.gpu.uuid.as_str()).collect()
+    }
+}
+
+/// What removing a group released.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RemovedGroup {
+    /// The group's name.
+    pub name: String,
+    /// The allocations that lived in its bundles (the runtime stops their actors).
+    pub released: Vec<Allocation>,
+}
+
+/// A bundle's reserved resources and what is handed out from them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct BundleState {
+    available: ResourceSet,
+    gpus: GpuPool,
+    allocations: BTreeSet<AllocationId>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum GroupSlot {
+    Pending,
+    Placed { table: BundleTable, bundles: Vec<BundleState> },
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct GroupRecord {
+    request: PlacementGroupRequest,
+    slot: GroupSlot,
+}
+
+/// The whole cluster: nodes in registration order, groups, and allocations.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ClusterState {
+    nodes: Vec<NodeResources>,
+    groups: BTreeMap<GroupId, GroupRecord>,
+    allocations: BTreeMap<AllocationId, Allocation>,
+    next_group: u64,
+    next_allocation: u64,
+}
+
+impl ClusterState {
+    /// An empty cluster.
+    pub fn new() -> ClusterState {
+        ClusterState::default()
+    }
+
+    /// A cluster of `nodes` nodes named `node-0`, `node-1`, … with `cpus` CPUs and
+    /// `gpus_per_node` fake GPUs each (for `--num-gpus` on CPU machines, and for tests).
+    pub fn with_fake_nodes(nodes: usize, cpus: u64, gpus_per_node: u32) -> ClusterState {
+        let mut cluster = ClusterState::new();
+        for i in 0..nodes {
+            let id = NodeId::new(format!("node-{i}"));
+            let node = NodeResources::with_fake_gpus(id, cpus, gpus_per_node);
+            cluster.nodes.push(node);
+        }
+        cluster
+    }
+
+    /// Registers a node; later nodes come later in cluster order.
+    pub fn add_node(&mut self, node: NodeResources) -> Result<(), PlacementError> {
+        if self.node_position(node.id()).is_some() {
+            return Err(PlacementError::DuplicateNode(node.id().clone()));
+        }
+        self.nodes.push(node);
+        Ok(())
+    }
+
+    /// The nodes in cluster order.
+    pub fn nodes(&self) -> &[NodeResources] {
+        &self.nodes
+    }
+
+    /// One node.
+    pub fn node(&self, id: &NodeId) -> Option<&NodeResources> {
+        self.node_position(id).map(|position| &self.nodes[position])
+    }
+
+    /// A live allocation.
+    pub fn allocation(&self, id: AllocationId) -> Option<&Allocation> {
+        self.allocations.get(&id)
+    }
+
+    /// Every live allocation, by id.
+    pub fn allocations(&self) -> impl Iterator<Item = &Allocation> {
+        self.allocations.values()
+    }
+
+    /// Places one actor or task's `demand` at `target`.
+    ///
+    /// Fails with [`PlacementError::Unavailable`] when it could fit once something is released
+    /// and with [`PlacementError::DemandInfeasible`] when it never could.
+    pub fn place(
+        &mut self,
+        demand: &ResourceSet,
+        target: &PlacementTarget,
+    ) -> Result<Allocation, PlacementError> {
+        GpuPool::check_demand(demand.get(GPU))?;
+        let (node, gpus, bundle) = match target {
+            PlacementTarget::Anywhere => self.take_on_nodes(demand, None)?,
+            PlacementTarget::Node(id) => {
+                let position = self
+                    .node_position(id)
+                    .ok_or_else(|| PlacementError::UnknownNode(id.clone()))?;
+                self.take_on_nodes(demand, Some(position))?
+            }
+            PlacementTarget::Bundle(bundle) => self.take_in_bundle(demand, *bundle)?,
+        };
+        let id = AllocationId(self.next_allocation);
+        self.next_allocation += 1;
+        let allocation = Allocation { id, node, resources: demand.clone(), gpus, bundle };
+        self.allocations.insert(id, allocation.clone());
+        Ok(allocation)
+    }
+
+    /// Releases an allocation, returning its resources to its bundle or node. Afterwards the
+    /// runtime should call [`ClusterState::schedule_pending`].
+    pub fn release(&mut self, id: AllocationId) -> Result<Allocation, PlacementError> {
+        let allocation =
+            self.allocations.get(&id).cloned().ok_or(PlacementError::UnknownAllocation(id))?;
+        self.give_back(&allocation)?;
+        self.allocations.remove(&id);
+        Ok(allocation)
+    }
+
+    fn node_position(&self, id: &NodeId) -> Option<usize> {
+        self.nodes.iter().position(|node| node.id() == id)
+    }
+
+    fn take_on_nodes(
+        &mut self,
+        demand: &ResourceSet,
+        only: Option<usize>,
+    ) -> Result<(NodeId, Vec<GpuShare>, Option<BundleRef>), PlacementError> {
+        let candidates: Vec<usize> = match only {
+            Some(position) => vec![position],
+            None => (0..self.nodes.len()).collect(),
+        };
+        for &position in &candidates {
+            if let Some(shares) = self.nodes[position].take(demand) {
+                return Ok((self.nodes[position].id().clone(), shares, None));
+            }
+        }
+        let fits_when_empty =
+            candidates.iter().any(|&position| self.nodes[position].emptied().can_take(demand));
+        let place = match only {
+            Some(position) => format!("node `{}`", self.nodes[position].id()),
+            None => format!("any of {} nodes", self.nodes.len()),
+        };
+        if fits_when_empty {
+            return Err(PlacementError::Unavailable {
+                demand: demand.clone(),
+                reason: format!("{place} is busy"),
+            });
+        }
+        let mut largest = ResourceSet::new();
+        for &position in &candidates {
+            for (name, amount) in self.nodes[position].total().iter() {
+                if amount > largest.get(name) {
+                    largest.set(name, amount);
+                }
+            }
+        }
+        let reason = match largest.first_shortfall(demand) {
+            Some((name, needed, has)) => {
+                format!("needs {name}: {needed}, {place} has at most {has}")
+            }
+            None => format!("no GPU arrangement on {place} serves GPU: {}", demand.get(GPU)),
+        };
+        Err(PlacementError::DemandInfeasible { demand: demand.clone(), reason })
+    }
+
+    fn take_in_bundle(
+        &mut self,
+        demand: &ResourceSet,
+        bundle: BundleRef,
+    ) -> Result<(NodeId, Vec<GpuShare>, Option<BundleRef>), PlacementError> {
+        let record =
+            self.groups.get_mut(&bundle.group).ok_or(PlacementError::UnknownGroup(bundle.group))?;
+        let (table, states) = match &mut record.slot {
+            GroupSlot::Pending => {
+                return Err(PlacementError::GroupPending(record.request.name.clone()));
+            }
+            GroupSlot::Placed { table, bundles } => (table, bundles),
+        };
+        let count = states.len();
+        let (Some(state), Some(placement)) =
+            (states.get_mut(bundle.index), table.bundles.get(bundle.index))
+        else {
+            return Err(PlacementError::BundleOutOfRange {
+                group: table.name.clone(),
+                bundles: count,
+                index: bundle.index,
+            });
+        };
+        let place = format!("bundle {} of `{}`", bundle.index, table.name);
+        let whole_pool = GpuPool::from_shares(&placement.gpus);
+        if let Some((name, needed, has)) = placement.resources.first_shortfall(demand) {
+            return Err(PlacementError::DemandInfeasible {
+                demand: demand.clone(),
+                reason: format!("needs {name}: {needed}, {place} has {has}"),
+            });
+        }
+        if whole_pool.plan(demand.get(GPU)).is_none() {
+            return Err(PlacementError::DemandInfeasible {
+                demand: demand.clone(),
+                reason: format!("{place} holds no GPU arrangement for GPU: {}", demand.get(GPU)),
+            });
+        }
+        if !state.available.contains(demand) {
+            return Err(PlacementError::Unavailable {
+                demand: demand.clone(),
+                reason: format!("{place} has {} free", state.available),
+            });
+        }
+        let Some(shares) = state.gpus.take(demand.get(GPU)) else {
+            return Err(PlacementError::Unavailable {
+                demand: demand.clone(),
+                reason: format!("{place} has no GPU with enough free share"),
+            });
+        };
+        // Invariant: `contains` was checked just above.
+        state.available.try_subtract(demand).map_err(|(name, _, _)| {
+            PlacementError::Accounting(format!("{place} lost {name} between check and take"))
+        })?;
+        // `place` gives the allocation this id right after this returns.
+        state.allocations.insert(AllocationId(self.next_allocation));
+        Ok((placement.node.clone(), shares, Some(bundle)))
+    }
+
+    fn give_back(&mut self, allocation: &Allocation) -> Result<(), PlacementError> {
+        let broken = || {
+            PlacementError::Accounting(format!(
+                "{} could not be returned to where it was taken",
+                allocation.id
+            ))
+        };
+        match allocation.bundle {
+            None => {
+                let position = self.node_position(&allocation.node).ok_or_else(broken)?;
+                if !self.nodes[position].give_back(&allocation.resources, &allocation.gpus) {
+                    return Err(broken());
+                }
+            }
+            Some(bundle) => {
+                let record = self.groups.get_mut(&bundle.group).ok_or_else(broken)?;
+                let GroupSlot::Placed { table, bundles } = &mut record.slot else {
+                    return Err(broken());
+                };
+                let (state, placement) = bundles
+                    .get_mut(bundle.index)
+                    .zip(table.bundles.get(bundle.index))
+                    .ok_or_else(broken)?;
+                let mut available = state.available.clone();
+                available.add(&allocation.resources);
+                if !placement.resources.contains(&available) {
+                    return Err(broken());
+                }
+                state.gpus.give_back(&allocation.gpus).map_err(|_| broken())?;
+                state.available = available;
+                state.allocations.remove(&allocation.id);
+            }
+        }
+        Ok(())
+    }
+}
