@@ -1,0 +1,177 @@
+//! Tests of the sampling maths: exactness of greedy and log-probs, seeded reproducibility, and
+//! the empirical distribution against an independently computed truncated softmax.
+
+use super::*;
+use crate::rng::{SplitMix64, token_uniform};
+use proptest::prelude::*;
+
+const LOGITS: [f32; 8] = [2.0, 1.5, 1.2, 0.5, 0.0, -0.5, -1.0, -3.0];
+
+fn params(temperature: f32, top_k: Option<u32>, top_p: f32) -> SamplingParams {
+    SamplingParams { temperature, top_k, top_p, ..SamplingParams::default() }
+}
+
+/// The reference: softmax at temperature, keep top-k, keep the nucleus, renormalise. Written
+/// independently of the module (full sort, no partial selection).
+fn reference_distribution(
+    logits: &[f32],
+    temperature: f32,
+    top_k: Option<u32>,
+    top_p: f32,
+) -> Vec<f64> {
+    let scaled: Vec<f64> = logits.iter().map(|&l| f64::from(l) / f64::from(temperature)).collect();
+    let z: f64 = scaled.iter().map(|s| s.exp()).sum();
+    let p: Vec<f64> = scaled.iter().map(|s| s.exp() / z).collect();
+    let mut order: Vec<usize> = (0..p.len()).collect();
+    order.sort_by(|&a, &b| p[b].partial_cmp(&p[a]).unwrap().then(a.cmp(&b)));
+    order.truncate(top_k.map_or(p.len(), |k| k as usize));
+    let mass: f64 = order.iter().map(|&i| p[i]).sum();
+    let mut kept = Vec::new();
+    let mut cumulative = 0.0;
+    for &i in &order {
+        kept.push(i);
+        cumulative += p[i] / mass;
+        if cumulative >= f64::from(top_p) {
+            break;
+        }
+    }
+    let kept_mass: f64 = kept.iter().map(|&i| p[i]).sum();
+    let mut out = vec![0.0; p.len()];
+    for i in kept {
+        out[i] = p[i] / kept_mass;
+    }
+    out
+}
+
+fn empirical(params: &SamplingParams, draws: usize, seed: u64) -> Vec<f64> {
+    let mut sampler = Sampler::new();
+    let mut rng = SplitMix64::new(seed);
+    let mut counts = vec![0usize; LOGITS.len()];
+    for _ in 0..draws {
+        counts[sampler.sample(&LOGITS, params, rng.next_f64()).unwrap().token as usize] += 1;
+    }
+    counts.into_iter().map(|c| c as f64 / draws as f64).collect()
+}
+
+#[test]
+fn empirical_distribution_matches_truncated_softmax() {
+    // 200k draws: the standard error of a frequency is at most 0.0011, so 0.006 is > 5 sigma.
+    let draws = 200_000;
+    for (temperature, top_k, top_p) in [
+        (1.0, None, 1.0),
+        (0.8, Some(3), 1.0),
+        (1.0, None, 0.7),
+        (1.3, Some(5), 0.8),
+        (0.5, Some(6), 0.95),
+    ] {
+        let p = params(temperature, top_k, top_p);
+        let expected = reference_distribution(&LOGITS, temperature, top_k, top_p);
+        let exact = Sampler::new().distribution(&LOGITS, &p).unwrap();
+        for (e, x) in expected.iter().zip(&exact) {
+            assert!(
+                (e - x).abs() < 1e-12,
+                "exact distribution {exact:?} vs reference {expected:?}"
+            );
+        }
+        let observed = empirical(&p, draws, 11);
+        for (token, (o, e)) in observed.iter().zip(&expected).enumerate() {
+            if *e == 0.0 {
+                assert_eq!(*o, 0.0, "token {token} is truncated away but was drawn ({p:?})");
+            }
+            assert!((o - e).abs() < 0.006, "token {token}: observed {o}, expected {e} ({p:?})");
+        }
+    }
+}
+
+#[test]
+fn seeded_sampling_reproduces_and_depends_on_seed_and_sample() {
+    let p = params(1.0, Some(6), 0.95);
+    let run = |seed: u64, sample: u32| -> Vec<u32> {
+        let mut sampler = Sampler::new();
+        (0..64)
+            .map(|pos| sampler.sample(&LOGITS, &p, token_uniform(seed, sample, pos)).unwrap().token)
+            .collect()
+    };
+    assert_eq!(run(5, 0), run(5, 0));
+    assert_ne!(run(5, 0), run(6, 0));
+    assert_ne!(run(5, 0), run(5, 1));
+}
+
+#[test]
+fn greedy_takes_the_lowest_argmax_and_returns_the_raw_logprob() {
+    let logits = [0.5, 3.0, 3.0, -1.0];
+    let got = Sampler::new().sample(&logits, &SamplingParams::greedy(4), 0.99).unwrap();
+    assert_eq!(got.token, 1);
+    let z: f64 = logits.iter().map(|&l| f64::from(l).exp()).sum();
+    assert!((f64::from(got.logprob) - (3.0 - z.ln())).abs() < 1e-6);
+}
+
+#[test]
+fn logprob_modes_return_their_documented_quantities() {
+    let (temperature, top_k) = (0.7, Some(2));
+    let mut p = params(temperature, top_k, 1.0);
+    let z_raw: f64 = LOGITS.iter().map(|&l| f64::from(l).exp()).sum();
+    let scaled = |l: f32| f64::from(l) / f64::from(temperature);
+    let z_scaled: f64 = LOGITS.iter().map(|&l| scaled(l).exp()).sum();
+    let kept = reference_distribution(&LOGITS, temperature, top_k, 1.0);
+    for mode in [LogprobMode::Raw, LogprobMode::TemperatureScaled, LogprobMode::Processed] {
+        p.logprob_mode = mode;
+        let got = Sampler::new().sample(&LOGITS, &p, 0.9).unwrap();
+        let l = LOGITS[got.token as usize];
+        let expected = match mode {
+            LogprobMode::Raw => f64::from(l) - z_raw.ln(),
+            LogprobMode::TemperatureScaled => scaled(l) - z_scaled.ln(),
+            LogprobMode::Processed => kept[got.token as usize].ln(),
+        };
+        assert!(
+            (f64::from(got.logprob) - expected).abs() < 1e-5,
+            "{mode:?}: {} vs {expected}",
+            got.logprob
+        );
+    }
+}
+
+#[test]
+fn masked_tokens_are_never_sampled_and_hostile_rows_are_errors() {
+    let logits = [f32::NEG_INFINITY, 0.0, f32::NEG_INFINITY];
+    let mut sampler = Sampler::new();
+    for u in [0.0, 0.5, 0.999_999] {
+        assert_eq!(sampler.sample(&logits, &SamplingParams::default(), u).unwrap().token, 1);
+    }
+    let p = SamplingParams::default();
+    assert_eq!(sampler.sample(&[], &p, 0.5), Err(SamplingError::EmptyLogits));
+    assert!(matches!(
+        sampler.sample(&[0.0, f32::NAN], &p, 0.5),
+        Err(SamplingError::NonFiniteLogit { index: 1, .. })
+    ));
+    assert!(matches!(
+        sampler.sample(&[f32::INFINITY], &p, 0.5),
+        Err(SamplingError::NonFiniteLogit { index: 0, .. })
+    ));
+    assert_eq!(sampler.sample(&[f32::NEG_INFINITY; 2], &p, 0.5), Err(SamplingError::AllMasked(2)));
+    assert_eq!(sampler.sample(&[0.0], &p, 1.0), Err(SamplingError::InvalidUniform(1.0)));
+}
+
+proptest! {
+    #[test]
+    fn sampled_token_is_in_the_kept_set_with_a_consistent_logprob(
+        logits in prop::collection::vec(-20.0f32..20.0, 1..40),
+        temperature in 0.05f32..3.0,
+        top_k in prop::option::of(1u32..50),
+        top_p in 0.01f32..=1.0,
+        uniform in 0.0f64..1.0,
+    ) {
+        let mut p = params(temperature, top_k, top_p);
+        p.logprob_mode = LogprobMode::Processed;
+        let mut sampler = Sampler::new();
+        let distribution = sampler.distribution(&logits, &p).unwrap();
+        let total: f64 = distribution.iter().sum();
+        prop_assert!((total - 1.0).abs() < 1e-9);
+        let kept = distribution.iter().filter(|&&q| q > 0.0).count();
+        prop_assert!(kept >= 1 && kept <= top_k.map_or(logits.len(), |k| k as usize));
+        let got = sampler.sample(&logits, &p, uniform).unwrap();
+        let q = distribution[got.token as usize];
+        prop_assert!(q > 0.0);
+        prop_assert!((f64::from(got.logprob) - q.ln()).abs() < 1e-4);
+    }
+}
