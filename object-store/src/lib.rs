@@ -1,9 +1,38 @@
 //! The per-node object store: immutable objects in shared memory that every process on the node
 //! maps read-only, owned by the process that created them.
 //!
-//! The node process runs the store; worker processes attach to its shared-memory arena and read
-//! objects in place. The allocator and eviction policy are pure cores; only `shm` touches memory.
+//! The node process runs the store ([`ObjectStore`]); worker processes attach to its
+//! shared-memory arena ([`Arena::attach`]) and read objects in place. The allocator
+//! ([`alloc`]), the object table with its eviction and spill policy ([`core`]) and the
+//! cross-node pull bookkeeping ([`pull`]) are pure cores; only [`shm`] touches memory and holds
+//! the crate's `unsafe`.
 
+// `unsafe` is denied everywhere but `shm`, which opts back in.
+#![deny(unsafe_code)]
+
+pub mod alloc;
+pub mod arena;
+pub mod config;
+pub mod core;
+pub mod error;
 pub mod id;
+pub mod pull;
+mod shm;
+pub mod store;
+pub mod tensor;
+pub mod view;
 
+pub use alloc::{ALIGNMENT, Allocation, Allocator};
+pub use arena::{ARENA_ENV, Arena, ArenaBacking, ArenaOptions, ObjectWriter};
+pub use config::StoreConfig;
+pub use core::{
+    CopyKind, Freed, HolderId, ObjectState, ObjectStats, OwnerStats, PinOutcome, Placement,
+    StoreCore, StoreStats, Victim, VictimAction,
+};
+pub use error::{Result, StoreError};
 pub use id::ObjectId;
+pub use pull::{ChunkOutcome, ChunkRequest, PullConfig, PullError, PullState};
+pub use shm::RangeError;
+pub use store::ObjectStore;
+pub use tensor::{DType, TensorError, TensorHeader, TensorView};
+pub use view::{ObjectView, ReleaseHook};
