@@ -159,15 +159,51 @@ pub fn parse_spec_with(
             ),
         });
     }
-    let raw: raw::RawSpec = serde_saphyr::from_str(text).map_err(|err| syntax_error(&err, file))?;
+    let raw: raw::RawSpec =
+        serde_saphyr::from_str(text).map_err(|err| syntax_error(&err, file, text))?;
     validate::validate(raw, file, limits)
 }
 
-fn syntax_error(err: &serde_saphyr::Error, file: &str) -> SpecError {
+fn syntax_error(err: &serde_saphyr::Error, file: &str, text: &str) -> SpecError {
     let plain = err.without_snippet();
     let (line, column) = plain.location().map_or((0, 0), |at| (at.line(), at.column()));
-    let text = plain.to_string();
+    let rendered = plain.to_string();
     let suffix = format!(" at line {line}, column {column}");
-    let message = text.strip_suffix(&suffix).unwrap_or(&text).to_owned();
+    let message = rendered.strip_suffix(&suffix).unwrap_or(&rendered);
+    let message = rephrase(message, &token_at(text, line, column));
     SpecError::Syntax { file: file.to_owned(), line, column, message }
 }
+
+/// Puts the YAML library's messages into this crate's `expected X, found Y` form.
+fn rephrase(message: &str, token: &str) -> String {
+    if let Some((found, expected)) = message.split_once(", expected ") {
+        return format!("expected {expected}, found {found}");
+    }
+    if message == "unexpected end of input" {
+        return "expected a spec with a `roles` mapping, found the end of the file".to_owned();
+    }
+    if let Some(kind) = message.strip_prefix("invalid ") {
+        let expected = match kind {
+            "u8" | "u16" | "u32" | "u64" | "usize" => "a non-negative whole number".to_owned(),
+            "floating point" => "a number".to_owned(),
+            other => format!("a valid {other}"),
+        };
+        return format!("expected {expected}, found `{token}`");
+    }
+    message.to_owned()
+}
+
+/// The scalar starting at 1-based `line` and `column` of `text`, for quoting in messages.
+fn token_at(text: &str, line: u64, column: u64) -> String {
+    let Some(row) = usize::try_from(line).ok().and_then(|l| text.lines().nth(l.checked_sub(1)?))
+    else {
+        return String::new();
+    };
+    let skip = usize::try_from(column.saturating_sub(1)).unwrap_or(usize::MAX);
+    let token: String =
+        row.chars().skip(skip).take_while(|c| !matches!(c, ',' | '}' | ']' | '#')).collect();
+    token.trim().to_owned()
+}
+
+#[cfg(test)]
+mod tests;

@@ -5,7 +5,7 @@
 use serde_saphyr::Spanned;
 
 use crate::gpu::{GpuInstance, GpuPool, GpuShare};
-use crate::resources::{GPU, Quantity, ResourceSet};
+use crate::resources::{GPU, Quantity, QuantityError, ResourceSet};
 use crate::spec::raw::{RawResources, RawSelection, RawSpec};
 use crate::spec::{GroupSpec, PlacementSpec, RolePlacement, RoleSpec, SpecError, SpecLimits};
 
@@ -33,10 +33,22 @@ impl Checker<'_> {
                 return Err(self.at(name, "expected a resource name, found ``".to_owned()));
             }
             let quantity = Quantity::from_f64(amount.value).map_err(|err| {
-                self.at(amount, format!("expected an amount for `{}`, found: {err}", name.value))
+                let expected = match err {
+                    QuantityError::NotFiniteNonNegative(_) => "a finite non-negative amount",
+                    QuantityError::TooFine(_) => "an amount in steps of 0.0001",
+                    QuantityError::TooLarge(_) => "a smaller amount",
+                };
+                self.at(
+                    amount,
+                    format!("expected {expected} of `{}`, found {}", name.value, amount.value),
+                )
             })?;
-            GpuPool::check_demand(if name.value == GPU { quantity } else { Quantity::ZERO })
-                .map_err(|err| self.at(amount, format!("expected {err}")))?;
+            if name.value == GPU && GpuPool::check_demand(quantity).is_err() {
+                return Err(self.at(
+                    amount,
+                    format!("expected a GPU fraction up to 1 or a whole number, found {quantity}"),
+                ));
+            }
             set.set(&name.value, quantity);
         }
         Ok(set)
