@@ -22,7 +22,7 @@ pub mod spec;
 
 pub use cluster::{
     Allocation, AllocationId, BundlePlacement, BundleRef, BundleTable, ClusterState, GroupId,
-    GroupStatus, PlacementGroupRequest, PlacementTarget, RemovedGroup, Strategy,
+    GroupStatus, LostNode, PlacementGroupRequest, PlacementTarget, RemovedGroup, Strategy,
 };
 pub use error::{Infeasibility, PlacementError};
 pub use gpu::{GpuDemandError, GpuInstance, GpuPool, GpuShare, GpuSlot, synthetic_uuid};

@@ -71,7 +71,7 @@ impl NodeResources {
         resources: ResourceSet,
         gpus: Vec<GpuInstance>,
     ) -> Result<NodeResources, NodeError> {
-        let count = Quantity::whole(gpus.len() as u64);
+        let count = Quantity::saturating_whole(gpus.len() as u64);
         let declared = resources.get(GPU);
         if declared != Quantity::ZERO && declared != count {
             return Err(NodeError::GpuCountMismatch { node: id, declared, instances: gpus.len() });
@@ -90,7 +90,7 @@ impl NodeResources {
     /// machine without GPUs).
     pub fn with_fake_gpus(id: NodeId, cpus: u64, gpus: u32) -> NodeResources {
         let mut resources = ResourceSet::new();
-        resources.set(crate::resources::CPU, Quantity::whole(cpus));
+        resources.set(crate::resources::CPU, Quantity::saturating_whole(cpus));
         resources.set(GPU, Quantity::whole(u64::from(gpus)));
         let instances = GpuInstance::synthetic_set(id.as_str(), gpus);
         let node = NodeResources::new(id, resources, instances);

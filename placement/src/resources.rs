@@ -47,6 +47,12 @@ impl Quantity {
         Quantity(units * Self::SCALE)
     }
 
+    /// A whole number of units, saturating at the largest quantity instead of overflowing (for
+    /// counts that come from users, such as `--num-cpus`).
+    pub const fn saturating_whole(units: u64) -> Quantity {
+        Quantity(units.saturating_mul(Self::SCALE))
+    }
+
     /// The raw count of 1/SCALE steps.
     pub const fn raw(self) -> u64 {
         self.0

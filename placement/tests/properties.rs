@@ -20,6 +20,7 @@ enum Op {
     PlaceInBundle { group: usize, bundle: usize, demand: ResourceSet },
     Release(usize),
     SchedulePending,
+    RemoveNode(usize),
 }
 
 fn gpu_amount() -> impl Strategy<Value = f64> {
@@ -70,6 +71,7 @@ fn op() -> impl Strategy<Value = Op> {
             .prop_map(|(group, bundle, demand)| Op::PlaceInBundle { group, bundle, demand }),
         2 => (0usize..16).prop_map(Op::Release),
         1 => Just(Op::SchedulePending),
+        1 => (0usize..4).prop_map(Op::RemoveNode),
     ]
 }
 
@@ -261,6 +263,19 @@ proptest! {
                     let ids: Vec<_> = cluster.allocations().map(|a| a.id).collect();
                     if !ids.is_empty() {
                         cluster.release(ids[i % ids.len()]).unwrap();
+                    }
+                }
+                Op::RemoveNode(i) => {
+                    if cluster.nodes().len() > 1 {
+                        let id = cluster.nodes()[i % cluster.nodes().len()].id().clone();
+                        let lost = cluster.remove_node(&id).unwrap();
+                        for allocation in &lost.lost_allocations {
+                            prop_assert!(cluster.allocation(allocation.id).is_none());
+                        }
+                        for group in lost.requeued_groups {
+                            prop_assert_eq!(cluster.group_status(group), Some(GroupStatus::Pending));
+                        }
+                        prop_assert!(cluster.allocations().all(|a| a.node != id));
                     }
                 }
                 Op::SchedulePending => {

@@ -87,11 +87,20 @@ impl ClusterState {
         let members: BTreeSet<_> =
             bundles.iter().flat_map(|bundle| bundle.allocations.iter().copied()).collect();
         let table = table.clone();
-        let mut nodes = self.nodes.clone();
+        // Only the nodes holding bundles change; copy those, so a failure changes nothing.
+        let mut touched: Vec<(usize, NodeResources)> = Vec::new();
         for placement in &table.bundles {
-            let position = nodes.iter().position(|node| node.id() == &placement.node);
-            let returned =
-                position.is_some_and(|p| nodes[p].give_back(&placement.resources, &placement.gpus));
+            let position = self.nodes.iter().position(|node| node.id() == &placement.node);
+            let returned = position.is_some_and(|p| {
+                let slot = match touched.iter().position(|(q, _)| *q == p) {
+                    Some(slot) => slot,
+                    None => {
+                        touched.push((p, self.nodes[p].clone()));
+                        touched.len() - 1
+                    }
+                };
+                touched[slot].1.give_back(&placement.resources, &placement.gpus)
+            });
             if !returned {
                 return Err(PlacementError::Accounting(format!(
                     "bundle {} of `{name}` could not be returned to node `{}`",
@@ -101,7 +110,9 @@ impl ClusterState {
         }
         let released: Vec<Allocation> =
             members.iter().filter_map(|member| self.allocations.remove(member)).collect();
-        self.nodes = nodes;
+        for (position, node) in touched {
+            self.nodes[position] = node;
+        }
         self.groups.remove(&id);
         Ok(RemovedGroup { name, released })
     }

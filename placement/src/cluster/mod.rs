@@ -9,11 +9,14 @@
 
 mod arrange;
 mod group;
+mod membership;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 
 use serde::{Deserialize, Serialize};
+
+pub use membership::LostNode;
 
 use crate::error::PlacementError;
 use crate::gpu::{GpuPool, GpuShare, cuda_visible_devices};
