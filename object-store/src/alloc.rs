@@ -137,7 +137,10 @@ impl Allocator {
         let len = allocation.reserved_len();
         let end = allocation.reserved_end();
         let not_allocated = AllocError::NotAllocated { offset, len, capacity: self.capacity };
-        if !offset.is_multiple_of(ALIGNMENT) || end > self.capacity || offset.checked_add(len).is_none() {
+        if !offset.is_multiple_of(ALIGNMENT)
+            || end > self.capacity
+            || offset.checked_add(len).is_none()
+        {
             return Err(not_allocated);
         }
         let before = self.free_by_offset.range(..=offset).next_back().map(|(&o, &l)| (o, l));

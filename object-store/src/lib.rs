@@ -4,8 +4,17 @@
 //! The node process runs the store ([`ObjectStore`]); worker processes attach to its
 //! shared-memory arena ([`Arena::attach`]) and read objects in place. The allocator
 //! ([`alloc`]), the object table with its eviction and spill policy ([`core`]) and the
-//! cross-node pull bookkeeping ([`pull`]) are pure cores; only [`shm`] touches memory and holds
+//! cross-node pull bookkeeping ([`pull`]) are pure cores; only the private `shm` module touches memory and holds
 //! the crate's `unsafe`.
+//!
+//! How the runtime uses it: the node opens the store, makes the arena fd inheritable while it
+//! spawns workers and passes [`Arena::env_value`] in [`ARENA_ENV`]; a worker attaches with
+//! [`Arena::attach_from_env`]. A put from a worker asks the node (by message) to
+//! [`ObjectStore::create`], writes through [`Arena::writer`] at the returned [`Allocation`],
+//! then asks the node to [`ObjectStore::seal`]. A get asks the node to [`ObjectStore::pin`]
+//! (which restores a spilled object), reads through an [`ObjectView`] whose release hook sends
+//! the unpin. References travel as [`ObjectStore::add_holder`] / [`ObjectStore::remove_holder`];
+//! when a worker dies the node calls [`ObjectStore::release_process`].
 
 // `unsafe` is denied everywhere but `shm`, which opts back in.
 #![deny(unsafe_code)]

@@ -21,6 +21,7 @@ use crate::core::{
 };
 use crate::error::{Result, StoreError};
 use crate::id::ObjectId;
+use crate::tensor::TensorHeader;
 use crate::view::{ObjectView, ReleaseHook};
 
 /// One node's object store; cheap to clone (all clones share the store).
@@ -97,6 +98,32 @@ impl ObjectStore {
     pub fn put(&self, id: ObjectId, owner: HolderId, bytes: &[u8]) -> Result<()> {
         let allocation = self.create(id, bytes.len() as u64, owner)?;
         self.shared.arena.writer(allocation)?.copy_from_slice(bytes);
+        self.seal(id)
+    }
+
+    /// Creates, writes and seals a typed tensor object (header, then the data 64-byte aligned).
+    pub fn put_tensor(
+        &self,
+        id: ObjectId,
+        owner: HolderId,
+        header: &TensorHeader,
+        data: &[u8],
+    ) -> Result<()> {
+        if data.len() as u64 != header.byte_len() {
+            return Err(StoreError::Config(format!(
+                "tensor data holds {} bytes, expected {} from dtype and shape",
+                data.len(),
+                header.byte_len()
+            )));
+        }
+        let allocation = self.create(id, header.object_size(), owner)?;
+        let written = header.write_object(&mut self.shared.arena.writer(allocation)?, data);
+        if let Err(error) = written {
+            // Sizes were checked above, so this is unreachable in practice; never leave a
+            // half-written object behind.
+            let _ = self.free(id);
+            return Err(StoreError::Config(error.to_string()));
+        }
         self.seal(id)
     }
 
@@ -337,6 +364,20 @@ mod tests {
         drop(view);
         store.create(ObjectId(2), 600_000, NODE).unwrap();
         assert_eq!(store.stats().spilled_objects, 1);
+    }
+
+    #[test]
+    fn a_tensor_put_is_viewed_in_place_and_aligned() {
+        use crate::tensor::{DType, TensorView};
+        let store = store(1 << 20);
+        let header = TensorHeader::new(DType::BF16, vec![4, 8]).unwrap();
+        let data: Vec<u8> = (0..64).collect();
+        store.put_tensor(ObjectId(1), NODE, &header, &data).unwrap();
+        assert!(store.put_tensor(ObjectId(2), NODE, &header, &data[1..]).is_err());
+        let view = store.get(ObjectId(1), NODE).unwrap();
+        let tensor = TensorView::parse(&view).unwrap();
+        assert_eq!((tensor.header, tensor.data), (header, &data[..]));
+        assert_eq!(tensor.data.as_ptr() as usize % 64, 0);
     }
 
     #[test]
