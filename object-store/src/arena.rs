@@ -42,6 +42,9 @@ pub struct ArenaOptions {
     pub shrink_on_reserve_failure: bool,
     /// Directory for the disk-file fallback when memfd is unavailable.
     pub fallback_dir: PathBuf,
+    /// Use the disk-file backing even when memfd works (for tests of the fallback, or hosts
+    /// where shared memory must not count against a small cgroup limit). Default: false.
+    pub force_disk_file: bool,
 }
 
 /// A mapped arena. Dropping it unmaps this process's view; the memory lives on while any
@@ -74,6 +77,7 @@ impl Arena {
                 prefault: false,
                 shrink_on_reserve_failure: false,
                 fallback_dir: std::env::temp_dir(),
+                force_disk_file: false,
             },
         )
     }
@@ -86,7 +90,12 @@ impl Arena {
                 "arena capacity must be at least {ALIGNMENT} bytes, found {capacity}"
             )));
         }
-        let (file, backing) = match shm::create_memfd(c"rtrun-object-arena") {
+        let memfd = if options.force_disk_file {
+            Ok(None)
+        } else {
+            shm::create_memfd(c"rtrun-object-arena")
+        };
+        let (file, backing) = match memfd {
             Ok(Some(file)) => (file, ArenaBacking::Memfd),
             Ok(None) => {
                 let (file, path) = unlinked_disk_file(&options.fallback_dir)?;
@@ -102,7 +111,8 @@ impl Arena {
             }
             // fallocate on an unbounded memfd would take pages until the OOM killer steps in,
             // so a capacity beyond what is available is refused before touching any page.
-            let result = match available_memory() {
+            let memory = (backing == ArenaBacking::Memfd).then(available_memory).flatten();
+            let result = match memory {
                 Some(available) if capacity > available => Err(std::io::Error::new(
                     std::io::ErrorKind::OutOfMemory,
                     format!("only {available} bytes of memory are available"),
@@ -152,9 +162,15 @@ impl Arena {
                 "arena fd {fd} holds {len} bytes, expected at least the announced capacity {capacity} (and more than 0)"
             )));
         }
+        let backing = if shm::is_shared_memory(&file) {
+            ArenaBacking::Memfd
+        } else {
+            let link = std::fs::read_link(format!("/proc/self/fd/{}", file.as_raw_fd()));
+            ArenaBacking::DiskFile(link.unwrap_or_default())
+        };
         let mapping =
             Mapping::map(&file, capacity, prefault).map_err(|e| arena_error("map the arena", e))?;
-        Ok(Arena { file, mapping, capacity, backing: ArenaBacking::Memfd })
+        Ok(Arena { file, mapping, capacity, backing })
     }
 
     /// Attaches to the arena announced in [`ARENA_ENV`]; `Ok(None)` when the variable is unset.
@@ -275,6 +291,28 @@ mod tests {
     }
 
     #[test]
+    fn the_disk_file_fallback_works_and_leaves_no_file_behind() {
+        let dir = std::env::temp_dir().join(format!("rtrun-arena-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let options = ArenaOptions {
+            reserve: true,
+            prefault: false,
+            shrink_on_reserve_failure: false,
+            fallback_dir: dir.clone(),
+            force_disk_file: true,
+        };
+        let arena = Arena::create_with(1 << 20, &options).unwrap();
+        assert!(matches!(arena.backing(), ArenaBacking::DiskFile(_)));
+        assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0, "the file is unlinked");
+        let allocation = Allocation { offset: 64, size: 3 };
+        arena.writer(allocation).unwrap().copy_from_slice(b"abc");
+        let other = Arena::attach(arena.fd(), arena.capacity()).unwrap();
+        assert!(matches!(other.backing(), ArenaBacking::DiskFile(_)));
+        assert_eq!(other.bytes(allocation).unwrap(), b"abc");
+        std::fs::remove_dir(&dir).unwrap();
+    }
+
+    #[test]
     fn attach_refuses_a_capacity_larger_than_the_file_and_bad_env_values() {
         let arena = Arena::create(1 << 20).unwrap();
         assert!(Arena::attach(arena.fd(), 2 << 20).is_err());
@@ -295,6 +333,7 @@ mod tests {
             prefault: false,
             shrink_on_reserve_failure: false,
             fallback_dir: std::env::temp_dir(),
+            force_disk_file: false,
         };
         let arena = Arena::create_with(huge, &options).unwrap();
         assert_eq!(arena.capacity(), huge);

@@ -7,6 +7,7 @@ use crate::alloc::AllocError;
 use crate::core::HolderId;
 use crate::id::ObjectId;
 use crate::shm::RangeError;
+use crate::tensor::TensorError;
 
 /// Everything that can go wrong with an object-store operation.
 #[derive(Debug, thiserror::Error)]
@@ -87,6 +88,9 @@ pub enum StoreError {
         /// The OS error.
         source: io::Error,
     },
+    /// A tensor object's header or data is invalid.
+    #[error("tensor object: {0}")]
+    Tensor(#[from] TensorError),
     /// The store configuration is unusable.
     #[error("invalid store configuration: {0}")]
     Config(String),

@@ -93,6 +93,13 @@ pub(crate) fn seal_size(file: &File) -> io::Result<()> {
     Ok(())
 }
 
+/// Whether `file` is shared memory (a memfd or tmpfs file, which support seals) rather than a
+/// file on disk.
+pub(crate) fn is_shared_memory(file: &File) -> bool {
+    // SAFETY: plain fcntl on an fd we own; no memory is passed. Disk files answer EINVAL.
+    unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GET_SEALS) >= 0 }
+}
+
 /// Makes `file` survive (or not) an `exec`, so a spawned worker inherits the arena's fd.
 pub(crate) fn set_inheritable(file: &File, inheritable: bool) -> io::Result<()> {
     let fd = file.as_raw_fd();
@@ -399,5 +406,59 @@ mod tests {
     #[test]
     fn a_closed_fd_number_is_an_error() {
         assert!(duplicate_inherited(-1).is_err());
+    }
+
+    #[derive(Debug, Clone, Copy, PartialEq)]
+    enum Held {
+        Reader(u64, u64),
+        Writer(u64, u64),
+    }
+
+    fn overlap(a: (u64, u64), b: (u64, u64)) -> bool {
+        a.0 < b.0 + b.1.max(1) && b.0 < a.0 + a.1.max(1)
+    }
+
+    proptest::proptest! {
+        /// The registry agrees with a plain list model: writers exclude everything, leases
+        /// exclude writers and differently shaped leases, reads are refused under writers.
+        #[test]
+        fn the_registry_matches_a_list_model(
+            ops in proptest::collection::vec((0u8..5, 0u64..16, 0u64..6, proptest::prelude::any::<proptest::sample::Index>()), 0..200)
+        ) {
+            let mut registry = Registry::default();
+            let mut held: Vec<Held> = Vec::new();
+            for (kind, offset, len, pick) in ops {
+                let range = (offset, len);
+                match kind {
+                    0 => {
+                        let allowed = held.iter().all(|h| match *h {
+                            Held::Reader(o, l) => (o, l) == range || !overlap((o, l), range),
+                            Held::Writer(o, l) => !overlap((o, l), range),
+                        });
+                        proptest::prop_assert_eq!(registry.add_reader(offset, len).is_ok(), allowed);
+                        if allowed {
+                            held.push(Held::Reader(offset, len));
+                        }
+                    }
+                    1 => {
+                        let allowed = held.iter().all(|h| match *h {
+                            Held::Reader(o, l) | Held::Writer(o, l) => !overlap((o, l), range),
+                        });
+                        proptest::prop_assert_eq!(registry.add_writer(offset, len).is_ok(), allowed);
+                        if allowed {
+                            held.push(Held::Writer(offset, len));
+                        }
+                    }
+                    2 if !held.is_empty() => match held.swap_remove(pick.index(held.len())) {
+                        Held::Reader(o, l) => registry.remove_reader(o, l),
+                        Held::Writer(o, _) => registry.remove_writer(o),
+                    },
+                    _ => {
+                        let blocked = held.iter().any(|h| matches!(*h, Held::Writer(o, l) if overlap((o, l), range)));
+                        proptest::prop_assert_eq!(registry.overlaps_writer(offset, len), blocked);
+                    }
+                }
+            }
+        }
     }
 }

@@ -21,7 +21,7 @@ use crate::core::{
 };
 use crate::error::{Result, StoreError};
 use crate::id::ObjectId;
-use crate::tensor::TensorHeader;
+use crate::tensor::{TensorError, TensorHeader};
 use crate::view::{ObjectView, ReleaseHook};
 
 /// One node's object store; cheap to clone (all clones share the store).
@@ -55,6 +55,7 @@ impl ObjectStore {
             prefault: config.prefault,
             shrink_on_reserve_failure: config.shrink_on_reserve_failure,
             fallback_dir: spill.path.clone(),
+            force_disk_file: false,
         };
         let arena = Arc::new(Arena::create_with(capacity, &options)?);
         tracing::info!(capacity = arena.capacity(), spill_dir = %spill.path.display(), "object store open");
@@ -110,11 +111,8 @@ impl ObjectStore {
         data: &[u8],
     ) -> Result<()> {
         if data.len() as u64 != header.byte_len() {
-            return Err(StoreError::Config(format!(
-                "tensor data holds {} bytes, expected {} from dtype and shape",
-                data.len(),
-                header.byte_len()
-            )));
+            let found = data.len() as u64;
+            return Err(TensorError::ByteLenMismatch { expected: header.byte_len(), found }.into());
         }
         let allocation = self.create(id, header.object_size(), owner)?;
         let written = header.write_object(&mut self.shared.arena.writer(allocation)?, data);
@@ -122,7 +120,7 @@ impl ObjectStore {
             // Sizes were checked above, so this is unreachable in practice; never leave a
             // half-written object behind.
             let _ = self.free(id);
-            return Err(StoreError::Config(error.to_string()));
+            return Err(error.into());
         }
         self.seal(id)
     }
