@@ -86,6 +86,42 @@ pub struct StoreStats {
     pub per_object: Vec<ObjectStats>,
 }
 
+/// The `rtrun memory` text: totals, then one line per owner and per object.
+impl std::fmt::Display for StoreStats {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(
+            f,
+            "capacity {} B, used {} B, largest free {} B; {} objects: {} B in memory, {} spilled ({} B), {} pinned",
+            self.capacity,
+            self.used_bytes,
+            self.largest_free,
+            self.objects,
+            self.bytes_in_memory,
+            self.spilled_objects,
+            self.bytes_spilled,
+            self.pinned_objects
+        )?;
+        for (owner, stats) in &self.per_owner {
+            writeln!(f, "owner {owner}: {} objects, {} B", stats.objects, stats.bytes)?;
+        }
+        for object in &self.per_object {
+            let pins: u32 = object.pins.values().sum();
+            writeln!(
+                f,
+                "{} {} B {} owner {} holders {} pins {}{}",
+                object.id,
+                object.size,
+                object.state.as_str(),
+                object.owner,
+                object.holders,
+                pins,
+                if object.freed { " (freed, waiting for readers)" } else { "" }
+            )?;
+        }
+        Ok(())
+    }
+}
+
 pub(super) fn collect(core: &StoreCore) -> StoreStats {
     let mut stats = StoreStats {
         capacity: core.allocator.capacity(),

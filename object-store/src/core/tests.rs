@@ -53,6 +53,9 @@ fn victims_are_the_least_recently_used_unpinned_objects() {
     assert_eq!(core.pin(id(2), READER).unwrap(), PinOutcome::RestoreFirst);
     let stats = core.stats();
     assert_eq!((stats.spilled_objects, stats.bytes_spilled), (1, 1024));
+    let text = stats.to_string();
+    assert!(text.contains("5 objects"), "{text}");
+    assert!(text.contains(&format!("{} 1024 B spilled owner 1 holders 1 pins 0", id(2))), "{text}");
 }
 
 #[test]
