@@ -170,9 +170,10 @@ impl TensorHeader {
 
     /// Row-major strides in elements (the only layout stored).
     pub fn strides(&self) -> Vec<u64> {
-        let mut strides = vec![1; self.shape.len()];
+        let mut strides = vec![1u64; self.shape.len()];
         for i in (0..self.shape.len().saturating_sub(1)).rev() {
-            strides[i] = strides[i + 1] * self.shape[i + 1].max(1);
+            // Saturating: with a zero dimension the other dimensions are unbounded.
+            strides[i] = strides[i + 1].saturating_mul(self.shape[i + 1].max(1));
         }
         strides
     }
@@ -320,6 +321,9 @@ mod tests {
         bad[16..24].copy_from_slice(&u64::MAX.to_le_bytes());
         assert!(matches!(TensorView::parse(&bad), Err(TensorError::SizeOverflow { .. })));
         assert!(TensorHeader::new(DType::U8, vec![1; 17]).is_err());
+        let empty = TensorHeader::new(DType::U8, vec![0, 1 << 40, 1 << 40, 1 << 40]).unwrap();
+        assert_eq!(empty.byte_len(), 0);
+        assert_eq!(empty.strides()[0], u64::MAX);
         assert!(matches!(TensorView::parse(b"RTT"), Err(TensorError::TooShort { .. })));
     }
 

@@ -389,7 +389,8 @@ impl StoreCore {
         let mut victims = Vec::new();
         let mut fits = false;
         for id in self.lru.values() {
-            let entry = &self.objects[id];
+            // Every LRU id is in the table (`touch`/`untouch` keep them in step); skip if not.
+            let Some(entry) = self.objects.get(id) else { continue };
             let Residency::InMemory(allocation) = entry.residency else { continue };
             if !entry.pins.is_empty() {
                 continue;
