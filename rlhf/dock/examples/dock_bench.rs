@@ -25,6 +25,9 @@ const GET_ROWS: usize = 256;
 const DP_RANKS: usize = 4;
 const COLUMNS: [&str; 4] = ["prompts", "responses", "old_log_prob", "rm_scores"];
 
+/// One put: its rows and its (column, values) pairs.
+type Put = (Vec<usize>, Vec<(&'static str, ColumnValues)>);
+
 struct Data {
     prompts: Vec<Vec<i64>>,
     responses: Vec<Vec<i64>>,
@@ -61,7 +64,7 @@ impl Data {
     }
 
     /// The puts of one fill, each a range of rows with its four columns.
-    fn puts(&self) -> Vec<(Vec<usize>, Vec<(&'static str, ColumnValues)>)> {
+    fn puts(&self) -> Vec<Put> {
         (0..PROMPTS / PUT_PROMPTS)
             .map(|chunk| {
                 let range = chunk * PUT_PROMPTS * SAMPLES..(chunk + 1) * PUT_PROMPTS * SAMPLES;
