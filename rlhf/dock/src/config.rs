@@ -146,14 +146,14 @@ impl DockConfig {
     }
 
     /// The ids of `names`, rejecting an empty list and repeated names.
-    pub fn column_ids(&self, names: &[&str]) -> Result<Vec<ColumnId>, DockError> {
+    pub fn column_ids<S: AsRef<str>>(&self, names: &[S]) -> Result<Vec<ColumnId>, DockError> {
         if names.is_empty() {
             return Err(DockError::NoColumns);
         }
-        if let Some(name) = first_duplicate(names.iter().copied()) {
+        if let Some(name) = first_duplicate(names.iter().map(AsRef::as_ref)) {
             return Err(DockError::DuplicateColumn { name: name.into() });
         }
-        names.iter().map(|name| self.column_id(name)).collect()
+        names.iter().map(|name| self.column_id(name.as_ref())).collect()
     }
 
     /// The id of the consumer called `name`.
@@ -212,7 +212,7 @@ mod tests {
     #[test]
     fn column_ids_rejects_empty_and_duplicates() {
         let config = config();
-        assert_eq!(config.column_ids(&[]), Err(DockError::NoColumns));
+        assert_eq!(config.column_ids::<&str>(&[]), Err(DockError::NoColumns));
         assert!(matches!(
             config.column_ids(&["prompts", "prompts"]),
             Err(DockError::DuplicateColumn { .. })

@@ -91,16 +91,16 @@ impl TransferDock {
 
     /// Writes `columns` (name, one value per row) at `rows` and marks them ready, all columns
     /// or none: every column, kind and length is checked before anything is written.
-    pub fn put_experience(
+    pub fn put_experience<S: AsRef<str>>(
         &self,
         rows: &[usize],
-        columns: Vec<(&str, ColumnValues)>,
+        columns: Vec<(S, ColumnValues)>,
     ) -> Result<(), DockError> {
         check_rows_distinct(rows, self.config.rows())?;
-        let names: Vec<&str> = columns.iter().map(|(name, _)| *name).collect();
+        let names: Vec<&str> = columns.iter().map(|(name, _)| name.as_ref()).collect();
         let ids = self.config.column_ids(&names)?;
         for ((name, values), id) in columns.iter().zip(&ids) {
-            self.check_values(name, *id, rows, values)?;
+            self.check_values(name.as_ref(), *id, rows, values)?;
         }
         let mut store = self.write_store();
         for ((_, values), id) in columns.into_iter().zip(ids) {
@@ -115,10 +115,10 @@ impl TransferDock {
     /// Picks rows for `consumer` (see [`RowRequest`]) that are ready in every one of `columns`
     /// and that it has not received, in whole prompt groups, marks them consumed and returns
     /// their data. `Ok(None)` when not enough whole groups are ready yet.
-    pub fn get_experience(
+    pub fn get_experience<S: AsRef<str>>(
         &self,
         consumer: &str,
-        columns: &[&str],
+        columns: &[S],
         request: RowRequest<'_>,
     ) -> Result<Option<ExperienceBatch>, DockError> {
         let consumer_id = self.config.consumer_id(consumer)?;
@@ -143,7 +143,7 @@ impl TransferDock {
             .iter()
             .zip(&column_ids)
             .map(|(name, id)| NamedColumn {
-                name: (*name).to_owned(),
+                name: name.as_ref().to_owned(),
                 values: store
                     .data
                     .get(id.0)

@@ -39,6 +39,34 @@
 //!   [`pad_batch`] / [`pad_packed`] into a dense `batch × width` buffer with a mask, `width`
 //!   rounded up to a multiple (the TP × CP size) as a model needs.
 //!
+//! # Example
+//!
+//! ```
+//! use rtrun_rlhf_dock::{ColumnKind, ColumnValues, DockConfig, RowRequest, TransferDock, pad_batch};
+//!
+//! // 2 prompts × 2 samples; the reward stage reads responses and writes scores.
+//! let dock = TransferDock::new(
+//!     DockConfig::new(2, 2)
+//!         .with_column("responses", ColumnKind::TokenIds)
+//!         .with_column("rm_scores", ColumnKind::Scalars)
+//!         .with_consumer("rule_reward"),
+//! )?;
+//! // Rollout finished prompt 1 (rows 2 and 3) first.
+//! dock.put_experience(&[2, 3], vec![("responses", ColumnValues::TokenIds(vec![vec![5, 6], vec![7]]))])?;
+//! // Asking for two whole groups is not possible yet; one group is.
+//! assert!(dock.get_experience("rule_reward", &["responses"], RowRequest::Count(4))?.is_none());
+//! let batch = dock.get_experience("rule_reward", &["responses"], RowRequest::Count(2))?.unwrap();
+//! assert_eq!(batch.rows, vec![2, 3]);
+//! let Some(ColumnValues::TokenIds(responses)) = batch.column("responses") else {
+//!     return Err("expected token ids".into());
+//! };
+//! let padded = pad_batch(responses, 0, 4)?; // width 4: a multiple of TP × CP = 4
+//! assert_eq!(padded.values, vec![5, 6, 0, 0, 7, 0, 0, 0]);
+//! dock.put_experience(&batch.rows, vec![("rm_scores", ColumnValues::Scalars(vec![1.0, 0.0]))])?;
+//! assert!(!dock.all_consumed("rule_reward")?);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
 //! # Differences from MindSpeed-RL, on purpose
 //!
 //! - Columns are typed and checked on put; a put of several columns is all-or-nothing.

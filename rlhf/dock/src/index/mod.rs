@@ -57,10 +57,10 @@ impl DockIndex {
     ///
     /// `Ok(None)` means not enough whole groups are ready yet: nothing is marked and the caller
     /// asks again later.
-    pub fn sample(
+    pub fn sample<S: AsRef<str>>(
         &mut self,
         consumer: &str,
-        columns: &[&str],
+        columns: &[S],
         request: RowRequest<'_>,
     ) -> Result<Option<Vec<usize>>, DockError> {
         let consumer_id = self.config.consumer_id(consumer)?;

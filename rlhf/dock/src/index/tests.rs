@@ -113,7 +113,10 @@ fn bad_requests_are_errors() {
         index.sample("reward", &["nope"], RowRequest::Count(2)),
         Err(DockError::UnknownColumn { .. })
     ));
-    assert_eq!(index.sample("reward", &[], RowRequest::Count(2)), Err(DockError::NoColumns));
+    assert_eq!(
+        index.sample::<&str>("reward", &[], RowRequest::Count(2)),
+        Err(DockError::NoColumns)
+    );
     for count in [0, 3] {
         assert_eq!(
             index.sample("reward", &["responses"], RowRequest::Count(count)),
