@@ -1,0 +1,190 @@
+//! The transformer trunk shared by every head (`model.*` in Hugging Face names): token
+//! embedding, decoder layers and the final norm, plus the input checks and the attention mask.
+//!
+//! Inputs are a batch of token ids `[batch, seq]`, an attention mask of the same shape (1 for a
+//! real token, 0 for padding; left, right or both sides) and optional explicit positions. Without
+//! positions, each real token gets its index among the real tokens of its row (what OpenRLHF and
+//! verl compute), so a left-padded prompt starts at position 0.
+
+use tch::{Device, Kind, Tensor};
+
+use crate::config::ModelConfig;
+use crate::error::{ModelError, Result};
+use crate::layers::{DecoderLayer, RmsNorm};
+use crate::params::{Init, Parameters};
+use crate::rope::RotaryEmbedding;
+
+/// Embedding, decoder layers and final norm.
+#[derive(Debug)]
+pub struct Backbone {
+    /// The validated config the trunk was built from.
+    pub config: ModelConfig,
+    /// `[vocab_size, hidden_size]` token embedding (`model.embed_tokens.weight`).
+    pub embed_tokens: Tensor,
+    /// The decoder layers in order.
+    pub layers: Vec<DecoderLayer>,
+    /// Final norm (`model.norm.weight`).
+    pub norm: RmsNorm,
+    /// Rotary embedding frequencies.
+    pub rotary: RotaryEmbedding,
+}
+
+/// A checked batch of inputs: ids and positions as int64, mask as bool, all `[batch, seq]`.
+#[derive(Debug)]
+pub struct CheckedInputs {
+    /// Token ids.
+    pub input_ids: Tensor,
+    /// True where the token is real.
+    pub attention_mask: Tensor,
+    /// Position of each token.
+    pub position_ids: Tensor,
+}
+
+impl Backbone {
+    /// Registers the trunk's parameters (in Hugging Face order) and builds it.
+    pub fn new(params: &mut Parameters, config: &ModelConfig) -> Result<Self> {
+        config.validate()?;
+        let embed_tokens = params.create(
+            "model.embed_tokens.weight",
+            &[config.vocab_size, config.hidden_size],
+            Init::Normal(config.initializer_range),
+        )?;
+        let layers = (0..config.num_hidden_layers)
+            .map(|i| DecoderLayer::new(params, i, config))
+            .collect::<Result<Vec<_>>>()?;
+        let norm = RmsNorm::new(params, "model.norm", config.hidden_size, config.rms_norm_eps)?;
+        let rotary = RotaryEmbedding::new(config, params.device());
+        Ok(Self { config: config.clone(), embed_tokens, layers, norm, rotary })
+    }
+
+    /// The device of the parameters.
+    pub fn device(&self) -> Device {
+        self.embed_tokens.device()
+    }
+
+    /// Checks shapes, dtypes and value ranges of a batch and fills in default positions.
+    pub fn check_inputs(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: &Tensor,
+        position_ids: Option<&Tensor>,
+    ) -> Result<CheckedInputs> {
+        let shape = input_ids.size();
+        if shape.len() != 2 || shape[0] == 0 || shape[1] == 0 {
+            return Err(ModelError::Input(format!(
+                "input_ids should be a non-empty [batch, seq] tensor, found shape {shape:?}"
+            )));
+        }
+        check_integer("input_ids", input_ids)?;
+        let device = self.device();
+        let ids = input_ids.f_to_kind(Kind::Int64)?.f_to_device(device)?;
+        let (min, max) = (ids.f_min()?.f_int64_value(&[])?, ids.f_max()?.f_int64_value(&[])?);
+        if min < 0 || max >= self.config.vocab_size {
+            return Err(ModelError::Input(format!(
+                "token ids should lie in [0, {}), found values in [{min}, {max}]",
+                self.config.vocab_size
+            )));
+        }
+        if attention_mask.size() != shape {
+            return Err(ModelError::Shape {
+                name: "attention_mask".into(),
+                expected: shape,
+                found: attention_mask.size(),
+            });
+        }
+        let mask = attention_mask.f_to_device(device)?.f_ne(0)?;
+        let positions = match position_ids {
+            Some(p) => {
+                if p.size() != shape {
+                    return Err(ModelError::Shape {
+                        name: "position_ids".into(),
+                        expected: shape,
+                        found: p.size(),
+                    });
+                }
+                check_integer("position_ids", p)?;
+                let p = p.f_to_kind(Kind::Int64)?.f_to_device(device)?;
+                if p.f_min()?.f_int64_value(&[])? < 0 {
+                    return Err(ModelError::Input("position_ids should be non-negative".into()));
+                }
+                p
+            }
+            None => position_ids_from_mask(&mask)?,
+        };
+        Ok(CheckedInputs { input_ids: ids, attention_mask: mask, position_ids: positions })
+    }
+
+    /// Runs the trunk and returns the final hidden states `[batch, seq, hidden]`.
+    pub fn forward(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: &Tensor,
+        position_ids: Option<&Tensor>,
+    ) -> Result<Tensor> {
+        let inputs = self.check_inputs(input_ids, attention_mask, position_ids)?;
+        self.forward_checked(&inputs)
+    }
+
+    /// [`Backbone::forward`] on inputs that already passed [`Backbone::check_inputs`].
+    pub fn forward_checked(&self, inputs: &CheckedInputs) -> Result<Tensor> {
+        let mut hidden =
+            Tensor::f_embedding(&self.embed_tokens, &inputs.input_ids, -1, false, false)?;
+        let (cos, sin) = self.rotary.cos_sin(&inputs.position_ids, hidden.f_kind()?)?;
+        let mask = causal_padding_mask(&inputs.attention_mask)?;
+        for layer in &self.layers {
+            hidden = layer.forward(&hidden, &cos, &sin, &mask)?;
+        }
+        self.norm.forward(&hidden)
+    }
+}
+
+/// Positions counting real tokens only: `cumsum(mask) - 1`, with padding clamped to 0.
+pub fn position_ids_from_mask(mask: &Tensor) -> Result<Tensor> {
+    let counts = mask.f_to_kind(Kind::Int64)?.f_cumsum(-1, Kind::Int64)?;
+    Ok(counts.f_sub_scalar(1)?.f_clamp_min(0)?)
+}
+
+/// The boolean self-attention mask `[batch, 1, seq, seq]`: query `i` may attend key `j` when
+/// `j <= i` and `j` is a real token. Every query may also attend itself, so rows of padding
+/// queries are never empty (an all-false row would turn softmax into NaN); outputs at padding
+/// positions are meaningless and every head ignores them.
+pub fn causal_padding_mask(mask: &Tensor) -> Result<Tensor> {
+    let seq = mask.size()[1];
+    let device = mask.device();
+    let causal = Tensor::f_ones([seq, seq], (Kind::Bool, device))?.f_tril(0)?;
+    let keys = mask.f_to_kind(Kind::Bool)?.f_unsqueeze(1)?.f_unsqueeze(1)?;
+    let diagonal = Tensor::f_eye(seq, (Kind::Bool, device))?;
+    Ok(keys.f_logical_and(&causal)?.f_logical_or(&diagonal)?)
+}
+
+fn check_integer(name: &str, t: &Tensor) -> Result<()> {
+    match t.f_kind()? {
+        Kind::Int64 | Kind::Int | Kind::Int16 | Kind::Int8 | Kind::Uint8 => Ok(()),
+        other => {
+            Err(ModelError::Input(format!("{name} should be an integer tensor, found {other:?}")))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn positions_skip_left_padding() {
+        let mask = Tensor::from_slice(&[0i64, 0, 1, 1, 1, 1, 1, 1, 1, 0]).view([2, 5]);
+        let pos = position_ids_from_mask(&mask).unwrap();
+        let expected = Tensor::from_slice(&[0i64, 0, 0, 1, 2, 0, 1, 2, 3, 3]).view([2, 5]);
+        assert!(pos.equal(&expected));
+    }
+
+    #[test]
+    fn mask_is_causal_ignores_padding_and_keeps_the_diagonal() {
+        let mask = Tensor::from_slice(&[0i64, 1, 1]).view([1, 3]);
+        let m = causal_padding_mask(&mask).unwrap().view([3, 3]);
+        let expected =
+            Tensor::from_slice(&[true, false, false, false, true, false, false, true, true])
+                .view([3, 3]);
+        assert!(m.equal(&expected));
+    }
+}

@@ -1,0 +1,452 @@
+//! The model configuration, read from and written to a Hugging Face `config.json`.
+//!
+//! One struct covers the Llama and Qwen2 families: they differ only in which projections carry a
+//! bias (Qwen2: q, k and v; Llama: all four attention projections when `attention_bias` is set)
+//! and in their defaults. Fields this crate does not use are kept in [`ModelConfig::extra`] so a
+//! loaded config is written back unchanged. Both the transformers 4 spelling of RoPE settings
+//! (`rope_theta` + `rope_scaling`) and the transformers 5 one (`rope_parameters`) are accepted;
+//! the 4 spelling is written, which transformers 5 still reads.
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{ModelError, Result};
+
+/// Which Hugging Face architecture a config describes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ModelFamily {
+    /// `model_type: "llama"` (also Mistral-style checkpoints without sliding windows).
+    Llama,
+    /// `model_type: "qwen2"`: bias on the q, k and v projections.
+    Qwen2,
+}
+
+impl ModelFamily {
+    /// The `architectures` entry transformers uses for the causal LM of this family.
+    pub fn causal_lm_architecture(self) -> &'static str {
+        match self {
+            Self::Llama => "LlamaForCausalLM",
+            Self::Qwen2 => "Qwen2ForCausalLM",
+        }
+    }
+}
+
+/// RoPE frequency scaling, as in the `rope_scaling` entry of a Hugging Face config.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "rope_type", rename_all = "lowercase")]
+pub enum RopeScaling {
+    /// Position interpolation: every inverse frequency is divided by `factor`.
+    Linear {
+        /// The context extension factor.
+        factor: f64,
+    },
+    /// Llama 3.x frequency-dependent scaling.
+    Llama3 {
+        /// The context extension factor.
+        factor: f64,
+        /// Wavelengths longer than `original / low_freq_factor` are scaled fully.
+        low_freq_factor: f64,
+        /// Wavelengths shorter than `original / high_freq_factor` are kept.
+        high_freq_factor: f64,
+        /// The context length the model was pre-trained with.
+        original_max_position_embeddings: i64,
+    },
+}
+
+/// A validated decoder-only LM configuration.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelConfig {
+    /// Llama or Qwen2.
+    pub family: ModelFamily,
+    /// Rows of the embedding matrix (and of the LM head).
+    pub vocab_size: i64,
+    /// Width of the residual stream.
+    pub hidden_size: i64,
+    /// Width of the SwiGLU hidden layer.
+    pub intermediate_size: i64,
+    /// Number of decoder layers.
+    pub num_hidden_layers: i64,
+    /// Number of query heads.
+    pub num_attention_heads: i64,
+    /// Number of key/value heads (grouped-query attention when below `num_attention_heads`).
+    pub num_key_value_heads: i64,
+    /// Width of one head; `hidden_size / num_attention_heads` unless the config says otherwise.
+    pub head_dim: i64,
+    /// Epsilon of every RMSNorm.
+    pub rms_norm_eps: f64,
+    /// RoPE base.
+    pub rope_theta: f64,
+    /// Optional RoPE scaling.
+    pub rope_scaling: Option<RopeScaling>,
+    /// Longest context the config declares (kept for the file; RoPE needs no table).
+    pub max_position_embeddings: i64,
+    /// Whether the LM head shares the embedding matrix.
+    pub tie_word_embeddings: bool,
+    /// Bias on the q, k and v projections.
+    pub qkv_bias: bool,
+    /// Bias on the attention output projection.
+    pub o_bias: bool,
+    /// Bias on the three MLP projections.
+    pub mlp_bias: bool,
+    /// Standard deviation of the normal init of weight matrices.
+    pub initializer_range: f64,
+    /// Token ids from the config, written back as they were.
+    pub bos_token_id: Option<i64>,
+    /// End-of-sequence token id.
+    pub eos_token_id: Option<i64>,
+    /// Padding token id.
+    pub pad_token_id: Option<i64>,
+    /// Every other field of the source `config.json`, written back unchanged.
+    pub extra: serde_json::Map<String, serde_json::Value>,
+}
+
+/// The raw `config.json` shape; validated into [`ModelConfig`].
+#[derive(Debug, Deserialize)]
+struct RawConfig {
+    model_type: String,
+    vocab_size: i64,
+    hidden_size: i64,
+    intermediate_size: i64,
+    num_hidden_layers: i64,
+    num_attention_heads: i64,
+    num_key_value_heads: Option<i64>,
+    head_dim: Option<i64>,
+    rms_norm_eps: Option<f64>,
+    rope_theta: Option<f64>,
+    rope_scaling: Option<serde_json::Value>,
+    rope_parameters: Option<serde_json::Value>,
+    max_position_embeddings: Option<i64>,
+    tie_word_embeddings: Option<bool>,
+    attention_bias: Option<bool>,
+    mlp_bias: Option<bool>,
+    hidden_act: Option<String>,
+    use_sliding_window: Option<bool>,
+    initializer_range: Option<f64>,
+    bos_token_id: Option<serde_json::Value>,
+    eos_token_id: Option<serde_json::Value>,
+    pad_token_id: Option<serde_json::Value>,
+    #[serde(flatten)]
+    extra: serde_json::Map<String, serde_json::Value>,
+}
+
+/// Field names that [`ModelConfig::to_json`] writes itself and therefore drops from `extra`.
+const OWNED_KEYS: &[&str] =
+    &["architectures", "model_type", "torch_dtype", "dtype", "rope_parameters"];
+
+impl ModelConfig {
+    /// Reads and validates `<dir>/config.json`.
+    pub fn from_dir(dir: &Path) -> Result<Self> {
+        let path = dir.join("config.json");
+        let text = std::fs::read_to_string(&path).map_err(|e| ModelError::io(&path, e))?;
+        let raw: RawConfig = serde_json::from_str(&text).map_err(|e| ModelError::json(&path, e))?;
+        Self::from_raw(raw)
+    }
+
+    /// Parses and validates the text of a `config.json`.
+    pub fn from_json_str(text: &str) -> Result<Self> {
+        let raw: RawConfig =
+            serde_json::from_str(text).map_err(|e| ModelError::json("config.json", e))?;
+        Self::from_raw(raw)
+    }
+
+    fn from_raw(raw: RawConfig) -> Result<Self> {
+        let family = match raw.model_type.as_str() {
+            "llama" | "mistral" => ModelFamily::Llama,
+            "qwen2" => ModelFamily::Qwen2,
+            other => {
+                return Err(ModelError::Config(format!(
+                    "model_type should be `llama` or `qwen2`, found `{other}`"
+                )));
+            }
+        };
+        if let Some(act) = raw.hidden_act.as_deref()
+            && act != "silu"
+        {
+            return Err(ModelError::Config(format!("hidden_act should be `silu`, found `{act}`")));
+        }
+        if raw.use_sliding_window == Some(true) {
+            return Err(ModelError::Config(
+                "use_sliding_window should be false, found true (sliding windows are not supported)"
+                    .into(),
+            ));
+        }
+        // transformers 5 moves theta and scaling into `rope_parameters`.
+        let rope_source = raw.rope_parameters.clone().or(raw.rope_scaling.clone());
+        let mut rope_theta = raw.rope_theta;
+        if rope_theta.is_none()
+            && let Some(theta) = raw.rope_parameters.as_ref().and_then(|p| p.get("rope_theta"))
+        {
+            rope_theta = theta.as_f64();
+        }
+        let rope_scaling = parse_rope_scaling(rope_source.as_ref())?;
+        let attention_bias = raw.attention_bias.unwrap_or(false);
+        let (qkv_bias, o_bias) = match family {
+            ModelFamily::Llama => (attention_bias, attention_bias),
+            ModelFamily::Qwen2 => (true, false),
+        };
+        let num_key_value_heads = raw.num_key_value_heads.unwrap_or(raw.num_attention_heads);
+        let head_dim = match raw.head_dim {
+            Some(d) => d,
+            None if raw.num_attention_heads > 0 => raw.hidden_size / raw.num_attention_heads,
+            None => 0,
+        };
+        let mut extra = raw.extra;
+        for key in OWNED_KEYS {
+            extra.remove(*key);
+        }
+        let config = Self {
+            family,
+            vocab_size: raw.vocab_size,
+            hidden_size: raw.hidden_size,
+            intermediate_size: raw.intermediate_size,
+            num_hidden_layers: raw.num_hidden_layers,
+            num_attention_heads: raw.num_attention_heads,
+            num_key_value_heads,
+            head_dim,
+            rms_norm_eps: raw.rms_norm_eps.unwrap_or(1e-6),
+            rope_theta: rope_theta.unwrap_or(10_000.0),
+            rope_scaling,
+            max_position_embeddings: raw.max_position_embeddings.unwrap_or(2048),
+            tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
+            qkv_bias,
+            o_bias,
+            mlp_bias: raw.mlp_bias.unwrap_or(false),
+            initializer_range: raw.initializer_range.unwrap_or(0.02),
+            bos_token_id: token_id(raw.bos_token_id.as_ref()),
+            eos_token_id: token_id(raw.eos_token_id.as_ref()),
+            pad_token_id: token_id(raw.pad_token_id.as_ref()),
+            extra,
+        };
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Checks that every size is positive and that the heads divide evenly.
+    pub fn validate(&self) -> Result<()> {
+        let positive = [
+            ("vocab_size", self.vocab_size),
+            ("hidden_size", self.hidden_size),
+            ("intermediate_size", self.intermediate_size),
+            ("num_hidden_layers", self.num_hidden_layers),
+            ("num_attention_heads", self.num_attention_heads),
+            ("num_key_value_heads", self.num_key_value_heads),
+            ("head_dim", self.head_dim),
+        ];
+        for (name, value) in positive {
+            if value <= 0 {
+                return Err(ModelError::Config(format!(
+                    "{name} should be positive, found {value}"
+                )));
+            }
+        }
+        if self.num_attention_heads % self.num_key_value_heads != 0 {
+            return Err(ModelError::Config(format!(
+                "num_attention_heads ({}) should be a multiple of num_key_value_heads ({})",
+                self.num_attention_heads, self.num_key_value_heads
+            )));
+        }
+        if self.head_dim % 2 != 0 {
+            return Err(ModelError::Config(format!(
+                "head_dim should be even for rotary embeddings, found {}",
+                self.head_dim
+            )));
+        }
+        let eps_ok = self.rms_norm_eps > 0.0 && self.rms_norm_eps.is_finite();
+        let theta_ok = self.rope_theta > 1.0 && self.rope_theta.is_finite();
+        if !eps_ok || !theta_ok {
+            return Err(ModelError::Config(format!(
+                "rms_norm_eps should be > 0 and rope_theta > 1, found {} and {}",
+                self.rms_norm_eps, self.rope_theta
+            )));
+        }
+        Ok(())
+    }
+
+    /// Renders the config as a Hugging Face `config.json` object for the causal LM.
+    pub fn to_json(&self) -> serde_json::Value {
+        self.to_json_with_architecture(self.family.causal_lm_architecture())
+    }
+
+    /// Renders the config with a given `architectures` entry (for example a sequence
+    /// classification head for reward models).
+    pub fn to_json_with_architecture(&self, architecture: &str) -> serde_json::Value {
+        let mut map = self.extra.clone();
+        let mut set = |key: &str, value: serde_json::Value| {
+            map.insert(key.to_string(), value);
+        };
+        set("architectures", serde_json::json!([architecture]));
+        set(
+            "model_type",
+            serde_json::json!(match self.family {
+                ModelFamily::Llama => "llama",
+                ModelFamily::Qwen2 => "qwen2",
+            }),
+        );
+        set("vocab_size", self.vocab_size.into());
+        set("hidden_size", self.hidden_size.into());
+        set("intermediate_size", self.intermediate_size.into());
+        set("num_hidden_layers", self.num_hidden_layers.into());
+        set("num_attention_heads", self.num_attention_heads.into());
+        set("num_key_value_heads", self.num_key_value_heads.into());
+        set("head_dim", self.head_dim.into());
+        set("hidden_act", "silu".into());
+        set("rms_norm_eps", self.rms_norm_eps.into());
+        set("rope_theta", self.rope_theta.into());
+        set(
+            "rope_scaling",
+            self.rope_scaling
+                .as_ref()
+                .map_or(serde_json::Value::Null, |s| serde_json::to_value(s).unwrap_or_default()),
+        );
+        set("max_position_embeddings", self.max_position_embeddings.into());
+        set("tie_word_embeddings", self.tie_word_embeddings.into());
+        set("initializer_range", self.initializer_range.into());
+        set("torch_dtype", "float32".into());
+        set("bos_token_id", self.bos_token_id.into());
+        set("eos_token_id", self.eos_token_id.into());
+        set("pad_token_id", self.pad_token_id.into());
+        match self.family {
+            ModelFamily::Llama => {
+                set("attention_bias", self.qkv_bias.into());
+                set("mlp_bias", self.mlp_bias.into());
+            }
+            ModelFamily::Qwen2 => {
+                set("use_sliding_window", false.into());
+            }
+        }
+        serde_json::Value::Object(map)
+    }
+
+    /// Writes `<dir>/config.json` for the causal LM.
+    pub fn write_to_dir(&self, dir: &Path) -> Result<()> {
+        write_json(&dir.join("config.json"), &self.to_json())
+    }
+
+    /// Parameter count of the causal LM (the LM head counted once when tied).
+    pub fn num_parameters(&self) -> i64 {
+        let h = self.hidden_size;
+        let q = self.num_attention_heads * self.head_dim;
+        let kv = self.num_key_value_heads * self.head_dim;
+        let attn = h * q
+            + 2 * h * kv
+            + q * h
+            + if self.qkv_bias { q + 2 * kv } else { 0 }
+            + if self.o_bias { h } else { 0 };
+        let mlp = 3 * h * self.intermediate_size
+            + if self.mlp_bias { 2 * self.intermediate_size + h } else { 0 };
+        let layer = attn + mlp + 2 * h;
+        let embed = self.vocab_size * h;
+        let head = if self.tie_word_embeddings { 0 } else { embed };
+        embed + head + self.num_hidden_layers * layer + h
+    }
+}
+
+/// Writes pretty JSON to a file.
+pub(crate) fn write_json(path: &Path, value: &serde_json::Value) -> Result<()> {
+    let text = serde_json::to_string_pretty(value).map_err(|e| ModelError::json(path, e))?;
+    std::fs::write(path, text + "\n").map_err(|e| ModelError::io(path, e))
+}
+
+/// Reads a token id that configs spell as a number, a list (first entry wins) or null.
+fn token_id(value: Option<&serde_json::Value>) -> Option<i64> {
+    match value? {
+        serde_json::Value::Number(n) => n.as_i64(),
+        serde_json::Value::Array(items) => items.first().and_then(serde_json::Value::as_i64),
+        _ => None,
+    }
+}
+
+/// Parses `rope_scaling` / `rope_parameters`; `default` (or absent) means no scaling.
+fn parse_rope_scaling(value: Option<&serde_json::Value>) -> Result<Option<RopeScaling>> {
+    let Some(value) = value else { return Ok(None) };
+    if value.is_null() {
+        return Ok(None);
+    }
+    let kind = value
+        .get("rope_type")
+        .or_else(|| value.get("type"))
+        .and_then(serde_json::Value::as_str)
+        .unwrap_or("default");
+    let number = |key: &str| -> Result<f64> {
+        value.get(key).and_then(serde_json::Value::as_f64).ok_or_else(|| {
+            ModelError::Config(format!("rope scaling `{kind}` should have a number `{key}`"))
+        })
+    };
+    match kind {
+        "default" => Ok(None),
+        "linear" => Ok(Some(RopeScaling::Linear { factor: number("factor")? })),
+        "llama3" => Ok(Some(RopeScaling::Llama3 {
+            factor: number("factor")?,
+            low_freq_factor: number("low_freq_factor")?,
+            high_freq_factor: number("high_freq_factor")?,
+            original_max_position_embeddings: number("original_max_position_embeddings")? as i64,
+        })),
+        other => Err(ModelError::Config(format!(
+            "rope scaling type should be `default`, `linear` or `llama3`, found `{other}`"
+        ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const QWEN2: &str = r#"{
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 151936,
+        "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+        "num_attention_heads": 14, "num_key_value_heads": 2, "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0, "tie_word_embeddings": true, "hidden_act": "silu",
+        "use_sliding_window": false, "sliding_window": 32768, "bos_token_id": 151643,
+        "eos_token_id": 151645, "max_position_embeddings": 32768, "torch_dtype": "bfloat16"
+    }"#;
+
+    #[test]
+    fn qwen2_config_parses_with_qkv_bias_and_gqa() {
+        let config = ModelConfig::from_json_str(QWEN2).unwrap();
+        assert_eq!(config.family, ModelFamily::Qwen2);
+        assert!(config.qkv_bias && !config.o_bias);
+        assert_eq!(config.head_dim, 64);
+        assert_eq!(config.num_key_value_heads, 2);
+        assert!(config.tie_word_embeddings);
+        assert_eq!(config.extra.get("sliding_window"), Some(&serde_json::json!(32768)));
+        // Qwen2-0.5B has 494M parameters.
+        assert_eq!(config.num_parameters(), 494_032_768);
+    }
+
+    #[test]
+    fn config_round_trips_through_json() {
+        let config = ModelConfig::from_json_str(QWEN2).unwrap();
+        let again = ModelConfig::from_json_str(&config.to_json().to_string()).unwrap();
+        assert_eq!(config, again);
+    }
+
+    #[test]
+    fn rope_parameters_of_transformers_5_are_read() {
+        let text = r#"{"model_type": "llama", "vocab_size": 10, "hidden_size": 8,
+            "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+            "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 8192}}"#;
+        let config = ModelConfig::from_json_str(text).unwrap();
+        assert_eq!(config.rope_theta, 500_000.0);
+        assert!(matches!(config.rope_scaling, Some(RopeScaling::Llama3 { factor: 8.0, .. })));
+    }
+
+    #[test]
+    fn bad_configs_are_errors_not_panics() {
+        let bad_heads = r#"{"model_type": "llama", "vocab_size": 10, "hidden_size": 8,
+            "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 3,
+            "num_key_value_heads": 2}"#;
+        let err = ModelConfig::from_json_str(bad_heads).unwrap_err().to_string();
+        assert!(err.contains("multiple of num_key_value_heads"), "{err}");
+        let zero_heads = r#"{"model_type": "llama", "vocab_size": 10, "hidden_size": 8,
+            "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 0}"#;
+        assert!(ModelConfig::from_json_str(zero_heads).is_err());
+        let gpt2 = r#"{"model_type": "gpt2", "vocab_size": 10, "hidden_size": 8,
+            "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2}"#;
+        assert!(ModelConfig::from_json_str(gpt2).unwrap_err().to_string().contains("gpt2"));
+        assert!(ModelConfig::from_json_str("{").is_err());
+    }
+}

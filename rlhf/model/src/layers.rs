@@ -1,0 +1,268 @@
+//! The building blocks of a Llama / Qwen2 decoder layer: linear projections, RMSNorm, grouped-
+//! query attention and the SwiGLU MLP.
+//!
+//! Their pieces are public on purpose: the generation engine runs the same projections and RoPE
+//! but replaces [`Attention::attend`] with paged attention over its KV cache, so it needs
+//! [`Attention::project_qkv`], [`Attention::rotate`] and [`Attention::project_output`] apart.
+//!
+//! Shapes inside a layer follow from the config validated at construction and from the input
+//! checks in [`crate::backbone`]; the arithmetic operators of `tch` used here therefore cannot
+//! meet mismatched shapes.
+
+use tch::{Kind, Tensor};
+
+use crate::config::ModelConfig;
+use crate::error::Result;
+use crate::params::{Init, Parameters};
+use crate::rope::apply_rotary;
+
+/// `y = x W^T + b` with `W: [out, in]`, as `torch.nn.Linear`.
+#[derive(Debug)]
+pub struct Linear {
+    /// `[out_features, in_features]`.
+    pub weight: Tensor,
+    /// `[out_features]` when the layer has a bias.
+    pub bias: Option<Tensor>,
+}
+
+impl Linear {
+    /// Registers `<prefix>.weight` (and `<prefix>.bias`) in `params`.
+    pub fn new(
+        params: &mut Parameters,
+        prefix: &str,
+        in_features: i64,
+        out_features: i64,
+        bias: bool,
+        std: f64,
+    ) -> Result<Self> {
+        let weight = params.create(
+            &format!("{prefix}.weight"),
+            &[out_features, in_features],
+            Init::Normal(std),
+        )?;
+        let bias = if bias {
+            Some(params.create(&format!("{prefix}.bias"), &[out_features], Init::Constant(0.0))?)
+        } else {
+            None
+        };
+        Ok(Self { weight, bias })
+    }
+
+    /// Applies the projection to the last dimension of `x`.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(x.f_linear(&self.weight, self.bias.as_ref())?)
+    }
+}
+
+/// Root-mean-square layer norm with a learned scale, computed in float32 like transformers.
+#[derive(Debug)]
+pub struct RmsNorm {
+    /// `[hidden_size]` scale.
+    pub weight: Tensor,
+    /// Added to the mean square before the square root.
+    pub eps: f64,
+}
+
+impl RmsNorm {
+    /// Registers `<prefix>.weight` (initialised to ones).
+    pub fn new(params: &mut Parameters, prefix: &str, size: i64, eps: f64) -> Result<Self> {
+        let weight = params.create(&format!("{prefix}.weight"), &[size], Init::Constant(1.0))?;
+        Ok(Self { weight, eps })
+    }
+
+    /// Normalises the last dimension of `x`.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let kind = x.f_kind()?;
+        let x32 = x.f_to_kind(Kind::Float)?;
+        let variance = x32.f_pow_tensor_scalar(2)?.f_mean_dim(-1, true, Kind::Float)?;
+        let normed = x32.f_mul(&variance.f_add_scalar(self.eps)?.f_rsqrt()?)?;
+        Ok(self.weight.f_mul(&normed.f_to_kind(kind)?)?)
+    }
+}
+
+/// Grouped-query self-attention with rotary embeddings.
+#[derive(Debug)]
+pub struct Attention {
+    /// Query projection, `hidden -> num_heads * head_dim`.
+    pub q_proj: Linear,
+    /// Key projection, `hidden -> num_kv_heads * head_dim`.
+    pub k_proj: Linear,
+    /// Value projection, `hidden -> num_kv_heads * head_dim`.
+    pub v_proj: Linear,
+    /// Output projection, `num_heads * head_dim -> hidden`.
+    pub o_proj: Linear,
+    /// Query heads.
+    pub num_heads: i64,
+    /// Key/value heads; each serves `num_heads / num_kv_heads` query heads.
+    pub num_kv_heads: i64,
+    /// Width of one head.
+    pub head_dim: i64,
+}
+
+impl Attention {
+    /// Registers the four projections under `<prefix>.{q,k,v,o}_proj`.
+    pub fn new(params: &mut Parameters, prefix: &str, config: &ModelConfig) -> Result<Self> {
+        let h = config.hidden_size;
+        let q = config.num_attention_heads * config.head_dim;
+        let kv = config.num_key_value_heads * config.head_dim;
+        let std = config.initializer_range;
+        Ok(Self {
+            q_proj: Linear::new(params, &format!("{prefix}.q_proj"), h, q, config.qkv_bias, std)?,
+            k_proj: Linear::new(params, &format!("{prefix}.k_proj"), h, kv, config.qkv_bias, std)?,
+            v_proj: Linear::new(params, &format!("{prefix}.v_proj"), h, kv, config.qkv_bias, std)?,
+            o_proj: Linear::new(params, &format!("{prefix}.o_proj"), q, h, config.o_bias, std)?,
+            num_heads: config.num_attention_heads,
+            num_kv_heads: config.num_key_value_heads,
+            head_dim: config.head_dim,
+        })
+    }
+
+    /// Projects `x: [batch, seq, hidden]` to `q: [batch, heads, seq, head_dim]` and
+    /// `k, v: [batch, kv_heads, seq, head_dim]` (before RoPE).
+    pub fn project_qkv(&self, x: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        let (batch, seq) = (x.size()[0], x.size()[1]);
+        let split = |t: Tensor, heads: i64| -> Result<Tensor> {
+            Ok(t.f_view([batch, seq, heads, self.head_dim])?.f_transpose(1, 2)?)
+        };
+        let q = split(self.q_proj.forward(x)?, self.num_heads)?;
+        let k = split(self.k_proj.forward(x)?, self.num_kv_heads)?;
+        let v = split(self.v_proj.forward(x)?, self.num_kv_heads)?;
+        Ok((q, k, v))
+    }
+
+    /// Applies RoPE to queries and keys with `cos`/`sin` from
+    /// [`crate::rope::RotaryEmbedding::cos_sin`].
+    pub fn rotate(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+    ) -> Result<(Tensor, Tensor)> {
+        Ok((apply_rotary(q, cos, sin)?, apply_rotary(k, cos, sin)?))
+    }
+
+    /// Scaled dot-product attention of `q: [batch, heads, q_len, head_dim]` over
+    /// `k, v: [batch, kv_heads, k_len, head_dim]` with a boolean `mask` broadcastable to
+    /// `[batch, heads, q_len, k_len]` (true = may attend). Returns `[batch, q_len, heads * head_dim]`.
+    pub fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor) -> Result<Tensor> {
+        let groups = self.num_heads / self.num_kv_heads;
+        let k = repeat_kv(k, groups)?;
+        let v = repeat_kv(v, groups)?;
+        let out = Tensor::f_scaled_dot_product_attention(
+            q,
+            &k,
+            &v,
+            Some(mask),
+            0.0,
+            false,
+            1.0 / (self.head_dim as f64).sqrt(),
+            false,
+        )?;
+        let (batch, q_len) = (q.size()[0], q.size()[2]);
+        Ok(out.f_transpose(1, 2)?.f_reshape([batch, q_len, self.num_heads * self.head_dim])?)
+    }
+
+    /// Projects the attended values back to the residual width.
+    pub fn project_output(&self, attended: &Tensor) -> Result<Tensor> {
+        self.o_proj.forward(attended)
+    }
+
+    /// Full self-attention over `x` with the given rotary tables and mask.
+    pub fn forward(&self, x: &Tensor, cos: &Tensor, sin: &Tensor, mask: &Tensor) -> Result<Tensor> {
+        let (q, k, v) = self.project_qkv(x)?;
+        let (q, k) = self.rotate(&q, &k, cos, sin)?;
+        let attended = self.attend(&q, &k, &v, mask)?;
+        self.project_output(&attended)
+    }
+}
+
+/// Repeats each key/value head `groups` times along the head dimension (transformers'
+/// `repeat_kv`), so query head `i` reads key/value head `i / groups`.
+pub fn repeat_kv(x: &Tensor, groups: i64) -> Result<Tensor> {
+    if groups == 1 {
+        return Ok(x.shallow_clone());
+    }
+    let size = x.size();
+    let (batch, heads, seq, dim) = (size[0], size[1], size[2], size[3]);
+    Ok(x.f_unsqueeze(2)?.f_expand([batch, heads, groups, seq, dim], false)?.f_reshape([
+        batch,
+        heads * groups,
+        seq,
+        dim,
+    ])?)
+}
+
+/// The SwiGLU feed-forward block: `down(silu(gate(x)) * up(x))`.
+#[derive(Debug)]
+pub struct Mlp {
+    /// Gate projection, `hidden -> intermediate`.
+    pub gate_proj: Linear,
+    /// Up projection, `hidden -> intermediate`.
+    pub up_proj: Linear,
+    /// Down projection, `intermediate -> hidden`.
+    pub down_proj: Linear,
+}
+
+impl Mlp {
+    /// Registers the three projections under `<prefix>.{gate,up,down}_proj`.
+    pub fn new(params: &mut Parameters, prefix: &str, config: &ModelConfig) -> Result<Self> {
+        let (h, i, b, std) = (
+            config.hidden_size,
+            config.intermediate_size,
+            config.mlp_bias,
+            config.initializer_range,
+        );
+        Ok(Self {
+            gate_proj: Linear::new(params, &format!("{prefix}.gate_proj"), h, i, b, std)?,
+            up_proj: Linear::new(params, &format!("{prefix}.up_proj"), h, i, b, std)?,
+            down_proj: Linear::new(params, &format!("{prefix}.down_proj"), i, h, b, std)?,
+        })
+    }
+
+    /// Applies the block to the last dimension of `x`.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let gate = self.gate_proj.forward(x)?.f_silu()?;
+        self.down_proj.forward(&gate.f_mul(&self.up_proj.forward(x)?)?)
+    }
+}
+
+/// One pre-norm decoder layer: `x + attn(norm(x))`, then `x + mlp(norm(x))`.
+#[derive(Debug)]
+pub struct DecoderLayer {
+    /// Norm before attention.
+    pub input_layernorm: RmsNorm,
+    /// Self-attention.
+    pub self_attn: Attention,
+    /// Norm before the MLP.
+    pub post_attention_layernorm: RmsNorm,
+    /// Feed-forward block.
+    pub mlp: Mlp,
+}
+
+impl DecoderLayer {
+    /// Registers layer `index` under `model.layers.<index>`.
+    pub fn new(params: &mut Parameters, index: i64, config: &ModelConfig) -> Result<Self> {
+        let prefix = format!("model.layers.{index}");
+        let (h, eps) = (config.hidden_size, config.rms_norm_eps);
+        Ok(Self {
+            input_layernorm: RmsNorm::new(params, &format!("{prefix}.input_layernorm"), h, eps)?,
+            self_attn: Attention::new(params, &format!("{prefix}.self_attn"), config)?,
+            post_attention_layernorm: RmsNorm::new(
+                params,
+                &format!("{prefix}.post_attention_layernorm"),
+                h,
+                eps,
+            )?,
+            mlp: Mlp::new(params, &format!("{prefix}.mlp"), config)?,
+        })
+    }
+
+    /// Runs the layer on `x: [batch, seq, hidden]`.
+    pub fn forward(&self, x: &Tensor, cos: &Tensor, sin: &Tensor, mask: &Tensor) -> Result<Tensor> {
+        let attn = self.self_attn.forward(&self.input_layernorm.forward(x)?, cos, sin, mask)?;
+        let x = x.f_add(&attn)?;
+        let mlp = self.mlp.forward(&self.post_attention_layernorm.forward(&x)?)?;
+        Ok(x.f_add(&mlp)?)
+    }
+}

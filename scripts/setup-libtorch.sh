@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# Installs libtorch for the `tch` crate and exports the variables a cargo build needs.
+#
+# Usage (from any directory, in bash):
+#     source scripts/setup-libtorch.sh     # installs once, then exports LIBTORCH
+#     bash scripts/setup-libtorch.sh       # installs only (prints the export line)
+#
+# Why this shape:
+# - `tch` 0.26 pairs with libtorch 2.13.0. The only libtorch we can download is the one inside the
+#   PyPI wheel `torch==2.13.0`; two small nvidia wheels supply `libcudart.so.13` and
+#   `libcupti.so.13`, which `libtorch_cpu.so` needs at load time and finds through its own RPATH
+#   when they are installed into the same target directory.
+# - The install goes to a cache directory OUTSIDE the checkout
+#   (`${RTRUN_CACHE:-$HOME/.cache/rtrun}/libtorch-2.13.0`) so every clone reuses it.
+# - It is idempotent and safe to run from two clones at once: the wheels are installed into a
+#   private temporary directory next to the target and renamed into place (an atomic rename on one
+#   file system); a loser of the race discards its copy. A `flock` (when available) avoids the
+#   duplicate 526 MB download in the common case.
+# - `LIBTORCH_USE_PYTORCH=1` does not work with this wheel, so `LIBTORCH` points at `<dir>/torch`.
+#   `LIBTORCH_BYPASS_VERSION_CHECK` is not needed: the version matches.
+
+# Runs in a subshell-safe way whether sourced or executed: all work happens in a function whose
+# failures are reported with `return`, never `exit`, so sourcing never kills the caller's shell.
+_rtrun_setup_libtorch() {
+    local torch_version="2.13.0"
+    local cudart_version="13.0.96"
+    local cupti_version="13.0.85"
+    local cache_root="${RTRUN_CACHE:-$HOME/.cache/rtrun}"
+    local target="$cache_root/libtorch-$torch_version"
+    local marker="$target/.rtrun-complete"
+    local python="${RTRUN_PYTHON:-python3}"
+
+    if [[ ! -f "$marker" ]]; then
+        mkdir -p "$cache_root" || return 1
+        local lock="$cache_root/libtorch-$torch_version.lock"
+        # Hold a lock on fd 9 while installing, when flock exists; the rename below keeps the
+        # result correct even without it.
+        exec 9>"$lock"
+        if command -v flock >/dev/null 2>&1; then
+            if ! flock -n 9; then
+                echo "setup-libtorch: another clone is installing; waiting for $lock" >&2
+                flock 9
+            fi
+        fi
+        if [[ ! -f "$marker" ]]; then
+            local staging
+            staging="$(mktemp -d "$cache_root/.libtorch-$torch_version.XXXXXX")" || return 1
+            echo "setup-libtorch: installing torch==$torch_version (about 526 MB) into $target" >&2
+            if ! "$python" -m pip install --quiet --no-deps --no-compile --target "$staging" \
+                "torch==$torch_version" \
+                "nvidia-cuda-runtime==$cudart_version" \
+                "nvidia-cuda-cupti==$cupti_version"; then
+                rm -rf "$staging"
+                exec 9>&-
+                echo "setup-libtorch: pip install failed" >&2
+                return 1
+            fi
+            touch "$staging/.rtrun-complete"
+            if ! mv -T "$staging" "$target" 2>/dev/null; then
+                # Another clone finished first (or a stale partial directory exists without the
+                # marker): keep a complete install, replace an incomplete one.
+                if [[ -f "$marker" ]]; then
+                    rm -rf "$staging"
+                else
+                    rm -rf "$target" && mv -T "$staging" "$target" || {
+                        exec 9>&-
+                        return 1
+                    }
+                fi
+            fi
+        fi
+        exec 9>&-
+    fi
+
+    export LIBTORCH="$target/torch"
+    # The include and lib paths follow from LIBTORCH; spelled out for tools that read them.
+    export LIBTORCH_INCLUDE="$LIBTORCH"
+    export LIBTORCH_LIB="$LIBTORCH"
+    # Binaries get an rpath from rtrun-rlhf-model's build script; this only helps programs built
+    # by other means (for example a test harness that dlopens libtorch).
+    case ":${LD_LIBRARY_PATH:-}:" in
+        *":$LIBTORCH/lib:"*) ;;
+        *) export LD_LIBRARY_PATH="$LIBTORCH/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" ;;
+    esac
+    echo "setup-libtorch: LIBTORCH=$LIBTORCH" >&2
+    return 0
+}
+
+if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then
+    # Executed: install, and print the line a caller can eval.
+    set -u
+    _rtrun_setup_libtorch || exit 1
+    echo "export LIBTORCH=$LIBTORCH"
+else
+    _rtrun_setup_libtorch
+fi
