@@ -29,7 +29,7 @@ fn fixed_inputs() -> (Tensor, Tensor, Tensor) {
 fn main() -> Result<()> {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("parity");
     let cases = [
-        ("llama", ModelFamily::Llama, 11, SaveOptions::default()),
+        ("llama", ModelFamily::Llama, 11u64, SaveOptions::default()),
         // Sharded on purpose, so transformers reads our index file too.
         ("qwen2", ModelFamily::Qwen2, 22, SaveOptions { max_shard_bytes: 200_000 }),
     ];

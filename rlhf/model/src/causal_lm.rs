@@ -27,14 +27,13 @@ pub struct CausalLm {
 
 impl CausalLm {
     /// A randomly initialised model (normal with the config's `initializer_range`, norms one,
-    /// biases zero); `seed` makes the weights reproducible on one libtorch build.
-    pub fn new_random(config: &ModelConfig, device: Device, kind: Kind, seed: i64) -> Result<Self> {
-        tch::manual_seed(seed);
-        Self::build(config, device, kind)
+    /// biases zero); the same `seed` gives the same weights.
+    pub fn new_random(config: &ModelConfig, device: Device, kind: Kind, seed: u64) -> Result<Self> {
+        Self::build(config, device, kind, seed)
     }
 
-    fn build(config: &ModelConfig, device: Device, kind: Kind) -> Result<Self> {
-        let mut params = Parameters::new(device, kind);
+    fn build(config: &ModelConfig, device: Device, kind: Kind, seed: u64) -> Result<Self> {
+        let mut params = Parameters::new(device, kind, seed);
         let backbone = Backbone::new(&mut params, config)?;
         let lm_head = if config.tie_word_embeddings {
             None
@@ -54,7 +53,7 @@ impl CausalLm {
     /// Loads `config.json` and the safetensors weights of a Hugging Face checkpoint directory.
     pub fn from_pretrained(dir: &Path, device: Device, kind: Kind) -> Result<Self> {
         let config = ModelConfig::from_dir(dir)?;
-        let model = Self::build(&config, device, kind)?;
+        let model = Self::build(&config, device, kind, 0)?;
         load_into(&model.params, dir, &[])?;
         Ok(model)
     }

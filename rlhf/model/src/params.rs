@@ -4,6 +4,10 @@
 //! Layers hold shallow clones of the tensors registered here, so updating a tensor in place
 //! through the registry (loading a checkpoint, an optimizer step, a weight-sync bucket from the
 //! trainer) is seen by the forward pass without rebuilding anything.
+//!
+//! Random init draws from a generator owned by the registry ([`SeededNormal`]), not from
+//! libtorch's global one, so models built from the same seed are identical even when tests
+//! build models on several threads at once, and across libtorch versions.
 
 use tch::{Device, Kind, Tensor};
 
@@ -24,12 +28,60 @@ pub struct Parameters {
     entries: Vec<(String, Tensor)>,
     device: Device,
     kind: Kind,
+    rng: SeededNormal,
+}
+
+/// A small seeded generator of standard normal samples (SplitMix64 + Box-Muller).
+#[derive(Clone, Debug)]
+pub struct SeededNormal {
+    state: u64,
+}
+
+impl SeededNormal {
+    /// A generator starting from `seed`.
+    pub fn new(seed: u64) -> Self {
+        Self { state: seed }
+    }
+
+    fn next_u64(&mut self) -> u64 {
+        self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// A uniform sample in (0, 1].
+    fn uniform(&mut self) -> f64 {
+        ((self.next_u64() >> 11) as f64 + 1.0) / (1u64 << 53) as f64
+    }
+
+    /// `count` normal samples with mean 0 and standard deviation `std`.
+    pub fn sample(&mut self, count: usize, std: f64) -> Vec<f32> {
+        let mut out = Vec::with_capacity(count + 1);
+        while out.len() < count {
+            let radius = (-2.0 * self.uniform().ln()).sqrt();
+            let angle = 2.0 * std::f64::consts::PI * self.uniform();
+            out.push((radius * angle.cos() * std) as f32);
+            out.push((radius * angle.sin() * std) as f32);
+        }
+        out.truncate(count);
+        out
+    }
+
+    /// A float32 CPU tensor of normal samples.
+    pub fn tensor(&mut self, shape: &[i64], std: f64) -> Result<Tensor> {
+        let count: i64 = shape.iter().product();
+        let values = self.sample(usize::try_from(count).unwrap_or(0), std);
+        Ok(Tensor::from_slice(&values).f_view(shape)?)
+    }
 }
 
 impl Parameters {
-    /// An empty registry creating parameters of `kind` on `device`.
-    pub fn new(device: Device, kind: Kind) -> Self {
-        Self { entries: Vec::new(), device, kind }
+    /// An empty registry creating parameters of `kind` on `device`, drawing random init from
+    /// `seed`.
+    pub fn new(device: Device, kind: Kind, seed: u64) -> Self {
+        Self { entries: Vec::new(), device, kind, rng: SeededNormal::new(seed) }
     }
 
     /// Creates, registers and returns a trainable parameter.
@@ -41,10 +93,10 @@ impl Parameters {
         }
         let options = (Kind::Float, self.device);
         let tensor = match init {
-            Init::Normal(std) => Tensor::f_randn(shape, options)?.f_mul_scalar(std)?,
+            Init::Normal(std) => self.rng.tensor(shape, std)?.f_to_device(self.device)?,
             Init::Constant(value) => Tensor::f_full(shape, value, options)?,
         };
-        let tensor = tensor.f_to_kind(self.kind)?.f_set_requires_grad(true)?;
+        let tensor = tensor.f_to_kind(self.kind)?.f_detach()?.f_set_requires_grad(true)?;
         self.entries.push((name.to_string(), tensor.shallow_clone()));
         Ok(tensor)
     }
@@ -108,5 +160,34 @@ impl Parameters {
             let _ = tensor.f_set_requires_grad(requires_grad)?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn seeded_normal_is_deterministic_and_standard() {
+        let a = SeededNormal::new(7).sample(20_001, 2.0);
+        assert_eq!(a, SeededNormal::new(7).sample(20_001, 2.0));
+        assert_ne!(a, SeededNormal::new(8).sample(20_001, 2.0));
+        let n = a.len() as f64;
+        let mean = a.iter().map(|&x| f64::from(x)).sum::<f64>() / n;
+        let var = a.iter().map(|&x| (f64::from(x) - mean).powi(2)).sum::<f64>() / n;
+        assert!(mean.abs() < 0.05, "{mean}");
+        assert!((var.sqrt() - 2.0).abs() < 0.05, "{var}");
+    }
+
+    #[test]
+    fn copy_into_checks_names_and_shapes() {
+        let mut params = Parameters::new(Device::Cpu, Kind::Float, 1);
+        let _w = params.create("w", &[2, 3], Init::Normal(1.0)).unwrap();
+        assert!(params.create("w", &[1], Init::Constant(0.0)).is_err());
+        assert!(params.copy_into("w", &Tensor::zeros([3, 2], (Kind::Float, Device::Cpu))).is_err());
+        assert!(params.copy_into("v", &Tensor::zeros([2, 3], (Kind::Float, Device::Cpu))).is_err());
+        params.copy_into("w", &Tensor::ones([2, 3], (Kind::BFloat16, Device::Cpu))).unwrap();
+        assert_eq!(params.get("w").unwrap().sum(Kind::Float).double_value(&[]), 6.0);
+        assert_eq!(params.numel(), 6);
     }
 }

@@ -35,13 +35,12 @@ pub struct ScalarHeadModel {
 
 impl ScalarHeadModel {
     /// A randomly initialised model; see [`crate::CausalLm::new_random`].
-    pub fn new_random(config: &ModelConfig, device: Device, kind: Kind, seed: i64) -> Result<Self> {
-        tch::manual_seed(seed);
-        Self::build(config, device, kind)
+    pub fn new_random(config: &ModelConfig, device: Device, kind: Kind, seed: u64) -> Result<Self> {
+        Self::build(config, device, kind, seed)
     }
 
-    fn build(config: &ModelConfig, device: Device, kind: Kind) -> Result<Self> {
-        let mut params = Parameters::new(device, kind);
+    fn build(config: &ModelConfig, device: Device, kind: Kind, seed: u64) -> Result<Self> {
+        let mut params = Parameters::new(device, kind, seed);
         let backbone = Backbone::new(&mut params, config)?;
         // OpenRLHF initialises a fresh value head with std 1 / (hidden + 1).
         let std = 1.0 / (config.hidden_size as f64 + 1.0);
@@ -51,10 +50,9 @@ impl ScalarHeadModel {
 
     /// Loads a checkpoint directory. A checkpoint without `score.weight` (a causal LM, which is
     /// how a critic usually starts) keeps a fresh head drawn from `seed`.
-    pub fn from_pretrained(dir: &Path, device: Device, kind: Kind, seed: i64) -> Result<Self> {
+    pub fn from_pretrained(dir: &Path, device: Device, kind: Kind, seed: u64) -> Result<Self> {
         let config = ModelConfig::from_dir(dir)?;
-        tch::manual_seed(seed);
-        let model = Self::build(&config, device, kind)?;
+        let model = Self::build(&config, device, kind, seed)?;
         let absent = load_into(&model.params, dir, &[SCORE_WEIGHT])?;
         if !absent.is_empty() {
             tracing::info!(dir = %dir.display(), "checkpoint has no score head; initialised a fresh one");

@@ -4,11 +4,12 @@
 
 use std::path::Path;
 
-use tch::{Device, Kind, Tensor};
+use tch::{Device, Kind};
 
 use crate::causal_lm::CausalLm;
 use crate::config::{ModelConfig, ModelFamily, RopeScaling, write_json};
 use crate::error::Result;
+use crate::params::SeededNormal;
 use crate::safetensors_io::SaveOptions;
 use crate::tokenizer::TextTokenizer;
 
@@ -86,13 +87,13 @@ pub fn tiny_tokenizer() -> Result<TextTokenizer> {
 
 /// A random tiny model whose norm scales and biases are also random (not ones and zeros), so a
 /// parity check exercises every weight.
-pub fn tiny_model(config: &ModelConfig, seed: i64) -> Result<CausalLm> {
+pub fn tiny_model(config: &ModelConfig, seed: u64) -> Result<CausalLm> {
     let model = CausalLm::new_random(config, Device::Cpu, Kind::Float, seed)?;
+    let mut rng = SeededNormal::new(seed ^ 0x5EED);
     tch::no_grad(|| -> Result<()> {
         for (name, param) in model.named_parameters() {
             if param.dim() == 1 {
-                let noise =
-                    Tensor::f_randn(param.size(), (Kind::Float, Device::Cpu))?.f_mul_scalar(0.1)?;
+                let noise = rng.tensor(&param.size(), 0.1)?;
                 let value =
                     if name.ends_with("norm.weight") { noise.f_add_scalar(1.0)? } else { noise };
                 param.shallow_clone().f_copy_(&value)?;
@@ -109,7 +110,7 @@ pub fn tiny_model(config: &ModelConfig, seed: i64) -> Result<CausalLm> {
 pub fn write_tiny_model(
     dir: &Path,
     config: &ModelConfig,
-    seed: i64,
+    seed: u64,
     options: &SaveOptions,
 ) -> Result<CausalLm> {
     let model = tiny_model(config, seed)?;
