@@ -1,0 +1,292 @@
+//! Actors: the [`Actor`] trait that `#[rtrun::actor]` implements, typed references
+//! ([`ActorRef`]), creation options, and how a method call is turned into work on the worker.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::marker::PhantomData;
+use std::pin::Pin;
+
+use serde::{Deserialize, Serialize};
+use tokio::sync::{OwnedRwLockReadGuard, OwnedRwLockWriteGuard};
+
+use crate::codec;
+use crate::context::GroupMembership;
+use crate::error::{Error, Result};
+use crate::ids::ActorId;
+use crate::object::{ObjectBytes, ObjectRef};
+use crate::protocol::Arg;
+use crate::runtime;
+
+/// A boxed future returned by an async actor method.
+pub type MethodFuture = Pin<Box<dyn Future<Output = Result<Vec<u8>>> + Send>>;
+
+/// One decoded method call, ready to run against the actor's state. The variant says how the
+/// method borrows the actor, which decides what may run concurrently with it.
+pub enum Invocation<A> {
+    /// `fn m(&mut self, ..)`: runs alone, in call order.
+    Exclusive(Box<dyn FnOnce(&mut A) -> Result<Vec<u8>> + Send>),
+    /// `fn m(&self, ..)`: may run concurrently with other shared calls up to `max_concurrency`.
+    Shared(Box<dyn FnOnce(&A) -> Result<Vec<u8>> + Send>),
+    /// `async fn m(&mut self, ..)`: runs alone.
+    ExclusiveAsync(Box<dyn FnOnce(OwnedRwLockWriteGuard<A>) -> MethodFuture + Send>),
+    /// `async fn m(&self, ..)`: runs concurrently up to `max_concurrency` (default 1000).
+    SharedAsync(Box<dyn FnOnce(OwnedRwLockReadGuard<A>) -> MethodFuture + Send>),
+}
+
+/// Implemented by `#[rtrun::actor]` for the actor's type.
+pub trait Actor: Sized + Send + Sync + 'static {
+    /// The generated typed reference (`<Type>Ref`).
+    type Ref: From<ActorRef<Self>> + std::ops::Deref<Target = ActorRef<Self>> + Clone;
+    /// The registered name: module path and type name.
+    const TYPE_NAME: &'static str;
+    /// Runs the constructor with the encoded arguments.
+    fn construct(args: Vec<ObjectBytes>) -> Result<Self>;
+    /// Decodes a call of method `method`.
+    fn invoke(method: u16, args: Vec<ObjectBytes>) -> Result<Invocation<Self>>;
+    /// The method's name, for errors and logs.
+    fn method_name(method: u16) -> &'static str;
+}
+
+/// Options for creating an actor (Ray's `.options(...)`).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct ActorOptions {
+    /// CPUs held while the actor lives (default 0, as Ray's actors hold none once placed).
+    pub num_cpus: Option<f64>,
+    /// GPUs held, fractional allowed (0.2 for a hybrid-engine share).
+    pub num_gpus: Option<f64>,
+    /// Custom resources held.
+    pub resources: BTreeMap<String, f64>,
+    /// A name for lookup with [`get_actor`].
+    pub name: Option<String>,
+    /// The name's namespace (default: the runtime's namespace).
+    pub namespace: Option<String>,
+    /// How often the actor is restarted after its process dies (-1: forever).
+    pub max_restarts: i32,
+    /// How often a call in flight when the actor died is retried on the restarted actor
+    /// (-1: forever).
+    pub max_task_retries: i32,
+    /// Concurrency for `&self` methods (sync default 1, async default 1000).
+    pub max_concurrency: Option<usize>,
+    /// Extra environment variables for the actor's worker process.
+    pub env: BTreeMap<String, String>,
+    /// Set by actor groups.
+    pub group: Option<GroupMembership>,
+}
+
+impl ActorOptions {
+    /// Sets `num_cpus`.
+    pub fn num_cpus(mut self, n: f64) -> Self {
+        self.num_cpus = Some(n);
+        self
+    }
+    /// Sets `num_gpus`.
+    pub fn num_gpus(mut self, n: f64) -> Self {
+        self.num_gpus = Some(n);
+        self
+    }
+    /// Adds a custom resource requirement.
+    pub fn resource(mut self, name: &str, amount: f64) -> Self {
+        self.resources.insert(name.to_owned(), amount);
+        self
+    }
+    /// Names the actor.
+    pub fn name(mut self, name: &str) -> Self {
+        self.name = Some(name.to_owned());
+        self
+    }
+    /// Sets the namespace of the name.
+    pub fn namespace(mut self, namespace: &str) -> Self {
+        self.namespace = Some(namespace.to_owned());
+        self
+    }
+    /// Sets `max_restarts`.
+    pub fn max_restarts(mut self, n: i32) -> Self {
+        self.max_restarts = n;
+        self
+    }
+    /// Sets `max_task_retries`.
+    pub fn max_task_retries(mut self, n: i32) -> Self {
+        self.max_task_retries = n;
+        self
+    }
+    /// Sets `max_concurrency`.
+    pub fn max_concurrency(mut self, n: usize) -> Self {
+        self.max_concurrency = Some(n);
+        self
+    }
+    /// Adds an environment variable for the worker process.
+    pub fn env(mut self, key: &str, value: &str) -> Self {
+        self.env.insert(key.to_owned(), value.to_owned());
+        self
+    }
+}
+
+/// What the control plane needs to create an actor.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ActorSpec {
+    /// The registered type name.
+    pub type_name: String,
+    /// Encoded constructor arguments.
+    pub ctor_args: Vec<Arg>,
+    /// Creation options.
+    pub options: ActorOptions,
+}
+
+/// What a caller needs to call an actor: carried inside every [`ActorRef`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ActorInfo {
+    /// The actor.
+    pub id: ActorId,
+    /// Its registered type name.
+    pub type_name: String,
+    /// Retries for calls in flight when it dies.
+    pub max_task_retries: i32,
+}
+
+/// A serializable reference to an actor of type `A`. Generated `<Type>Ref`s dereference to it.
+pub struct ActorRef<A> {
+    info: ActorInfo,
+    _type: PhantomData<fn() -> A>,
+}
+
+impl<A> Clone for ActorRef<A> {
+    fn clone(&self) -> Self {
+        ActorRef { info: self.info.clone(), _type: PhantomData }
+    }
+}
+
+impl<A> std::fmt::Debug for ActorRef<A> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ActorRef({} {})", self.info.type_name, self.info.id)
+    }
+}
+
+impl<A> Serialize for ActorRef<A> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        self.info.serialize(s)
+    }
+}
+
+impl<'de, A> Deserialize<'de> for ActorRef<A> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        Ok(ActorRef { info: ActorInfo::deserialize(d)?, _type: PhantomData })
+    }
+}
+
+impl<A> ActorRef<A> {
+    pub(crate) fn from_info(info: ActorInfo) -> Self {
+        ActorRef { info, _type: PhantomData }
+    }
+
+    /// The actor's id.
+    pub fn id(&self) -> ActorId {
+        self.info.id
+    }
+
+    /// The actor's description.
+    pub fn info(&self) -> &ActorInfo {
+        &self.info
+    }
+
+    /// Calls method number `method` (used by generated code).
+    #[doc(hidden)]
+    pub fn call<R>(&self, method: u16, args: Vec<Result<Arg>>) -> ObjectRef<R> {
+        match runtime::current() {
+            Ok(runtime) => runtime.submit_actor_call(&self.info, method, args),
+            Err(e) => runtime::failed_ref(e),
+        }
+    }
+
+    /// Kills the actor's worker process; it is not restarted, and every pending and later call
+    /// fails with [`Error::ActorDied`].
+    pub fn kill(&self) -> Result<()> {
+        runtime::current()?.kill_actor(self.info.id, true)
+    }
+
+    /// Kills the worker process as a crash would: the actor restarts if `max_restarts` allows.
+    pub fn kill_and_restart(&self) -> Result<()> {
+        runtime::current()?.kill_actor(self.info.id, false)
+    }
+}
+
+/// Creates an actor of type `A` (used by generated code).
+#[doc(hidden)]
+pub fn create_actor<A: Actor>(options: ActorOptions, args: Vec<Result<Arg>>) -> Result<A::Ref> {
+    let runtime = runtime::current()?;
+    let ctor_args = args.into_iter().collect::<Result<Vec<_>>>()?;
+    let spec = ActorSpec { type_name: A::TYPE_NAME.to_owned(), ctor_args, options };
+    let info = runtime.create_actor(spec)?;
+    Ok(ActorRef::from_info(info).into())
+}
+
+/// Looks a named actor up; fails when there is none or it has another type.
+pub fn get_actor<A: Actor>(name: &str, namespace: Option<&str>) -> Result<A::Ref> {
+    let runtime = runtime::current()?;
+    let info = runtime.get_actor_by_name(name, namespace)?;
+    if info.type_name != A::TYPE_NAME {
+        return Err(Error::Invalid(format!(
+            "actor `{name}` has type {}, expected {}",
+            info.type_name,
+            A::TYPE_NAME
+        )));
+    }
+    Ok(ActorRef::from_info(info).into())
+}
+
+/// Converts a call argument: a value is encoded; an [`ObjectRef`] is passed by reference and
+/// resolved by the callee before the call runs.
+pub trait IntoArg<T> {
+    /// The wire form of the argument.
+    fn into_arg(self) -> Result<Arg>;
+}
+
+impl<T: Serialize> IntoArg<T> for T {
+    fn into_arg(self) -> Result<Arg> {
+        codec::encode(&self).map(Arg::Inline)
+    }
+}
+
+impl<T> IntoArg<T> for ObjectRef<T> {
+    fn into_arg(self) -> Result<Arg> {
+        IntoArg::<T>::into_arg(&self)
+    }
+}
+
+impl<T> IntoArg<T> for &ObjectRef<T> {
+    fn into_arg(self) -> Result<Arg> {
+        let runtime = runtime::current()?;
+        runtime.objects.mark_escaped(&self.object, runtime);
+        Ok(Arg::Ref(self.locator()))
+    }
+}
+
+/// Turns a constructor's return value (`Self` or `Result<Self, E>`) into a result.
+pub trait IntoConstructed<A> {
+    /// The actor or the constructor's error.
+    fn into_constructed(self) -> Result<A>;
+}
+
+impl<A: Actor> IntoConstructed<A> for A {
+    fn into_constructed(self) -> Result<A> {
+        Ok(self)
+    }
+}
+
+impl<A: Actor, E: std::fmt::Display> IntoConstructed<A> for std::result::Result<A, E> {
+    fn into_constructed(self) -> Result<A> {
+        self.map_err(|e| Error::TaskFailed {
+            target: format!("{}::new", A::TYPE_NAME),
+            message: e.to_string(),
+        })
+    }
+}
+
+/// Checks the argument count of a call (used by generated code).
+#[doc(hidden)]
+pub fn expect_args(target: &str, args: &[ObjectBytes], expected: usize) -> Result<()> {
+    if args.len() == expected {
+        Ok(())
+    } else {
+        Err(Error::Invalid(format!("{target} takes {expected} arguments, found {}", args.len())))
+    }
+}

@@ -1,0 +1,838 @@
+//! The control plane of an embedded session (Ray's GCS plus raylet, in the driver process):
+//! the actor directory with names and restarts, the node's resources, the task queue and pool
+//! of task workers, and supervision of every worker process.
+//!
+//! All decisions are made under one lock on [`HeadState`]; what must happen afterwards
+//! (answers, process spawns, sends) is collected as [`Effect`]s and carried out after the lock
+//! is released, so no callback ever runs with the lock held.
+
+mod spawn;
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use rtrun_placement::{CPU, GPU, Quantity, ResourceSet};
+
+use crate::actor::{ActorInfo, ActorSpec};
+use crate::error::{Error, Result};
+use crate::ids::{ActorId, ObjectId, WorkerId};
+use crate::protocol::{
+    ActorStart, Address, Assignment, CallFrame, CallTarget, ClusterInfo, Frame, Outcome, Request,
+    Response,
+};
+use crate::runtime::{Config, Runtime};
+use crate::submit::PendingCall;
+use crate::task::TaskSpec;
+use crate::transport::Connection;
+use crate::worker::WorkerSpec;
+
+pub(crate) use spawn::kill_process;
+use spawn::{SpawnRequest, Spawner};
+
+/// Control-plane settings.
+#[derive(Debug, Clone)]
+pub(crate) struct HeadConfig {
+    /// The node's resources.
+    pub(crate) total: ResourceSet,
+    /// At most this many task workers exist at once.
+    pub(crate) max_task_workers: usize,
+}
+
+impl HeadConfig {
+    pub(crate) fn from_runtime_config(config: &Config) -> Result<HeadConfig> {
+        let cpus = config.num_cpus.unwrap_or_else(|| {
+            std::thread::available_parallelism().map(|n| n.get() as f64).unwrap_or(1.0)
+        });
+        let mut pairs: Vec<(&str, f64)> = vec![(CPU, cpus), (GPU, config.num_gpus.unwrap_or(0.0))];
+        pairs.extend(config.resources.iter().map(|(k, v)| (k.as_str(), *v)));
+        let total = ResourceSet::from_floats(pairs)
+            .map_err(|e| Error::Invalid(format!("node resources: {e}")))?;
+        let max_task_workers = (cpus.ceil() as usize).max(1) + 2;
+        Ok(HeadConfig { total, max_task_workers })
+    }
+}
+
+/// Answers a request: locally (a callback in this process) or on a connection.
+pub(crate) struct Responder(Box<dyn FnOnce(Response) + Send>);
+
+impl Responder {
+    pub(crate) fn local(callback: Box<dyn FnOnce(Response) + Send>) -> Responder {
+        Responder(callback)
+    }
+
+    pub(crate) fn remote(conn: Arc<Connection>, req_id: u64) -> Responder {
+        Responder(Box::new(move |body| {
+            if let Err(e) = conn.send(&Frame::Response { req_id, body }) {
+                tracing::debug!("could not deliver a response: {e}");
+            }
+        }))
+    }
+
+    pub(crate) fn respond(self, response: Response) {
+        (self.0)(response)
+    }
+}
+
+/// Work to do once the state lock is released.
+enum Effect {
+    Respond(Responder, Response),
+    Spawn(SpawnRequest),
+    Send(Arc<Connection>, Frame),
+    Kill(u32),
+}
+
+enum WorkerRole {
+    Actor { actor: ActorId, incarnation: u64 },
+    Tasks { running: Option<u64> },
+}
+
+struct WorkerEntry {
+    pid: Option<u32>,
+    address: Option<Address>,
+    conn: Option<Arc<Connection>>,
+    role: WorkerRole,
+    /// Killed before its pid was known: kill it as soon as it is.
+    kill_requested: bool,
+}
+
+enum ActorState {
+    /// Waiting for resources.
+    Pending,
+    /// A worker is starting it.
+    Starting { worker: WorkerId },
+    /// Serving calls.
+    Alive { worker: WorkerId, address: Address },
+    /// Gone for good.
+    Dead { reason: String },
+}
+
+struct ActorEntry {
+    spec: ActorSpec,
+    demand: ResourceSet,
+    state: ActorState,
+    incarnation: u64,
+    restarts_left: i32,
+    killed: bool,
+    holds_resources: bool,
+    /// Why the actor must die when its worker exits (a failed constructor).
+    death_reason: Option<String>,
+    waiters: Vec<(Option<u64>, Responder)>,
+}
+
+struct QueuedTask {
+    spec: TaskSpec,
+    demand: ResourceSet,
+    responder: Responder,
+    attempts: u32,
+}
+
+struct RunningTask {
+    task: QueuedTask,
+    worker: WorkerId,
+}
+
+struct HeadState {
+    session: String,
+    config: HeadConfig,
+    available: ResourceSet,
+    next_worker: u64,
+    next_actor: u64,
+    workers: HashMap<WorkerId, WorkerEntry>,
+    actors: HashMap<ActorId, ActorEntry>,
+    names: HashMap<(String, String), ActorId>,
+    pending_actors: VecDeque<ActorId>,
+    task_queue: VecDeque<QueuedTask>,
+    idle_task_workers: Vec<WorkerId>,
+    starting_task_workers: usize,
+    running_tasks: HashMap<u64, RunningTask>,
+    shutting_down: bool,
+}
+
+/// The control plane.
+pub(crate) struct Head {
+    runtime: Weak<Runtime>,
+    state: Mutex<HeadState>,
+    spawner: Spawner,
+}
+
+impl Head {
+    pub(crate) fn start(runtime: &Arc<Runtime>, config: HeadConfig) -> Result<Arc<Head>> {
+        let available = config.total.clone();
+        let (spawner, inbox) = Spawner::channel();
+        let head = Arc::new(Head {
+            runtime: Arc::downgrade(runtime),
+            state: Mutex::new(HeadState {
+                session: runtime.session.clone(),
+                config,
+                available,
+                next_worker: 1,
+                next_actor: 1,
+                workers: HashMap::new(),
+                actors: HashMap::new(),
+                names: HashMap::new(),
+                pending_actors: VecDeque::new(),
+                task_queue: VecDeque::new(),
+                idle_task_workers: Vec::new(),
+                starting_task_workers: 0,
+                running_tasks: HashMap::new(),
+                shutting_down: false,
+            }),
+            spawner,
+        });
+        inbox.run(Arc::downgrade(&head))?;
+        Ok(head)
+    }
+
+    /// Handles a control-plane request; `origin` is the connection it came on (None: local).
+    pub(crate) fn handle(
+        &self,
+        origin: Option<&Arc<Connection>>,
+        body: Request,
+        responder: Responder,
+    ) {
+        let mut effects = Vec::new();
+        {
+            let mut state = self.state.lock();
+            state.handle(self, origin, body, responder, &mut effects);
+        }
+        self.apply(effects);
+    }
+
+    fn apply(&self, effects: Vec<Effect>) {
+        for effect in effects {
+            match effect {
+                Effect::Respond(responder, response) => responder.respond(response),
+                Effect::Spawn(request) => {
+                    if let Err(e) = self.spawner.spawn(request) {
+                        tracing::error!("{e}");
+                    }
+                }
+                Effect::Send(conn, frame) => {
+                    if let Err(e) = conn.send(&frame) {
+                        tracing::debug!(
+                            "send to a worker failed (the reaper handles its exit): {e}"
+                        );
+                    }
+                }
+                Effect::Kill(pid) => kill_process(pid),
+            }
+        }
+    }
+
+    pub(crate) fn on_spawned(&self, worker: WorkerId, pid: u32) {
+        let kill = {
+            let mut state = self.state.lock();
+            let shutting_down = state.shutting_down;
+            match state.workers.get_mut(&worker) {
+                Some(entry) => {
+                    entry.pid = Some(pid);
+                    entry.kill_requested || shutting_down
+                }
+                None => false,
+            }
+        };
+        if kill {
+            kill_process(pid);
+        }
+    }
+
+    pub(crate) fn on_worker_exit(&self, worker: WorkerId, status: String) {
+        let mut effects = Vec::new();
+        {
+            let mut state = self.state.lock();
+            state.on_worker_exit(worker, status, &mut effects);
+            state.schedule_pending_actors(&mut effects);
+            state.dispatch_tasks(self, &mut effects);
+        }
+        self.apply(effects);
+    }
+
+    pub(crate) fn on_task_reply(&self, call_id: u64, outcome: Outcome) {
+        let mut effects = Vec::new();
+        {
+            let mut state = self.state.lock();
+            if let Some(running) = state.running_tasks.remove(&call_id) {
+                state.available.add(&running.task.demand);
+                if let Some(entry) = state.workers.get_mut(&running.worker) {
+                    entry.role = WorkerRole::Tasks { running: None };
+                    state.idle_task_workers.push(running.worker);
+                }
+                effects.push(Effect::Respond(running.task.responder, Response::Outcome(outcome)));
+                state.schedule_pending_actors(&mut effects);
+                state.dispatch_tasks(self, &mut effects);
+            }
+        }
+        self.apply(effects);
+    }
+
+    pub(crate) fn on_connection_closed(&self, _conn: &Arc<Connection>) {
+        // Worker deaths are learned from the reaper (waitpid), which also covers workers that
+        // die before they connect; a closed connection alone changes nothing here.
+    }
+
+    /// Kills every worker and waits (bounded) until they are reaped.
+    pub(crate) fn shutdown(&self) {
+        let pids: Vec<u32> = {
+            let mut state = self.state.lock();
+            state.shutting_down = true;
+            state.workers.values().filter_map(|w| w.pid).collect()
+        };
+        for pid in pids {
+            kill_process(pid);
+        }
+        Runtime::poll_until(Duration::from_secs(10), || self.state.lock().workers.is_empty());
+    }
+
+    fn runtime(&self) -> Option<Arc<Runtime>> {
+        self.runtime.upgrade()
+    }
+}
+
+fn resources_of(
+    num_cpus: f64,
+    num_gpus: f64,
+    custom: &std::collections::BTreeMap<String, f64>,
+) -> Result<ResourceSet> {
+    let mut pairs: Vec<(&str, f64)> = vec![(CPU, num_cpus), (GPU, num_gpus)];
+    pairs.extend(custom.iter().map(|(k, v)| (k.as_str(), *v)));
+    ResourceSet::from_floats(pairs).map_err(|e| Error::Invalid(format!("resource request: {e}")))
+}
+
+fn shortfall_message(what: &str, demand: &ResourceSet, total: &ResourceSet) -> Option<String> {
+    total.first_shortfall(demand).map(|(name, needed, have)| {
+        format!("{what} needs {name}: {needed}, the cluster has {have} in total")
+    })
+}
+
+fn info_of(id: ActorId, spec: &ActorSpec) -> ActorInfo {
+    ActorInfo {
+        id,
+        type_name: spec.type_name.clone(),
+        max_task_retries: spec.options.max_task_retries,
+    }
+}
+
+impl HeadState {
+    fn handle(
+        &mut self,
+        head: &Head,
+        origin: Option<&Arc<Connection>>,
+        body: Request,
+        responder: Responder,
+        effects: &mut Vec<Effect>,
+    ) {
+        let response = match body {
+            Request::RegisterWorker { worker, address, pid } => {
+                match self.register_worker(head, origin, worker, address, pid, effects) {
+                    Ok(assignment) => Response::Assignment(assignment),
+                    Err(e) => Response::Error(e),
+                }
+            }
+            Request::ActorStarted { actor, incarnation, result } => {
+                self.actor_started(actor, incarnation, result, effects);
+                Response::Done
+            }
+            Request::CreateActor(spec) => match self.create_actor(*spec, effects) {
+                Ok(info) => Response::Actor(info),
+                Err(e) => Response::Error(e),
+            },
+            Request::GetActorByName { name, namespace } => {
+                let found = self
+                    .names
+                    .get(&(namespace.clone(), name.clone()))
+                    .and_then(|id| self.actors.get(id).map(|entry| (*id, entry)));
+                match found {
+                    Some((id, entry)) if !matches!(entry.state, ActorState::Dead { .. }) => {
+                        Response::Actor(info_of(id, &entry.spec))
+                    }
+                    _ => Response::Error(Error::ActorNotFound { name, namespace }),
+                }
+            }
+            Request::WaitActorAlive { actor, after } => match self.actors.get_mut(&actor) {
+                None => Response::Error(Error::Invalid(format!("no actor with id {actor}"))),
+                Some(entry) => match &entry.state {
+                    ActorState::Alive { address, .. }
+                        if after.is_none_or(|a| entry.incarnation > a) =>
+                    {
+                        Response::ActorAlive {
+                            address: address.clone(),
+                            incarnation: entry.incarnation,
+                        }
+                    }
+                    ActorState::Dead { reason } => {
+                        Response::Error(Error::ActorDied { actor, reason: reason.clone() })
+                    }
+                    _ => {
+                        entry.waiters.push((after, responder));
+                        return;
+                    }
+                },
+            },
+            Request::KillActor { actor, no_restart } => {
+                match self.kill_actor(actor, no_restart, effects) {
+                    Ok(()) => Response::Done,
+                    Err(e) => Response::Error(e),
+                }
+            }
+            Request::SubmitTask(spec) => match self.validate_task(&spec) {
+                Ok(demand) => {
+                    self.task_queue.push_back(QueuedTask {
+                        spec: *spec,
+                        demand,
+                        responder,
+                        attempts: 0,
+                    });
+                    self.dispatch_tasks(head, effects);
+                    return;
+                }
+                Err(e) => Response::Error(e),
+            },
+            Request::CancelTask { task, force } => {
+                self.cancel_task(task, force, effects);
+                Response::Done
+            }
+            Request::ClusterInfo => Response::ClusterInfo(self.cluster_info()),
+            other => {
+                Response::Error(Error::Invalid(format!("not a control-plane request: {other:?}")))
+            }
+        };
+        effects.push(Effect::Respond(responder, response));
+    }
+
+    fn worker_env(
+        &self,
+        worker: WorkerId,
+        extra: &std::collections::BTreeMap<String, String>,
+    ) -> Vec<(String, String)> {
+        let spec = WorkerSpec {
+            session: self.session.clone(),
+            worker,
+            head_address: crate::runtime::worker_address(
+                &self.session,
+                crate::ids::DRIVER_WORKER_ID,
+            ),
+            namespace: "default".into(),
+        };
+        let mut env: Vec<(String, String)> =
+            extra.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        env.push(spec.to_env());
+        env
+    }
+
+    fn new_worker(
+        &mut self,
+        role: WorkerRole,
+        extra_env: &std::collections::BTreeMap<String, String>,
+        effects: &mut Vec<Effect>,
+    ) -> WorkerId {
+        let worker = WorkerId(self.next_worker);
+        self.next_worker += 1;
+        let env = self.worker_env(worker, extra_env);
+        self.workers.insert(
+            worker,
+            WorkerEntry { pid: None, address: None, conn: None, role, kill_requested: false },
+        );
+        effects.push(Effect::Spawn(SpawnRequest { worker, env }));
+        worker
+    }
+
+    fn register_worker(
+        &mut self,
+        head: &Head,
+        origin: Option<&Arc<Connection>>,
+        worker: WorkerId,
+        address: Address,
+        pid: u32,
+        effects: &mut Vec<Effect>,
+    ) -> Result<Assignment> {
+        let conn =
+            origin.ok_or_else(|| Error::Invalid("workers register over a connection".into()))?;
+        let entry = self
+            .workers
+            .get_mut(&worker)
+            .ok_or_else(|| Error::Invalid(format!("unknown worker {worker} (pid {pid})")))?;
+        entry.conn = Some(conn.clone());
+        entry.address = Some(address.clone());
+        entry.pid.get_or_insert(pid);
+        if let Some(endpoint) = head.runtime().and_then(|r| r.endpoint().ok().cloned()) {
+            endpoint.remember(address, conn.clone());
+        }
+        match entry.role {
+            WorkerRole::Actor { actor, incarnation } => {
+                let actor_entry = self
+                    .actors
+                    .get(&actor)
+                    .ok_or_else(|| Error::Invalid(format!("worker {worker} has no actor")))?;
+                Ok(Assignment::Actor(Box::new(ActorStart {
+                    actor,
+                    incarnation,
+                    type_name: actor_entry.spec.type_name.clone(),
+                    ctor_args: actor_entry.spec.ctor_args.clone(),
+                    max_concurrency: actor_entry.spec.options.max_concurrency,
+                    group: actor_entry.spec.options.group.clone(),
+                    name: actor_entry.spec.options.name.clone(),
+                })))
+            }
+            WorkerRole::Tasks { .. } => {
+                self.starting_task_workers = self.starting_task_workers.saturating_sub(1);
+                self.idle_task_workers.push(worker);
+                self.dispatch_tasks(head, effects);
+                Ok(Assignment::Tasks)
+            }
+        }
+    }
+
+    fn actor_started(
+        &mut self,
+        actor: ActorId,
+        incarnation: u64,
+        result: std::result::Result<(), String>,
+        effects: &mut Vec<Effect>,
+    ) {
+        let Some(entry) = self.actors.get_mut(&actor) else { return };
+        let ActorState::Starting { worker } = entry.state else { return };
+        if entry.incarnation != incarnation {
+            return;
+        }
+        match result {
+            Ok(()) => {
+                let Some(address) = self.workers.get(&worker).and_then(|w| w.address.clone())
+                else {
+                    return;
+                };
+                entry.state = ActorState::Alive { worker, address: address.clone() };
+                let (ready, waiting): (Vec<_>, Vec<_>) = std::mem::take(&mut entry.waiters)
+                    .into_iter()
+                    .partition(|(after, _)| after.is_none_or(|a| incarnation > a));
+                entry.waiters = waiting;
+                for (_, responder) in ready {
+                    effects.push(Effect::Respond(
+                        responder,
+                        Response::ActorAlive { address: address.clone(), incarnation },
+                    ));
+                }
+            }
+            Err(message) => {
+                // A constructor that fails is not retried (as in Ray): the actor is dead.
+                entry.killed = true;
+                entry.death_reason = Some(format!("its constructor failed: {message}"));
+                if let Some(pid) = self.workers.get(&worker).and_then(|w| w.pid) {
+                    effects.push(Effect::Kill(pid));
+                }
+            }
+        }
+    }
+
+    fn create_actor(&mut self, spec: ActorSpec, effects: &mut Vec<Effect>) -> Result<ActorInfo> {
+        if crate::registry::actor_type(&spec.type_name).is_none() {
+            return Err(Error::Invalid(format!(
+                "actor type {} is not compiled into this binary",
+                spec.type_name
+            )));
+        }
+        let options = &spec.options;
+        let demand = resources_of(
+            options.num_cpus.unwrap_or(0.0),
+            options.num_gpus.unwrap_or(0.0),
+            &options.resources,
+        )?;
+        if let Some(message) =
+            shortfall_message(&format!("actor {}", spec.type_name), &demand, &self.config.total)
+        {
+            return Err(Error::Infeasible(message));
+        }
+        let name_key = match &options.name {
+            Some(name) => {
+                let key =
+                    (options.namespace.clone().unwrap_or_else(|| "default".into()), name.clone());
+                if self.names.contains_key(&key) {
+                    return Err(Error::Invalid(format!(
+                        "an actor named `{}` already exists in namespace `{}`",
+                        key.1, key.0
+                    )));
+                }
+                Some(key)
+            }
+            None => None,
+        };
+        let id = ActorId(self.next_actor);
+        self.next_actor += 1;
+        if let Some(key) = name_key {
+            self.names.insert(key, id);
+        }
+        let info = info_of(id, &spec);
+        self.actors.insert(
+            id,
+            ActorEntry {
+                restarts_left: spec.options.max_restarts,
+                spec,
+                demand,
+                state: ActorState::Pending,
+                incarnation: 0,
+                killed: false,
+                holds_resources: false,
+                death_reason: None,
+                waiters: Vec::new(),
+            },
+        );
+        self.pending_actors.push_back(id);
+        self.schedule_pending_actors(effects);
+        Ok(info)
+    }
+
+    /// Starts pending actors whose resources are now available, in creation order.
+    fn schedule_pending_actors(&mut self, effects: &mut Vec<Effect>) {
+        let mut still_pending = VecDeque::new();
+        while let Some(id) = self.pending_actors.pop_front() {
+            let Some(entry) = self.actors.get(&id) else { continue };
+            if !matches!(entry.state, ActorState::Pending) {
+                continue;
+            }
+            if self.available.try_subtract(&entry.demand).is_err() {
+                still_pending.push_back(id);
+                continue;
+            }
+            let env = entry.spec.options.env.clone();
+            let incarnation = entry.incarnation;
+            let worker =
+                self.new_worker(WorkerRole::Actor { actor: id, incarnation }, &env, effects);
+            let entry = self.actors.get_mut(&id).expect("present: looked up above");
+            entry.holds_resources = true;
+            entry.state = ActorState::Starting { worker };
+        }
+        self.pending_actors = still_pending;
+    }
+
+    fn kill_actor(
+        &mut self,
+        actor: ActorId,
+        no_restart: bool,
+        effects: &mut Vec<Effect>,
+    ) -> Result<()> {
+        let entry = self
+            .actors
+            .get_mut(&actor)
+            .ok_or_else(|| Error::Invalid(format!("no actor with id {actor}")))?;
+        if no_restart {
+            entry.killed = true;
+            entry.death_reason = Some("it was killed".into());
+        }
+        let worker = match entry.state {
+            ActorState::Starting { worker } | ActorState::Alive { worker, .. } => worker,
+            ActorState::Pending => {
+                if no_restart {
+                    self.finish_actor(actor, "it was killed before it started".into(), effects);
+                }
+                return Ok(());
+            }
+            ActorState::Dead { .. } => return Ok(()),
+        };
+        if let Some(w) = self.workers.get_mut(&worker) {
+            match w.pid {
+                Some(pid) => effects.push(Effect::Kill(pid)),
+                None => w.kill_requested = true,
+            }
+        }
+        Ok(())
+    }
+
+    /// Marks an actor dead for good: frees its resources and name, fails its waiters.
+    fn finish_actor(&mut self, actor: ActorId, reason: String, effects: &mut Vec<Effect>) {
+        let Some(entry) = self.actors.get_mut(&actor) else { return };
+        if entry.holds_resources {
+            entry.holds_resources = false;
+            self.available.add(&entry.demand);
+        }
+        entry.state = ActorState::Dead { reason: reason.clone() };
+        for (_, responder) in std::mem::take(&mut entry.waiters) {
+            effects.push(Effect::Respond(
+                responder,
+                Response::Error(Error::ActorDied { actor, reason: reason.clone() }),
+            ));
+        }
+        if let Some(name) = entry.spec.options.name.clone() {
+            let namespace =
+                entry.spec.options.namespace.clone().unwrap_or_else(|| "default".into());
+            self.names.remove(&(namespace, name));
+        }
+    }
+
+    fn on_worker_exit(&mut self, worker: WorkerId, status: String, effects: &mut Vec<Effect>) {
+        let Some(entry) = self.workers.remove(&worker) else { return };
+        if self.shutting_down {
+            return;
+        }
+        match entry.role {
+            WorkerRole::Actor { actor, incarnation } => {
+                let Some(actor_entry) = self.actors.get_mut(&actor) else { return };
+                if actor_entry.incarnation != incarnation {
+                    return;
+                }
+                let restart = !actor_entry.killed && actor_entry.restarts_left != 0;
+                if restart {
+                    if actor_entry.restarts_left > 0 {
+                        actor_entry.restarts_left -= 1;
+                    }
+                    actor_entry.incarnation += 1;
+                    tracing::info!(%actor, %status, incarnation = actor_entry.incarnation, "restarting actor");
+                    let env = actor_entry.spec.options.env.clone();
+                    let incarnation = actor_entry.incarnation;
+                    let new_worker =
+                        self.new_worker(WorkerRole::Actor { actor, incarnation }, &env, effects);
+                    if let Some(actor_entry) = self.actors.get_mut(&actor) {
+                        actor_entry.state = ActorState::Starting { worker: new_worker };
+                    }
+                } else {
+                    let reason = actor_entry.death_reason.clone().unwrap_or(status);
+                    self.finish_actor(actor, reason, effects);
+                }
+            }
+            WorkerRole::Tasks { running } => {
+                self.idle_task_workers.retain(|w| *w != worker);
+                if entry.conn.is_none() {
+                    self.starting_task_workers = self.starting_task_workers.saturating_sub(1);
+                }
+                if let Some(call_id) = running {
+                    if let Some(run) = self.running_tasks.remove(&call_id) {
+                        self.available.add(&run.task.demand);
+                        let mut task = run.task;
+                        if task.attempts < task.spec.options.max_retries {
+                            task.attempts += 1;
+                            self.task_queue.push_front(task);
+                        } else {
+                            let target = task.spec.function.clone();
+                            effects.push(Effect::Respond(
+                                task.responder,
+                                Response::Outcome(Outcome::Error(Error::WorkerDied {
+                                    target,
+                                    reason: status,
+                                })),
+                            ));
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    fn validate_task(&self, spec: &TaskSpec) -> Result<ResourceSet> {
+        if crate::registry::task(&spec.function).is_none() {
+            return Err(Error::Invalid(format!(
+                "remote function {} is not compiled into this binary",
+                spec.function
+            )));
+        }
+        let demand =
+            resources_of(spec.options.num_cpus, spec.options.num_gpus, &spec.options.resources)?;
+        if let Some(message) =
+            shortfall_message(&format!("task {}", spec.function), &demand, &self.config.total)
+        {
+            return Err(Error::Infeasible(message));
+        }
+        Ok(demand)
+    }
+
+    /// Starts queued tasks that fit, on idle task workers, spawning workers as needed.
+    fn dispatch_tasks(&mut self, head: &Head, effects: &mut Vec<Effect>) {
+        if self.shutting_down {
+            return;
+        }
+        let mut waiting_for_worker = 0usize;
+        let mut index = 0;
+        while index < self.task_queue.len() {
+            if !self.available.contains(&self.task_queue[index].demand) {
+                index += 1;
+                continue;
+            }
+            let Some(worker) = self.idle_task_workers.pop() else {
+                waiting_for_worker += 1;
+                index += 1;
+                continue;
+            };
+            let Some(conn) = self.workers.get(&worker).and_then(|w| w.conn.clone()) else {
+                continue;
+            };
+            let Some(task) = self.task_queue.remove(index) else { break };
+            // `contains` was checked above, so the subtraction cannot fail.
+            let _ = self.available.try_subtract(&task.demand);
+            let Some(runtime) = head.runtime() else { return };
+            let call_id = runtime.next_id();
+            runtime.calls.insert(call_id, PendingCall::HeadTask);
+            if let Some(entry) = self.workers.get_mut(&worker) {
+                entry.role = WorkerRole::Tasks { running: Some(call_id) };
+            }
+            let frame = Frame::Call(CallFrame {
+                call_id,
+                target: CallTarget::Task { function: task.spec.function.clone() },
+                args: task.spec.args.clone(),
+            });
+            self.running_tasks.insert(call_id, RunningTask { task, worker });
+            effects.push(Effect::Send(conn, frame));
+        }
+        let task_workers =
+            self.workers.values().filter(|w| matches!(w.role, WorkerRole::Tasks { .. })).count();
+        let room = self.config.max_task_workers.saturating_sub(task_workers);
+        let wanted = waiting_for_worker.saturating_sub(self.starting_task_workers).min(room);
+        for _ in 0..wanted {
+            self.starting_task_workers += 1;
+            self.new_worker(WorkerRole::Tasks { running: None }, &Default::default(), effects);
+        }
+    }
+
+    fn cancel_task(&mut self, task: ObjectId, force: bool, effects: &mut Vec<Effect>) {
+        if let Some(index) = self.task_queue.iter().position(|t| t.spec.task == task) {
+            if let Some(queued) = self.task_queue.remove(index) {
+                effects.push(Effect::Respond(
+                    queued.responder,
+                    Response::Outcome(Outcome::Error(Error::Cancelled)),
+                ));
+            }
+            return;
+        }
+        let Some((call_id, worker)) = self
+            .running_tasks
+            .iter()
+            .find(|(_, r)| r.task.spec.task == task)
+            .map(|(call_id, r)| (*call_id, r.worker))
+        else {
+            return;
+        };
+        if force {
+            if let Some(mut run) = self.running_tasks.remove(&call_id) {
+                self.available.add(&run.task.demand);
+                run.task.spec.options.max_retries = 0;
+                effects.push(Effect::Respond(
+                    run.task.responder,
+                    Response::Outcome(Outcome::Error(Error::Cancelled)),
+                ));
+            }
+            if let Some(w) = self.workers.get_mut(&worker) {
+                w.role = WorkerRole::Tasks { running: None };
+                if let Some(pid) = w.pid {
+                    effects.push(Effect::Kill(pid));
+                }
+            }
+        } else if let Some(conn) = self.workers.get(&worker).and_then(|w| w.conn.clone()) {
+            effects.push(Effect::Send(conn, Frame::Cancel { call_id }));
+        }
+    }
+
+    fn cluster_info(&self) -> ClusterInfo {
+        let floats = |set: &ResourceSet| {
+            set.iter().map(|(k, q): (&str, Quantity)| (k.to_owned(), q.as_f64())).collect()
+        };
+        ClusterInfo {
+            total: floats(&self.config.total),
+            available: floats(&self.available),
+            workers: self.workers.len(),
+            alive_actors: self
+                .actors
+                .values()
+                .filter(|a| matches!(a.state, ActorState::Alive { .. }))
+                .count(),
+            worker_pids: self.workers.values().filter_map(|w| w.pid).collect(),
+        }
+    }
+}

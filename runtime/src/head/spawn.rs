@@ -1,0 +1,127 @@
+//! Spawning and reaping worker processes.
+//!
+//! Workers are this executable re-run with a worker environment. They are started from one
+//! long-lived thread because Linux delivers the parent-death signal when the *thread* that
+//! forked a child exits; with that thread living as long as the process, every worker gets
+//! SIGKILL exactly when the driver process dies — also when the driver itself is SIGKILLed.
+
+use std::os::unix::process::CommandExt;
+use std::process::{Command, Stdio};
+use std::sync::Weak;
+
+use crate::error::{Error, Result};
+use crate::ids::WorkerId;
+
+use super::Head;
+
+/// A worker to start.
+pub(crate) struct SpawnRequest {
+    pub(crate) worker: WorkerId,
+    pub(crate) env: Vec<(String, String)>,
+}
+
+/// Sends spawn requests to the spawner thread.
+pub(crate) struct Spawner {
+    requests: crossbeam_channel::Sender<SpawnRequest>,
+}
+
+impl Spawner {
+    /// A spawner and the inbox its thread will serve.
+    pub(crate) fn channel() -> (Spawner, SpawnerInbox) {
+        let (tx, rx) = crossbeam_channel::unbounded::<SpawnRequest>();
+        (Spawner { requests: tx }, SpawnerInbox { requests: rx })
+    }
+
+    /// Queues a worker to start.
+    pub(crate) fn spawn(&self, request: SpawnRequest) -> Result<()> {
+        self.requests
+            .send(request)
+            .map_err(|_| Error::System("the spawner thread has stopped".into()))
+    }
+}
+
+/// The receiving side of a [`Spawner`].
+pub(crate) struct SpawnerInbox {
+    requests: crossbeam_channel::Receiver<SpawnRequest>,
+}
+
+impl SpawnerInbox {
+    /// Starts the spawner thread; it reports spawns and exits to `head`.
+    pub(crate) fn run(self, head: Weak<Head>) -> Result<()> {
+        let exe = std::env::current_exe()
+            .map_err(|e| Error::System(format!("cannot find this executable: {e}")))?;
+        let args: Vec<_> = std::env::args_os().skip(1).collect();
+        std::thread::Builder::new()
+            .name("rtrun-spawner".into())
+            .spawn(move || {
+                let parent = std::process::id();
+                for request in self.requests {
+                    let Some(head) = head.upgrade() else { return };
+                    let mut command = Command::new(&exe);
+                    command.args(&args).envs(request.env.iter().cloned()).stdin(Stdio::null());
+                    // SAFETY: the closure runs in the forked child before exec and only makes
+                    // async-signal-safe calls (prctl, getppid, _exit).
+                    unsafe {
+                        command.pre_exec(move || {
+                            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                                return Err(std::io::Error::last_os_error());
+                            }
+                            // The parent may have died between fork and prctl.
+                            if libc::getppid() != parent as libc::pid_t {
+                                libc::_exit(1);
+                            }
+                            Ok(())
+                        });
+                    }
+                    match command.spawn() {
+                        Ok(child) => {
+                            head.on_spawned(request.worker, child.id());
+                            start_reaper(&head, request.worker, child);
+                        }
+                        Err(e) => {
+                            head.on_worker_exit(request.worker, format!("failed to start: {e}"))
+                        }
+                    }
+                }
+            })
+            .map_err(|e| Error::System(format!("cannot start the spawner thread: {e}")))?;
+        Ok(())
+    }
+}
+
+/// Waits for `child` on its own thread and reports its exit.
+fn start_reaper(head: &std::sync::Arc<Head>, worker: WorkerId, mut child: std::process::Child) {
+    let head = std::sync::Arc::downgrade(head);
+    let spawned =
+        std::thread::Builder::new().name(format!("rtrun-reap-{}", worker.0)).spawn(move || {
+            let status = match child.wait() {
+                Ok(status) => describe_exit(status),
+                Err(e) => format!("could not be waited for: {e}"),
+            };
+            if let Some(head) = head.upgrade() {
+                head.on_worker_exit(worker, status);
+            }
+        });
+    if let Err(e) = spawned {
+        tracing::error!("cannot start a reaper thread: {e}");
+    }
+}
+
+fn describe_exit(status: std::process::ExitStatus) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    match (status.code(), status.signal()) {
+        (Some(code), _) => format!("worker process exited with code {code}"),
+        (None, Some(signal)) => format!("worker process was killed by signal {signal}"),
+        _ => format!("worker process ended: {status}"),
+    }
+}
+
+/// Sends SIGKILL to a process.
+pub(crate) fn kill_process(pid: u32) {
+    let Ok(pid) = libc::pid_t::try_from(pid) else { return };
+    // SAFETY: kill(2) has no memory-safety preconditions; a stale pid at worst signals nothing
+    // (the reaper has not yet waited for it, so it cannot have been reused).
+    unsafe {
+        libc::kill(pid, libc::SIGKILL);
+    }
+}

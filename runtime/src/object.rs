@@ -1,0 +1,474 @@
+//! Object references and the process-local object table.
+//!
+//! Every process keeps the objects it owns (the values it `put` and the results of the calls it
+//! made) in its table; other processes fetch them from the owner on demand. An [`ObjectRef`] is
+//! a handle on a table entry: cloning it is an `Arc` clone, and when the last handle in the
+//! owner drops, the value is freed — unless the reference escaped to another process, in which
+//! case the owner keeps it until [`free`] (borrower tracking that releases escaped objects
+//! automatically belongs to the object store).
+
+use std::future::{Future, IntoFuture};
+use std::marker::PhantomData;
+use std::pin::Pin;
+use std::sync::{Arc, Weak};
+use std::task::{Context, Poll, Waker};
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex};
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use crate::codec;
+use crate::error::{Error, Result};
+use crate::ids::ObjectId;
+use crate::protocol::{Address, ObjectLocator};
+use crate::runtime::{self, Runtime};
+
+/// The bytes of a resolved object.
+pub type ObjectBytes = Arc<Vec<u8>>;
+
+type Callback = Box<dyn FnOnce(&Result<ObjectBytes>) + Send>;
+
+enum SlotState {
+    Pending(Vec<Callback>),
+    Done(Result<ObjectBytes>),
+}
+
+/// A value that will be known later: completed once, waited on by threads, futures and
+/// callbacks.
+pub struct Slot {
+    state: Mutex<SlotState>,
+    ready: Condvar,
+}
+
+impl Default for Slot {
+    fn default() -> Self {
+        Slot { state: Mutex::new(SlotState::Pending(Vec::new())), ready: Condvar::new() }
+    }
+}
+
+impl Slot {
+    /// A slot that is already complete.
+    pub fn done(result: Result<ObjectBytes>) -> Slot {
+        Slot { state: Mutex::new(SlotState::Done(result)), ready: Condvar::new() }
+    }
+
+    /// Completes the slot; later completions are ignored (the first outcome wins).
+    pub fn complete(&self, result: Result<ObjectBytes>) {
+        let callbacks = {
+            let mut state = self.state.lock();
+            match &mut *state {
+                SlotState::Done(_) => return,
+                SlotState::Pending(callbacks) => {
+                    let callbacks = std::mem::take(callbacks);
+                    *state = SlotState::Done(result);
+                    callbacks
+                }
+            }
+        };
+        self.ready.notify_all();
+        if !callbacks.is_empty() {
+            let state = self.state.lock();
+            if let SlotState::Done(result) = &*state {
+                let result = result.clone();
+                drop(state);
+                for callback in callbacks {
+                    callback(&result);
+                }
+            }
+        }
+    }
+
+    /// Replaces a completed value (used by `free`, which turns a value into an error).
+    pub fn overwrite(&self, result: Result<ObjectBytes>) {
+        *self.state.lock() = SlotState::Done(result);
+        self.ready.notify_all();
+    }
+
+    /// The outcome, if known.
+    pub fn peek(&self) -> Option<Result<ObjectBytes>> {
+        match &*self.state.lock() {
+            SlotState::Done(result) => Some(result.clone()),
+            SlotState::Pending(_) => None,
+        }
+    }
+
+    /// Whether the outcome is known.
+    pub fn is_done(&self) -> bool {
+        matches!(&*self.state.lock(), SlotState::Done(_))
+    }
+
+    /// Runs `callback` with the outcome: now if known, else when it completes.
+    pub fn on_done(&self, callback: impl FnOnce(&Result<ObjectBytes>) + Send + 'static) {
+        let mut state = self.state.lock();
+        match &mut *state {
+            SlotState::Pending(callbacks) => callbacks.push(Box::new(callback)),
+            SlotState::Done(result) => {
+                let result = result.clone();
+                drop(state);
+                callback(&result);
+            }
+        }
+    }
+
+    /// Blocks until the outcome is known or `deadline` passes.
+    pub fn wait(&self, deadline: Option<Instant>) -> Option<Result<ObjectBytes>> {
+        let mut state = self.state.lock();
+        loop {
+            if let SlotState::Done(result) = &*state {
+                return Some(result.clone());
+            }
+            match deadline {
+                None => self.ready.wait(&mut state),
+                Some(deadline) => {
+                    if self.ready.wait_until(&mut state, deadline).timed_out() {
+                        if let SlotState::Done(result) = &*state {
+                            return Some(result.clone());
+                        }
+                        return None;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A process-local handle on an object; shared by every `ObjectRef` to it in this process.
+pub(crate) struct LocalObject {
+    pub(crate) id: ObjectId,
+    pub(crate) owner: Address,
+    pub(crate) slot: Arc<Slot>,
+    /// For borrowed objects: whether a fetch from the owner has been started.
+    fetch_started: Mutex<bool>,
+    runtime: Weak<Runtime>,
+}
+
+impl Drop for LocalObject {
+    fn drop(&mut self) {
+        if let Some(runtime) = self.runtime.upgrade() {
+            runtime.objects.release(self.id);
+        }
+    }
+}
+
+/// The process's object table.
+#[derive(Default)]
+pub struct ObjectTable {
+    /// Live handles by id, so that a reference arriving from elsewhere joins the existing entry.
+    handles: dashmap::DashMap<ObjectId, Weak<LocalObject>>,
+    /// Owned objects whose references escaped to other processes: kept until freed.
+    escaped: dashmap::DashMap<ObjectId, Arc<Slot>>,
+}
+
+impl ObjectTable {
+    /// Registers a new object owned by this process.
+    pub(crate) fn create_owned(
+        &self,
+        runtime: &Arc<Runtime>,
+        id: ObjectId,
+        slot: Arc<Slot>,
+    ) -> Arc<LocalObject> {
+        let object = Arc::new(LocalObject {
+            id,
+            owner: runtime.address().clone(),
+            slot,
+            fetch_started: Mutex::new(true),
+            runtime: Arc::downgrade(runtime),
+        });
+        self.handles.insert(id, Arc::downgrade(&object));
+        object
+    }
+
+    /// The handle for a reference that arrived from another process (or our own, returning).
+    pub(crate) fn handle_for(
+        &self,
+        runtime: &Arc<Runtime>,
+        locator: ObjectLocator,
+    ) -> Arc<LocalObject> {
+        if let Some(existing) = self.handles.get(&locator.id).and_then(|w| w.upgrade()) {
+            return existing;
+        }
+        let owned_here = &locator.owner == runtime.address();
+        let slot = match self.escaped.get(&locator.id) {
+            Some(slot) => slot.clone(),
+            None if owned_here => Arc::new(Slot::done(Err(Error::ObjectFreed(locator.id)))),
+            None => Arc::new(Slot::default()),
+        };
+        let object = Arc::new(LocalObject {
+            id: locator.id,
+            owner: locator.owner,
+            slot,
+            fetch_started: Mutex::new(owned_here),
+            runtime: Arc::downgrade(runtime),
+        });
+        self.handles.insert(locator.id, Arc::downgrade(&object));
+        object
+    }
+
+    /// Marks an owned object as referenced from elsewhere, so it outlives local handles.
+    pub(crate) fn mark_escaped(&self, object: &LocalObject, runtime: &Runtime) {
+        if &object.owner == runtime.address() && !self.escaped.contains_key(&object.id) {
+            self.escaped.insert(object.id, object.slot.clone());
+        }
+    }
+
+    /// The slot of an object this process owns or holds, for answering fetches.
+    pub(crate) fn find_slot(&self, id: ObjectId) -> Option<Arc<Slot>> {
+        if let Some(slot) = self.escaped.get(&id) {
+            return Some(slot.clone());
+        }
+        self.handles.get(&id).and_then(|w| w.upgrade()).map(|o| o.slot.clone())
+    }
+
+    /// Frees an owned object: later gets anywhere fail with `ObjectFreed`.
+    pub(crate) fn free_owned(&self, id: ObjectId) {
+        let slot =
+            self.escaped.remove(&id).map(|(_, slot)| slot).or_else(|| {
+                self.handles.get(&id).and_then(|w| w.upgrade()).map(|o| o.slot.clone())
+            });
+        if let Some(slot) = slot {
+            slot.overwrite(Err(Error::ObjectFreed(id)));
+        }
+    }
+
+    fn release(&self, id: ObjectId) {
+        self.handles.remove_if(&id, |_, weak| weak.strong_count() == 0);
+    }
+
+    /// How many objects this process currently tracks (live handles plus escaped objects).
+    pub fn len(&self) -> usize {
+        self.handles.len() + self.escaped.len()
+    }
+
+    /// Whether the table is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A reference to a value that is (or will be) held by its owner process.
+///
+/// `get` blocks; `.await` waits asynchronously. References can be cloned, sent to other actors
+/// as arguments (they are resolved before the call runs) or inside values.
+pub struct ObjectRef<T> {
+    pub(crate) object: Arc<LocalObject>,
+    _type: PhantomData<fn() -> T>,
+}
+
+impl<T> Clone for ObjectRef<T> {
+    fn clone(&self) -> Self {
+        ObjectRef { object: self.object.clone(), _type: PhantomData }
+    }
+}
+
+impl<T> std::fmt::Debug for ObjectRef<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ObjectRef({}@{})", self.object.id, self.object.owner)
+    }
+}
+
+impl<T> ObjectRef<T> {
+    pub(crate) fn from_local(object: Arc<LocalObject>) -> Self {
+        ObjectRef { object, _type: PhantomData }
+    }
+
+    /// The object's id.
+    pub fn id(&self) -> ObjectId {
+        self.object.id
+    }
+
+    /// Where the object can be fetched from.
+    pub fn locator(&self) -> ObjectLocator {
+        ObjectLocator { id: self.object.id, owner: self.object.owner.clone() }
+    }
+
+    /// Whether the value (or its error) is already known locally, without blocking.
+    pub fn is_ready(&self) -> bool {
+        self.object.slot.is_done()
+    }
+
+    /// Starts fetching a borrowed object's value from its owner (once).
+    pub(crate) fn ensure_fetch(&self) {
+        ensure_fetch(&self.object);
+    }
+
+    /// Waits for the raw bytes of the value.
+    pub fn get_bytes(&self, timeout: Option<Duration>) -> Result<ObjectBytes> {
+        self.ensure_fetch();
+        let deadline = timeout.map(|t| Instant::now() + t);
+        match self.object.slot.wait(deadline) {
+            Some(result) => result,
+            None => Err(Error::Timeout(timeout.unwrap_or_default())),
+        }
+    }
+}
+
+pub(crate) fn ensure_fetch(object: &Arc<LocalObject>) {
+    let mut started = object.fetch_started.lock();
+    if !*started {
+        *started = true;
+        drop(started);
+        match runtime::current() {
+            Ok(runtime) => runtime.fetch_object(object.id, &object.owner, object.slot.clone()),
+            Err(e) => object.slot.complete(Err(e)),
+        }
+    }
+}
+
+impl<T: DeserializeOwned> ObjectRef<T> {
+    /// Blocks until the value is available and decodes it.
+    pub fn get(&self) -> Result<T> {
+        codec::decode(&self.get_bytes(None)?)
+    }
+
+    /// Like [`ObjectRef::get`], failing with [`Error::Timeout`] after `timeout`.
+    pub fn get_timeout(&self, timeout: Duration) -> Result<T> {
+        codec::decode(&self.get_bytes(Some(timeout))?)
+    }
+}
+
+impl<T> Serialize for ObjectRef<T> {
+    fn serialize<S: Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
+        if let Ok(runtime) = runtime::current() {
+            runtime.objects.mark_escaped(&self.object, runtime);
+        }
+        self.locator().serialize(serializer)
+    }
+}
+
+impl<'de, T> Deserialize<'de> for ObjectRef<T> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
+        let locator = ObjectLocator::deserialize(deserializer)?;
+        let runtime = runtime::current().map_err(serde::de::Error::custom)?;
+        Ok(ObjectRef::from_local(runtime.objects.handle_for(runtime, locator)))
+    }
+}
+
+/// The future of an awaited [`ObjectRef`].
+pub struct ObjectFuture<T> {
+    object: Arc<LocalObject>,
+    waker: Arc<Mutex<Option<Waker>>>,
+    registered: bool,
+    _type: PhantomData<fn() -> T>,
+}
+
+impl<T: DeserializeOwned> Future for ObjectFuture<T> {
+    type Output = Result<T>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        if let Some(result) = self.object.slot.peek() {
+            return Poll::Ready(result.and_then(|bytes| codec::decode(&bytes)));
+        }
+        *self.waker.lock() = Some(cx.waker().clone());
+        if !self.registered {
+            self.registered = true;
+            ensure_fetch(&self.object);
+            let waker = self.waker.clone();
+            self.object.slot.on_done(move |_| {
+                if let Some(waker) = waker.lock().take() {
+                    waker.wake();
+                }
+            });
+        }
+        // The slot may have completed between the peek and the registration.
+        match self.object.slot.peek() {
+            Some(result) => Poll::Ready(result.and_then(|bytes| codec::decode(&bytes))),
+            None => Poll::Pending,
+        }
+    }
+}
+
+impl<T: DeserializeOwned> IntoFuture for ObjectRef<T> {
+    type Output = Result<T>;
+    type IntoFuture = ObjectFuture<T>;
+
+    fn into_future(self) -> ObjectFuture<T> {
+        ObjectFuture {
+            object: self.object,
+            waker: Arc::new(Mutex::new(None)),
+            registered: false,
+            _type: PhantomData,
+        }
+    }
+}
+
+/// Waits until `num_returns` of `refs` are ready or `timeout` passes; returns the ready ones and
+/// the rest, each in their original order (Ray's `ray.wait`).
+pub fn wait<T>(
+    refs: &[ObjectRef<T>],
+    num_returns: usize,
+    timeout: Option<Duration>,
+) -> Result<(Vec<ObjectRef<T>>, Vec<ObjectRef<T>>)> {
+    if num_returns > refs.len() {
+        return Err(Error::Invalid(format!(
+            "num_returns is {num_returns} but only {} references were given",
+            refs.len()
+        )));
+    }
+    let counter = Arc::new((Mutex::new(0usize), Condvar::new()));
+    for r in refs {
+        r.ensure_fetch();
+        let counter = counter.clone();
+        r.object.slot.on_done(move |_| {
+            *counter.0.lock() += 1;
+            counter.1.notify_all();
+        });
+    }
+    let deadline = timeout.map(|t| Instant::now() + t);
+    {
+        let mut done = counter.0.lock();
+        while *done < num_returns {
+            match deadline {
+                None => counter.1.wait(&mut done),
+                Some(deadline) => {
+                    if counter.1.wait_until(&mut done, deadline).timed_out() {
+                        break;
+                    }
+                }
+            }
+        }
+    }
+    let mut ready = Vec::new();
+    let mut rest = Vec::new();
+    for r in refs {
+        if ready.len() < num_returns.max(1) && r.is_ready() {
+            ready.push(r.clone());
+        } else {
+            rest.push(r.clone());
+        }
+    }
+    Ok((ready, rest))
+}
+
+/// Gets every value in order.
+pub fn get_all<T: DeserializeOwned>(refs: &[ObjectRef<T>]) -> Result<Vec<T>> {
+    refs.iter().for_each(ObjectRef::ensure_fetch);
+    refs.iter().map(ObjectRef::get).collect()
+}
+
+/// Stores a value in this process's object table and returns a reference to it.
+pub fn put<T: Serialize>(value: &T) -> Result<ObjectRef<T>> {
+    let runtime = runtime::current()?;
+    let bytes = codec::encode(value)?;
+    Ok(runtime.put_encoded(bytes))
+}
+
+/// Frees objects: later gets (here or in any process) fail with [`Error::ObjectFreed`].
+pub fn free<T>(refs: &[ObjectRef<T>]) -> Result<()> {
+    let runtime = runtime::current()?;
+    for r in refs {
+        runtime.free_object(&r.locator());
+    }
+    Ok(())
+}
+
+/// A handle on an already-failed object outside any runtime (used when there is none).
+pub(crate) fn detached_object(result: Result<ObjectBytes>) -> Arc<LocalObject> {
+    Arc::new(LocalObject {
+        id: ObjectId(0),
+        owner: Address::new(),
+        slot: Arc::new(Slot::done(result)),
+        fetch_started: Mutex::new(true),
+        runtime: Weak::new(),
+    })
+}

@@ -1,0 +1,321 @@
+//! Caller-side actor calls: one submitter per actor this process calls. It queues calls until
+//! the actor is alive, sends them in submission order straight to the actor's worker, and on
+//! the worker's death retries or fails the calls in flight and waits for the actor's restart.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+use dashmap::DashMap;
+use parking_lot::Mutex;
+
+use crate::actor::ActorInfo;
+use crate::error::{Error, Result};
+use crate::ids::ActorId;
+use crate::object::{ObjectRef, Slot};
+use crate::protocol::{Arg, CallFrame, CallTarget, Frame, Request, Response};
+use crate::runtime::Runtime;
+use crate::transport::Connection;
+
+/// A call whose reply this process waits for.
+pub(crate) enum PendingCall {
+    /// An actor method call made by this process.
+    Actor(ActorCall),
+    /// A task the head dispatched to a task worker.
+    HeadTask,
+}
+
+/// An actor call in flight or queued.
+pub(crate) struct ActorCall {
+    pub(crate) slot: Arc<Slot>,
+    actor: ActorId,
+    /// Kept while the call may still be (re)sent.
+    frame: Option<CallFrame>,
+    retries_left: i32,
+    connection: Option<u64>,
+}
+
+enum State {
+    /// Waiting to learn where the actor lives; calls queue in order.
+    Resolving { queue: VecDeque<u64>, known_incarnation: Option<u64>, asked: bool },
+    /// Calls go straight to the actor's worker.
+    Connected { conn: Arc<Connection>, incarnation: u64 },
+    /// Every call fails with this error.
+    Dead(Error),
+}
+
+/// Calls to one actor.
+pub(crate) struct Submitter {
+    info: ActorInfo,
+    state: Mutex<State>,
+}
+
+/// This process's submitters, by actor.
+#[derive(Default)]
+pub(crate) struct Submitters {
+    by_actor: DashMap<ActorId, Arc<Submitter>>,
+}
+
+impl Runtime {
+    /// Submits a call of `method` on the actor described by `info`.
+    pub(crate) fn submit_actor_call<R>(
+        self: &Arc<Self>,
+        info: &ActorInfo,
+        method: u16,
+        args: Vec<Result<Arg>>,
+    ) -> ObjectRef<R> {
+        let args = match args.into_iter().collect::<Result<Vec<_>>>() {
+            Ok(args) => args,
+            Err(e) => return crate::runtime::failed_ref(e),
+        };
+        let call_id = self.next_id();
+        // The result's id carries the call id, so `cancel` can find the call from the ref.
+        let id = self.object_id_for(call_id);
+        let slot = Arc::new(Slot::default());
+        let object = self.objects.create_owned(self, id, slot.clone());
+        let frame =
+            CallFrame { call_id, target: CallTarget::Actor { actor: info.id, method }, args };
+        let submitter = self.submitters.get_or_create(info);
+        self.calls.insert(
+            call_id,
+            PendingCall::Actor(ActorCall {
+                slot,
+                actor: info.id,
+                frame: Some(frame),
+                retries_left: info.max_task_retries,
+                connection: None,
+            }),
+        );
+        submitter.submit(self, call_id);
+        ObjectRef::from_local(object)
+    }
+}
+
+impl Submitters {
+    fn get_or_create(&self, info: &ActorInfo) -> Arc<Submitter> {
+        if let Some(s) = self.by_actor.get(&info.id) {
+            return s.clone();
+        }
+        self.by_actor
+            .entry(info.id)
+            .or_insert_with(|| {
+                Arc::new(Submitter {
+                    info: info.clone(),
+                    state: Mutex::new(State::Resolving {
+                        queue: VecDeque::new(),
+                        known_incarnation: None,
+                        asked: false,
+                    }),
+                })
+            })
+            .clone()
+    }
+
+    /// Handles the death of a connection: every actor reached through it is re-resolved.
+    pub(crate) fn on_connection_closed(&self, runtime: &Arc<Runtime>, conn: &Arc<Connection>) {
+        let affected: Vec<Arc<Submitter>> = self
+            .by_actor
+            .iter()
+            .filter(|s| matches!(&*s.state.lock(), State::Connected { conn: c, .. } if c.id() == conn.id()))
+            .map(|s| s.clone())
+            .collect();
+        for submitter in affected {
+            submitter.on_disconnect(runtime, conn.id());
+        }
+    }
+}
+
+impl Submitter {
+    fn submit(self: &Arc<Self>, runtime: &Arc<Runtime>, call_id: u64) {
+        let mut state = self.state.lock();
+        match &mut *state {
+            State::Connected { conn, .. } => {
+                let conn = conn.clone();
+                if !send_call(runtime, &conn, call_id) {
+                    // The connection broke under us; the close handler re-resolves and requeues.
+                    drop(state);
+                    self.on_disconnect(runtime, conn.id());
+                }
+            }
+            State::Resolving { queue, asked, known_incarnation } => {
+                queue.push_back(call_id);
+                if !*asked {
+                    *asked = true;
+                    let after = *known_incarnation;
+                    drop(state);
+                    self.ask_where(runtime, after);
+                }
+            }
+            State::Dead(error) => {
+                let error = error.clone();
+                drop(state);
+                fail_call(runtime, call_id, error);
+            }
+        }
+    }
+
+    /// Asks the head where the actor lives (answered when it is alive in a newer incarnation
+    /// than `after`, or dead).
+    fn ask_where(self: &Arc<Self>, runtime: &Arc<Runtime>, after: Option<u64>) {
+        let this = self.clone();
+        let rt = runtime.clone();
+        runtime.head_request(
+            Request::WaitActorAlive { actor: self.info.id, after },
+            Box::new(move |response| match response {
+                Response::ActorAlive { address, incarnation } => {
+                    match rt.endpoint().and_then(|e| e.connect(&address)) {
+                        Ok(conn) => this.on_alive(&rt, conn, incarnation),
+                        Err(e) => this.on_dead(
+                            &rt,
+                            Error::ActorDied {
+                                actor: this.info.id,
+                                reason: format!("cannot reach its worker at {address}: {e}"),
+                            },
+                        ),
+                    }
+                }
+                Response::Error(e) => this.on_dead(&rt, e),
+                other => {
+                    this.on_dead(&rt, Error::Transport(format!("unexpected response {other:?}")))
+                }
+            }),
+        );
+    }
+
+    fn on_alive(self: &Arc<Self>, runtime: &Arc<Runtime>, conn: Arc<Connection>, incarnation: u64) {
+        let mut state = self.state.lock();
+        let queue = match &mut *state {
+            State::Resolving { queue, .. } => std::mem::take(queue),
+            _ => return,
+        };
+        *state = State::Connected { conn: conn.clone(), incarnation };
+        for call_id in queue {
+            if !send_call(runtime, &conn, call_id) {
+                drop(state);
+                self.on_disconnect(runtime, conn.id());
+                return;
+            }
+        }
+    }
+
+    fn on_dead(self: &Arc<Self>, runtime: &Arc<Runtime>, error: Error) {
+        let queue = {
+            let mut state = self.state.lock();
+            let queue = match &mut *state {
+                State::Resolving { queue, .. } => std::mem::take(queue),
+                _ => VecDeque::new(),
+            };
+            *state = State::Dead(error.clone());
+            queue
+        };
+        for call_id in queue {
+            fail_call(runtime, call_id, error.clone());
+        }
+    }
+
+    /// The actor's worker went away: retry or fail the calls in flight, then re-resolve.
+    fn on_disconnect(self: &Arc<Self>, runtime: &Arc<Runtime>, connection: u64) {
+        let mut state = self.state.lock();
+        let incarnation = match &*state {
+            State::Connected { conn, incarnation } if conn.id() == connection => *incarnation,
+            _ => return,
+        };
+        let mut in_flight: Vec<u64> = runtime
+            .calls
+            .iter()
+            .filter(|c| matches!(c.value(), PendingCall::Actor(a) if a.actor == self.info.id && a.connection == Some(connection)))
+            .map(|c| *c.key())
+            .collect();
+        in_flight.sort_unstable();
+        let mut queue = VecDeque::new();
+        for call_id in in_flight {
+            let retry = match runtime.calls.get_mut(&call_id) {
+                Some(mut entry) => match entry.value_mut() {
+                    PendingCall::Actor(call) if call.retries_left != 0 && call.frame.is_some() => {
+                        if call.retries_left > 0 {
+                            call.retries_left -= 1;
+                        }
+                        call.connection = None;
+                        true
+                    }
+                    _ => false,
+                },
+                None => continue,
+            };
+            if retry {
+                queue.push_back(call_id);
+            } else {
+                fail_call(
+                    runtime,
+                    call_id,
+                    Error::ActorDied {
+                        actor: self.info.id,
+                        reason: "its worker process died while the call was in flight".into(),
+                    },
+                );
+            }
+        }
+        *state = State::Resolving { queue, known_incarnation: Some(incarnation), asked: true };
+        drop(state);
+        self.ask_where(runtime, Some(incarnation));
+    }
+}
+
+/// Sends a queued call; false when the connection is broken.
+fn send_call(runtime: &Runtime, conn: &Arc<Connection>, call_id: u64) -> bool {
+    let frame = match runtime.calls.get_mut(&call_id) {
+        Some(mut entry) => match entry.value_mut() {
+            PendingCall::Actor(call) => {
+                call.connection = Some(conn.id());
+                if call.retries_left != 0 { call.frame.clone() } else { call.frame.take() }
+            }
+            PendingCall::HeadTask => None,
+        },
+        None => return true,
+    };
+    let Some(frame) = frame else { return true };
+    conn.send(&Frame::Call(frame)).is_ok()
+}
+
+fn fail_call(runtime: &Runtime, call_id: u64, error: Error) {
+    if let Some((_, PendingCall::Actor(call))) = runtime.calls.remove(&call_id) {
+        call.slot.complete(Err(error));
+    }
+}
+
+impl Runtime {
+    /// Cancels a call made by this process or a task it submitted.
+    pub(crate) fn cancel(self: &Arc<Self>, id: crate::ids::ObjectId, force: bool) -> Result<()> {
+        let call_id = id.0 as u64;
+        if self.owns_object_id(id) {
+            let queued_or_sent = match self.calls.get_mut(&call_id) {
+                Some(mut entry) => match entry.value_mut() {
+                    PendingCall::Actor(call) => Some(call.connection),
+                    PendingCall::HeadTask => None,
+                },
+                None => None,
+            };
+            match queued_or_sent {
+                Some(None) => {
+                    fail_call(self, call_id, Error::Cancelled);
+                    return Ok(());
+                }
+                Some(Some(connection)) => {
+                    let conn =
+                        self.submitters.by_actor.iter().find_map(|s| match &*s.state.lock() {
+                            State::Connected { conn, .. } if conn.id() == connection => {
+                                Some(conn.clone())
+                            }
+                            _ => None,
+                        });
+                    if let Some(conn) = conn {
+                        conn.send(&Frame::Cancel { call_id })?;
+                    }
+                    return Ok(());
+                }
+                None => {}
+            }
+        }
+        self.head_request(Request::CancelTask { task: id, force }, Box::new(|_| {}));
+        Ok(())
+    }
+}

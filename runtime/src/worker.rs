@@ -1,0 +1,475 @@
+//! Worker processes: the driver's executable re-run in worker mode. A worker registers with the
+//! control plane and then either hosts one actor or runs tasks, one at a time.
+//!
+//! Calls arrive on connection reader threads and are handed to an executor thread, so a call
+//! that waits (for an `ObjectRef` argument, a nested call) never blocks a reader.
+
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+
+use dashmap::{DashMap, DashSet};
+use futures::FutureExt;
+use tokio::sync::{RwLock, Semaphore};
+
+use crate::actor::{Actor, Invocation};
+use crate::error::{Error, Result};
+use crate::ids::WorkerId;
+use crate::object::{ObjectBytes, ObjectRef};
+use crate::protocol::{
+    Address, Arg, Assignment, CallFrame, CallTarget, Frame, Outcome, Request, Response,
+};
+use crate::runtime::Runtime;
+use crate::transport::Connection;
+
+/// The environment variable that marks a worker process and carries its [`WorkerSpec`].
+pub const WORKER_ENV: &str = "RTRUN_WORKER";
+
+/// Who a worker process is, passed in its environment.
+#[derive(Debug, Clone)]
+pub struct WorkerSpec {
+    /// The session it belongs to.
+    pub session: String,
+    /// Its id.
+    pub worker: WorkerId,
+    /// The control plane's endpoint.
+    pub head_address: Address,
+    /// The namespace for named actors.
+    pub namespace: String,
+}
+
+impl WorkerSpec {
+    /// The `(name, value)` environment entry for this spec.
+    pub fn to_env(&self) -> (String, String) {
+        (
+            WORKER_ENV.to_owned(),
+            format!("{};{};{};{}", self.session, self.worker.0, self.head_address, self.namespace),
+        )
+    }
+
+    /// Reads the spec from the environment; None in a driver.
+    pub fn from_env() -> Option<WorkerSpec> {
+        let value = std::env::var(WORKER_ENV).ok()?;
+        let mut parts = value.splitn(4, ';');
+        let session = parts.next()?.to_owned();
+        let worker = WorkerId(parts.next()?.parse().ok()?);
+        let head_address = parts.next()?.to_owned();
+        let namespace = parts.next()?.to_owned();
+        Some(WorkerSpec { session, worker, head_address, namespace })
+    }
+}
+
+/// Runs this process as a worker; never returns.
+pub(crate) fn run(spec: WorkerSpec) -> ! {
+    // A worker's own children must not think they are workers of this session.
+    // SAFETY-free: removing our own variable before any thread of ours reads the environment.
+    match serve(&spec) {
+        Ok(()) => loop {
+            std::thread::park();
+        },
+        Err(e) => {
+            eprintln!("rtrun worker {} failed to start: {e}", spec.worker);
+            std::process::exit(3);
+        }
+    }
+}
+
+fn serve(spec: &WorkerSpec) -> Result<()> {
+    let runtime = Runtime::start_worker(spec)?;
+    let response = runtime.head_call(Request::RegisterWorker {
+        worker: spec.worker,
+        address: runtime.address().clone(),
+        pid: std::process::id(),
+    })?;
+    match response {
+        Response::Assignment(Assignment::Tasks) => task_executor(&runtime).map(|_| ()),
+        Response::Assignment(Assignment::Actor(start)) => {
+            let actor = start.actor;
+            let incarnation = start.incarnation;
+            *runtime.actor_context.lock() = Some((*start).clone());
+            let result = host_actor(&runtime, &start).map_err(|e| e.to_string());
+            let ok = result.is_ok();
+            runtime.head_call(Request::ActorStarted { actor, incarnation, result })?;
+            if !ok {
+                // The head kills this process; wait for it.
+                loop {
+                    std::thread::park();
+                }
+            }
+            Ok(())
+        }
+        other => Err(Error::Transport(format!("unexpected registration response {other:?}"))),
+    }
+}
+
+fn host_actor(runtime: &Arc<Runtime>, start: &crate::protocol::ActorStart) -> Result<()> {
+    let entry = crate::registry::actor_type(&start.type_name).ok_or_else(|| {
+        Error::Invalid(format!("actor type {} is not compiled into this binary", start.type_name))
+    })?;
+    let args = resolve_args(&start.ctor_args)?;
+    let hosted = (entry.host)(args, start.max_concurrency)?;
+    let _ = runtime.hosted.set(hosted);
+    Ok(())
+}
+
+/// Fetches `ObjectRef` arguments from their owners; inline ones pass through.
+fn resolve_args(args: &[Arg]) -> Result<Vec<ObjectBytes>> {
+    let runtime = crate::runtime::current()?;
+    let refs: Vec<Option<ObjectRef<()>>> = args
+        .iter()
+        .map(|arg| match arg {
+            Arg::Inline(_) => None,
+            Arg::Ref(locator) => {
+                let r: ObjectRef<()> =
+                    ObjectRef::from_local(runtime.objects.handle_for(runtime, locator.clone()));
+                r.ensure_fetch();
+                Some(r)
+            }
+        })
+        .collect();
+    args.iter()
+        .zip(refs)
+        .map(|(arg, r)| match (arg, r) {
+            (Arg::Inline(bytes), _) => Ok(Arc::new(bytes.clone())),
+            (_, Some(r)) => r.get_bytes(None),
+            (Arg::Ref(_), None) => Err(Error::Invalid("unresolved argument".into())),
+        })
+        .collect()
+}
+
+/// A call that arrived for the hosted actor or task executor.
+pub struct IncomingCall {
+    call_id: u64,
+    target: CallTarget,
+    args: Vec<Arg>,
+    reply_to: Arc<Connection>,
+}
+
+/// This worker's task executor, started on first use.
+fn task_executor(runtime: &Arc<Runtime>) -> Result<&Arc<TaskExecutor>> {
+    static START: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    if let Some(tasks) = runtime.tasks.get() {
+        return Ok(tasks);
+    }
+    let _guard = START.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    if runtime.tasks.get().is_none() {
+        let _ = runtime.tasks.set(TaskExecutor::start(runtime.clone())?);
+    }
+    runtime.tasks.get().ok_or(Error::NotInitialised)
+}
+
+/// Routes an incoming call to the hosted actor or the task executor.
+pub(crate) fn on_call(runtime: &Arc<Runtime>, conn: &Arc<Connection>, call: CallFrame) {
+    let incoming = IncomingCall {
+        call_id: call.call_id,
+        target: call.target,
+        args: call.args,
+        reply_to: conn.clone(),
+    };
+    match (&incoming.target, runtime.hosted.get()) {
+        (CallTarget::Actor { .. }, Some(hosted)) => hosted.submit(incoming),
+        // The head may dispatch a task before our registration call has returned, so the task
+        // executor starts with the first task rather than with the assignment.
+        (CallTarget::Task { .. }, None) => match task_executor(runtime) {
+            Ok(tasks) => tasks.submit(incoming),
+            Err(e) => reply(&incoming.reply_to, incoming.call_id, Err(e)),
+        },
+        _ => reply(
+            &incoming.reply_to,
+            incoming.call_id,
+            Err(Error::Invalid(format!(
+                "worker {} cannot run {:?}",
+                runtime.worker_id, incoming.target
+            ))),
+        ),
+    }
+}
+
+fn reply(conn: &Arc<Connection>, call_id: u64, result: Result<Vec<u8>>) {
+    let outcome = match result {
+        Ok(bytes) => Outcome::Value(bytes),
+        Err(e) => Outcome::Error(e),
+    };
+    if let Err(e) = conn.send(&Frame::Reply { call_id, outcome }) {
+        tracing::debug!("could not deliver a reply: {e}");
+    }
+}
+
+fn panic_message(panic: Box<dyn std::any::Any + Send>) -> String {
+    if let Some(s) = panic.downcast_ref::<&str>() {
+        (*s).to_owned()
+    } else if let Some(s) = panic.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "panicked".to_owned()
+    }
+}
+
+/// A hosted actor, type-erased for the worker.
+pub trait HostedActor: Send + Sync {
+    /// Queues a call.
+    fn submit(&self, call: IncomingCall);
+    /// Cancels a call that has not started, or aborts a running async one.
+    fn cancel(&self, call_id: u64);
+}
+
+/// Runs one actor's calls: an executor thread takes them in arrival order.
+struct ActorCell<A: Actor> {
+    queue: crossbeam_channel::Sender<IncomingCall>,
+    cancelled: Arc<DashSet<u64>>,
+    running_async: Arc<DashMap<u64, tokio::task::AbortHandle>>,
+    _type: std::marker::PhantomData<fn() -> A>,
+}
+
+impl<A: Actor> HostedActor for ActorCell<A> {
+    fn submit(&self, call: IncomingCall) {
+        if let Err(e) = self.queue.send(call) {
+            let call = e.into_inner();
+            reply(
+                &call.reply_to,
+                call.call_id,
+                Err(Error::Invalid("the actor's executor stopped".into())),
+            );
+        }
+    }
+
+    fn cancel(&self, call_id: u64) {
+        if let Some((_, handle)) = self.running_async.remove(&call_id) {
+            handle.abort();
+        } else {
+            self.cancelled.insert(call_id);
+        }
+    }
+}
+
+/// Constructs an actor and starts hosting it (the registry's `host` entry for `A`).
+#[doc(hidden)]
+pub fn host<A: Actor>(
+    args: Vec<ObjectBytes>,
+    max_concurrency: Option<usize>,
+) -> Result<Arc<dyn HostedActor>> {
+    let constructed =
+        std::panic::catch_unwind(AssertUnwindSafe(|| A::construct(args))).map_err(|p| {
+            Error::TaskFailed {
+                target: format!("{}::new", A::TYPE_NAME),
+                message: panic_message(p),
+            }
+        })??;
+    let state = Arc::new(RwLock::new(constructed));
+    let (tx, rx) = crossbeam_channel::unbounded::<IncomingCall>();
+    let cancelled = Arc::new(DashSet::new());
+    let running_async = Arc::new(DashMap::new());
+    let runtime = crate::runtime::current()?.clone();
+    let executor = Executor::<A> {
+        state,
+        runtime,
+        cancelled: cancelled.clone(),
+        running_async: running_async.clone(),
+        async_permits: Arc::new(Semaphore::new(max_concurrency.unwrap_or(1000).max(1))),
+        sync_pool: match max_concurrency {
+            Some(n) if n > 1 => Some(SyncPool::start::<A>(n)?),
+            _ => None,
+        },
+    };
+    std::thread::Builder::new()
+        .name(format!("rtrun-actor-{}", A::TYPE_NAME))
+        .spawn(move || executor.run(rx))
+        .map_err(|e| Error::System(format!("cannot start the actor thread: {e}")))?;
+    Ok(Arc::new(ActorCell::<A> {
+        queue: tx,
+        cancelled,
+        running_async,
+        _type: std::marker::PhantomData,
+    }))
+}
+
+type PoolJob = Box<dyn FnOnce() + Send>;
+
+/// Threads that run `&self` sync methods concurrently (`max_concurrency > 1`).
+struct SyncPool {
+    jobs: crossbeam_channel::Sender<PoolJob>,
+}
+
+impl SyncPool {
+    fn start<A: Actor>(threads: usize) -> Result<SyncPool> {
+        let (tx, rx) = crossbeam_channel::unbounded::<PoolJob>();
+        for i in 0..threads {
+            let rx = rx.clone();
+            std::thread::Builder::new()
+                .name(format!("rtrun-actor-pool-{i}"))
+                .spawn(move || {
+                    for job in rx {
+                        job();
+                    }
+                })
+                .map_err(|e| Error::System(format!("cannot start an actor pool thread: {e}")))?;
+        }
+        Ok(SyncPool { jobs: tx })
+    }
+}
+
+struct Executor<A: Actor> {
+    state: Arc<RwLock<A>>,
+    runtime: Arc<Runtime>,
+    cancelled: Arc<DashSet<u64>>,
+    running_async: Arc<DashMap<u64, tokio::task::AbortHandle>>,
+    async_permits: Arc<Semaphore>,
+    sync_pool: Option<SyncPool>,
+}
+
+impl<A: Actor> Executor<A> {
+    fn run(self, calls: crossbeam_channel::Receiver<IncomingCall>) {
+        for call in calls {
+            if self.cancelled.remove(&call.call_id).is_some() {
+                reply(&call.reply_to, call.call_id, Err(Error::Cancelled));
+                continue;
+            }
+            let CallTarget::Actor { method, .. } = call.target else { continue };
+            let target = format!("{}::{}", A::TYPE_NAME, A::method_name(method));
+            let invocation = resolve_args(&call.args).and_then(|args| A::invoke(method, args));
+            let invocation = match invocation {
+                Ok(invocation) => invocation,
+                Err(e) => {
+                    reply(&call.reply_to, call.call_id, Err(e));
+                    continue;
+                }
+            };
+            self.execute(invocation, call, target);
+        }
+    }
+
+    fn execute(&self, invocation: Invocation<A>, call: IncomingCall, target: String) {
+        let failed = |p| Error::TaskFailed { target: target.clone(), message: panic_message(p) };
+        match invocation {
+            Invocation::Exclusive(f) => {
+                let mut guard = self.state.blocking_write();
+                let result = std::panic::catch_unwind(AssertUnwindSafe(|| f(&mut guard)));
+                reply(&call.reply_to, call.call_id, result.unwrap_or_else(|p| Err(failed(p))));
+            }
+            Invocation::Shared(f) => {
+                let guard = self.runtime.tokio().block_on(self.state.clone().read_owned());
+                match &self.sync_pool {
+                    None => {
+                        let result = std::panic::catch_unwind(AssertUnwindSafe(|| f(&guard)));
+                        reply(
+                            &call.reply_to,
+                            call.call_id,
+                            result.unwrap_or_else(|p| Err(failed(p))),
+                        );
+                    }
+                    Some(pool) => {
+                        let job: PoolJob = Box::new(move || {
+                            let result = std::panic::catch_unwind(AssertUnwindSafe(|| f(&guard)));
+                            let result = result.unwrap_or_else(|p| {
+                                Err(Error::TaskFailed { target, message: panic_message(p) })
+                            });
+                            reply(&call.reply_to, call.call_id, result);
+                        });
+                        if pool.jobs.send(job).is_err() {
+                            tracing::error!("actor pool stopped");
+                        }
+                    }
+                }
+            }
+            Invocation::SharedAsync(f) => {
+                let permit =
+                    self.runtime.tokio().block_on(self.async_permits.clone().acquire_owned());
+                let guard = self.runtime.tokio().block_on(self.state.clone().read_owned());
+                self.spawn_async(call, target, permit.ok(), f(guard));
+            }
+            Invocation::ExclusiveAsync(f) => {
+                let guard = self.runtime.tokio().block_on(self.state.clone().write_owned());
+                self.spawn_async(call, target, None, f(guard));
+            }
+        }
+    }
+
+    fn spawn_async(
+        &self,
+        call: IncomingCall,
+        target: String,
+        permit: Option<tokio::sync::OwnedSemaphorePermit>,
+        future: crate::actor::MethodFuture,
+    ) {
+        let call_id = call.call_id;
+        let running = self.running_async.clone();
+        let inner = self.runtime.tokio().spawn(async move {
+            let result = AssertUnwindSafe(future).catch_unwind().await;
+            drop(permit);
+            result.unwrap_or_else(|p| Err(Error::TaskFailed { target, message: panic_message(p) }))
+        });
+        running.insert(call_id, inner.abort_handle());
+        let reply_to = call.reply_to;
+        self.runtime.tokio().spawn(async move {
+            let result = match inner.await {
+                Ok(result) => result,
+                Err(e) if e.is_cancelled() => Err(Error::Cancelled),
+                Err(e) => {
+                    Err(Error::TaskFailed { target: "async call".into(), message: e.to_string() })
+                }
+            };
+            running.remove(&call_id);
+            reply(&reply_to, call_id, result);
+        });
+    }
+}
+
+/// Runs tasks one at a time on its own thread.
+pub(crate) struct TaskExecutor {
+    queue: crossbeam_channel::Sender<IncomingCall>,
+    cancelled: Arc<DashSet<u64>>,
+}
+
+impl TaskExecutor {
+    fn start(runtime: Arc<Runtime>) -> Result<Arc<TaskExecutor>> {
+        let (tx, rx) = crossbeam_channel::unbounded::<IncomingCall>();
+        let cancelled = Arc::new(DashSet::new());
+        let cancelled_in_thread = cancelled.clone();
+        std::thread::Builder::new()
+            .name("rtrun-tasks".into())
+            .spawn(move || {
+                let _runtime = runtime;
+                for call in rx {
+                    if cancelled_in_thread.remove(&call.call_id).is_some() {
+                        reply(&call.reply_to, call.call_id, Err(Error::Cancelled));
+                        continue;
+                    }
+                    let CallTarget::Task { function } = &call.target else { continue };
+                    let result = run_task(function, &call.args);
+                    reply(&call.reply_to, call.call_id, result);
+                }
+            })
+            .map_err(|e| Error::System(format!("cannot start the task thread: {e}")))?;
+        Ok(Arc::new(TaskExecutor { queue: tx, cancelled }))
+    }
+
+    pub(crate) fn submit(&self, call: IncomingCall) {
+        if let Err(e) = self.queue.send(call) {
+            let call = e.into_inner();
+            reply(
+                &call.reply_to,
+                call.call_id,
+                Err(Error::Invalid("the task executor stopped".into())),
+            );
+        }
+    }
+
+    pub(crate) fn cancel(&self, call_id: u64) {
+        self.cancelled.insert(call_id);
+    }
+}
+
+fn run_task(function: &str, args: &[Arg]) -> Result<Vec<u8>> {
+    let entry = crate::registry::task(function).ok_or_else(|| {
+        Error::Invalid(format!("remote function {function} is not compiled into this binary"))
+    })?;
+    let args = resolve_args(args)?;
+    std::panic::catch_unwind(AssertUnwindSafe(|| (entry.run)(args))).unwrap_or_else(|p| {
+        Err(Error::TaskFailed { target: function.to_owned(), message: panic_message(p) })
+    })
+}
+
+/// Runs an async remote function's future to completion on the worker's async runtime.
+#[doc(hidden)]
+pub fn block_on<F: std::future::Future>(future: F) -> Result<F::Output> {
+    Ok(crate::runtime::current()?.tokio().block_on(future))
+}

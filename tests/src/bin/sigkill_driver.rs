@@ -1,0 +1,41 @@
+//! A driver for the SIGKILL test: starts actors and task workers, prints their process ids and
+//! the session, then waits to be killed.
+
+use std::io::Write;
+
+#[derive(Default)]
+struct Idle;
+
+#[rtrun::actor]
+impl Idle {
+    pub fn new() -> Self {
+        Idle
+    }
+
+    pub fn pid(&self) -> u32 {
+        std::process::id()
+    }
+}
+
+#[rtrun::remote]
+fn task_pid() -> u32 {
+    std::process::id()
+}
+
+fn main() -> anyhow::Result<()> {
+    rtrun::init_with(rtrun::Config { num_cpus: Some(2.0), ..Default::default() })?;
+    let actors = (0..3).map(|_| Idle::remote()).collect::<Result<Vec<_>, _>>()?;
+    let mut pids: Vec<u32> = actors.iter().map(|a| a.pid().get()).collect::<Result<_, _>>()?;
+    pids.push(task_pid::remote().get()?);
+    let big = rtrun::put(&vec![7u8; 1 << 20])?;
+    let _ = big;
+    let session = rtrun::context()?.session;
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "session {session}")?;
+    writeln!(out, "pids {}", pids.iter().map(u32::to_string).collect::<Vec<_>>().join(" "))?;
+    out.flush()?;
+    drop(out);
+    loop {
+        std::thread::park();
+    }
+}

@@ -1,0 +1,512 @@
+//! Integration tests of the runtime core with real worker processes: actors, tasks, objects,
+//! options, failures and actor groups, on the embedded single-node default.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use rtrun::{ActorGroup, ActorOptions, Config, Error, ObjectRef, TaskOptions};
+use rtrun_tests::{kill9, process_alive, wait_until};
+
+#[ctor::ctor]
+fn serve_worker_processes() {
+    // Worker processes are this test binary re-run: they serve here and never reach the harness.
+    rtrun::run_worker_if_requested();
+}
+
+fn init() {
+    rtrun::init_with(Config {
+        num_cpus: Some(2.0),
+        num_gpus: Some(2.0),
+        resources: BTreeMap::from([("custom".to_owned(), 1.0)]),
+        ..Default::default()
+    })
+    .expect("runtime starts");
+}
+
+const LONG: Duration = Duration::from_secs(30);
+
+struct Counter {
+    value: u64,
+    log: Vec<u64>,
+}
+
+#[rtrun::actor]
+impl Counter {
+    pub fn new(start: u64) -> Self {
+        Counter { value: start, log: Vec::new() }
+    }
+
+    pub fn add(&mut self, by: u64) -> u64 {
+        self.value += by;
+        self.log.push(by);
+        self.value
+    }
+
+    pub fn log(&self) -> Vec<u64> {
+        self.log.clone()
+    }
+
+    pub fn value(&self) -> u64 {
+        self.value
+    }
+
+    pub fn pid(&self) -> u32 {
+        std::process::id()
+    }
+
+    pub fn fail(&mut self, message: String) -> u64 {
+        panic!("{message}");
+    }
+
+    pub fn incarnation(&self) -> u64 {
+        rtrun::context().map(|c| c.incarnation).unwrap_or(u64::MAX)
+    }
+
+    pub fn env(&self, key: String) -> Option<String> {
+        std::env::var(key).ok()
+    }
+
+    pub fn sleep_ms(&self, ms: u64) -> u64 {
+        std::thread::sleep(Duration::from_millis(ms));
+        ms
+    }
+
+    /// Calls another counter from inside this actor.
+    pub fn add_to(&self, other: CounterRef, by: u64) -> Result<u64, String> {
+        other.add(by).get().map_err(|e| e.to_string())
+    }
+
+    pub fn group(&self) -> Option<(usize, usize)> {
+        rtrun::context().ok().and_then(|c| c.group).map(|g| (g.rank, g.world_size))
+    }
+
+    pub fn scale(&self, batch: Vec<u64>) -> Vec<u64> {
+        batch.into_iter().map(|x| x * 10 + self.value).collect()
+    }
+}
+
+struct Gate {
+    in_flight: AtomicUsize,
+    max_seen: AtomicUsize,
+}
+
+#[rtrun::actor]
+impl Gate {
+    pub fn new() -> Self {
+        Gate { in_flight: AtomicUsize::new(0), max_seen: AtomicUsize::new(0) }
+    }
+
+    /// Waits until `n` calls have been inside at once (or a deadline) and returns the most
+    /// seen.
+    pub async fn rendezvous(&self, n: usize, deadline_ms: u64) -> usize {
+        let now = self.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+        self.max_seen.fetch_max(now, Ordering::SeqCst);
+        let deadline = tokio::time::Instant::now() + Duration::from_millis(deadline_ms);
+        while self.max_seen.load(Ordering::SeqCst) < n && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        self.in_flight.fetch_sub(1, Ordering::SeqCst);
+        self.max_seen.load(Ordering::SeqCst)
+    }
+
+    pub async fn hang(&self) -> u64 {
+        tokio::time::sleep(Duration::from_secs(3600)).await;
+        0
+    }
+}
+
+struct Fragile;
+
+#[rtrun::actor]
+impl Fragile {
+    pub fn new(ok: bool) -> Result<Self, String> {
+        if ok { Ok(Fragile) } else { Err("refusing to start".into()) }
+    }
+
+    pub fn ping(&self) -> u8 {
+        1
+    }
+}
+
+#[rtrun::remote]
+fn add(a: u64, b: u64) -> u64 {
+    a + b
+}
+
+#[rtrun::remote]
+fn sum_of_squares(n: u64) -> u64 {
+    // A task submitting tasks: nested submission goes through the control plane.
+    let refs: Vec<ObjectRef<u64>> = (0..n).map(|i| square::remote(i)).collect();
+    rtrun::get_all(&refs).expect("nested tasks").into_iter().sum()
+}
+
+#[rtrun::remote]
+fn square(x: u64) -> u64 {
+    x * x
+}
+
+#[rtrun::remote]
+fn sleepy(ms: u64) -> u64 {
+    std::thread::sleep(Duration::from_millis(ms));
+    ms
+}
+
+#[rtrun::remote]
+fn boom() -> u64 {
+    panic!("task exploded")
+}
+
+#[rtrun::remote]
+fn pid_of_worker() -> u32 {
+    std::process::id()
+}
+
+#[test]
+fn actor_sync_methods_run_one_at_a_time_in_call_order() {
+    init();
+    let counter = Counter::remote(100).unwrap();
+    let refs: Vec<ObjectRef<u64>> = (1..=500).map(|i| counter.add(i)).collect();
+    let values = rtrun::get_all(&refs).unwrap();
+    let mut expected = 100;
+    for (i, v) in values.iter().enumerate() {
+        expected += i as u64 + 1;
+        assert_eq!(*v, expected);
+    }
+    assert_eq!(counter.log().get().unwrap(), (1..=500).collect::<Vec<_>>());
+}
+
+#[test]
+fn async_methods_run_concurrently_up_to_max_concurrency() {
+    init();
+    let gate = Gate::remote_with(ActorOptions::default().max_concurrency(4)).unwrap();
+    // Four calls can all be inside at once: each sees four.
+    let refs: Vec<_> = (0..4).map(|_| gate.rendezvous(4usize, 20_000u64)).collect();
+    for r in &refs {
+        assert_eq!(r.get_timeout(LONG).unwrap(), 4);
+    }
+    // Five calls never get more than four inside: the fifth waits for a permit.
+    let refs: Vec<_> = (0..5).map(|_| gate.rendezvous(5usize, 300u64)).collect();
+    for r in &refs {
+        assert_eq!(r.get_timeout(LONG).unwrap(), 4);
+    }
+}
+
+#[test]
+fn tasks_run_in_worker_processes_and_nest() {
+    init();
+    assert_eq!(add::remote(2u64, 3u64).get().unwrap(), 5);
+    let many: Vec<_> = (0..50u64).map(|i| add::remote(i, 1u64)).collect();
+    assert_eq!(rtrun::get_all(&many).unwrap(), (1..=50).collect::<Vec<u64>>());
+    assert_eq!(sum_of_squares::remote(10u64).get_timeout(LONG).unwrap(), 285);
+    let worker = pid_of_worker::remote().get().unwrap();
+    assert_ne!(worker, std::process::id());
+}
+
+#[test]
+fn object_refs_as_arguments_are_resolved_before_the_call() {
+    init();
+    let five = rtrun::put(&5u64).unwrap();
+    assert_eq!(add::remote(&five, 10u64).get().unwrap(), 15);
+    // A ref produced by a task, passed to an actor before it is ready.
+    let slow = sleepy::remote(200u64);
+    let counter = Counter::remote(1).unwrap();
+    assert_eq!(counter.add(&slow).get_timeout(LONG).unwrap(), 201);
+    // A ref made by an actor, consumed by a task.
+    let from_actor = counter.value();
+    assert_eq!(add::remote(from_actor, 1u64).get().unwrap(), 202);
+}
+
+#[test]
+fn wait_returns_the_ready_refs_first() {
+    init();
+    let slow = sleepy::remote(5_000u64);
+    let fast = sleepy::remote(1u64);
+    let refs = vec![slow.clone(), fast.clone()];
+    let (ready, rest) = rtrun::wait(&refs, 1, Some(LONG)).unwrap();
+    assert_eq!(ready.len(), 1);
+    assert_eq!(ready[0].id(), fast.id());
+    assert_eq!(rest[0].id(), slow.id());
+    let (ready, rest) = rtrun::wait(&[slow], 1, Some(Duration::from_millis(50))).unwrap();
+    assert!(ready.is_empty());
+    assert_eq!(rest.len(), 1);
+    assert!(rtrun::wait(&refs, 3, None).is_err());
+}
+
+#[test]
+fn put_get_and_free() {
+    init();
+    let value = vec![String::from("a"), String::from("b")];
+    let r = rtrun::put(&value).unwrap();
+    assert_eq!(r.get().unwrap(), value);
+    let big: Vec<u8> = (0..(4 << 20)).map(|i| (i % 251) as u8).collect();
+    let big_ref = rtrun::put(&big).unwrap();
+    let counter = Counter::remote(0).unwrap();
+    // The actor fetches the 4 MiB object from the driver and hands it back.
+    let echoed: Vec<u64> = counter.scale(vec![1, 2]).get().unwrap();
+    assert_eq!(echoed, vec![10, 20]);
+    assert_eq!(big_ref.get().unwrap(), big);
+    rtrun::free(&[r.clone()]).unwrap();
+    assert!(matches!(r.get(), Err(Error::ObjectFreed(_))));
+    // A task asked to resolve a freed object fails clearly too.
+    let err = add::remote(
+        &rtrun::put(&1u64)
+            .map(|x| {
+                rtrun::free(&[x.clone()]).unwrap();
+                x
+            })
+            .unwrap(),
+        1u64,
+    )
+    .get()
+    .unwrap_err();
+    assert!(matches!(err, Error::ObjectFreed(_)), "{err}");
+}
+
+#[test]
+fn actor_handles_travel_to_other_actors() {
+    init();
+    let target = Counter::remote(0).unwrap();
+    let caller = Counter::remote(0).unwrap();
+    assert_eq!(caller.add_to(target.clone(), 7u64).get().unwrap(), Ok(7));
+    assert_eq!(caller.add_to(target.clone(), 3u64).get().unwrap(), Ok(10));
+    assert_eq!(target.value().get().unwrap(), 10);
+}
+
+#[test]
+fn a_panicking_method_is_an_error_and_the_actor_lives_on() {
+    init();
+    let counter = Counter::remote(1).unwrap();
+    counter.add(1u64).get().unwrap();
+    let err = counter.fail("kaboom".to_string()).get().unwrap_err();
+    match err {
+        Error::TaskFailed { target, message } => {
+            assert!(target.ends_with("Counter::fail"), "{target}");
+            assert_eq!(message, "kaboom");
+        }
+        other => panic!("expected TaskFailed, got {other}"),
+    }
+    assert_eq!(counter.value().get().unwrap(), 2, "state survives the panic");
+    let err = boom::remote().get().unwrap_err();
+    assert!(matches!(err, Error::TaskFailed { ref message, .. } if message == "task exploded"));
+}
+
+#[test]
+fn resources_are_accounted_fractional_gpus_included() {
+    init();
+    let half = ActorOptions::default().num_gpus(0.5);
+    let actors: Vec<_> =
+        (0..4).map(|_| Counter::remote_with(half.clone(), 0u64).unwrap()).collect();
+    for a in &actors {
+        a.value().get_timeout(LONG).unwrap();
+    }
+    let info = rtrun::current().unwrap().cluster_info().unwrap();
+    assert_eq!(info.available.get("GPU").copied().unwrap_or(0.0), 0.0);
+    // A fifth half-GPU actor waits for resources...
+    let fifth = Counter::remote_with(half, 5u64).unwrap();
+    let pending = fifth.value();
+    assert!(pending.get_timeout(Duration::from_millis(300)).is_err());
+    // ...and starts once one is killed.
+    actors[0].kill().unwrap();
+    assert_eq!(pending.get_timeout(LONG).unwrap(), 5);
+    // An impossible request fails at once, naming what is missing.
+    let err = Counter::remote_with(ActorOptions::default().num_gpus(3.0), 0u64).unwrap_err();
+    assert!(
+        matches!(&err, Error::Infeasible(m) if m.contains("GPU: 3") && m.contains("has 2")),
+        "{err}"
+    );
+    let err = Counter::remote_with(ActorOptions::default().resource("tpu", 1.0), 0u64).unwrap_err();
+    assert!(err.to_string().contains("tpu: 1"), "{err}");
+    let custom =
+        Counter::remote_with(ActorOptions::default().resource("custom", 1.0), 9u64).unwrap();
+    assert_eq!(custom.value().get_timeout(LONG).unwrap(), 9);
+    let err = Counter::remote_with(ActorOptions::default().num_gpus(-1.0), 0u64).unwrap_err();
+    assert!(matches!(err, Error::Invalid(_)), "{err}");
+}
+
+#[test]
+fn named_actors_env_and_namespaces() {
+    init();
+    let opts = ActorOptions::default().name("keeper").env("RTRUN_TEST_VAR", "hello");
+    let keeper = Counter::remote_with(opts.clone(), 3u64).unwrap();
+    assert_eq!(keeper.env("RTRUN_TEST_VAR".to_string()).get().unwrap().as_deref(), Some("hello"));
+    let found = rtrun::get_actor::<Counter>("keeper", None).unwrap();
+    assert_eq!(found.value().get().unwrap(), 3);
+    let err = Counter::remote_with(opts, 0u64).unwrap_err();
+    assert!(err.to_string().contains("already exists"), "{err}");
+    let other_ns =
+        Counter::remote_with(ActorOptions::default().name("keeper").namespace("other"), 4u64)
+            .unwrap();
+    assert_eq!(
+        rtrun::get_actor::<Counter>("keeper", Some("other")).unwrap().value().get().unwrap(),
+        4
+    );
+    drop(other_ns);
+    assert!(matches!(
+        rtrun::get_actor::<Counter>("nobody", None),
+        Err(Error::ActorNotFound { .. })
+    ));
+    assert!(matches!(rtrun::get_actor::<Gate>("keeper", None), Err(Error::Invalid(_))));
+    keeper.kill().unwrap();
+    assert!(wait_until(LONG, || rtrun::get_actor::<Counter>("keeper", None).is_err()));
+}
+
+#[test]
+fn a_worker_killed_mid_call_gives_actor_died_for_pending_and_later_calls() {
+    init();
+    let counter = Counter::remote(0).unwrap();
+    let pid = counter.pid().get().unwrap();
+    let in_flight = counter.sleep_ms(10_000u64);
+    let queued = counter.add(1u64);
+    std::thread::sleep(Duration::from_millis(100));
+    kill9(pid);
+    assert!(matches!(in_flight.get_timeout(LONG), Err(Error::ActorDied { .. })));
+    assert!(matches!(queued.get_timeout(LONG), Err(Error::ActorDied { .. })));
+    let later = counter.value().get_timeout(LONG).unwrap_err();
+    assert!(
+        matches!(&later, Error::ActorDied { reason, .. } if reason.contains("signal 9")),
+        "{later}"
+    );
+    assert!(wait_until(LONG, || !process_alive(pid)));
+}
+
+#[test]
+fn max_restarts_reruns_the_constructor_and_retries_calls() {
+    init();
+    let opts = ActorOptions::default().max_restarts(1).max_task_retries(1);
+    let counter = Counter::remote_with(opts, 40u64).unwrap();
+    counter.add(2u64).get().unwrap();
+    let first_pid = counter.pid().get().unwrap();
+    assert_eq!(counter.incarnation().get().unwrap(), 0);
+    let retried = counter.sleep_ms(5_000u64);
+    std::thread::sleep(Duration::from_millis(100));
+    kill9(first_pid);
+    // The in-flight call is retried on the restarted actor (max_task_retries = 1).
+    assert_eq!(retried.get_timeout(LONG).unwrap(), 5_000);
+    assert_eq!(counter.incarnation().get().unwrap(), 1);
+    assert_eq!(counter.value().get().unwrap(), 40, "the constructor ran again");
+    let second_pid = counter.pid().get().unwrap();
+    assert_ne!(first_pid, second_pid);
+    // No restarts are left: the next death is final.
+    kill9(second_pid);
+    assert!(matches!(counter.value().get_timeout(LONG), Err(Error::ActorDied { .. })));
+}
+
+#[test]
+fn kill_fails_pending_and_later_calls_and_reaps_the_worker() {
+    init();
+    let counter = Counter::remote_with(ActorOptions::default().max_restarts(5), 0u64).unwrap();
+    let pid = counter.pid().get().unwrap();
+    let pending = counter.sleep_ms(10_000u64);
+    counter.kill().unwrap();
+    assert!(matches!(pending.get_timeout(LONG), Err(Error::ActorDied { .. })));
+    let err = counter.add(1u64).get_timeout(LONG).unwrap_err();
+    assert!(matches!(&err, Error::ActorDied { reason, .. } if reason.contains("killed")), "{err}");
+    assert!(wait_until(LONG, || !process_alive(pid)));
+}
+
+#[test]
+fn a_failing_constructor_is_reported_to_callers() {
+    init();
+    let fragile = Fragile::remote(false).unwrap();
+    let err = fragile.ping().get_timeout(LONG).unwrap_err();
+    assert!(
+        matches!(&err, Error::ActorDied { reason, .. } if reason.contains("refusing to start")),
+        "{err}"
+    );
+    let fine = Fragile::remote(true).unwrap();
+    assert_eq!(fine.ping().get_timeout(LONG).unwrap(), 1);
+}
+
+#[test]
+fn cancel_queued_and_running_async_calls() {
+    init();
+    let counter = Counter::remote(0).unwrap();
+    let busy = counter.sleep_ms(1_000u64);
+    let queued = counter.add(5u64);
+    rtrun::cancel(&queued, false).unwrap();
+    assert!(matches!(queued.get_timeout(LONG), Err(Error::Cancelled)));
+    assert_eq!(busy.get_timeout(LONG).unwrap(), 1_000);
+    assert_eq!(counter.value().get().unwrap(), 0, "the cancelled call never ran");
+    let gate = Gate::remote().unwrap();
+    let hanging = gate.hang();
+    std::thread::sleep(Duration::from_millis(200));
+    rtrun::cancel(&hanging, false).unwrap();
+    assert!(matches!(hanging.get_timeout(LONG), Err(Error::Cancelled)));
+    // A queued task is cancelled before it runs; a running one can be force-killed.
+    let running =
+        sleepy::remote_with(TaskOptions { num_cpus: 2.0, ..Default::default() }, 20_000u64);
+    let queued = sleepy::remote_with(TaskOptions { num_cpus: 2.0, ..Default::default() }, 1u64);
+    std::thread::sleep(Duration::from_millis(200));
+    rtrun::cancel(&queued, false).unwrap();
+    assert!(matches!(queued.get_timeout(LONG), Err(Error::Cancelled)));
+    rtrun::cancel(&running, true).unwrap();
+    assert!(matches!(running.get_timeout(LONG), Err(Error::Cancelled)));
+}
+
+#[test]
+fn actor_groups_broadcast_scatter_and_gather() {
+    init();
+    let group: ActorGroup<Counter> =
+        ActorGroup::create("dp", 3, ActorOptions::default(), |rank, opts| {
+            Counter::remote_with(opts, rank as u64)
+        })
+        .unwrap();
+    let ranks = rtrun::get_all(&group.call_all(|m| m.group())).unwrap();
+    assert_eq!(ranks, vec![Some((0, 3)), Some((1, 3)), Some((2, 3))]);
+    let added =
+        rtrun::get_all(&group.call_each(vec![10u64, 20, 30], |m, x| m.add(x)).unwrap()).unwrap();
+    assert_eq!(added, vec![10, 21, 32]);
+    assert!(group.call_each(vec![1u64], |m, x| m.add(x)).is_err());
+    // Split a batch of 8 over 3 ranks (3, 3, 2), run, and concatenate in rank order.
+    let out = group.dispatch_gather((0..8u64).collect(), |m, chunk| m.scale(chunk)).unwrap();
+    let rank_of = |i: u64| {
+        if i < 3 {
+            0
+        } else if i < 6 {
+            1
+        } else {
+            2
+        }
+    };
+    let expected: Vec<u64> = (0..8u64).map(|i| i * 10 + [10u64, 21, 32][rank_of(i)]).collect();
+    assert_eq!(out, expected);
+    group.kill().unwrap();
+}
+
+#[test]
+fn driver_killed_with_sigkill_leaves_no_process_or_shared_memory_behind() {
+    use std::io::BufRead;
+    let mut driver = std::process::Command::new(env!("CARGO_BIN_EXE_sigkill_driver"))
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdout = driver.stdout.take().unwrap();
+    let mut lines = std::io::BufReader::new(stdout).lines();
+    let session = lines.next().unwrap().unwrap();
+    let session = session.strip_prefix("session ").unwrap().to_owned();
+    let pids_line = lines.next().unwrap().unwrap();
+    let pids: Vec<u32> = pids_line
+        .strip_prefix("pids ")
+        .unwrap()
+        .split_whitespace()
+        .map(|p| p.parse().unwrap())
+        .collect();
+    assert_eq!(pids.len(), 4);
+    assert!(pids.iter().all(|p| process_alive(*p)));
+    kill9(driver.id());
+    driver.wait().unwrap();
+    assert!(
+        wait_until(LONG, || pids.iter().all(|p| !process_alive(*p))),
+        "workers outlived the driver"
+    );
+    let leftovers: Vec<_> = std::fs::read_dir("/dev/shm")
+        .map(|d| {
+            d.filter_map(|e| e.ok()).map(|e| e.file_name().to_string_lossy().into_owned()).collect()
+        })
+        .unwrap_or_else(|_| Vec::new())
+        .into_iter()
+        .filter(|name: &String| name.contains(&session) || name.contains("rtrun"))
+        .collect();
+    assert!(leftovers.is_empty(), "shared memory left behind: {leftovers:?}");
+}
