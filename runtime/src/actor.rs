@@ -20,13 +20,18 @@ use crate::runtime;
 /// A boxed future returned by an async actor method.
 pub type MethodFuture = Pin<Box<dyn Future<Output = Result<Vec<u8>>> + Send>>;
 
+/// The body of a sync `&mut self` method call.
+pub type ExclusiveCall<A> = Box<dyn FnOnce(&mut A) -> Result<Vec<u8>> + Send>;
+/// The body of a sync `&self` method call.
+pub type SharedCall<A> = Box<dyn FnOnce(&A) -> Result<Vec<u8>> + Send>;
+
 /// One decoded method call, ready to run against the actor's state. The variant says how the
 /// method borrows the actor, which decides what may run concurrently with it.
 pub enum Invocation<A> {
     /// `fn m(&mut self, ..)`: runs alone, in call order.
-    Exclusive(Box<dyn FnOnce(&mut A) -> Result<Vec<u8>> + Send>),
+    Exclusive(ExclusiveCall<A>),
     /// `fn m(&self, ..)`: may run concurrently with other shared calls up to `max_concurrency`.
-    Shared(Box<dyn FnOnce(&A) -> Result<Vec<u8>> + Send>),
+    Shared(SharedCall<A>),
     /// `async fn m(&mut self, ..)`: runs alone.
     ExclusiveAsync(Box<dyn FnOnce(OwnedRwLockWriteGuard<A>) -> MethodFuture + Send>),
     /// `async fn m(&self, ..)`: runs concurrently up to `max_concurrency` (default 1000).

@@ -392,13 +392,16 @@ impl<T: DeserializeOwned> IntoFuture for ObjectRef<T> {
     }
 }
 
+/// What [`wait`] returns: the ready references, then the others.
+pub type WaitResult<T> = (Vec<ObjectRef<T>>, Vec<ObjectRef<T>>);
+
 /// Waits until `num_returns` of `refs` are ready or `timeout` passes; returns the ready ones and
 /// the rest, each in their original order (Ray's `ray.wait`).
 pub fn wait<T>(
     refs: &[ObjectRef<T>],
     num_returns: usize,
     timeout: Option<Duration>,
-) -> Result<(Vec<ObjectRef<T>>, Vec<ObjectRef<T>>)> {
+) -> Result<WaitResult<T>> {
     if num_returns > refs.len() {
         return Err(Error::Invalid(format!(
             "num_returns is {num_returns} but only {} references were given",
@@ -431,7 +434,7 @@ pub fn wait<T>(
     let mut ready = Vec::new();
     let mut rest = Vec::new();
     for r in refs {
-        if ready.len() < num_returns.max(1) && r.is_ready() {
+        if ready.len() < num_returns && r.is_ready() {
             ready.push(r.clone());
         } else {
             rest.push(r.clone());

@@ -10,12 +10,15 @@ use crate::error::Result;
 use crate::object::ObjectBytes;
 use crate::worker::HostedActor;
 
+/// Constructs an actor from its encoded arguments and `max_concurrency`, ready to host.
+pub type HostFn = fn(Vec<ObjectBytes>, Option<usize>) -> Result<Arc<dyn HostedActor>>;
+
 /// A registered actor type.
 pub struct ActorTypeEntry {
     /// `Actor::TYPE_NAME`.
     pub type_name: &'static str,
     /// Constructs the actor and wraps it for hosting.
-    pub host: fn(Vec<ObjectBytes>, Option<usize>) -> Result<Arc<dyn HostedActor>>,
+    pub host: HostFn,
 }
 
 /// A registered remote function.

@@ -72,10 +72,8 @@ pub fn run_worker_if_requested() {
 
 /// Stops every worker process of an embedded session. Later calls fail.
 pub fn shutdown() {
-    if let Ok(runtime) = current() {
-        if let Some(head) = runtime.head.get() {
-            head.shutdown();
-        }
+    if let Some(head) = current().ok().and_then(|runtime| runtime.head.get()) {
+        head.shutdown();
     }
 }
 
@@ -343,10 +341,10 @@ impl Runtime {
                 callback: parking_lot::Mutex::new(Some(callback)),
             },
         );
-        if let Err(e) = conn.send(&Frame::Request { req_id, body }) {
-            if let Some((_, pending)) = self.requests.remove(&req_id) {
-                pending.answer(Response::Error(e));
-            }
+        if let Err(e) = conn.send(&Frame::Request { req_id, body })
+            && let Some((_, pending)) = self.requests.remove(&req_id)
+        {
+            pending.answer(Response::Error(e));
         }
     }
 

@@ -175,10 +175,10 @@ impl Endpoint {
 
     /// The connection to `peer`, connecting when there is none (or the cached one closed).
     pub fn connect(&self, peer: &Address) -> Result<Arc<Connection>> {
-        if let Some(conn) = self.connections.get(peer) {
-            if !conn.is_closed() {
-                return Ok(conn.clone());
-            }
+        if let Some(conn) = self.connections.get(peer)
+            && !conn.is_closed()
+        {
+            return Ok(conn.clone());
         }
         let stream = UnixStream::connect_addr(&socket_addr(peer)?)
             .map_err(|e| Error::Transport(format!("cannot connect to {peer}: {e}")))?;

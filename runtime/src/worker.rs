@@ -266,7 +266,7 @@ pub fn host<A: Actor>(
         running_async: running_async.clone(),
         async_permits: Arc::new(Semaphore::new(max_concurrency.unwrap_or(1000).max(1))),
         sync_pool: match max_concurrency {
-            Some(n) if n > 1 => Some(SyncPool::start::<A>(n)?),
+            Some(n) if n > 1 => Some(SyncPool::start(n)?),
             _ => None,
         },
     };
@@ -290,7 +290,7 @@ struct SyncPool {
 }
 
 impl SyncPool {
-    fn start<A: Actor>(threads: usize) -> Result<SyncPool> {
+    fn start(threads: usize) -> Result<SyncPool> {
         let (tx, rx) = crossbeam_channel::unbounded::<PoolJob>();
         for i in 0..threads {
             let rx = rx.clone();

@@ -137,7 +137,7 @@ fn add(a: u64, b: u64) -> u64 {
 #[rtrun::remote]
 fn sum_of_squares(n: u64) -> u64 {
     // A task submitting tasks: nested submission goes through the control plane.
-    let refs: Vec<ObjectRef<u64>> = (0..n).map(|i| square::remote(i)).collect();
+    let refs: Vec<ObjectRef<u64>> = (0..n).map(square::remote).collect();
     rtrun::get_all(&refs).expect("nested tasks").into_iter().sum()
 }
 
@@ -246,20 +246,12 @@ fn put_get_and_free() {
     let echoed: Vec<u64> = counter.scale(vec![1, 2]).get().unwrap();
     assert_eq!(echoed, vec![10, 20]);
     assert_eq!(big_ref.get().unwrap(), big);
-    rtrun::free(&[r.clone()]).unwrap();
+    rtrun::free(std::slice::from_ref(&r)).unwrap();
     assert!(matches!(r.get(), Err(Error::ObjectFreed(_))));
     // A task asked to resolve a freed object fails clearly too.
-    let err = add::remote(
-        &rtrun::put(&1u64)
-            .map(|x| {
-                rtrun::free(&[x.clone()]).unwrap();
-                x
-            })
-            .unwrap(),
-        1u64,
-    )
-    .get()
-    .unwrap_err();
+    let freed = rtrun::put(&1u64).unwrap();
+    rtrun::free(std::slice::from_ref(&freed)).unwrap();
+    let err = add::remote(freed, 1u64).get().unwrap_err();
     assert!(matches!(err, Error::ObjectFreed(_)), "{err}");
 }
 

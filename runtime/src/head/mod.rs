@@ -694,8 +694,10 @@ impl HeadState {
                 if entry.conn.is_none() {
                     self.starting_task_workers = self.starting_task_workers.saturating_sub(1);
                 }
-                if let Some(call_id) = running {
-                    if let Some(run) = self.running_tasks.remove(&call_id) {
+                if let Some(call_id) = running
+                    && let Some(run) = self.running_tasks.remove(&call_id)
+                {
+                    {
                         self.available.add(&run.task.demand);
                         let mut task = run.task;
                         if task.attempts < task.spec.options.max_retries {
