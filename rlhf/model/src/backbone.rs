@@ -130,9 +130,12 @@ impl Backbone {
         let mut hidden =
             Tensor::f_embedding(&self.embed_tokens, &inputs.input_ids, -1, false, false)?;
         let (cos, sin) = self.rotary.cos_sin(&inputs.position_ids, hidden.f_kind()?)?;
-        let mask = causal_padding_mask(&inputs.attention_mask)?;
+        // Without padding the mask is plain causal, and leaving it implicit lets libtorch use
+        // its fused attention kernel.
+        let all_real = inputs.attention_mask.f_all()?.f_int64_value(&[])? != 0;
+        let mask = if all_real { None } else { Some(causal_padding_mask(&inputs.attention_mask)?) };
         for layer in &self.layers {
-            hidden = layer.forward(&hidden, &cos, &sin, &mask)?;
+            hidden = layer.forward(&hidden, &cos, &sin, mask.as_ref())?;
         }
         self.norm.forward(&hidden)
     }
@@ -169,6 +172,26 @@ fn check_integer(name: &str, t: &Tensor) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn fused_causal_path_matches_the_explicit_mask() {
+        let config = crate::tiny::tiny_config(crate::ModelFamily::Qwen2);
+        let model = crate::tiny::tiny_model(&config, 4).unwrap();
+        let ids = Tensor::from_slice(&[1i64, 5, 9, 13, 200, 7]).view([1, 6]);
+        let mask = ids.ones_like();
+        let backbone = &model.backbone;
+        let fused = backbone.forward(&ids, &mask, None).unwrap();
+        let inputs = backbone.check_inputs(&ids, &mask, None).unwrap();
+        let mut hidden =
+            Tensor::embedding(&backbone.embed_tokens, &inputs.input_ids, -1, false, false);
+        let (cos, sin) = backbone.rotary.cos_sin(&inputs.position_ids, Kind::Float).unwrap();
+        let explicit = causal_padding_mask(&inputs.attention_mask).unwrap();
+        for layer in &backbone.layers {
+            hidden = layer.forward(&hidden, &cos, &sin, Some(&explicit)).unwrap();
+        }
+        let masked = backbone.norm.forward(&hidden).unwrap();
+        assert!(fused.allclose(&masked, 1e-5, 1e-5, false));
+    }
 
     #[test]
     fn positions_skip_left_padding() {

@@ -143,9 +143,17 @@ impl Attention {
     }
 
     /// Scaled dot-product attention of `q: [batch, heads, q_len, head_dim]` over
-    /// `k, v: [batch, kv_heads, k_len, head_dim]` with a boolean `mask` broadcastable to
-    /// `[batch, heads, q_len, k_len]` (true = may attend). Returns `[batch, q_len, heads * head_dim]`.
-    pub fn attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, mask: &Tensor) -> Result<Tensor> {
+    /// `k, v: [batch, kv_heads, k_len, head_dim]`. `mask` is a boolean tensor broadcastable to
+    /// `[batch, heads, q_len, k_len]` (true = may attend); `None` means plain causal attention
+    /// with `q_len == k_len`, which lets libtorch use its fused kernel. Returns
+    /// `[batch, q_len, heads * head_dim]`.
+    pub fn attend(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        mask: Option<&Tensor>,
+    ) -> Result<Tensor> {
         let groups = self.num_heads / self.num_kv_heads;
         let k = repeat_kv(k, groups)?;
         let v = repeat_kv(v, groups)?;
@@ -153,9 +161,9 @@ impl Attention {
             q,
             &k,
             &v,
-            Some(mask),
+            mask,
             0.0,
-            false,
+            mask.is_none(),
             1.0 / (self.head_dim as f64).sqrt(),
             false,
         )?;
@@ -169,7 +177,13 @@ impl Attention {
     }
 
     /// Full self-attention over `x` with the given rotary tables and mask.
-    pub fn forward(&self, x: &Tensor, cos: &Tensor, sin: &Tensor, mask: &Tensor) -> Result<Tensor> {
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        mask: Option<&Tensor>,
+    ) -> Result<Tensor> {
         let (q, k, v) = self.project_qkv(x)?;
         let (q, k) = self.rotate(&q, &k, cos, sin)?;
         let attended = self.attend(&q, &k, &v, mask)?;
@@ -259,7 +273,13 @@ impl DecoderLayer {
     }
 
     /// Runs the layer on `x: [batch, seq, hidden]`.
-    pub fn forward(&self, x: &Tensor, cos: &Tensor, sin: &Tensor, mask: &Tensor) -> Result<Tensor> {
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        mask: Option<&Tensor>,
+    ) -> Result<Tensor> {
         let attn = self.self_attn.forward(&self.input_layernorm.forward(x)?, cos, sin, mask)?;
         let x = x.f_add(&attn)?;
         let mlp = self.mlp.forward(&self.post_attention_layernorm.forward(&x)?)?;
