@@ -33,25 +33,25 @@ _rtrun_setup_libtorch() {
     if [[ ! -f "$marker" ]]; then
         mkdir -p "$cache_root" || return 1
         local lock="$cache_root/libtorch-$torch_version.lock"
-        # Hold a lock on fd 9 while installing, when flock exists; the rename below keeps the
-        # result correct even without it.
-        exec 9>"$lock"
+        # Hold a lock on fd 213 (a number a sourcing shell is unlikely to use) while installing,
+        # when flock exists; the rename below keeps the result correct even without it.
+        exec 213>"$lock"
         if command -v flock >/dev/null 2>&1; then
-            if ! flock -n 9; then
+            if ! flock -n 213; then
                 echo "setup-libtorch: another clone is installing; waiting for $lock" >&2
-                flock 9
+                flock 213
             fi
         fi
         if [[ ! -f "$marker" ]]; then
             local staging
             staging="$(mktemp -d "$cache_root/.libtorch-$torch_version.XXXXXX")" || return 1
             echo "setup-libtorch: installing torch==$torch_version (about 526 MB) into $target" >&2
-            if ! "$python" -m pip install --quiet --no-deps --no-compile --target "$staging" \
+            if ! PIP_ROOT_USER_ACTION=ignore "$python" -m pip install --quiet --no-deps --no-compile --target "$staging" \
                 "torch==$torch_version" \
                 "nvidia-cuda-runtime==$cudart_version" \
                 "nvidia-cuda-cupti==$cupti_version"; then
                 rm -rf "$staging"
-                exec 9>&-
+                exec 213>&-
                 echo "setup-libtorch: pip install failed" >&2
                 return 1
             fi
@@ -63,13 +63,13 @@ _rtrun_setup_libtorch() {
                     rm -rf "$staging"
                 else
                     rm -rf "$target" && mv -T "$staging" "$target" || {
-                        exec 9>&-
+                        exec 213>&-
                         return 1
                     }
                 fi
             fi
         fi
-        exec 9>&-
+        exec 213>&-
     fi
 
     export LIBTORCH="$target/torch"
