@@ -8,9 +8,9 @@ use std::path::PathBuf;
 
 use anyhow::Result;
 use rtrun_rlhf_model::safetensors_io::write_file;
-use rtrun_rlhf_model::tch::{Kind, Tensor};
+use rtrun_rlhf_model::tch::{self, Kind, Tensor};
 use rtrun_rlhf_model::tiny::{tiny_config, write_tiny_model};
-use rtrun_rlhf_model::{ModelFamily, ResponseBatch, SaveOptions};
+use rtrun_rlhf_model::{ModelFamily, ResponseBatch, SaveOptions, ScalarHeadModel};
 
 /// Two rows of 12 tokens: the first left-padded by 3, the second right-padded by 2; the last 5
 /// columns are the response, whose mask excludes the second row's padding.
@@ -57,5 +57,24 @@ fn main() -> Result<()> {
         )?;
         println!("wrote {}", dir.display());
     }
+
+    // A reward model (Qwen2ForSequenceClassification, one label) with its rewards.
+    let dir = root.join("qwen2-rm");
+    let config = tiny_config(ModelFamily::Qwen2);
+    let model = ScalarHeadModel::new_random(&config, tch::Device::Cpu, Kind::Float, 33)?;
+    model.save_pretrained(&dir, &SaveOptions::default())?;
+    let (input_ids, attention_mask, action_mask) = fixed_inputs();
+    let rewards = model.rewards(&input_ids, &attention_mask)?;
+    write_file(
+        &dir.join("inputs.safetensors"),
+        [
+            ("input_ids", &input_ids),
+            ("attention_mask", &attention_mask),
+            ("action_mask", &action_mask),
+        ],
+        HashMap::new(),
+    )?;
+    write_file(&dir.join("ours.safetensors"), [("rewards", &rewards)], HashMap::new())?;
+    println!("wrote {}", dir.display());
     Ok(())
 }

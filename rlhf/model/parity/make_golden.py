@@ -21,7 +21,7 @@ import sys
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, PreTrainedTokenizerFast
 
 HERE = pathlib.Path(__file__).resolve().parent
 TOLERANCE = 1e-4
@@ -75,10 +75,33 @@ def run_case(case_dir: pathlib.Path) -> float:
     return worst
 
 
+def run_reward_case(case_dir: pathlib.Path) -> float:
+    """A reward model saved by rtrun loads as *ForSequenceClassification with the same scores."""
+    inputs = load_file(case_dir / "inputs.safetensors")
+    ours = load_file(case_dir / "ours.safetensors")
+    model = AutoModelForSequenceClassification.from_pretrained(case_dir, dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    input_ids = inputs["input_ids"].long()
+    mask = inputs["attention_mask"].long()
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        rewards = model(input_ids=input_ids, attention_mask=mask, position_ids=positions).logits.float().squeeze(-1)
+    diff = (rewards - ours["rewards"]).abs().max().item()
+    print(f"{case_dir.name}: max |reward diff| {diff:.3e}")
+    if diff > TOLERANCE:
+        raise SystemExit(f"{case_dir.name}: rtrun and transformers rewards differ by {diff:.3e} > {TOLERANCE}")
+    save_file({"rewards": rewards.contiguous()}, str(case_dir / "golden.safetensors"),
+              metadata={"transformers": transformers.__version__, "torch": torch.__version__})
+    return diff
+
+
 def main() -> None:
-    cases = sys.argv[1:] or ["llama", "qwen2"]
+    cases = sys.argv[1:] or ["llama", "qwen2", "qwen2-rm"]
     for name in cases:
-        run_case(HERE / name)
+        if name.endswith("-rm"):
+            run_reward_case(HERE / name)
+        else:
+            run_case(HERE / name)
     print(f"ok: transformers {transformers.__version__}, torch {torch.__version__}")
 
 

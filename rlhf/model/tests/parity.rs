@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result};
 use rtrun_rlhf_model::safetensors_io::read_file;
 use rtrun_rlhf_model::tch::{Device, Kind, Tensor};
-use rtrun_rlhf_model::{CausalLm, ResponseBatch, TextTokenizer};
+use rtrun_rlhf_model::{CausalLm, ResponseBatch, ScalarHeadModel, TextTokenizer};
 
 const TOLERANCE: f64 = 1e-4;
 
@@ -64,4 +64,17 @@ fn llama_style_forward_matches_transformers() -> Result<()> {
 #[test]
 fn qwen2_style_forward_matches_transformers() -> Result<()> {
     check_case("qwen2")
+}
+
+#[test]
+fn reward_model_matches_transformers_sequence_classification() -> Result<()> {
+    let dir = case_dir("qwen2-rm");
+    let model = ScalarHeadModel::from_pretrained(&dir, Device::Cpu, Kind::Float, 0)?;
+    let input_ids = tensor(&dir, "inputs.safetensors", "input_ids")?;
+    let attention_mask = tensor(&dir, "inputs.safetensors", "attention_mask")?;
+    let golden = tensor(&dir, "golden.safetensors", "rewards")?;
+    let rewards = rtrun_rlhf_model::tch::no_grad(|| model.rewards(&input_ids, &attention_mask))?;
+    let diff = (&rewards - &golden).abs().max().double_value(&[]);
+    assert!(diff < TOLERANCE, "rewards differ from transformers by {diff:e}");
+    Ok(())
 }

@@ -232,3 +232,32 @@ fn hostile_inputs_are_errors() -> Result<()> {
     std::fs::remove_dir_all(&dir)?;
     Ok(())
 }
+
+#[test]
+fn bf16_models_run_and_track_fp32() -> Result<()> {
+    let config = tiny_config(ModelFamily::Llama);
+    let dir = temp_dir("bf16");
+    tiny_model(&config, 21)?.save_pretrained(&dir, &SaveOptions::default())?;
+    let fp32 = CausalLm::from_pretrained(&dir, Device::Cpu, Kind::Float)?;
+    let bf16 = CausalLm::from_pretrained(&dir, Device::Cpu, Kind::BFloat16)?;
+    let batch = ResponseBatch {
+        input_ids: ids(&[0, 1, 5, 6, 7, 8, 1, 9, 10, 11, 12, 0], 2),
+        attention_mask: ids(&[0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0], 2),
+        action_mask: ids(&[1, 1, 1, 1, 1, 0], 2),
+    };
+    let (a, b) = tch::no_grad(|| -> Result<_> {
+        Ok((fp32.response_log_probs(&batch)?, bf16.response_log_probs(&batch)?))
+    })?;
+    assert_eq!(b.kind(), Kind::Float, "log-probs are float32 whatever the weights");
+    let diff = (&a - &b).abs().max().double_value(&[]);
+    assert!(diff < 0.1, "bf16 log-probs drift by {diff}");
+    // A bf16 model trains (moments stay float32) and saves bf16 tensors.
+    let mut optimizer = AdamW::new(bf16.named_parameters(), optimizer_config(1e-2, 5))?;
+    optimizer
+        .step_accumulated(&[&batch], |b| Ok(bf16.response_log_probs(b)?.sum(Kind::Float).neg()))?;
+    bf16.save_pretrained(&dir, &SaveOptions::default())?;
+    let back = CausalLm::from_pretrained(&dir, Device::Cpu, Kind::Float)?;
+    assert!(back.named_parameters().all(|(_, t)| t.kind() == Kind::Float));
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}
