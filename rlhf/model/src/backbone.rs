@@ -53,7 +53,7 @@ impl Backbone {
             .map(|i| DecoderLayer::new(params, i, config))
             .collect::<Result<Vec<_>>>()?;
         let norm = RmsNorm::new(params, "model.norm", config.hidden_size, config.rms_norm_eps)?;
-        let rotary = RotaryEmbedding::new(config, params.device());
+        let rotary = RotaryEmbedding::new(config, params.device())?;
         Ok(Self { config: config.clone(), embed_tokens, layers, norm, rotary })
     }
 

@@ -19,11 +19,11 @@ pub struct RotaryEmbedding {
 
 impl RotaryEmbedding {
     /// Builds the inverse frequencies for `config` on `device`.
-    pub fn new(config: &ModelConfig, device: Device) -> Self {
+    pub fn new(config: &ModelConfig, device: Device) -> Result<Self> {
         let values =
             inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling.as_ref());
-        let inv_freq = Tensor::from_slice(&values).to_device(device);
-        Self { inv_freq }
+        let inv_freq = Tensor::f_from_slice(&values)?.f_to_device(device)?;
+        Ok(Self { inv_freq })
     }
 
     /// The inverse frequencies, `[head_dim / 2]` float32.

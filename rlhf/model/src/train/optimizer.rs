@@ -16,6 +16,10 @@ use super::schedule::ScheduleConfig;
 use crate::error::{ModelError, Result};
 use crate::safetensors_io::{read_file, write_file};
 
+/// Added to the gradient norm when clipping, as `torch.nn.utils.clip_grad_norm_` does, so the
+/// scale stays finite and the clipped norm lands just under the limit.
+const CLIP_EPSILON: f64 = 1e-6;
+
 /// AdamW and clipping settings.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct OptimizerConfig {
@@ -133,7 +137,7 @@ impl AdamW {
             )));
         }
         let clip = if self.config.max_grad_norm > 0.0 && grad_norm > self.config.max_grad_norm {
-            self.config.max_grad_norm / (grad_norm + 1e-6)
+            self.config.max_grad_norm / (grad_norm + CLIP_EPSILON)
         } else {
             1.0
         };
