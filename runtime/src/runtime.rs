@@ -526,9 +526,7 @@ impl Runtime {
             }
         }
         self.submitters.on_connection_closed(self, conn);
-        if let Some(head) = self.head.get() {
-            head.on_connection_closed(conn);
-        }
+        // The head learns of worker deaths from the reaper (waitpid), not from closed sockets.
         if self.head_connection.get().is_some_and(|h| h.id() == conn.id()) {
             // The control plane (the driver, in an embedded session) is gone: so is this worker.
             std::process::exit(0);

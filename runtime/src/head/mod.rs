@@ -267,11 +267,6 @@ impl Head {
         self.apply(effects);
     }
 
-    pub(crate) fn on_connection_closed(&self, _conn: &Arc<Connection>) {
-        // Worker deaths are learned from the reaper (waitpid), which also covers workers that
-        // die before they connect; a closed connection alone changes nothing here.
-    }
-
     /// Kills every worker and waits (bounded) until they are reaped.
     pub(crate) fn shutdown(&self) {
         let pids: Vec<u32> = {
