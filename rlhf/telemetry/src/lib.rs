@@ -26,3 +26,10 @@ pub use metrics::{
     MetricsSink, MetricsWriter, MetricsWriterOptions, RESERVED_NAMES, StartMode, StepMetrics,
     unix_time_now,
 };
+pub mod phase;
+pub mod progress;
+pub mod summary;
+
+pub use phase::{PhaseTimer, StepPhases};
+pub use progress::{ProgressMode, ProgressOptions, RunProgress};
+pub use summary::{EvalRow, RunSummary};
