@@ -17,7 +17,9 @@ pub enum TelemetryError {
         source: std::io::Error,
     },
     /// A file that [`crate::StartMode::New`] must create already exists.
-    #[error("`{path}` already exists (expected a fresh run directory; resume or overwrite instead)")]
+    #[error(
+        "`{path}` already exists (expected a fresh run directory; resume or overwrite instead)"
+    )]
     AlreadyExists {
         /// The file that exists.
         path: PathBuf,

@@ -57,7 +57,8 @@ impl MetricsSink for JsonlWriter {
 
 /// The JSON object of one step (without the newline).
 pub fn encode_line(metrics: &StepMetrics) -> String {
-    let mut line = format!("{{\"step\":{},\"wall_time\":{}", metrics.step(), number(metrics.wall_time()));
+    let mut line =
+        format!("{{\"step\":{},\"wall_time\":{}", metrics.step(), number(metrics.wall_time()));
     for (name, value) in metrics.scalars() {
         line.push(',');
         line.push_str(&serde_json::Value::from(name.as_str()).to_string());
@@ -118,7 +119,9 @@ fn scalar(key: &str, value: &serde_json::Value) -> Result<f64, String> {
         },
         _ => None,
     }
-    .ok_or_else(|| format!("expected `{key}` to be a number, \"NaN\" or \"±Infinity\", found {value}"))
+    .ok_or_else(|| {
+        format!("expected `{key}` to be a number, \"NaN\" or \"±Infinity\", found {value}")
+    })
 }
 
 /// Reads every record of a JSONL metrics file; blank lines are skipped, any other line that is
@@ -205,7 +208,8 @@ mod tests {
     use proptest::prelude::*;
 
     fn temp_path(name: &str) -> PathBuf {
-        let dir = std::env::temp_dir().join(format!("rtrun-telemetry-jsonl-{}", std::process::id()));
+        let dir =
+            std::env::temp_dir().join(format!("rtrun-telemetry-jsonl-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join(name);
         let _ = std::fs::remove_file(&path);
@@ -261,7 +265,10 @@ mod tests {
             JsonlWriter::create(&path, StartMode::New),
             Err(TelemetryError::AlreadyExists { .. })
         ));
-        assert_eq!(read_jsonl(&path).unwrap(), (0..5).map(|s| record(s, s as f64 / 10.0)).collect::<Vec<_>>());
+        assert_eq!(
+            read_jsonl(&path).unwrap(),
+            (0..5).map(|s| record(s, s as f64 / 10.0)).collect::<Vec<_>>()
+        );
 
         // A killed run leaves a torn last line; resuming from step 3 drops it and steps 3, 4.
         let mut file = OpenOptions::new().append(true).open(&path).unwrap();
@@ -269,7 +276,11 @@ mod tests {
         drop(file);
         let mut writer = JsonlWriter::create(&path, StartMode::Resume { next_step: 3 }).unwrap();
         writer.record(&record(3, 0.9)).unwrap();
-        let steps: Vec<_> = read_jsonl(&path).unwrap().iter().map(|r| (r.step(), r.get("reward/mean").unwrap())).collect();
+        let steps: Vec<_> = read_jsonl(&path)
+            .unwrap()
+            .iter()
+            .map(|r| (r.step(), r.get("reward/mean").unwrap()))
+            .collect();
         assert_eq!(steps, [(0, 0.0), (1, 0.1), (2, 0.2), (3, 0.9)]);
 
         // A corrupt complete line is an error, not silently dropped data.

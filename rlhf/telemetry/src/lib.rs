@@ -33,3 +33,6 @@ pub mod summary;
 pub use phase::{PhaseTimer, StepPhases};
 pub use progress::{ProgressMode, ProgressOptions, RunProgress};
 pub use summary::{EvalRow, RunSummary};
+pub mod plot;
+
+pub use plot::{LineChart, reward_curve};

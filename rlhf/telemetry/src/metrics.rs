@@ -162,7 +162,11 @@ impl MetricsWriter {
     }
 
     /// Opens the sink in `dir` (created if missing).
-    pub fn with_options(dir: &Path, mode: StartMode, options: &MetricsWriterOptions) -> Result<Self> {
+    pub fn with_options(
+        dir: &Path,
+        mode: StartMode,
+        options: &MetricsWriterOptions,
+    ) -> Result<Self> {
         std::fs::create_dir_all(dir).map_err(io_error("create directory", dir))?;
         let jsonl_path = dir.join(&options.jsonl_file_name);
         let old_event_files = if options.tensorboard { event_files_in(dir)? } else { Vec::new() };

@@ -51,11 +51,7 @@ pub struct PhaseTotal {
 impl PhaseTotal {
     /// Mean time per step in which the phase ran.
     pub fn mean(&self) -> Duration {
-        if self.steps == 0 {
-            Duration::ZERO
-        } else {
-            self.total.div_f64(self.steps as f64)
-        }
+        if self.steps == 0 { Duration::ZERO } else { self.total.div_f64(self.steps as f64) }
     }
 }
 
@@ -204,7 +200,10 @@ mod tests {
         timer.finish_step();
         let totals = timer.totals();
         assert_eq!(timer.steps(), 2);
-        assert_eq!(totals.iter().map(|t| t.name.as_str()).collect::<Vec<_>>(), ["generate", "train", "sync"]);
+        assert_eq!(
+            totals.iter().map(|t| t.name.as_str()).collect::<Vec<_>>(),
+            ["generate", "train", "sync"]
+        );
         assert_eq!((totals[0].total, totals[0].steps, totals[0].max), (200 * MS, 2, 120 * MS));
         assert_eq!(totals[0].mean(), 100 * MS);
         assert_eq!((totals[2].total, totals[2].steps), (5 * MS, 1));

@@ -93,7 +93,8 @@ impl RunProgress {
         };
         let output = match mode {
             ProgressMode::Bar => {
-                let bar = ProgressBar::with_draw_target(Some(total_steps), ProgressDrawTarget::stderr());
+                let bar =
+                    ProgressBar::with_draw_target(Some(total_steps), ProgressDrawTarget::stderr());
                 let style = ProgressStyle::with_template(BAR_TEMPLATE)
                     .expect("BAR_TEMPLATE is a valid indicatif template")
                     .progress_chars("=> ");
@@ -109,7 +110,11 @@ impl RunProgress {
     }
 
     /// Line-mode progress written to `writer` (tests, or a log file).
-    pub fn to_writer(total_steps: u64, options: ProgressOptions, writer: Arc<Mutex<dyn Write + Send>>) -> Self {
+    pub fn to_writer(
+        total_steps: u64,
+        options: ProgressOptions,
+        writer: Arc<Mutex<dyn Write + Send>>,
+    ) -> Self {
         Self { output: Output::Lines(writer), options, total_steps, started: Instant::now() }
     }
 
@@ -136,7 +141,7 @@ impl RunProgress {
                 let step = metrics.step();
                 let every = self.options.line_every_steps.max(1);
                 let first = step == self.options.start_step + 1;
-                if first || step % every == 0 || step >= self.total_steps {
+                if first || step.is_multiple_of(every) || step >= self.total_steps {
                     let line = format!(
                         "step {step}/{} [{}] {status}",
                         self.total_steps,
@@ -172,7 +177,9 @@ impl RunProgress {
             .fields
             .iter()
             .filter_map(|field| {
-                metrics.get(&field.metric).map(|value| format!("{} {}", field.label, format_value(value)))
+                metrics
+                    .get(&field.metric)
+                    .map(|value| format!("{} {}", field.label, format_value(value)))
             })
             .collect();
         if !phases.phases.is_empty() {
@@ -207,7 +214,8 @@ fn write_line(writer: &Mutex<dyn Write + Send>, line: &str) {
 fn format_value(value: f64) -> String {
     let magnitude = value.abs();
     if value == 0.0 || (1e-3..1e5).contains(&magnitude) {
-        let decimals = if magnitude >= 1.0 { 3usize.saturating_sub(magnitude.log10() as usize) } else { 4 };
+        let decimals =
+            if magnitude >= 1.0 { 3usize.saturating_sub(magnitude.log10() as usize) } else { 4 };
         format!("{value:.decimals$}")
     } else {
         format!("{value:.3e}")
@@ -244,7 +252,10 @@ mod tests {
         let options = ProgressOptions { line_every_steps: 2, ..ProgressOptions::default() };
         let progress = RunProgress::to_writer(5, options, Arc::new(Mutex::new(buffer.clone())));
         let phases = StepPhases {
-            phases: vec![("generate".into(), Duration::from_millis(1500)), ("train".into(), Duration::from_millis(250))],
+            phases: vec![
+                ("generate".into(), Duration::from_millis(1500)),
+                ("train".into(), Duration::from_millis(250)),
+            ],
         };
         for step in 1..=5 {
             progress.step_done(&metrics(step, step as f64 / 10.0), &phases);
@@ -269,7 +280,10 @@ mod tests {
     fn status_line_skips_missing_fields() {
         let options = ProgressOptions {
             mode: ProgressMode::Hidden,
-            fields: vec![ProgressField::new("acc", "eval/accuracy"), ProgressField::new("r", "reward")],
+            fields: vec![
+                ProgressField::new("acc", "eval/accuracy"),
+                ProgressField::new("r", "reward"),
+            ],
             ..ProgressOptions::default()
         };
         let progress = RunProgress::new(3, options);
@@ -281,7 +295,10 @@ mod tests {
 
     #[test]
     fn bar_mode_tracks_position_and_message() {
-        let progress = RunProgress::new(4, ProgressOptions { mode: ProgressMode::Bar, ..ProgressOptions::default() });
+        let progress = RunProgress::new(
+            4,
+            ProgressOptions { mode: ProgressMode::Bar, ..ProgressOptions::default() },
+        );
         progress.set_phase("generate");
         progress.step_done(&metrics(2, 0.5), &StepPhases::default());
         progress.set_phase("train");

@@ -57,7 +57,8 @@ impl Table {
     /// A table with the given headers; the first column left-aligned, the others right-aligned.
     pub fn new<S: Into<String>>(header: impl IntoIterator<Item = S>) -> Self {
         let header: Vec<String> = header.into_iter().map(Into::into).collect();
-        let align = (0..header.len()).map(|i| if i == 0 { Align::Left } else { Align::Right }).collect();
+        let align =
+            (0..header.len()).map(|i| if i == 0 { Align::Left } else { Align::Right }).collect();
         Self { header, align, rows: Vec::new() }
     }
 
@@ -70,7 +71,7 @@ impl Table {
         self.rows.iter().map(Vec::len).chain([self.header.len()]).max().unwrap_or(0)
     }
 
-    fn cell<'a>(row: &'a [String], column: usize) -> &'a str {
+    fn cell(row: &[String], column: usize) -> &str {
         row.get(column).map_or("", String::as_str)
     }
 
@@ -148,7 +149,12 @@ impl RunSummary {
                 (Some(baseline), Some(final_value)) => format!("{:+.4}", final_value - baseline),
                 _ => "-".to_owned(),
             };
-            table.push_row([row.metric.clone(), value(row.baseline), value(row.final_value), change]);
+            table.push_row([
+                row.metric.clone(),
+                value(row.baseline),
+                value(row.final_value),
+                change,
+            ]);
         }
         table
     }
@@ -187,7 +193,12 @@ impl RunSummary {
 
     /// The summary as plain text for the terminal.
     pub fn to_text(&self) -> String {
-        format!("{}\n\n{}\n{}", self.heading(), self.held_out_table().to_text(), self.phase_table().to_text())
+        format!(
+            "{}\n\n{}\n{}",
+            self.heading(),
+            self.held_out_table().to_text(),
+            self.phase_table().to_text()
+        )
     }
 
     /// The summary as Markdown.
@@ -216,12 +227,26 @@ mod tests {
             wall_time: Duration::from_secs(95),
             held_out_prompts: 64,
             held_out: vec![
-                EvalRow { metric: "mean reward".into(), baseline: Some(0.125), final_value: Some(0.84375) },
+                EvalRow {
+                    metric: "mean reward".into(),
+                    baseline: Some(0.125),
+                    final_value: Some(0.84375),
+                },
                 EvalRow { metric: "kl | ref".into(), baseline: None, final_value: Some(0.02) },
             ],
             phases: vec![
-                PhaseTotal { name: "generate".into(), total: Duration::from_secs(60), steps: 20, max: Duration::from_secs(4) },
-                PhaseTotal { name: "train".into(), total: Duration::from_secs(20), steps: 20, max: Duration::from_secs(2) },
+                PhaseTotal {
+                    name: "generate".into(),
+                    total: Duration::from_secs(60),
+                    steps: 20,
+                    max: Duration::from_secs(4),
+                },
+                PhaseTotal {
+                    name: "train".into(),
+                    total: Duration::from_secs(20),
+                    steps: 20,
+                    max: Duration::from_secs(2),
+                },
             ],
         }
     }
@@ -249,7 +274,9 @@ train     20.0s     1.00s  2.00s  25.0%
     fn renders_markdown() {
         let markdown = summary().to_markdown();
         assert!(markdown.starts_with("**grpo-tiny: 20 steps in 1m35s, 64 held-out prompts**\n\n"));
-        assert!(markdown.contains("| held-out metric | baseline | final | change |\n| :--- | ---: | ---: | ---: |\n"));
+        assert!(markdown.contains(
+            "| held-out metric | baseline | final | change |\n| :--- | ---: | ---: | ---: |\n"
+        ));
         assert!(markdown.contains("| mean reward | 0.1250 | 0.8438 | +0.7188 |\n"));
         assert!(markdown.contains("| kl \\| ref | - | 0.0200 | - |\n"));
         assert!(markdown.contains("| generate | 1m00s | 3.00s | 4.00s | 75.0% |\n"));

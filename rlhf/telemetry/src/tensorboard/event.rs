@@ -127,7 +127,9 @@ impl Event {
                 (7, FieldValue::Bytes(log)) => {
                     event.payload = EventPayload::SessionLog(decode_session_log(log, at)?);
                 }
-                (1 | 2 | 3 | 5 | 7, other) => return Err(wrong_wire_type("Event", number, other, at)),
+                (1 | 2 | 3 | 5 | 7, other) => {
+                    return Err(wrong_wire_type("Event", number, other, at));
+                }
                 _ => {}
             }
         }
@@ -185,7 +187,12 @@ fn utf8(bytes: &[u8], field: &str, offset: u64) -> Result<String, TelemetryError
     })
 }
 
-fn wrong_wire_type(message: &str, field: u32, value: FieldValue<'_>, offset: u64) -> TelemetryError {
+fn wrong_wire_type(
+    message: &str,
+    field: u32,
+    value: FieldValue<'_>,
+    offset: u64,
+) -> TelemetryError {
     TelemetryError::CorruptEventFile {
         offset,
         reason: format!("{message} field {field} has wire type {}", value.wire_name()),

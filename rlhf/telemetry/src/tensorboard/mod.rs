@@ -85,9 +85,16 @@ impl EventFileWriter {
     ) -> Result<()> {
         let values = scalars
             .into_iter()
-            .map(|(tag, value)| SummaryValue { tag: tag.to_owned(), simple_value: Some(value as f32) })
+            .map(|(tag, value)| SummaryValue {
+                tag: tag.to_owned(),
+                simple_value: Some(value as f32),
+            })
             .collect();
-        self.write_event(&Event { wall_time, step: step_i64(step)?, payload: EventPayload::Summary(values) })
+        self.write_event(&Event {
+            wall_time,
+            step: step_i64(step)?,
+            payload: EventPayload::Summary(values),
+        })
     }
 
     /// Appends a `SessionLog START` event: TensorBoard then drops earlier-written events at or
@@ -144,7 +151,9 @@ fn host_name() -> String {
     let cleaned: String = raw
         .trim()
         .chars()
-        .map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.' { c } else { '_' })
+        .map(
+            |c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' || c == '.' { c } else { '_' },
+        )
         .collect();
     if cleaned.is_empty() { "localhost".to_owned() } else { cleaned }
 }
@@ -154,8 +163,8 @@ mod tests {
     use super::*;
 
     fn temp_dir(name: &str) -> PathBuf {
-        let dir = std::env::temp_dir()
-            .join(format!("rtrun-telemetry-tb-{name}-{}", std::process::id()));
+        let dir =
+            std::env::temp_dir().join(format!("rtrun-telemetry-tb-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         dir

@@ -224,12 +224,12 @@ mod tests {
     #[test]
     fn rejects_truncated_and_overlong_input() {
         let errors = [
-            &[0x08][..],                   // key without value
-            &[0x08, 0x80],                 // unterminated varint
-            &[0x12, 0x05, b'a'],           // length past the end
-            &[0x09, 1, 2, 3],              // fixed64 with 3 bytes
-            &[0x0B],                       // start-group wire type
-            &[0x00, 0x01],                 // field number 0
+            &[0x08][..],                                                         // key without value
+            &[0x08, 0x80],       // unterminated varint
+            &[0x12, 0x05, b'a'], // length past the end
+            &[0x09, 1, 2, 3],    // fixed64 with 3 bytes
+            &[0x0B],             // start-group wire type
+            &[0x00, 0x01],       // field number 0
             &[0x08, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0xFF, 0x02], // > 64 bits
         ];
         for bytes in errors {

@@ -30,10 +30,8 @@ impl<'a> RecordReader<'a> {
 
     fn record(&mut self) -> Result<(u64, &'a [u8]), TelemetryError> {
         let start = self.position;
-        let corrupt = |reason: String| TelemetryError::CorruptEventFile {
-            offset: start as u64,
-            reason,
-        };
+        let corrupt =
+            |reason: String| TelemetryError::CorruptEventFile { offset: start as u64, reason };
         let rest = &self.bytes[start..];
         if rest.len() < 12 {
             return Err(corrupt(format!(
@@ -50,8 +48,10 @@ impl<'a> RecordReader<'a> {
                 "length checksum mismatch: stored {stored:#010x}, computed {computed:#010x}"
             )));
         }
-        let length = u64::from_le_bytes(length_bytes.try_into().expect("split_at(8) gives 8 bytes"));
-        let fits = usize::try_from(length).ok().filter(|&length| length <= rest.len().saturating_sub(4));
+        let length =
+            u64::from_le_bytes(length_bytes.try_into().expect("split_at(8) gives 8 bytes"));
+        let fits =
+            usize::try_from(length).ok().filter(|&length| length <= rest.len().saturating_sub(4));
         let Some(length) = fits else {
             return Err(corrupt(format!(
                 "truncated record: header announces {length} data bytes, {} bytes follow \
