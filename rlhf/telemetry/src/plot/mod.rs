@@ -1,7 +1,7 @@
 //! Line charts rendered to PNG: the reward curve of a run (x = step, one line per series, e.g.
 //! train reward and held-out reward) with axes, grid, tick labels, axis labels, title and
 //! legend. Drawing is done here on a plain RGB raster with a built-in 5×7 bitmap font
-//! ([`font`]), so the crate builds offline without font or graphics system libraries; the `png`
+//! (module `font`), so the crate builds offline without font or graphics system libraries; the `png`
 //! crate only encodes the result.
 
 mod canvas;
@@ -94,7 +94,10 @@ impl ChartLayout {
         let fy = (y - self.y_axis.min) / (self.y_axis.max - self.y_axis.min);
         let px = area.left as f64 + fx * (area.right - area.left) as f64;
         let py = area.bottom as f64 - fy * (area.bottom - area.top) as f64;
-        (px.round() as i64, py.round() as i64)
+        // Points come from inside the axes' ranges; the clamp only bounds what rounding noise or
+        // a caller's out-of-range point could do (line drawing walks every pixel in between).
+        let reach = 2.0 * (area.right.max(area.bottom) as f64 + 1.0);
+        (px.clamp(-reach, reach).round() as i64, py.clamp(-reach, reach).round() as i64)
     }
 }
 
@@ -147,6 +150,16 @@ impl LineChart {
             (x_min, x_max) = (x_min.min(x), x_max.max(x));
             (y_min, y_max) = (y_min.min(y), y_max.max(y));
             integer_x &= x.fract() == 0.0;
+        }
+        if !(x_max - x_min).is_finite() && x_min.is_finite()
+            || !(y_max - y_min).is_finite() && y_min.is_finite()
+        {
+            return Err(TelemetryError::InvalidChart {
+                reason: format!(
+                    "expected data spans that fit in a double, found x in [{x_min:e}, {x_max:e}] \
+                     and y in [{y_min:e}, {y_max:e}]"
+                ),
+            });
         }
         let (width, height) = (i64::from(width), i64::from(height));
         let char_height = GLYPH_HEIGHT * TEXT_SCALE;
@@ -436,6 +449,31 @@ mod tests {
         assert_ne!(canvas.pixel(gap.0, gap.1), Some(color));
     }
 
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(24))]
+        #[test]
+        fn arbitrary_data_renders_or_is_rejected(
+            series in proptest::collection::vec(
+                proptest::collection::vec((proptest::num::f64::ANY, proptest::num::f64::ANY), 0..12),
+                0..4,
+            ),
+            size in (240u32..1200, 180u32..900),
+        ) {
+            let mut chart = LineChart::new("fuzz", "x", "y");
+            (chart.width, chart.height) = size;
+            for (index, points) in series.into_iter().enumerate() {
+                chart.add_series(format!("series {index}"), points);
+            }
+            match chart.render() {
+                Ok(canvas) => proptest::prop_assert_eq!((canvas.width(), canvas.height()), size),
+                Err(error) => {
+                    let rejected = matches!(error, TelemetryError::InvalidChart { .. });
+                    proptest::prop_assert!(rejected, "unexpected error: {}", error);
+                },
+            }
+        }
+    }
+
     #[test]
     fn rejects_sizes_that_cannot_hold_a_chart() {
         let mut chart = sample_chart();
@@ -444,6 +482,10 @@ mod tests {
             let error = chart.render().unwrap_err();
             assert!(matches!(error, TelemetryError::InvalidChart { .. }), "{width}x{height}");
         }
+        let mut chart = LineChart::new("huge", "step", "reward");
+        chart.add_series("span", vec![(0.0, -1e308), (1.0, 1e308)]);
+        let error = chart.render().unwrap_err().to_string();
+        assert!(error.contains("expected data spans that fit in a double"), "{error}");
     }
 
     /// Writes the sample chart to `$RTRUN_TELEMETRY_SAMPLE_PNG` when set, to look at it.
