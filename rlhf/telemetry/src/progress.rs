@@ -11,8 +11,10 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use crate::metrics::StepMetrics;
 use crate::phase::{StepPhases, format_seconds};
 
-/// The bar's layout: elapsed time, bar, position, ETA, then the live message.
-const BAR_TEMPLATE: &str = "[{elapsed_precise}] {bar:30.cyan/blue} {pos}/{len} (eta {eta}) {msg}";
+/// The bar's layout: elapsed time, bar, position, ETA, the running phase (the prefix), then the
+/// last step's fields and phase timings (the message).
+const BAR_TEMPLATE: &str =
+    "[{elapsed_precise}] {bar:20.cyan/blue} {pos}/{len} (eta {eta}) {prefix:.bold} ▸ {wide_msg}";
 
 /// How progress is shown.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -122,9 +124,6 @@ impl RunProgress {
     pub fn set_phase(&self, phase: &str) {
         if let Output::Bar(bar) = &self.output {
             bar.set_prefix(phase.to_owned());
-            let message = bar.message();
-            let base = message.split(" ▸ ").next().unwrap_or_default().to_owned();
-            bar.set_message(format!("{base} ▸ {phase}"));
         }
     }
 
@@ -304,7 +303,8 @@ mod tests {
         progress.set_phase("train");
         let Output::Bar(bar) = &progress.output else { panic!("bar mode gives a bar") };
         assert_eq!(bar.position(), 2);
-        assert_eq!(bar.message(), "reward 0.5000 kl 1.230e-4 ▸ train");
+        assert_eq!(bar.message(), "reward 0.5000 kl 1.230e-4");
+        assert_eq!(bar.prefix(), "train");
         progress.finish();
         assert!(bar.is_finished());
     }
