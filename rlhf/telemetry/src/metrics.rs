@@ -5,6 +5,8 @@
 use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use serde::{Deserialize, Serialize};
+
 use crate::error::{Result, TelemetryError, io_error};
 use crate::jsonl::JsonlWriter;
 use crate::tensorboard::{EventFileWriter, event_files_in};
@@ -13,7 +15,11 @@ use crate::tensorboard::{EventFileWriter, event_files_in};
 pub const RESERVED_NAMES: [&str; 2] = ["step", "wall_time"];
 
 /// The named scalars of one step, in insertion order, with the step and the wall time.
-#[derive(Debug, Clone, PartialEq)]
+///
+/// Serializable (e.g. returned by a trainer actor through the runtime); deserializing checks the
+/// names as [`StepMetrics::set`] does and rejects duplicates.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(try_from = "UncheckedStepMetrics")]
 pub struct StepMetrics {
     step: u64,
     wall_time: f64,
@@ -74,6 +80,29 @@ impl StepMetrics {
             self.set(format!("{prefix}{}", name.as_ref()), value)?;
         }
         Ok(self)
+    }
+}
+
+/// The serialized form of [`StepMetrics`], validated by `TryFrom` when deserializing.
+#[derive(Deserialize)]
+struct UncheckedStepMetrics {
+    step: u64,
+    wall_time: f64,
+    scalars: Vec<(String, f64)>,
+}
+
+impl TryFrom<UncheckedStepMetrics> for StepMetrics {
+    type Error = TelemetryError;
+
+    fn try_from(unchecked: UncheckedStepMetrics) -> Result<Self> {
+        let mut metrics = StepMetrics::with_wall_time(unchecked.step, unchecked.wall_time);
+        for (name, value) in unchecked.scalars {
+            if metrics.get(&name).is_some() {
+                return Err(TelemetryError::InvalidMetricName { name, reason: "recorded twice" });
+            }
+            metrics.set(name, value)?;
+        }
+        Ok(metrics)
     }
 }
 
@@ -239,6 +268,21 @@ mod tests {
         }
         metrics.extend_prefixed("time/", [("generate", 1.5), ("train", 2.5)]).unwrap();
         assert_eq!(metrics.get("time/train"), Some(2.5));
+    }
+
+    #[test]
+    fn serde_round_trip_validates_names() {
+        let mut metrics = StepMetrics::with_wall_time(3, 1.5);
+        metrics.set("reward", 0.25).unwrap().set("kl", 0.5).unwrap();
+        let json = serde_json::to_string(&metrics).unwrap();
+        assert_eq!(json, r#"{"step":3,"wall_time":1.5,"scalars":[["reward",0.25],["kl",0.5]]}"#);
+        assert_eq!(serde_json::from_str::<StepMetrics>(&json).unwrap(), metrics);
+        for bad in [
+            r#"{"step":3,"wall_time":1.5,"scalars":[["step",0.25]]}"#,
+            r#"{"step":3,"wall_time":1.5,"scalars":[["kl",0.25],["kl",0.5]]}"#,
+        ] {
+            assert!(serde_json::from_str::<StepMetrics>(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]

@@ -112,7 +112,7 @@ impl RunProgress {
     }
 
     /// Line-mode progress written to `writer` (tests, or a log file).
-    pub fn to_writer(
+    pub fn with_writer(
         total_steps: u64,
         options: ProgressOptions,
         writer: Arc<Mutex<dyn Write + Send>>,
@@ -249,7 +249,7 @@ mod tests {
     fn line_mode_prints_every_n_steps_with_fields_and_phases() {
         let buffer = SharedBuffer::default();
         let options = ProgressOptions { line_every_steps: 2, ..ProgressOptions::default() };
-        let progress = RunProgress::to_writer(5, options, Arc::new(Mutex::new(buffer.clone())));
+        let progress = RunProgress::with_writer(5, options, Arc::new(Mutex::new(buffer.clone())));
         let phases = StepPhases {
             phases: vec![
                 ("generate".into(), Duration::from_millis(1500)),
