@@ -1,7 +1,7 @@
 //! Metrics as JSON Lines: one object per step, `{"step":3,"wall_time":1.7e9,"reward/mean":0.5,…}`,
 //! keys in the order the metrics were set. JSON has no NaN or infinities, so those are written
-//! as the strings `"NaN"`, `"Infinity"` and `"-Infinity"` (what pandas and Python's `float()`
-//! accept) and read back as numbers.
+//! as the strings `"NaN"`, `"Infinity"` and `"-Infinity"` (which Python's `float()`
+//! parses) and read back as numbers.
 
 use std::fs::{File, OpenOptions};
 use std::io::{BufWriter, Write as _};

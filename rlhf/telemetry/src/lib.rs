@@ -68,6 +68,10 @@
 mod error;
 pub mod jsonl;
 mod metrics;
+pub mod phase;
+pub mod plot;
+pub mod progress;
+pub mod summary;
 pub mod tensorboard;
 
 pub use error::{Result, TelemetryError};
@@ -75,13 +79,7 @@ pub use metrics::{
     MetricsSink, MetricsWriter, MetricsWriterOptions, RESERVED_NAMES, StartMode, StepMetrics,
     unix_time_now,
 };
-pub mod phase;
-pub mod progress;
-pub mod summary;
-
-pub use phase::{PhaseTimer, StepPhases};
-pub use progress::{ProgressMode, ProgressOptions, RunProgress};
-pub use summary::{EvalRow, RunSummary};
-pub mod plot;
-
+pub use phase::{PhaseTimer, PhaseTotal, StepPhases};
 pub use plot::{LineChart, reward_curve};
+pub use progress::{ProgressField, ProgressMode, ProgressOptions, RunProgress};
+pub use summary::{EvalRow, RunSummary, Table};
