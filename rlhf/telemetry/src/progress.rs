@@ -102,6 +102,8 @@ impl RunProgress {
                     .progress_chars("=> ");
                 bar.set_style(style);
                 bar.set_position(options.start_step);
+                // Steps a resumed run starts with took no time here; keep them out of the ETA.
+                bar.reset_eta();
                 bar.enable_steady_tick(std::time::Duration::from_millis(250));
                 Output::Bar(bar)
             }
