@@ -160,12 +160,16 @@ impl ObjectStore {
         })
     }
 
-    /// Records a borrower.
-    pub fn add_holder(&self, id: ObjectId, holder: HolderId) -> Result<()> {
-        self.shared.core.lock().add_holder(id, holder)
+    /// Adds one reference count for `holder`; returns whether that freed the object (a count
+    /// that cancels a removal which overtook it can bring the last holder to zero).
+    pub fn add_holder(&self, id: ObjectId, holder: HolderId) -> Result<bool> {
+        let freed = self.shared.core.lock().add_holder(id, holder)?;
+        let was_freed = freed.is_some();
+        self.delete_spill_files(freed);
+        Ok(was_freed)
     }
 
-    /// Drops a reference; returns whether that freed the object.
+    /// Drops one of `holder`'s reference counts; returns whether that freed the object.
     pub fn remove_holder(&self, id: ObjectId, holder: HolderId) -> Result<bool> {
         let freed = self.shared.core.lock().remove_holder(id, holder)?;
         let was_freed = freed.is_some();

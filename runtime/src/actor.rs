@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 use std::future::Future;
 use std::marker::PhantomData;
 use std::pin::Pin;
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 use tokio::sync::{OwnedRwLockReadGuard, OwnedRwLockWriteGuard};
@@ -13,7 +14,7 @@ use crate::codec;
 use crate::context::GroupMembership;
 use crate::error::{Error, Result};
 use crate::ids::ActorId;
-use crate::object::{ObjectBytes, ObjectRef};
+use crate::object::{ObjectBytes, ObjectRef, Value};
 use crate::protocol::Arg;
 use crate::runtime;
 
@@ -247,7 +248,16 @@ pub trait IntoArg<T> {
 
 impl<T: Serialize> IntoArg<T> for T {
     fn into_arg(self) -> Result<Arg> {
-        codec::encode(&self).map(Arg::Inline)
+        let bytes = codec::encode(&self)?;
+        match runtime::current() {
+            Ok(runtime) => match runtime.value_of(bytes)? {
+                Value::Inline(bytes) => Ok(Arg::Inline(
+                    Arc::try_unwrap(bytes).unwrap_or_else(|shared| (*shared).clone()),
+                )),
+                Value::Stored(stored) => Ok(Arg::Stored(stored)),
+            },
+            Err(_) => Ok(Arg::Inline(bytes)),
+        }
     }
 }
 
@@ -259,6 +269,11 @@ impl<T> IntoArg<T> for ObjectRef<T> {
 
 impl<T> IntoArg<T> for &ObjectRef<T> {
     fn into_arg(self) -> Result<Arg> {
+        // A completed stored value travels by location with its own reference count; anything
+        // else is fetched from the owner, which keeps it for the borrower.
+        if let Some(stored) = self.stored_value() {
+            return Ok(Arg::Stored(stored));
+        }
         let runtime = runtime::current()?;
         runtime.objects.mark_escaped(&self.object, runtime);
         Ok(Arg::Ref(self.locator()))

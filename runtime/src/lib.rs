@@ -36,6 +36,8 @@ pub mod object;
 pub mod protocol;
 pub mod registry;
 pub mod runtime;
+pub mod session;
+mod store;
 mod submit;
 pub mod task;
 pub mod transport;
@@ -46,7 +48,11 @@ pub use context::{GroupMembership, RuntimeContext, context};
 pub use error::{Error, Result};
 pub use group::{ActorGroup, split_batch};
 pub use ids::{ActorId, ObjectId, WorkerId};
-pub use object::{ObjectRef, free, get_all, put, wait};
+pub use object::{
+    DType, ObjectBytes, ObjectRef, RawBytes, Tensor, TensorHeader, TensorView, free, get_all, put,
+    put_bytes, put_tensor, wait,
+};
+pub use rtrun_object_store::StoreStats;
 pub use rtrun_macros::{actor, remote};
 pub use runtime::{Config, current, init, init_with, run_worker_if_requested, shutdown};
 pub use task::TaskOptions;
@@ -56,6 +62,12 @@ pub use task::TaskOptions;
 /// (a call that already finished keeps its result).
 pub fn cancel<T>(r: &ObjectRef<T>, force: bool) -> Result<()> {
     current()?.cancel(r.id(), force)
+}
+
+/// The node's object-store snapshot: capacity, objects, pins and spilled bytes (what
+/// `rtrun memory` prints).
+pub fn memory_stats() -> Result<StoreStats> {
+    current()?.memory_stats()
 }
 
 /// Items used by the code `#[rtrun::actor]` and `#[rtrun::remote]` generate.

@@ -3,9 +3,15 @@
 //! Every process keeps the objects it owns (the values it `put` and the results of the calls it
 //! made) in its table; other processes fetch them from the owner on demand. An [`ObjectRef`] is
 //! a handle on a table entry: cloning it is an `Arc` clone, and when the last handle in the
-//! owner drops, the value is freed — unless the reference escaped to another process, in which
-//! case the owner keeps it until [`free`] (borrower tracking that releases escaped objects
-//! automatically belongs to the object store).
+//! owner drops, the value is freed.
+//!
+//! A value is either inline (small: its bytes sit in the slot and travel in frames) or stored
+//! (over the inline limit: it lives in the node's shared-memory store, the slot holds a
+//! [`StoredValue`] that carries this process's reference count, and readers map it in place).
+//! References to stored values travel with their own counts (see `crate::store`), so such an
+//! object is freed when the last reference in any process drops. A reference to an inline or
+//! still-pending value that escapes inside another value keeps the owner's entry until [`free`]
+//! or the owner's exit.
 
 use std::future::{Future, IntoFuture};
 use std::marker::PhantomData;
@@ -23,15 +29,118 @@ use crate::error::{Error, Result};
 use crate::ids::ObjectId;
 use crate::protocol::{Address, ObjectLocator};
 use crate::runtime::{self, Runtime};
+use crate::store::Hold;
 
-/// The bytes of a resolved object.
-pub type ObjectBytes = Arc<Vec<u8>>;
+pub use rtrun_object_store::{DType, ObjectView, TensorHeader, TensorView};
 
-type Callback = Box<dyn FnOnce(&Result<ObjectBytes>) + Send>;
+/// The bytes of a resolved object: owned inline bytes, or a read-only mapping of a stored
+/// object that keeps it pinned while any clone lives. Derefs to `[u8]`; a 1 GiB stored object
+/// is a mapping, not a copy.
+#[derive(Clone)]
+pub struct ObjectBytes(BytesRepr);
+
+#[derive(Clone)]
+enum BytesRepr {
+    Inline(Arc<Vec<u8>>),
+    Mapped(Arc<ObjectView>),
+}
+
+impl ObjectBytes {
+    /// Bytes owned by this process.
+    pub fn inline(bytes: Vec<u8>) -> ObjectBytes {
+        ObjectBytes(BytesRepr::Inline(Arc::new(bytes)))
+    }
+
+    /// Whether these bytes are mapped from the node's object store (rather than copied here).
+    pub fn is_mapped(&self) -> bool {
+        matches!(self.0, BytesRepr::Mapped(_))
+    }
+
+    /// The bytes.
+    pub fn as_bytes(&self) -> &[u8] {
+        match &self.0 {
+            BytesRepr::Inline(bytes) => bytes,
+            BytesRepr::Mapped(view) => view,
+        }
+    }
+
+    /// The typed tensor in these bytes (an object made by [`put_tensor`]).
+    pub fn tensor(&self) -> Result<TensorView<'_>> {
+        TensorView::parse(self.as_bytes()).map_err(|e| Error::Codec(format!("not a tensor object: {e}")))
+    }
+}
+
+impl std::ops::Deref for ObjectBytes {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        self.as_bytes()
+    }
+}
+
+impl AsRef<[u8]> for ObjectBytes {
+    fn as_ref(&self) -> &[u8] {
+        self.as_bytes()
+    }
+}
+
+impl std::fmt::Debug for ObjectBytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let kind = if self.is_mapped() { "mapped" } else { "inline" };
+        write!(f, "ObjectBytes({} bytes, {kind})", self.len())
+    }
+}
+
+/// A value in the node's object store, with one reference count of this process on it (absent
+/// only while the value is on the wire).
+#[derive(Clone, Serialize, Deserialize)]
+pub struct StoredValue {
+    /// The object in the store (not the id of the `ObjectRef` whose value it is).
+    pub id: ObjectId,
+    /// Its size in bytes.
+    pub size: u64,
+    #[serde(skip)]
+    pub(crate) hold: Option<Arc<Hold>>,
+}
+
+impl std::fmt::Debug for StoredValue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "StoredValue({}, {} bytes)", self.id, self.size)
+    }
+}
+
+/// The value of an object as a slot holds it.
+#[derive(Clone, Debug)]
+pub enum Value {
+    /// The encoded value itself.
+    Inline(Arc<Vec<u8>>),
+    /// Where the value is in the node's store.
+    Stored(StoredValue),
+}
+
+impl Value {
+    /// Inline bytes.
+    pub fn inline(bytes: Vec<u8>) -> Value {
+        Value::Inline(Arc::new(bytes))
+    }
+
+    /// The bytes: the inline ones, or a pinned mapping of the stored object.
+    pub fn resolve(&self) -> Result<ObjectBytes> {
+        match self {
+            Value::Inline(bytes) => Ok(ObjectBytes(BytesRepr::Inline(bytes.clone()))),
+            Value::Stored(stored) => {
+                let client = runtime::current()?.store_client()?;
+                Ok(ObjectBytes(BytesRepr::Mapped(Arc::new(client.view(stored.id)?))))
+            }
+        }
+    }
+}
+
+type Callback = Box<dyn FnOnce(&Result<Value>) + Send>;
 
 enum SlotState {
     Pending(Vec<Callback>),
-    Done(Result<ObjectBytes>),
+    Done(Result<Value>),
 }
 
 /// A value that will be known later: completed once, waited on by threads, futures and
@@ -49,12 +158,12 @@ impl Default for Slot {
 
 impl Slot {
     /// A slot that is already complete.
-    pub fn done(result: Result<ObjectBytes>) -> Slot {
+    pub fn done(result: Result<Value>) -> Slot {
         Slot { state: Mutex::new(SlotState::Done(result)), ready: Condvar::new() }
     }
 
     /// Completes the slot; later completions are ignored (the first outcome wins).
-    pub fn complete(&self, result: Result<ObjectBytes>) {
+    pub fn complete(&self, result: Result<Value>) {
         let callbacks = {
             let mut state = self.state.lock();
             match &mut *state {
@@ -80,13 +189,13 @@ impl Slot {
     }
 
     /// Replaces a completed value (used by `free`, which turns a value into an error).
-    pub fn overwrite(&self, result: Result<ObjectBytes>) {
+    pub fn overwrite(&self, result: Result<Value>) {
         *self.state.lock() = SlotState::Done(result);
         self.ready.notify_all();
     }
 
     /// The outcome, if known.
-    pub fn peek(&self) -> Option<Result<ObjectBytes>> {
+    pub fn peek(&self) -> Option<Result<Value>> {
         match &*self.state.lock() {
             SlotState::Done(result) => Some(result.clone()),
             SlotState::Pending(_) => None,
@@ -99,7 +208,7 @@ impl Slot {
     }
 
     /// Runs `callback` with the outcome: now if known, else when it completes.
-    pub fn on_done(&self, callback: impl FnOnce(&Result<ObjectBytes>) + Send + 'static) {
+    pub fn on_done(&self, callback: impl FnOnce(&Result<Value>) + Send + 'static) {
         let mut state = self.state.lock();
         match &mut *state {
             SlotState::Pending(callbacks) => callbacks.push(Box::new(callback)),
@@ -112,7 +221,7 @@ impl Slot {
     }
 
     /// Blocks until the outcome is known or `deadline` passes.
-    pub fn wait(&self, deadline: Option<Instant>) -> Option<Result<ObjectBytes>> {
+    pub fn wait(&self, deadline: Option<Instant>) -> Option<Result<Value>> {
         let mut state = self.state.lock();
         loop {
             if let SlotState::Done(result) = &*state {
@@ -292,13 +401,32 @@ impl<T> ObjectRef<T> {
         ensure_fetch(&self.object);
     }
 
-    /// Waits for the raw bytes of the value.
+    /// Waits for the value and returns its bytes without decoding them: inline bytes, or a
+    /// read-only mapping of the stored object that keeps it pinned while it lives.
     pub fn get_bytes(&self, timeout: Option<Duration>) -> Result<ObjectBytes> {
+        self.wait_value(timeout)?.resolve()
+    }
+
+    /// Waits for the value and returns a zero-copy view of its bytes (see
+    /// [`ObjectRef::get_bytes`]); for objects made by [`put_bytes`] and [`put_tensor`].
+    pub fn get_view(&self) -> Result<ObjectBytes> {
+        self.get_bytes(None)
+    }
+
+    pub(crate) fn wait_value(&self, timeout: Option<Duration>) -> Result<Value> {
         self.ensure_fetch();
         let deadline = timeout.map(|t| Instant::now() + t);
         match self.object.slot.wait(deadline) {
             Some(result) => result,
             None => Err(Error::Timeout(timeout.unwrap_or_default())),
+        }
+    }
+
+    /// The stored value behind this reference, when it is complete and in the store.
+    pub(crate) fn stored_value(&self) -> Option<StoredValue> {
+        match self.object.slot.peek() {
+            Some(Ok(Value::Stored(stored))) => Some(stored),
+            _ => None,
         }
     }
 }
@@ -357,7 +485,7 @@ impl<T: DeserializeOwned> Future for ObjectFuture<T> {
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         if let Some(result) = self.object.slot.peek() {
-            return Poll::Ready(result.and_then(|bytes| codec::decode(&bytes)));
+            return Poll::Ready(result.and_then(|value| codec::decode(&value.resolve()?)));
         }
         *self.waker.lock() = Some(cx.waker().clone());
         if !self.registered {
@@ -372,7 +500,7 @@ impl<T: DeserializeOwned> Future for ObjectFuture<T> {
         }
         // The slot may have completed between the peek and the registration.
         match self.object.slot.peek() {
-            Some(result) => Poll::Ready(result.and_then(|bytes| codec::decode(&bytes))),
+            Some(result) => Poll::Ready(result.and_then(|value| codec::decode(&value.resolve()?))),
             None => Poll::Pending,
         }
     }
@@ -449,11 +577,53 @@ pub fn get_all<T: DeserializeOwned>(refs: &[ObjectRef<T>]) -> Result<Vec<T>> {
     refs.iter().map(ObjectRef::get).collect()
 }
 
-/// Stores a value in this process's object table and returns a reference to it.
+/// Stores a value and returns a reference to it: in this process's object table when its
+/// encoding is small, in the node's shared-memory store when it is over the inline limit.
 pub fn put<T: Serialize>(value: &T) -> Result<ObjectRef<T>> {
     let runtime = runtime::current()?;
     let bytes = codec::encode(value)?;
-    Ok(runtime.put_encoded(bytes))
+    runtime.put_encoded(bytes)
+}
+
+/// Marks references made by [`put_bytes`]: read them with [`ObjectRef::get_view`].
+#[derive(Debug, Clone, Copy)]
+pub enum RawBytes {}
+
+/// Marks references made by [`put_tensor`]: read them with [`ObjectRef::get_view`] and
+/// [`ObjectBytes::tensor`].
+#[derive(Debug, Clone, Copy)]
+pub enum Tensor {}
+
+/// Stores raw bytes without the codec: one copy into the node's store (or inline when small).
+pub fn put_bytes(bytes: &[u8]) -> Result<ObjectRef<RawBytes>> {
+    let runtime = runtime::current()?;
+    runtime.put_raw(bytes.len() as u64, |target| {
+        crate::store::copy_parallel(target, bytes);
+        Ok(())
+    })
+}
+
+/// Stores a contiguous tensor (row-major `shape` of `dtype`, `data` its bytes) without the
+/// codec, laid out so that a tensor library can view the data in place (64-byte aligned).
+pub fn put_tensor(dtype: DType, shape: &[u64], data: &[u8]) -> Result<ObjectRef<Tensor>> {
+    let header = TensorHeader::new(dtype, shape.to_vec())
+        .map_err(|e| Error::Invalid(format!("tensor shape: {e}")))?;
+    if data.len() as u64 != header.byte_len() {
+        return Err(Error::Invalid(format!(
+            "tensor of {dtype:?} {shape:?} needs {} bytes, found {}",
+            header.byte_len(),
+            data.len()
+        )));
+    }
+    let runtime = runtime::current()?;
+    runtime.put_raw(header.object_size(), |target| {
+        let offset = header.data_offset() as usize;
+        header
+            .write_header(&mut target[..offset])
+            .map_err(|e| Error::Invalid(format!("tensor header: {e}")))?;
+        crate::store::copy_parallel(&mut target[offset..], data);
+        Ok(())
+    })
 }
 
 /// Frees objects: later gets (here or in any process) fail with [`Error::ObjectFreed`].
@@ -466,7 +636,7 @@ pub fn free<T>(refs: &[ObjectRef<T>]) -> Result<()> {
 }
 
 /// A handle on an already-failed object outside any runtime (used when there is none).
-pub(crate) fn detached_object(result: Result<ObjectBytes>) -> Arc<LocalObject> {
+pub(crate) fn detached_object(result: Result<Value>) -> Arc<LocalObject> {
     Arc::new(LocalObject {
         id: ObjectId(0),
         owner: Address::new(),

@@ -14,7 +14,7 @@ use tokio::sync::{RwLock, Semaphore};
 use crate::actor::{Actor, Invocation};
 use crate::error::{Error, Result};
 use crate::ids::WorkerId;
-use crate::object::{ObjectBytes, ObjectRef};
+use crate::object::{ObjectBytes, ObjectRef, Value};
 use crate::protocol::{
     Address, Arg, Assignment, CallFrame, CallTarget, Frame, Outcome, Request, Response,
 };
@@ -117,7 +117,7 @@ fn resolve_args(args: &[Arg]) -> Result<Vec<ObjectBytes>> {
     let refs: Vec<Option<ObjectRef<()>>> = args
         .iter()
         .map(|arg| match arg {
-            Arg::Inline(_) => None,
+            Arg::Inline(_) | Arg::Stored(_) => None,
             Arg::Ref(locator) => {
                 let r: ObjectRef<()> =
                     ObjectRef::from_local(runtime.objects.handle_for(runtime, locator.clone()));
@@ -129,7 +129,8 @@ fn resolve_args(args: &[Arg]) -> Result<Vec<ObjectBytes>> {
     args.iter()
         .zip(refs)
         .map(|(arg, r)| match (arg, r) {
-            (Arg::Inline(bytes), _) => Ok(Arc::new(bytes.clone())),
+            (Arg::Inline(bytes), _) => Ok(ObjectBytes::inline(bytes.clone())),
+            (Arg::Stored(stored), _) => Value::Stored(stored.clone()).resolve(),
             (_, Some(r)) => r.get_bytes(None),
             (Arg::Ref(_), None) => Err(Error::Invalid("unresolved argument".into())),
         })
@@ -184,9 +185,18 @@ pub(crate) fn on_call(runtime: &Arc<Runtime>, conn: &Arc<Connection>, call: Call
     }
 }
 
+/// Sends a call's outcome; a value over the inline limit goes through the node's object store
+/// (the reply carries its location, and the caller gets its own reference count).
 fn reply(conn: &Arc<Connection>, call_id: u64, result: Result<Vec<u8>>) {
-    let outcome = match result {
-        Ok(bytes) => Outcome::Value(bytes),
+    let value = result.and_then(|bytes| match crate::runtime::current() {
+        Ok(runtime) => runtime.value_of(bytes),
+        Err(_) => Ok(Value::inline(bytes)),
+    });
+    let outcome = match value {
+        Ok(Value::Inline(bytes)) => {
+            Outcome::Value(Arc::try_unwrap(bytes).unwrap_or_else(|shared| (*shared).clone()))
+        }
+        Ok(Value::Stored(stored)) => Outcome::Stored(stored),
         Err(e) => Outcome::Error(e),
     };
     if let Err(e) = conn.send(&Frame::Reply { call_id, outcome }) {
