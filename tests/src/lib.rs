@@ -36,7 +36,8 @@ pub fn kill9(pid: u32) {
     }
 }
 
-/// The `rtrun` binary of this build, built first when it is missing. Test binaries live in
+/// The `rtrun` binary of this build, built first when it is missing (the workspace test run
+/// builds it, because `runtime/tests/cli.rs` uses it). Test binaries live in
 /// `<target>/<profile>/deps/`, the `rtrun` binary in `<target>/<profile>/`; Cargo gives other
 /// packages' binaries to integration tests only within their own package, hence the search.
 pub fn rtrun_binary() -> std::path::PathBuf {
