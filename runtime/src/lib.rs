@@ -52,8 +52,8 @@ pub use object::{
     DType, ObjectBytes, ObjectRef, RawBytes, Tensor, TensorHeader, TensorView, free, get_all, put,
     put_bytes, put_tensor, wait,
 };
-pub use rtrun_object_store::StoreStats;
 pub use rtrun_macros::{actor, remote};
+pub use rtrun_object_store::StoreStats;
 pub use runtime::{Config, current, init, init_with, run_worker_if_requested, shutdown};
 pub use task::TaskOptions;
 

@@ -66,7 +66,8 @@ impl ObjectBytes {
 
     /// The typed tensor in these bytes (an object made by [`put_tensor`]).
     pub fn tensor(&self) -> Result<TensorView<'_>> {
-        TensorView::parse(self.as_bytes()).map_err(|e| Error::Codec(format!("not a tensor object: {e}")))
+        TensorView::parse(self.as_bytes())
+            .map_err(|e| Error::Codec(format!("not a tensor object: {e}")))
     }
 }
 

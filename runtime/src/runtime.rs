@@ -639,7 +639,7 @@ impl Runtime {
     /// (the sender's own count is alive until the frame is dropped, after this).
     fn on_sent(&self, conn: &Connection, frame: &Frame) {
         let Some(store) = self.store.get() else { return };
-        frame.visit_stored(&mut |value| match conn.peer().as_ref().and_then(crate::store::holder_of_address) {
+        frame.visit_stored(&mut |value| match conn.peer().as_deref().and_then(crate::store::holder_of_address) {
             Some(peer) => store.lend(value.id, peer),
             None => tracing::warn!(object = %value.id, "a stored value was sent to a peer of unknown identity"),
         });

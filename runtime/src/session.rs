@@ -65,11 +65,13 @@ fn describe(sessions: &[String]) -> String {
 /// Asks the node process of `session` for its object-store snapshot.
 pub fn node_memory(session: &str) -> Result<NodeMemory> {
     let (tx, rx) = crossbeam_channel::bounded(1);
-    let address = format!("unix:@rtrun-cli-{}-{:016x}", std::process::id(), crate::runtime::random_u64());
+    let address =
+        format!("unix:@rtrun-cli-{}-{:016x}", std::process::id(), crate::runtime::random_u64());
     let endpoint = Endpoint::bind(address, Arc::new(Answer(tx)), TransportConfig::default())?;
     let node = crate::runtime::worker_address(session, DRIVER_WORKER_ID);
     let conn = endpoint.connect(&node)?;
-    let request = Request::Store { holder: rtrun_object_store::HolderId(u64::MAX), op: StoreOp::Stats };
+    let request =
+        Request::Store { holder: rtrun_object_store::HolderId(u64::MAX), op: StoreOp::Stats };
     conn.send(&Frame::Request { req_id: 1, body: request })?;
     let answer = rx.recv_timeout(QUERY_TIMEOUT).map_err(|_| {
         Error::Transport(format!("session {session} did not answer within {QUERY_TIMEOUT:?}"))

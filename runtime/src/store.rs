@@ -32,7 +32,7 @@ use rtrun_object_store::{
 use crate::error::{Error, Result};
 use crate::ids::WorkerId;
 use crate::object::StoredValue;
-use crate::protocol::{Address, NodeMemory, Request, Response, StoreOp};
+use crate::protocol::{NodeMemory, Request, Response, StoreOp};
 use crate::runtime::Runtime;
 
 /// Environment variable that tells a worker the inline limit of its node.
@@ -52,7 +52,7 @@ pub(crate) fn holder_of(worker: WorkerId) -> HolderId {
 }
 
 /// The holder behind a session endpoint address (`unix:@rtrun-<session>-<worker>`).
-pub(crate) fn holder_of_address(address: &Address) -> Option<HolderId> {
+pub(crate) fn holder_of_address(address: &str) -> Option<HolderId> {
     let (_, worker) = address.rsplit_once('-')?;
     worker.parse().ok().map(HolderId)
 }
@@ -239,7 +239,12 @@ impl StoreClient {
     }
 
     /// Answers a store request from another process on this node.
-    pub(crate) fn handle_remote(&self, runtime: &Runtime, holder: HolderId, op: StoreOp) -> Response {
+    pub(crate) fn handle_remote(
+        &self,
+        runtime: &Runtime,
+        holder: HolderId,
+        op: StoreOp,
+    ) -> Response {
         let Some(node) = &self.node else {
             return Response::Error(Error::Invalid(
                 "store requests go to the node process, and this is not it".into(),
@@ -303,7 +308,9 @@ impl NodeStore {
         }
         let store = &self.store;
         let result = match op {
-            StoreOp::Create { id, size } => store.create(id, size, holder).map(Response::Allocation),
+            StoreOp::Create { id, size } => {
+                store.create(id, size, holder).map(Response::Allocation)
+            }
             StoreOp::Seal { id } => store.seal(id).map(|()| Response::Done),
             StoreOp::Abort { id } => store.free(id).map(|()| Response::Done),
             StoreOp::Pin { id } => store.pin(id, holder).map(Response::Allocation),
@@ -354,9 +361,7 @@ impl Drop for Hold {
 /// Copies `source` into `target` (same length), on several threads when it is large.
 pub(crate) fn copy_parallel(target: &mut [u8], source: &[u8]) {
     let threads = if source.len() >= PARALLEL_COPY_MIN_BYTES {
-        std::thread::available_parallelism()
-            .map_or(1, |n| n.get())
-            .min(PARALLEL_COPY_MAX_THREADS)
+        std::thread::available_parallelism().map_or(1, |n| n.get()).min(PARALLEL_COPY_MAX_THREADS)
     } else {
         1
     };
@@ -394,8 +399,8 @@ mod tests {
 
     #[test]
     fn holders_are_parsed_from_session_addresses() {
-        assert_eq!(holder_of_address(&"unix:@rtrun-00ab-17".to_owned()), Some(HolderId(17)));
-        assert_eq!(holder_of_address(&"unix:@rtrun-cli".to_owned()), None);
+        assert_eq!(holder_of_address("unix:@rtrun-00ab-17"), Some(HolderId(17)));
+        assert_eq!(holder_of_address("unix:@rtrun-cli"), None);
         assert_eq!(holder_of(WorkerId(3)), HolderId(3));
     }
 }

@@ -251,12 +251,17 @@ impl StoreCore {
         self.change_count(id, holder, -1)
     }
 
-    /// The total of every holder's counts and the number of holders with a count.
+    /// Every holder's reference count on a live object (`None` when it is missing or freed).
     pub fn holder_counts(&self, id: ObjectId) -> Option<BTreeMap<HolderId, i64>> {
         self.objects.get(&id).filter(|entry| !entry.freed).map(|entry| entry.holders.clone())
     }
 
-    fn change_count(&mut self, id: ObjectId, holder: HolderId, delta: i64) -> Result<Option<Freed>> {
+    fn change_count(
+        &mut self,
+        id: ObjectId,
+        holder: HolderId,
+        delta: i64,
+    ) -> Result<Option<Freed>> {
         let entry = self.live_entry_mut(id)?;
         let count = entry.holders.entry(holder).or_insert(0);
         *count += delta;
