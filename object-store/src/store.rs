@@ -334,8 +334,12 @@ fn remove_stale_spill_dirs(parent: &Path) {
         if !Path::new(&format!("/proc/{pid}")).exists() {
             let path = entry.path();
             match std::fs::remove_dir_all(&path) {
-                Ok(()) => tracing::info!(path = %path.display(), "removed a dead process's spill directory"),
-                Err(error) => tracing::debug!(path = %path.display(), %error, "cannot remove a stale spill directory"),
+                Ok(()) => {
+                    tracing::info!(path = %path.display(), "removed a dead process's spill directory")
+                }
+                Err(error) => {
+                    tracing::debug!(path = %path.display(), %error, "cannot remove a stale spill directory")
+                }
             }
         }
     }
