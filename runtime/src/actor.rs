@@ -10,7 +10,6 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 use tokio::sync::{OwnedRwLockReadGuard, OwnedRwLockWriteGuard};
 
-use crate::codec;
 use crate::context::GroupMembership;
 use crate::error::{Error, Result};
 use crate::ids::ActorId;
@@ -248,14 +247,15 @@ pub trait IntoArg<T> {
 
 impl<T: Serialize> IntoArg<T> for T {
     fn into_arg(self) -> Result<Arg> {
-        let bytes = codec::encode(&self)?;
+        let (bytes, refs) = crate::object::encode_collecting(&self)?;
         match runtime::current() {
-            Ok(runtime) => match runtime.value_of(bytes)? {
-                Value::Inline(bytes) => Ok(Arg::Inline(
-                    Arc::try_unwrap(bytes).unwrap_or_else(|shared| (*shared).clone()),
-                )),
-                Value::Stored(stored) => Ok(Arg::Stored(stored)),
-            },
+            Ok(runtime) => Ok(match runtime.value_of(bytes, refs)? {
+                Value::Inline(bytes) => Arg::Inline(unshare(bytes)),
+                Value::Nested { bytes, refs } => {
+                    Arg::Nested { bytes: unshare(bytes), refs: unshare(refs) }
+                }
+                Value::Stored(stored) => Arg::Stored(stored),
+            }),
             Err(_) => Ok(Arg::Inline(bytes)),
         }
     }
@@ -278,6 +278,11 @@ impl<T> IntoArg<T> for &ObjectRef<T> {
         runtime.objects.mark_escaped(&self.object, runtime);
         Ok(Arg::Ref(self.locator()))
     }
+}
+
+/// The contents of an `Arc` that is usually not shared, copied only when it is.
+pub(crate) fn unshare<T: Clone>(shared: Arc<T>) -> T {
+    Arc::try_unwrap(shared).unwrap_or_else(|shared| (*shared).clone())
 }
 
 /// Turns a constructor's return value (`Self` or `Result<Self, E>`) into a result.

@@ -74,8 +74,8 @@ pub fn memory_stats() -> Result<StoreStats> {
 #[doc(hidden)]
 pub mod __private {
     pub use crate::actor::{IntoConstructed, MethodFuture, create_actor, expect_args};
-    pub use crate::codec::{decode, encode};
     pub use crate::object::ObjectBytes;
+    pub use crate::object::{decode_object as decode, encode_return as encode};
     pub use crate::registry::{ACTOR_TYPES, ActorTypeEntry, TASKS, TaskEntry};
     pub use crate::task::submit_task;
     pub use crate::worker::{block_on, host};

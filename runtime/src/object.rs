@@ -9,10 +9,14 @@
 //! (over the inline limit: it lives in the node's shared-memory store, the slot holds a
 //! [`StoredValue`] that carries this process's reference count, and readers map it in place).
 //! References to stored values travel with their own counts (see `crate::store`), so such an
-//! object is freed when the last reference in any process drops. A reference to an inline or
-//! still-pending value that escapes inside another value keeps the owner's entry until [`free`]
-//! or the owner's exit.
+//! object is freed when the last reference in any process drops — also when the reference
+//! travels inside another value: encoding collects the stored values of the references it
+//! serializes, they travel beside the bytes (`Arg::Nested`, `Outcome::Nested`) and keep their
+//! objects alive as long as the containing value lives, and decoding hands each deserialized
+//! reference its share (Ray's nested references). A reference to an inline or still-pending
+//! value that escapes keeps the owner's entry until [`free`] or the owner's exit.
 
+use std::cell::RefCell;
 use std::future::{Future, IntoFuture};
 use std::marker::PhantomData;
 use std::pin::Pin;
@@ -42,6 +46,8 @@ pub struct ObjectBytes(BytesRepr);
 #[derive(Clone)]
 enum BytesRepr {
     Inline(Arc<Vec<u8>>),
+    /// Inline bytes with the stored values of the references serialized in them.
+    Nested(Arc<Vec<u8>>, Arc<Vec<StoredValue>>),
     Mapped(Arc<ObjectView>),
 }
 
@@ -59,8 +65,20 @@ impl ObjectBytes {
     /// The bytes.
     pub fn as_bytes(&self) -> &[u8] {
         match &self.0 {
-            BytesRepr::Inline(bytes) => bytes,
+            BytesRepr::Inline(bytes) | BytesRepr::Nested(bytes, _) => bytes,
             BytesRepr::Mapped(view) => view,
+        }
+    }
+
+    /// Inline bytes and the references that travelled with them.
+    pub(crate) fn nested(bytes: Vec<u8>, refs: Vec<StoredValue>) -> ObjectBytes {
+        ObjectBytes(BytesRepr::Nested(Arc::new(bytes), Arc::new(refs)))
+    }
+
+    fn refs(&self) -> Option<Arc<Vec<StoredValue>>> {
+        match &self.0 {
+            BytesRepr::Nested(_, refs) => Some(refs.clone()),
+            BytesRepr::Inline(_) | BytesRepr::Mapped(_) => None,
         }
     }
 
@@ -115,6 +133,14 @@ impl std::fmt::Debug for StoredValue {
 pub enum Value {
     /// The encoded value itself.
     Inline(Arc<Vec<u8>>),
+    /// The encoded value and the stored values of the references serialized in it, which it
+    /// keeps alive. Such a value stays inline whatever its size.
+    Nested {
+        /// The encoded value.
+        bytes: Arc<Vec<u8>>,
+        /// Its references' stored values.
+        refs: Arc<Vec<StoredValue>>,
+    },
     /// Where the value is in the node's store.
     Stored(StoredValue),
 }
@@ -129,12 +155,76 @@ impl Value {
     pub fn resolve(&self) -> Result<ObjectBytes> {
         match self {
             Value::Inline(bytes) => Ok(ObjectBytes(BytesRepr::Inline(bytes.clone()))),
+            Value::Nested { bytes, refs } => {
+                Ok(ObjectBytes(BytesRepr::Nested(bytes.clone(), refs.clone())))
+            }
             Value::Stored(stored) => {
                 let client = runtime::current()?.store_client()?;
                 Ok(ObjectBytes(BytesRepr::Mapped(Arc::new(client.view(stored.id)?))))
             }
         }
     }
+}
+
+thread_local! {
+    /// Stored values of the references serialized by the innermost `encode_collecting` on this
+    /// thread (`None` outside one).
+    static ENCODING_REFS: RefCell<Option<Vec<StoredValue>>> = const { RefCell::new(None) };
+    /// Stored values that came with the bytes the innermost `decode_object` decodes.
+    static DECODING_REFS: RefCell<Option<Arc<Vec<StoredValue>>>> = const { RefCell::new(None) };
+    /// References in the return value last encoded on this thread, for the reply that follows.
+    static RETURN_REFS: RefCell<Vec<StoredValue>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Encodes a value and collects the stored values of the references serialized in it.
+pub(crate) fn encode_collecting<T: Serialize + ?Sized>(
+    value: &T,
+) -> Result<(Vec<u8>, Vec<StoredValue>)> {
+    let outer = ENCODING_REFS.with(|refs| refs.replace(Some(Vec::new())));
+    let result = codec::encode(value);
+    let refs = ENCODING_REFS.with(|refs| refs.replace(outer)).unwrap_or_default();
+    result.map(|bytes| (bytes, refs))
+}
+
+/// Decodes an object's bytes; references in them take their share of the stored values that
+/// travelled with the bytes.
+pub fn decode_object<T: DeserializeOwned>(bytes: &ObjectBytes) -> Result<T> {
+    let Some(refs) = bytes.refs() else { return codec::decode(bytes) };
+    let outer = DECODING_REFS.with(|current| current.replace(Some(refs)));
+    let result = codec::decode(bytes);
+    DECODING_REFS.with(|current| current.replace(outer));
+    result
+}
+
+/// Encodes a method's or task's return value (generated code calls this); the references in it
+/// go with the reply that this thread sends next.
+pub fn encode_return<T: Serialize + ?Sized>(value: &T) -> Result<Vec<u8>> {
+    let (bytes, refs) = encode_collecting(value)?;
+    RETURN_REFS.with(|current| *current.borrow_mut() = refs);
+    Ok(bytes)
+}
+
+/// Takes the references of the return value last encoded on this thread.
+pub(crate) fn take_return_refs() -> Vec<StoredValue> {
+    RETURN_REFS.with(|current| std::mem::take(&mut *current.borrow_mut()))
+}
+
+/// Records a serialized reference's stored value when an `encode_collecting` is running.
+fn collect_encoded_ref(stored: &StoredValue) -> bool {
+    ENCODING_REFS.with(|refs| match &mut *refs.borrow_mut() {
+        Some(list) => {
+            list.push(stored.clone());
+            true
+        }
+        None => false,
+    })
+}
+
+/// The stored value with this id among those travelling with the bytes being decoded.
+fn decoding_ref(id: ObjectId) -> Option<StoredValue> {
+    DECODING_REFS.with(|refs| {
+        refs.borrow().as_ref().and_then(|refs| refs.iter().find(|r| r.id == id).cloned())
+    })
 }
 
 type Callback = Box<dyn FnOnce(&Result<Value>) + Send>;
@@ -315,6 +405,35 @@ impl ObjectTable {
         object
     }
 
+    /// The handle for a reference to a stored value that arrived inside another value: it
+    /// takes its share of the count that travelled with the bytes (or, when none did, asks the
+    /// store for a count of its own) and needs nothing from the owner.
+    pub(crate) fn handle_for_stored(
+        &self,
+        runtime: &Arc<Runtime>,
+        locator: ObjectLocator,
+        stored_id: ObjectId,
+        size: u64,
+    ) -> Arc<LocalObject> {
+        if let Some(existing) = self.handles.get(&locator.id).and_then(|w| w.upgrade()) {
+            return existing;
+        }
+        let stored = decoding_ref(stored_id).or_else(|| {
+            let hold = runtime.store_client().ok()?.borrow(stored_id).ok()?;
+            Some(StoredValue { id: stored_id, size, hold: Some(hold) })
+        });
+        let Some(stored) = stored else { return self.handle_for(runtime, locator) };
+        let object = Arc::new(LocalObject {
+            id: locator.id,
+            owner: locator.owner,
+            slot: Arc::new(Slot::done(Ok(Value::Stored(stored)))),
+            fetch_started: Mutex::new(true),
+            runtime: Arc::downgrade(runtime),
+        });
+        self.handles.insert(locator.id, Arc::downgrade(&object));
+        object
+    }
+
     /// Marks an owned object as referenced from elsewhere, so it outlives local handles.
     pub(crate) fn mark_escaped(&self, object: &LocalObject, runtime: &Runtime) {
         if &object.owner == runtime.address() && !self.escaped.contains_key(&object.id) {
@@ -447,29 +566,41 @@ pub(crate) fn ensure_fetch(object: &Arc<LocalObject>) {
 impl<T: DeserializeOwned> ObjectRef<T> {
     /// Blocks until the value is available and decodes it.
     pub fn get(&self) -> Result<T> {
-        codec::decode(&self.get_bytes(None)?)
+        decode_object(&self.get_bytes(None)?)
     }
 
     /// Like [`ObjectRef::get`], failing with [`Error::Timeout`] after `timeout`.
     pub fn get_timeout(&self, timeout: Duration) -> Result<T> {
-        codec::decode(&self.get_bytes(Some(timeout))?)
+        decode_object(&self.get_bytes(Some(timeout))?)
     }
 }
 
+/// A reference on the wire: where to fetch the value, and for a stored value its place in the
+/// store (the count travels beside the bytes).
+type WireRef = (ObjectLocator, Option<(ObjectId, u64)>);
+
 impl<T> Serialize for ObjectRef<T> {
     fn serialize<S: Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
-        if let Ok(runtime) = runtime::current() {
+        let stored = self.stored_value().filter(collect_encoded_ref);
+        if stored.is_none()
+            && let Ok(runtime) = runtime::current()
+        {
             runtime.objects.mark_escaped(&self.object, runtime);
         }
-        self.locator().serialize(serializer)
+        let wire: WireRef = (self.locator(), stored.map(|stored| (stored.id, stored.size)));
+        wire.serialize(serializer)
     }
 }
 
 impl<'de, T> Deserialize<'de> for ObjectRef<T> {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
-        let locator = ObjectLocator::deserialize(deserializer)?;
+        let (locator, stored) = WireRef::deserialize(deserializer)?;
         let runtime = runtime::current().map_err(serde::de::Error::custom)?;
-        Ok(ObjectRef::from_local(runtime.objects.handle_for(runtime, locator)))
+        let object = match stored {
+            Some((id, size)) => runtime.objects.handle_for_stored(runtime, locator, id, size),
+            None => runtime.objects.handle_for(runtime, locator),
+        };
+        Ok(ObjectRef::from_local(object))
     }
 }
 
@@ -486,7 +617,7 @@ impl<T: DeserializeOwned> Future for ObjectFuture<T> {
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         if let Some(result) = self.object.slot.peek() {
-            return Poll::Ready(result.and_then(|value| codec::decode(&value.resolve()?)));
+            return Poll::Ready(result.and_then(|value| decode_object(&value.resolve()?)));
         }
         *self.waker.lock() = Some(cx.waker().clone());
         if !self.registered {
@@ -501,7 +632,7 @@ impl<T: DeserializeOwned> Future for ObjectFuture<T> {
         }
         // The slot may have completed between the peek and the registration.
         match self.object.slot.peek() {
-            Some(result) => Poll::Ready(result.and_then(|value| codec::decode(&value.resolve()?))),
+            Some(result) => Poll::Ready(result.and_then(|value| decode_object(&value.resolve()?))),
             None => Poll::Pending,
         }
     }
@@ -582,8 +713,8 @@ pub fn get_all<T: DeserializeOwned>(refs: &[ObjectRef<T>]) -> Result<Vec<T>> {
 /// encoding is small, in the node's shared-memory store when it is over the inline limit.
 pub fn put<T: Serialize>(value: &T) -> Result<ObjectRef<T>> {
     let runtime = runtime::current()?;
-    let bytes = codec::encode(value)?;
-    runtime.put_encoded(bytes)
+    let (bytes, refs) = encode_collecting(value)?;
+    runtime.put_encoded(bytes, refs)
 }
 
 /// Marks references made by [`put_bytes`]: read them with [`ObjectRef::get_view`].

@@ -57,19 +57,28 @@ impl Frame {
     pub(crate) fn visit_stored(&self, visit: &mut dyn FnMut(&StoredValue)) {
         let visit_args = |args: &[Arg], visit: &mut dyn FnMut(&StoredValue)| {
             for arg in args {
-                if let Arg::Stored(value) = arg {
-                    visit(value);
+                match arg {
+                    Arg::Stored(value) => visit(value),
+                    Arg::Nested { refs, .. } => refs.iter().for_each(&mut *visit),
+                    Arg::Inline(_) | Arg::Ref(_) => {}
                 }
             }
         };
+        let visit_outcome = |outcome: &Outcome, visit: &mut dyn FnMut(&StoredValue)| match outcome {
+            Outcome::Stored(value) => visit(value),
+            Outcome::Nested { refs, .. } => refs.iter().for_each(visit),
+            Outcome::Value(_) | Outcome::Error(_) => {}
+        };
         match self {
             Frame::Call(call) => visit_args(&call.args, visit),
-            Frame::Reply { outcome: Outcome::Stored(value), .. } => visit(value),
+            Frame::Reply { outcome, .. } => visit_outcome(outcome, visit),
             Frame::Request { body: Request::SubmitTask(spec), .. } => visit_args(&spec.args, visit),
             Frame::Request { body: Request::CreateActor(spec), .. } => {
                 visit_args(&spec.ctor_args, visit)
             }
-            Frame::Response { body: Response::Outcome(Outcome::Stored(value)), .. } => visit(value),
+            Frame::Response { body: Response::Outcome(outcome), .. } => {
+                visit_outcome(outcome, visit)
+            }
             Frame::Response { body: Response::Assignment(Assignment::Actor(start)), .. } => {
                 visit_args(&start.ctor_args, visit)
             }
@@ -81,21 +90,31 @@ impl Frame {
     pub(crate) fn visit_stored_mut(&mut self, visit: &mut dyn FnMut(&mut StoredValue)) {
         let visit_args = |args: &mut [Arg], visit: &mut dyn FnMut(&mut StoredValue)| {
             for arg in args {
-                if let Arg::Stored(value) = arg {
-                    visit(value);
+                match arg {
+                    Arg::Stored(value) => visit(value),
+                    Arg::Nested { refs, .. } => refs.iter_mut().for_each(&mut *visit),
+                    Arg::Inline(_) | Arg::Ref(_) => {}
                 }
             }
         };
+        let visit_outcome =
+            |outcome: &mut Outcome, visit: &mut dyn FnMut(&mut StoredValue)| match outcome {
+                Outcome::Stored(value) => visit(value),
+                Outcome::Nested { refs, .. } => refs.iter_mut().for_each(visit),
+                Outcome::Value(_) | Outcome::Error(_) => {}
+            };
         match self {
             Frame::Call(call) => visit_args(&mut call.args, visit),
-            Frame::Reply { outcome: Outcome::Stored(value), .. } => visit(value),
+            Frame::Reply { outcome, .. } => visit_outcome(outcome, visit),
             Frame::Request { body: Request::SubmitTask(spec), .. } => {
                 visit_args(&mut spec.args, visit)
             }
             Frame::Request { body: Request::CreateActor(spec), .. } => {
                 visit_args(&mut spec.ctor_args, visit)
             }
-            Frame::Response { body: Response::Outcome(Outcome::Stored(value)), .. } => visit(value),
+            Frame::Response { body: Response::Outcome(outcome), .. } => {
+                visit_outcome(outcome, visit)
+            }
             Frame::Response { body: Response::Assignment(Assignment::Actor(start)), .. } => {
                 visit_args(&mut start.ctor_args, visit)
             }
@@ -141,6 +160,14 @@ pub enum Arg {
     Ref(ObjectLocator),
     /// A value in the node's object store, read in place by the callee.
     Stored(StoredValue),
+    /// The encoded value and the stored values of the references serialized in it.
+    Nested {
+        /// The encoded value.
+        #[serde(with = "serde_bytes")]
+        bytes: Vec<u8>,
+        /// Its references' stored values (each with a count for the receiver).
+        refs: Vec<StoredValue>,
+    },
 }
 
 /// Where to obtain an object: its id and the endpoint of the process that owns it.
@@ -159,6 +186,14 @@ pub enum Outcome {
     Value(#[serde(with = "serde_bytes")] Vec<u8>),
     /// The value is in the node's object store.
     Stored(StoredValue),
+    /// The encoded value and the stored values of the references serialized in it.
+    Nested {
+        /// The encoded value.
+        #[serde(with = "serde_bytes")]
+        bytes: Vec<u8>,
+        /// Its references' stored values (each with a count for the receiver).
+        refs: Vec<StoredValue>,
+    },
     /// The call failed.
     Error(Error),
 }

@@ -341,8 +341,16 @@ impl Runtime {
         })
     }
 
-    /// Encoded bytes as a value: inline when small, else written into the node's store.
-    pub(crate) fn value_of(self: &Arc<Self>, bytes: Vec<u8>) -> Result<Value> {
+    /// Encoded bytes as a value: inline when small or when they carry references (`refs`),
+    /// else written into the node's store.
+    pub(crate) fn value_of(
+        self: &Arc<Self>,
+        bytes: Vec<u8>,
+        refs: Vec<crate::object::StoredValue>,
+    ) -> Result<Value> {
+        if !refs.is_empty() {
+            return Ok(Value::Nested { bytes: Arc::new(bytes), refs: Arc::new(refs) });
+        }
         match self.store.get() {
             Some(store) if bytes.len() > store.max_inline() => {
                 Ok(Value::Stored(store.put_bytes(self.new_object_id(), &bytes)?))
@@ -352,8 +360,12 @@ impl Runtime {
     }
 
     /// Stores encoded bytes as a new object owned by this process.
-    pub(crate) fn put_encoded<T>(self: &Arc<Self>, bytes: Vec<u8>) -> Result<ObjectRef<T>> {
-        let value = self.value_of(bytes)?;
+    pub(crate) fn put_encoded<T>(
+        self: &Arc<Self>,
+        bytes: Vec<u8>,
+        refs: Vec<crate::object::StoredValue>,
+    ) -> Result<ObjectRef<T>> {
+        let value = self.value_of(bytes, refs)?;
         let id = self.new_object_id();
         let slot = Arc::new(Slot::done(Ok(value)));
         Ok(ObjectRef::from_local(self.objects.create_owned(self, id, slot)))
@@ -608,6 +620,10 @@ impl Runtime {
                 Some(slot) => slot.on_done(move |result| {
                     responder.respond(Response::Outcome(match result {
                         Ok(Value::Inline(bytes)) => Outcome::Value(bytes.as_ref().clone()),
+                        Ok(Value::Nested { bytes, refs }) => Outcome::Nested {
+                            bytes: bytes.as_ref().clone(),
+                            refs: refs.as_ref().clone(),
+                        },
                         Ok(Value::Stored(stored)) => Outcome::Stored(stored.clone()),
                         Err(e) => Outcome::Error(e.clone()),
                     }))
@@ -681,6 +697,9 @@ impl Runtime {
 pub(crate) fn outcome_to_result(outcome: Outcome) -> Result<Value> {
     match outcome {
         Outcome::Value(bytes) => Ok(Value::inline(bytes)),
+        Outcome::Nested { bytes, refs } => {
+            Ok(Value::Nested { bytes: Arc::new(bytes), refs: Arc::new(refs) })
+        }
         Outcome::Stored(stored) => Ok(Value::Stored(stored)),
         Outcome::Error(e) => Err(e),
     }

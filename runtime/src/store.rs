@@ -201,6 +201,20 @@ impl StoreClient {
         }
     }
 
+    /// Takes a count of this process's own on a live object (for a reference that arrived
+    /// without one); fails when the object is gone.
+    pub(crate) fn borrow(self: &Arc<Self>, id: ObjectId) -> Result<Arc<Hold>> {
+        let op = StoreOp::Lend { id, to: self.holder };
+        let response = match &self.node {
+            Some(node) => node.apply(self.holder, op),
+            None => self.call(op)?,
+        };
+        match response {
+            Response::Error(error) => Err(error),
+            _ => Ok(Hold::adopt(self, id)),
+        }
+    }
+
     /// Drops one of this process's counts.
     fn release(&self, id: ObjectId) {
         match &self.node {

@@ -126,9 +126,57 @@ impl Keeper {
         Ok(self.refs.clone())
     }
 
+    /// Keeps references that arrived inside a value (a borrower).
+    pub fn keep(&mut self, refs: Vec<ObjectRef<RawBytes>>) -> usize {
+        self.refs.extend(refs);
+        self.refs.len()
+    }
+
+    /// Reads every kept reference and checks it against its seed.
+    pub fn check_kept(&self, seeds: Vec<u64>, len: usize) -> bool {
+        self.refs.len() == seeds.len()
+            && self
+                .refs
+                .iter()
+                .zip(seeds)
+                .all(|(r, seed)| r.get_view().is_ok_and(|view| matches_pattern(&view, seed, len)))
+    }
+
+    /// Drops every kept reference and view.
+    pub fn drop_all(&mut self) -> usize {
+        let n = self.refs.len();
+        self.refs.clear();
+        self.views.clear();
+        n
+    }
+
     pub fn pid(&self) -> u32 {
         std::process::id()
     }
+}
+
+#[test]
+fn references_inside_values_are_counted_for_their_borrowers() {
+    init(128 << 20);
+    let len = MIB + 3;
+    let seeds = vec![11u64, 12, 13];
+    let refs: Vec<ObjectRef<RawBytes>> =
+        seeds.iter().map(|s| rtrun::put_bytes(&pattern(*s, len)).expect("put")).collect();
+    let keeper = Keeper::remote().expect("keeper starts");
+    let other = Keeper::remote().expect("second keeper starts");
+    assert_eq!(keeper.keep(refs.clone()).get_timeout(LONG).expect("kept"), 3);
+    assert_eq!(other.keep(refs[..1].to_vec()).get_timeout(LONG).expect("kept"), 1);
+    // The creator drops its references: the borrowers keep the objects alive and intact.
+    drop(refs);
+    assert_eq!(stats().objects, 3, "{}", stats());
+    assert!(keeper.check_kept(seeds.clone(), len).get_timeout(LONG).expect("read by borrower"));
+    assert_eq!(keeper.drop_all().get_timeout(LONG).expect("dropped"), 3);
+    // Only the object the second borrower holds is left, then nothing.
+    assert!(wait_until(LONG, || stats().objects == 1), "{}", stats());
+    assert!(other.check_kept(vec![11], len).get_timeout(LONG).expect("still readable"));
+    let pid = other.pid().get_timeout(LONG).expect("pid");
+    kill9(pid);
+    assert_store_drains();
 }
 
 #[test]
@@ -157,8 +205,7 @@ fn many_processes_put_get_and_drop_concurrently_with_every_byte_checked() {
                         .collect();
                     let nested = checker.check_raw(raws.clone(), raw_seeds.to_vec(), len);
                     assert!(nested.get_timeout(LONG).expect("nested refs checked"));
-                    // Nested references escaped to the checker: free them explicitly.
-                    rtrun::free(&raws).expect("free");
+                    drop(raws);
                     let large_arg = ByteBuf::from(pattern(seed + 9, len));
                     assert!(producer.check(large_arg, seed + 9).get_timeout(LONG).expect("arg"));
                 }
