@@ -160,12 +160,16 @@ impl ObjectStore {
         })
     }
 
-    /// Records a borrower.
-    pub fn add_holder(&self, id: ObjectId, holder: HolderId) -> Result<()> {
-        self.shared.core.lock().add_holder(id, holder)
+    /// Adds one reference count for `holder`; returns whether that freed the object (a count
+    /// that cancels a removal which overtook it can bring the last holder to zero).
+    pub fn add_holder(&self, id: ObjectId, holder: HolderId) -> Result<bool> {
+        let freed = self.shared.core.lock().add_holder(id, holder)?;
+        let was_freed = freed.is_some();
+        self.delete_spill_files(freed);
+        Ok(was_freed)
     }
 
-    /// Drops a reference; returns whether that freed the object.
+    /// Drops one of `holder`'s reference counts; returns whether that freed the object.
     pub fn remove_holder(&self, id: ObjectId, holder: HolderId) -> Result<bool> {
         let freed = self.shared.core.lock().remove_holder(id, holder)?;
         let was_freed = freed.is_some();
@@ -294,6 +298,7 @@ impl SpillDir {
     fn create(parent: Option<&Path>) -> Result<SpillDir> {
         static COUNTER: AtomicU64 = AtomicU64::new(0);
         let parent = parent.map_or_else(std::env::temp_dir, Path::to_path_buf);
+        remove_stale_spill_dirs(&parent);
         let name = format!(
             "rtrun-spill-{}-{}",
             std::process::id(),
@@ -307,6 +312,36 @@ impl SpillDir {
 
     fn file(&self, id: ObjectId) -> PathBuf {
         self.path.join(format!("{id}.obj"))
+    }
+}
+
+/// Removes spill directories whose process is gone. A store's directory is removed when the
+/// store drops, but a node process that is killed (or that exits without dropping its store,
+/// which lives in a process-wide static) leaves its directory behind; the next store on the
+/// machine cleans it up. Directories of live processes are never touched.
+fn remove_stale_spill_dirs(parent: &Path) {
+    let Ok(entries) = std::fs::read_dir(parent) else { return };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|name| name.strip_prefix("rtrun-spill-"))
+            .and_then(|rest| rest.split_once('-'))
+            .and_then(|(pid, _)| pid.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if !Path::new(&format!("/proc/{pid}")).exists() {
+            let path = entry.path();
+            match std::fs::remove_dir_all(&path) {
+                Ok(()) => {
+                    tracing::info!(path = %path.display(), "removed a dead process's spill directory")
+                }
+                Err(error) => {
+                    tracing::debug!(path = %path.display(), %error, "cannot remove a stale spill directory")
+                }
+            }
+        }
     }
 }
 
@@ -376,6 +411,21 @@ mod tests {
         let tensor = TensorView::parse(&view).unwrap();
         assert_eq!((tensor.header, tensor.data), (header, &data[..]));
         assert_eq!(tensor.data.as_ptr() as usize % 64, 0);
+    }
+
+    #[test]
+    fn spill_directories_of_dead_processes_are_removed() {
+        let parent = std::env::temp_dir().join(format!("rtrun-stale-test-{}", std::process::id()));
+        // Pid 0 is never a process; this process's own directory must survive.
+        let stale = parent.join("rtrun-spill-0-3");
+        let alive = parent.join(format!("rtrun-spill-{}-9", std::process::id()));
+        std::fs::create_dir_all(&stale).unwrap();
+        std::fs::write(stale.join("x.obj"), b"left behind").unwrap();
+        std::fs::create_dir_all(&alive).unwrap();
+        remove_stale_spill_dirs(&parent);
+        assert!(!stale.exists());
+        assert!(alive.exists());
+        std::fs::remove_dir_all(&parent).unwrap();
     }
 
     #[test]

@@ -203,6 +203,20 @@ impl TensorHeader {
             });
         }
         let (header, body) = object.split_at_mut(self.data_offset() as usize);
+        self.write_header(header)?;
+        body.copy_from_slice(data);
+        Ok(())
+    }
+
+    /// Writes only the header (and its padding) into the first [`Self::data_offset`] bytes of
+    /// an object, for callers that copy the data themselves.
+    pub fn write_header(&self, header: &mut [u8]) -> Result<(), TensorError> {
+        if header.len() as u64 != self.data_offset() {
+            return Err(TensorError::ObjectSizeMismatch {
+                expected: self.data_offset(),
+                found: header.len() as u64,
+            });
+        }
         header.fill(0);
         header[..4].copy_from_slice(&MAGIC);
         header[4] = self.dtype as u8;
@@ -211,7 +225,6 @@ impl TensorHeader {
         for (slot, dim) in header[FIXED_HEADER..].chunks_exact_mut(8).zip(&self.shape) {
             slot.copy_from_slice(&dim.to_le_bytes());
         }
-        body.copy_from_slice(data);
         Ok(())
     }
 

@@ -5,15 +5,15 @@ use std::collections::BTreeMap;
 use std::future::Future;
 use std::marker::PhantomData;
 use std::pin::Pin;
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 use tokio::sync::{OwnedRwLockReadGuard, OwnedRwLockWriteGuard};
 
-use crate::codec;
 use crate::context::GroupMembership;
 use crate::error::{Error, Result};
 use crate::ids::ActorId;
-use crate::object::{ObjectBytes, ObjectRef};
+use crate::object::{ObjectBytes, ObjectRef, Value};
 use crate::protocol::Arg;
 use crate::runtime;
 
@@ -247,7 +247,17 @@ pub trait IntoArg<T> {
 
 impl<T: Serialize> IntoArg<T> for T {
     fn into_arg(self) -> Result<Arg> {
-        codec::encode(&self).map(Arg::Inline)
+        let (bytes, refs) = crate::object::encode_collecting(&self)?;
+        match runtime::current() {
+            Ok(runtime) => Ok(match runtime.value_of(bytes, refs)? {
+                Value::Inline(bytes) => Arg::Inline(unshare(bytes)),
+                Value::Nested { bytes, refs } => {
+                    Arg::Nested { bytes: unshare(bytes), refs: unshare(refs) }
+                }
+                Value::Stored(stored) => Arg::Stored(stored),
+            }),
+            Err(_) => Ok(Arg::Inline(bytes)),
+        }
     }
 }
 
@@ -259,10 +269,20 @@ impl<T> IntoArg<T> for ObjectRef<T> {
 
 impl<T> IntoArg<T> for &ObjectRef<T> {
     fn into_arg(self) -> Result<Arg> {
+        // A completed stored value travels by location with its own reference count; anything
+        // else is fetched from the owner, which keeps it for the borrower.
+        if let Some(stored) = self.stored_value() {
+            return Ok(Arg::Stored(stored));
+        }
         let runtime = runtime::current()?;
         runtime.objects.mark_escaped(&self.object, runtime);
         Ok(Arg::Ref(self.locator()))
     }
+}
+
+/// The contents of an `Arc` that is usually not shared, copied only when it is.
+pub(crate) fn unshare<T: Clone>(shared: Arc<T>) -> T {
+    Arc::try_unwrap(shared).unwrap_or_else(|shared| (*shared).clone())
 }
 
 /// Turns a constructor's return value (`Self` or `Result<Self, E>`) into a result.

@@ -72,6 +72,10 @@ pub enum Error {
     /// The runtime is not initialised in this process, or was shut down.
     #[error("runtime not initialised: call rtrun::init() first")]
     NotInitialised,
+    /// The node's object store refused an operation (full even after spilling, too large,
+    /// object gone).
+    #[error("object store: {0}")]
+    ObjectStore(String),
     /// An operating-system call failed.
     #[error("system error: {0}")]
     System(String),

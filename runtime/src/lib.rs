@@ -36,6 +36,8 @@ pub mod object;
 pub mod protocol;
 pub mod registry;
 pub mod runtime;
+pub mod session;
+mod store;
 mod submit;
 pub mod task;
 pub mod transport;
@@ -46,8 +48,12 @@ pub use context::{GroupMembership, RuntimeContext, context};
 pub use error::{Error, Result};
 pub use group::{ActorGroup, split_batch};
 pub use ids::{ActorId, ObjectId, WorkerId};
-pub use object::{ObjectRef, free, get_all, put, wait};
+pub use object::{
+    DType, ObjectBytes, ObjectRef, RawBytes, Tensor, TensorHeader, TensorView, free, get_all, put,
+    put_bytes, put_tensor, wait,
+};
 pub use rtrun_macros::{actor, remote};
+pub use rtrun_object_store::StoreStats;
 pub use runtime::{Config, current, init, init_with, run_worker_if_requested, shutdown};
 pub use task::TaskOptions;
 
@@ -58,12 +64,18 @@ pub fn cancel<T>(r: &ObjectRef<T>, force: bool) -> Result<()> {
     current()?.cancel(r.id(), force)
 }
 
+/// The node's object-store snapshot: capacity, objects, pins and spilled bytes (what
+/// `rtrun memory` prints).
+pub fn memory_stats() -> Result<StoreStats> {
+    current()?.memory_stats()
+}
+
 /// Items used by the code `#[rtrun::actor]` and `#[rtrun::remote]` generate.
 #[doc(hidden)]
 pub mod __private {
     pub use crate::actor::{IntoConstructed, MethodFuture, create_actor, expect_args};
-    pub use crate::codec::{decode, encode};
     pub use crate::object::ObjectBytes;
+    pub use crate::object::{decode_object as decode, encode_return as encode};
     pub use crate::registry::{ACTOR_TYPES, ActorTypeEntry, TASKS, TaskEntry};
     pub use crate::task::submit_task;
     pub use crate::worker::{block_on, host};

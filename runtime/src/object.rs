@@ -3,10 +3,20 @@
 //! Every process keeps the objects it owns (the values it `put` and the results of the calls it
 //! made) in its table; other processes fetch them from the owner on demand. An [`ObjectRef`] is
 //! a handle on a table entry: cloning it is an `Arc` clone, and when the last handle in the
-//! owner drops, the value is freed — unless the reference escaped to another process, in which
-//! case the owner keeps it until [`free`] (borrower tracking that releases escaped objects
-//! automatically belongs to the object store).
+//! owner drops, the value is freed.
+//!
+//! A value is either inline (small: its bytes sit in the slot and travel in frames) or stored
+//! (over the inline limit: it lives in the node's shared-memory store, the slot holds a
+//! [`StoredValue`] that carries this process's reference count, and readers map it in place).
+//! References to stored values travel with their own counts (see `crate::store`), so such an
+//! object is freed when the last reference in any process drops — also when the reference
+//! travels inside another value: encoding collects the stored values of the references it
+//! serializes, they travel beside the bytes (`Arg::Nested`, `Outcome::Nested`) and keep their
+//! objects alive as long as the containing value lives, and decoding hands each deserialized
+//! reference its share (Ray's nested references). A reference to an inline or still-pending
+//! value that escapes keeps the owner's entry until [`free`] or the owner's exit.
 
+use std::cell::RefCell;
 use std::future::{Future, IntoFuture};
 use std::marker::PhantomData;
 use std::pin::Pin;
@@ -23,15 +33,205 @@ use crate::error::{Error, Result};
 use crate::ids::ObjectId;
 use crate::protocol::{Address, ObjectLocator};
 use crate::runtime::{self, Runtime};
+use crate::store::Hold;
 
-/// The bytes of a resolved object.
-pub type ObjectBytes = Arc<Vec<u8>>;
+pub use rtrun_object_store::{DType, ObjectView, TensorHeader, TensorView};
 
-type Callback = Box<dyn FnOnce(&Result<ObjectBytes>) + Send>;
+/// The bytes of a resolved object: owned inline bytes, or a read-only mapping of a stored
+/// object that keeps it pinned while any clone lives. Derefs to `[u8]`; a 1 GiB stored object
+/// is a mapping, not a copy.
+#[derive(Clone)]
+pub struct ObjectBytes(BytesRepr);
+
+#[derive(Clone)]
+enum BytesRepr {
+    Inline(Arc<Vec<u8>>),
+    /// Inline bytes with the stored values of the references serialized in them.
+    Nested(Arc<Vec<u8>>, Arc<Vec<StoredValue>>),
+    Mapped(Arc<ObjectView>),
+}
+
+impl ObjectBytes {
+    /// Bytes owned by this process.
+    pub fn inline(bytes: Vec<u8>) -> ObjectBytes {
+        ObjectBytes(BytesRepr::Inline(Arc::new(bytes)))
+    }
+
+    /// Whether these bytes are mapped from the node's object store (rather than copied here).
+    pub fn is_mapped(&self) -> bool {
+        matches!(self.0, BytesRepr::Mapped(_))
+    }
+
+    /// The bytes.
+    pub fn as_bytes(&self) -> &[u8] {
+        match &self.0 {
+            BytesRepr::Inline(bytes) | BytesRepr::Nested(bytes, _) => bytes,
+            BytesRepr::Mapped(view) => view,
+        }
+    }
+
+    /// Inline bytes and the references that travelled with them.
+    pub(crate) fn nested(bytes: Vec<u8>, refs: Vec<StoredValue>) -> ObjectBytes {
+        ObjectBytes(BytesRepr::Nested(Arc::new(bytes), Arc::new(refs)))
+    }
+
+    fn refs(&self) -> Option<Arc<Vec<StoredValue>>> {
+        match &self.0 {
+            BytesRepr::Nested(_, refs) => Some(refs.clone()),
+            BytesRepr::Inline(_) | BytesRepr::Mapped(_) => None,
+        }
+    }
+
+    /// The typed tensor in these bytes (an object made by [`put_tensor`]).
+    pub fn tensor(&self) -> Result<TensorView<'_>> {
+        TensorView::parse(self.as_bytes())
+            .map_err(|e| Error::Codec(format!("not a tensor object: {e}")))
+    }
+}
+
+impl std::ops::Deref for ObjectBytes {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        self.as_bytes()
+    }
+}
+
+impl AsRef<[u8]> for ObjectBytes {
+    fn as_ref(&self) -> &[u8] {
+        self.as_bytes()
+    }
+}
+
+impl std::fmt::Debug for ObjectBytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let kind = if self.is_mapped() { "mapped" } else { "inline" };
+        write!(f, "ObjectBytes({} bytes, {kind})", self.len())
+    }
+}
+
+/// A value in the node's object store, with one reference count of this process on it (absent
+/// only while the value is on the wire).
+#[derive(Clone, Serialize, Deserialize)]
+pub struct StoredValue {
+    /// The object in the store (not the id of the `ObjectRef` whose value it is).
+    pub id: ObjectId,
+    /// Its size in bytes.
+    pub size: u64,
+    #[serde(skip)]
+    pub(crate) hold: Option<Arc<Hold>>,
+}
+
+impl std::fmt::Debug for StoredValue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "StoredValue({}, {} bytes)", self.id, self.size)
+    }
+}
+
+/// The value of an object as a slot holds it.
+#[derive(Clone, Debug)]
+pub enum Value {
+    /// The encoded value itself.
+    Inline(Arc<Vec<u8>>),
+    /// The encoded value and the stored values of the references serialized in it, which it
+    /// keeps alive. Such a value stays inline whatever its size.
+    Nested {
+        /// The encoded value.
+        bytes: Arc<Vec<u8>>,
+        /// Its references' stored values.
+        refs: Arc<Vec<StoredValue>>,
+    },
+    /// Where the value is in the node's store.
+    Stored(StoredValue),
+}
+
+impl Value {
+    /// Inline bytes.
+    pub fn inline(bytes: Vec<u8>) -> Value {
+        Value::Inline(Arc::new(bytes))
+    }
+
+    /// The bytes: the inline ones, or a pinned mapping of the stored object.
+    pub fn resolve(&self) -> Result<ObjectBytes> {
+        match self {
+            Value::Inline(bytes) => Ok(ObjectBytes(BytesRepr::Inline(bytes.clone()))),
+            Value::Nested { bytes, refs } => {
+                Ok(ObjectBytes(BytesRepr::Nested(bytes.clone(), refs.clone())))
+            }
+            Value::Stored(stored) => {
+                let client = runtime::current()?.store_client()?;
+                Ok(ObjectBytes(BytesRepr::Mapped(Arc::new(client.view(stored.id)?))))
+            }
+        }
+    }
+}
+
+thread_local! {
+    /// Stored values of the references serialized by the innermost `encode_collecting` on this
+    /// thread (`None` outside one).
+    static ENCODING_REFS: RefCell<Option<Vec<StoredValue>>> = const { RefCell::new(None) };
+    /// Stored values that came with the bytes the innermost `decode_object` decodes.
+    static DECODING_REFS: RefCell<Option<Arc<Vec<StoredValue>>>> = const { RefCell::new(None) };
+    /// References in the return value last encoded on this thread, for the reply that follows.
+    static RETURN_REFS: RefCell<Vec<StoredValue>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Encodes a value and collects the stored values of the references serialized in it.
+pub(crate) fn encode_collecting<T: Serialize + ?Sized>(
+    value: &T,
+) -> Result<(Vec<u8>, Vec<StoredValue>)> {
+    let outer = ENCODING_REFS.with(|refs| refs.replace(Some(Vec::new())));
+    let result = codec::encode(value);
+    let refs = ENCODING_REFS.with(|refs| refs.replace(outer)).unwrap_or_default();
+    result.map(|bytes| (bytes, refs))
+}
+
+/// Decodes an object's bytes; references in them take their share of the stored values that
+/// travelled with the bytes.
+pub fn decode_object<T: DeserializeOwned>(bytes: &ObjectBytes) -> Result<T> {
+    let Some(refs) = bytes.refs() else { return codec::decode(bytes) };
+    let outer = DECODING_REFS.with(|current| current.replace(Some(refs)));
+    let result = codec::decode(bytes);
+    DECODING_REFS.with(|current| current.replace(outer));
+    result
+}
+
+/// Encodes a method's or task's return value (generated code calls this); the references in it
+/// go with the reply that this thread sends next.
+pub fn encode_return<T: Serialize + ?Sized>(value: &T) -> Result<Vec<u8>> {
+    let (bytes, refs) = encode_collecting(value)?;
+    RETURN_REFS.with(|current| *current.borrow_mut() = refs);
+    Ok(bytes)
+}
+
+/// Takes the references of the return value last encoded on this thread.
+pub(crate) fn take_return_refs() -> Vec<StoredValue> {
+    RETURN_REFS.with(|current| std::mem::take(&mut *current.borrow_mut()))
+}
+
+/// Records a serialized reference's stored value when an `encode_collecting` is running.
+fn collect_encoded_ref(stored: &StoredValue) -> bool {
+    ENCODING_REFS.with(|refs| match &mut *refs.borrow_mut() {
+        Some(list) => {
+            list.push(stored.clone());
+            true
+        }
+        None => false,
+    })
+}
+
+/// The stored value with this id among those travelling with the bytes being decoded.
+fn decoding_ref(id: ObjectId) -> Option<StoredValue> {
+    DECODING_REFS.with(|refs| {
+        refs.borrow().as_ref().and_then(|refs| refs.iter().find(|r| r.id == id).cloned())
+    })
+}
+
+type Callback = Box<dyn FnOnce(&Result<Value>) + Send>;
 
 enum SlotState {
     Pending(Vec<Callback>),
-    Done(Result<ObjectBytes>),
+    Done(Result<Value>),
 }
 
 /// A value that will be known later: completed once, waited on by threads, futures and
@@ -49,12 +249,12 @@ impl Default for Slot {
 
 impl Slot {
     /// A slot that is already complete.
-    pub fn done(result: Result<ObjectBytes>) -> Slot {
+    pub fn done(result: Result<Value>) -> Slot {
         Slot { state: Mutex::new(SlotState::Done(result)), ready: Condvar::new() }
     }
 
     /// Completes the slot; later completions are ignored (the first outcome wins).
-    pub fn complete(&self, result: Result<ObjectBytes>) {
+    pub fn complete(&self, result: Result<Value>) {
         let callbacks = {
             let mut state = self.state.lock();
             match &mut *state {
@@ -80,13 +280,13 @@ impl Slot {
     }
 
     /// Replaces a completed value (used by `free`, which turns a value into an error).
-    pub fn overwrite(&self, result: Result<ObjectBytes>) {
+    pub fn overwrite(&self, result: Result<Value>) {
         *self.state.lock() = SlotState::Done(result);
         self.ready.notify_all();
     }
 
     /// The outcome, if known.
-    pub fn peek(&self) -> Option<Result<ObjectBytes>> {
+    pub fn peek(&self) -> Option<Result<Value>> {
         match &*self.state.lock() {
             SlotState::Done(result) => Some(result.clone()),
             SlotState::Pending(_) => None,
@@ -99,7 +299,7 @@ impl Slot {
     }
 
     /// Runs `callback` with the outcome: now if known, else when it completes.
-    pub fn on_done(&self, callback: impl FnOnce(&Result<ObjectBytes>) + Send + 'static) {
+    pub fn on_done(&self, callback: impl FnOnce(&Result<Value>) + Send + 'static) {
         let mut state = self.state.lock();
         match &mut *state {
             SlotState::Pending(callbacks) => callbacks.push(Box::new(callback)),
@@ -112,7 +312,7 @@ impl Slot {
     }
 
     /// Blocks until the outcome is known or `deadline` passes.
-    pub fn wait(&self, deadline: Option<Instant>) -> Option<Result<ObjectBytes>> {
+    pub fn wait(&self, deadline: Option<Instant>) -> Option<Result<Value>> {
         let mut state = self.state.lock();
         loop {
             if let SlotState::Done(result) = &*state {
@@ -199,6 +399,35 @@ impl ObjectTable {
             owner: locator.owner,
             slot,
             fetch_started: Mutex::new(owned_here),
+            runtime: Arc::downgrade(runtime),
+        });
+        self.handles.insert(locator.id, Arc::downgrade(&object));
+        object
+    }
+
+    /// The handle for a reference to a stored value that arrived inside another value: it
+    /// takes its share of the count that travelled with the bytes (or, when none did, asks the
+    /// store for a count of its own) and needs nothing from the owner.
+    pub(crate) fn handle_for_stored(
+        &self,
+        runtime: &Arc<Runtime>,
+        locator: ObjectLocator,
+        stored_id: ObjectId,
+        size: u64,
+    ) -> Arc<LocalObject> {
+        if let Some(existing) = self.handles.get(&locator.id).and_then(|w| w.upgrade()) {
+            return existing;
+        }
+        let stored = decoding_ref(stored_id).or_else(|| {
+            let hold = runtime.store_client().ok()?.borrow(stored_id).ok()?;
+            Some(StoredValue { id: stored_id, size, hold: Some(hold) })
+        });
+        let Some(stored) = stored else { return self.handle_for(runtime, locator) };
+        let object = Arc::new(LocalObject {
+            id: locator.id,
+            owner: locator.owner,
+            slot: Arc::new(Slot::done(Ok(Value::Stored(stored)))),
+            fetch_started: Mutex::new(true),
             runtime: Arc::downgrade(runtime),
         });
         self.handles.insert(locator.id, Arc::downgrade(&object));
@@ -292,13 +521,32 @@ impl<T> ObjectRef<T> {
         ensure_fetch(&self.object);
     }
 
-    /// Waits for the raw bytes of the value.
+    /// Waits for the value and returns its bytes without decoding them: inline bytes, or a
+    /// read-only mapping of the stored object that keeps it pinned while it lives.
     pub fn get_bytes(&self, timeout: Option<Duration>) -> Result<ObjectBytes> {
+        self.wait_value(timeout)?.resolve()
+    }
+
+    /// Waits for the value and returns a zero-copy view of its bytes (see
+    /// [`ObjectRef::get_bytes`]); for objects made by [`put_bytes`] and [`put_tensor`].
+    pub fn get_view(&self) -> Result<ObjectBytes> {
+        self.get_bytes(None)
+    }
+
+    pub(crate) fn wait_value(&self, timeout: Option<Duration>) -> Result<Value> {
         self.ensure_fetch();
         let deadline = timeout.map(|t| Instant::now() + t);
         match self.object.slot.wait(deadline) {
             Some(result) => result,
             None => Err(Error::Timeout(timeout.unwrap_or_default())),
+        }
+    }
+
+    /// The stored value behind this reference, when it is complete and in the store.
+    pub(crate) fn stored_value(&self) -> Option<StoredValue> {
+        match self.object.slot.peek() {
+            Some(Ok(Value::Stored(stored))) => Some(stored),
+            _ => None,
         }
     }
 }
@@ -318,29 +566,41 @@ pub(crate) fn ensure_fetch(object: &Arc<LocalObject>) {
 impl<T: DeserializeOwned> ObjectRef<T> {
     /// Blocks until the value is available and decodes it.
     pub fn get(&self) -> Result<T> {
-        codec::decode(&self.get_bytes(None)?)
+        decode_object(&self.get_bytes(None)?)
     }
 
     /// Like [`ObjectRef::get`], failing with [`Error::Timeout`] after `timeout`.
     pub fn get_timeout(&self, timeout: Duration) -> Result<T> {
-        codec::decode(&self.get_bytes(Some(timeout))?)
+        decode_object(&self.get_bytes(Some(timeout))?)
     }
 }
 
+/// A reference on the wire: where to fetch the value, and for a stored value its place in the
+/// store (the count travels beside the bytes).
+type WireRef = (ObjectLocator, Option<(ObjectId, u64)>);
+
 impl<T> Serialize for ObjectRef<T> {
     fn serialize<S: Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
-        if let Ok(runtime) = runtime::current() {
+        let stored = self.stored_value().filter(collect_encoded_ref);
+        if stored.is_none()
+            && let Ok(runtime) = runtime::current()
+        {
             runtime.objects.mark_escaped(&self.object, runtime);
         }
-        self.locator().serialize(serializer)
+        let wire: WireRef = (self.locator(), stored.map(|stored| (stored.id, stored.size)));
+        wire.serialize(serializer)
     }
 }
 
 impl<'de, T> Deserialize<'de> for ObjectRef<T> {
     fn deserialize<D: Deserializer<'de>>(deserializer: D) -> std::result::Result<Self, D::Error> {
-        let locator = ObjectLocator::deserialize(deserializer)?;
+        let (locator, stored) = WireRef::deserialize(deserializer)?;
         let runtime = runtime::current().map_err(serde::de::Error::custom)?;
-        Ok(ObjectRef::from_local(runtime.objects.handle_for(runtime, locator)))
+        let object = match stored {
+            Some((id, size)) => runtime.objects.handle_for_stored(runtime, locator, id, size),
+            None => runtime.objects.handle_for(runtime, locator),
+        };
+        Ok(ObjectRef::from_local(object))
     }
 }
 
@@ -357,7 +617,7 @@ impl<T: DeserializeOwned> Future for ObjectFuture<T> {
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         if let Some(result) = self.object.slot.peek() {
-            return Poll::Ready(result.and_then(|bytes| codec::decode(&bytes)));
+            return Poll::Ready(result.and_then(|value| decode_object(&value.resolve()?)));
         }
         *self.waker.lock() = Some(cx.waker().clone());
         if !self.registered {
@@ -372,7 +632,7 @@ impl<T: DeserializeOwned> Future for ObjectFuture<T> {
         }
         // The slot may have completed between the peek and the registration.
         match self.object.slot.peek() {
-            Some(result) => Poll::Ready(result.and_then(|bytes| codec::decode(&bytes))),
+            Some(result) => Poll::Ready(result.and_then(|value| decode_object(&value.resolve()?))),
             None => Poll::Pending,
         }
     }
@@ -449,11 +709,53 @@ pub fn get_all<T: DeserializeOwned>(refs: &[ObjectRef<T>]) -> Result<Vec<T>> {
     refs.iter().map(ObjectRef::get).collect()
 }
 
-/// Stores a value in this process's object table and returns a reference to it.
+/// Stores a value and returns a reference to it: in this process's object table when its
+/// encoding is small, in the node's shared-memory store when it is over the inline limit.
 pub fn put<T: Serialize>(value: &T) -> Result<ObjectRef<T>> {
     let runtime = runtime::current()?;
-    let bytes = codec::encode(value)?;
-    Ok(runtime.put_encoded(bytes))
+    let (bytes, refs) = encode_collecting(value)?;
+    runtime.put_encoded(bytes, refs)
+}
+
+/// Marks references made by [`put_bytes`]: read them with [`ObjectRef::get_view`].
+#[derive(Debug, Clone, Copy)]
+pub enum RawBytes {}
+
+/// Marks references made by [`put_tensor`]: read them with [`ObjectRef::get_view`] and
+/// [`ObjectBytes::tensor`].
+#[derive(Debug, Clone, Copy)]
+pub enum Tensor {}
+
+/// Stores raw bytes without the codec: one copy into the node's store (or inline when small).
+pub fn put_bytes(bytes: &[u8]) -> Result<ObjectRef<RawBytes>> {
+    let runtime = runtime::current()?;
+    runtime.put_raw(bytes.len() as u64, |target| {
+        crate::store::copy_parallel(target, bytes);
+        Ok(())
+    })
+}
+
+/// Stores a contiguous tensor (row-major `shape` of `dtype`, `data` its bytes) without the
+/// codec, laid out so that a tensor library can view the data in place (64-byte aligned).
+pub fn put_tensor(dtype: DType, shape: &[u64], data: &[u8]) -> Result<ObjectRef<Tensor>> {
+    let header = TensorHeader::new(dtype, shape.to_vec())
+        .map_err(|e| Error::Invalid(format!("tensor shape: {e}")))?;
+    if data.len() as u64 != header.byte_len() {
+        return Err(Error::Invalid(format!(
+            "tensor of {dtype:?} {shape:?} needs {} bytes, found {}",
+            header.byte_len(),
+            data.len()
+        )));
+    }
+    let runtime = runtime::current()?;
+    runtime.put_raw(header.object_size(), |target| {
+        let offset = header.data_offset() as usize;
+        header
+            .write_header(&mut target[..offset])
+            .map_err(|e| Error::Invalid(format!("tensor header: {e}")))?;
+        crate::store::copy_parallel(&mut target[offset..], data);
+        Ok(())
+    })
 }
 
 /// Frees objects: later gets (here or in any process) fail with [`Error::ObjectFreed`].
@@ -466,7 +768,7 @@ pub fn free<T>(refs: &[ObjectRef<T>]) -> Result<()> {
 }
 
 /// A handle on an already-failed object outside any runtime (used when there is none).
-pub(crate) fn detached_object(result: Result<ObjectBytes>) -> Arc<LocalObject> {
+pub(crate) fn detached_object(result: Result<Value>) -> Arc<LocalObject> {
     Arc::new(LocalObject {
         id: ObjectId(0),
         owner: Address::new(),

@@ -7,6 +7,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::Error;
 use crate::ids::{ActorId, ObjectId, WorkerId};
+use crate::object::StoredValue;
+use rtrun_object_store::{Allocation, HolderId, StoreStats};
 
 /// An endpoint address: an abstract Unix socket name on this node (`unix:@name`).
 pub type Address = String;
@@ -42,6 +44,83 @@ pub enum Frame {
         /// The answer.
         body: Response,
     },
+    /// The first frame on every connection: who connected. The acceptor needs the peer's
+    /// identity to account the store references that frames it sends carry.
+    Hello {
+        /// The connecting process's listening endpoint.
+        address: Address,
+    },
+}
+
+impl Frame {
+    /// Calls `visit` on every stored value this frame carries (arguments, outcomes).
+    pub(crate) fn visit_stored(&self, visit: &mut dyn FnMut(&StoredValue)) {
+        let visit_args = |args: &[Arg], visit: &mut dyn FnMut(&StoredValue)| {
+            for arg in args {
+                match arg {
+                    Arg::Stored(value) => visit(value),
+                    Arg::Nested { refs, .. } => refs.iter().for_each(&mut *visit),
+                    Arg::Inline(_) | Arg::Ref(_) => {}
+                }
+            }
+        };
+        let visit_outcome = |outcome: &Outcome, visit: &mut dyn FnMut(&StoredValue)| match outcome {
+            Outcome::Stored(value) => visit(value),
+            Outcome::Nested { refs, .. } => refs.iter().for_each(visit),
+            Outcome::Value(_) | Outcome::Error(_) => {}
+        };
+        match self {
+            Frame::Call(call) => visit_args(&call.args, visit),
+            Frame::Reply { outcome, .. } => visit_outcome(outcome, visit),
+            Frame::Request { body: Request::SubmitTask(spec), .. } => visit_args(&spec.args, visit),
+            Frame::Request { body: Request::CreateActor(spec), .. } => {
+                visit_args(&spec.ctor_args, visit)
+            }
+            Frame::Response { body: Response::Outcome(outcome), .. } => {
+                visit_outcome(outcome, visit)
+            }
+            Frame::Response { body: Response::Assignment(Assignment::Actor(start)), .. } => {
+                visit_args(&start.ctor_args, visit)
+            }
+            _ => {}
+        }
+    }
+
+    /// Like [`Frame::visit_stored`], mutably (to attach the receiver's references).
+    pub(crate) fn visit_stored_mut(&mut self, visit: &mut dyn FnMut(&mut StoredValue)) {
+        let visit_args = |args: &mut [Arg], visit: &mut dyn FnMut(&mut StoredValue)| {
+            for arg in args {
+                match arg {
+                    Arg::Stored(value) => visit(value),
+                    Arg::Nested { refs, .. } => refs.iter_mut().for_each(&mut *visit),
+                    Arg::Inline(_) | Arg::Ref(_) => {}
+                }
+            }
+        };
+        let visit_outcome =
+            |outcome: &mut Outcome, visit: &mut dyn FnMut(&mut StoredValue)| match outcome {
+                Outcome::Stored(value) => visit(value),
+                Outcome::Nested { refs, .. } => refs.iter_mut().for_each(visit),
+                Outcome::Value(_) | Outcome::Error(_) => {}
+            };
+        match self {
+            Frame::Call(call) => visit_args(&mut call.args, visit),
+            Frame::Reply { outcome, .. } => visit_outcome(outcome, visit),
+            Frame::Request { body: Request::SubmitTask(spec), .. } => {
+                visit_args(&mut spec.args, visit)
+            }
+            Frame::Request { body: Request::CreateActor(spec), .. } => {
+                visit_args(&mut spec.ctor_args, visit)
+            }
+            Frame::Response { body: Response::Outcome(outcome), .. } => {
+                visit_outcome(outcome, visit)
+            }
+            Frame::Response { body: Response::Assignment(Assignment::Actor(start)), .. } => {
+                visit_args(&mut start.ctor_args, visit)
+            }
+            _ => {}
+        }
+    }
 }
 
 /// A call to run.
@@ -79,6 +158,16 @@ pub enum Arg {
     Inline(#[serde(with = "serde_bytes")] Vec<u8>),
     /// An object to fetch from its owner.
     Ref(ObjectLocator),
+    /// A value in the node's object store, read in place by the callee.
+    Stored(StoredValue),
+    /// The encoded value and the stored values of the references serialized in it.
+    Nested {
+        /// The encoded value.
+        #[serde(with = "serde_bytes")]
+        bytes: Vec<u8>,
+        /// Its references' stored values (each with a count for the receiver).
+        refs: Vec<StoredValue>,
+    },
 }
 
 /// Where to obtain an object: its id and the endpoint of the process that owns it.
@@ -95,6 +184,16 @@ pub struct ObjectLocator {
 pub enum Outcome {
     /// The encoded value.
     Value(#[serde(with = "serde_bytes")] Vec<u8>),
+    /// The value is in the node's object store.
+    Stored(StoredValue),
+    /// The encoded value and the stored values of the references serialized in it.
+    Nested {
+        /// The encoded value.
+        #[serde(with = "serde_bytes")]
+        bytes: Vec<u8>,
+        /// Its references' stored values (each with a count for the receiver).
+        refs: Vec<StoredValue>,
+    },
     /// The call failed.
     Error(Error),
 }
@@ -183,6 +282,61 @@ pub enum Request {
     },
     /// Cluster summary, for `rtrun status` and tests.
     ClusterInfo,
+    /// An operation on the node's object store, from a process on the node.
+    Store {
+        /// The process asking (its references and pins are accounted under this id).
+        holder: HolderId,
+        /// What to do.
+        op: StoreOp,
+    },
+}
+
+/// Operations a process asks of its node's object store.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum StoreOp {
+    /// Reserve room for a new object of `size` bytes owned by the asker; answered with
+    /// [`Response::Allocation`].
+    Create {
+        /// The new object.
+        id: ObjectId,
+        /// Its size in bytes.
+        size: u64,
+    },
+    /// Make a created object readable.
+    Seal {
+        /// The object.
+        id: ObjectId,
+    },
+    /// Drop an object that was created but could not be written.
+    Abort {
+        /// The object.
+        id: ObjectId,
+    },
+    /// Pin a sealed object for reading (restoring it from disk first); answered with
+    /// [`Response::Allocation`].
+    Pin {
+        /// The object.
+        id: ObjectId,
+    },
+    /// Release one pin.
+    Unpin {
+        /// The object.
+        id: ObjectId,
+    },
+    /// Add one reference count for `to`, which is being sent a reference.
+    Lend {
+        /// The object.
+        id: ObjectId,
+        /// The receiving process.
+        to: HolderId,
+    },
+    /// Drop one of the asker's reference counts.
+    Release {
+        /// The object.
+        id: ObjectId,
+    },
+    /// A snapshot of the store, answered with [`Response::StoreStats`].
+    Stats,
 }
 
 /// Answers to [`Request`]s.
@@ -205,6 +359,10 @@ pub enum Response {
     Outcome(Outcome),
     /// Cluster resources and counts.
     ClusterInfo(ClusterInfo),
+    /// Where a created or pinned object lives in the node's arena.
+    Allocation(Allocation),
+    /// The node's object-store snapshot.
+    StoreStats(Box<NodeMemory>),
     /// The request failed.
     Error(Error),
 }
@@ -231,4 +389,17 @@ pub struct ClusterInfo {
     pub alive_actors: usize,
     /// Process ids of live workers.
     pub worker_pids: Vec<u32>,
+}
+
+/// What `rtrun memory` shows for one node.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct NodeMemory {
+    /// The node.
+    pub node: crate::ids::NodeId,
+    /// The session.
+    pub session: String,
+    /// Where spilled objects go.
+    pub spill_dir: String,
+    /// The store's snapshot.
+    pub stats: StoreStats,
 }

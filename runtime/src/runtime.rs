@@ -13,8 +13,9 @@ use crate::context::RuntimeContext;
 use crate::error::{Error, Result};
 use crate::head::{Head, HeadConfig, Responder};
 use crate::ids::{ActorId, Counter, DRIVER_WORKER_ID, NodeId, ObjectId, WorkerId};
-use crate::object::{ObjectBytes, ObjectRef, ObjectTable, Slot};
+use crate::object::{ObjectRef, ObjectTable, Slot, Value};
 use crate::protocol::{Address, ClusterInfo, Frame, ObjectLocator, Outcome, Request, Response};
+use crate::store::{DEFAULT_MAX_INLINE_OBJECT_BYTES, Hold, StoreClient};
 use crate::submit::{PendingCall, Submitters};
 use crate::task::TaskSpec;
 use crate::transport::{Connection, Endpoint, FrameHandler, TransportConfig};
@@ -34,6 +35,18 @@ pub struct Config {
     pub namespace: Option<String>,
     /// Transport tunables.
     pub transport: TransportConfig,
+    /// Bytes of the node's shared-memory object store (`--object-store-memory`), reserved at
+    /// start. Default: 30 % of the smaller of RAM and the cgroup memory limit, between 64 MiB
+    /// and 200 GiB (Ray's rule), allocated as objects use it. The store is a memfd, so
+    /// /dev/shm's mount size does not limit it.
+    pub object_store_memory: Option<u64>,
+    /// Directory for objects spilled when the store is full. Default: a per-session directory
+    /// under the system temp dir, removed at exit.
+    pub object_spill_dir: Option<std::path::PathBuf>,
+    /// Values whose encoding is longer than this many bytes go to the object store instead of
+    /// travelling inline in frames (default [`DEFAULT_MAX_INLINE_OBJECT_BYTES`], 100 KiB as in
+    /// Ray).
+    pub max_inline_object_bytes: Option<usize>,
 }
 
 static CURRENT: OnceLock<Arc<Runtime>> = OnceLock::new();
@@ -126,6 +139,8 @@ pub struct Runtime {
     pub(crate) hosted: OnceLock<Arc<dyn HostedActor>>,
     pub(crate) tasks: OnceLock<Arc<TaskExecutor>>,
     pub(crate) actor_context: parking_lot::Mutex<Option<crate::protocol::ActorStart>>,
+    /// This process's access to the node's object store.
+    store: OnceLock<Arc<StoreClient>>,
     namespace: String,
     tokio: tokio::runtime::Runtime,
 }
@@ -148,6 +163,12 @@ impl FrameHandler for Handler {
     fn on_close(&self, conn: &Arc<Connection>, reason: &str) {
         if let Some(runtime) = self.0.upgrade() {
             runtime.on_close(conn, reason);
+        }
+    }
+
+    fn on_sent(&self, conn: &Connection, frame: &Frame) {
+        if let Some(runtime) = self.0.upgrade() {
+            runtime.on_sent(conn, frame);
         }
     }
 }
@@ -205,6 +226,7 @@ impl Runtime {
             hosted: OnceLock::new(),
             tasks: OnceLock::new(),
             actor_context: parking_lot::Mutex::new(None),
+            store: OnceLock::new(),
             namespace,
             tokio,
         });
@@ -224,6 +246,25 @@ impl Runtime {
             config.transport.clone(),
             2,
         )?;
+        // An explicit capacity is reserved up front (an error now rather than memory pressure
+        // later); the default one, 30 % of RAM, is only address space until objects use it, as
+        // in Ray, so that a driver does not take gigabytes it may never need.
+        let mut store_config = match config.object_store_memory {
+            Some(bytes) => rtrun_object_store::StoreConfig::with_capacity(bytes),
+            None => rtrun_object_store::StoreConfig {
+                reserve: false,
+                ..rtrun_object_store::StoreConfig::default()
+            },
+        };
+        store_config.spill_dir = config.object_spill_dir.clone();
+        let max_inline = config.max_inline_object_bytes.unwrap_or(DEFAULT_MAX_INLINE_OBJECT_BYTES);
+        let store = StoreClient::open_node(
+            Arc::downgrade(&runtime),
+            crate::store::holder_of(DRIVER_WORKER_ID),
+            store_config,
+            max_inline,
+        )?;
+        let _ = runtime.store.set(store);
         let head = Head::start(&runtime, HeadConfig::from_runtime_config(&config)?)?;
         let _ = runtime.head.set(head);
         tracing::debug!(session = %session, "embedded runtime started");
@@ -239,6 +280,10 @@ impl Runtime {
             TransportConfig::default(),
             2,
         )?;
+        let holder = crate::store::holder_of(spec.worker);
+        if let Some(store) = StoreClient::attach_worker(Arc::downgrade(&runtime), holder)? {
+            let _ = runtime.store.set(store);
+        }
         let conn = runtime.endpoint()?.connect(&spec.head_address)?;
         let _ = runtime.head_connection.set(conn);
         let _ = CURRENT.set(runtime.clone());
@@ -289,11 +334,83 @@ impl Runtime {
         }
     }
 
+    /// This process's access to the node's object store.
+    pub(crate) fn store_client(&self) -> Result<&Arc<StoreClient>> {
+        self.store.get().ok_or_else(|| {
+            Error::ObjectStore("this process is not attached to its node's object store".into())
+        })
+    }
+
+    /// Encoded bytes as a value: inline when small or when they carry references (`refs`),
+    /// else written into the node's store.
+    pub(crate) fn value_of(
+        self: &Arc<Self>,
+        bytes: Vec<u8>,
+        refs: Vec<crate::object::StoredValue>,
+    ) -> Result<Value> {
+        if !refs.is_empty() {
+            return Ok(Value::Nested { bytes: Arc::new(bytes), refs: Arc::new(refs) });
+        }
+        match self.store.get() {
+            Some(store) if bytes.len() > store.max_inline() => {
+                Ok(Value::Stored(store.put_bytes(self.new_object_id(), &bytes)?))
+            }
+            _ => Ok(Value::inline(bytes)),
+        }
+    }
+
     /// Stores encoded bytes as a new object owned by this process.
-    pub(crate) fn put_encoded<T>(self: &Arc<Self>, bytes: Vec<u8>) -> ObjectRef<T> {
+    pub(crate) fn put_encoded<T>(
+        self: &Arc<Self>,
+        bytes: Vec<u8>,
+        refs: Vec<crate::object::StoredValue>,
+    ) -> Result<ObjectRef<T>> {
+        let value = self.value_of(bytes, refs)?;
         let id = self.new_object_id();
-        let slot = Arc::new(Slot::done(Ok(Arc::new(bytes))));
-        ObjectRef::from_local(self.objects.create_owned(self, id, slot))
+        let slot = Arc::new(Slot::done(Ok(value)));
+        Ok(ObjectRef::from_local(self.objects.create_owned(self, id, slot)))
+    }
+
+    /// Stores `size` raw bytes that `write` produces in place: in the node's store when over
+    /// the inline limit, else inline.
+    pub(crate) fn put_raw<T>(
+        self: &Arc<Self>,
+        size: u64,
+        write: impl FnOnce(&mut [u8]) -> Result<()>,
+    ) -> Result<ObjectRef<T>> {
+        let id = self.new_object_id();
+        let value = match self.store.get() {
+            Some(store) if size > store.max_inline() as u64 => {
+                Value::Stored(store.put_with(id, size, write)?)
+            }
+            _ => {
+                let len = usize::try_from(size).map_err(|_| {
+                    Error::Invalid(format!("an object of {size} bytes does not fit in memory"))
+                })?;
+                let mut bytes = vec![0u8; len];
+                write(&mut bytes)?;
+                Value::inline(bytes)
+            }
+        };
+        let slot = Arc::new(Slot::done(Ok(value)));
+        Ok(ObjectRef::from_local(self.objects.create_owned(self, id, slot)))
+    }
+
+    /// The node's object-store snapshot (asked of the node from a worker).
+    pub fn memory_stats(&self) -> Result<rtrun_object_store::StoreStats> {
+        self.store_client()?.stats()
+    }
+
+    /// A worker process exited: the node releases its store references and pins.
+    pub(crate) fn on_process_exit(&self, worker: WorkerId) {
+        if let Some(store) = self.store.get() {
+            store.process_exited(crate::store::holder_of(worker));
+        }
+    }
+
+    /// The arena fd and environment that a spawned worker needs to attach to the store.
+    pub(crate) fn store_inheritance(&self) -> Option<(std::os::fd::RawFd, Vec<(String, String)>)> {
+        self.store.get().map(|store| store.inheritance())
     }
 
     /// Sends a request to the control plane; `callback` gets the response (or an error response
@@ -365,8 +482,8 @@ impl Runtime {
             Request::FetchObject { id },
             Box::new(move |response| {
                 let result = match response {
-                    Response::Outcome(Outcome::Value(bytes)) => Ok(Arc::new(bytes)),
-                    Response::Outcome(Outcome::Error(e)) | Response::Error(e) => Err(e),
+                    Response::Outcome(outcome) => outcome_to_result(outcome),
+                    Response::Error(e) => Err(e),
                     other => Err(Error::Transport(format!("unexpected fetch response {other:?}"))),
                 };
                 let result = result.map_err(|e| match e {
@@ -452,8 +569,17 @@ impl Runtime {
         }
     }
 
-    fn on_frame(self: &Arc<Self>, conn: &Arc<Connection>, frame: Frame) {
+    fn on_frame(self: &Arc<Self>, conn: &Arc<Connection>, mut frame: Frame) {
+        // Every stored value that arrives came with a count its sender added for this process.
+        if let Some(store) = self.store.get() {
+            frame.visit_stored_mut(&mut |value| {
+                if value.hold.is_none() {
+                    value.hold = Some(Hold::adopt(store, value.id));
+                }
+            });
+        }
         match frame {
+            Frame::Hello { address } => conn.set_peer(address),
             Frame::Call(call) => crate::worker::on_call(self, conn, call),
             Frame::Reply { call_id, outcome } => self.on_reply(call_id, outcome),
             Frame::Cancel { call_id } => {
@@ -493,10 +619,21 @@ impl Runtime {
                 }
                 Some(slot) => slot.on_done(move |result| {
                     responder.respond(Response::Outcome(match result {
-                        Ok(bytes) => Outcome::Value(bytes.as_ref().clone()),
+                        Ok(Value::Inline(bytes)) => Outcome::Value(bytes.as_ref().clone()),
+                        Ok(Value::Nested { bytes, refs }) => Outcome::Nested {
+                            bytes: bytes.as_ref().clone(),
+                            refs: refs.as_ref().clone(),
+                        },
+                        Ok(Value::Stored(stored)) => Outcome::Stored(stored.clone()),
                         Err(e) => Outcome::Error(e.clone()),
                     }))
                 }),
+            },
+            Request::Store { holder, op } => match self.store.get() {
+                Some(store) => responder.respond(store.handle_remote(self, holder, op)),
+                None => responder.respond(Response::Error(Error::ObjectStore(
+                    "this process has no object store".into(),
+                ))),
             },
             Request::FreeObjects { ids } => {
                 for id in ids {
@@ -512,6 +649,16 @@ impl Runtime {
                 )))),
             },
         }
+    }
+
+    /// A frame went out on `conn`: add a count for the receiver of every stored value in it
+    /// (the sender's own count is alive until the frame is dropped, after this).
+    fn on_sent(&self, conn: &Connection, frame: &Frame) {
+        let Some(store) = self.store.get() else { return };
+        frame.visit_stored(&mut |value| match conn.peer().as_deref().and_then(crate::store::holder_of_address) {
+            Some(peer) => store.lend(value.id, peer),
+            None => tracing::warn!(object = %value.id, "a stored value was sent to a peer of unknown identity"),
+        });
     }
 
     fn on_close(self: &Arc<Self>, conn: &Arc<Connection>, reason: &str) {
@@ -547,9 +694,13 @@ impl Runtime {
 }
 
 /// Turns a call outcome into the object's result.
-pub(crate) fn outcome_to_result(outcome: Outcome) -> Result<ObjectBytes> {
+pub(crate) fn outcome_to_result(outcome: Outcome) -> Result<Value> {
     match outcome {
-        Outcome::Value(bytes) => Ok(Arc::new(bytes)),
+        Outcome::Value(bytes) => Ok(Value::inline(bytes)),
+        Outcome::Nested { bytes, refs } => {
+            Ok(Value::Nested { bytes: Arc::new(bytes), refs: Arc::new(refs) })
+        }
+        Outcome::Stored(stored) => Ok(Value::Stored(stored)),
         Outcome::Error(e) => Err(e),
     }
 }

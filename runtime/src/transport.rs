@@ -40,6 +40,8 @@ pub trait FrameHandler: Send + Sync + 'static {
     fn on_frame(&self, conn: &Arc<Connection>, frame: Frame);
     /// The connection closed (peer exit, error, or malformed input).
     fn on_close(&self, conn: &Arc<Connection>, reason: &str);
+    /// `frame` was written to `conn` (for the accounting of references it carries).
+    fn on_sent(&self, _conn: &Connection, _frame: &Frame) {}
 }
 
 /// One bidirectional connection to a peer process.
@@ -49,6 +51,7 @@ pub struct Connection {
     writer: Mutex<UnixStream>,
     closed: AtomicBool,
     max_frame_bytes: usize,
+    handler: Arc<dyn FrameHandler>,
 }
 
 impl std::fmt::Debug for Connection {
@@ -105,7 +108,10 @@ impl Connection {
         writer.write_all(&buf).map_err(|e| {
             self.closed.store(true, Ordering::Release);
             Error::Transport(format!("write failed: {e}"))
-        })
+        })?;
+        drop(writer);
+        self.handler.on_sent(self, frame);
+        Ok(())
     }
 
     /// Closes both directions; the reader thread then reports the close.
@@ -183,6 +189,8 @@ impl Endpoint {
         let stream = UnixStream::connect_addr(&socket_addr(peer)?)
             .map_err(|e| Error::Transport(format!("cannot connect to {peer}: {e}")))?;
         let conn = self.adopt(stream, Some(peer.clone()))?;
+        // The acceptor learns who we are from the first frame.
+        conn.send(&Frame::Hello { address: self.address.clone() })?;
         self.connections.insert(peer.clone(), conn.clone());
         Ok(conn)
     }
@@ -202,6 +210,7 @@ impl Endpoint {
             writer: Mutex::new(stream),
             closed: AtomicBool::new(false),
             max_frame_bytes: self.config.max_frame_bytes,
+            handler: self.handler.clone(),
         });
         let handler = self.handler.clone();
         let reader_conn = conn.clone();

@@ -11,10 +11,10 @@ use dashmap::{DashMap, DashSet};
 use futures::FutureExt;
 use tokio::sync::{RwLock, Semaphore};
 
-use crate::actor::{Actor, Invocation};
+use crate::actor::{Actor, Invocation, unshare};
 use crate::error::{Error, Result};
 use crate::ids::WorkerId;
-use crate::object::{ObjectBytes, ObjectRef};
+use crate::object::{ObjectBytes, ObjectRef, Value};
 use crate::protocol::{
     Address, Arg, Assignment, CallFrame, CallTarget, Frame, Outcome, Request, Response,
 };
@@ -117,7 +117,7 @@ fn resolve_args(args: &[Arg]) -> Result<Vec<ObjectBytes>> {
     let refs: Vec<Option<ObjectRef<()>>> = args
         .iter()
         .map(|arg| match arg {
-            Arg::Inline(_) => None,
+            Arg::Inline(_) | Arg::Nested { .. } | Arg::Stored(_) => None,
             Arg::Ref(locator) => {
                 let r: ObjectRef<()> =
                     ObjectRef::from_local(runtime.objects.handle_for(runtime, locator.clone()));
@@ -129,7 +129,11 @@ fn resolve_args(args: &[Arg]) -> Result<Vec<ObjectBytes>> {
     args.iter()
         .zip(refs)
         .map(|(arg, r)| match (arg, r) {
-            (Arg::Inline(bytes), _) => Ok(Arc::new(bytes.clone())),
+            (Arg::Inline(bytes), _) => Ok(ObjectBytes::inline(bytes.clone())),
+            (Arg::Nested { bytes, refs }, _) => {
+                Ok(ObjectBytes::nested(bytes.clone(), refs.clone()))
+            }
+            (Arg::Stored(stored), _) => Value::Stored(stored.clone()).resolve(),
             (_, Some(r)) => r.get_bytes(None),
             (Arg::Ref(_), None) => Err(Error::Invalid("unresolved argument".into())),
         })
@@ -184,9 +188,30 @@ pub(crate) fn on_call(runtime: &Arc<Runtime>, conn: &Arc<Connection>, call: Call
     }
 }
 
+/// Sends a call's outcome; a value over the inline limit goes through the node's object store
+/// (the reply carries its location, and the caller gets its own reference count).
+/// The references in the value come from the return value this thread encoded last.
 fn reply(conn: &Arc<Connection>, call_id: u64, result: Result<Vec<u8>>) {
-    let outcome = match result {
-        Ok(bytes) => Outcome::Value(bytes),
+    reply_with(conn, call_id, result, crate::object::take_return_refs());
+}
+
+/// Like [`reply`], with the references the value carries given explicitly.
+fn reply_with(
+    conn: &Arc<Connection>,
+    call_id: u64,
+    result: Result<Vec<u8>>,
+    refs: Vec<crate::object::StoredValue>,
+) {
+    let value = result.and_then(|bytes| match crate::runtime::current() {
+        Ok(runtime) => runtime.value_of(bytes, refs),
+        Err(_) => Ok(Value::inline(bytes)),
+    });
+    let outcome = match value {
+        Ok(Value::Inline(bytes)) => Outcome::Value(unshare(bytes)),
+        Ok(Value::Nested { bytes, refs }) => {
+            Outcome::Nested { bytes: unshare(bytes), refs: unshare(refs) }
+        }
+        Ok(Value::Stored(stored)) => Outcome::Stored(stored),
         Err(e) => Outcome::Error(e),
     };
     if let Err(e) = conn.send(&Frame::Reply { call_id, outcome }) {
@@ -394,21 +419,26 @@ impl<A: Actor> Executor<A> {
         let running = self.running_async.clone();
         let inner = self.runtime.tokio().spawn(async move {
             let result = AssertUnwindSafe(future).catch_unwind().await;
+            // The return value was encoded in the poll that just finished, on this thread.
+            let refs = crate::object::take_return_refs();
             drop(permit);
-            result.unwrap_or_else(|p| Err(Error::TaskFailed { target, message: panic_message(p) }))
+            let result = result
+                .unwrap_or_else(|p| Err(Error::TaskFailed { target, message: panic_message(p) }));
+            (result, refs)
         });
         running.insert(call_id, inner.abort_handle());
         let reply_to = call.reply_to;
         self.runtime.tokio().spawn(async move {
-            let result = match inner.await {
-                Ok(result) => result,
-                Err(e) if e.is_cancelled() => Err(Error::Cancelled),
-                Err(e) => {
-                    Err(Error::TaskFailed { target: "async call".into(), message: e.to_string() })
-                }
+            let (result, refs) = match inner.await {
+                Ok(done) => done,
+                Err(e) if e.is_cancelled() => (Err(Error::Cancelled), Vec::new()),
+                Err(e) => (
+                    Err(Error::TaskFailed { target: "async call".into(), message: e.to_string() }),
+                    Vec::new(),
+                ),
             };
             running.remove(&call_id);
-            reply(&reply_to, call_id, result);
+            reply_with(&reply_to, call_id, result, refs);
         });
     }
 }

@@ -35,3 +35,29 @@ pub fn kill9(pid: u32) {
         libc::kill(pid as libc::pid_t, libc::SIGKILL);
     }
 }
+
+/// The `rtrun` binary of this build, built first when it is missing (the workspace test run
+/// builds it, because `runtime/tests/cli.rs` uses it). Test binaries live in
+/// `<target>/<profile>/deps/`, the `rtrun` binary in `<target>/<profile>/`; Cargo gives other
+/// packages' binaries to integration tests only within their own package, hence the search.
+pub fn rtrun_binary() -> std::path::PathBuf {
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let profile_dir = exe
+        .parent()
+        .and_then(std::path::Path::parent)
+        .expect("test binaries live in <target>/<profile>/deps");
+    let binary = profile_dir.join("rtrun");
+    if !binary.exists() {
+        let target_dir = profile_dir.parent().expect("<target>/<profile>");
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
+        let mut command = std::process::Command::new(cargo);
+        command.args(["build", "-p", "rtrun", "--bin", "rtrun", "--target-dir"]);
+        command.arg(target_dir);
+        if profile_dir.file_name().is_some_and(|name| name == "release") {
+            command.arg("--release");
+        }
+        let status = command.status().expect("cargo runs");
+        assert!(status.success(), "building the rtrun binary failed");
+    }
+    binary
+}

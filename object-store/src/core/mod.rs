@@ -6,16 +6,20 @@
 //! delete once objects are freed. The executor reports back (`spilled`, `restored`, ...), so the
 //! core always knows where every object's bytes are.
 //!
-//! Lifetime rules: the creator (owner) is the first holder; borrowers are added as references
-//! travel; the object is freed when the last holder goes, but its memory is only reused once the
-//! last reader has unpinned it. A crashed process's holds and pins are dropped by
-//! [`StoreCore::release_process`]; an object its owner never sealed is aborted then.
+//! Lifetime rules: the creator (owner) holds the first reference; every process that receives a
+//! reference adds one count under its own [`HolderId`] and removes it when it drops the
+//! reference. Counts are signed: a receiver's removal may reach the store before the sender's
+//! addition on its behalf (they travel on different connections), which leaves that holder at
+//! −1 until the addition arrives. The object is freed when every holder's count is back to zero
+//! (no entry left), but its memory is only reused once the last reader has unpinned it. A
+//! crashed process's counts and pins are dropped by [`StoreCore::release_process`]; an object
+//! its owner never sealed is aborted then.
 
 mod stats;
 #[cfg(test)]
 mod tests;
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 
 use serde::{Deserialize, Serialize};
@@ -113,7 +117,9 @@ struct Entry {
     residency: Residency,
     copy: CopyKind,
     owner: HolderId,
-    holders: BTreeSet<HolderId>,
+    /// Reference counts per holder; never zero (a zero entry is removed), negative while a
+    /// removal has overtaken the matching addition.
+    holders: BTreeMap<HolderId, i64>,
     pins: BTreeMap<HolderId, u32>,
     /// Position in the LRU order; set exactly while sealed and in memory.
     lru_tick: Option<u64>,
@@ -186,7 +192,7 @@ impl StoreCore {
                     residency: Residency::InMemory(allocation),
                     copy,
                     owner,
-                    holders: BTreeSet::from([owner]),
+                    holders: BTreeMap::from([(owner, 1)]),
                     pins: BTreeMap::new(),
                     lru_tick: None,
                     freed: false,
@@ -235,16 +241,33 @@ impl StoreCore {
         Ok(self.finalize_if_done(id))
     }
 
-    /// Records that `holder` now holds a reference (a borrower).
-    pub fn add_holder(&mut self, id: ObjectId, holder: HolderId) -> Result<()> {
-        self.live_entry_mut(id)?.holders.insert(holder);
-        Ok(())
+    /// Adds one reference count for `holder` (a borrower, or one more reference of a holder).
+    pub fn add_holder(&mut self, id: ObjectId, holder: HolderId) -> Result<Option<Freed>> {
+        self.change_count(id, holder, 1)
     }
 
-    /// Drops `holder`'s reference; the object is freed when it was the last.
+    /// Drops one of `holder`'s reference counts; the object is freed when no count is left.
     pub fn remove_holder(&mut self, id: ObjectId, holder: HolderId) -> Result<Option<Freed>> {
+        self.change_count(id, holder, -1)
+    }
+
+    /// Every holder's reference count on a live object (`None` when it is missing or freed).
+    pub fn holder_counts(&self, id: ObjectId) -> Option<BTreeMap<HolderId, i64>> {
+        self.objects.get(&id).filter(|entry| !entry.freed).map(|entry| entry.holders.clone())
+    }
+
+    fn change_count(
+        &mut self,
+        id: ObjectId,
+        holder: HolderId,
+        delta: i64,
+    ) -> Result<Option<Freed>> {
         let entry = self.live_entry_mut(id)?;
-        entry.holders.remove(&holder);
+        let count = entry.holders.entry(holder).or_insert(0);
+        *count += delta;
+        if *count == 0 {
+            entry.holders.remove(&holder);
+        }
         if entry.holders.is_empty() {
             entry.freed = true;
         }
@@ -264,7 +287,7 @@ impl StoreCore {
     pub fn release_process(&mut self, holder: HolderId) -> Vec<Freed> {
         let mut touched = Vec::new();
         for (&id, entry) in &mut self.objects {
-            let held = entry.holders.remove(&holder);
+            let held = entry.holders.remove(&holder).is_some();
             let pinned = entry.pins.remove(&holder).is_some();
             let abandoned = !entry.sealed && entry.owner == holder;
             if abandoned {

@@ -46,6 +46,8 @@ pub struct ObjectStats {
     pub owner: HolderId,
     /// How many processes hold a reference (owner included).
     pub holders: usize,
+    /// Reference counts per holder (negative while a removal overtook its addition).
+    pub counts: BTreeMap<HolderId, i64>,
     /// Pins per reader.
     pub pins: BTreeMap<HolderId, u32>,
     /// Freed, waiting for its last reader.
@@ -149,6 +151,7 @@ pub(super) fn collect(core: &StoreCore) -> StoreStats {
             state: entry.state(),
             owner: entry.owner,
             holders: entry.holders.len(),
+            counts: entry.holders.clone(),
             pins: entry.pins.clone(),
             freed: entry.freed,
         });

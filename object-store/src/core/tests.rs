@@ -105,6 +105,26 @@ fn the_last_holder_frees_but_memory_waits_for_the_last_reader() {
 }
 
 #[test]
+fn a_removal_that_overtakes_its_addition_keeps_the_object_until_both_arrive() {
+    let mut core = StoreCore::new(4096);
+    put(&mut core, id(0), 100);
+    let borrower = HolderId(5);
+    // The borrower dropped its reference before the owner's addition on its behalf arrived.
+    assert_eq!(core.remove_holder(id(0), borrower).unwrap(), None);
+    assert_eq!(core.holder_counts(id(0)).unwrap()[&borrower], -1);
+    assert!(core.contains(id(0)));
+    assert_eq!(core.add_holder(id(0), borrower).unwrap(), None);
+    assert!(!core.holder_counts(id(0)).unwrap().contains_key(&borrower));
+    // Two counts of one holder need two removals.
+    core.add_holder(id(0), OWNER).unwrap();
+    assert_eq!(core.remove_holder(id(0), OWNER).unwrap(), None);
+    assert_eq!(
+        core.remove_holder(id(0), OWNER).unwrap(),
+        Some(Freed { id: id(0), had_spill_file: false })
+    );
+}
+
+#[test]
 fn a_crashed_process_loses_its_holds_pins_and_unsealed_objects() {
     let mut core = StoreCore::new(4096);
     let crashed = HolderId(9);

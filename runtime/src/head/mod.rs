@@ -239,6 +239,10 @@ impl Head {
     }
 
     pub(crate) fn on_worker_exit(&self, worker: WorkerId, status: String) {
+        // The object store drops the exited process's references and pins.
+        if let Some(runtime) = self.runtime() {
+            runtime.on_process_exit(worker);
+        }
         let mut effects = Vec::new();
         {
             let mut state = self.state.lock();

@@ -59,12 +59,27 @@ impl SpawnerInbox {
                     let Some(head) = head.upgrade() else { return };
                     let mut command = Command::new(&exe);
                     command.args(&args).envs(request.env.iter().cloned()).stdin(Stdio::null());
+                    // The node's object arena: the worker inherits its fd (close-on-exec is
+                    // cleared in the child only) and learns of it from the environment.
+                    let arena = head.runtime().and_then(|runtime| runtime.store_inheritance());
+                    if let Some((_, env)) = &arena {
+                        command.envs(env.iter().cloned());
+                    }
+                    let arena_fd = arena.map(|(fd, _)| fd);
                     // SAFETY: the closure runs in the forked child before exec and only makes
-                    // async-signal-safe calls (prctl, getppid, _exit).
+                    // async-signal-safe calls (prctl, getppid, fcntl, _exit).
                     unsafe {
                         command.pre_exec(move || {
                             if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
                                 return Err(std::io::Error::last_os_error());
+                            }
+                            if let Some(fd) = arena_fd {
+                                let flags = libc::fcntl(fd, libc::F_GETFD);
+                                if flags < 0
+                                    || libc::fcntl(fd, libc::F_SETFD, flags & !libc::FD_CLOEXEC) < 0
+                                {
+                                    return Err(std::io::Error::last_os_error());
+                                }
                             }
                             // The parent may have died between fork and prctl.
                             if libc::getppid() != parent as libc::pid_t {

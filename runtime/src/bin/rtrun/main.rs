@@ -1,6 +1,7 @@
-//! The `rtrun` command: cluster operations (growing with the multi-node work) and the
-//! microbenchmark that compares rtrun with `ray microbenchmark`.
+//! The `rtrun` command: cluster operations (growing with the multi-node work), `rtrun memory`,
+//! and the microbenchmark that compares rtrun with `ray microbenchmark`.
 
+mod memory;
 mod microbenchmark;
 
 use clap::{Parser, Subcommand};
@@ -26,6 +27,13 @@ enum Command {
         #[arg(long, default_value_t = 2.0)]
         round_seconds: f64,
     },
+    /// Shows the object store of a running session: objects per node, sizes, pins, spilled
+    /// bytes.
+    Memory {
+        /// The session to inspect (the hex name in its sockets); needed only when several run.
+        #[arg(long)]
+        session: Option<String>,
+    },
 }
 
 fn main() -> anyhow::Result<()> {
@@ -38,5 +46,6 @@ fn main() -> anyhow::Result<()> {
                 pattern.or_else(|| std::env::var("TESTS_TO_RUN").ok()).unwrap_or_default();
             microbenchmark::run(&pattern, round_seconds)
         }
+        Command::Memory { session } => memory::run(session.as_deref()),
     }
 }

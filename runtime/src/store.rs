@@ -1,0 +1,420 @@
+//! The runtime's side of the node's object store: values whose encoded size is over
+//! [`crate::Config::max_inline_object_bytes`] live in the node's shared-memory arena instead of
+//! travelling inline in frames.
+//!
+//! The node process (the driver of an embedded session) opens the [`ObjectStore`] and hands its
+//! memfd to every worker it spawns ([`StoreClient::inheritance`]); a worker attaches to it
+//! ([`StoreClient::attach_worker`]). Every process reaches the store through its
+//! [`StoreClient`]: in the node directly, in a worker with [`Request::Store`] messages on its
+//! connection to the node. A put is create → write in place → seal; a read pins the object and
+//! maps it (an [`ObjectView`]), never copying it.
+//!
+//! Reference accounting: each [`Hold`] in a process is exactly one count for that process in the
+//! store (its [`HolderId`] is its worker id). A frame that carries a stored value makes the
+//! sender add one count for the receiver *after* the write (`lend`), and the receiver wraps the
+//! value in a fresh `Hold` when the frame arrives; dropping a `Hold` removes its count. The
+//! sender's own hold is alive while the frame is sent, and its lend and later release travel in
+//! order on the sender's connection to the node, so an object is never freed while a reference
+//! is in flight; a receiver that drops its hold before the lend arrives leaves a −1 that the lend
+//! cancels (see `rtrun_object_store::core`). When a worker exits, the node releases its counts
+//! and pins and ignores anything that still arrives from or for it.
+
+use std::collections::HashSet;
+use std::os::fd::RawFd;
+use std::sync::{Arc, Weak};
+
+use parking_lot::Mutex;
+use rtrun_object_store::{
+    ARENA_ENV, Allocation, Arena, HolderId, ObjectId, ObjectStore, ObjectView, ReleaseHook,
+    StoreConfig, StoreError, StoreStats,
+};
+
+use crate::error::{Error, Result};
+use crate::ids::WorkerId;
+use crate::object::StoredValue;
+use crate::protocol::{NodeMemory, Request, Response, StoreOp};
+use crate::runtime::Runtime;
+
+/// Environment variable that tells a worker the inline limit of its node.
+pub const INLINE_LIMIT_ENV: &str = "RTRUN_MAX_INLINE_OBJECT_BYTES";
+/// Default of [`crate::Config::max_inline_object_bytes`]: 100 KiB, Ray's threshold between
+/// in-band values and the plasma store.
+pub const DEFAULT_MAX_INLINE_OBJECT_BYTES: usize = 100 * 1024;
+/// Copies of at least this many bytes into the arena are split across threads (one memcpy
+/// thread does not saturate memory bandwidth; Ray does the same for large puts).
+pub const PARALLEL_COPY_MIN_BYTES: usize = 8 << 20;
+/// Most threads a parallel copy uses.
+pub const PARALLEL_COPY_MAX_THREADS: usize = 4;
+
+/// The store identity of a worker (the driver is worker 0).
+pub(crate) fn holder_of(worker: WorkerId) -> HolderId {
+    HolderId(worker.0)
+}
+
+/// The holder behind a session endpoint address (`unix:@rtrun-<session>-<worker>`).
+pub(crate) fn holder_of_address(address: &str) -> Option<HolderId> {
+    let (_, worker) = address.rsplit_once('-')?;
+    worker.parse().ok().map(HolderId)
+}
+
+fn store_error(error: StoreError) -> Error {
+    Error::ObjectStore(error.to_string())
+}
+
+/// The node-side part: the store itself and the processes known to have exited.
+struct NodeStore {
+    store: ObjectStore,
+    /// Exited workers; held while every remote operation runs so that a late message from (or
+    /// a lend to) a dead process can never re-create a count that nobody will release.
+    dead: Mutex<HashSet<HolderId>>,
+}
+
+/// One process's access to its node's object store.
+pub(crate) struct StoreClient {
+    arena: Arc<Arena>,
+    node: Option<NodeStore>,
+    holder: HolderId,
+    max_inline: usize,
+    runtime: Weak<Runtime>,
+}
+
+impl std::fmt::Debug for StoreClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StoreClient")
+            .field("holder", &self.holder)
+            .field("node", &self.node.is_some())
+            .field("max_inline", &self.max_inline)
+            .finish()
+    }
+}
+
+impl StoreClient {
+    /// Opens the node's store (in the node process).
+    pub(crate) fn open_node(
+        runtime: Weak<Runtime>,
+        holder: HolderId,
+        config: StoreConfig,
+        max_inline: usize,
+    ) -> Result<Arc<StoreClient>> {
+        let store = ObjectStore::open(config).map_err(store_error)?;
+        Ok(Arc::new(StoreClient {
+            arena: store.arena().clone(),
+            node: Some(NodeStore { store, dead: Mutex::new(HashSet::new()) }),
+            holder,
+            max_inline,
+            runtime,
+        }))
+    }
+
+    /// Attaches to the arena this worker inherited; `None` when it was started without one.
+    pub(crate) fn attach_worker(
+        runtime: Weak<Runtime>,
+        holder: HolderId,
+    ) -> Result<Option<Arc<StoreClient>>> {
+        let Some(arena) = Arena::attach_from_env().map_err(store_error)? else {
+            return Ok(None);
+        };
+        let max_inline = match std::env::var(INLINE_LIMIT_ENV) {
+            Ok(value) => value.parse().map_err(|_| {
+                Error::Invalid(format!("{INLINE_LIMIT_ENV} must be a byte count, found `{value}`"))
+            })?,
+            Err(_) => DEFAULT_MAX_INLINE_OBJECT_BYTES,
+        };
+        Ok(Some(Arc::new(StoreClient {
+            arena: Arc::new(arena),
+            node: None,
+            holder,
+            max_inline,
+            runtime,
+        })))
+    }
+
+    /// The arena fd a spawned worker must inherit and the environment that tells it so.
+    pub(crate) fn inheritance(&self) -> (RawFd, Vec<(String, String)>) {
+        let env = vec![
+            (ARENA_ENV.to_owned(), self.arena.env_value()),
+            (INLINE_LIMIT_ENV.to_owned(), self.max_inline.to_string()),
+        ];
+        (self.arena.fd(), env)
+    }
+
+    /// Values whose encoding is longer than this go to the store.
+    pub(crate) fn max_inline(&self) -> usize {
+        self.max_inline
+    }
+
+    /// Creates an object of `size` bytes owned by this process, lets `write` fill it in place
+    /// and seals it. The returned value holds this process's reference.
+    pub(crate) fn put_with(
+        self: &Arc<Self>,
+        id: ObjectId,
+        size: u64,
+        write: impl FnOnce(&mut [u8]) -> Result<()>,
+    ) -> Result<StoredValue> {
+        let allocation = match &self.node {
+            Some(node) => node.store.create(id, size, self.holder).map_err(store_error)?,
+            None => self.allocation(StoreOp::Create { id, size })?,
+        };
+        let written = self
+            .arena
+            .writer(allocation)
+            .map_err(store_error)
+            .and_then(|mut writer| write(&mut writer));
+        if let Err(error) = written {
+            self.abort(id);
+            return Err(error);
+        }
+        match &self.node {
+            Some(node) => node.store.seal(id).map_err(store_error)?,
+            None => self.call(StoreOp::Seal { id }).map(|_| ())?,
+        }
+        Ok(StoredValue { id, size, hold: Some(Arc::new(Hold { id, client: self.clone() })) })
+    }
+
+    /// Stores `bytes` as a new object.
+    pub(crate) fn put_bytes(self: &Arc<Self>, id: ObjectId, bytes: &[u8]) -> Result<StoredValue> {
+        self.put_with(id, bytes.len() as u64, |target| {
+            copy_parallel(target, bytes);
+            Ok(())
+        })
+    }
+
+    /// Pins the object and maps it; the view unpins when dropped.
+    pub(crate) fn view(self: &Arc<Self>, id: ObjectId) -> Result<ObjectView> {
+        if let Some(node) = &self.node {
+            return node.store.get(id, self.holder).map_err(store_error);
+        }
+        let allocation = self.allocation(StoreOp::Pin { id })?;
+        let client = self.clone();
+        let hook: ReleaseHook = Box::new(move |id| client.notify(StoreOp::Unpin { id }));
+        ObjectView::new(self.arena.clone(), id, allocation, Some(hook)).map_err(|error| {
+            self.notify(StoreOp::Unpin { id });
+            store_error(error)
+        })
+    }
+
+    /// Adds one count for `to`, which was just sent a reference to `id`.
+    pub(crate) fn lend(&self, id: ObjectId, to: HolderId) {
+        match &self.node {
+            Some(node) => node.apply(self.holder, StoreOp::Lend { id, to }).log_error(),
+            None => self.notify(StoreOp::Lend { id, to }),
+        }
+    }
+
+    /// Takes a count of this process's own on a live object (for a reference that arrived
+    /// without one); fails when the object is gone.
+    pub(crate) fn borrow(self: &Arc<Self>, id: ObjectId) -> Result<Arc<Hold>> {
+        let op = StoreOp::Lend { id, to: self.holder };
+        let response = match &self.node {
+            Some(node) => node.apply(self.holder, op),
+            None => self.call(op)?,
+        };
+        match response {
+            Response::Error(error) => Err(error),
+            _ => Ok(Hold::adopt(self, id)),
+        }
+    }
+
+    /// Drops one of this process's counts.
+    fn release(&self, id: ObjectId) {
+        match &self.node {
+            Some(node) => node.apply(self.holder, StoreOp::Release { id }).log_error(),
+            None => self.notify(StoreOp::Release { id }),
+        }
+    }
+
+    fn abort(&self, id: ObjectId) {
+        match &self.node {
+            Some(node) => node.apply(self.holder, StoreOp::Abort { id }).log_error(),
+            None => self.notify(StoreOp::Abort { id }),
+        }
+    }
+
+    /// The node's snapshot (in the node process).
+    pub(crate) fn node_memory(&self, runtime: &Runtime) -> Option<NodeMemory> {
+        let node = self.node.as_ref()?;
+        Some(NodeMemory {
+            node: runtime.node_id,
+            session: runtime.session.clone(),
+            spill_dir: node.store.spill_dir().display().to_string(),
+            stats: node.store.stats(),
+        })
+    }
+
+    /// The store's snapshot, asked of the node when this is a worker.
+    pub(crate) fn stats(&self) -> Result<StoreStats> {
+        match &self.node {
+            Some(node) => Ok(node.store.stats()),
+            None => match self.call(StoreOp::Stats)? {
+                Response::StoreStats(memory) => Ok(memory.stats),
+                other => Err(Error::Transport(format!("unexpected store response {other:?}"))),
+            },
+        }
+    }
+
+    /// Answers a store request from another process on this node.
+    pub(crate) fn handle_remote(
+        &self,
+        runtime: &Runtime,
+        holder: HolderId,
+        op: StoreOp,
+    ) -> Response {
+        let Some(node) = &self.node else {
+            return Response::Error(Error::Invalid(
+                "store requests go to the node process, and this is not it".into(),
+            ));
+        };
+        if let StoreOp::Stats = op {
+            return match self.node_memory(runtime) {
+                Some(memory) => Response::StoreStats(Box::new(memory)),
+                None => Response::Error(Error::NotInitialised),
+            };
+        }
+        node.apply(holder, op)
+    }
+
+    /// Releases every count and pin of an exited worker, and ignores it from now on.
+    pub(crate) fn process_exited(&self, holder: HolderId) {
+        if let Some(node) = &self.node {
+            let mut dead = node.dead.lock();
+            dead.insert(holder);
+            let freed = node.store.release_process(holder);
+            tracing::debug!(%holder, freed = freed.len(), "released an exited process's objects");
+        }
+    }
+
+    fn allocation(&self, op: StoreOp) -> Result<Allocation> {
+        match self.call(op)? {
+            Response::Allocation(allocation) => Ok(allocation),
+            other => Err(Error::Transport(format!("unexpected store response {other:?}"))),
+        }
+    }
+
+    /// A store request to the node, waiting for the answer (worker only).
+    fn call(&self, op: StoreOp) -> Result<Response> {
+        let runtime = self.runtime.upgrade().ok_or(Error::NotInitialised)?;
+        runtime.head_call(Request::Store { holder: self.holder, op })
+    }
+
+    /// A store request to the node whose answer nobody waits for (worker only). Requests on
+    /// one connection are handled in order, which the reference accounting relies on.
+    fn notify(&self, op: StoreOp) {
+        if let Some(runtime) = self.runtime.upgrade() {
+            runtime.head_request(
+                Request::Store { holder: self.holder, op },
+                Box::new(|response| {
+                    if let Response::Error(error) = response {
+                        tracing::debug!(%error, "store notification failed");
+                    }
+                }),
+            );
+        }
+    }
+}
+
+impl NodeStore {
+    fn apply(&self, holder: HolderId, op: StoreOp) -> Response {
+        let dead = self.dead.lock();
+        if dead.contains(&holder) {
+            return Response::Error(Error::ObjectStore(format!(
+                "process {holder} has exited; its store request is ignored"
+            )));
+        }
+        let store = &self.store;
+        let result = match op {
+            StoreOp::Create { id, size } => {
+                store.create(id, size, holder).map(Response::Allocation)
+            }
+            StoreOp::Seal { id } => store.seal(id).map(|()| Response::Done),
+            StoreOp::Abort { id } => store.free(id).map(|()| Response::Done),
+            StoreOp::Pin { id } => store.pin(id, holder).map(Response::Allocation),
+            StoreOp::Unpin { id } => store.unpin(id, holder).map(|()| Response::Done),
+            StoreOp::Lend { id, to } if dead.contains(&to) => {
+                tracing::debug!(object = %id, %to, "a reference was sent to an exited process");
+                Ok(Response::Done)
+            }
+            StoreOp::Lend { id, to } => store.add_holder(id, to).map(|_| Response::Done),
+            StoreOp::Release { id } => store.remove_holder(id, holder).map(|_| Response::Done),
+            StoreOp::Stats => Ok(Response::Done),
+        };
+        result.unwrap_or_else(|error| Response::Error(store_error(error)))
+    }
+}
+
+trait LogError {
+    fn log_error(self);
+}
+
+impl LogError for Response {
+    fn log_error(self) {
+        if let Response::Error(error) = self {
+            tracing::warn!(%error, "object store bookkeeping failed");
+        }
+    }
+}
+
+/// One reference count of this process on a stored object; dropping it removes the count.
+pub(crate) struct Hold {
+    id: ObjectId,
+    client: Arc<StoreClient>,
+}
+
+impl Hold {
+    /// Wraps a count that another process added for this one (a received reference).
+    pub(crate) fn adopt(client: &Arc<StoreClient>, id: ObjectId) -> Arc<Hold> {
+        Arc::new(Hold { id, client: client.clone() })
+    }
+}
+
+impl Drop for Hold {
+    fn drop(&mut self) {
+        self.client.release(self.id);
+    }
+}
+
+/// Copies `source` into `target` (same length), on several threads when it is large.
+pub(crate) fn copy_parallel(target: &mut [u8], source: &[u8]) {
+    let threads = if source.len() >= PARALLEL_COPY_MIN_BYTES {
+        std::thread::available_parallelism().map_or(1, |n| n.get()).min(PARALLEL_COPY_MAX_THREADS)
+    } else {
+        1
+    };
+    if threads <= 1 {
+        target.copy_from_slice(source);
+        return;
+    }
+    // Chunks are multiples of 4 KiB so that threads never share a page.
+    let chunk = source.len().div_ceil(threads).next_multiple_of(4096);
+    std::thread::scope(|scope| {
+        let mut pairs = target.chunks_mut(chunk).zip(source.chunks(chunk));
+        let first = pairs.next();
+        for (to, from) in pairs {
+            scope.spawn(move || to.copy_from_slice(from));
+        }
+        if let Some((to, from)) = first {
+            to.copy_from_slice(from);
+        }
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parallel_copy_copies_every_byte() {
+        for len in [0usize, 1, 4095, PARALLEL_COPY_MIN_BYTES + 12_345] {
+            let source: Vec<u8> = (0..len).map(|i| (i * 7 % 251) as u8).collect();
+            let mut target = vec![0u8; len];
+            copy_parallel(&mut target, &source);
+            assert!(target == source, "length {len}");
+        }
+    }
+
+    #[test]
+    fn holders_are_parsed_from_session_addresses() {
+        assert_eq!(holder_of_address("unix:@rtrun-00ab-17"), Some(HolderId(17)));
+        assert_eq!(holder_of_address("unix:@rtrun-cli"), None);
+        assert_eq!(holder_of(WorkerId(3)), HolderId(3));
+    }
+}
