@@ -25,8 +25,9 @@ use crate::worker::{HostedActor, TaskExecutor, WorkerSpec};
 pub struct Config {
     /// CPUs this node offers (default: the machine's cores).
     pub num_cpus: Option<f64>,
-    /// GPUs this node offers (default: 0 until GPU detection lands; any number can be declared,
-    /// and is accounted even on a machine without GPUs).
+    /// GPUs this node offers, a whole number (default: the GPUs detected on the machine, see
+    /// [`crate::gpus`]). Fewer than detected uses the first ones; more adds fake GPUs with
+    /// synthetic UUIDs, so placement works the same on a machine without GPUs.
     pub num_gpus: Option<f64>,
     /// Custom resources this node offers.
     pub resources: BTreeMap<String, f64>,

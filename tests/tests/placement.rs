@@ -354,3 +354,49 @@ fn cuda_visible_devices_opt_out_and_captured_children() {
     pg.remove().unwrap();
     assert!(wait_until(LONG, all_free));
 }
+
+#[test]
+fn deploy_is_all_or_nothing_and_gives_up_on_a_busy_cluster() {
+    init();
+    // The second group can never fit: the first one, already created, is removed again.
+    let text = "placement_groups:\n  small:\n    bundles: [{resources: {GPU: 1}}]\n  \
+                huge:\n    bundles: [{count: 9, resources: {GPU: 1}}]\nroles:\n  actor:\n    \
+                replicas: 1\n    placement_group: small\n  ref:\n    replicas: 9\n    \
+                placement_group: huge\n";
+    let spec = rtrun::colocation::parse_spec(text, "two.yaml").unwrap();
+    let err = deploy_spec(&spec, &DeployOptions::default()).unwrap_err();
+    assert_eq!(err.to_string(), "infeasible: placement group `huge` needs GPU: 9, cluster has 8");
+    assert!(rtrun::list_placement_groups().unwrap().is_empty());
+    assert!(all_free());
+
+    // A spec that fits the cluster but not now times out and keeps nothing.
+    let busy = rtrun::placement_group(PlacementGroupOptions::uniform(4, &[("GPU", 1.0)]).unwrap())
+        .unwrap();
+    assert!(busy.wait(LONG).unwrap());
+    let spec = load_spec(example("hybrid-1x8.yaml")).unwrap();
+    let options =
+        DeployOptions { ready_timeout: Duration::from_millis(200), name_prefix: "a-".into() };
+    let err = deploy_spec(&spec, &options).unwrap_err();
+    assert!(matches!(err, Error::Timeout(_)), "{err}");
+    assert_eq!(rtrun::list_placement_groups().unwrap().len(), 1, "only `busy` is left");
+    busy.remove().unwrap();
+
+    // With room, it deploys under the prefix, and the bundle table is grouped by GPU index.
+    let deployment = deploy_spec(&spec, &options).unwrap();
+    let group = deployment.group("hybrid").unwrap();
+    assert_eq!(group.name(), "a-hybrid");
+    let table = deployment.bundle_table("hybrid").unwrap();
+    let indices: Vec<Vec<u32>> = table.bundles.iter().map(|b| b.gpu_indices()).collect();
+    assert_eq!(indices, (0..GPUS as u32).map(|i| vec![i]).collect::<Vec<_>>());
+    let actor = deployment.role("actor").unwrap();
+    assert_eq!(actor.replicas.len(), 8);
+    assert_eq!(actor.replicas[5].bundle_index, Some(5));
+    assert_eq!(actor.replicas[5].world_size, 8);
+    let options = actor.replicas[5].actor_options();
+    assert_eq!((options.num_gpus, options.num_cpus), (Some(0.2), Some(1.0)));
+    let err = deployment.role("critc").unwrap_err();
+    assert!(err.to_string().contains("found `critc`"), "{err}");
+    deployment.remove().unwrap();
+    deployment.remove().unwrap();
+    assert!(all_free());
+}

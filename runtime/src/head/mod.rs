@@ -988,3 +988,34 @@ impl HeadState {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn node_config_takes_gpus_from_num_gpus_only() {
+        let config = Config { num_cpus: Some(4.0), num_gpus: Some(3.0), ..Default::default() };
+        let head = HeadConfig::from_runtime_config(&config).unwrap();
+        assert_eq!(head.node.total().get(GPU), Quantity::whole(3));
+        assert_eq!(head.node.gpus().slots().len(), 3);
+        let config = Config { num_gpus: Some(2.5), ..Default::default() };
+        let err = HeadConfig::from_runtime_config(&config).unwrap_err();
+        assert!(err.to_string().contains("whole non-negative number of GPUs"), "{err}");
+        let config = Config {
+            resources: [("GPU".to_owned(), 2.0)].into_iter().collect(),
+            ..Default::default()
+        };
+        let err = HeadConfig::from_runtime_config(&config).unwrap_err();
+        assert!(err.to_string().contains("expected GPUs in `num_gpus`"), "{err}");
+    }
+
+    #[test]
+    fn opt_out_values() {
+        assert!(opt_out(Some("1")));
+        assert!(opt_out(Some("true")));
+        assert!(!opt_out(Some("0")));
+        assert!(!opt_out(Some("")));
+        assert!(!opt_out(None));
+    }
+}
