@@ -400,3 +400,59 @@ fn deploy_is_all_or_nothing_and_gives_up_on_a_busy_cluster() {
     deployment.remove().unwrap();
     assert!(all_free());
 }
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig { cases: 24, ..Default::default() })]
+
+    /// Random creations and removals of groups: created groups never hold more than the node
+    /// has, what the node reports as available is exactly what created groups leave, pending
+    /// groups are created once room frees up, and removing everything frees everything.
+    #[test]
+    fn random_group_churn_never_oversubscribes(
+        ops in proptest::collection::vec((0usize..4, 1usize..5, 0usize..4, proptest::bool::ANY), 1..24)
+    ) {
+        init();
+        let mut live: Vec<rtrun::PlacementGroup> = Vec::new();
+        for (gpus, count, strategy, remove) in ops {
+            if remove && !live.is_empty() {
+                live.remove(gpus % live.len()).remove().unwrap();
+            } else {
+                let strategy = [Strategy::Pack, Strategy::Spread, Strategy::StrictPack,
+                                Strategy::StrictSpread][strategy];
+                let bundle = [("GPU", gpus as f64), ("CPU", 1.0), ("custom", 0.5)];
+                let options = PlacementGroupOptions::uniform(count, &bundle).unwrap().strategy(strategy);
+                match rtrun::placement_group(options) {
+                    Ok(group) => live.push(group),
+                    Err(Error::Infeasible(_)) => {}
+                    Err(e) => panic!("{e}"),
+                }
+            }
+            let mut held = [0.0f64; 3];
+            for state in rtrun::list_placement_groups().unwrap() {
+                if state.status == PlacementGroupStatus::Created {
+                    let table = state.table.expect("created groups have a table");
+                    proptest::prop_assert_eq!(table.bundles.len(), state.bundles.len());
+                    for bundle in &state.bundles {
+                        held[0] += bundle.get("GPU").as_f64();
+                        held[1] += bundle.get("CPU").as_f64();
+                        held[2] += bundle.get("custom").as_f64();
+                    }
+                }
+            }
+            proptest::prop_assert!(held[0] <= GPUS as f64);
+            proptest::prop_assert_eq!(available("GPU"), GPUS as f64 - held[0]);
+            proptest::prop_assert_eq!(available("CPU"), CPUS - held[1]);
+            proptest::prop_assert_eq!(available("custom"), 100.0 - held[2]);
+        }
+        // Removing the groups one by one lets every pending one be created on the way.
+        while let Some(group) = live.pop() {
+            let ready = group.ready();
+            if live.is_empty() {
+                proptest::prop_assert!(ready.wait(Some(LONG)).is_ok(), "the last group fits alone");
+            }
+            group.remove().unwrap();
+        }
+        proptest::prop_assert!(all_free());
+        proptest::prop_assert!(rtrun::list_placement_groups().unwrap().is_empty());
+    }
+}
