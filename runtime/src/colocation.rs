@@ -86,6 +86,21 @@ pub struct RoleDeployment {
     pub replicas: Vec<ReplicaPlacement>,
 }
 
+impl RoleDeployment {
+    /// `options` with the resources and bundle of rank `rank` (for an actor group's spawn
+    /// closure: `|rank, options| Policy::remote_with(role.options_for(rank, options)?, ..)`).
+    pub fn options_for(&self, rank: usize, options: ActorOptions) -> Result<ActorOptions> {
+        let replica = self.replicas.get(rank).ok_or_else(|| {
+            Error::Invalid(format!(
+                "role `{}` has {} replicas, found rank {rank}",
+                self.name,
+                self.replicas.len()
+            ))
+        })?;
+        Ok(replica.apply_to(options))
+    }
+}
+
 /// A deployed spec: its groups (created and reserved) and where every replica goes.
 #[derive(Debug, Clone)]
 pub struct SpecDeployment {

@@ -394,6 +394,12 @@ fn deploy_is_all_or_nothing_and_gives_up_on_a_busy_cluster() {
     assert_eq!(actor.replicas[5].world_size, 8);
     let options = actor.replicas[5].actor_options();
     assert_eq!((options.num_gpus, options.num_cpus), (Some(0.2), Some(1.0)));
+    let base = ActorOptions::default().max_concurrency(2);
+    let options = actor.options_for(5, base).unwrap();
+    assert_eq!(options.max_concurrency, Some(2));
+    assert_eq!(options.placement, Some(group.bundle(5)));
+    let err = actor.options_for(8, ActorOptions::default()).unwrap_err();
+    assert!(err.to_string().contains("has 8 replicas, found rank 8"), "{err}");
     let err = deployment.role("critc").unwrap_err();
     assert!(err.to_string().contains("found `critc`"), "{err}");
     deployment.remove().unwrap();
