@@ -66,6 +66,16 @@ impl Probe {
         })
     }
 
+    /// Creates, waits for and removes a placement group from inside a worker process.
+    pub fn group_from_worker(&self, gpus: usize) -> Result<Vec<Vec<u32>>, String> {
+        let options =
+            PlacementGroupOptions::uniform(gpus, &[("GPU", 1.0)]).map_err(|e| e.to_string())?;
+        let group = rtrun::placement_group(options).map_err(|e| e.to_string())?;
+        let table = group.ready().wait(Some(LONG)).map_err(|e| e.to_string())?;
+        group.remove().map_err(|e| e.to_string())?;
+        Ok(table.bundles.iter().map(|b| b.gpu_indices()).collect())
+    }
+
     /// Creates a child actor with no placement of its own and returns what the child reports.
     pub fn child_report(&self) -> Result<Report, String> {
         let child = Probe::remote().map_err(|e| e.to_string())?;
@@ -461,4 +471,37 @@ proptest::proptest! {
         proptest::prop_assert!(all_free());
         proptest::prop_assert!(rtrun::list_placement_groups().unwrap().is_empty());
     }
+}
+
+#[test]
+fn gpus_outside_groups_restarts_and_groups_made_by_workers() {
+    init();
+    // Outside any group, fractions pack onto the lowest GPU and whole GPUs take the next free.
+    let halves: Vec<_> = (0..2)
+        .map(|_| Probe::remote_with(ActorOptions::default().num_gpus(0.5)).unwrap())
+        .collect();
+    let whole = Probe::remote_with(ActorOptions::default().num_gpus(1.0).max_restarts(1)).unwrap();
+    for half in &halves {
+        let report = half.report().get_timeout(LONG).unwrap().unwrap();
+        assert_eq!(report.cuda_visible_devices.as_deref(), Some("0"));
+        assert_eq!(report.bundle, None);
+    }
+    let before = whole.report().get_timeout(LONG).unwrap().unwrap();
+    assert_eq!(before.cuda_visible_devices.as_deref(), Some("1"));
+    // A restarted actor keeps its GPU.
+    whole.kill_and_restart().unwrap();
+    assert!(wait_until(LONG, || {
+        whole.report().get_timeout(LONG).ok().and_then(Result::ok).is_some_and(|r| {
+            r.cuda_visible_devices.as_deref() == Some("1") && r.gpus == before.gpus
+        })
+    }));
+    assert_eq!(available("GPU"), (GPUS - 2) as f64);
+    // A worker creates a group on the 6 GPUs left, and removes it.
+    let tables = halves[0].group_from_worker(6).get_timeout(LONG).unwrap().unwrap();
+    assert_eq!(tables, (2..GPUS as u32).map(|i| vec![i]).collect::<Vec<_>>());
+    assert!(rtrun::list_placement_groups().unwrap().is_empty());
+    for probe in halves.iter().chain([&whole]) {
+        probe.kill().unwrap();
+    }
+    assert!(wait_until(LONG, all_free));
 }
