@@ -27,12 +27,15 @@ extern crate self as rtrun;
 pub mod actor;
 pub mod bench;
 pub mod codec;
+pub mod colocation;
 pub mod context;
 pub mod error;
+pub mod gpus;
 pub mod group;
 mod head;
 pub mod ids;
 pub mod object;
+pub mod placement_group;
 pub mod protocol;
 pub mod registry;
 pub mod runtime;
@@ -47,10 +50,16 @@ pub use actor::{Actor, ActorInfo, ActorOptions, ActorRef, IntoArg, get_actor};
 pub use context::{GroupMembership, RuntimeContext, context};
 pub use error::{Error, Result};
 pub use group::{ActorGroup, split_batch};
+pub use head::NOSET_CUDA_VISIBLE_DEVICES_ENV;
 pub use ids::{ActorId, ObjectId, WorkerId};
 pub use object::{
     DType, ObjectBytes, ObjectRef, RawBytes, Tensor, TensorHeader, TensorView, free, get_all, put,
     put_bytes, put_tensor, wait,
+};
+pub use placement_group::{
+    BundleSchedule, PlacementGroup, PlacementGroupOptions, PlacementGroupReady,
+    PlacementGroupState, PlacementGroupStatus, get_placement_group, list_placement_groups,
+    placement_group, remove_placement_group,
 };
 pub use rtrun_macros::{actor, remote};
 pub use rtrun_object_store::StoreStats;
