@@ -411,6 +411,63 @@ mod tests {
         }
     }
 
+    fn node(capacity: u64) -> Arc<StoreClient> {
+        let config = StoreConfig::with_capacity(capacity);
+        StoreClient::open_node(Weak::new(), HolderId(0), config, 1024).unwrap()
+    }
+
+    fn count(client: &StoreClient, id: ObjectId, holder: HolderId) -> Option<i64> {
+        let stats = client.stats().unwrap();
+        let object = stats.per_object.iter().find(|object| object.id == id)?;
+        Some(object.counts.get(&holder).copied().unwrap_or(0))
+    }
+
+    #[test]
+    fn holds_lends_and_exited_processes_keep_counts_exact() {
+        let client = node(1 << 20);
+        let id = ObjectId(7);
+        let worker = HolderId(3);
+        let value = client.put_bytes(id, &[5u8; 4000]).unwrap();
+        // A lend to a worker, then the worker's release overtaking a second lend.
+        client.lend(id, worker);
+        assert_eq!(count(&client, id, worker), Some(1));
+        client.node.as_ref().unwrap().apply(worker, StoreOp::Release { id }).log_error();
+        client.node.as_ref().unwrap().apply(worker, StoreOp::Release { id }).log_error();
+        assert_eq!(count(&client, id, worker), Some(-1));
+        client.lend(id, worker);
+        assert_eq!(count(&client, id, worker), Some(0));
+        // An exited worker's counts go, and nothing from or for it counts afterwards.
+        client.lend(id, worker);
+        client.process_exited(worker);
+        assert_eq!(count(&client, id, worker), Some(0));
+        client.lend(id, worker);
+        let late = client.node.as_ref().unwrap().apply(worker, StoreOp::Pin { id });
+        assert!(matches!(late, Response::Error(_)));
+        assert_eq!(count(&client, id, worker), Some(0));
+        assert_eq!(client.stats().unwrap().pinned_objects, 0);
+        // The creator's hold is the last count.
+        drop(value);
+        assert_eq!(client.stats().unwrap().objects, 0);
+    }
+
+    #[test]
+    fn a_view_pins_and_a_failed_write_leaves_nothing_behind() {
+        let client = node(1 << 20);
+        let value = client.put_bytes(ObjectId(1), &[9u8; 5000]).unwrap();
+        let view = client.view(ObjectId(1)).unwrap();
+        assert!(view.iter().all(|&b| b == 9));
+        assert_eq!(client.stats().unwrap().pinned_objects, 1);
+        drop(view);
+        assert_eq!(client.stats().unwrap().pinned_objects, 0);
+        let failed = client.put_with(ObjectId(2), 100, |_| Err(Error::Invalid("no".into())));
+        assert!(failed.is_err());
+        assert_eq!(client.stats().unwrap().objects, 1);
+        let too_large = client.put_bytes(ObjectId(3), &vec![0u8; 2 << 20]).unwrap_err();
+        assert!(too_large.to_string().contains("capacity"), "{too_large}");
+        drop(value);
+        assert!(client.borrow(ObjectId(1)).is_err(), "a freed object cannot be borrowed");
+    }
+
     #[test]
     fn holders_are_parsed_from_session_addresses() {
         assert_eq!(holder_of_address("unix:@rtrun-00ab-17"), Some(HolderId(17)));

@@ -332,6 +332,7 @@ fn rtrun_memory_reports_what_the_session_created() {
         .expect("rtrun memory runs");
     let text = String::from_utf8_lossy(&output.stdout);
     assert!(output.status.success(), "{text}\n{}", String::from_utf8_lossy(&output.stderr));
+    eprintln!("{text}");
     assert!(text.contains(&session), "{text}");
     assert!(text.contains("2 objects"), "{text}");
     assert!(text.contains("1 pinned"), "{text}");
