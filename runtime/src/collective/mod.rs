@@ -22,9 +22,9 @@
 //! reported as [`CollectiveError::Protocol`].
 
 mod cpu;
-mod rendezvous;
 #[cfg(feature = "cuda")]
 mod nccl;
+mod rendezvous;
 mod wire;
 
 use std::time::Duration;
@@ -128,7 +128,9 @@ impl CollectiveConfig {
     pub fn from_group_context() -> Result<CollectiveConfig, CollectiveError> {
         let context = crate::context().map_err(|e| CollectiveError::NotInGroup(e.to_string()))?;
         let membership = context.group.ok_or_else(|| {
-            CollectiveError::NotInGroup("the calling process is not a member of an actor group".into())
+            CollectiveError::NotInGroup(
+                "the calling process is not a member of an actor group".into(),
+            )
         })?;
         Ok(CollectiveConfig::from_membership(&membership))
     }
@@ -163,7 +165,10 @@ impl CollectiveConfig {
             return invalid("timeout must be positive, found 0".into());
         }
         if self.segment_bytes < 8 {
-            return invalid(format!("segment_bytes must be at least 8, found {}", self.segment_bytes));
+            return invalid(format!(
+                "segment_bytes must be at least 8, found {}",
+                self.segment_bytes
+            ));
         }
         Ok(())
     }
@@ -189,7 +194,9 @@ pub enum CollectiveError {
         message: String,
     },
     /// A peer made no progress within the timeout.
-    #[error("group `{group}` rank {rank}: {op} timed out after {timeout:?} waiting for rank {peer}")]
+    #[error(
+        "group `{group}` rank {rank}: {op} timed out after {timeout:?} waiting for rank {peer}"
+    )]
     Timeout {
         /// The group.
         group: String,
@@ -248,10 +255,25 @@ pub enum CollectiveError {
     Nccl(String),
 }
 
+/// The element types of [`ReduceElement`], for backends that need to name them.
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ElementKind {
+    /// `f32`.
+    F32,
+    /// `f64`.
+    F64,
+}
+
 /// Element types an all-reduce can combine.
-pub trait ReduceElement: Copy + Send + Sync + PartialOrd + std::fmt::Debug + 'static + sealed::Sealed {
+pub trait ReduceElement:
+    Copy + Send + Sync + PartialOrd + std::fmt::Debug + 'static + sealed::Sealed
+{
     /// Bytes per element on the wire.
     const SIZE: usize;
+    /// Which type this is.
+    #[doc(hidden)]
+    const KIND: ElementKind;
     /// Writes the element little-endian into `out` (`SIZE` bytes).
     fn write_le(self, out: &mut [u8]);
     /// Reads an element from `SIZE` little-endian bytes.
@@ -269,9 +291,10 @@ mod sealed {
 }
 
 macro_rules! impl_reduce_element {
-    ($t:ty) => {
+    ($t:ty, $kind:expr) => {
         impl ReduceElement for $t {
             const SIZE: usize = std::mem::size_of::<$t>();
+            const KIND: ElementKind = $kind;
 
             fn write_le(self, out: &mut [u8]) {
                 out.copy_from_slice(&self.to_le_bytes());
@@ -297,8 +320,8 @@ macro_rules! impl_reduce_element {
         }
     };
 }
-impl_reduce_element!(f32);
-impl_reduce_element!(f64);
+impl_reduce_element!(f32, ElementKind::F32);
+impl_reduce_element!(f64, ElementKind::F64);
 
 /// One rank's handle on a collective group. Not shareable between threads at once (every
 /// collective takes `&mut self`); ranks must issue the same collectives in the same order.
@@ -375,7 +398,11 @@ impl Communicator {
 
     /// All-reduces `buffer` in place: afterwards every rank holds the element-wise
     /// combination of all ranks' buffers. Every rank must pass a buffer of the same length.
-    pub fn all_reduce<T: ReduceElement>(&mut self, buffer: &mut [T], op: ReduceOp) -> Result<(), CollectiveError> {
+    pub fn all_reduce<T: ReduceElement>(
+        &mut self,
+        buffer: &mut [T],
+        op: ReduceOp,
+    ) -> Result<(), CollectiveError> {
         #[cfg(feature = "cuda")]
         if let Some(nccl) = &mut self.nccl {
             return nccl.all_reduce_host(buffer, op);
@@ -384,12 +411,20 @@ impl Communicator {
     }
 
     /// [`Communicator::all_reduce`] on `f32`.
-    pub fn all_reduce_f32(&mut self, buffer: &mut [f32], op: ReduceOp) -> Result<(), CollectiveError> {
+    pub fn all_reduce_f32(
+        &mut self,
+        buffer: &mut [f32],
+        op: ReduceOp,
+    ) -> Result<(), CollectiveError> {
         self.all_reduce(buffer, op)
     }
 
     /// [`Communicator::all_reduce`] on `f64`.
-    pub fn all_reduce_f64(&mut self, buffer: &mut [f64], op: ReduceOp) -> Result<(), CollectiveError> {
+    pub fn all_reduce_f64(
+        &mut self,
+        buffer: &mut [f64],
+        op: ReduceOp,
+    ) -> Result<(), CollectiveError> {
         self.all_reduce(buffer, op)
     }
 
@@ -405,7 +440,11 @@ impl Communicator {
     }
 
     /// Copies `root`'s bytes to every other rank, resizing their vectors to `root`'s length.
-    pub fn broadcast_bytes(&mut self, buffer: &mut Vec<u8>, root: usize) -> Result<(), CollectiveError> {
+    pub fn broadcast_bytes(
+        &mut self,
+        buffer: &mut Vec<u8>,
+        root: usize,
+    ) -> Result<(), CollectiveError> {
         self.check_root(root)?;
         self.ring.broadcast(cpu::BroadcastTarget::Resizable(buffer), root)
     }
