@@ -57,6 +57,14 @@ impl Call<'_> {
                 timeout: self.timeout,
             }
         } else {
+            let error = if error.kind() == ErrorKind::UnexpectedEof {
+                std::io::Error::new(
+                    ErrorKind::UnexpectedEof,
+                    "the connection closed (the peer died or its collective failed)",
+                )
+            } else {
+                error
+            };
             CollectiveError::PeerLost {
                 group: self.group.to_owned(),
                 rank: self.rank,
