@@ -265,19 +265,21 @@ pub enum ElementKind {
     F64,
 }
 
-/// Element types an all-reduce can combine.
+/// Element types an all-reduce can combine. On the wire they are little-endian; on
+/// little-endian machines (all the ones ML runs on) that is their memory layout, so buffers go
+/// to the socket without a conversion pass.
 pub trait ReduceElement:
-    Copy + Send + Sync + PartialOrd + std::fmt::Debug + 'static + sealed::Sealed
+    bytemuck::Pod + Send + Sync + PartialOrd + std::fmt::Debug + sealed::Sealed
 {
     /// Bytes per element on the wire.
     const SIZE: usize;
     /// Which type this is.
     #[doc(hidden)]
     const KIND: ElementKind;
-    /// Writes the element little-endian into `out` (`SIZE` bytes).
-    fn write_le(self, out: &mut [u8]);
-    /// Reads an element from `SIZE` little-endian bytes.
-    fn read_le(bytes: &[u8]) -> Self;
+    /// This value's wire representation (byte-swapped on big-endian machines).
+    fn wire_encoded(self) -> Self;
+    /// The value a wire representation stands for.
+    fn wire_decoded(self) -> Self;
     /// Combines two values.
     fn combine(self, other: Self, op: ReduceOp) -> Self;
     /// Divides by the world size (the last step of a mean).
@@ -296,14 +298,12 @@ macro_rules! impl_reduce_element {
             const SIZE: usize = std::mem::size_of::<$t>();
             const KIND: ElementKind = $kind;
 
-            fn write_le(self, out: &mut [u8]) {
-                out.copy_from_slice(&self.to_le_bytes());
+            fn wire_encoded(self) -> Self {
+                <$t>::from_ne_bytes(self.to_le_bytes())
             }
 
-            fn read_le(bytes: &[u8]) -> Self {
-                let mut raw = [0u8; std::mem::size_of::<$t>()];
-                raw.copy_from_slice(bytes);
-                <$t>::from_le_bytes(raw)
+            fn wire_decoded(self) -> Self {
+                <$t>::from_le_bytes(self.to_ne_bytes())
             }
 
             fn combine(self, other: Self, op: ReduceOp) -> Self {

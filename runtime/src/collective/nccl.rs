@@ -136,13 +136,10 @@ impl NcclComm {
         if buffer.is_empty() {
             return Ok(());
         }
-        let mut bytes = vec![0u8; buffer.len() * T::SIZE];
-        for (value, out) in buffer.iter().zip(bytes.chunks_exact_mut(T::SIZE)) {
-            value.write_le(out);
-        }
         self.bind()?;
+        let bytes: &[u8] = bytemuck::cast_slice(buffer);
         let mut device =
-            self.stream.clone_htod(&bytes).map_err(|e| cuda_error("host to device copy", e))?;
+            self.stream.clone_htod(bytes).map_err(|e| cuda_error("host to device copy", e))?;
         {
             let stream = self.stream.clone();
             let (ptr, _record) = device.device_ptr_mut(&stream);
@@ -152,13 +149,9 @@ impl NcclComm {
             self.finish(enqueued)?;
         }
         self.stream
-            .memcpy_dtoh(&device, &mut bytes)
+            .memcpy_dtoh(&device, bytemuck::cast_slice_mut::<T, u8>(buffer))
             .map_err(|e| cuda_error("device to host copy", e))?;
-        self.stream.synchronize().map_err(|e| cuda_error("stream synchronize", e))?;
-        for (value, raw) in buffer.iter_mut().zip(bytes.chunks_exact(T::SIZE)) {
-            *value = T::read_le(raw);
-        }
-        Ok(())
+        self.stream.synchronize().map_err(|e| cuda_error("stream synchronize", e))
     }
 
     /// Broadcasts a host byte buffer from `root` through device memory.
