@@ -67,11 +67,14 @@ fn raw_ring_bandwidth(ranks: usize, bytes: usize) -> anyhow::Result<f64> {
         let (reader, _) = listener.accept()?;
         pairs.push((writer, reader));
     }
-    let start = Instant::now();
-    std::thread::scope(|scope| -> anyhow::Result<()> {
+    // Threads are started before the clock and released together, so only the transfer counts.
+    let start_line = std::sync::Barrier::new(2 * ranks + 1);
+    let elapsed = std::thread::scope(|scope| -> anyhow::Result<Duration> {
         let mut handles = Vec::new();
+        let start_line = &start_line;
         for (mut writer, mut reader) in pairs {
             handles.push(scope.spawn(move || -> std::io::Result<()> {
+                start_line.wait();
                 let chunk = vec![7u8; 1 << 20];
                 let mut left = per_link;
                 while left > 0 {
@@ -82,6 +85,7 @@ fn raw_ring_bandwidth(ranks: usize, bytes: usize) -> anyhow::Result<f64> {
                 Ok(())
             }));
             handles.push(scope.spawn(move || -> std::io::Result<()> {
+                start_line.wait();
                 let mut buf = vec![0u8; 1 << 20];
                 let mut left = per_link;
                 while left > 0 {
@@ -94,12 +98,14 @@ fn raw_ring_bandwidth(ranks: usize, bytes: usize) -> anyhow::Result<f64> {
                 Ok(())
             }));
         }
+        start_line.wait();
+        let start = Instant::now();
         for handle in handles {
             handle.join().map_err(|_| anyhow::anyhow!("an anchor thread panicked"))??;
         }
-        Ok(())
+        Ok(start.elapsed())
     })?;
-    Ok(per_link as f64 / start.elapsed().as_secs_f64())
+    Ok(per_link as f64 / elapsed.as_secs_f64())
 }
 
 fn median(mut values: Vec<f64>) -> f64 {
