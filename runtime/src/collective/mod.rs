@@ -490,3 +490,95 @@ impl Communicator {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// A port that was free a moment ago, for one test group's master.
+    fn free_port() -> u16 {
+        let listener =
+            std::net::TcpListener::bind(("127.0.0.1", 0)).expect("bind an ephemeral port");
+        listener.local_addr().expect("a bound listener has an address").port()
+    }
+
+    /// Runs `body` on `world` threads, each with its own communicator of one group, and
+    /// returns their results by rank.
+    fn on_ranks<R: Send>(
+        world: usize,
+        segment_bytes: usize,
+        body: impl Fn(&mut Communicator) -> R + Sync,
+    ) -> Vec<R> {
+        let port = free_port();
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..world)
+                .map(|rank| {
+                    let body = &body;
+                    scope.spawn(move || {
+                        let config = CollectiveConfig {
+                            segment_bytes,
+                            timeout: Duration::from_secs(30),
+                            ..CollectiveConfig::new("threads", rank, world, "127.0.0.1", port)
+                        };
+                        let mut comm = Communicator::init(config).expect("every rank joins");
+                        body(&mut comm)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().expect("rank thread")).collect()
+        })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+        /// Every length (shorter than the world, uneven chunks, many tiny segments) and every
+        /// operation gives each rank exactly the element-wise combination.
+        #[test]
+        fn ring_collectives_match_a_direct_computation(
+            world in 1usize..6,
+            len in 0usize..200,
+            segment_bytes in prop::sample::select(vec![8usize, 12, 64, 1 << 20]),
+            root_seed: usize,
+        ) {
+            let value = |rank: usize, i: usize| ((rank * 7 + i * 3) % 11) as f32 - 5.0;
+            let root = root_seed % world;
+            let results = on_ranks(world, segment_bytes, |comm| {
+                let rank = comm.rank();
+                let mut outputs = Vec::new();
+                for op in [ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max, ReduceOp::Min] {
+                    let mut data: Vec<f32> = (0..len).map(|i| value(rank, i)).collect();
+                    comm.all_reduce_f32(&mut data, op).expect("all-reduce");
+                    outputs.push(data);
+                }
+                let mut bytes = if rank == root { vec![root as u8; len] } else { Vec::new() };
+                comm.broadcast_bytes(&mut bytes, root).expect("broadcast");
+                let gathered = comm.all_gather_bytes(&vec![rank as u8; rank]).expect("all-gather");
+                comm.barrier().expect("barrier");
+                (outputs, bytes, gathered)
+            });
+            let column = |i: usize| (0..world).map(move |r| value(r, i));
+            let sum: Vec<f32> = (0..len).map(|i| column(i).sum()).collect();
+            let mean: Vec<f32> = sum.iter().map(|s| s / world as f32).collect();
+            let max: Vec<f32> = (0..len).map(|i| column(i).fold(f32::MIN, f32::max)).collect();
+            let min: Vec<f32> = (0..len).map(|i| column(i).fold(f32::MAX, f32::min)).collect();
+            let gathered: Vec<Vec<u8>> = (0..world).map(|r| vec![r as u8; r]).collect();
+            for (outputs, bytes, all) in results {
+                prop_assert_eq!(&outputs, &vec![sum.clone(), mean.clone(), max.clone(), min.clone()]);
+                prop_assert_eq!(bytes, vec![root as u8; len]);
+                prop_assert_eq!(&all, &gathered);
+            }
+        }
+    }
+
+    #[test]
+    fn nccl_without_the_cuda_feature_or_a_gpu_is_a_clear_error() {
+        let config = CollectiveConfig::new("g", 0, 1, "127.0.0.1", 0).with_backend(Backend::Nccl);
+        let err = Communicator::init(config).unwrap_err();
+        assert!(
+            matches!(err, CollectiveError::BackendUnavailable(_) | CollectiveError::Nccl(_)),
+            "{err}"
+        );
+    }
+}
