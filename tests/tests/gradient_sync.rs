@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use rtrun::collective::Communicator;
 use rtrun::{ActorGroup, ActorOptions, Config};
-use rtrun_rlhf_algo::{GradientSyncConfig, all_reduce_gradients};
+use rtrun_rlhf_algo::{GradientSyncConfig, all_reduce_gradients, broadcast_parameters};
 use tch::{Kind, Tensor};
 
 #[ctor::ctor]
@@ -63,6 +63,30 @@ impl GradRank {
             .map_err(|e| e.to_string())?;
         Ok((grads, (stats.parameters, stats.elements, stats.buckets)))
     }
+
+    /// Makes rank-dependent parameters (f32, f64, bf16), broadcasts `root`'s, returns them.
+    pub fn broadcast_from(
+        &mut self,
+        root: usize,
+        bucket_bytes: usize,
+    ) -> Result<Vec<Vec<f64>>, String> {
+        let comm = self.comm.as_mut().ok_or("connect first")?;
+        let r = comm.rank() as f64;
+        let params = [
+            (Tensor::arange(6, (Kind::Float, tch::Device::Cpu)) + r)
+                .view([2, 3])
+                .set_requires_grad(true),
+            Tensor::from_slice(&[0.1f64 + r, -r]),
+            Tensor::from_slice(&[1.5f32 + r as f32]).to_kind(Kind::BFloat16),
+        ];
+        broadcast_parameters(comm, &params, root, &GradientSyncConfig { bucket_bytes })
+            .map_err(|e| e.to_string())?;
+        params
+            .iter()
+            .map(|p| Vec::<f64>::try_from(&p.to_kind(Kind::Double).flatten(0, -1)))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| e.to_string())
+    }
 }
 
 #[test]
@@ -93,6 +117,21 @@ fn two_ranks_end_with_the_mean_gradient() {
             assert_eq!(grads, expected, "rank {rank}, bucket_bytes {bucket_bytes}");
             assert_eq!(stats, (3, 13, buckets), "rank {rank}: (parameters, elements, buckets)");
         }
+    }
+    // Broadcast from rank 1: everyone ends with rank 1's values, [1..6], [1.1, −1], [2.5]
+    // (2.5 is exact in bf16), with one bucket per parameter and with one for all.
+    let expected = vec![vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0], vec![1.1, -1.0], vec![2.5]];
+    for bucket_bytes in [1, 1 << 20] {
+        let results: Vec<_> = group
+            .call_all(|m| m.broadcast_from(1, bucket_bytes))
+            .iter()
+            .map(|r| r.get_timeout(LONG).unwrap())
+            .collect();
+        assert_eq!(
+            results,
+            vec![Ok(expected.clone()), Ok(expected.clone())],
+            "bucket_bytes {bucket_bytes}"
+        );
     }
     group.kill().unwrap();
 }

@@ -1,6 +1,8 @@
-//! Data-parallel gradient synchronisation: after `backward`, every DP rank calls
+//! Data-parallel synchronisation: after `backward`, every DP rank calls
 //! [`all_reduce_gradients`] with its parameters in the same order, and each gradient becomes
-//! the mean over the ranks (what DDP / DeepSpeed do between backward and the optimizer step).
+//! the mean over the ranks (what DDP / DeepSpeed do between backward and the optimizer step);
+//! before training, [`broadcast_parameters`] gives every rank the root's weights (what DDP does
+//! at construction) so the replicas start identical.
 //!
 //! Gradients are packed into flat `f32` buckets of about [`GradientSyncConfig::bucket_bytes`]
 //! so that many small tensors cost one collective, and a huge one does not need a second full
@@ -93,6 +95,68 @@ pub fn all_reduce_gradients(
     Ok(stats)
 }
 
+/// Copies `root`'s values of `params` into every other rank's `params`, bit for bit (any
+/// dtype, any device), in buckets of about `config.bucket_bytes`. Every rank must pass the
+/// same parameters (shapes and dtypes) in the same order; a size mismatch is an error.
+/// Returns the number of bytes broadcast.
+pub fn broadcast_parameters(
+    comm: &mut Communicator,
+    params: &[Tensor],
+    root: usize,
+    config: &GradientSyncConfig,
+) -> Result<usize> {
+    let sizes: Vec<usize> = params
+        .iter()
+        .map(|p| Ok(p.numel() * p.f_kind()?.elt_size_in_bytes()))
+        .collect::<Result<_>>()?;
+    let total = sizes.iter().sum();
+    if comm.world_size() == 1 {
+        return Ok(total);
+    }
+    let is_root = comm.rank() == root;
+    let mut start = 0;
+    while start < params.len() {
+        let mut end = start;
+        let mut bytes = 0;
+        while end < params.len() && (end == start || bytes + sizes[end] <= config.bucket_bytes) {
+            bytes += sizes[end];
+            end += 1;
+        }
+        let mut bucket = vec![0u8; bytes];
+        if is_root {
+            let mut offset = 0;
+            for (param, &size) in params[start..end].iter().zip(&sizes[start..end]) {
+                let host = param.f_detach()?.f_to_device(Device::Cpu)?.f_contiguous()?;
+                host.f_copy_data_u8(&mut bucket[offset..offset + size], param.numel())?;
+                offset += size;
+            }
+        }
+        comm.broadcast(&mut bucket, root)?;
+        if !is_root {
+            let mut offset = 0;
+            for (index, (param, &size)) in
+                params[start..end].iter().zip(&sizes[start..end]).enumerate()
+            {
+                // `bucket[offset..offset + size]` holds exactly numel × element size bytes, the
+                // length `from_data_size` reads.
+                let value = Tensor::f_from_data_size(
+                    &bucket[offset..offset + size],
+                    &param.size(),
+                    param.f_kind()?,
+                )?;
+                let mut target = param.shallow_clone();
+                tch::no_grad(|| target.f_copy_(&value)).map_err(|e| AlgoError::Gradient {
+                    index: start + index,
+                    message: format!("cannot write the broadcast value: {e}"),
+                })?;
+                offset += size;
+            }
+        }
+        start = end;
+    }
+    Ok(total)
+}
+
 /// All-reduces (mean) one bucket of gradients through a flat host `f32` buffer.
 fn reduce_bucket(comm: &mut Communicator, bucket: &mut [(usize, Tensor)]) -> Result<()> {
     let flat_parts = bucket
@@ -125,6 +189,15 @@ fn reduce_bucket(comm: &mut Communicator, bucket: &mut [(usize, Tensor)]) -> Res
 mod tests {
     use super::*;
     use rtrun::collective::CollectiveConfig;
+
+    #[test]
+    fn broadcast_in_a_group_of_one_counts_the_bytes() {
+        let mut comm =
+            Communicator::init(CollectiveConfig::new("solo", 0, 1, "127.0.0.1", 0)).unwrap();
+        let params = [Tensor::from_slice(&[1.0f32, 2.0]), Tensor::from_slice(&[1.0f64])];
+        let bytes = broadcast_parameters(&mut comm, &params, 0, &GradientSyncConfig::default());
+        assert_eq!(bytes.unwrap(), 2 * 4 + 8);
+    }
 
     #[test]
     fn a_group_of_one_leaves_gradients_alone_and_counts_them() {

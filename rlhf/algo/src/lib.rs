@@ -9,7 +9,8 @@
 //!   [`compute_advantages`].
 //! - [`loss`]: the clipped policy loss, the clipped value loss, entropy from logits, and the
 //!   loss aggregation modes.
-//! - [`grad`]: bucketed all-reduce (mean) of parameter gradients across DP ranks.
+//! - [`grad`]: bucketed all-reduce (mean) of parameter gradients across DP ranks, and the
+//!   broadcast of the root's parameters that makes the replicas start identical.
 //!
 //! Shapes: sequences × response tokens (`[B, T]`) with an action mask; group estimators expect
 //! the `n` samples of a prompt in consecutive rows. Targets (advantages, returns, rewards) are
@@ -29,7 +30,7 @@ pub use advantage::{
     cumulative_returns, gae, shape_group_rewards,
 };
 pub use error::{AlgoError, Result};
-pub use grad::{GradientSyncConfig, GradientSyncStats, all_reduce_gradients};
+pub use grad::{GradientSyncConfig, GradientSyncStats, all_reduce_gradients, broadcast_parameters};
 pub use kl::{KlConfig, KlController, KlEstimator, approx_kl, kl_loss, per_token_rewards};
 pub use loss::{
     LossAggregation, PolicyLoss, PolicyLossConfig, aggregate_loss, entropy_from_logits,
