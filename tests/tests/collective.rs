@@ -317,6 +317,12 @@ fn mismatched_buffer_lengths_are_an_error_on_every_rank() {
             .any(|r| r.as_ref().is_err_and(|e| e.contains("buffers of different lengths"))),
         "{results:?}"
     );
+    // The failed communicators stay failed; a new rendezvous on the same master port gives
+    // working ones.
+    let joined = get_all_within(&group.call_all(|m| m.connect(60_000)));
+    assert_eq!(joined, vec![Ok((0, 3)), Ok((1, 3)), Ok((2, 3))]);
+    let results = get_all_within(&group.call_all(|m| m.all_reduce(vec![1.0, 2.0], ReduceOp::Sum)));
+    assert_eq!(results, vec![Ok(vec![3.0, 6.0]); 3]);
     group.kill().unwrap();
 }
 
