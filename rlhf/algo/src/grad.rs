@@ -157,18 +157,28 @@ pub fn broadcast_parameters(
     Ok(total)
 }
 
-/// All-reduces (mean) one bucket of gradients through a flat host `f32` buffer.
+/// All-reduces (mean) one bucket of gradients through a flat `f32` buffer: on the GPU in place
+/// when the communicator is NCCL's and the gradients live on its device, through host memory
+/// otherwise.
 fn reduce_bucket(comm: &mut Communicator, bucket: &mut [(usize, Tensor)]) -> Result<()> {
+    let nccl_device = comm.cuda_device().map(Device::Cuda);
+    let staging = match nccl_device {
+        Some(device) if bucket.iter().all(|(_, g)| g.device() == device) => device,
+        _ => Device::Cpu,
+    };
     let flat_parts = bucket
         .iter()
-        .map(|(_, g)| {
-            g.f_detach()?.f_to_device(Device::Cpu)?.f_to_kind(Kind::Float)?.f_reshape([-1])
-        })
+        .map(|(_, g)| g.f_detach()?.f_to_device(staging)?.f_to_kind(Kind::Float)?.f_reshape([-1]))
         .collect::<Result<Vec<_>, _>>()?;
-    let flat = Tensor::f_cat(&flat_parts, 0)?;
-    let mut host = Vec::<f32>::try_from(&flat)?;
-    comm.all_reduce_f32(&mut host, ReduceOp::Mean)?;
-    let reduced = Tensor::from_slice(&host);
+    let flat = Tensor::f_cat(&flat_parts, 0)?.f_contiguous()?;
+    let reduced = if staging == Device::Cpu {
+        let mut host = Vec::<f32>::try_from(&flat)?;
+        comm.all_reduce_f32(&mut host, ReduceOp::Mean)?;
+        Tensor::from_slice(&host)
+    } else {
+        all_reduce_on_device(comm, &flat)?;
+        flat
+    };
     tch::no_grad(|| -> Result<()> {
         let mut offset = 0i64;
         for (index, grad) in bucket.iter_mut() {
@@ -183,6 +193,24 @@ fn reduce_bucket(comm: &mut Communicator, bucket: &mut [(usize, Tensor)]) -> Res
         }
         Ok(())
     })
+}
+
+/// All-reduces (mean) a contiguous f32 CUDA tensor in place with NCCL.
+#[cfg(feature = "cuda")]
+#[allow(unsafe_code)]
+fn all_reduce_on_device(comm: &mut Communicator, flat: &Tensor) -> Result<()> {
+    let count = flat.numel();
+    // SAFETY: `flat` is a freshly allocated contiguous f32 tensor of `count` elements on the
+    // communicator's CUDA device (the caller checked the device), alive until this returns,
+    // and nothing else holds it; the call synchronises the device before and after.
+    unsafe { comm.all_reduce_device_f32(flat.data_ptr() as u64, count, ReduceOp::Mean) }?;
+    Ok(())
+}
+
+/// Without the `cuda` feature no communicator has a CUDA device, so this is never reached.
+#[cfg(not(feature = "cuda"))]
+fn all_reduce_on_device(_comm: &mut Communicator, _flat: &Tensor) -> Result<()> {
+    Err(AlgoError::Config("device all-reduce needs rtrun-rlhf-algo built with `cuda`".into()))
 }
 
 #[cfg(test)]

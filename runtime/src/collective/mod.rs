@@ -396,6 +396,15 @@ impl Communicator {
         Backend::Cpu
     }
 
+    /// The CUDA device ordinal the NCCL backend runs on; `None` for the CPU backend.
+    pub fn cuda_device(&self) -> Option<usize> {
+        #[cfg(feature = "cuda")]
+        if let Some(nccl) = &self.nccl {
+            return Some(nccl.device());
+        }
+        None
+    }
+
     /// All-reduces `buffer` in place: afterwards every rank holds the element-wise
     /// combination of all ranks' buffers. Every rank must pass a buffer of the same length.
     pub fn all_reduce<T: ReduceElement>(

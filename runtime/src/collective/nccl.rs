@@ -42,6 +42,8 @@ pub(crate) struct NcclComm {
     world_size: usize,
     timeout: Duration,
     failed: Option<String>,
+    /// The CUDA device ordinal the communicator runs on.
+    device: usize,
 }
 
 // SAFETY: an NCCL communicator may be used from any thread as long as two calls never run at
@@ -123,7 +125,13 @@ impl NcclComm {
             world_size: config.world_size,
             timeout: config.timeout,
             failed: None,
+            device: config.cuda_device,
         })
+    }
+
+    /// The CUDA device ordinal this communicator runs on.
+    pub(crate) fn device(&self) -> usize {
+        self.device
     }
 
     /// All-reduces a host buffer by staging it through device memory.
