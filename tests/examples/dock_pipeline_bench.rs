@@ -50,7 +50,9 @@ fn start(setup: &Setup) -> anyhow::Result<(RemoteDock, Vec<(GrpoStageRef, StageS
     Ok((dock, stages))
 }
 
-fn collect(runs: &[ObjectRef<Result<StageTimeline, String>>]) -> anyhow::Result<Vec<StageTimeline>> {
+fn collect(
+    runs: &[ObjectRef<Result<StageTimeline, String>>],
+) -> anyhow::Result<Vec<StageTimeline>> {
     rtrun::get_all(runs)?
         .into_iter()
         .collect::<Result<Vec<_>, String>>()
@@ -87,7 +89,10 @@ fn show(label: &str, wall: f64, timelines: &[StageTimeline]) -> PipelineSummary 
     );
     print!("{}", summary.chart(60));
     for (stage, head_start) in summary.head_starts_us() {
-        println!("   {stage:<18} started {:>8.1} ms before its predecessor ended", head_start as f64 / 1e3);
+        println!(
+            "   {stage:<18} started {:>8.1} ms before its predecessor ended",
+            head_start as f64 / 1e3
+        );
     }
     summary
 }
@@ -115,7 +120,11 @@ fn main() -> anyhow::Result<()> {
     let (pipe_wall, pipe) = pipelined(&setup)?;
     show("sequential (anchor)", seq_wall, &seq);
     show("pipelined", pipe_wall, &pipe);
-    println!("pipelined / sequential wall time = {:.3} (speed-up {:.2}x)", pipe_wall / seq_wall, seq_wall / pipe_wall);
+    println!(
+        "pipelined / sequential wall time = {:.3} (speed-up {:.2}x)",
+        pipe_wall / seq_wall,
+        seq_wall / pipe_wall
+    );
     rtrun::shutdown();
     Ok(())
 }

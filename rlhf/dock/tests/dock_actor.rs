@@ -111,6 +111,7 @@ fn ranks_in_processes_share_the_rows_of_a_consumer() -> anyhow::Result<()> {
             received.entry(&timeline.consumer).or_default().extend(&span.rows);
         }
     }
+    assert_eq!(received.len(), 2, "both consumers received rows");
     for (consumer, mut rows) in received {
         rows.sort_unstable();
         assert_eq!(rows, (0..PROMPTS * SAMPLES).collect::<Vec<_>>(), "{consumer}");

@@ -19,8 +19,8 @@ use std::sync::Mutex;
 
 use anyhow::Context;
 use rtrun_rlhf_dock::{
-    ColumnKind, ColumnValues, DockConfig, PackedBatch, PackedNamedColumn, RemoteDock,
-    SampleOrder, SamplingConfig, StageSpec, StageTimeline, StageWorkError,
+    ColumnKind, ColumnValues, DockConfig, PackedBatch, PackedNamedColumn, RemoteDock, SampleOrder,
+    SamplingConfig, StageSpec, StageTimeline, StageWorkError,
 };
 use rtrun_rlhf_model::tch::{self, Kind, Tensor};
 use rtrun_rlhf_model::train::{AdamW, OptimizerConfig, ScheduleConfig, masked_mean};
@@ -49,11 +49,7 @@ pub const STAGES: [(&str, &[&str], &[&str]); 6] = [
     ("ref_log_prob", &["prompts", "responses"], &["ref_log_prob"]),
     ("old_log_prob", &["prompts", "responses"], &["old_log_prob"]),
     ("compute_advantage", &["responses", "rm_scores"], &["advantages"]),
-    (
-        "actor_train",
-        &["prompts", "responses", "old_log_prob", "ref_log_prob", "advantages"],
-        &[],
-    ),
+    ("actor_train", &["prompts", "responses", "old_log_prob", "ref_log_prob", "advantages"], &[]),
 ];
 
 /// A consumer that reads everything after the run, for checks.
@@ -169,7 +165,10 @@ impl GrpoStage {
         let needs_model = !matches!(role, Role::RuleReward | Role::Advantage { .. });
         let lm = if needs_model {
             let config = rtrun_rlhf_model::tiny::tiny_config(ModelFamily::Qwen2);
-            Some(rtrun_rlhf_model::tiny::tiny_model(&config, MODEL_SEED).map_err(|e| e.to_string())?)
+            Some(
+                rtrun_rlhf_model::tiny::tiny_model(&config, MODEL_SEED)
+                    .map_err(|e| e.to_string())?,
+            )
         } else {
             None
         };
@@ -194,7 +193,7 @@ impl GrpoStage {
     /// Runs this stage against the dock until its consumer has received every row.
     pub fn run(&self, dock: RemoteDock, spec: StageSpec) -> Result<StageTimeline, String> {
         let mut model = self.model.lock().map_err(|_| "a previous run panicked".to_owned())?;
-        rtrun_rlhf_dock::run_stage(&dock, &spec, |batch| self.work(&mut *model, batch))
+        rtrun_rlhf_dock::run_stage(&dock, &spec, |batch| self.work(&mut model, batch))
             .map_err(|e| e.to_string())
     }
 
@@ -208,9 +207,7 @@ impl GrpoStage {
         let Ok(model) = self.model.lock() else { return f64::NAN };
         let Some(lm) = &model.lm else { return 0.0 };
         tch::no_grad(|| {
-            lm.named_parameters()
-                .map(|(_, t)| t.abs().sum(Kind::Double).double_value(&[]))
-                .sum()
+            lm.named_parameters().map(|(_, t)| t.abs().sum(Kind::Double).double_value(&[])).sum()
         })
     }
 }
@@ -235,9 +232,11 @@ impl GrpoStage {
                 vec![PackedNamedColumn::new("rm_scores", &ColumnValues::Scalars(scores))]
             }
             Role::RefLogProb | Role::OldLogProb => {
-                let name = if self.role == Role::RefLogProb { "ref_log_prob" } else { "old_log_prob" };
+                let name =
+                    if self.role == Role::RefLogProb { "ref_log_prob" } else { "old_log_prob" };
                 let lm = model.lm.as_ref().context("log-probs without a model")?;
-                let layout = Layout::new(&token_rows(batch, "prompts")?, &token_rows(batch, "responses")?)?;
+                let layout =
+                    Layout::new(&token_rows(batch, "prompts")?, &token_rows(batch, "responses")?)?;
                 let log_probs = tch::no_grad(|| lm.response_log_probs(&layout.batch))?;
                 vec![PackedNamedColumn::new(name, &ColumnValues::Floats(layout.unpad(&log_probs)?))]
             }
@@ -264,7 +263,7 @@ impl GrpoStage {
 
 fn check_groups(batch: &PackedBatch, n: usize) -> anyhow::Result<()> {
     let whole = n > 0
-        && batch.rows.len() % n == 0
+        && batch.rows.len().is_multiple_of(n)
         && batch.rows.chunks(n).all(|g| g[0] % n == 0 && g.windows(2).all(|w| w[1] == w[0] + 1));
     anyhow::ensure!(whole, "rows {:?} are not whole groups of {n}", batch.rows);
     Ok(())
@@ -404,7 +403,8 @@ fn train_step(model: &mut Model, batch: &PackedBatch) -> anyhow::Result<()> {
     let optimizer = optimizer.as_mut().context("training without an optimizer")?;
     let log_probs = lm.response_log_probs(&layout.batch)?;
     let ratio = (&log_probs - &old).exp();
-    let surrogate = (&ratio * &advantages).minimum(&(ratio.clamp(1.0 - CLIP, 1.0 + CLIP) * &advantages));
+    let surrogate =
+        (&ratio * &advantages).minimum(&(ratio.clamp(1.0 - CLIP, 1.0 + CLIP) * &advantages));
     let log_ratio = &reference - &log_probs;
     let kl = log_ratio.exp() - &log_ratio - 1.0;
     let loss = masked_mean(&(kl * KL_COEF - surrogate), &mask)?;
