@@ -346,6 +346,9 @@ pub struct StageExtent {
     pub consumer: String,
     /// Start of its first batch (µs after the run's first batch started).
     pub first_start_us: u64,
+    /// End of its first batch: when its first output was in the dock (µs after the run's
+    /// first batch started).
+    pub first_end_us: u64,
     /// End of its last batch (µs after the run's first batch started).
     pub last_end_us: u64,
     /// Time spent working, summed over ranks and batches.
@@ -382,6 +385,7 @@ impl PipelineSummary {
                     stages.push(StageExtent {
                         consumer: timeline.consumer.clone(),
                         first_start_us: u64::MAX,
+                        first_end_us: u64::MAX,
                         last_end_us: 0,
                         busy_us: 0,
                         batches: 0,
@@ -394,6 +398,8 @@ impl PipelineSummary {
             for span in &timeline.spans {
                 stage.first_start_us =
                     stage.first_start_us.min(span.started_us.saturating_sub(origin));
+                stage.first_end_us =
+                    stage.first_end_us.min(span.finished_us.saturating_sub(origin));
                 stage.last_end_us = stage.last_end_us.max(span.finished_us.saturating_sub(origin));
             }
             stage.busy_us += timeline.busy_us();
@@ -403,6 +409,7 @@ impl PipelineSummary {
         for stage in &mut stages {
             if stage.batches == 0 {
                 stage.first_start_us = 0;
+                stage.first_end_us = 0;
             }
         }
         let busy_us = stages.iter().map(|s| s.busy_us).sum();
@@ -442,10 +449,11 @@ impl PipelineSummary {
             let bar: String =
                 (0..width).map(|i| if (from..to).contains(&i) { '#' } else { '.' }).collect();
             out.push_str(&format!(
-                "{:name_width$} |{bar}| {:>8.1} ms .. {:>8.1} ms, busy {:>8.1} ms, {} batches\n",
+                "{:name_width$} |{bar}| {:>7.1} .. {:>7.1} ms, first out {:>7.1} ms, busy {:>7.1} ms, {} batches\n",
                 stage.consumer,
                 stage.first_start_us as f64 / 1e3,
                 stage.last_end_us as f64 / 1e3,
+                stage.first_end_us as f64 / 1e3,
                 stage.busy_us as f64 / 1e3,
                 stage.batches,
             ));
@@ -598,5 +606,6 @@ mod tests {
         assert!((summary.concurrency() - 350.0 / 300.0).abs() < 1e-9);
         assert_eq!(summary.head_starts_us(), vec![("b".to_owned(), 100)]);
         assert_eq!(summary.stages[1].first_start_us, 100);
+        assert_eq!(summary.stages[1].first_end_us, 150);
     }
 }

@@ -19,8 +19,8 @@ use std::sync::Mutex;
 
 use anyhow::Context;
 use rtrun_rlhf_dock::{
-    ColumnKind, ColumnValues, DockConfig, PackedBatch, PackedNamedColumn, RemoteDock, SampleOrder,
-    SamplingConfig, StageSpec, StageTimeline, StageWorkError,
+    ColumnKind, ColumnValues, DockConfig, PackedBatch, PackedNamedColumn, PollConfig, RemoteDock,
+    SampleOrder, SamplingConfig, StageSpec, StageTimeline, StageWorkError,
 };
 use rtrun_rlhf_model::tch::{self, Kind, Tensor};
 use rtrun_rlhf_model::train::{AdamW, OptimizerConfig, ScheduleConfig, masked_mean};
@@ -41,6 +41,9 @@ pub const ADVANTAGE_EPS: f32 = 1e-6;
 pub const CLIP: f64 = 0.2;
 /// KL penalty coefficient.
 pub const KL_COEF: f64 = 0.01;
+/// How long a stage waits without rows before it fails: long enough for a loaded machine,
+/// short enough that a run whose upstream stage died ends instead of hanging.
+pub const STALL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(180);
 
 /// The stages, in pipeline order: (consumer, inputs, outputs).
 pub const STAGES: [(&str, &[&str], &[&str]); 6] = [
@@ -425,7 +428,11 @@ pub fn stage_specs(samples: usize, groups_per_batch: usize, ranks: usize) -> Vec
         for rank in 0..ranks {
             specs.push(
                 StageSpec::new(consumer, inputs, outputs, samples * groups_per_batch)
-                    .with_rank(rank),
+                    .with_rank(rank)
+                    .with_poll(PollConfig {
+                        stall_timeout: STALL_TIMEOUT,
+                        ..PollConfig::default()
+                    }),
             );
         }
     }
