@@ -13,7 +13,7 @@
 //! predecessor's end.
 //!
 //! Run: `cargo run --release -p rtrun-tests --example dock_pipeline_bench [prompts] [samples]
-//! [max_new_tokens] [groups_per_batch]`.
+//! [max_new_tokens] [groups_per_batch] [repeats]`.
 
 #[path = "../tests/common/grpo.rs"]
 mod grpo;
@@ -81,11 +81,13 @@ fn sequential(setup: &Setup) -> anyhow::Result<(f64, Vec<StageTimeline>)> {
 fn show(label: &str, wall: f64, timelines: &[StageTimeline]) -> PipelineSummary {
     let summary = PipelineSummary::new(timelines);
     println!(
-        "-- {label}: wall {:.3} s, makespan {:.3} s, busy {:.3} s, busy/makespan {:.2}",
+        "-- {label}: wall {:.3} s, makespan {:.3} s, busy {:.3} s, busy/makespan {:.2}, \
+         after rollout {:.1} ms",
         wall,
         summary.makespan_us as f64 / 1e6,
         summary.busy_us as f64 / 1e6,
-        summary.concurrency()
+        summary.concurrency(),
+        after_rollout_ms(&summary)
     );
     print!("{}", summary.chart(60));
     for (stage, head_start) in summary.head_starts_us() {
@@ -95,6 +97,18 @@ fn show(label: &str, wall: f64, timelines: &[StageTimeline]) -> PipelineSummary 
         );
     }
     summary
+}
+
+/// How long the run went on after rollout's last batch: the part of the other stages that the
+/// pipeline did not hide behind generation.
+fn after_rollout_ms(summary: &PipelineSummary) -> f64 {
+    let rollout_end = summary.stages.first().map_or(0, |s| s.last_end_us);
+    summary.makespan_us.saturating_sub(rollout_end) as f64 / 1e3
+}
+
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values.get(values.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
 fn main() -> anyhow::Result<()> {
@@ -108,22 +122,42 @@ fn main() -> anyhow::Result<()> {
         max_new_tokens: arg(3, 24),
         groups_per_batch: arg(4, 2),
     };
+    let repeats = arg(5, 5).max(1);
     println!(
-        "GRPO stages on the dock: {} prompts x {} samples, up to {} new tokens, batches of {} groups, {} cpus",
+        "GRPO stages on the dock: {} prompts x {} samples, up to {} new tokens, batches of {} \
+         groups, {} cpus, {repeats} repeats (sequential and pipelined alternate)",
         setup.prompts,
         setup.samples,
         setup.max_new_tokens,
         setup.groups_per_batch,
         std::thread::available_parallelism().map_or(1, |n| n.get())
     );
-    let (seq_wall, seq) = sequential(&setup)?;
-    let (pipe_wall, pipe) = pipelined(&setup)?;
-    show("sequential (anchor)", seq_wall, &seq);
-    show("pipelined", pipe_wall, &pipe);
+    let (mut ratios, mut tails) = (Vec::new(), Vec::new());
+    for repeat in 0..repeats {
+        let (seq_wall, seq) = sequential(&setup)?;
+        let (pipe_wall, pipe) = pipelined(&setup)?;
+        let (seq_summary, pipe_summary) = (PipelineSummary::new(&seq), PipelineSummary::new(&pipe));
+        let tail = (after_rollout_ms(&seq_summary), after_rollout_ms(&pipe_summary));
+        println!(
+            "repeat {repeat}: sequential {seq_wall:.3} s, pipelined {pipe_wall:.3} s, \
+             pipelined / sequential {:.3}; after rollout {:.1} ms vs {:.1} ms",
+            pipe_wall / seq_wall,
+            tail.0,
+            tail.1
+        );
+        ratios.push(pipe_wall / seq_wall);
+        tails.push(tail);
+        if repeat + 1 == repeats {
+            show("sequential (anchor), last repeat", seq_wall, &seq);
+            show("pipelined, last repeat", pipe_wall, &pipe);
+        }
+    }
     println!(
-        "pipelined / sequential wall time = {:.3} (speed-up {:.2}x)",
-        pipe_wall / seq_wall,
-        seq_wall / pipe_wall
+        "median pipelined / sequential wall time = {:.3}; median time after rollout: \
+         sequential {:.1} ms, pipelined {:.1} ms",
+        median(ratios),
+        median(tails.iter().map(|t| t.0).collect()),
+        median(tails.iter().map(|t| t.1).collect())
     );
     rtrun::shutdown();
     Ok(())
