@@ -146,6 +146,23 @@ fn ranks_in_processes_share_the_rows_of_a_consumer() -> anyhow::Result<()> {
     let invalid = RemoteDock::create(DockConfig::new(0, 1), ActorOptions::default());
     assert!(matches!(invalid, Err(DockCallError::Runtime(_))), "{invalid:?}");
 
+    // A stage whose work breaks its contract fails its `run` with the reason, in its process.
+    let broken = LengthStage::remote()?;
+    let spec = StageSpec::new("measure", &["responses"], &["not_a_column"], SAMPLES);
+    dock.clear(Some((0..SAMPLES).collect()))?;
+    dock.put_experience(PackedBatch {
+        rows: (0..SAMPLES).collect(),
+        columns: vec![PackedNamedColumn::new(
+            "responses",
+            &ColumnValues::TokenIds((0..SAMPLES).map(response).collect()),
+        )],
+    })?;
+    let error = broken.run(dock.clone(), spec).get()?.unwrap_err();
+    assert_eq!(
+        error,
+        "stage `measure` declares outputs [not_a_column], its work returned [lengths]"
+    );
+
     // A partial clear resets those rows for every consumer; they can be served again.
     dock.clear(Some((0..SAMPLES).collect()))?;
     assert!(!dock.all_consumed("check")?);
