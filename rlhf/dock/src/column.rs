@@ -98,6 +98,39 @@ pub enum PackedColumn {
 }
 
 impl PackedColumn {
+    /// The kind of the packed values.
+    pub fn kind(&self) -> ColumnKind {
+        match self {
+            PackedColumn::TokenIds(_) => ColumnKind::TokenIds,
+            PackedColumn::Floats(_) => ColumnKind::Floats,
+            PackedColumn::Scalars(_) => ColumnKind::Scalars,
+        }
+    }
+
+    /// The number of rows (as the lengths say; [`Self::check`] verifies them).
+    pub fn len(&self) -> usize {
+        match self {
+            PackedColumn::TokenIds(packed) => packed.lengths.len(),
+            PackedColumn::Floats(packed) => packed.lengths.len(),
+            PackedColumn::Scalars(values) => values.len(),
+        }
+    }
+
+    /// Whether there are no rows.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Checks that the lengths add up to the flat buffer (the check every packed payload from
+    /// another process goes through before it is split into rows).
+    pub fn check(&self) -> Result<(), PackError> {
+        match self {
+            PackedColumn::TokenIds(packed) => packed.check(),
+            PackedColumn::Floats(packed) => packed.check(),
+            PackedColumn::Scalars(_) => Ok(()),
+        }
+    }
+
     /// Restores the rows; fails when the lengths do not add up to the flat buffer.
     pub fn unpack(&self) -> Result<ColumnValues, PackError> {
         Ok(match self {
@@ -158,6 +191,33 @@ impl ColumnStorage {
         }
     }
 
+    /// Copies out the values of `rows` straight into the packed wire form (one copy, no
+    /// per-row buffers). Rows out of range read as empty, as in [`Self::read`].
+    pub(crate) fn read_packed(&self, rows: &[usize]) -> PackedColumn {
+        match self {
+            ColumnStorage::TokenIds(slots) => PackedColumn::TokenIds(pack_slots(slots, rows)),
+            ColumnStorage::Floats(slots) => PackedColumn::Floats(pack_slots(slots, rows)),
+            ColumnStorage::Scalars(slots) => PackedColumn::Scalars(read_slots(slots, rows)),
+        }
+    }
+
+    /// Splits a packed payload into the slots of `rows`. The caller has checked the kind, the
+    /// row count and the lengths ([`PackedColumn::check`]); a mismatch writes nothing extra.
+    pub(crate) fn write_packed(&mut self, rows: &[usize], values: &PackedColumn) {
+        match (self, values) {
+            (ColumnStorage::TokenIds(slots), PackedColumn::TokenIds(packed)) => {
+                unpack_into_slots(slots, rows, packed)
+            }
+            (ColumnStorage::Floats(slots), PackedColumn::Floats(packed)) => {
+                unpack_into_slots(slots, rows, packed)
+            }
+            (ColumnStorage::Scalars(slots), PackedColumn::Scalars(values)) => {
+                write_slots(slots, rows, values.clone())
+            }
+            _ => {}
+        }
+    }
+
     /// Drops the data of `rows`, returning their memory.
     pub(crate) fn clear_rows(&mut self, rows: &[usize]) {
         match self {
@@ -187,6 +247,32 @@ fn write_slots<T>(slots: &mut [T], rows: &[usize], values: Vec<T>) {
 
 fn read_slots<T: Clone + Default>(slots: &[T], rows: &[usize]) -> Vec<T> {
     rows.iter().map(|row| slots.get(*row).cloned().unwrap_or_default()).collect()
+}
+
+fn pack_slots<T: Copy>(slots: &[Vec<T>], rows: &[usize]) -> PackedRows<T> {
+    let row = |row: &usize| slots.get(*row).map_or(&[][..], Vec::as_slice);
+    let total = rows.iter().map(|r| row(r).len()).sum();
+    let mut flat = Vec::with_capacity(total);
+    let mut lengths = Vec::with_capacity(rows.len());
+    for r in rows {
+        flat.extend_from_slice(row(r));
+        lengths.push(row(r).len());
+    }
+    PackedRows { flat, lengths }
+}
+
+fn unpack_into_slots<T: Copy>(slots: &mut [Vec<T>], rows: &[usize], packed: &PackedRows<T>) {
+    let mut rest = packed.flat.as_slice();
+    for (row, length) in rows.iter().zip(&packed.lengths) {
+        // A checked payload's lengths sum to `flat.len()`; an unchecked one stops here
+        // instead of panicking.
+        let Some((value, tail)) = rest.split_at_checked(*length) else { return };
+        if let Some(slot) = slots.get_mut(*row) {
+            slot.clear();
+            slot.extend_from_slice(value);
+        }
+        rest = tail;
+    }
 }
 
 fn clear_slots<T: Default>(slots: &mut [T], rows: &[usize]) {
@@ -224,6 +310,25 @@ mod tests {
         assert_eq!(storage.read(&[0, 1]), ColumnValues::Scalars(vec![0.0, 0.5]));
         assert_eq!(ColumnValues::Scalars(vec![1.0]).kind(), ColumnKind::Scalars);
         assert_eq!(ColumnKind::Floats.to_string(), "float rows");
+    }
+
+    #[test]
+    fn packed_storage_round_trip() {
+        let mut storage = ColumnStorage::new(ColumnKind::Floats, 4);
+        let packed = ColumnValues::Floats(vec![vec![1.0, 2.0], vec![], vec![3.0]]).pack();
+        packed.check().unwrap();
+        assert_eq!((packed.len(), packed.kind()), (3, ColumnKind::Floats));
+        storage.write_packed(&[3, 1, 0], &packed);
+        assert_eq!(storage.read_packed(&[3, 1, 0]), packed);
+        assert_eq!(
+            storage.read(&[0, 1, 2, 3]),
+            ColumnValues::Floats(vec![vec![3.0], vec![], vec![], vec![1.0, 2.0]])
+        );
+        // Lengths that overrun the buffer write only the rows that fit.
+        let bad = PackedColumn::Floats(PackedRows { flat: vec![9.0], lengths: vec![1, 5] });
+        assert!(bad.check().is_err());
+        storage.write_packed(&[2, 3], &bad);
+        assert_eq!(storage.read(&[2, 3]), ColumnValues::Floats(vec![vec![9.0], vec![1.0, 2.0]]));
     }
 
     #[test]

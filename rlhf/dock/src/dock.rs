@@ -12,13 +12,17 @@ use std::sync::{Mutex, MutexGuard, PoisonError, RwLock, RwLockReadGuard, RwLockW
 
 use serde::{Deserialize, Serialize};
 
-use crate::column::{ColumnStorage, ColumnValues};
+use crate::column::{ColumnKind, ColumnStorage, ColumnValues, PackedColumn};
 use crate::config::{ColumnId, ConsumerId, DockConfig};
 use crate::error::DockError;
 use crate::index::{
     ClearScope, ConsumerLedger, ReadyTable, RowRequest, check_rows_distinct, check_rows_in_range,
     missing_consumer, select_rows,
 };
+
+fn missing_column(name: &str) -> DockError {
+    DockError::UnknownColumn { name: name.to_owned(), known: String::new() }
+}
 
 /// The columns of one get, with the rows they came from.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -44,6 +48,76 @@ impl ExperienceBatch {
         self.columns.iter().find(|column| column.name == name).map(|column| &column.values)
     }
 }
+
+/// The packed wire form of an [`ExperienceBatch`]: each variable-length column is one flat
+/// buffer plus row lengths, so a batch crosses a process boundary as a few large buffers rather
+/// than one small vector per row.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PackedBatch {
+    /// The dock rows, in the order of every column's values; write results back to these.
+    pub rows: Vec<usize>,
+    /// The requested columns, in request order.
+    pub columns: Vec<PackedNamedColumn>,
+}
+
+/// One packed column: a name and its values for a batch's rows.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PackedNamedColumn {
+    /// The column's name.
+    pub name: String,
+    /// Its values, packed.
+    pub values: PackedColumn,
+}
+
+impl PackedNamedColumn {
+    /// Packs `values` under `name`.
+    pub fn new(name: impl Into<String>, values: &ColumnValues) -> Self {
+        Self { name: name.into(), values: values.pack() }
+    }
+}
+
+impl PackedBatch {
+    /// The packed values of column `name`, if it was requested.
+    pub fn column(&self, name: &str) -> Option<&PackedColumn> {
+        self.columns.iter().find(|column| column.name == name).map(|column| &column.values)
+    }
+
+    /// Restores per-row values (checks every column's lengths).
+    pub fn unpack(&self) -> Result<ExperienceBatch, DockError> {
+        let columns = self
+            .columns
+            .iter()
+            .map(|column| {
+                column
+                    .values
+                    .unpack()
+                    .map(|values| NamedColumn { name: column.name.clone(), values })
+                    .map_err(|source| DockError::MalformedPacked {
+                        column: column.name.clone(),
+                        source,
+                    })
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(ExperienceBatch { rows: self.rows.clone(), columns })
+    }
+}
+
+impl ExperienceBatch {
+    /// The packed wire form of this batch.
+    pub fn pack(&self) -> PackedBatch {
+        PackedBatch {
+            rows: self.rows.clone(),
+            columns: self
+                .columns
+                .iter()
+                .map(|column| PackedNamedColumn::new(column.name.clone(), &column.values))
+                .collect(),
+        }
+    }
+}
+
+/// The rows a get selected and each requested column's values for them, by name.
+type Selected<V> = (Vec<usize>, Vec<(String, V)>);
 
 /// Data and readiness, kept under one lock so that a reader never sees a ready row whose data
 /// is not written yet.
@@ -100,7 +174,7 @@ impl TransferDock {
         let names: Vec<&str> = columns.iter().map(|(name, _)| name.as_ref()).collect();
         let ids = self.config.column_ids(&names)?;
         for ((name, values), id) in columns.iter().zip(&ids) {
-            self.check_values(name.as_ref(), *id, rows, values)?;
+            self.check_values(name.as_ref(), *id, rows, values.kind(), values.len())?;
         }
         let mut store = self.write_store();
         for ((_, values), id) in columns.into_iter().zip(ids) {
@@ -112,6 +186,56 @@ impl TransferDock {
         Ok(())
     }
 
+    /// [`Self::put_experience`] for packed columns (the form the dock actor receives): the
+    /// payloads are checked (kinds, row counts, lengths) and then split straight into the rows'
+    /// slots, all columns or none.
+    pub fn put_experience_packed(
+        &self,
+        rows: &[usize],
+        columns: &[PackedNamedColumn],
+    ) -> Result<(), DockError> {
+        check_rows_distinct(rows, self.config.rows())?;
+        let names: Vec<&str> = columns.iter().map(|column| column.name.as_str()).collect();
+        let ids = self.config.column_ids(&names)?;
+        for (column, id) in columns.iter().zip(&ids) {
+            let values = &column.values;
+            self.check_values(&column.name, *id, rows, values.kind(), values.len())?;
+            values.check().map_err(|source| DockError::MalformedPacked {
+                column: column.name.clone(),
+                source,
+            })?;
+        }
+        let mut store = self.write_store();
+        for (column, id) in columns.iter().zip(ids) {
+            if let Some(storage) = store.data.get_mut(id.0) {
+                storage.write_packed(rows, &column.values);
+            }
+            store.ready.mark(id, rows);
+        }
+        Ok(())
+    }
+
+    /// [`Self::get_experience`] returning the packed wire form, copied out of the slots in one
+    /// pass with no per-row buffers.
+    pub fn get_experience_packed<S: AsRef<str>>(
+        &self,
+        consumer: &str,
+        columns: &[S],
+        request: RowRequest<'_>,
+    ) -> Result<Option<PackedBatch>, DockError> {
+        self.get_with(consumer, columns, request, |storage, rows| storage.read_packed(rows)).map(
+            |batch| {
+                batch.map(|(rows, columns)| PackedBatch {
+                    rows,
+                    columns: columns
+                        .into_iter()
+                        .map(|(name, values)| PackedNamedColumn { name, values })
+                        .collect(),
+                })
+            },
+        )
+    }
+
     /// Picks rows for `consumer` (see [`RowRequest`]) that are ready in every one of `columns`
     /// and that it has not received, in whole prompt groups, marks them consumed and returns
     /// their data. `Ok(None)` when not enough whole groups are ready yet.
@@ -121,6 +245,26 @@ impl TransferDock {
         columns: &[S],
         request: RowRequest<'_>,
     ) -> Result<Option<ExperienceBatch>, DockError> {
+        self.get_with(consumer, columns, request, |storage, rows| storage.read(rows)).map(|batch| {
+            batch.map(|(rows, columns)| ExperienceBatch {
+                rows,
+                columns: columns
+                    .into_iter()
+                    .map(|(name, values)| NamedColumn { name, values })
+                    .collect(),
+            })
+        })
+    }
+
+    /// The selection and copy-out shared by both forms of get; `read` copies one column's
+    /// values for the chosen rows.
+    fn get_with<S: AsRef<str>, V>(
+        &self,
+        consumer: &str,
+        columns: &[S],
+        request: RowRequest<'_>,
+        read: impl Fn(&ColumnStorage, &[usize]) -> V,
+    ) -> Result<Option<Selected<V>>, DockError> {
         let consumer_id = self.config.consumer_id(consumer)?;
         let column_ids = self.config.column_ids(columns)?;
         let mut ledger = self.lock_ledger(consumer, consumer_id)?;
@@ -139,18 +283,13 @@ impl TransferDock {
         // The ledger lock is no longer needed: the rows are ours. The data lock stays held
         // until the copy is done so a clear cannot race it.
         drop(ledger);
-        let columns = columns
-            .iter()
-            .zip(&column_ids)
-            .map(|(name, id)| NamedColumn {
-                name: name.as_ref().to_owned(),
-                values: store
-                    .data
-                    .get(id.0)
-                    .map_or(ColumnValues::Scalars(Vec::new()), |s| s.read(&rows)),
-            })
-            .collect();
-        Ok(Some(ExperienceBatch { rows, columns }))
+        let mut values = Vec::with_capacity(columns.len());
+        for (name, id) in columns.iter().zip(&column_ids) {
+            // `column_ids` resolved every name against the config, which sized `data`.
+            let storage = store.data.get(id.0).ok_or_else(|| missing_column(name.as_ref()))?;
+            values.push((name.as_ref().to_owned(), read(storage, &rows)));
+        }
+        Ok(Some((rows, values)))
     }
 
     /// Whether `consumer` has received every row of the dock.
@@ -197,22 +336,23 @@ impl TransferDock {
         name: &str,
         id: ColumnId,
         rows: &[usize],
-        values: &ColumnValues,
+        kind: ColumnKind,
+        len: usize,
     ) -> Result<(), DockError> {
         if let Some(spec) = self.config.columns.get(id.0)
-            && spec.kind != values.kind()
+            && spec.kind != kind
         {
             return Err(DockError::KindMismatch {
                 column: name.to_owned(),
                 expected: spec.kind,
-                found: values.kind(),
+                found: kind,
             });
         }
-        if values.len() != rows.len() {
+        if len != rows.len() {
             return Err(DockError::ValueCountMismatch {
                 column: name.to_owned(),
                 rows: rows.len(),
-                values: values.len(),
+                values: len,
             });
         }
         Ok(())
@@ -244,7 +384,6 @@ impl TransferDock {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::column::ColumnKind;
 
     fn dock() -> TransferDock {
         TransferDock::new(
@@ -327,6 +466,72 @@ mod tests {
         assert!(
             dock.put_experience(&[0], vec![("nope", ColumnValues::Scalars(vec![1.0]))]).is_err()
         );
+    }
+
+    #[test]
+    fn packed_put_and_get_round_trip() {
+        let dock = dock();
+        let responses = ColumnValues::TokenIds(vec![vec![1, 2, 3], vec![], vec![4], vec![5, 6]]);
+        let scores = ColumnValues::Scalars(vec![0.1, 0.2, 0.3, 0.4]);
+        let put = ExperienceBatch {
+            rows: vec![3, 2, 1, 0],
+            columns: vec![
+                NamedColumn { name: "responses".into(), values: responses.clone() },
+                NamedColumn { name: "rm_scores".into(), values: scores },
+            ],
+        }
+        .pack();
+        dock.put_experience_packed(&put.rows, &put.columns).unwrap();
+        let got = dock
+            .get_experience_packed("reward", &["responses"], RowRequest::Count(4))
+            .unwrap()
+            .unwrap();
+        assert_eq!(got.rows, vec![0, 1, 2, 3]);
+        // Packed straight from the slots: rows in get order, one flat buffer.
+        assert_eq!(
+            got.column("responses"),
+            Some(&ColumnValues::TokenIds(vec![vec![5, 6], vec![4], vec![], vec![1, 2, 3]]).pack())
+        );
+        let unpacked = got.unpack().unwrap();
+        assert_eq!(unpacked.pack(), got);
+        // The plain get sees the same data.
+        let plain = dock
+            .get_experience("train", &["responses", "rm_scores"], RowRequest::Rows(&[2, 3]))
+            .unwrap()
+            .unwrap();
+        assert_eq!(plain.column("rm_scores"), Some(&ColumnValues::Scalars(vec![0.2, 0.1])));
+    }
+
+    #[test]
+    fn malformed_packed_put_writes_nothing() {
+        let dock = dock();
+        let good = PackedNamedColumn::new("rm_scores", &ColumnValues::Scalars(vec![1.0, 2.0]));
+        let bad = PackedNamedColumn {
+            name: "responses".into(),
+            values: PackedColumn::TokenIds(crate::pad::PackedRows {
+                flat: vec![1, 2],
+                lengths: vec![1, 5],
+            }),
+        };
+        let error = dock.put_experience_packed(&[0, 1], &[good.clone(), bad]).unwrap_err();
+        assert_eq!(
+            error.to_string(),
+            "column `responses` has a malformed packed payload: \
+             row lengths add up to 6 elements, the flat buffer has 2"
+        );
+        assert_eq!(dock.ready_rows("rm_scores").unwrap(), 0);
+        let wrong_kind = PackedNamedColumn {
+            name: "old_log_prob".into(),
+            values: PackedColumn::Scalars(vec![1.0, 2.0]),
+        };
+        assert!(matches!(
+            dock.put_experience_packed(&[0, 1], &[wrong_kind]),
+            Err(DockError::KindMismatch { .. })
+        ));
+        assert!(matches!(
+            dock.put_experience_packed(&[0], &[good]),
+            Err(DockError::ValueCountMismatch { .. })
+        ));
     }
 
     #[test]

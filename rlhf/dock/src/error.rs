@@ -3,10 +3,14 @@
 //! Every request that reaches the dock may come from another process, so every malformed request
 //! is an error value (never a panic) that says what was expected and what was found.
 
-use crate::column::ColumnKind;
+use serde::{Deserialize, Serialize};
 
-/// An error from configuring, writing to, reading from or clearing the dock.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+use crate::column::ColumnKind;
+use crate::pad::PackError;
+
+/// An error from configuring, writing to, reading from or clearing the dock. Serializable, so
+/// the dock actor returns it to remote callers as the same typed value.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
 pub enum DockError {
     /// The configuration cannot describe a dock.
     #[error("invalid dock config: {reason}")]
@@ -100,6 +104,22 @@ pub enum DockError {
         expected: ColumnKind,
         /// The kind of the values given.
         found: ColumnKind,
+    },
+    /// A get that names explicit rows and a row count that disagree.
+    #[error("asked for {count} rows but named {rows} explicit rows")]
+    RequestMismatch {
+        /// The requested row count.
+        count: usize,
+        /// How many explicit rows were named.
+        rows: usize,
+    },
+    /// A packed payload whose row lengths do not add up to its flat buffer.
+    #[error("column `{column}` has a malformed packed payload: {source}")]
+    MalformedPacked {
+        /// The column written to.
+        column: String,
+        /// What is inconsistent.
+        source: PackError,
     },
     /// A different number of values than rows.
     #[error("column `{column}` expected {rows} values (one per row), found {values}")]

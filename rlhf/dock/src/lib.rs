@@ -32,8 +32,17 @@
 //! - [`TransferDock`] adds the data (one slot per (column, row), values moved in without copies)
 //!   and makes everything `&self`: a **mutex per consumer** serialises the DP ranks of one
 //!   consumer so they never receive the same row, while different consumers sample in parallel
-//!   under a shared read lock of the data; puts take the data lock for writing. The dock actor
-//!   is meant to be a thin wrapper that forwards its methods here.
+//!   under a shared read lock of the data; puts take the data lock for writing. Its `_packed`
+//!   methods take and return [`PackedBatch`]es, copied straight between the wire form and the
+//!   row slots.
+//! - [`DockActor`] (module [`actor`]) hosts a `TransferDock` as an rtrun actor whose methods
+//!   all take `&self`, so the runtime runs them on its pool (`max_concurrency`, set by
+//!   [`RemoteDock::create`]) and the dock's own locks decide what overlaps. [`RemoteDock`] is
+//!   its blocking, serializable client: hand it to stage actors in other processes.
+//! - [`pipeline`] runs stages on the dock: [`run_stage`] is the loop of one stage rank (get its
+//!   input columns, work, put its output columns, until its consumer has every row), over any
+//!   [`ExperienceStore`] (the local dock or the actor); it records a [`StageTimeline`], and
+//!   [`PipelineSummary`] measures how the stages of a run overlapped.
 //! - [`pad`] holds the transfer helpers: [`pack`] variable-length rows into one flat buffer plus
 //!   lengths (the wire form, no padding bytes), [`unpack`] them back with a length check, and
 //!   [`pad_batch`] / [`pad_packed`] into a dense `batch × width` buffer with a mask, `width`
@@ -79,6 +88,7 @@
 //!   multiple of its dispatch size.
 #![forbid(unsafe_code)]
 
+pub mod actor;
 pub mod bitmap;
 pub mod column;
 pub mod config;
@@ -86,12 +96,18 @@ pub mod dock;
 pub mod error;
 pub mod index;
 pub mod pad;
+pub mod pipeline;
 pub mod rng;
 
+pub use actor::{DockActor, DockActorRef, DockCallError, DockProgress, RemoteDock};
 pub use column::{ColumnKind, ColumnValues, PackedColumn};
 pub use config::{ColumnId, ColumnSpec, ConsumerId, DockConfig, SampleOrder, SamplingConfig};
-pub use dock::{ExperienceBatch, NamedColumn, TransferDock};
+pub use dock::{ExperienceBatch, NamedColumn, PackedBatch, PackedNamedColumn, TransferDock};
 pub use error::DockError;
 pub use index::{ClearScope, DockIndex, RowRequest};
 pub use pad::{PackError, PackedRows, PaddedBatch, pack, pad_batch, pad_packed, unpack};
+pub use pipeline::{
+    ExperienceStore, PipelineSummary, PollConfig, StageError, StageSpec, StageTimeline,
+    StageWorkError, run_stage,
+};
 pub use rng::SplitMix64;

@@ -9,7 +9,7 @@
 use serde::{Deserialize, Serialize};
 
 /// An error from unpacking or padding rows.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
 pub enum PackError {
     /// Padding to a multiple of zero.
     #[error("expected a positive padding multiple, found 0")]
@@ -42,6 +42,11 @@ pub struct PackedRows<T> {
 }
 
 impl<T: Copy> PackedRows<T> {
+    /// Checks that the lengths add up to exactly the flat buffer.
+    pub fn check(&self) -> Result<(), PackError> {
+        check_lengths(self.flat.len(), &self.lengths)
+    }
+
     /// Restores the rows; see [`unpack`].
     pub fn unpack(&self) -> Result<Vec<Vec<T>>, PackError> {
         unpack(&self.flat, &self.lengths)
