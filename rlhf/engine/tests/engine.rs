@@ -259,7 +259,7 @@ fn empirical_top_k_top_p_distribution_matches_the_truncated_softmax() {
     };
     let mut engine = engine(small_vocab_model(), config(512, 4));
     let output = engine.generate(vec![GenerationRequest::new(prompt, params)]).unwrap().remove(0);
-    let mut counts = vec![0u32; 12];
+    let mut counts = [0u32; 12];
     for sample in &output.samples {
         counts[sample.token_ids[0] as usize] += 1;
     }
