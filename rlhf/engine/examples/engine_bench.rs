@@ -93,7 +93,8 @@ fn throughput(options: &Options, name: &str) -> Result<()> {
     let params = SamplingParams::greedy(options.max_tokens);
     let blocks_per_seq = (options.prompt_len + options.max_tokens as usize).div_ceil(16);
     let max_batch = options.batches.iter().copied().max().unwrap_or(1);
-    let mut engine = LlmEngine::new(model, None, engine_config(blocks_per_seq * max_batch + 8, false))?;
+    let mut engine =
+        LlmEngine::new(model, None, engine_config(blocks_per_seq * max_batch + 8, false))?;
     println!(
         "\n{name}: {} M params, prompt {} tokens, {} generated tokens per sequence, greedy",
         engine.model().params.numel() as f64 / 1e6,
@@ -112,10 +113,8 @@ fn throughput(options: &Options, name: &str) -> Result<()> {
         let start = Instant::now();
         let slow = reference_generate(engine.model(), &requests)?;
         let reference_seconds = start.elapsed().as_secs_f64();
-        let (engine_rate, reference_rate) = (
-            generated(&fast) as f64 / engine_seconds,
-            generated(&slow) as f64 / reference_seconds,
-        );
+        let (engine_rate, reference_rate) =
+            (generated(&fast) as f64 / engine_seconds, generated(&slow) as f64 / reference_seconds);
         let same = tokens(&fast) == tokens(&slow);
         println!(
             "| {batch} | {engine_rate:.0} | {reference_rate:.0} | {:.1}x | {} |",

@@ -460,3 +460,28 @@ fn engine_actor_routes_two_ranks_through_the_runtime() {
     assert!(stats.generated_tokens_per_second > 0.0);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn a_failing_step_aborts_its_requests_and_leaves_the_engine_usable() {
+    let original = model(ModelFamily::Qwen2, 41);
+    let good = WeightBucket::from_model(&original).unwrap();
+    let mut engine = engine(original, config(64, 8));
+    let all = requests(&prompts(&[5, 9], 12), &SamplingParams::greedy(6));
+    let before = engine.generate(all.clone()).unwrap();
+    // NaN weights make every logit NaN: sampling refuses them and the step fails.
+    let mut poisoned = good.clone();
+    let norm = poisoned.tensors.iter_mut().find(|t| t.name == "model.norm.weight").unwrap();
+    let nan = Tensor::full([64], f64::NAN, (Kind::Float, rtrun_rlhf_model::tch::Device::Cpu));
+    *norm = rtrun_rlhf_engine::NamedTensor::from_tensor("model.norm.weight", &nan).unwrap();
+    engine.update_weights(&poisoned).unwrap();
+    let queued = engine.add_request(all[0].clone()).unwrap();
+    let err = engine.generate(all.clone()).unwrap_err();
+    assert!(matches!(err, EngineError::Sampling(_)), "{err}");
+    let stats = engine.stats();
+    assert_eq!((stats.num_waiting, stats.num_running, stats.kv_blocks_used), (0, 0, 0));
+    // The request queued before the failure is answered, as aborted.
+    let aborted = engine.take_output(queued).unwrap();
+    assert_eq!(aborted.samples[0].finish_reason, FinishReason::Aborted);
+    engine.update_weights(&good).unwrap();
+    assert_same(&engine.generate(all).unwrap(), &before);
+}
