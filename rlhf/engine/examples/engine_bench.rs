@@ -4,7 +4,8 @@
 //! speed-up of prefix caching on prompts that share a long prefix.
 //!
 //! Run: `cargo run --release -p rtrun-rlhf-engine --example engine_bench -- [--threads N]
-//! [--prompt-len P] [--max-tokens T] [--models tiny,25m] [--batches 1,16,64]`
+//! [--prompt-len P] [--max-tokens T] [--models tiny,25m] [--batches 1,16,64] [--prefix-len L]
+//! [--repeats R]`
 
 use std::time::Instant;
 
@@ -24,6 +25,7 @@ struct Options {
     models: Vec<String>,
     batches: Vec<usize>,
     prefix_len: usize,
+    repeats: usize,
 }
 
 fn parse_options() -> Result<Options> {
@@ -34,6 +36,7 @@ fn parse_options() -> Result<Options> {
         models: vec!["tiny".into(), "25m".into()],
         batches: vec![1, 16, 64],
         prefix_len: 512,
+        repeats: 1,
     };
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
@@ -44,6 +47,7 @@ fn parse_options() -> Result<Options> {
             "--prompt-len" => options.prompt_len = value.parse()?,
             "--max-tokens" => options.max_tokens = value.parse()?,
             "--prefix-len" => options.prefix_len = value.parse()?,
+            "--repeats" => options.repeats = value.parse::<usize>()?.max(1),
             "--models" => options.models = value.split(',').map(str::to_owned).collect(),
             "--batches" => {
                 options.batches = value.split(',').map(str::parse).collect::<Result<_, _>>()?
@@ -101,20 +105,30 @@ fn throughput(options: &Options, name: &str) -> Result<()> {
         options.prompt_len,
         options.max_tokens
     );
+    // Warm-up: first-touch of the KV cache and libtorch's lazy initialisation.
+    let warm_up = random_prompts(4, options.prompt_len, config.vocab_size, 999);
+    engine.generate(
+        warm_up.into_iter().map(|p| GenerationRequest::new(p, SamplingParams::greedy(4))).collect(),
+    )?;
     println!("| batch | engine tok/s | reference tok/s | speed-up | identical |");
     println!("|------:|-------------:|----------------:|---------:|:---------:|");
     for &batch in &options.batches {
         let prompts = random_prompts(batch, options.prompt_len, config.vocab_size, batch as u64);
         let requests: Vec<GenerationRequest> =
             prompts.iter().map(|p| GenerationRequest::new(p.clone(), params.clone())).collect();
-        let start = Instant::now();
-        let fast = engine.generate(requests.clone())?;
-        let engine_seconds = start.elapsed().as_secs_f64();
-        let start = Instant::now();
-        let slow = reference_generate(engine.model(), &requests)?;
-        let reference_seconds = start.elapsed().as_secs_f64();
-        let (engine_rate, reference_rate) =
-            (generated(&fast) as f64 / engine_seconds, generated(&slow) as f64 / reference_seconds);
+        // Engine and reference alternate; the best of `repeats` rounds counts for each, which
+        // is the figure least disturbed by other load on the machine.
+        let (mut engine_rate, mut reference_rate) = (0.0f64, 0.0f64);
+        let (mut fast, mut slow) = (Vec::new(), Vec::new());
+        for _ in 0..options.repeats {
+            let start = Instant::now();
+            fast = engine.generate(requests.clone())?;
+            engine_rate = engine_rate.max(generated(&fast) as f64 / start.elapsed().as_secs_f64());
+            let start = Instant::now();
+            slow = reference_generate(engine.model(), &requests)?;
+            reference_rate =
+                reference_rate.max(generated(&slow) as f64 / start.elapsed().as_secs_f64());
+        }
         let same = tokens(&fast) == tokens(&slow);
         println!(
             "| {batch} | {engine_rate:.0} | {reference_rate:.0} | {:.1}x | {} |",
@@ -139,12 +153,19 @@ fn prefix_caching(options: &Options, name: &str) -> Result<()> {
     let blocks = (options.prefix_len + 8 + 16).div_ceil(16) * count + 8;
     let mut results = Vec::new();
     for caching in [false, true] {
-        let (_, model) = build_model(name)?;
-        let mut engine = LlmEngine::new(model, None, engine_config(blocks, caching))?;
-        let start = Instant::now();
-        let outputs = engine.generate(requests.clone())?;
-        let seconds = start.elapsed().as_secs_f64();
-        results.push((seconds, outputs, engine.stats()));
+        let mut best = None;
+        for _ in 0..options.repeats {
+            // A fresh engine each round, so every round starts with an empty prefix cache.
+            let (_, model) = build_model(name)?;
+            let mut engine = LlmEngine::new(model, None, engine_config(blocks, caching))?;
+            let start = Instant::now();
+            let outputs = engine.generate(requests.clone())?;
+            let seconds = start.elapsed().as_secs_f64();
+            if best.as_ref().is_none_or(|(b, _, _)| seconds < *b) {
+                best = Some((seconds, outputs, engine.stats()));
+            }
+        }
+        results.push(best.context("at least one round")?);
     }
     let (off, on) = (&results[0], &results[1]);
     println!(
