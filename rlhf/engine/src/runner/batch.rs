@@ -165,6 +165,7 @@ fn group(
 mod tests {
     use super::*;
     use crate::RequestId;
+    use proptest::prelude::*;
 
     fn seq(i: u64) -> SequenceId {
         SequenceId { request: RequestId(i), sample_index: 0 }
@@ -211,6 +212,87 @@ mod tests {
         assert_eq!(prefill.q_index, vec![1, 2]);
         assert_eq!(prefill.mask, vec![true, true, false, true, true, true]);
         assert_eq!(prefill.valid_rows, vec![1, 2]);
+    }
+
+    /// A random step: per chunk (start, num_tokens, extra context beyond the chunk, sample).
+    fn arbitrary_chunks() -> impl Strategy<Value = Vec<(usize, usize, usize, bool)>> {
+        prop::collection::vec((0usize..20, 1usize..6, 0usize..4, any::<bool>()), 1..8)
+    }
+
+    proptest! {
+        /// Every packed row is a query of exactly one group; each real query sees exactly the
+        /// positions up to its own, through the right slots; sampled rows are chunk ends.
+        #[test]
+        fn groups_cover_every_row_once_with_causal_masks(spec in arbitrary_chunks()) {
+            let block_size = 4;
+            let tokens: Vec<Vec<u32>> = spec
+                .iter()
+                .map(|&(start, n, extra, _)| (0..(start + n + extra) as u32).collect())
+                .collect();
+            // Block tables: block b of chunk i is `7 * i + b`, distinct everywhere.
+            let tables: Vec<Vec<BlockId>> = tokens
+                .iter()
+                .enumerate()
+                .map(|(i, t)| (0..t.len().div_ceil(block_size)).map(|b| BlockId((7 * i + b) as u32 * 3)).collect())
+                .collect();
+            let chunks: Vec<ChunkView<'_>> = spec
+                .iter()
+                .enumerate()
+                .map(|(i, &(start, num_tokens, _, sample))| ChunkView {
+                    sequence: seq(i as u64),
+                    tokens: &tokens[i],
+                    start,
+                    num_tokens,
+                    block_table: &tables[i],
+                    sample,
+                })
+                .collect();
+            let batch = StepBatch::build(block_size, &chunks).unwrap();
+            let total = batch.num_tokens();
+            prop_assert_eq!(total, spec.iter().map(|s| s.1).sum::<usize>());
+            let mut seen = vec![0; total];
+            // Packed row where each chunk starts.
+            let starts: Vec<usize> = spec
+                .iter()
+                .scan(0usize, |next, &(_, n, _, _)| { let s = *next; *next += n; Some(s) })
+                .collect();
+            for g in &batch.groups {
+                prop_assert_eq!(g.q_index.len(), g.batch * g.q_len);
+                prop_assert_eq!(g.kv_slots.len(), g.batch * g.kv_len);
+                prop_assert_eq!(g.mask.len(), g.batch * g.q_len * g.kv_len);
+                for (&slot, &row) in g.valid_slots.iter().zip(&g.valid_rows) {
+                    let row = row as usize;
+                    seen[row] += 1;
+                    prop_assert_eq!(g.q_index[slot as usize], row as i64);
+                    let b = slot as usize / g.q_len;
+                    let mask = &g.mask[slot as usize * g.kv_len..(slot as usize + 1) * g.kv_len];
+                    let position = batch.positions[row] as usize;
+                    for (k, &allowed) in mask.iter().enumerate() {
+                        prop_assert_eq!(allowed, k <= position);
+                        if allowed {
+                            // The key slot holds position k of the query's own sequence.
+                            let owner = starts.iter().rposition(|&s| s <= row).unwrap();
+                            let block = tables[owner][k / block_size].0 as usize;
+                            let expected = (block * block_size + k % block_size) as i64;
+                            prop_assert_eq!(g.kv_slots[b * g.kv_len + k], expected);
+                        }
+                    }
+                }
+                for q in 0..g.batch * g.q_len {
+                    let row = &g.mask[q * g.kv_len..(q + 1) * g.kv_len];
+                    prop_assert!(row.iter().any(|&m| m), "no softmax row may be empty");
+                }
+            }
+            prop_assert!(seen.iter().all(|&c| c == 1), "{:?}", seen);
+            let expected_samples: Vec<i64> = spec
+                .iter()
+                .scan(0usize, |end, &(_, n, _, _)| { *end += n; Some(*end) })
+                .zip(&spec)
+                .filter(|(_, s)| s.3)
+                .map(|(end, _)| end as i64 - 1)
+                .collect();
+            prop_assert_eq!(&batch.sample_rows, &expected_samples);
+        }
     }
 
     #[test]
