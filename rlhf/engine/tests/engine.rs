@@ -485,3 +485,22 @@ fn a_failing_step_aborts_its_requests_and_leaves_the_engine_usable() {
     engine.update_weights(&good).unwrap();
     assert_same(&engine.generate(all).unwrap(), &before);
 }
+
+#[test]
+fn a_bf16_engine_generates_and_a_mismatched_dtype_is_refused() {
+    let config_tiny = tiny::tiny_config(ModelFamily::Llama);
+    let bf16 = || {
+        CausalLm::new_random(&config_tiny, rtrun_rlhf_model::tch::Device::Cpu, Kind::BFloat16, 3)
+            .unwrap()
+    };
+    let refused = LlmEngine::new(bf16(), None, config(32, 8));
+    assert!(matches!(refused, Err(EngineError::InvalidConfig(_))));
+    let bf16_config = EngineConfig { dtype: "bf16".into(), ..config(32, 8) };
+    let mut engine = LlmEngine::new(bf16(), None, bf16_config).unwrap();
+    let params = SamplingParams { seed: Some(5), max_tokens: 8, ..SamplingParams::default() };
+    let outputs = engine.generate(requests(&prompts(&[6, 13], 13), &params)).unwrap();
+    for sample in outputs.iter().flat_map(|o| &o.samples) {
+        assert_eq!(sample.token_ids.len(), 8);
+        assert!(sample.log_probs.iter().all(|l| l.is_finite() && *l <= 0.0));
+    }
+}
