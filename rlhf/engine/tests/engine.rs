@@ -113,8 +113,10 @@ fn preemption_by_recompute_and_chunked_prefill_keep_outputs_identical() {
     let all = requests(&prompts(&[10, 12, 7, 14, 9, 11, 8, 13], 2), &SamplingParams::greedy(22));
     let expected = reference(&oracle, &all);
     // 12 blocks of 4 slots: each sample needs up to 9, so sequences must preempt each other;
-    // a token budget of 6 also chunks every prefill.
-    let small = EngineConfig { max_num_batched_tokens: 6, ..config(12, 4) };
+    // a token budget of 6 also chunks every prefill, and a tiny group area gives every
+    // prefill chunk its own attention group.
+    let small =
+        EngineConfig { max_num_batched_tokens: 6, max_prefill_group_area: 8, ..config(12, 4) };
     let mut engine = engine(model(ModelFamily::Qwen2, 5), small);
     let outputs = engine.generate(all).unwrap();
     assert_eq!(token_ids(&outputs), token_ids(&expected));

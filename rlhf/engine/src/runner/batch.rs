@@ -71,8 +71,15 @@ pub struct StepBatch {
 }
 
 impl StepBatch {
-    /// Lays out the chunks of one step for a cache of `block_size`-slot blocks.
-    pub fn build(block_size: usize, chunks: &[ChunkView<'_>]) -> Result<Self, EngineError> {
+    /// Lays out the chunks of one step for a cache of `block_size`-slot blocks. Prefill chunks
+    /// are grouped in order while a group's padded area `batch * q_len * kv_len` stays within
+    /// `max_group_area` (a single larger chunk gets a group of its own): attention materialises
+    /// scores of that area per head, and padding many short prompts to one long one wastes it.
+    pub fn build(
+        block_size: usize,
+        max_group_area: usize,
+        chunks: &[ChunkView<'_>],
+    ) -> Result<Self, EngineError> {
         let mut batch = StepBatch::default();
         let mut offsets = Vec::with_capacity(chunks.len());
         for chunk in chunks {
@@ -98,10 +105,24 @@ impl StepBatch {
         }
         let (decodes, prefills): (Vec<usize>, Vec<usize>) =
             (0..chunks.len()).partition(|&i| chunks[i].num_tokens == 1);
-        for members in [decodes, prefills] {
-            if !members.is_empty() {
+        if !decodes.is_empty() {
+            batch.groups.push(group(block_size, chunks, &offsets, &decodes));
+        }
+        let mut members: Vec<usize> = Vec::new();
+        let (mut q_len, mut kv_len) = (0, 0);
+        for i in prefills {
+            let (q, kv) = (chunks[i].num_tokens, chunks[i].start + chunks[i].num_tokens);
+            let area = (members.len() + 1) * q_len.max(q) * kv_len.max(kv);
+            if !members.is_empty() && area > max_group_area {
                 batch.groups.push(group(block_size, chunks, &offsets, &members));
+                members.clear();
+                (q_len, kv_len) = (0, 0);
             }
+            members.push(i);
+            (q_len, kv_len) = (q_len.max(q), kv_len.max(kv));
+        }
+        if !members.is_empty() {
+            batch.groups.push(group(block_size, chunks, &offsets, &members));
         }
         Ok(batch)
     }
@@ -197,7 +218,7 @@ mod tests {
                 sample: true,
             },
         ];
-        let batch = StepBatch::build(4, &chunks).unwrap();
+        let batch = StepBatch::build(4, usize::MAX, &chunks).unwrap();
         assert_eq!(batch.input_ids, vec![14, 21, 22]);
         assert_eq!(batch.positions, vec![4, 1, 2]);
         assert_eq!(batch.slots, vec![4, 1, 2]);
@@ -223,7 +244,10 @@ mod tests {
         /// Every packed row is a query of exactly one group; each real query sees exactly the
         /// positions up to its own, through the right slots; sampled rows are chunk ends.
         #[test]
-        fn groups_cover_every_row_once_with_causal_masks(spec in arbitrary_chunks()) {
+        fn groups_cover_every_row_once_with_causal_masks(
+            spec in arbitrary_chunks(),
+            max_group_area in prop_oneof![Just(usize::MAX), 1usize..200],
+        ) {
             let block_size = 4;
             let tokens: Vec<Vec<u32>> = spec
                 .iter()
@@ -247,7 +271,7 @@ mod tests {
                     sample,
                 })
                 .collect();
-            let batch = StepBatch::build(block_size, &chunks).unwrap();
+            let batch = StepBatch::build(block_size, max_group_area, &chunks).unwrap();
             let total = batch.num_tokens();
             prop_assert_eq!(total, spec.iter().map(|s| s.1).sum::<usize>());
             let mut seen = vec![0; total];
@@ -284,6 +308,9 @@ mod tests {
                 }
             }
             prop_assert!(seen.iter().all(|&c| c == 1), "{:?}", seen);
+            for g in batch.groups.iter().filter(|g| g.batch > 1 && g.q_len > 1) {
+                prop_assert!(g.batch * g.q_len * g.kv_len <= max_group_area);
+            }
             let expected_samples: Vec<i64> = spec
                 .iter()
                 .scan(0usize, |end, &(_, n, _, _)| { *end += n; Some(*end) })
@@ -317,14 +344,14 @@ mod tests {
                 sample: true,
             },
         ];
-        let batch = StepBatch::build(4, &chunks).unwrap();
+        let batch = StepBatch::build(4, usize::MAX, &chunks).unwrap();
         let g = &batch.groups[0];
         assert_eq!(g.q_index, vec![0, 1, 2, 3, 4, 0]);
         assert_eq!(&g.mask[15..18], &[true, false, false]);
         assert_eq!(g.valid_slots, vec![0, 1, 2, 3, 4]);
         let too_long = [ChunkView { num_tokens: 4, start: 1, ..chunks[0] }];
         assert!(matches!(
-            StepBatch::build(4, &too_long),
+            StepBatch::build(4, usize::MAX, &too_long),
             Err(EngineError::BlockTableTooShort { needed: 5, .. })
         ));
     }
