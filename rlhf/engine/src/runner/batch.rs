@@ -6,8 +6,8 @@
 //!
 //! Layout: all chunks of a step are packed into one row of `T` tokens (the projections and the
 //! MLP run on it once). Attention runs in *groups*: decodes (one query each) form one group and
-//! prefill chunks another, so a step that mixes a long prefill with many decodes does not pad
-//! every decode to the prefill's length. Within a group, sequence `b` has `Q` query slots and
+//! prefill chunks the following ones (bounded in padded area), so a step that mixes a long
+//! prefill with many decodes does not pad every decode to the prefill's length. Within a group, sequence `b` has `Q` query slots and
 //! `L` key slots (the group's longest chunk and longest context); missing ones are padding.
 
 use crate::SequenceId;
