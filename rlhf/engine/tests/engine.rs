@@ -331,6 +331,16 @@ fn update_weights_gives_the_outputs_of_the_new_weights_and_bad_buckets_change_no
     assert_eq!(token_ids(&updated), token_ids(&reference(&new_model, &all)));
     assert_ne!(token_ids(&updated), token_ids(&old));
     assert_eq!(engine.stats().weight_updates, 2);
+
+    // bf16 buckets (half the bytes) land as the new weights rounded to bf16.
+    let third = model(ModelFamily::Qwen2, 3);
+    for bucket in WeightBucket::split_model(&third, 20_000, Some(Kind::BFloat16)).unwrap() {
+        engine.update_weights(&bucket).unwrap();
+    }
+    for (name, expected) in third.named_parameters() {
+        let found = engine.model().params.get(name).unwrap();
+        assert!(found.equal(&expected.to_kind(Kind::BFloat16).to_kind(Kind::Float)), "{name}");
+    }
 }
 
 #[test]
