@@ -1,0 +1,98 @@
+//! Tunables of the network layer, each declared once with its default and the reason for it.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use quinn::{IdleTimeout, MtuDiscoveryConfig, TransportConfig, VarInt};
+
+use crate::error::{NetError, Result};
+use crate::failure::HeartbeatConfig;
+use crate::frame::FrameLimits;
+
+/// Configuration of an endpoint.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NetConfig {
+    /// Limits on frames from authenticated peers. Default: [`FrameLimits::default`] (512 MiB
+    /// frames, 1 MiB heads, 64 parts). Hello and bootstrap frames use [`FrameLimits::HANDSHAKE`].
+    pub frames: FrameLimits,
+    /// Time allowed for the TLS handshake plus the hello or bootstrap exchange. Default 10 s.
+    pub handshake_timeout: Duration,
+    /// Time allowed to receive one whole request frame once its stream opened. Default 60 s,
+    /// enough for a 512 MiB frame on a slow link; a stalled sender loses only its stream.
+    pub request_read_timeout: Duration,
+    /// A connection silent for this long is closed (QUIC idle timeout). Default 30 s.
+    pub idle_timeout: Duration,
+    /// QUIC keep-alive interval, well under the idle timeout. Default 5 s.
+    pub keep_alive: Duration,
+    /// Concurrent bidirectional streams a peer may open (requests and pulls in flight).
+    /// Default 1024.
+    pub max_concurrent_streams: u32,
+    /// Per-stream flow-control window. Default 32 MiB: a 256 MiB transfer at several GB/s over
+    /// a sub-millisecond RTT needs a few MiB in flight; more costs only memory on demand.
+    pub stream_receive_window: u64,
+    /// Per-connection flow-control window. Default 128 MiB.
+    pub connection_receive_window: u64,
+    /// Bytes buffered for sending per connection. Default 128 MiB.
+    pub send_window: u64,
+    /// Largest UDP payload MTU discovery may try. Default 1452 (Ethernet minus IPv6/UDP
+    /// headers); raise it (e.g. 8952 for jumbo frames, up to 65527 on loopback) where the path
+    /// allows: fewer, larger packets make bulk transfers cheaper.
+    pub mtu_upper_bound: u16,
+    /// Incoming requests queued per connection before the reader waits for the application.
+    /// Default 1024.
+    pub request_queue: usize,
+    /// Most chunk numbers in one pull request. Default 1024.
+    pub max_pull_want: usize,
+    /// Heartbeat interval and failure-detection timeout.
+    pub heartbeat: HeartbeatConfig,
+}
+
+impl Default for NetConfig {
+    fn default() -> NetConfig {
+        NetConfig {
+            frames: FrameLimits::default(),
+            handshake_timeout: Duration::from_secs(10),
+            request_read_timeout: Duration::from_secs(60),
+            idle_timeout: Duration::from_secs(30),
+            keep_alive: Duration::from_secs(5),
+            max_concurrent_streams: 1024,
+            stream_receive_window: 32 << 20,
+            connection_receive_window: 128 << 20,
+            send_window: 128 << 20,
+            mtu_upper_bound: 1452,
+            request_queue: 1024,
+            max_pull_want: 1024,
+            heartbeat: HeartbeatConfig::default(),
+        }
+    }
+}
+
+impl NetConfig {
+    /// The QUIC transport parameters for this configuration.
+    pub fn transport(&self) -> Result<Arc<TransportConfig>> {
+        let bad = |what: &str, value: u64| {
+            NetError::Tls(format!("{what} of {value} is out of the range QUIC allows"))
+        };
+        let mut transport = TransportConfig::default();
+        transport
+            .max_concurrent_bidi_streams(VarInt::from_u32(self.max_concurrent_streams))
+            .max_concurrent_uni_streams(VarInt::from_u32(16))
+            .stream_receive_window(
+                VarInt::from_u64(self.stream_receive_window)
+                    .map_err(|_| bad("stream_receive_window", self.stream_receive_window))?,
+            )
+            .receive_window(
+                VarInt::from_u64(self.connection_receive_window)
+                    .map_err(|_| bad("connection_receive_window", self.connection_receive_window))?,
+            )
+            .send_window(self.send_window)
+            .max_idle_timeout(Some(IdleTimeout::try_from(self.idle_timeout).map_err(|_| {
+                bad("idle_timeout (ms)", self.idle_timeout.as_millis() as u64)
+            })?))
+            .keep_alive_interval(Some(self.keep_alive));
+        let mut mtu = MtuDiscoveryConfig::default();
+        mtu.upper_bound(self.mtu_upper_bound.max(1200));
+        transport.mtu_discovery_config(Some(mtu));
+        Ok(Arc::new(transport))
+    }
+}
