@@ -353,7 +353,8 @@ pub(crate) async fn reject_stream(
     warn!(%peer, %reason, "bad stream");
     let _ = recv.stop(quinn::VarInt::from_u32(STREAM_REFUSED));
     let reply = error_frame(correlation, reason);
-    let write = write_frame(send, &reply, &FrameLimits::default());
+    let limits = FrameLimits::default();
+    let write = write_frame(send, &reply, &limits);
     match tokio::time::timeout(REJECT_WRITE_TIMEOUT, write).await {
         Ok(Ok(())) => {
             let _ = send.finish();

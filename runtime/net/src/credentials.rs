@@ -183,7 +183,12 @@ impl ClusterAuthority {
         let key = KeyPair::generate().map_err(cert_error)?;
         let mut params = CertificateParams::default();
         let mut name = DistinguishedName::new();
-        name.push(DnType::CommonName, "rtrun cluster CA");
+        // A random suffix tells clusters apart in logs and certificate dumps.
+        let mut tag = [0u8; 4];
+        SystemRandom::new()
+            .fill(&mut tag)
+            .map_err(|_| NetError::Certificate("system random number generator failed".into()))?;
+        name.push(DnType::CommonName, format!("rtrun cluster CA {}", hex(&tag)));
         name.push(DnType::OrganizationName, "rtrun");
         params.distinguished_name = name;
         params.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
@@ -240,7 +245,6 @@ impl ClusterAuthority {
 
 /// What every node (and driver) holds: the CA certificate it trusts, its own certificate and
 /// key, and the join token it presents.
-#[derive(Clone)]
 pub struct NodeCredentials {
     /// The cluster CA certificate.
     pub ca_cert: CertificateDer<'static>,
@@ -258,6 +262,17 @@ impl fmt::Debug for NodeCredentials {
             .field("node", &node_name_of(&self.cert).unwrap_or_default())
             .field("token", &self.token)
             .finish_non_exhaustive()
+    }
+}
+
+impl Clone for NodeCredentials {
+    fn clone(&self) -> NodeCredentials {
+        NodeCredentials {
+            ca_cert: self.ca_cert.clone(),
+            cert: self.cert.clone(),
+            key: self.key.clone_key(),
+            token: self.token.clone(),
+        }
     }
 }
 
@@ -514,21 +529,16 @@ fn random_serial() -> Result<SerialNumber> {
 
 /// The common name of a certificate, which is the node name for certificates this crate issues.
 pub fn node_name_of(cert: &CertificateDer<'_>) -> Result<String> {
-    let params = CertificateParams::from_ca_cert_der(cert)
+    let (_, parsed) = x509_parser::parse_x509_certificate(cert.as_ref())
         .map_err(|e| NetError::Certificate(format!("unreadable certificate: {e}")))?;
-    match params.distinguished_name.get(&DnType::CommonName) {
-        Some(value) => dn_value_text(value),
-        None => Err(NetError::Certificate("certificate has no common name".into())),
-    }
-}
-
-fn dn_value_text(value: &rcgen::DnValue) -> Result<String> {
-    match value {
-        rcgen::DnValue::Utf8String(text) => Ok(text.clone()),
-        rcgen::DnValue::PrintableString(text) => Ok(text.as_str().to_string()),
-        rcgen::DnValue::Ia5String(text) => Ok(text.as_str().to_string()),
-        other => Err(NetError::Certificate(format!("unsupported common name encoding {other:?}"))),
-    }
+    let name = parsed
+        .subject()
+        .iter_common_name()
+        .next()
+        .ok_or_else(|| NetError::Certificate("certificate has no common name".into()))?;
+    name.as_str()
+        .map(str::to_string)
+        .map_err(|e| NetError::Certificate(format!("certificate common name is not text: {e}")))
 }
 
 /// SHA-256 of a certificate's DER.

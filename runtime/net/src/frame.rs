@@ -401,7 +401,8 @@ pub async fn read_part<R: AsyncRead + Unpin>(stream: &mut R, len: u64) -> Result
     })?;
     let mut buffer = Vec::with_capacity(len);
     while buffer.len() < len {
-        let mut window = (&mut buffer).limit(len - buffer.len());
+        let remaining = len - buffer.len();
+        let mut window = (&mut buffer).limit(remaining);
         let n = stream.read_buf(&mut window).await.map_err(stream_error)?;
         if n == 0 {
             return Err(FrameError::Truncated { during: "parts" });

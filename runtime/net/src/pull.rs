@@ -111,11 +111,17 @@ impl ObjectPull {
             )));
         }
         let limits = *self.connection.limits();
+        // Once the holder stops reading (it answered with an error), the chunks and the error
+        // frame it sent before are still read: they carry data and the reason.
+        let mut holder_stopped = false;
         loop {
             let wanted: Vec<u64> = state.next_requests().iter().map(|c| c.index).collect();
-            if !wanted.is_empty() {
+            if !wanted.is_empty() && !holder_stopped {
                 let want = frame(FrameKind::PullWant, 0, &PullWant { chunks: wanted });
-                write_frame(&mut self.send, &want, &limits).await.map_err(|e| self.connection.lost(e.into()))?;
+                if let Err(error) = write_frame(&mut self.send, &want, &limits).await {
+                    debug!(%peer, %error, "holder stopped reading the pull stream");
+                    holder_stopped = true;
+                }
             }
             if state.is_complete() {
                 let _ = self.send.finish();
@@ -194,7 +200,7 @@ pub(crate) async fn serve_pull(
             }
             Err(e) => return reject_stream(peer, &mut send, &mut recv, correlation, &e.to_string()).await,
         };
-        let want: PullWant = match decode_head(&want) {
+        let want: PullWant = match decode_head::<PullWant>(&want) {
             Ok(want) if want.chunks.len() <= shared.config.max_pull_want => want,
             Ok(want) => {
                 let reason = format!(

@@ -10,7 +10,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use common::*;
 use rtrun_net::{
-    CredentialsDir, Endpoint, EndpointOptions, HeadCredentials, HeartbeatConfig, HeartbeatMonitor,
+    CredentialsDir, HeadCredentials, HeartbeatConfig, HeartbeatMonitor,
     NetConfig, NetError, NodeCredentials, bootstrap,
 };
 use rtrun_object_store::{ObjectId, PullConfig, PullState};
@@ -69,10 +69,12 @@ async fn peers_without_valid_credentials_are_refused() {
     let foreign = NodeCredentials { ca_cert: head.node.ca_cert.clone(), ..other.node.clone() };
     let foreign = NodeCredentials { token: head.node.token.clone(), ..foreign };
     let err = node_endpoint(foreign, NetConfig::default(), None).connect(addr).await.unwrap_err();
+    eprintln!("foreign certificate: {err}");
     assert!(matches!(err, NetError::Refused { .. }), "{err}");
 
     // A node of another cluster does not trust our head either.
     let err = node_endpoint(other.node.clone(), NetConfig::default(), None).connect(addr).await.unwrap_err();
+    eprintln!("other cluster's node: {err}");
     assert!(matches!(err, NetError::Refused { .. }), "{err}");
 
     // No certificate at all: a raw QUIC client passes the head's handshake but may only
@@ -89,6 +91,7 @@ async fn peers_without_valid_credentials_are_refused() {
     let err = bootstrap(plain.local_addr().unwrap(), &head.node.token, "n3", &NetConfig::default())
         .await
         .unwrap_err();
+    eprintln!("bootstrap against a plain node: {err}");
     assert!(matches!(err, NetError::Refused { .. } | NetError::Connection { .. }), "{err}");
     // A token naming another CA never reveals its secret to this head.
     let err = bootstrap(addr, &other.node.token, "n4", &NetConfig::default()).await.unwrap_err();
