@@ -41,6 +41,10 @@ pub struct NetConfig {
     /// Incoming requests queued per connection before the reader waits for the application.
     /// Default 1024.
     pub request_queue: usize,
+    /// Bytes of request parts a peer may have received-but-unanswered on one connection; a
+    /// request waits (within `request_read_timeout`) for room before its parts are read.
+    /// Default 1 GiB.
+    pub max_unanswered_request_bytes: u64,
     /// Most chunk numbers in one pull request. Default 1024.
     pub max_pull_want: usize,
     /// Heartbeat interval and failure-detection timeout.
@@ -61,6 +65,7 @@ impl Default for NetConfig {
             send_window: 128 << 20,
             mtu_upper_bound: 1452,
             request_queue: 1024,
+            max_unanswered_request_bytes: 1 << 30,
             max_pull_want: 1024,
             heartbeat: HeartbeatConfig::default(),
         }
@@ -68,23 +73,23 @@ impl Default for NetConfig {
 }
 
 impl NetConfig {
-    /// The QUIC transport parameters for this configuration.
+    /// The QUIC transport parameters for this configuration, as advertised in the handshake:
+    /// one bidirectional stream and [`PRE_ADMISSION_RECEIVE_WINDOW`] bytes of credit, so a peer
+    /// that has not been admitted (no certificate, wrong token) can make us buffer almost
+    /// nothing. [`NetConfig::open_admitted`] raises both once the hello succeeds.
     pub fn transport(&self) -> Result<Arc<TransportConfig>> {
         let bad = |what: &str, value: u64| {
             NetError::Tls(format!("{what} of {value} is out of the range QUIC allows"))
         };
         let mut transport = TransportConfig::default();
         transport
-            .max_concurrent_bidi_streams(VarInt::from_u32(self.max_concurrent_streams))
-            .max_concurrent_uni_streams(VarInt::from_u32(16))
+            .max_concurrent_bidi_streams(VarInt::from_u32(1))
+            .max_concurrent_uni_streams(VarInt::from_u32(0))
             .stream_receive_window(
                 VarInt::from_u64(self.stream_receive_window)
                     .map_err(|_| bad("stream_receive_window", self.stream_receive_window))?,
             )
-            .receive_window(
-                VarInt::from_u64(self.connection_receive_window)
-                    .map_err(|_| bad("connection_receive_window", self.connection_receive_window))?,
-            )
+            .receive_window(VarInt::from_u32(PRE_ADMISSION_RECEIVE_WINDOW))
             .send_window(self.send_window)
             .max_idle_timeout(Some(IdleTimeout::try_from(self.idle_timeout).map_err(|_| {
                 bad("idle_timeout (ms)", self.idle_timeout.as_millis() as u64)
@@ -95,4 +100,17 @@ impl NetConfig {
         transport.mtu_discovery_config(Some(mtu));
         Ok(Arc::new(transport))
     }
+
+    /// Grants an admitted peer the configured streams and flow-control credit.
+    pub(crate) fn open_admitted(&self, connection: &quinn::Connection) {
+        connection.set_max_concurrent_bi_streams(VarInt::from_u32(self.max_concurrent_streams));
+        connection.set_max_concurrent_uni_streams(VarInt::from_u32(ADMITTED_UNI_STREAMS));
+        let window = VarInt::from_u64(self.connection_receive_window).unwrap_or(VarInt::MAX);
+        connection.set_receive_window(window);
+    }
 }
+
+/// Connection-level receive credit before admission: room for the hello or bootstrap frame.
+pub const PRE_ADMISSION_RECEIVE_WINDOW: u32 = 128 << 10;
+/// Unidirectional streams an admitted peer may open (heartbeats use one).
+const ADMITTED_UNI_STREAMS: u32 = 16;

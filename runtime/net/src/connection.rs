@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use bytes::Bytes;
 use rtrun_object_store::ObjectId;
-use tokio::sync::{Mutex, mpsc};
+use tokio::sync::{Mutex, OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio::task::JoinHandle;
 use tracing::{debug, warn};
 
@@ -68,8 +68,11 @@ impl std::fmt::Debug for Connection {
 
 impl Connection {
     pub(crate) fn start(shared: Arc<Shared>, quinn: quinn::Connection, peer_name: String) -> Connection {
+        shared.config.open_admitted(&quinn);
         let (tx, rx) = mpsc::channel(shared.config.request_queue.max(1));
-        let server = tokio::spawn(serve(shared.clone(), quinn.clone(), Arc::from(peer_name.as_str()), tx));
+        let budget = Arc::new(Semaphore::new(budget_units(shared.config.max_unanswered_request_bytes)));
+        let peer: Arc<str> = Arc::from(peer_name.as_str());
+        let server = tokio::spawn(serve(shared.clone(), quinn.clone(), peer, tx, budget));
         Connection {
             inner: Arc::new(Inner {
                 quinn,
@@ -231,6 +234,8 @@ pub struct Responder {
     send: quinn::SendStream,
     correlation: u64,
     limits: FrameLimits,
+    /// The request's share of the connection's unanswered-bytes budget, returned on answer.
+    _budget: Option<OwnedSemaphorePermit>,
 }
 
 impl std::fmt::Debug for Responder {
@@ -264,12 +269,19 @@ pub(crate) fn remote_error(peer: &str, frame: &Frame) -> NetError {
 }
 
 /// Accepts the peer's streams until the connection closes.
-async fn serve(shared: Arc<Shared>, quinn: quinn::Connection, peer: Arc<str>, tx: mpsc::Sender<IncomingRequest>) {
+async fn serve(
+    shared: Arc<Shared>,
+    quinn: quinn::Connection,
+    peer: Arc<str>,
+    tx: mpsc::Sender<IncomingRequest>,
+    budget: Arc<Semaphore>,
+) {
     loop {
         tokio::select! {
             bi = quinn.accept_bi() => match bi {
                 Ok((send, recv)) => {
-                    tokio::spawn(serve_stream(shared.clone(), peer.clone(), send, recv, tx.clone()));
+                    let stream = serve_stream(shared.clone(), peer.clone(), send, recv, tx.clone(), budget.clone());
+                    tokio::spawn(stream);
                 }
                 Err(error) => return debug!(%peer, %error, "connection ended"),
             },
@@ -290,6 +302,7 @@ async fn serve_stream(
     mut send: quinn::SendStream,
     mut recv: quinn::RecvStream,
     tx: mpsc::Sender<IncomingRequest>,
+    budget: Arc<Semaphore>,
 ) {
     let limits = shared.config.frames;
     let timeout = shared.config.request_read_timeout;
@@ -305,6 +318,25 @@ async fn serve_stream(
     let correlation = header.correlation;
     match header.kind {
         FrameKind::Request => {
+            let bytes: u64 = header.part_lens.iter().sum();
+            let units = budget_units(bytes);
+            let budget_total = budget_units(shared.config.max_unanswered_request_bytes);
+            if units > budget_total {
+                let reason = format!(
+                    "request parts of {bytes} bytes exceed the connection's budget of {} bytes",
+                    shared.config.max_unanswered_request_bytes
+                );
+                return reject_stream(&peer, &mut send, &mut recv, correlation, &reason).await;
+            }
+            // `units <= budget_total`, which `budget_units` keeps within u32.
+            let permit = budget.acquire_many_owned(units as u32);
+            let permit = match tokio::time::timeout(timeout, permit).await {
+                Ok(Ok(permit)) => permit,
+                _ => {
+                    let reason = format!("no room for {bytes} request bytes within {timeout:?}");
+                    return reject_stream(&peer, &mut send, &mut recv, correlation, &reason).await;
+                }
+            };
             let parts = async {
                 let mut parts = Vec::with_capacity(header.part_lens.len());
                 for &len in &header.part_lens {
@@ -327,7 +359,7 @@ async fn serve_stream(
             let request = IncomingRequest {
                 frame,
                 peer: peer.clone(),
-                responder: Responder { send, correlation, limits },
+                responder: Responder { send, correlation, limits, _budget: Some(permit) },
             };
             if let Err(unsent) = tx.send(request).await {
                 let _ = unsent.0.respond_error("the node is shutting down").await;
@@ -367,6 +399,11 @@ pub(crate) async fn reject_stream(
 
 /// How long an error answer to a bad stream may take to write.
 const REJECT_WRITE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// The budget is counted in KiB so a `u32` of permits covers up to 4 TiB.
+fn budget_units(bytes: u64) -> usize {
+    usize::try_from(bytes.div_ceil(1024).min(u64::from(u32::MAX))).unwrap_or(u32::MAX as usize)
+}
 
 /// Reads a peer's heartbeat stream and feeds the endpoint's monitor.
 async fn serve_heartbeats(shared: Arc<Shared>, peer: Arc<str>, mut recv: quinn::RecvStream) {

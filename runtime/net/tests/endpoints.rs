@@ -207,3 +207,19 @@ async fn heartbeat_loss_is_detected_within_the_timeout() {
     assert_eq!(name, "beating");
     assert!(!monitor.is_alive("beating"));
 }
+
+#[tokio::test]
+async fn requests_beyond_the_unanswered_bytes_budget_are_refused_and_the_connection_lives_on() {
+    let config = NetConfig { max_unanswered_request_bytes: 1 << 20, ..NetConfig::default() };
+    let head = HeadCredentials::generate("head").unwrap();
+    let head_ep = Arc::new(head_endpoint(&head, config.clone(), None));
+    spawn_accept_echo(head_ep.clone());
+    let node = node_endpoint(issue(&head, "n1"), config, None);
+    let connection = node.connect(head_ep.local_addr().unwrap()).await.unwrap();
+    let big = Bytes::from(vec![1u8; 2 << 20]);
+    let err = connection.request(Bytes::from_static(b"big"), vec![big]).await.unwrap_err();
+    assert!(err.to_string().contains("budget"), "{err}");
+    let fits = Bytes::from(vec![2u8; 512 << 10]);
+    let reply = connection.request(Bytes::from_static(b"fits"), vec![fits.clone()]).await.unwrap();
+    assert_eq!(reply.parts, vec![fits]);
+}

@@ -142,7 +142,7 @@ async fn a_live_endpoint_survives_a_seeded_fuzz_loop_and_still_serves() {
     let node = node_endpoint(issue(&head, "fuzzer"), NetConfig::default(), None);
     let connection = node.connect(addr).await.unwrap();
     let limits = FrameLimits::default();
-    let seed = 0x5eed_0f_f00d_u64;
+    let seed = 0x005e_ed0f_f00d_u64;
     let mut rng = Rng(seed);
     let (mut errors, mut closed) = (0, 0);
     for case in 0..300 {
