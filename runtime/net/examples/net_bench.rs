@@ -8,7 +8,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use rtrun_net::{Endpoint, EndpointOptions, HeadCredentials, NetConfig, NodeCredentials, ObjectSource};
+use rtrun_net::{
+    Endpoint, EndpointOptions, HeadCredentials, NetConfig, NodeCredentials, ObjectSource,
+};
 use rtrun_object_store::{ObjectId, PullConfig};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -31,14 +33,20 @@ impl ObjectSource for OneObject {
 async fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().collect();
     let seconds: f64 = args.get(1).map(|s| s.parse()).transpose()?.unwrap_or(3.0);
-    let mtu: u16 = args.get(2).map(|s| s.parse()).transpose()?.unwrap_or(NetConfig::default().mtu_upper_bound);
+    let mtu: u16 =
+        args.get(2).map(|s| s.parse()).transpose()?.unwrap_or(NetConfig::default().mtu_upper_bound);
     let window = Duration::from_secs_f64(seconds);
     let data = Bytes::from((0..SIZE).map(|i| (i % 251) as u8).collect::<Vec<u8>>());
 
     let config = NetConfig { mtu_upper_bound: mtu, ..NetConfig::default() };
     let head = HeadCredentials::generate("head")?;
     let (cert, key) = head.authority.issue_node("node")?;
-    let node = NodeCredentials { ca_cert: head.node.ca_cert.clone(), cert, key, token: head.node.token.clone() };
+    let node = NodeCredentials {
+        ca_cert: head.node.ca_cert.clone(),
+        cert,
+        key,
+        token: head.node.token.clone(),
+    };
     let server = Arc::new(Endpoint::bind(
         "127.0.0.1:0".parse()?,
         head.node.clone(),
@@ -62,7 +70,11 @@ async fn main() -> anyhow::Result<()> {
             });
         }
     });
-    let client = Endpoint::bind("127.0.0.1:0".parse()?, node, EndpointOptions { config, ..Default::default() })?;
+    let client = Endpoint::bind(
+        "127.0.0.1:0".parse()?,
+        node,
+        EndpointOptions { config, ..Default::default() },
+    )?;
     let connection = client.connect(addr).await?;
 
     // Round trips, one in flight.
@@ -92,15 +104,26 @@ async fn main() -> anyhow::Result<()> {
         let start = Instant::now();
         let pulled = connection.pull_object(ObjectId(1), PullConfig::default()).await?;
         pull = pull.min(start.elapsed().as_secs_f64());
-        anyhow::ensure!(pulled.len() == SIZE && pulled[SIZE - 1] == data[SIZE - 1], "pull corrupted");
+        anyhow::ensure!(
+            pulled.len() == SIZE && pulled[SIZE - 1] == data[SIZE - 1],
+            "pull corrupted"
+        );
     }
+    let path = connection.quinn().stats().path;
     let tcp = tcp_transfer(&data).await?;
     let gb = SIZE as f64 / 1e9;
     println!("rtrun-net loopback benchmark (mtu_upper_bound {mtu}, {seconds} s windows)");
-    println!("round trips, 1 in flight: QUIC {quic_rps:>9.0}/s   TCP anchor {tcp_rps:>9.0}/s   ratio {:.2}", quic_rps / tcp_rps);
+    println!(
+        "round trips, 1 in flight: QUIC {quic_rps:>9.0}/s   TCP anchor {tcp_rps:>9.0}/s   ratio {:.2}",
+        quic_rps / tcp_rps
+    );
     println!("256 MiB multipart request: {:>6.2} GB/s ({:.0} ms)", gb / multipart, multipart * 1e3);
     println!("256 MiB chunked pull:      {:>6.2} GB/s ({:.0} ms)", gb / pull, pull * 1e3);
     println!("256 MiB plain TCP anchor:  {:>6.2} GB/s ({:.0} ms)", gb / tcp, tcp * 1e3);
+    println!(
+        "QUIC path: mtu {} bytes, rtt {:?}, {} congestion events, {} lost packets",
+        path.current_mtu, path.rtt, path.congestion_events, path.lost_packets
+    );
     Ok(())
 }
 

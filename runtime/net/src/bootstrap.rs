@@ -41,9 +41,12 @@ pub async fn bootstrap(
 ) -> Result<NodeCredentials> {
     validate_node_name(node_name)?;
     let timeout = config.handshake_timeout;
-    tokio::time::timeout(timeout, bootstrap_inner(head, token, node_name, config))
-        .await
-        .map_err(|_| NetError::Timeout { during: "bootstrapping with the head", after_ms: timeout.as_millis() })?
+    tokio::time::timeout(timeout, bootstrap_inner(head, token, node_name, config)).await.map_err(
+        |_| NetError::Timeout {
+            during: "bootstrapping with the head",
+            after_ms: timeout.as_millis(),
+        },
+    )?
 }
 
 async fn bootstrap_inner(
@@ -74,14 +77,16 @@ async fn bootstrap_inner(
         .await
         .map_err(|e| connection_error(&peer, e))?;
     let exchange = async {
-        let (mut send, mut recv) = connection.open_bi().await.map_err(|e| connection_error(&peer, e))?;
+        let (mut send, mut recv) =
+            connection.open_bi().await.map_err(|e| connection_error(&peer, e))?;
         let request = BootstrapRequest {
             protocol: PROTOCOL_VERSION,
             token_secret: token.secret().to_vec(),
             node_name: node_name.to_string(),
             csr_der: csr.der().to_vec(),
         };
-        write_frame(&mut send, &frame(FrameKind::Bootstrap, 0, &request), &FrameLimits::HANDSHAKE).await?;
+        write_frame(&mut send, &frame(FrameKind::Bootstrap, 0, &request), &FrameLimits::HANDSHAKE)
+            .await?;
         let _ = send.finish();
         let reply = expect_frame(&mut recv, &FrameLimits::HANDSHAKE).await?;
         match decode::<Issued>(&reply, FrameKind::Issued) {
@@ -93,7 +98,10 @@ async fn bootstrap_inner(
     let issued = match exchange.await {
         Ok(issued) => issued,
         Err(error) => {
-            return Err(connection.close_reason().map(|e| connection_error(&peer, e)).unwrap_or(error));
+            return Err(connection
+                .close_reason()
+                .map(|e| connection_error(&peer, e))
+                .unwrap_or(error));
         }
     };
     connection.close(quinn::VarInt::from_u32(crate::endpoint::CLOSE_NORMAL), b"bootstrapped");
@@ -129,23 +137,34 @@ pub(crate) async fn serve_bootstrap(shared: &Shared, connection: &quinn::Connect
         refuse(connection, reason);
         return Err(NetError::Refused { peer: remote, reason: reason.into() });
     };
-    let (mut send, mut recv) = connection.accept_bi().await.map_err(|e| connection_error(&remote, e))?;
+    let (mut send, mut recv) =
+        connection.accept_bi().await.map_err(|e| connection_error(&remote, e))?;
     let outcome = async {
-        let request = expect_frame(&mut recv, &FrameLimits::HANDSHAKE).await.map_err(|e| e.to_string())?;
+        let request =
+            expect_frame(&mut recv, &FrameLimits::HANDSHAKE).await.map_err(|e| e.to_string())?;
         let request: BootstrapRequest = match decode(&request, FrameKind::Bootstrap) {
             Ok(request) => request,
-            Err(Ok(message)) => return Err(format!("expected a bootstrap request, found an error: {message}")),
+            Err(Ok(message)) => {
+                return Err(format!("expected a bootstrap request, found an error: {message}"));
+            }
             Err(Err(e)) => {
-                return Err(format!("a peer without a cluster certificate may only bootstrap: {e}"));
+                return Err(format!(
+                    "a peer without a cluster certificate may only bootstrap: {e}"
+                ));
             }
         };
         if request.protocol != PROTOCOL_VERSION {
-            return Err(format!("expected protocol {PROTOCOL_VERSION}, found {}", request.protocol));
+            return Err(format!(
+                "expected protocol {PROTOCOL_VERSION}, found {}",
+                request.protocol
+            ));
         }
         if !shared.node.token.secret_matches(&request.token_secret) {
             return Err("wrong join token".to_string());
         }
-        let cert = authority.sign_request(&request.csr_der, &request.node_name).map_err(|e| e.to_string())?;
+        let cert = authority
+            .sign_request(&request.csr_der, &request.node_name)
+            .map_err(|e| e.to_string())?;
         Ok((request.node_name, cert))
     }
     .await;

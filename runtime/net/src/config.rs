@@ -38,6 +38,11 @@ pub struct NetConfig {
     /// headers); raise it (e.g. 8952 for jumbo frames, up to 65527 on loopback) where the path
     /// allows: fewer, larger packets make bulk transfers cheaper.
     pub mtu_upper_bound: u16,
+    /// Requested UDP socket send and receive buffer sizes. Default 4 MiB: the kernel default
+    /// (~208 KiB) overflows during bulk transfers when the receiver is briefly descheduled, and
+    /// every overflow is a loss that halves QUIC's congestion window. The kernel caps the value
+    /// at `net.core.rmem_max` / `wmem_max`.
+    pub udp_buffer_bytes: usize,
     /// Incoming requests queued per connection before the reader waits for the application.
     /// Default 1024.
     pub request_queue: usize,
@@ -64,6 +69,7 @@ impl Default for NetConfig {
             connection_receive_window: 128 << 20,
             send_window: 128 << 20,
             mtu_upper_bound: 1452,
+            udp_buffer_bytes: 4 << 20,
             request_queue: 1024,
             max_unanswered_request_bytes: 1 << 30,
             max_pull_want: 1024,
@@ -91,14 +97,24 @@ impl NetConfig {
             )
             .receive_window(VarInt::from_u32(PRE_ADMISSION_RECEIVE_WINDOW))
             .send_window(self.send_window)
-            .max_idle_timeout(Some(IdleTimeout::try_from(self.idle_timeout).map_err(|_| {
-                bad("idle_timeout (ms)", self.idle_timeout.as_millis() as u64)
-            })?))
+            .max_idle_timeout(Some(
+                IdleTimeout::try_from(self.idle_timeout)
+                    .map_err(|_| bad("idle_timeout (ms)", self.idle_timeout.as_millis() as u64))?,
+            ))
             .keep_alive_interval(Some(self.keep_alive));
         let mut mtu = MtuDiscoveryConfig::default();
         mtu.upper_bound(self.mtu_upper_bound.max(1200));
         transport.mtu_discovery_config(Some(mtu));
         Ok(Arc::new(transport))
+    }
+
+    /// Endpoint parameters: accept datagrams up to the MTU discovery bound (receive buffers
+    /// grow linearly with it).
+    pub fn endpoint(&self) -> quinn::EndpointConfig {
+        let mut endpoint = quinn::EndpointConfig::default();
+        // 1200..=65527 is what QUIC allows; the bound is clamped into it.
+        let _ = endpoint.max_udp_payload_size(self.mtu_upper_bound.clamp(1200, 65_527));
+        endpoint
     }
 
     /// Grants an admitted peer the configured streams and flow-control credit.

@@ -67,10 +67,15 @@ impl std::fmt::Debug for Connection {
 }
 
 impl Connection {
-    pub(crate) fn start(shared: Arc<Shared>, quinn: quinn::Connection, peer_name: String) -> Connection {
+    pub(crate) fn start(
+        shared: Arc<Shared>,
+        quinn: quinn::Connection,
+        peer_name: String,
+    ) -> Connection {
         shared.config.open_admitted(&quinn);
         let (tx, rx) = mpsc::channel(shared.config.request_queue.max(1));
-        let budget = Arc::new(Semaphore::new(budget_units(shared.config.max_unanswered_request_bytes)));
+        let budget =
+            Arc::new(Semaphore::new(budget_units(shared.config.max_unanswered_request_bytes)));
         let peer: Arc<str> = Arc::from(peer_name.as_str());
         let server = tokio::spawn(serve(shared.clone(), quinn.clone(), peer, tx, budget));
         Connection {
@@ -112,6 +117,8 @@ impl Connection {
 
     /// Sends a request (a small head and large parts, written from their buffers) on a new
     /// stream and waits for the response frame, whose parts are read into buffers sized once.
+    /// There is no deadline here (actor calls may run for hours); a vanished peer ends the wait
+    /// through the QUIC idle timeout, and callers wrap it in `tokio::time::timeout` as needed.
     pub async fn request(&self, head: impl Into<Bytes>, parts: Vec<Bytes>) -> Result<Frame> {
         let correlation = self.next_correlation();
         let peer = &self.inner.peer_name;
@@ -120,11 +127,15 @@ impl Connection {
         let request = Frame::with_parts(FrameKind::Request, correlation, head, parts);
         write_frame(&mut send, &request, self.limits()).await.map_err(|e| self.lost(e.into()))?;
         let _ = send.finish();
-        let response = expect_frame(&mut recv, self.limits()).await.map_err(|e| self.lost(e.into()))?;
+        let response =
+            expect_frame(&mut recv, self.limits()).await.map_err(|e| self.lost(e.into()))?;
         if response.correlation != correlation {
             return Err(NetError::Protocol {
                 peer: peer.clone(),
-                reason: format!("expected a response to request {correlation}, found one to {}", response.correlation),
+                reason: format!(
+                    "expected a response to request {correlation}, found one to {}",
+                    response.correlation
+                ),
             });
         }
         match response.kind {
@@ -309,7 +320,9 @@ async fn serve_stream(
     let header = match tokio::time::timeout(timeout, read_header(&mut recv, &limits)).await {
         Ok(Ok(Some(header))) => header,
         Ok(Ok(None)) => return,
-        Ok(Err(error)) => return reject_stream(&peer, &mut send, &mut recv, 0, &error.to_string()).await,
+        Ok(Err(error)) => {
+            return reject_stream(&peer, &mut send, &mut recv, 0, &error.to_string()).await;
+        }
         Err(_) => {
             let reason = format!("no frame header within {timeout:?}");
             return reject_stream(&peer, &mut send, &mut recv, 0, &reason).await;
@@ -347,7 +360,14 @@ async fn serve_stream(
             let parts = match tokio::time::timeout(timeout, parts).await {
                 Ok(Ok(parts)) => parts,
                 Ok(Err(error)) => {
-                    return reject_stream(&peer, &mut send, &mut recv, correlation, &error.to_string()).await;
+                    return reject_stream(
+                        &peer,
+                        &mut send,
+                        &mut recv,
+                        correlation,
+                        &error.to_string(),
+                    )
+                    .await;
                 }
                 Err(_) => {
                     let reason = format!("request parts not received within {timeout:?}");
@@ -367,7 +387,8 @@ async fn serve_stream(
         }
         FrameKind::PullOpen => crate::pull::serve_pull(&shared, &peer, header, send, recv).await,
         other => {
-            let reason = format!("a stream must start with a Request or PullOpen frame, found {other:?}");
+            let reason =
+                format!("a stream must start with a Request or PullOpen frame, found {other:?}");
             reject_stream(&peer, &mut send, &mut recv, correlation, &reason).await;
         }
     }

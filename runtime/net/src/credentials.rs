@@ -111,9 +111,9 @@ impl JoinToken {
             check_private(path)?;
             let text = fs::read_to_string(path)
                 .map_err(|e| NetError::io(format!("reading token file `{}`", path.display()), e))?;
-            return text
-                .parse()
-                .map_err(|e: NetError| from_source(&format!("token file `{}`", path.display()), e));
+            return text.parse().map_err(|e: NetError| {
+                from_source(&format!("token file `{}`", path.display()), e)
+            });
         }
         Err(NetError::MissingToken)
     }
@@ -225,11 +225,7 @@ impl ClusterAuthority {
 
     /// Signs the public key of a certificate signing request for `node_name`. Everything the
     /// request asks for besides its key is ignored: the head decides names, usages and validity.
-    pub fn sign_request(
-        &self,
-        csr_der: &[u8],
-        node_name: &str,
-    ) -> Result<CertificateDer<'static>> {
+    pub fn sign_request(&self, csr_der: &[u8], node_name: &str) -> Result<CertificateDer<'static>> {
         let mut request =
             CertificateSigningRequestParams::from_der(&CertificateSigningRequestDer::from(csr_der))
                 .map_err(|e| NetError::Certificate(format!("certificate signing request: {e}")))?;
@@ -380,9 +376,8 @@ impl CredentialsDir {
             }
         })?;
         let token_text = self.read_private(TOKEN_FILE, "the join token", NODE_HINT)?;
-        let token: JoinToken = token_text.parse().map_err(|e: NetError| NetError::BadCredential {
-            path: self.token_path(),
-            reason: e.to_string(),
+        let token: JoinToken = token_text.parse().map_err(|e: NetError| {
+            NetError::BadCredential { path: self.token_path(), reason: e.to_string() }
         })?;
         if token.ca_fingerprint != fingerprint(&ca_cert) {
             return Err(NetError::BadCredential {
@@ -406,7 +401,10 @@ impl CredentialsDir {
         self.create_dir()?;
         self.write_private(CA_CERT_FILE, pem("CERTIFICATE", &node.ca_cert).as_bytes())?;
         self.write_private(NODE_CERT_FILE, pem("CERTIFICATE", &node.cert).as_bytes())?;
-        self.write_private(NODE_KEY_FILE, pem("PRIVATE KEY", node.key.secret_pkcs8_der()).as_bytes())?;
+        self.write_private(
+            NODE_KEY_FILE,
+            pem("PRIVATE KEY", node.key.secret_pkcs8_der()).as_bytes(),
+        )?;
         self.write_private(TOKEN_FILE, format!("{}\n", node.token).as_bytes())
     }
 
@@ -432,7 +430,9 @@ impl CredentialsDir {
             .mode(0o600)
             .open(&temporary)
             .map_err(|e| NetError::io(context(), e))?;
-        file.write_all(contents).and_then(|()| file.sync_all()).map_err(|e| NetError::io(context(), e))?;
+        file.write_all(contents)
+            .and_then(|()| file.sync_all())
+            .map_err(|e| NetError::io(context(), e))?;
         fs::rename(&temporary, &path).map_err(|e| NetError::io(context(), e))
     }
 
@@ -442,7 +442,8 @@ impl CredentialsDir {
             return Err(NetError::MissingCredential { path, what, hint });
         }
         check_private(&path)?;
-        fs::read_to_string(&path).map_err(|e| NetError::io(format!("reading `{}`", path.display()), e))
+        fs::read_to_string(&path)
+            .map_err(|e| NetError::io(format!("reading `{}`", path.display()), e))
     }
 
     fn read_cert(&self, name: &str, what: &'static str) -> Result<CertificateDer<'static>> {
@@ -450,8 +451,8 @@ impl CredentialsDir {
         if !path.exists() {
             return Err(NetError::MissingCredential { path, what, hint: NODE_HINT });
         }
-        let bytes =
-            fs::read(&path).map_err(|e| NetError::io(format!("reading `{}`", path.display()), e))?;
+        let bytes = fs::read(&path)
+            .map_err(|e| NetError::io(format!("reading `{}`", path.display()), e))?;
         CertificateDer::from_pem_slice(&bytes).map_err(|e| NetError::BadCredential {
             path,
             reason: format!("expected a PEM certificate: {e}"),
@@ -592,7 +593,9 @@ fn unhex32(text: &str, what: &str) -> Result<[u8; 32]> {
     for (i, pair) in text.as_bytes().chunks(2).enumerate() {
         let digits = std::str::from_utf8(pair).ok().and_then(|p| u8::from_str_radix(p, 16).ok());
         out[i] = digits.ok_or_else(|| {
-            NetError::BadToken(format!("expected the {what} as hex digits, found a non-hex character"))
+            NetError::BadToken(format!(
+                "expected the {what} as hex digits, found a non-hex character"
+            ))
         })?;
     }
     Ok(out)

@@ -72,13 +72,29 @@ impl std::fmt::Debug for Endpoint {
 
 impl Endpoint {
     /// Binds `addr` (port 0 picks one) and starts accepting. Must run inside a tokio runtime.
-    pub fn bind(addr: SocketAddr, node: NodeCredentials, options: EndpointOptions) -> Result<Endpoint> {
+    pub fn bind(
+        addr: SocketAddr,
+        node: NodeCredentials,
+        options: EndpointOptions,
+    ) -> Result<Endpoint> {
         let node_name = node.node_name()?;
         let transport = options.config.transport()?;
-        let server_config = tls::server_config(&node, options.authority.is_some(), transport.clone())?;
+        let server_config =
+            tls::server_config(&node, options.authority.is_some(), transport.clone())?;
         let client_config = tls::client_config(&node, transport)?;
-        let quinn = quinn::Endpoint::server(server_config, addr)
-            .map_err(|e| NetError::io(format!("binding a QUIC endpoint on {addr}"), e))?;
+        let bind_error = |e| NetError::io(format!("binding a QUIC endpoint on {addr}"), e);
+        let socket = std::net::UdpSocket::bind(addr).map_err(bind_error)?;
+        let buffers = socket2::SockRef::from(&socket);
+        let size = options.config.udp_buffer_bytes;
+        if let Err(error) =
+            buffers.set_recv_buffer_size(size).and_then(|()| buffers.set_send_buffer_size(size))
+        {
+            warn!(%error, size, "could not enlarge the UDP socket buffers");
+        }
+        let runtime: Arc<dyn quinn::Runtime> = Arc::new(quinn::TokioRuntime);
+        let quinn =
+            quinn::Endpoint::new(options.config.endpoint(), Some(server_config), socket, runtime)
+                .map_err(bind_error)?;
         let shared = Arc::new(Shared {
             config: options.config,
             node,
@@ -117,7 +133,10 @@ impl Endpoint {
     pub async fn connect(&self, addr: SocketAddr) -> Result<Connection> {
         let timeout = self.shared.config.handshake_timeout;
         tokio::time::timeout(timeout, self.connect_inner(addr)).await.map_err(|_| {
-            NetError::Timeout { during: "connecting (handshake and hello)", after_ms: timeout.as_millis() }
+            NetError::Timeout {
+                during: "connecting (handshake and hello)",
+                after_ms: timeout.as_millis(),
+            }
         })?
     }
 
@@ -130,12 +149,19 @@ impl Endpoint {
         let quinn = connecting.await.map_err(|e| connection_error(&peer, e))?;
         let exchange = async {
             let certs = tls::peer_certificates(&quinn);
-            let peer_name = certs.first().map(node_name_of).transpose()?.ok_or_else(|| {
-                NetError::Protocol { peer: peer.clone(), reason: "server presented no certificate".into() }
-            })?;
-            let (mut send, mut recv) = quinn.open_bi().await.map_err(|e| connection_error(&peer, e))?;
-            let hello = Hello { protocol: PROTOCOL_VERSION, token_secret: self.shared.node.token.secret().to_vec() };
-            write_frame(&mut send, &frame(FrameKind::Hello, 0, &hello), &FrameLimits::HANDSHAKE).await?;
+            let peer_name =
+                certs.first().map(node_name_of).transpose()?.ok_or_else(|| NetError::Protocol {
+                    peer: peer.clone(),
+                    reason: "server presented no certificate".into(),
+                })?;
+            let (mut send, mut recv) =
+                quinn.open_bi().await.map_err(|e| connection_error(&peer, e))?;
+            let hello = Hello {
+                protocol: PROTOCOL_VERSION,
+                token_secret: self.shared.node.token.secret().to_vec(),
+            };
+            write_frame(&mut send, &frame(FrameKind::Hello, 0, &hello), &FrameLimits::HANDSHAKE)
+                .await?;
             let _ = send.finish();
             let reply = expect_frame(&mut recv, &FrameLimits::HANDSHAKE).await?;
             match decode::<Welcome>(&reply, FrameKind::Welcome) {
@@ -147,7 +173,9 @@ impl Endpoint {
         match exchange.await {
             Ok(peer_name) => Ok(Connection::start(self.shared.clone(), quinn, peer_name)),
             // A refusal closes the connection; its reason beats the stream error it caused.
-            Err(error) => Err(quinn.close_reason().map(|e| connection_error(&peer, e)).unwrap_or(error)),
+            Err(error) => {
+                Err(quinn.close_reason().map(|e| connection_error(&peer, e)).unwrap_or(error))
+            }
         }
     }
 
@@ -178,7 +206,9 @@ async fn accept_loop(quinn: quinn::Endpoint, shared: Arc<Shared>, tx: mpsc::Send
                 }
                 Ok(Ok(None)) => {}
                 Ok(Err(error)) => warn!(%remote, %error, "peer refused"),
-                Err(_) => warn!(%remote, "peer refused: handshake not completed within {timeout:?}"),
+                Err(_) => {
+                    warn!(%remote, "peer refused: handshake not completed within {timeout:?}")
+                }
             }
         });
     }
@@ -197,7 +227,8 @@ async fn admit(shared: Arc<Shared>, incoming: quinn::Incoming) -> Result<Option<
     let peer_name = node_name_of(cert)?;
     let (mut send, mut recv) = quinn.accept_bi().await.map_err(|e| connection_error(&remote, e))?;
     let outcome = async {
-        let hello = expect_frame(&mut recv, &FrameLimits::HANDSHAKE).await.map_err(|e| e.to_string())?;
+        let hello =
+            expect_frame(&mut recv, &FrameLimits::HANDSHAKE).await.map_err(|e| e.to_string())?;
         let hello: Hello = match decode(&hello, FrameKind::Hello) {
             Ok(hello) => hello,
             Err(Ok(message)) => return Err(format!("expected a hello, found an error: {message}")),
@@ -217,7 +248,8 @@ async fn admit(shared: Arc<Shared>, incoming: quinn::Incoming) -> Result<Option<
         return Err(NetError::Refused { peer: format!("{peer_name} at {remote}"), reason });
     }
     let welcome = Welcome { node_name: shared.node_name.clone() };
-    write_frame(&mut send, &frame(FrameKind::Welcome, 0, &welcome), &FrameLimits::HANDSHAKE).await?;
+    write_frame(&mut send, &frame(FrameKind::Welcome, 0, &welcome), &FrameLimits::HANDSHAKE)
+        .await?;
     let _ = send.finish();
     Ok(Some(Connection::start(shared, quinn, peer_name)))
 }
@@ -233,10 +265,15 @@ pub(crate) fn connection_error(peer: &str, error: quinn::ConnectionError) -> Net
     use quinn::ConnectionError::*;
     match error {
         ApplicationClosed(close) if close.error_code == quinn::VarInt::from_u32(CLOSE_REFUSED) => {
-            NetError::Refused { peer: peer.to_string(), reason: String::from_utf8_lossy(&close.reason).into_owned() }
+            NetError::Refused {
+                peer: peer.to_string(),
+                reason: String::from_utf8_lossy(&close.reason).into_owned(),
+            }
         }
         TransportError(e) => NetError::Refused { peer: peer.to_string(), reason: e.to_string() },
-        ConnectionClosed(close) => NetError::Refused { peer: peer.to_string(), reason: close.to_string() },
+        ConnectionClosed(close) => {
+            NetError::Refused { peer: peer.to_string(), reason: close.to_string() }
+        }
         other => NetError::Connection { peer: peer.to_string(), reason: other.to_string() },
     }
 }

@@ -26,7 +26,9 @@ pub enum NetError {
         reason: String,
     },
     /// No join token was given by flag, environment or file.
-    #[error("no join token: pass --token, set RTRUN_TOKEN, or point --token-file at the head's token file")]
+    #[error(
+        "no join token: pass --token, set RTRUN_TOKEN, or point --token-file at the head's token file"
+    )]
     MissingToken,
     /// A join token does not parse.
     #[error("malformed join token: {0}")]

@@ -360,16 +360,23 @@ pub fn decode_prelude(
     if prelude[2] != VERSION {
         return Err(FrameError::UnsupportedVersion { found: prelude[2] });
     }
-    let kind = FrameKind::from_u8(prelude[3]).ok_or(FrameError::UnknownKind { found: prelude[3] })?;
+    let kind =
+        FrameKind::from_u8(prelude[3]).ok_or(FrameError::UnknownKind { found: prelude[3] })?;
     let head_len = u32::from_le_bytes([prelude[4], prelude[5], prelude[6], prelude[7]]);
     let mut correlation = [0u8; 8];
     correlation.copy_from_slice(&prelude[8..16]);
     let part_count = u16::from_le_bytes([prelude[16], prelude[17]]);
     if head_len > limits.max_head_size {
-        return Err(FrameError::HeadTooLarge { found: u64::from(head_len), limit: limits.max_head_size });
+        return Err(FrameError::HeadTooLarge {
+            found: u64::from(head_len),
+            limit: limits.max_head_size,
+        });
     }
     if part_count > limits.max_parts {
-        return Err(FrameError::TooManyParts { found: u64::from(part_count), limit: limits.max_parts });
+        return Err(FrameError::TooManyParts {
+            found: u64::from(part_count),
+            limit: limits.max_parts,
+        });
     }
     let fixed = PRELUDE_LEN as u128 + 8 * u128::from(part_count) + u128::from(head_len);
     if fixed > u128::from(limits.max_frame_size) {
@@ -387,18 +394,23 @@ pub async fn read_part_into<R: AsyncRead + Unpin>(
     destination: &mut [u8],
 ) -> Result<(), FrameError> {
     if destination.len() as u64 != len {
-        return Err(FrameError::PartSize { index, declared: len, capacity: destination.len() as u64 });
+        return Err(FrameError::PartSize {
+            index,
+            declared: len,
+            capacity: destination.len() as u64,
+        });
     }
     read_exact(stream, destination, "parts").await
 }
 
 /// Reads the next part, of `len` bytes, into a buffer reserved once (the caller has checked
 /// `len` against the frame limits through [`read_header`]); the buffer fills as bytes arrive.
-pub async fn read_part<R: AsyncRead + Unpin>(stream: &mut R, len: u64) -> Result<Bytes, FrameError> {
-    let len = usize::try_from(len).map_err(|_| FrameError::TooLarge {
-        found: u128::from(len),
-        limit: usize::MAX as u64,
-    })?;
+pub async fn read_part<R: AsyncRead + Unpin>(
+    stream: &mut R,
+    len: u64,
+) -> Result<Bytes, FrameError> {
+    let len = usize::try_from(len)
+        .map_err(|_| FrameError::TooLarge { found: u128::from(len), limit: usize::MAX as u64 })?;
     let mut buffer = Vec::with_capacity(len);
     while buffer.len() < len {
         let remaining = len - buffer.len();
@@ -497,9 +509,10 @@ mod tests {
         let err = block_on(read_frame(&mut &big[..], &limits())).unwrap_err();
         assert!(matches!(err, FrameError::HeadTooLarge { found: 600, limit: 512 }), "{err}");
         // A part table that declares 2^64-1 bytes is refused before any part is read.
-        big = Frame::with_parts(FrameKind::Request, 1, Bytes::new(), vec![Bytes::from_static(b"x")])
-            .encode_header()
-            .to_vec();
+        big =
+            Frame::with_parts(FrameKind::Request, 1, Bytes::new(), vec![Bytes::from_static(b"x")])
+                .encode_header()
+                .to_vec();
         big[PRELUDE_LEN..PRELUDE_LEN + 8].copy_from_slice(&u64::MAX.to_le_bytes());
         let err = block_on(read_frame(&mut &big[..], &limits())).unwrap_err();
         assert!(matches!(err, FrameError::TooLarge { .. }), "{err}");

@@ -90,7 +90,8 @@ async fn detect(state: Arc<State>, config: HeartbeatConfig, tx: mpsc::UnboundedS
                 return;
             }
         }
-        let deadline = deadline.map(Instant::from_std).unwrap_or_else(|| Instant::now() + config.timeout);
+        let deadline =
+            deadline.map(Instant::from_std).unwrap_or_else(|| Instant::now() + config.timeout);
         tokio::select! {
             _ = tokio::time::sleep_until(deadline) => {}
             _ = state.wake.notified() => {}
@@ -106,7 +107,10 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_silent_node_is_reported_once_after_the_timeout_and_a_beating_one_never() {
-        let config = HeartbeatConfig { interval: Duration::from_millis(100), timeout: Duration::from_millis(500) };
+        let config = HeartbeatConfig {
+            interval: Duration::from_millis(100),
+            timeout: Duration::from_millis(500),
+        };
         let (monitor, mut dead) = HeartbeatMonitor::start(config);
         monitor.watch("quiet");
         monitor.watch("chatty");
@@ -124,7 +128,10 @@ mod tests {
         let last = Instant::now();
         assert_eq!(dead.recv().await.unwrap(), "chatty");
         let waited = Instant::now() - last;
-        assert!(waited >= config.timeout && waited <= config.timeout + config.interval, "{waited:?}");
+        assert!(
+            waited >= config.timeout && waited <= config.timeout + config.interval,
+            "{waited:?}"
+        );
         assert!(dead.try_recv().is_err());
     }
 }

@@ -2,8 +2,8 @@
 //! Application requests carry opaque heads the runtime encodes itself.
 
 use bytes::Bytes;
-use serde::{Deserialize, Serialize};
 use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
 
 use crate::frame::{Frame, FrameError, FrameKind};
 

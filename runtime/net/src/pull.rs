@@ -47,13 +47,16 @@ impl Connection {
     /// Opens a pull of `object` in chunks of `chunk_size` bytes and learns its size.
     pub async fn open_pull(&self, object: ObjectId, chunk_size: u64) -> Result<ObjectPull> {
         let peer = self.peer_name().to_string();
-        let (mut send, mut recv) = self.quinn().open_bi().await.map_err(|e| connection_error(&peer, e))?;
+        let (mut send, mut recv) =
+            self.quinn().open_bi().await.map_err(|e| connection_error(&peer, e))?;
         let correlation = self.next_correlation();
         let open = PullOpen { object: object.0, chunk_size };
         write_frame(&mut send, &frame(FrameKind::PullOpen, correlation, &open), self.limits())
             .await
             .map_err(|e| self.lost(e.into()))?;
-        let reply = expect_frame(&mut recv, &FrameLimits::HANDSHAKE).await.map_err(|e| self.lost(e.into()))?;
+        let reply = expect_frame(&mut recv, &FrameLimits::HANDSHAKE)
+            .await
+            .map_err(|e| self.lost(e.into()))?;
         let meta: PullMeta = match decode(&reply, FrameKind::PullMeta) {
             Ok(meta) => meta,
             Err(Ok(message)) => return Err(NetError::Remote { peer, message }),
@@ -137,7 +140,9 @@ impl ObjectPull {
                     let frame = Frame::new(header.kind, header.correlation, header.head);
                     return Err(remote_error(&peer, &frame));
                 }
-                other => return Err(protocol(format!("expected a PullChunk frame, found {other:?}"))),
+                other => {
+                    return Err(protocol(format!("expected a PullChunk frame, found {other:?}")));
+                }
             }
             let chunk: PullChunk = decode_head(&Frame::new(header.kind, 0, header.head.clone()))?;
             let (offset, len) = chunk_range(self.size, self.chunk_size, chunk.index)
@@ -150,7 +155,9 @@ impl ObjectPull {
             }
             // `chunk_range` keeps `offset + len <= size == destination.len()`.
             let slot = &mut destination[offset as usize..(offset + len) as usize];
-            read_part_into(&mut self.recv, 0, len, slot).await.map_err(|e| self.connection.lost(e.into()))?;
+            read_part_into(&mut self.recv, 0, len, slot)
+                .await
+                .map_err(|e| self.connection.lost(e.into()))?;
             state.on_chunk(chunk.index, len)?;
         }
     }
@@ -169,8 +176,19 @@ pub(crate) async fn serve_pull(
     let open = Frame::new(header.kind, correlation, header.head);
     let open: PullOpen = match decode_head(&open) {
         Ok(open) if header.part_lens.is_empty() => open,
-        Ok(_) => return reject_stream(peer, &mut send, &mut recv, correlation, "PullOpen takes no parts").await,
-        Err(e) => return reject_stream(peer, &mut send, &mut recv, correlation, &e.to_string()).await,
+        Ok(_) => {
+            return reject_stream(
+                peer,
+                &mut send,
+                &mut recv,
+                correlation,
+                "PullOpen takes no parts",
+            )
+            .await;
+        }
+        Err(e) => {
+            return reject_stream(peer, &mut send, &mut recv, correlation, &e.to_string()).await;
+        }
     };
     let object = ObjectId(open.object);
     let Some(source) = shared.source.clone() else {
@@ -198,7 +216,9 @@ pub(crate) async fn serve_pull(
                 let reason = format!("expected a PullWant frame, found {:?}", frame.kind);
                 return reject_stream(peer, &mut send, &mut recv, correlation, &reason).await;
             }
-            Err(e) => return reject_stream(peer, &mut send, &mut recv, correlation, &e.to_string()).await,
+            Err(e) => {
+                return reject_stream(peer, &mut send, &mut recv, correlation, &e.to_string()).await;
+            }
         };
         let want: PullWant = match decode_head::<PullWant>(&want) {
             Ok(want) if want.chunks.len() <= shared.config.max_pull_want => want,
@@ -210,7 +230,9 @@ pub(crate) async fn serve_pull(
                 );
                 return reject_stream(peer, &mut send, &mut recv, correlation, &reason).await;
             }
-            Err(e) => return reject_stream(peer, &mut send, &mut recv, correlation, &e.to_string()).await,
+            Err(e) => {
+                return reject_stream(peer, &mut send, &mut recv, correlation, &e.to_string()).await;
+            }
         };
         for index in want.chunks {
             let Some((offset, len)) = chunk_range(size, open.chunk_size, index) else {
@@ -220,7 +242,10 @@ pub(crate) async fn serve_pull(
             let data = match source.read(object, offset, len) {
                 Ok(data) if data.len() as u64 == len => data,
                 Ok(data) => {
-                    let reason = format!("object source returned {} bytes for chunk {index}, expected {len}", data.len());
+                    let reason = format!(
+                        "object source returned {} bytes for chunk {index}, expected {len}",
+                        data.len()
+                    );
                     return reject_stream(peer, &mut send, &mut recv, correlation, &reason).await;
                 }
                 Err(reason) => {
@@ -236,4 +261,3 @@ pub(crate) async fn serve_pull(
         }
     }
 }
-

@@ -63,7 +63,8 @@ pub fn server_config(
     transport: Arc<quinn::TransportConfig>,
 ) -> Result<quinn::ServerConfig> {
     let provider = provider();
-    let mut verifier = WebPkiClientVerifier::builder_with_provider(roots(&node.ca_cert)?, provider.clone());
+    let mut verifier =
+        WebPkiClientVerifier::builder_with_provider(roots(&node.ca_cert)?, provider.clone());
     if allow_bootstrap {
         verifier = verifier.allow_unauthenticated();
     }
@@ -150,14 +151,15 @@ impl ServerCertVerifier for PinnedCaVerifier {
         ocsp_response: &[u8],
         now: UnixTime,
     ) -> std::result::Result<ServerCertVerified, rustls::Error> {
-        let ca = intermediates.iter().find(|cert| fingerprint(cert) == self.ca_fingerprint).ok_or_else(
-            || {
+        let ca = intermediates
+            .iter()
+            .find(|cert| fingerprint(cert) == self.ca_fingerprint)
+            .ok_or_else(|| {
                 rustls::Error::General(format!(
                     "the server's certificate chain has no CA with the token's fingerprint {}",
                     hex(&self.ca_fingerprint[..8])
                 ))
-            },
-        )?;
+            })?;
         let mut roots = RootCertStore::empty();
         roots.add(ca.clone().into_owned())?;
         let verifier =

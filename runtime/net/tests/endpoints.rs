@@ -10,8 +10,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use common::*;
 use rtrun_net::{
-    CredentialsDir, HeadCredentials, HeartbeatConfig, HeartbeatMonitor,
-    NetConfig, NetError, NodeCredentials, bootstrap,
+    CredentialsDir, HeadCredentials, HeartbeatConfig, HeartbeatMonitor, NetConfig, NetError,
+    NodeCredentials, bootstrap,
 };
 use rtrun_object_store::{ObjectId, PullConfig, PullState};
 
@@ -32,7 +32,10 @@ async fn two_endpoints_with_mutual_tls_exchange_requests_both_ways() {
     spawn_echo(from_node.clone());
     spawn_echo(to_head.clone());
 
-    let reply = to_head.request(Bytes::from_static(b"ping"), vec![Bytes::from_static(b"part")]).await.unwrap();
+    let reply = to_head
+        .request(Bytes::from_static(b"ping"), vec![Bytes::from_static(b"part")])
+        .await
+        .unwrap();
     assert_eq!(&reply.head[..], b"echo:ping");
     assert_eq!(reply.parts, vec![Bytes::from_static(b"part")]);
     let reply = from_node.request(Bytes::from_static(b"pong"), vec![]).await.unwrap();
@@ -48,7 +51,10 @@ async fn two_endpoints_with_mutual_tls_exchange_requests_both_ways() {
     }
     // An application error reaches the caller as a remote error.
     let err = to_head.request(Bytes::from_static(b"fail"), vec![]).await.unwrap_err();
-    assert!(matches!(&err, NetError::Remote { message, .. } if message == "asked to fail"), "{err}");
+    assert!(
+        matches!(&err, NetError::Remote { message, .. } if message == "asked to fail"),
+        "{err}"
+    );
 }
 
 #[tokio::test]
@@ -61,8 +67,12 @@ async fn peers_without_valid_credentials_are_refused() {
     // A correct certificate with the wrong token.
     let mut wrong_token = issue(&head, "n1");
     wrong_token.token = rtrun_net::JoinToken::generate(*head.node.token.ca_fingerprint()).unwrap();
-    let err = node_endpoint(wrong_token, NetConfig::default(), None).connect(addr).await.unwrap_err();
-    assert!(matches!(&err, NetError::Refused { reason, .. } if reason.contains("wrong join token")), "{err}");
+    let err =
+        node_endpoint(wrong_token, NetConfig::default(), None).connect(addr).await.unwrap_err();
+    assert!(
+        matches!(&err, NetError::Refused { reason, .. } if reason.contains("wrong join token")),
+        "{err}"
+    );
 
     // A certificate from another cluster's CA (trusting our head, presenting the right token).
     let other = HeadCredentials::generate("other").unwrap();
@@ -73,7 +83,10 @@ async fn peers_without_valid_credentials_are_refused() {
     assert!(matches!(err, NetError::Refused { .. }), "{err}");
 
     // A node of another cluster does not trust our head either.
-    let err = node_endpoint(other.node.clone(), NetConfig::default(), None).connect(addr).await.unwrap_err();
+    let err = node_endpoint(other.node.clone(), NetConfig::default(), None)
+        .connect(addr)
+        .await
+        .unwrap_err();
     eprintln!("other cluster's node: {err}");
     assert!(matches!(err, NetError::Refused { .. }), "{err}");
 
@@ -86,7 +99,10 @@ async fn peers_without_valid_credentials_are_refused() {
     // in the handshake.
     let bad = rtrun_net::JoinToken::generate(*head.node.token.ca_fingerprint()).unwrap();
     let err = bootstrap(addr, &bad, "n2", &NetConfig::default()).await.unwrap_err();
-    assert!(matches!(&err, NetError::Refused { reason, .. } if reason.contains("wrong join token")), "{err}");
+    assert!(
+        matches!(&err, NetError::Refused { reason, .. } if reason.contains("wrong join token")),
+        "{err}"
+    );
     let plain = node_endpoint(issue(&head, "plain"), NetConfig::default(), None);
     let err = bootstrap(plain.local_addr().unwrap(), &head.node.token, "n3", &NetConfig::default())
         .await
@@ -100,7 +116,10 @@ async fn peers_without_valid_credentials_are_refused() {
     // The head still serves a valid peer.
     let good = node_endpoint(issue(&head, "good"), NetConfig::default(), None);
     let connection = good.connect(addr).await.unwrap();
-    assert_eq!(&connection.request(Bytes::from_static(b"ok"), vec![]).await.unwrap().head[..], b"echo:ok");
+    assert_eq!(
+        &connection.request(Bytes::from_static(b"ok"), vec![]).await.unwrap().head[..],
+        b"echo:ok"
+    );
 }
 
 #[tokio::test]
@@ -119,7 +138,10 @@ async fn a_node_with_only_the_token_bootstraps_saves_and_connects() {
     let node = node_endpoint(loaded, NetConfig::default(), None);
     let connection = node.connect(addr).await.unwrap();
     assert_eq!(connection.peer_name(), "head");
-    assert_eq!(&connection.request(Bytes::from_static(b"hi"), vec![]).await.unwrap().head[..], b"echo:hi");
+    assert_eq!(
+        &connection.request(Bytes::from_static(b"hi"), vec![]).await.unwrap().head[..],
+        b"echo:hi"
+    );
 }
 
 #[tokio::test]
@@ -138,7 +160,10 @@ async fn a_256_mib_multipart_object_crosses_intact_both_as_parts_and_as_a_pull()
 
     // As parts of a request (echoed back): a small part and the large one.
     let small = Bytes::from_static(b"header part");
-    let reply = connection.request(Bytes::from_static(b"blob"), vec![small.clone(), data.clone()]).await.unwrap();
+    let reply = connection
+        .request(Bytes::from_static(b"blob"), vec![small.clone(), data.clone()])
+        .await
+        .unwrap();
     assert_eq!(reply.parts.len(), 2);
     assert_eq!(reply.parts[0], small);
     assert_eq!(reply.parts[1].len(), SIZE);
@@ -186,7 +211,8 @@ async fn a_failed_pull_resumes_with_only_the_missing_chunks() {
 
 #[tokio::test]
 async fn heartbeat_loss_is_detected_within_the_timeout() {
-    let heartbeat = HeartbeatConfig { interval: Duration::from_millis(100), timeout: Duration::from_secs(3) };
+    let heartbeat =
+        HeartbeatConfig { interval: Duration::from_millis(100), timeout: Duration::from_secs(3) };
     let config = NetConfig { heartbeat, ..NetConfig::default() };
     let head = HeadCredentials::generate("head").unwrap();
     let (monitor, mut dead) = HeartbeatMonitor::start(heartbeat);

@@ -97,7 +97,8 @@ fn hostile_case(rng: &mut Rng, limits: &FrameLimits) -> (Vec<u8>, bool) {
         }
         // A frame kind that cannot open a stream.
         5 => {
-            let kinds = [FrameKind::Hello, FrameKind::Heartbeat, FrameKind::Response, FrameKind::PullChunk];
+            let kinds =
+                [FrameKind::Hello, FrameKind::Heartbeat, FrameKind::Response, FrameKind::PullChunk];
             let kind = kinds[rng.below(4) as usize];
             (Frame::new(kind, 1, Bytes::from(rng.bytes(8))).encode(), true)
         }
@@ -105,14 +106,16 @@ fn hostile_case(rng: &mut Rng, limits: &FrameLimits) -> (Vec<u8>, bool) {
         6 => {
             let bytes = match rng.below(3) {
                 0 => Frame::new(FrameKind::PullOpen, 1, Bytes::from(rng.bytes(5))).encode(),
-                1 => frame(FrameKind::PullOpen, 1, &PullOpen { object: 999, chunk_size: 64 }).encode(),
+                1 => frame(FrameKind::PullOpen, 1, &PullOpen { object: 999, chunk_size: 64 })
+                    .encode(),
                 _ => frame(FrameKind::PullOpen, 1, &PullOpen { object: 1, chunk_size: 0 }).encode(),
             };
             (bytes, true)
         }
         // A valid pull open followed by an out-of-range or oversized want.
         7 => {
-            let mut bytes = frame(FrameKind::PullOpen, 1, &PullOpen { object: 1, chunk_size: 64 }).encode();
+            let mut bytes =
+                frame(FrameKind::PullOpen, 1, &PullOpen { object: 1, chunk_size: 64 }).encode();
             let want = if rng.below(2) == 0 {
                 PullWant { chunks: vec![u64::MAX] }
             } else {
@@ -175,7 +178,10 @@ async fn a_live_endpoint_survives_a_seeded_fuzz_loop_and_still_serves() {
         }
     }
     eprintln!("fuzz seed {seed:#x}: {errors} error answers, {closed} closed streams");
-    assert!(errors > 100, "most hostile streams get an error answer ({errors} errors, {closed} closed)");
+    assert!(
+        errors > 100,
+        "most hostile streams get an error answer ({errors} errors, {closed} closed)"
+    );
 
     // Uncertified connections with garbage first frames are closed; bootstrap still works.
     for _ in 0..10 {

@@ -33,7 +33,12 @@ pub fn loopback() -> SocketAddr {
 
 pub fn issue(head: &HeadCredentials, name: &str) -> NodeCredentials {
     let (cert, key) = head.authority.issue_node(name).unwrap();
-    NodeCredentials { ca_cert: head.node.ca_cert.clone(), cert, key, token: head.node.token.clone() }
+    NodeCredentials {
+        ca_cert: head.node.ca_cert.clone(),
+        cert,
+        key,
+        token: head.node.token.clone(),
+    }
 }
 
 pub fn head_endpoint(
@@ -100,18 +105,27 @@ pub fn spawn_accept_echo(endpoint: Arc<Endpoint>) {
 /// the error the head answered with.
 pub async fn raw_uncertified_hello(addr: SocketAddr, head: &HeadCredentials) -> String {
     let config = NetConfig::default();
-    let client = rtrun_net::tls::bootstrap_client_config(*head.node.token.ca_fingerprint(), config.transport().unwrap())
-        .unwrap();
+    let client = rtrun_net::tls::bootstrap_client_config(
+        *head.node.token.ca_fingerprint(),
+        config.transport().unwrap(),
+    )
+    .unwrap();
     let endpoint = quinn::Endpoint::client(loopback()).unwrap();
-    let connection = endpoint.connect_with(client, addr, CLUSTER_SERVER_NAME).unwrap().await.unwrap();
+    let connection =
+        endpoint.connect_with(client, addr, CLUSTER_SERVER_NAME).unwrap().await.unwrap();
     let (mut send, mut recv) = connection.open_bi().await.unwrap();
-    let hello = Hello { protocol: PROTOCOL_VERSION, token_secret: head.node.token.secret().to_vec() };
-    write_frame(&mut send, &frame(FrameKind::Hello, 0, &hello), &FrameLimits::HANDSHAKE).await.unwrap();
+    let hello =
+        Hello { protocol: PROTOCOL_VERSION, token_secret: head.node.token.secret().to_vec() };
+    write_frame(&mut send, &frame(FrameKind::Hello, 0, &hello), &FrameLimits::HANDSHAKE)
+        .await
+        .unwrap();
     send.finish().unwrap();
     let reply = within(expect_frame(&mut recv, &FrameLimits::HANDSHAKE)).await;
     assert!(reply.is_err(), "an uncertified hello was answered: {reply:?}");
     match within(connection.closed()).await {
-        quinn::ConnectionError::ApplicationClosed(close) => String::from_utf8_lossy(&close.reason).into_owned(),
+        quinn::ConnectionError::ApplicationClosed(close) => {
+            String::from_utf8_lossy(&close.reason).into_owned()
+        }
         other => other.to_string(),
     }
 }
