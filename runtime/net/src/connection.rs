@@ -374,7 +374,7 @@ async fn serve_stream(
                     return reject_stream(&peer, &mut send, &mut recv, correlation, &reason).await;
                 }
             };
-            // The request must be the stream's only frame.
+            // A request is its stream's only frame; anything the peer sends after it is ignored.
             let frame = Frame { kind: header.kind, correlation, head: header.head, parts };
             let request = IncomingRequest {
                 frame,
