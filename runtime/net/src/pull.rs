@@ -217,7 +217,8 @@ pub(crate) async fn serve_pull(
                 return reject_stream(peer, &mut send, &mut recv, correlation, &reason).await;
             }
             Err(e) => {
-                return reject_stream(peer, &mut send, &mut recv, correlation, &e.to_string()).await;
+                return reject_stream(peer, &mut send, &mut recv, correlation, &e.to_string())
+                    .await;
             }
         };
         let want: PullWant = match decode_head::<PullWant>(&want) {
@@ -231,7 +232,8 @@ pub(crate) async fn serve_pull(
                 return reject_stream(peer, &mut send, &mut recv, correlation, &reason).await;
             }
             Err(e) => {
-                return reject_stream(peer, &mut send, &mut recv, correlation, &e.to_string()).await;
+                return reject_stream(peer, &mut send, &mut recv, correlation, &e.to_string())
+                    .await;
             }
         };
         for index in want.chunks {
