@@ -13,7 +13,7 @@ use bytes::Bytes;
 use rtrun_object_store::ObjectId;
 use tokio::sync::{Mutex, OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio::task::JoinHandle;
-use tracing::{debug, warn};
+use tracing::{Instrument, debug, warn};
 
 use crate::endpoint::{CLOSE_NORMAL, Shared, connection_error};
 use crate::error::{NetError, Result};
@@ -31,7 +31,8 @@ pub trait ObjectSource: Send + Sync + 'static {
     /// The object's size, or `None` when this node has no copy.
     fn size(&self, object: ObjectId) -> Option<u64>;
     /// Bytes `offset..offset + len` of the object. Returning a `Bytes` that borrows the store's
-    /// memory (`Bytes::from_owner` over a pinned view) sends without copying.
+    /// memory (`Bytes::from_owner` over a pinned view) sends without copying. Called on a tokio
+    /// worker thread: it must not block (restore a spilled object before serving it).
     fn read(&self, object: ObjectId, offset: u64, len: u64) -> std::result::Result<Bytes, String>;
 }
 
@@ -77,7 +78,10 @@ impl Connection {
         let budget =
             Arc::new(Semaphore::new(budget_units(shared.config.max_unanswered_request_bytes)));
         let peer: Arc<str> = Arc::from(peer_name.as_str());
-        let server = tokio::spawn(serve(shared.clone(), quinn.clone(), peer, tx, budget));
+        // Every log line of this connection's tasks names both ends.
+        let span = tracing::info_span!("peer", node = %shared.node_name, peer = %peer_name);
+        let server =
+            tokio::spawn(serve(shared.clone(), quinn.clone(), peer, tx, budget).instrument(span));
         Connection {
             inner: Arc::new(Inner {
                 quinn,
@@ -292,13 +296,14 @@ async fn serve(
             bi = quinn.accept_bi() => match bi {
                 Ok((send, recv)) => {
                     let stream = serve_stream(shared.clone(), peer.clone(), send, recv, tx.clone(), budget.clone());
-                    tokio::spawn(stream);
+                    tokio::spawn(stream.in_current_span());
                 }
                 Err(error) => return debug!(%peer, %error, "connection ended"),
             },
             uni = quinn.accept_uni() => match uni {
                 Ok(recv) => {
-                    tokio::spawn(serve_heartbeats(shared.clone(), peer.clone(), recv));
+                    let task = serve_heartbeats(shared.clone(), peer.clone(), recv);
+                    tokio::spawn(task.in_current_span());
                 }
                 Err(error) => return debug!(%peer, %error, "connection ended"),
             },
