@@ -2,7 +2,7 @@
 //! anchor: request/response round trips per second with one request in flight, and 256 MiB
 //! transfers (as one multipart request and as a chunked pull) in GB/s.
 //!
-//! `cargo run --release -p rtrun-net --example net_bench -- [seconds] [mtu_upper_bound]`
+//! `cargo run --release -p rtrun-net --example net_bench -- [seconds] [mtu_upper_bound] [loopback_mtu|off]`
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -31,6 +31,9 @@ impl ObjectSource for OneObject {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .init();
     let args: Vec<String> = std::env::args().collect();
     let seconds: f64 = args.get(1).map(|s| s.parse()).transpose()?.unwrap_or(3.0);
     let mtu: u16 =
@@ -38,7 +41,12 @@ async fn main() -> anyhow::Result<()> {
     let window = Duration::from_secs_f64(seconds);
     let data = Bytes::from((0..SIZE).map(|i| (i % 251) as u8).collect::<Vec<u8>>());
 
-    let config = NetConfig { mtu_upper_bound: mtu, ..NetConfig::default() };
+    let loopback_mtu: Option<u16> = match args.get(3).map(String::as_str) {
+        None => NetConfig::default().loopback_mtu,
+        Some("off") => None,
+        Some(value) => Some(value.parse()?),
+    };
+    let config = NetConfig { mtu_upper_bound: mtu, loopback_mtu, ..NetConfig::default() };
     let head = HeadCredentials::generate("head")?;
     let (cert, key) = head.authority.issue_node("node")?;
     let node = NodeCredentials {
@@ -114,7 +122,9 @@ async fn main() -> anyhow::Result<()> {
     let path = connection.quinn().stats().path;
     let tcp = tcp_transfer(&data).await?;
     let gb = SIZE as f64 / 1e9;
-    println!("rtrun-net loopback benchmark (mtu_upper_bound {mtu}, {seconds} s windows)");
+    println!(
+        "rtrun-net loopback benchmark (mtu_upper_bound {mtu}, loopback_mtu {loopback_mtu:?}, {seconds} s windows)"
+    );
     println!(
         "round trips, 1 in flight: QUIC {quic_rps:>9.0}/s   TCP anchor {tcp_rps:>9.0}/s   ratio {:.2}",
         quic_rps / tcp_rps

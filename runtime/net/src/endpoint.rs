@@ -51,6 +51,8 @@ pub(crate) struct Shared {
     pub(crate) source: Option<Arc<dyn ObjectSource>>,
     pub(crate) monitor: Option<HeartbeatMonitor>,
     client_config: quinn::ClientConfig,
+    loopback_client_config: quinn::ClientConfig,
+    loopback_server_config: Arc<quinn::ServerConfig>,
 }
 
 /// A node's endpoint.
@@ -79,9 +81,13 @@ impl Endpoint {
     ) -> Result<Endpoint> {
         let node_name = node.node_name()?;
         let transport = options.config.transport()?;
-        let server_config =
-            tls::server_config(&node, options.authority.is_some(), transport.clone())?;
+        let bootstrap = options.authority.is_some();
+        let server_config = tls::server_config(&node, bootstrap, transport.clone())?;
         let client_config = tls::client_config(&node, transport)?;
+        let loopback = options.config.loopback_transport()?;
+        let loopback_server_config =
+            Arc::new(tls::server_config(&node, bootstrap, loopback.clone())?);
+        let loopback_client_config = tls::client_config(&node, loopback)?;
         let bind_error = |e| NetError::io(format!("binding a QUIC endpoint on {addr}"), e);
         let socket = std::net::UdpSocket::bind(addr).map_err(bind_error)?;
         let buffers = socket2::SockRef::from(&socket);
@@ -103,6 +109,8 @@ impl Endpoint {
             source: options.object_source,
             monitor: options.monitor,
             client_config,
+            loopback_client_config,
+            loopback_server_config,
         });
         let (tx, rx) = mpsc::channel(64);
         let acceptor = tokio::spawn(accept_loop(quinn.clone(), shared.clone(), tx));
@@ -142,9 +150,14 @@ impl Endpoint {
 
     async fn connect_inner(&self, addr: SocketAddr) -> Result<Connection> {
         let peer = addr.to_string();
+        let client_config = if addr.ip().is_loopback() {
+            self.shared.loopback_client_config.clone()
+        } else {
+            self.shared.client_config.clone()
+        };
         let connecting = self
             .quinn
-            .connect_with(self.shared.client_config.clone(), addr, CLUSTER_SERVER_NAME)
+            .connect_with(client_config, addr, CLUSTER_SERVER_NAME)
             .map_err(|e| NetError::Connection { peer: peer.clone(), reason: e.to_string() })?;
         let quinn = connecting.await.map_err(|e| connection_error(&peer, e))?;
         let exchange = async {
@@ -217,8 +230,17 @@ async fn accept_loop(quinn: quinn::Endpoint, shared: Arc<Shared>, tx: mpsc::Send
 /// Runs the handshake and the first exchange of an incoming connection: `Some` for an admitted
 /// peer, `None` for a completed bootstrap.
 async fn admit(shared: Arc<Shared>, incoming: quinn::Incoming) -> Result<Option<Connection>> {
-    let remote = incoming.remote_address().to_string();
-    let quinn = incoming.await.map_err(|e| connection_error(&remote, e))?;
+    let remote_addr = incoming.remote_address();
+    let remote = remote_addr.to_string();
+    let connecting = if remote_addr.ip().is_loopback() {
+        incoming.accept_with(shared.loopback_server_config.clone())
+    } else {
+        incoming.accept()
+    };
+    let quinn = connecting
+        .map_err(|e| connection_error(&remote, e))?
+        .await
+        .map_err(|e| connection_error(&remote, e))?;
     let certs = tls::peer_certificates(&quinn);
     let Some(cert) = certs.first() else {
         serve_bootstrap(&shared, &quinn).await?;
