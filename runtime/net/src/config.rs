@@ -40,10 +40,12 @@ pub struct NetConfig {
     pub mtu_upper_bound: u16,
     /// UDP payload size used from the first packet with peers on a loopback address, whose
     /// path MTU is known (65536 on Linux `lo`), instead of MTU discovery from 1200 bytes.
-    /// Default 4096: 2.8× fewer packets than 1452 for bulk transfers (measured 0.19–0.30 →
-    /// 0.42–0.47 GB/s for 256 MiB on the shared build machine). 8192 stalled bulk transfers
-    /// there (not yet understood; see ARCHITECTURE.md), so larger values are not the default.
-    /// `None` treats loopback like any other path.
+    /// Default 6144: 4× fewer packets than 1452 for bulk transfers (a 256 MiB pull measured
+    /// 0.2–0.3 GB/s at 1452 and about 1 GB/s at 6144 on the shared build machine). Values are
+    /// capped at
+    /// [`MAX_LOOPBACK_MTU`]: quinn sends up to ten datagrams in one GSO batch, and a batch over
+    /// the 65 507-byte UDP limit is dropped by the kernel and resent identically forever (8192
+    /// stalled transfers that way). `None` treats loopback like any other path.
     pub loopback_mtu: Option<u16>,
     /// Requested UDP socket send and receive buffer sizes. Default 4 MiB: the kernel default
     /// (~208 KiB) overflows during bulk transfers when the receiver is briefly descheduled, and
@@ -76,7 +78,7 @@ impl Default for NetConfig {
             connection_receive_window: 128 << 20,
             send_window: 128 << 20,
             mtu_upper_bound: 1452,
-            loopback_mtu: Some(4096),
+            loopback_mtu: Some(6144),
             udp_buffer_bytes: 4 << 20,
             request_queue: 1024,
             max_unanswered_request_bytes: 1 << 30,
@@ -123,7 +125,7 @@ impl NetConfig {
         mtu.upper_bound(self.mtu_upper_bound.max(1200));
         transport.mtu_discovery_config(Some(mtu));
         if let (true, Some(loopback_mtu)) = (loopback, self.loopback_mtu) {
-            let loopback_mtu = loopback_mtu.clamp(1200, MAX_UDP_PAYLOAD);
+            let loopback_mtu = loopback_mtu.clamp(1200, MAX_LOOPBACK_MTU);
             transport.initial_mtu(loopback_mtu).min_mtu(loopback_mtu).mtu_discovery_config(None);
             // The default initial congestion window (14 720 bytes) would not fit one such
             // packet; start with the same ten packets it allows at 1472 bytes.
@@ -139,7 +141,8 @@ impl NetConfig {
     pub fn endpoint(&self) -> quinn::EndpointConfig {
         let mut endpoint = quinn::EndpointConfig::default();
         // 1200..=65527 is what QUIC allows; the bound is clamped into it.
-        let largest = self.mtu_upper_bound.max(self.loopback_mtu.unwrap_or(0));
+        let loopback = self.loopback_mtu.unwrap_or(0).min(MAX_LOOPBACK_MTU);
+        let largest = self.mtu_upper_bound.max(loopback);
         let _ = endpoint.max_udp_payload_size(largest.clamp(1200, MAX_UDP_PAYLOAD));
         endpoint
     }
@@ -152,6 +155,9 @@ impl NetConfig {
         connection.set_receive_window(window);
     }
 }
+
+/// The largest loopback MTU: ten datagrams (quinn's GSO batch) must fit in one UDP send.
+pub const MAX_LOOPBACK_MTU: u16 = 6500;
 
 /// The largest UDP payload QUIC allows.
 const MAX_UDP_PAYLOAD: u16 = 65_527;
