@@ -35,15 +35,15 @@ pub struct NetConfig {
     /// Bytes buffered for sending per connection. Default 128 MiB.
     pub send_window: u64,
     /// Largest UDP payload MTU discovery may try. Default 1452 (Ethernet minus IPv6/UDP
-    /// headers); raise it (e.g. 8952 for jumbo frames, up to 65527 on loopback) where the path
-    /// allows: fewer, larger packets make bulk transfers cheaper.
+    /// headers); raise it on jumbo-frame networks: fewer, larger packets make bulk transfers
+    /// cheaper. Capped at [`MAX_BATCH_SAFE_MTU`].
     pub mtu_upper_bound: u16,
     /// UDP payload size used from the first packet with peers on a loopback address, whose
     /// path MTU is known (65536 on Linux `lo`), instead of MTU discovery from 1200 bytes.
     /// Default 6144: 4× fewer packets than 1452 for bulk transfers (a 256 MiB pull measured
     /// 0.2–0.3 GB/s at 1452 and about 1 GB/s at 6144 on the shared build machine). Values are
     /// capped at
-    /// [`MAX_LOOPBACK_MTU`]: quinn sends up to ten datagrams in one GSO batch, and a batch over
+    /// [`MAX_BATCH_SAFE_MTU`]: quinn sends up to ten datagrams in one GSO batch, and a batch over
     /// the 65 507-byte UDP limit is dropped by the kernel and resent identically forever (8192
     /// stalled transfers that way). `None` treats loopback like any other path.
     pub loopback_mtu: Option<u16>,
@@ -122,10 +122,10 @@ impl NetConfig {
             ))
             .keep_alive_interval(Some(self.keep_alive));
         let mut mtu = MtuDiscoveryConfig::default();
-        mtu.upper_bound(self.mtu_upper_bound.max(1200));
+        mtu.upper_bound(self.mtu_upper_bound.clamp(1200, MAX_BATCH_SAFE_MTU));
         transport.mtu_discovery_config(Some(mtu));
         if let (true, Some(loopback_mtu)) = (loopback, self.loopback_mtu) {
-            let loopback_mtu = loopback_mtu.clamp(1200, MAX_LOOPBACK_MTU);
+            let loopback_mtu = loopback_mtu.clamp(1200, MAX_BATCH_SAFE_MTU);
             transport.initial_mtu(loopback_mtu).min_mtu(loopback_mtu).mtu_discovery_config(None);
             // The default initial congestion window (14 720 bytes) would not fit one such
             // packet; start with the same ten packets it allows at 1472 bytes.
@@ -141,8 +141,8 @@ impl NetConfig {
     pub fn endpoint(&self) -> quinn::EndpointConfig {
         let mut endpoint = quinn::EndpointConfig::default();
         // 1200..=65527 is what QUIC allows; the bound is clamped into it.
-        let loopback = self.loopback_mtu.unwrap_or(0).min(MAX_LOOPBACK_MTU);
-        let largest = self.mtu_upper_bound.max(loopback);
+        let loopback = self.loopback_mtu.unwrap_or(0).min(MAX_BATCH_SAFE_MTU);
+        let largest = self.mtu_upper_bound.min(MAX_BATCH_SAFE_MTU).max(loopback);
         let _ = endpoint.max_udp_payload_size(largest.clamp(1200, MAX_UDP_PAYLOAD));
         endpoint
     }
@@ -156,8 +156,9 @@ impl NetConfig {
     }
 }
 
-/// The largest loopback MTU: ten datagrams (quinn's GSO batch) must fit in one UDP send.
-pub const MAX_LOOPBACK_MTU: u16 = 6500;
+/// The largest MTU used (discovered or on loopback): ten datagrams, quinn's GSO batch, must
+/// fit in one UDP send of at most 65 507 bytes.
+pub const MAX_BATCH_SAFE_MTU: u16 = 6500;
 
 /// The largest UDP payload QUIC allows.
 const MAX_UDP_PAYLOAD: u16 = 65_527;
