@@ -104,7 +104,7 @@ impl NetConfig {
 
     fn transport_for(&self, loopback: bool) -> Result<Arc<TransportConfig>> {
         let bad = |what: &str, value: u64| {
-            NetError::Tls(format!("{what} of {value} is out of the range QUIC allows"))
+            NetError::Config(format!("{what} of {value} is out of the range QUIC allows"))
         };
         let mut transport = TransportConfig::default();
         transport
@@ -167,3 +167,22 @@ const MAX_UDP_PAYLOAD: u16 = 65_527;
 pub const PRE_ADMISSION_RECEIVE_WINDOW: u32 = 128 << 10;
 /// Unidirectional streams an admitted peer may open (heartbeats use one).
 const ADMITTED_UNI_STREAMS: u32 = 16;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_build_and_out_of_range_values_are_named() {
+        let config = NetConfig::default();
+        assert!(config.transport().is_ok());
+        assert!(config.loopback_transport().is_ok());
+        assert!(config.heartbeat.timeout <= Duration::from_secs(10));
+        let bad = NetConfig { idle_timeout: Duration::MAX, ..NetConfig::default() };
+        let err = bad.transport().unwrap_err().to_string();
+        assert!(err.contains("idle_timeout"), "{err}");
+        let bad = NetConfig { stream_receive_window: u64::MAX, ..NetConfig::default() };
+        let err = bad.transport().unwrap_err().to_string();
+        assert!(err.contains("stream_receive_window"), "{err}");
+    }
+}

@@ -36,6 +36,9 @@ pub enum NetError {
     /// Certificate generation or signing failed.
     #[error("certificate generation failed: {0}")]
     Certificate(String),
+    /// A configuration value is out of range.
+    #[error("invalid network configuration: {0}")]
+    Config(String),
     /// The TLS configuration could not be built from the credentials.
     #[error("tls configuration failed: {0}")]
     Tls(String),
