@@ -198,6 +198,21 @@ async fn a_live_endpoint_survives_a_seeded_fuzz_loop_and_still_serves() {
         let reason = within(raw.closed()).await;
         assert!(matches!(reason, quinn::ConnectionError::ApplicationClosed(_)), "{reason}");
     }
+    // Certified connections whose first frame is garbage instead of a hello are closed too.
+    for _ in 0..10 {
+        let client = rtrun_net::tls::client_config(
+            &issue(&head, "garbler"),
+            NetConfig::default().transport().unwrap(),
+        )
+        .unwrap();
+        let endpoint = quinn::Endpoint::client(loopback()).unwrap();
+        let raw = endpoint.connect_with(client, addr, CLUSTER_SERVER_NAME).unwrap().await.unwrap();
+        let (mut send, _recv) = raw.open_bi().await.unwrap();
+        let _ = send.write_all(&rng.noise(1, 300)).await;
+        let _ = send.finish();
+        let reason = within(raw.closed()).await;
+        assert!(matches!(reason, quinn::ConnectionError::ApplicationClosed(_)), "{reason}");
+    }
     bootstrap(addr, &head.node.token, "late-joiner", &NetConfig::default()).await.unwrap();
 
     // The same connection still serves valid requests and pulls.
