@@ -218,20 +218,30 @@ async fn heartbeat_loss_is_detected_within_the_timeout() {
     let (monitor, mut dead) = HeartbeatMonitor::start(heartbeat);
     let head_ep = head_endpoint_with(&head, config.clone(), None, Some(monitor.clone()));
     let addr = head_ep.local_addr().unwrap();
-    let node = node_endpoint(issue(&head, "beating"), config.clone(), None);
-    let connection = node.connect(addr).await.unwrap();
-    let from_node = within(head_ep.accept()).await.unwrap();
-    monitor.watch(from_node.peer_name());
-    let sender = connection.start_heartbeats();
+    let mut senders = Vec::new();
+    let mut nodes = Vec::new();
+    for name in ["beating", "steady"] {
+        let node = node_endpoint(issue(&head, name), config.clone(), None);
+        let connection = node.connect(addr).await.unwrap();
+        let from_node = within(head_ep.accept()).await.unwrap();
+        monitor.watch(from_node.peer_name());
+        senders.push(connection.start_heartbeats());
+        nodes.push((node, connection, from_node));
+    }
     // While heartbeats flow, two timeouts pass without a death.
     let quiet = tokio::time::timeout(2 * heartbeat.timeout, dead.recv()).await;
     assert!(quiet.is_err(), "declared dead while sending heartbeats: {quiet:?}");
-    assert!(monitor.is_alive("beating"));
-    // Heartbeats stop (the connection stays up): the node is reported dead.
-    drop(sender);
+    assert!(monitor.is_alive("beating") && monitor.is_alive("steady"));
+    // One node's heartbeats stop (its connection stays up): that node alone is reported dead.
+    drop(senders.remove(0));
     let name = within(dead.recv()).await.unwrap();
     assert_eq!(name, "beating");
     assert!(!monitor.is_alive("beating"));
+    assert!(monitor.is_alive("steady"));
+    // The other node vanishes with its endpoint: it is reported too.
+    drop(senders);
+    drop(nodes);
+    assert_eq!(within(dead.recv()).await.unwrap(), "steady");
 }
 
 #[tokio::test]
