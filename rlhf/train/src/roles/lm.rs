@@ -1,0 +1,257 @@
+//! The policy (`actor`) and reference (`ref`) role actors: one causal LM per DP rank.
+//!
+//! The reference rank only computes log-probs. A policy rank also trains: PPO clipped loss over
+//! micro-batches with gradient accumulation, the gradients all-reduced (mean) across the DP ranks
+//! of its group with the runtime's collective, then one AdamW step; and it serves its weights in
+//! buckets for the engines.
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+use tch::{Device, Kind, Tensor};
+
+use rtrun_rlhf_model::CausalLm;
+use rtrun_rlhf_model::train::{AdamW, OptimizerConfig, masked_mean};
+
+use crate::algo::{self, KlEstimator};
+use crate::experience::{ExperienceRow, Sequence, pad_rows, response_batch, unpad_rows};
+use crate::roles::{DpComm, WorkerSetup};
+use crate::weights::{WeightBucket, bucket_plan, export_bucket};
+
+/// How a policy rank computes its loss.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PolicyLossConfig {
+    /// PPO clip below 1.
+    pub eps_clip_low: f64,
+    /// PPO clip above 1.
+    pub eps_clip_high: f64,
+    /// Entropy bonus coefficient.
+    pub entropy_coef: f64,
+    /// KL to the reference model as a loss term.
+    pub use_kl_loss: bool,
+    /// KL estimator of the loss term.
+    pub kl_estimator: KlEstimator,
+    /// Sequences per forward/backward.
+    pub micro_batch_size: usize,
+}
+
+/// Constructor argument of [`LmWorker`].
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct LmWorkerConfig {
+    /// Process setup (role name, threads, device).
+    pub setup: WorkerSetup,
+    /// Hugging Face directory to load.
+    pub model_dir: PathBuf,
+    /// Optimizer settings; `None` makes a frozen (reference) rank.
+    pub optimizer: Option<OptimizerConfig>,
+    /// Loss settings (policy ranks).
+    pub loss: PolicyLossConfig,
+}
+
+/// What one policy training call did (means over micro-batches, this rank).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct PolicyTrainStats {
+    /// PPO policy loss.
+    pub policy_loss: f64,
+    /// Fraction of tokens whose ratio was clipped.
+    pub clip_fraction: f64,
+    /// Approximate KL between the new and the old policy.
+    pub approx_kl: f64,
+    /// KL to the reference (when computed).
+    pub ref_kl: f64,
+    /// Mean token entropy.
+    pub entropy: f64,
+    /// Gradient norm before clipping (after the all-reduce).
+    pub grad_norm: f64,
+    /// Learning rate of the step.
+    pub lr: f64,
+}
+
+/// A policy or reference rank.
+pub struct LmWorker {
+    setup: WorkerSetup,
+    model: CausalLm,
+    optimizer: Option<AdamW>,
+    loss: PolicyLossConfig,
+    comm: DpComm,
+}
+
+fn to_string_error(e: impl std::fmt::Display) -> String {
+    e.to_string()
+}
+
+#[rtrun::actor(pub)]
+impl LmWorker {
+    /// Loads the model; a config with an optimizer makes a trainable rank.
+    pub fn new(config: LmWorkerConfig) -> Result<Self, String> {
+        config.setup.apply();
+        let device = config.setup.device();
+        let model = CausalLm::from_pretrained(&config.model_dir, device, Kind::Float)
+            .map_err(|e| format!("loading {}: {e}", config.model_dir.display()))?;
+        let optimizer = match &config.optimizer {
+            Some(o) => Some(AdamW::new(model.named_parameters(), o.clone()).map_err(to_string_error)?),
+            None => {
+                model.params.set_requires_grad(false).map_err(to_string_error)?;
+                None
+            }
+        };
+        Ok(LmWorker { setup: config.setup, model, optimizer, loss: config.loss, comm: DpComm::default() })
+    }
+
+    /// Log-probs of every response token, one vector per sequence (no gradients).
+    pub fn log_probs(&self, sequences: Vec<Sequence>) -> Result<Vec<Vec<f32>>, String> {
+        self.log_probs_impl(&sequences).map_err(to_string_error)
+    }
+
+    /// One optimizer step on this rank's share of a global mini-batch (every rank of the group
+    /// must be called with its share, since the gradients are all-reduced).
+    pub fn train(&mut self, rows: Vec<ExperienceRow>, kl_coef: f64) -> Result<PolicyTrainStats, String> {
+        self.train_impl(&rows, kl_coef).map_err(to_string_error)
+    }
+
+    /// How many buckets of at most `bucket_bytes` the weights take.
+    pub fn weight_bucket_count(&self, bucket_bytes: usize) -> usize {
+        bucket_plan(self.model.named_parameters(), bucket_bytes).len()
+    }
+
+    /// Bucket `index` of the weights (Hugging Face names, f32).
+    pub fn weight_bucket(&self, bucket_bytes: usize, index: usize) -> Result<WeightBucket, String> {
+        let plan = bucket_plan(self.model.named_parameters(), bucket_bytes);
+        let names = plan.get(index).ok_or_else(|| {
+            format!("expected a bucket index below {}, found {index}", plan.len())
+        })?;
+        export_bucket(&self.model, names).map_err(to_string_error)
+    }
+
+    /// Saves the model (Hugging Face layout) and, for a policy rank, the optimizer state.
+    pub fn save_checkpoint(&self, dir: PathBuf) -> Result<(), String> {
+        match &self.optimizer {
+            Some(opt) => rtrun_rlhf_model::train::save_training_checkpoint(
+                &dir,
+                &self.model,
+                opt,
+                &Default::default(),
+            ),
+            None => self.model.save_pretrained(&dir, &Default::default()),
+        }
+        .map_err(|e| format!("saving {}: {e}", dir.display()))
+    }
+
+    /// Loads weights and optimizer state saved by [`LmWorker::save_checkpoint`].
+    pub fn load_checkpoint(&mut self, dir: PathBuf) -> Result<(), String> {
+        match &mut self.optimizer {
+            Some(opt) => rtrun_rlhf_model::train::load_training_checkpoint(&dir, &self.model.params, opt),
+            None => self.model.params.copy_from_dir(&dir),
+        }
+        .map_err(|e| format!("loading {}: {e}", dir.display()))
+    }
+
+    /// Moves parameters and optimizer state to host memory (hybrid engine: while the engines
+    /// generate). On a CPU-only run the tensors already live in host memory and stay put.
+    pub fn offload(&mut self) -> Result<(), String> {
+        self.setup.offloaded = true;
+        self.move_to(Device::Cpu).map_err(to_string_error)
+    }
+
+    /// Brings parameters and optimizer state back to the training device.
+    pub fn onload(&mut self) -> Result<(), String> {
+        self.setup.offloaded = false;
+        let device = self.setup.device();
+        self.move_to(device).map_err(to_string_error)
+    }
+
+    /// Whether training state is offloaded now.
+    pub fn is_offloaded(&self) -> bool {
+        self.setup.offloaded
+    }
+}
+
+impl LmWorker {
+    fn move_to(&mut self, device: Device) -> crate::Result<()> {
+        if self.model.params.device() == device {
+            return Ok(());
+        }
+        Err(crate::TrainError::role(
+            &self.setup.role,
+            format!("moving between devices needs CUDA; parameters are on {:?}", self.model.params.device()),
+        ))
+    }
+
+    fn log_probs_impl(&self, sequences: &[Sequence]) -> crate::Result<Vec<Vec<f32>>> {
+        let mut out = Vec::with_capacity(sequences.len());
+        let micro = self.loss.micro_batch_size.max(1);
+        tch::no_grad(|| -> crate::Result<()> {
+            for chunk in sequences.chunks(micro) {
+                let refs: Vec<&Sequence> = chunk.iter().collect();
+                let batch = response_batch(&refs, self.model.params.device())?;
+                let log_probs = self.model.response_log_probs(&batch)?;
+                let lengths: Vec<usize> = chunk.iter().map(|s| s.response_ids.len()).collect();
+                out.extend(unpad_rows(&log_probs, &lengths)?);
+            }
+            Ok(())
+        })?;
+        Ok(out)
+    }
+
+    fn train_impl(&mut self, rows: &[ExperienceRow], kl_coef: f64) -> crate::Result<PolicyTrainStats> {
+        let role = self.setup.role.clone();
+        let optimizer = self
+            .optimizer
+            .as_mut()
+            .ok_or_else(|| crate::TrainError::role(&role, "this rank is frozen (no optimizer)"))?;
+        let device = self.model.params.device();
+        optimizer.zero_grad();
+        let micro = self.loss.micro_batch_size.max(1);
+        let chunks: Vec<&[ExperienceRow]> = rows.chunks(micro).collect();
+        let mut stats = PolicyTrainStats::default();
+        let total_tokens: usize = rows.iter().map(|r| r.sequence.response_ids.len()).sum();
+        for chunk in &chunks {
+            let sequences: Vec<&Sequence> = chunk.iter().map(|r| &r.sequence).collect();
+            let batch = response_batch(&sequences, device)?;
+            let width = batch.num_actions()?;
+            let column = |f: fn(&ExperienceRow) -> &[f32]| -> crate::Result<Tensor> {
+                let rows: Vec<&[f32]> = chunk.iter().map(f).collect();
+                pad_rows(&rows, width, device)
+            };
+            let old_log_probs = column(|r| &r.old_log_probs)?;
+            let advantages = column(|r| &r.advantages)?;
+            let mask = batch.action_mask.f_to_kind(Kind::Float)?;
+            let logits = self.model.response_logits(&batch)?;
+            let log_probs = rtrun_rlhf_model::logprobs::token_log_probs(&logits, &batch.response_ids()?)?
+                .f_mul(&mask)?;
+            let out = algo::policy_loss(
+                &log_probs,
+                &old_log_probs,
+                &advantages,
+                &mask,
+                self.loss.eps_clip_low,
+                self.loss.eps_clip_high,
+            )?;
+            let chunk_tokens: usize = chunk.iter().map(|r| r.sequence.response_ids.len()).sum();
+            // Token-level mean over this rank's tokens: weight each micro-batch by its share.
+            let weight = chunk_tokens as f64 / total_tokens.max(1) as f64;
+            let mut loss = out.loss.shallow_clone();
+            if self.loss.entropy_coef > 0.0 {
+                let entropy = algo::masked_entropy(&logits, &mask)?;
+                stats.entropy += entropy.f_double_value(&[])? * weight;
+                loss = loss.f_sub(&entropy.f_mul_scalar(self.loss.entropy_coef)?)?;
+            }
+            if self.loss.use_kl_loss {
+                let ref_log_probs = column(|r| &r.ref_log_probs)?;
+                let kl = algo::kl_penalty(&log_probs, &ref_log_probs, &mask, self.loss.kl_estimator)?;
+                let kl = masked_mean(&kl, &mask)?;
+                stats.ref_kl += kl.f_double_value(&[])? * weight;
+                loss = loss.f_add(&kl.f_mul_scalar(kl_coef)?)?;
+            }
+            stats.policy_loss += out.loss.f_double_value(&[])? * weight;
+            stats.clip_fraction += out.clip_fraction * weight;
+            stats.approx_kl += out.approx_kl * weight;
+            loss.f_mul_scalar(weight)?.f_backward()?;
+        }
+        self.comm.all_reduce_gradients(&self.model, &role)?;
+        let step = optimizer.step()?;
+        stats.grad_norm = step.grad_norm;
+        stats.lr = step.lr;
+        Ok(stats)
+    }
+}
