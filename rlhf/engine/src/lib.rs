@@ -1,25 +1,59 @@
-//! Pure cores of rtrun's vLLM-like generation engine: the paged-KV [`block`] manager with prefix
-//! caching, the continuous-batching [`scheduler`], [`sampling`] maths on logits rows, the
-//! [`params`] that travel with every request, and the per-rank [`routing`] of finished outputs.
+//! rtrun's vLLM-like generation engine, in two layers.
 //!
-//! Nothing here does I/O, reads a clock or touches a tensor: the engine actor feeds these state
-//! machines events (requests, sampled tokens, aborts) and executes the decisions they return
-//! (which token positions to run through the model, which blocks hold their K/V). That keeps the
+//! **Pure cores** (no I/O, no clock, no tensors): the paged-KV [`block`] manager with prefix
+//! caching, the continuous-batching [`scheduler`], [`sampling`] maths on logits rows, the
+//! [`params`] that travel with every request, seeded per-token randomness ([`rng`]) and the
+//! per-rank [`routing`] of finished outputs. The engine feeds these state machines events
+//! (requests, sampled tokens, aborts) and executes the decisions they return, which keeps the
 //! hard parts — admission, preemption by recompute, block sharing — property-testable without a
 //! model.
 //!
-//! Contract with the model forward (the part that plugs in later): within one step, the K/V of
-//! every scheduled token of a layer is written into its slot before any attention of that layer
-//! reads the cache. The scheduler relies on it: a sequence admitted in a step may share, through
-//! the prefix cache, full blocks whose K/V another sequence computes in the same step.
+//! **Engine** (on `tch` and [`rtrun_rlhf_model`]): the model [`runner`] (paged KV cache
+//! tensors, attention through block tables, the tensor-parallel seam), [`LlmEngine`] (the step
+//! loop scheduler → runner → sampler → scheduler, stop strings, sleep / wake, weight updates,
+//! stats), the [`reference`] decode used as test oracle and benchmark anchor, and
+//! [`EngineActor`], the engine as an rtrun actor serving several trainer ranks.
+//!
+//! Contract between scheduler and runner: within one step, the K/V of every scheduled token of a
+//! layer is written into its slot before any attention of that layer reads the cache. The
+//! scheduler relies on it: a sequence admitted in a step may share, through the prefix cache,
+//! full blocks whose K/V another sequence computes in the same step.
+//!
+//! ```no_run
+//! use rtrun_rlhf_engine::{EngineConfig, GenerationRequest, LlmEngine, SamplingParams};
+//! use rtrun_rlhf_model::{ModelFamily, tiny};
+//!
+//! let model = tiny::tiny_model(&tiny::tiny_config(ModelFamily::Qwen2), 7)?;
+//! let mut engine = LlmEngine::new(model, None, EngineConfig::default())?;
+//! let outputs = engine.generate(vec![GenerationRequest::new(
+//!     vec![1, 17, 42],
+//!     SamplingParams { temperature: 0.8, seed: Some(3), n: 4, ..SamplingParams::default() },
+//! )])?;
+//! assert_eq!(outputs[0].samples.len(), 4);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
 #![forbid(unsafe_code)]
 
+pub mod actor;
+pub mod api;
 pub mod block;
+pub mod config;
+pub mod engine;
+pub mod error;
 pub mod params;
+pub mod reference;
 pub mod rng;
 pub mod routing;
+pub mod runner;
 pub mod sampling;
 pub mod scheduler;
+
+pub use actor::{EngineActor, EngineActorConfig, EngineActorRef};
+pub use api::{GeneratedSample, GenerationOutput, GenerationRequest, NamedTensor, WeightBucket};
+pub use config::EngineConfig;
+pub use engine::{EngineStats, LlmEngine, WakeTarget, WeightState};
+pub use error::EngineError;
+pub use reference::reference_generate;
 
 pub use block::{
     BlockError, BlockHash, BlockId, BlockManager, BlockManagerConfig, BlockManagerStats,

@@ -1,0 +1,442 @@
+//! [`LlmEngine`]: the synchronous generation engine. Each step runs the loop
+//! scheduler → model runner → sampler → scheduler: the scheduler picks the chunks, the runner
+//! computes their logits through the paged KV cache, the sampler draws one token per sampled
+//! row (seeded per request, sample and position, so outputs do not depend on batching), and the
+//! scheduler records it, applying stop tokens, stop strings (through the tokenizer) and
+//! `max_tokens`.
+//!
+//! Requests are queued with [`LlmEngine::add_request`] and run by [`LlmEngine::step`];
+//! [`LlmEngine::generate`] does both for a batch and returns its outputs in order. Outputs of
+//! requests not collected by `generate` wait in the engine until [`LlmEngine::take_output`].
+
+mod stats;
+pub mod stop;
+pub mod weights;
+
+pub use stats::EngineStats;
+pub use weights::WeightState;
+
+use std::collections::{BTreeSet, HashMap};
+use std::time::Instant;
+
+use rtrun_rlhf_model::{CausalLm, TextTokenizer};
+use serde::{Deserialize, Serialize};
+
+use crate::api::{GeneratedSample, GenerationOutput, GenerationRequest, WeightBucket};
+use crate::block::BlockManagerConfig;
+use crate::config::EngineConfig;
+use crate::error::EngineError;
+use crate::rng::token_uniform;
+use crate::runner::batch::{ChunkView, StepBatch};
+use crate::runner::{ModelRunner, ShardSpec};
+use crate::sampling::Sampler;
+use crate::scheduler::{RequestOutput, Scheduler, SchedulerConfig};
+use crate::{RequestId, SequenceId};
+use weights::WeightResidency;
+
+/// What [`LlmEngine::wake_up`] brings back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WakeTarget {
+    /// The weights (woken first).
+    Weights,
+    /// The KV cache.
+    KvCache,
+}
+
+impl std::str::FromStr for WakeTarget {
+    type Err = EngineError;
+
+    fn from_str(tag: &str) -> Result<Self, EngineError> {
+        match tag {
+            "weights" => Ok(WakeTarget::Weights),
+            "kv_cache" => Ok(WakeTarget::KvCache),
+            other => Err(EngineError::InvalidArgument(format!(
+                "wake_up tags should be `weights` or `kv_cache`, found `{other}`"
+            ))),
+        }
+    }
+}
+
+/// Counters the engine keeps beyond the scheduler's.
+#[derive(Debug, Default)]
+struct Counters {
+    busy_seconds: f64,
+    prompt_tokens: u64,
+    requests_finished: u64,
+    weight_updates: u64,
+    sleeps: u64,
+}
+
+/// The generation engine.
+#[derive(Debug)]
+pub struct LlmEngine {
+    config: EngineConfig,
+    runner: ModelRunner,
+    scheduler: Scheduler,
+    sampler: Sampler,
+    tokenizer: Option<TextTokenizer>,
+    num_blocks: usize,
+    next_request_id: u64,
+    /// Prompts of unfinished requests (outputs repeat them).
+    unfinished: HashMap<RequestId, Vec<u32>>,
+    completed: HashMap<RequestId, GenerationOutput>,
+    weights: WeightResidency,
+    shapes: Vec<Vec<i64>>,
+    counters: Counters,
+}
+
+impl LlmEngine {
+    /// An engine over `model` (which must live on `config.device` in `config.dtype`), with an
+    /// optional tokenizer for stop strings, and its KV cache allocated.
+    pub fn new(
+        model: CausalLm,
+        tokenizer: Option<TextTokenizer>,
+        config: EngineConfig,
+    ) -> Result<Self, EngineError> {
+        weights::check_placement(&model, config.torch_device()?, config.torch_kind()?)?;
+        model.params.set_requires_grad(false)?;
+        let shapes = weights::parameter_shapes(&model);
+        let mut runner = ModelRunner::new(model, ShardSpec::WHOLE, config.block_size)?;
+        let num_blocks = match config.num_gpu_blocks {
+            Some(blocks) => blocks,
+            None => usize::try_from(config.kv_cache_bytes / runner.kv_bytes_per_block())
+                .unwrap_or(usize::MAX),
+        };
+        if num_blocks == 0 {
+            return Err(EngineError::InvalidConfig(format!(
+                "the kv cache must hold at least one block of {} bytes, found num_gpu_blocks {:?} and kv_cache_bytes {}",
+                runner.kv_bytes_per_block(),
+                config.num_gpu_blocks,
+                config.kv_cache_bytes
+            )));
+        }
+        let scheduler = Scheduler::new(SchedulerConfig {
+            max_num_batched_tokens: config.max_num_batched_tokens,
+            max_num_seqs: config.max_num_seqs,
+            watermark: config.watermark,
+            blocks: BlockManagerConfig {
+                num_blocks,
+                block_size: config.block_size,
+                enable_prefix_caching: config.enable_prefix_caching,
+            },
+            seed: config.seed,
+        })?;
+        runner.allocate_kv_cache(num_blocks)?;
+        Ok(Self {
+            config,
+            runner,
+            scheduler,
+            sampler: Sampler::new(),
+            tokenizer,
+            num_blocks,
+            next_request_id: 0,
+            unfinished: HashMap::new(),
+            completed: HashMap::new(),
+            weights: WeightResidency::Resident,
+            shapes,
+            counters: Counters::default(),
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &EngineConfig {
+        &self.config
+    }
+
+    /// The model (its weights may be asleep).
+    pub fn model(&self) -> &CausalLm {
+        self.runner.model()
+    }
+
+    /// The tokenizer, if the engine has one.
+    pub fn tokenizer(&self) -> Option<&TextTokenizer> {
+        self.tokenizer.as_ref()
+    }
+
+    /// KV blocks in the pool.
+    pub fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+
+    /// Queues a request and returns its id; nothing runs until [`LlmEngine::step`].
+    pub fn add_request(&mut self, request: GenerationRequest) -> Result<RequestId, EngineError> {
+        let vocab = self.model().config().vocab_size;
+        if let Some(&bad) = request.prompt_token_ids.iter().find(|&&t| i64::from(t) >= vocab) {
+            return Err(EngineError::InvalidRequest(format!(
+                "prompt token ids should be below the vocabulary size {vocab}, found {bad}"
+            )));
+        }
+        if !request.params.stop.is_empty() && self.tokenizer.is_none() {
+            return Err(EngineError::InvalidRequest(
+                "stop strings need a tokenizer, and this engine has none".into(),
+            ));
+        }
+        let id = RequestId(self.next_request_id);
+        self.scheduler.add_request(id, request.prompt_token_ids.clone(), request.params)?;
+        self.next_request_id += 1;
+        self.counters.prompt_tokens += request.prompt_token_ids.len() as u64;
+        self.unfinished.insert(id, request.prompt_token_ids);
+        Ok(id)
+    }
+
+    /// Whether requests are queued or running.
+    pub fn has_unfinished(&self) -> bool {
+        !self.unfinished.is_empty()
+    }
+
+    /// Runs one step; returns the requests that finished in it. Their outputs wait for
+    /// [`LlmEngine::take_output`]. On an error every unfinished request is aborted (their
+    /// outputs, reason `aborted`, can still be taken), so a failure never wedges the engine.
+    pub fn step(&mut self) -> Result<Vec<RequestId>, EngineError> {
+        if !self.has_unfinished() {
+            return Ok(Vec::new());
+        }
+        self.require_awake("generation")?;
+        let started = Instant::now();
+        let result = self.step_inner();
+        self.counters.busy_seconds += started.elapsed().as_secs_f64();
+        match result {
+            Ok(()) => Ok(self.collect_finished()),
+            Err(error) => {
+                self.abort_all();
+                Err(error)
+            }
+        }
+    }
+
+    /// Runs steps until every queued request finished.
+    pub fn run_until_idle(&mut self) -> Result<(), EngineError> {
+        while self.has_unfinished() {
+            self.step()?;
+        }
+        Ok(())
+    }
+
+    /// Takes the output of a finished request.
+    pub fn take_output(&mut self, id: RequestId) -> Option<GenerationOutput> {
+        self.completed.remove(&id)
+    }
+
+    /// Takes every finished output, by request id.
+    pub fn take_completed(&mut self) -> Vec<(RequestId, GenerationOutput)> {
+        let mut outputs: Vec<_> = self.completed.drain().collect();
+        outputs.sort_by_key(|(id, _)| *id);
+        outputs
+    }
+
+    /// Generates for a batch of requests and returns their outputs in order. Other queued
+    /// requests progress too; their outputs stay in the engine. Requests are validated before
+    /// any is queued, so an invalid one leaves the engine unchanged.
+    pub fn generate(
+        &mut self,
+        requests: Vec<GenerationRequest>,
+    ) -> Result<Vec<GenerationOutput>, EngineError> {
+        self.require_awake("generate")?;
+        let mut ids = Vec::with_capacity(requests.len());
+        for request in requests {
+            match self.add_request(request) {
+                Ok(id) => ids.push(id),
+                Err(error) => {
+                    self.abort_requests(&ids);
+                    return Err(error);
+                }
+            }
+        }
+        let wanted: BTreeSet<RequestId> = ids.iter().copied().collect();
+        while wanted.iter().any(|id| !self.completed.contains_key(id)) && self.has_unfinished() {
+            if let Err(error) = self.step() {
+                self.abort_requests(&ids);
+                return Err(error);
+            }
+        }
+        Ok(ids.iter().filter_map(|id| self.completed.remove(id)).collect())
+    }
+
+    /// Sleep level 1 frees the KV cache and offloads the weights to host memory; level 2 frees
+    /// the KV cache and releases the weights (a weight update must follow the wake-up). The
+    /// prefix cache is reset either way. Queued requests stay queued.
+    pub fn sleep(&mut self, level: u32) -> Result<(), EngineError> {
+        if !(1..=2).contains(&level) {
+            return Err(EngineError::InvalidArgument(format!(
+                "sleep level should be 1 or 2, found {level}"
+            )));
+        }
+        self.require_idle("sleep")?;
+        self.runner.free_kv_cache();
+        self.scheduler.reset_prefix_cache();
+        let residency = std::mem::replace(&mut self.weights, WeightResidency::Resident);
+        self.weights = weights::put_to_sleep(self.runner.model(), residency, level)?;
+        self.counters.sleeps += 1;
+        tracing::debug!(level, "engine asleep");
+        Ok(())
+    }
+
+    /// Wakes the weights and/or the KV cache (an empty list wakes both); weights always first.
+    pub fn wake_up(&mut self, targets: &[WakeTarget]) -> Result<(), EngineError> {
+        let all = targets.is_empty();
+        if all || targets.contains(&WakeTarget::Weights) {
+            let residency = std::mem::replace(&mut self.weights, WeightResidency::Resident);
+            self.weights = weights::wake(self.runner.model(), residency, &self.shapes)?;
+        }
+        if (all || targets.contains(&WakeTarget::KvCache)) && !self.runner.has_kv_cache() {
+            self.runner.allocate_kv_cache(self.num_blocks)?;
+        }
+        Ok(())
+    }
+
+    /// Copies a bucket of weights into the model (all-or-nothing per bucket) and resets the
+    /// prefix cache, whose K/V the old weights computed. Needs resident weights and no running
+    /// sequence. Returns the number of tensors updated.
+    pub fn update_weights(&mut self, bucket: &WeightBucket) -> Result<usize, EngineError> {
+        if !matches!(self.weights, WeightResidency::Resident) {
+            return Err(EngineError::Asleep { operation: "update_weights", part: "weights" });
+        }
+        self.require_idle("update_weights")?;
+        let updated = weights::apply_bucket(self.runner.model(), bucket)?;
+        self.scheduler.reset_prefix_cache();
+        self.counters.weight_updates += 1;
+        Ok(updated)
+    }
+
+    /// Forgets every cached prefix block (K/V computed by earlier weights).
+    pub fn reset_prefix_cache(&mut self) {
+        self.scheduler.reset_prefix_cache();
+    }
+
+    /// Counters, throughput and cache usage.
+    pub fn stats(&self) -> EngineStats {
+        EngineStats::collect(
+            &self.scheduler.stats(),
+            &self.counters,
+            self.weights.state(),
+            self.runner.has_kv_cache(),
+            self.completed.len(),
+            self.config.block_size,
+        )
+    }
+
+    fn require_awake(&self, operation: &'static str) -> Result<(), EngineError> {
+        if !matches!(self.weights, WeightResidency::Resident) {
+            return Err(EngineError::Asleep { operation, part: "weights" });
+        }
+        if !self.runner.has_kv_cache() {
+            return Err(EngineError::Asleep { operation, part: "kv cache" });
+        }
+        Ok(())
+    }
+
+    fn require_idle(&self, operation: &'static str) -> Result<(), EngineError> {
+        match self.scheduler.num_running() {
+            0 => Ok(()),
+            running => Err(EngineError::Busy { operation, running }),
+        }
+    }
+
+    fn step_inner(&mut self) -> Result<(), EngineError> {
+        let output = self.scheduler.schedule()?;
+        if output.is_empty() {
+            return Err(EngineError::Stalled(self.unfinished.len()));
+        }
+        let block_size = self.config.block_size;
+        let batch = {
+            let mut views = Vec::with_capacity(output.chunks.len());
+            for chunk in &output.chunks {
+                let unknown = || crate::scheduler::SchedulerError::UnknownSequence(chunk.sequence);
+                views.push(ChunkView {
+                    sequence: chunk.sequence,
+                    tokens: self.scheduler.sequence_tokens(chunk.sequence).ok_or_else(unknown)?,
+                    start: chunk.start,
+                    num_tokens: chunk.num_tokens,
+                    block_table: self.scheduler.block_table(chunk.sequence).ok_or_else(unknown)?,
+                    sample: chunk.sample,
+                });
+            }
+            StepBatch::build(block_size, &views)?
+        };
+        let logits = self.runner.execute(&batch)?;
+        let vocab = logits.len().checked_div(batch.sampled.len()).unwrap_or(0);
+        for (row, &sequence) in batch.sampled.iter().enumerate() {
+            self.sample_and_record(sequence, &logits[row * vocab..(row + 1) * vocab])?;
+        }
+        Ok(())
+    }
+
+    fn sample_and_record(
+        &mut self,
+        sequence: SequenceId,
+        logits: &[f32],
+    ) -> Result<(), EngineError> {
+        let unknown = crate::scheduler::SchedulerError::UnknownSequence(sequence);
+        let (sampled, stop) = {
+            let context = self.scheduler.sampling_context(sequence).ok_or(unknown)?;
+            let uniform =
+                token_uniform(context.seed, context.sample_index, context.output_position);
+            let sampled = self.sampler.sample(logits, context.params, uniform)?;
+            let stop = (!context.params.stop.is_empty()).then(|| context.params.stop.clone());
+            (sampled, stop)
+        };
+        let tokenizer = self.tokenizer.as_ref();
+        self.scheduler.on_step_output_with(sequence, sampled.token, sampled.logprob, |output| {
+            match (tokenizer, &stop) {
+                (Some(tokenizer), Some(stop)) => stop::find_stop_string(tokenizer, stop, output),
+                _ => None,
+            }
+        })?;
+        Ok(())
+    }
+
+    fn collect_finished(&mut self) -> Vec<RequestId> {
+        let finished = self.scheduler.take_finished();
+        let mut ids = Vec::with_capacity(finished.len());
+        for output in finished {
+            ids.push(output.request_id);
+            let prompt = self.unfinished.remove(&output.request_id).unwrap_or_default();
+            self.counters.requests_finished += 1;
+            self.completed.insert(output.request_id, convert_output(prompt, output));
+        }
+        ids
+    }
+
+    /// Aborts every unfinished request; their outputs (reason `aborted`) become takeable.
+    fn abort_all(&mut self) {
+        let ids: Vec<RequestId> = self.unfinished.keys().copied().collect();
+        for id in ids {
+            if let Err(error) = self.scheduler.abort(id) {
+                tracing::warn!(%id, %error, "abort after a failed step");
+            }
+        }
+        self.collect_finished();
+    }
+
+    /// Aborts the given requests where still unfinished and discards their outputs (used to
+    /// undo a partly queued batch).
+    pub fn abort_requests(&mut self, ids: &[RequestId]) {
+        for id in ids {
+            if self.unfinished.contains_key(id) {
+                let _ = self.scheduler.abort(*id);
+            }
+        }
+        self.collect_finished();
+        for id in ids {
+            self.completed.remove(id);
+        }
+    }
+}
+
+/// The engine's output form of a finished request.
+fn convert_output(prompt_token_ids: Vec<u32>, output: RequestOutput) -> GenerationOutput {
+    let mut samples = output.samples;
+    samples.sort_by_key(|s| s.sample_index);
+    GenerationOutput {
+        prompt_token_ids,
+        samples: samples
+            .into_iter()
+            .map(|s| GeneratedSample {
+                token_ids: s.token_ids,
+                log_probs: s.logprobs.unwrap_or_default(),
+                finish_reason: s.finish_reason,
+            })
+            .collect(),
+    }
+}
