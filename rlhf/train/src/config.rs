@@ -447,7 +447,7 @@ impl TrainConfig {
             return Err(TrainError::config("rollout.top_p", format!("expected a number in (0, 1], found {}", r.top_p)));
         }
         let a = &self.algo;
-        if a.advantage_estimator.is_group_based() && r.n_samples_per_prompt < 2 {
+        if a.advantage_estimator.is_group_baseline() && r.n_samples_per_prompt < 2 {
             return Err(TrainError::config(
                 "rollout.n_samples_per_prompt",
                 format!(
@@ -605,7 +605,7 @@ mod tests {
         assert!(err("", &["reward.name=nope"]).contains("reward.name"));
         assert!(err("", &["reward.kind=remote"]).contains("reward.url"));
         assert!(err("", &["noequals"]).contains("no `="));
-        assert!(err("", &["seed.x=1"]).contains("`seed` to be a section"));
+        assert!(err("seed: 1\n", &["seed.x=1"]).contains("`seed` to be a section"));
         assert!(err("algo: [1, 2]\n", &[]).contains("bad.yaml"));
         assert!(err("", &["algo.kl_estimator=k9"]).contains("k9"));
         assert!(err("", &["model.num_kv_heads=3"]).contains("model.num_kv_heads"));

@@ -38,6 +38,9 @@ pub enum TrainError {
     /// A tensor operation failed.
     #[error("tensor: {0}")]
     Tensor(#[from] tch::TchError),
+    /// An RL maths routine rejected its inputs.
+    #[error("algo: {0}")]
+    Algo(#[from] rtrun_rlhf_algo::AlgoError),
     /// A runtime call failed (actor died, task failed, ...).
     #[error("runtime: {0}")]
     Runtime(#[from] rtrun::Error),

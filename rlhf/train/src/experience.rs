@@ -134,7 +134,7 @@ mod tests {
         let actions = Vec::<i64>::try_from(batch.action_mask.view([-1])).unwrap();
         assert_eq!(actions, vec![1, 1, 0, 1, 1, 1]);
         assert_eq!(batch.num_actions().unwrap(), 3);
-        let response = Vec::<i64>::try_from(batch.response_ids().unwrap().view([-1])).unwrap();
+        let response = Vec::<i64>::try_from(batch.response_ids().unwrap().reshape([-1])).unwrap();
         assert_eq!(response, vec![7, 2, 0, 8, 9, 2]);
     }
 

@@ -84,6 +84,92 @@ pub fn score_with_function(name: String, queries: Vec<RewardQuery>) -> Result<Ve
     Ok(queries.iter().map(|q| (function.score)(&q.prompt, &q.response, &q.label)).collect())
 }
 
+/// Scores `queries` with a remote reward server (OpenRLHF's `--remote_rm_url`), as an rtrun
+/// task: one `POST` of `{"query": [prompt + response], "prompts": [...], "labels": [...]}`
+/// expecting `{"rewards": [...]}` with one number per query. Plain `http://` only.
+#[rtrun::remote]
+pub fn score_remote(url: String, queries: Vec<RewardQuery>) -> Result<Vec<f32>, String> {
+    let body = serde_json::json!({
+        "query": queries.iter().map(|q| format!("{}{}", q.prompt, q.response)).collect::<Vec<_>>(),
+        "prompts": queries.iter().map(|q| q.prompt.as_str()).collect::<Vec<_>>(),
+        "labels": queries.iter().map(|q| q.label.as_str()).collect::<Vec<_>>(),
+    });
+    let response = http::post_json(&url, &body.to_string(), std::time::Duration::from_secs(60))?;
+    let value: serde_json::Value = serde_json::from_str(&response)
+        .map_err(|e| format!("{url}: expected a JSON body, found {e}"))?;
+    let rewards = value
+        .get("rewards")
+        .and_then(|r| r.as_array())
+        .ok_or_else(|| format!("{url}: expected a `rewards` array in the response, found {value}"))?;
+    if rewards.len() != queries.len() {
+        return Err(format!("{url}: expected {} rewards, found {}", queries.len(), rewards.len()));
+    }
+    rewards
+        .iter()
+        .map(|r| r.as_f64().map(|x| x as f32).ok_or_else(|| format!("{url}: expected numbers, found {r}")))
+        .collect()
+}
+
+/// A minimal HTTP/1.1 client for the remote reward (no TLS, no redirects): enough for a
+/// reward server on the cluster's network, with a deadline on every socket operation.
+pub mod http {
+    use std::io::{Read, Write};
+    use std::net::{TcpStream, ToSocketAddrs};
+    use std::time::Duration;
+
+    /// Largest response body accepted.
+    pub const MAX_RESPONSE_BYTES: usize = 64 << 20;
+
+    /// `POST`s `body` as JSON to `url` and returns the response body of a 2xx answer.
+    pub fn post_json(url: &str, body: &str, timeout: Duration) -> Result<String, String> {
+        let rest = url
+            .strip_prefix("http://")
+            .ok_or_else(|| format!("expected an http:// URL, found `{url}`"))?;
+        let (authority, path) = match rest.find('/') {
+            Some(i) => (&rest[..i], &rest[i..]),
+            None => (rest, "/"),
+        };
+        let address = if authority.contains(':') { authority.to_owned() } else { format!("{authority}:80") };
+        let socket = address
+            .to_socket_addrs()
+            .map_err(|e| format!("{url}: cannot resolve `{address}`: {e}"))?
+            .next()
+            .ok_or_else(|| format!("{url}: `{address}` resolves to nothing"))?;
+        let mut stream = TcpStream::connect_timeout(&socket, timeout).map_err(|e| format!("{url}: {e}"))?;
+        stream.set_read_timeout(Some(timeout)).map_err(|e| format!("{url}: {e}"))?;
+        stream.set_write_timeout(Some(timeout)).map_err(|e| format!("{url}: {e}"))?;
+        let request = format!(
+            "POST {path} HTTP/1.1\r\nHost: {authority}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        );
+        stream.write_all(request.as_bytes()).map_err(|e| format!("{url}: {e}"))?;
+        let mut raw = Vec::new();
+        stream
+            .take(MAX_RESPONSE_BYTES as u64 + 1)
+            .read_to_end(&mut raw)
+            .map_err(|e| format!("{url}: {e}"))?;
+        if raw.len() > MAX_RESPONSE_BYTES {
+            return Err(format!("{url}: response larger than {MAX_RESPONSE_BYTES} bytes"));
+        }
+        let text = String::from_utf8(raw).map_err(|_| format!("{url}: response is not UTF-8"))?;
+        let (head, body) = text
+            .split_once("\r\n\r\n")
+            .ok_or_else(|| format!("{url}: expected an HTTP response, found {} bytes without headers", text.len()))?;
+        let status: u16 = head
+            .split_whitespace()
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .ok_or_else(|| format!("{url}: expected an HTTP status line, found `{}`", head.lines().next().unwrap_or("")))?;
+        if !(200..300).contains(&status) {
+            return Err(format!("{url}: expected a 2xx status, found {status}"));
+        }
+        if head.to_ascii_lowercase().contains("transfer-encoding: chunked") {
+            return Err(format!("{url}: chunked responses are not supported; send Content-Length"));
+        }
+        Ok(body.to_owned())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -7,9 +7,9 @@ use serde::{Deserialize, Serialize};
 use tch::Kind;
 
 use rtrun_rlhf_model::ScalarHeadModel;
-use rtrun_rlhf_model::train::{AdamW, OptimizerConfig, save_training_checkpoint as _};
+use rtrun_rlhf_model::train::{AdamW, OptimizerConfig};
 
-use crate::algo;
+use crate::algo::{self, LossAggregation};
 use crate::experience::{ExperienceRow, Sequence, pad_rows, response_batch, unpad_rows};
 use crate::roles::{DpComm, WorkerSetup};
 
@@ -93,8 +93,8 @@ impl CriticWorker {
     }
 
     /// One optimizer step of the clipped value loss on this rank's share of a mini-batch.
-    pub fn train(&mut self, rows: Vec<ExperienceRow>) -> Result<CriticTrainStats, String> {
-        self.train_impl(&rows).map_err(to_string_error)
+    pub fn train(&mut self, rows: Vec<ExperienceRow>, global_tokens: usize) -> Result<CriticTrainStats, String> {
+        self.train_impl(&rows, global_tokens).map_err(to_string_error)
     }
 
     /// Saves the critic and its optimizer state.
@@ -135,10 +135,14 @@ impl CriticWorker {
 }
 
 impl CriticWorker {
-    fn train_impl(&mut self, rows: &[ExperienceRow]) -> crate::Result<CriticTrainStats> {
+    fn train_impl(&mut self, rows: &[ExperienceRow], global_tokens: usize) -> crate::Result<CriticTrainStats> {
         let device = self.model.params.device();
+        let dp_size = rtrun::context()?.group.map(|g| g.world_size).unwrap_or(1);
+        let aggregation = LossAggregation::GlobalTokenMean {
+            batch_num_tokens: global_tokens.max(1) as f64,
+            dp_size,
+        };
         self.optimizer.zero_grad();
-        let total_tokens: usize = rows.iter().map(|r| r.sequence.response_ids.len()).sum();
         let mut stats = CriticTrainStats::default();
         for chunk in rows.chunks(self.micro_batch_size) {
             let sequences: Vec<&Sequence> = chunk.iter().map(|r| &r.sequence).collect();
@@ -152,11 +156,9 @@ impl CriticWorker {
             let returns = column(|r| &r.returns)?;
             let mask = batch.action_mask.f_to_kind(Kind::Float)?;
             let values = self.model.action_values(&batch)?;
-            let loss = algo::value_loss(&values, &old_values, &returns, &mask, self.value_clip)?;
-            let chunk_tokens: usize = chunk.iter().map(|r| r.sequence.response_ids.len()).sum();
-            let weight = chunk_tokens as f64 / total_tokens.max(1) as f64;
-            stats.value_loss += loss.f_double_value(&[])? * weight;
-            loss.f_mul_scalar(weight)?.f_backward()?;
+            let loss = algo::value_loss(&values, &old_values, &returns, &mask, Some(self.value_clip), aggregation)?;
+            stats.value_loss += loss.f_double_value(&[])?;
+            loss.f_backward()?;
         }
         let params: Vec<tch::Tensor> = self.model.named_parameters().map(|(_, t)| t.shallow_clone()).collect();
         self.comm.all_reduce(&params, &self.setup.role)?;

@@ -11,9 +11,9 @@ use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
 
 use rtrun_rlhf_model::CausalLm;
-use rtrun_rlhf_model::train::{AdamW, OptimizerConfig, masked_mean};
+use rtrun_rlhf_model::train::{AdamW, OptimizerConfig};
 
-use crate::algo::{self, KlEstimator};
+use crate::algo::{self, ClipConfig, KlEstimator, LossAggregation};
 use crate::experience::{ExperienceRow, Sequence, pad_rows, response_batch, unpad_rows};
 use crate::roles::{DpComm, WorkerSetup};
 use crate::weights::{WeightBucket, bucket_plan, export_bucket};
@@ -21,10 +21,8 @@ use crate::weights::{WeightBucket, bucket_plan, export_bucket};
 /// How a policy rank computes its loss.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PolicyLossConfig {
-    /// PPO clip below 1.
-    pub eps_clip_low: f64,
-    /// PPO clip above 1.
-    pub eps_clip_high: f64,
+    /// PPO clip range.
+    pub clip: ClipConfig,
     /// Entropy bonus coefficient.
     pub entropy_coef: f64,
     /// KL to the reference model as a loss term.
@@ -103,24 +101,29 @@ impl LmWorker {
         self.log_probs_impl(&sequences).map_err(to_string_error)
     }
 
-    /// One optimizer step on this rank's share of a global mini-batch (every rank of the group
-    /// must be called with its share, since the gradients are all-reduced).
-    pub fn train(&mut self, rows: Vec<ExperienceRow>, kl_coef: f64) -> Result<PolicyTrainStats, String> {
-        self.train_impl(&rows, kl_coef).map_err(to_string_error)
+    /// One optimizer step on this rank's share of a global mini-batch of `global_tokens`
+    /// response tokens (every rank of the group must be called with its share, since the
+    /// gradients are all-reduced).
+    pub fn train(
+        &mut self,
+        rows: Vec<ExperienceRow>,
+        kl_coef: f64,
+        global_tokens: usize,
+    ) -> Result<PolicyTrainStats, String> {
+        self.train_impl(&rows, kl_coef, global_tokens).map_err(to_string_error)
     }
 
-    /// How many buckets of at most `bucket_bytes` the weights take.
-    pub fn weight_bucket_count(&self, bucket_bytes: usize) -> usize {
-        bucket_plan(self.model.named_parameters(), bucket_bytes).len()
-    }
-
-    /// Bucket `index` of the weights (Hugging Face names, f32).
-    pub fn weight_bucket(&self, bucket_bytes: usize, index: usize) -> Result<WeightBucket, String> {
+    /// The weights (Hugging Face names, f32) in buckets of at most `bucket_bytes`, each put
+    /// into the object store by this rank; engines resolve the references themselves, so the
+    /// bytes go from this worker to each engine without passing through the driver.
+    pub fn weight_buckets(&self, bucket_bytes: usize) -> Result<Vec<rtrun::ObjectRef<WeightBucket>>, String> {
         let plan = bucket_plan(self.model.named_parameters(), bucket_bytes);
-        let names = plan.get(index).ok_or_else(|| {
-            format!("expected a bucket index below {}, found {index}", plan.len())
-        })?;
-        export_bucket(&self.model, names).map_err(to_string_error)
+        let mut refs = Vec::with_capacity(plan.len());
+        for names in &plan {
+            let bucket = export_bucket(&self.model, names).map_err(to_string_error)?;
+            refs.push(rtrun::put(&bucket).map_err(to_string_error)?);
+        }
+        Ok(refs)
     }
 
     /// Saves the model (Hugging Face layout) and, for a policy rank, the optimizer state.
@@ -141,7 +144,8 @@ impl LmWorker {
     pub fn load_checkpoint(&mut self, dir: PathBuf) -> Result<(), String> {
         match &mut self.optimizer {
             Some(opt) => rtrun_rlhf_model::train::load_training_checkpoint(&dir, &self.model.params, opt),
-            None => self.model.params.copy_from_dir(&dir),
+            None => CausalLm::from_pretrained(&dir, self.model.params.device(), Kind::Float)
+                .map(|loaded| self.model = loaded),
         }
         .map_err(|e| format!("loading {}: {e}", dir.display()))
     }
@@ -193,19 +197,30 @@ impl LmWorker {
         Ok(out)
     }
 
-    fn train_impl(&mut self, rows: &[ExperienceRow], kl_coef: f64) -> crate::Result<PolicyTrainStats> {
+    fn train_impl(
+        &mut self,
+        rows: &[ExperienceRow],
+        kl_coef: f64,
+        global_tokens: usize,
+    ) -> crate::Result<PolicyTrainStats> {
         let role = self.setup.role.clone();
         let optimizer = self
             .optimizer
             .as_mut()
             .ok_or_else(|| crate::TrainError::role(&role, "this rank is frozen (no optimizer)"))?;
         let device = self.model.params.device();
+        let dp_size = rtrun::context()?.group.map(|g| g.world_size).unwrap_or(1);
+        // OpenRLHF's token-level loss over the global mini-batch: each micro-batch's token sum
+        // divided by the global token count (times dp_size, undone by the gradient mean).
+        let aggregation = LossAggregation::GlobalTokenMean {
+            batch_num_tokens: global_tokens.max(1) as f64,
+            dp_size,
+        };
+        let clip = self.loss.clip.clone();
         optimizer.zero_grad();
-        let micro = self.loss.micro_batch_size.max(1);
-        let chunks: Vec<&[ExperienceRow]> = rows.chunks(micro).collect();
+        let local_tokens: usize = rows.iter().map(|r| r.sequence.response_ids.len()).sum();
         let mut stats = PolicyTrainStats::default();
-        let total_tokens: usize = rows.iter().map(|r| r.sequence.response_ids.len()).sum();
-        for chunk in &chunks {
+        for chunk in rows.chunks(self.loss.micro_batch_size.max(1)) {
             let sequences: Vec<&Sequence> = chunk.iter().map(|r| &r.sequence).collect();
             let batch = response_batch(&sequences, device)?;
             let width = batch.num_actions()?;
@@ -217,36 +232,35 @@ impl LmWorker {
             let advantages = column(|r| &r.advantages)?;
             let mask = batch.action_mask.f_to_kind(Kind::Float)?;
             let logits = self.model.response_logits(&batch)?;
-            let log_probs = rtrun_rlhf_model::logprobs::token_log_probs(&logits, &batch.response_ids()?)?
-                .f_mul(&mask)?;
-            let out = algo::policy_loss(
-                &log_probs,
-                &old_log_probs,
-                &advantages,
-                &mask,
-                self.loss.eps_clip_low,
-                self.loss.eps_clip_high,
-            )?;
+            let log_probs =
+                rtrun_rlhf_model::logprobs::token_log_probs(&logits, &batch.response_ids()?)?.f_mul(&mask)?;
+            let out = algo::policy_loss(&log_probs, &old_log_probs, &advantages, &mask, &clip, aggregation)?;
             let chunk_tokens: usize = chunk.iter().map(|r| r.sequence.response_ids.len()).sum();
-            // Token-level mean over this rank's tokens: weight each micro-batch by its share.
-            let weight = chunk_tokens as f64 / total_tokens.max(1) as f64;
+            let share = chunk_tokens as f64 / local_tokens.max(1) as f64;
             let mut loss = out.loss.shallow_clone();
             if self.loss.entropy_coef > 0.0 {
-                let entropy = algo::masked_entropy(&logits, &mask)?;
-                stats.entropy += entropy.f_double_value(&[])? * weight;
+                let entropy = algo::masked_entropy(&logits, &mask, aggregation)?;
                 loss = loss.f_sub(&entropy.f_mul_scalar(self.loss.entropy_coef)?)?;
+                let mean = algo::masked_entropy(&logits.f_detach()?, &mask, LossAggregation::TokenMean)?;
+                stats.entropy += mean.f_double_value(&[])? * share;
             }
             if self.loss.use_kl_loss {
                 let ref_log_probs = column(|r| &r.ref_log_probs)?;
-                let kl = algo::kl_penalty(&log_probs, &ref_log_probs, &mask, self.loss.kl_estimator)?;
-                let kl = masked_mean(&kl, &mask)?;
-                stats.ref_kl += kl.f_double_value(&[])? * weight;
+                let kl = algo::kl_loss(&log_probs, &ref_log_probs, &mask, self.loss.kl_estimator, aggregation)?;
                 loss = loss.f_add(&kl.f_mul_scalar(kl_coef)?)?;
+                let mean = algo::kl_loss(
+                    &log_probs.f_detach()?,
+                    &ref_log_probs,
+                    &mask,
+                    self.loss.kl_estimator,
+                    LossAggregation::TokenMean,
+                )?;
+                stats.ref_kl += mean.f_double_value(&[])? * share;
             }
-            stats.policy_loss += out.loss.f_double_value(&[])? * weight;
-            stats.clip_fraction += out.clip_fraction * weight;
-            stats.approx_kl += out.approx_kl * weight;
-            loss.f_mul_scalar(weight)?.f_backward()?;
+            stats.policy_loss += out.loss.f_double_value(&[])?;
+            stats.clip_fraction += out.clip_fraction.f_double_value(&[])? * share;
+            stats.approx_kl += out.approx_kl.f_double_value(&[])? * share;
+            loss.f_backward()?;
         }
         self.comm.all_reduce_gradients(&self.model, &role)?;
         let step = optimizer.step()?;

@@ -74,7 +74,8 @@ impl DpComm {
             self.comm = Some(comm);
         }
         let comm = self.comm.as_mut().ok_or_else(|| TrainError::role(role, "collective missing"))?;
-        rtrun_rlhf_algo::all_reduce_gradients(comm, params)
+        rtrun_rlhf_algo::all_reduce_gradients(comm, params, &Default::default())
+            .map(|_| ())
             .map_err(|e| TrainError::role(role, format!("gradient all-reduce: {e}")))
     }
 }

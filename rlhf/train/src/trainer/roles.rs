@@ -37,7 +37,7 @@ pub fn needs_reference(algo: &AlgoConfig) -> bool {
 
 /// Whether the run needs a critic.
 pub fn needs_critic(algo: &AlgoConfig) -> bool {
-    algo.advantage_estimator == crate::algo::AdvantageEstimator::Gae
+    algo.advantage_estimator.needs_critic()
 }
 
 fn optimizer(config: &TrainConfig, lr: f64, total_steps: u64) -> OptimizerConfig {
@@ -67,8 +67,7 @@ impl Roles {
     ) -> Result<Roles> {
         let threads = config.cluster.threads_per_worker;
         let loss = PolicyLossConfig {
-            eps_clip_low: config.algo.eps_clip_low,
-            eps_clip_high: config.algo.eps_clip_high,
+            clip: config.algo.clip_config(),
             entropy_coef: config.algo.entropy_coef,
             use_kl_loss: config.algo.use_kl_loss,
             kl_estimator: config.algo.kl_estimator,
