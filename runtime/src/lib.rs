@@ -27,6 +27,7 @@ extern crate self as rtrun;
 pub mod actor;
 pub mod bench;
 pub mod codec;
+pub mod collective;
 pub mod context;
 pub mod error;
 pub mod group;
@@ -42,6 +43,7 @@ pub mod transport;
 pub mod worker;
 
 pub use actor::{Actor, ActorInfo, ActorOptions, ActorRef, IntoArg, get_actor};
+pub use collective::{Backend, CollectiveConfig, CollectiveError, Communicator, ReduceOp};
 pub use context::{GroupMembership, RuntimeContext, context};
 pub use error::{Error, Result};
 pub use group::{ActorGroup, split_batch};
