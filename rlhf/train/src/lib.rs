@@ -5,7 +5,12 @@
 //! - [`config`]: the YAML config with `--set` overrides.
 //! - [`warmup`]: the initial policy (tiny model + supervised warm-up).
 //! - [`experience`]: rows on the wire and their padded tensor layout.
-//! - [`reward`]: reward functions registered by name, run as tasks.
+//! - [`reward`]: reward functions registered by name, run as tasks; the remote HTTP reward.
+//! - [`roles`]: the role actors (policy / reference, critic, reward model).
+//! - [`placement_map`]: placement spec → actor options and colocation mode.
+//! - [`weights`]: bucketed weight export for the engines.
+//! - [`trainer`]: `fit()`, experience making, PPO training, checkpoints.
+//! - [`run`]: a whole run as the `train` binary performs it.
 //!
 //! This crate uses only the public runtime API (`rtrun`), never its internals.
 // No `forbid(unsafe_code)`: link-time registration of actors, tasks and reward functions
@@ -16,12 +21,15 @@ pub mod algo;
 pub mod config;
 pub mod error;
 pub mod experience;
+pub mod placement_map;
 pub mod reward;
 pub mod rng;
-// pub mod roles;
+pub mod roles;
+pub mod run;
 pub mod task;
+pub mod trainer;
 pub mod warmup;
-// pub mod weights;
+pub mod weights;
 
 pub use config::TrainConfig;
 pub use error::{Result, TrainError};

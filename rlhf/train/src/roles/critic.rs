@@ -43,6 +43,11 @@ pub struct CriticTrainStats {
 
 /// A critic rank.
 pub struct CriticWorker {
+    state: std::sync::Mutex<CriticWorkerState>,
+}
+
+/// The tensors and settings of a [`CriticWorker`].
+struct CriticWorkerState {
     setup: WorkerSetup,
     model: ScalarHeadModel,
     optimizer: AdamW,
@@ -55,15 +60,14 @@ fn to_string_error(e: impl std::fmt::Display) -> String {
     e.to_string()
 }
 
-#[rtrun::actor(pub)]
-impl CriticWorker {
+impl CriticWorkerState {
     /// Loads the critic.
-    pub fn new(config: CriticWorkerConfig) -> Result<Self, String> {
+    fn create(config: CriticWorkerConfig) -> Result<CriticWorkerState, String> {
         config.setup.apply();
         let model = ScalarHeadModel::from_pretrained(&config.model_dir, config.setup.device(), Kind::Float, config.seed)
             .map_err(|e| format!("loading {}: {e}", config.model_dir.display()))?;
         let optimizer = AdamW::new(model.named_parameters(), config.optimizer).map_err(to_string_error)?;
-        Ok(CriticWorker {
+        Ok(CriticWorkerState {
             setup: config.setup,
             model,
             optimizer,
@@ -118,6 +122,7 @@ impl CriticWorker {
             })?;
             self.optimizer.load(&dir.join(rtrun_rlhf_model::train::OPTIMIZER_FILE))
         };
+        let mut run = run;
         run().map_err(|e| format!("loading {}: {e}", dir.display()))
     }
 
@@ -133,8 +138,57 @@ impl CriticWorker {
         Ok(())
     }
 }
-
+#[rtrun::actor(pub)]
 impl CriticWorker {
+    /// Loads the critic.
+    pub fn new(config: CriticWorkerConfig) -> Result<Self, String> {
+        CriticWorkerState::create(config).map(|state| CriticWorker { state: std::sync::Mutex::new(state) })
+    }
+
+    /// Values of the states before each response token.
+    pub fn values(&self, sequences: Vec<Sequence>) -> Result<Vec<Vec<f32>>, String> {
+        self.state().values(sequences)
+    }
+
+    /// One optimizer step of the clipped value loss on this rank's share of a mini-batch.
+    pub fn train(&mut self, rows: Vec<ExperienceRow>, global_tokens: usize) -> Result<CriticTrainStats, String> {
+        self.state().train(rows, global_tokens)
+    }
+
+    /// Saves the critic and its optimizer state.
+    pub fn save_checkpoint(&self, dir: PathBuf) -> Result<(), String> {
+        self.state().save_checkpoint(dir)
+    }
+
+    /// Loads what `save_checkpoint` saved.
+    pub fn load_checkpoint(&mut self, dir: PathBuf) -> Result<(), String> {
+        self.state().load_checkpoint(dir)
+    }
+
+    /// Marks training state offloaded.
+    pub fn offload(&mut self) -> Result<(), String> {
+        self.state().offload()
+    }
+
+    /// Marks training state back on the device.
+    pub fn onload(&mut self) -> Result<(), String> {
+        self.state().onload()
+    }
+
+}
+
+/// Tensors are `Send` but not `Sync`, and the runtime shares an actor between its executor
+/// threads, so the state sits behind a mutex (uncontended: the runtime runs one call at a time
+/// unless `max_concurrency` says otherwise).
+impl CriticWorker {
+    fn state(&self) -> std::sync::MutexGuard<'_, CriticWorkerState> {
+        // A panic inside a call cannot leave the tensors half-updated in a way the next call
+        // would not report, so a poisoned lock is taken over.
+        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+impl CriticWorkerState {
     fn train_impl(&mut self, rows: &[ExperienceRow], global_tokens: usize) -> crate::Result<CriticTrainStats> {
         let device = self.model.params.device();
         let dp_size = rtrun::context()?.group.map(|g| g.world_size).unwrap_or(1);
@@ -182,19 +236,23 @@ pub struct RewardModelConfig {
 
 /// A reward-model rank (OpenRLHF's model-based reward).
 pub struct RewardModelWorker {
+    state: std::sync::Mutex<RewardModelWorkerState>,
+}
+
+/// The tensors and settings of a [`RewardModelWorker`].
+struct RewardModelWorkerState {
     model: ScalarHeadModel,
     micro_batch_size: usize,
 }
 
-#[rtrun::actor(pub)]
-impl RewardModelWorker {
+impl RewardModelWorkerState {
     /// Loads the reward model.
-    pub fn new(config: RewardModelConfig) -> Result<Self, String> {
+    fn create(config: RewardModelConfig) -> Result<RewardModelWorkerState, String> {
         config.setup.apply();
         let model = ScalarHeadModel::from_pretrained(&config.model_dir, config.setup.device(), Kind::Float, 0)
             .map_err(|e| format!("loading {}: {e}", config.model_dir.display()))?;
         model.params.set_requires_grad(false).map_err(to_string_error)?;
-        Ok(RewardModelWorker { model, micro_batch_size: config.micro_batch_size.max(1) })
+        Ok(RewardModelWorkerState { model, micro_batch_size: config.micro_batch_size.max(1) })
     }
 
     /// The score of each full sequence (read at its last real token).
@@ -213,5 +271,30 @@ impl RewardModelWorker {
             Ok(out)
         };
         run().map_err(to_string_error)
+    }
+}
+
+#[rtrun::actor(pub)]
+impl RewardModelWorker {
+    /// Loads the reward model.
+    pub fn new(config: RewardModelConfig) -> Result<Self, String> {
+        RewardModelWorkerState::create(config).map(|state| RewardModelWorker { state: std::sync::Mutex::new(state) })
+    }
+
+    /// The score of each full sequence (read at its last real token).
+    pub fn rewards(&self, sequences: Vec<Sequence>) -> Result<Vec<f32>, String> {
+        self.state().rewards(sequences)
+    }
+
+}
+
+/// Tensors are `Send` but not `Sync`, and the runtime shares an actor between its executor
+/// threads, so the state sits behind a mutex (uncontended: the runtime runs one call at a time
+/// unless `max_concurrency` says otherwise).
+impl RewardModelWorker {
+    fn state(&self) -> std::sync::MutexGuard<'_, RewardModelWorkerState> {
+        // A panic inside a call cannot leave the tensors half-updated in a way the next call
+        // would not report, so a poisoned lock is taken over.
+        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 }

@@ -67,6 +67,11 @@ pub struct PolicyTrainStats {
 
 /// A policy or reference rank.
 pub struct LmWorker {
+    state: std::sync::Mutex<LmWorkerState>,
+}
+
+/// The tensors and settings of a [`LmWorker`].
+struct LmWorkerState {
     setup: WorkerSetup,
     model: CausalLm,
     optimizer: Option<AdamW>,
@@ -78,10 +83,9 @@ fn to_string_error(e: impl std::fmt::Display) -> String {
     e.to_string()
 }
 
-#[rtrun::actor(pub)]
-impl LmWorker {
+impl LmWorkerState {
     /// Loads the model; a config with an optimizer makes a trainable rank.
-    pub fn new(config: LmWorkerConfig) -> Result<Self, String> {
+    fn create(config: LmWorkerConfig) -> Result<LmWorkerState, String> {
         config.setup.apply();
         let device = config.setup.device();
         let model = CausalLm::from_pretrained(&config.model_dir, device, Kind::Float)
@@ -93,7 +97,7 @@ impl LmWorker {
                 None
             }
         };
-        Ok(LmWorker { setup: config.setup, model, optimizer, loss: config.loss, comm: DpComm::default() })
+        Ok(LmWorkerState { setup: config.setup, model, optimizer, loss: config.loss, comm: DpComm::default() })
     }
 
     /// Log-probs of every response token, one vector per sequence (no gradients).
@@ -169,8 +173,68 @@ impl LmWorker {
         self.setup.offloaded
     }
 }
-
+#[rtrun::actor(pub)]
 impl LmWorker {
+    /// Loads the model; a config with an optimizer makes a trainable rank.
+    pub fn new(config: LmWorkerConfig) -> Result<Self, String> {
+        LmWorkerState::create(config).map(|state| LmWorker { state: std::sync::Mutex::new(state) })
+    }
+
+    /// Log-probs of every response token, one vector per sequence (no gradients).
+    pub fn log_probs(&self, sequences: Vec<Sequence>) -> Result<Vec<Vec<f32>>, String> {
+        self.state().log_probs(sequences)
+    }
+
+    /// One optimizer step on this rank's share of a global mini-batch of `global_tokens` response
+    /// tokens (every rank of the group must be called with its share: gradients are all-reduced).
+    pub fn train(&mut self, rows: Vec<ExperienceRow>, kl_coef: f64, global_tokens: usize) -> Result<PolicyTrainStats, String> {
+        self.state().train(rows, kl_coef, global_tokens)
+    }
+
+    /// The weights in buckets of at most `bucket_bytes`, put into the object store by this rank.
+    pub fn weight_buckets(&self, bucket_bytes: usize) -> Result<Vec<rtrun::ObjectRef<WeightBucket>>, String> {
+        self.state().weight_buckets(bucket_bytes)
+    }
+
+    /// Saves the model and, for a policy rank, the optimizer state.
+    pub fn save_checkpoint(&self, dir: PathBuf) -> Result<(), String> {
+        self.state().save_checkpoint(dir)
+    }
+
+    /// Loads what `save_checkpoint` saved.
+    pub fn load_checkpoint(&mut self, dir: PathBuf) -> Result<(), String> {
+        self.state().load_checkpoint(dir)
+    }
+
+    /// Offloads training state to host memory (hybrid engine, while the engines generate).
+    pub fn offload(&mut self) -> Result<(), String> {
+        self.state().offload()
+    }
+
+    /// Brings training state back to the training device.
+    pub fn onload(&mut self) -> Result<(), String> {
+        self.state().onload()
+    }
+
+    /// Whether training state is offloaded now.
+    pub fn is_offloaded(&self) -> bool {
+        self.state().is_offloaded()
+    }
+
+}
+
+/// Tensors are `Send` but not `Sync`, and the runtime shares an actor between its executor
+/// threads, so the state sits behind a mutex (uncontended: the runtime runs one call at a time
+/// unless `max_concurrency` says otherwise).
+impl LmWorker {
+    fn state(&self) -> std::sync::MutexGuard<'_, LmWorkerState> {
+        // A panic inside a call cannot leave the tensors half-updated in a way the next call
+        // would not report, so a poisoned lock is taken over.
+        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+impl LmWorkerState {
     fn move_to(&mut self, device: Device) -> crate::Result<()> {
         if self.model.params.device() == device {
             return Ok(());

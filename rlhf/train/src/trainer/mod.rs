@@ -162,7 +162,7 @@ impl Trainer {
         let total = self.total_steps();
         if self.state.baseline.is_none() {
             progress.phase("eval");
-            let baseline = self.timer.time("eval", || self.evaluate())?;
+            let baseline = self.timed("eval", |t| t.evaluate())?;
             let _ = self.timer.finish_step();
             let mut metrics = StepMetrics::new(0);
             set_eval(&mut metrics, &baseline)?;
@@ -176,7 +176,7 @@ impl Trainer {
             let every = self.config.eval.every_steps;
             if step == total || (every > 0 && step % every == 0) {
                 progress.phase("eval");
-                let result = self.timer.time("eval", || self.evaluate())?;
+                let result = self.timed("eval", |t| t.evaluate())?;
                 set_eval(&mut metrics, &result)?;
                 last_eval = Some(result);
             }
@@ -200,6 +200,14 @@ impl Trainer {
             baseline: self.state.baseline.unwrap_or_default(),
             final_result,
         })
+    }
+
+    /// Runs `body` as phase `name` of the current step.
+    fn timed<T>(&mut self, name: &str, body: impl FnOnce(&Self) -> T) -> T {
+        let started = self.timer.start(name);
+        let out = body(self);
+        self.timer.stop(started);
+        out
     }
 
     /// Generates `n` samples for each prompt on the engines (prompts split across engines in
@@ -317,10 +325,10 @@ impl Trainer {
         progress.phase("generate");
         let params = self.rollout_params();
         let seed_base = mix_seed(self.config.seed, step);
-        let outputs = self.timer.time("generate", || -> Result<_> {
-            self.wake_engines()?;
-            let outputs = self.generate(&prompt_ids, &params, seed_base)?;
-            self.sleep_engines_if_hybrid()?;
+        let outputs = self.timed("generate", |t| -> Result<_> {
+            t.wake_engines()?;
+            let outputs = t.generate(&prompt_ids, &params, seed_base)?;
+            t.sleep_engines_if_hybrid()?;
             Ok(outputs)
         })?;
         let n = self.config.rollout.n_samples_per_prompt;
@@ -341,15 +349,15 @@ impl Trainer {
 
         progress.phase("experience");
         let kl_coef = self.state.kl.value();
-        let batch = self.timer.time("experience", || experience::make_experience(self, &sample_records, sequences, kl_coef))?;
+        let batch = self.timed("experience", |t| experience::make_experience(t, &sample_records, sequences, kl_coef))?;
 
         progress.phase("train");
-        let train_stats = self.timer.time("train", || experience::train(self, &batch.rows, step, kl_coef))?;
+        let train_stats = self.timed("train", |t| experience::train(t, &batch.rows, step, kl_coef))?;
         self.state.kl.update(batch.stats.kl, batch.rows.len() as u64);
 
         progress.phase("sync");
         if train_stats.actor_trained {
-            self.timer.time("sync", || self.sync_weights())?;
+            self.timed("sync", |t| t.sync_weights())?;
         }
 
         let mut metrics = StepMetrics::new(step);
