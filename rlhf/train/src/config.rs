@@ -289,8 +289,8 @@ pub struct RewardConfig {
     pub name: String,
     /// The URL of a remote reward server (`kind: remote`).
     pub url: Option<String>,
-    /// A Hugging Face directory with a reward model (`kind: model`; absent: trained by the
-    /// driver on the task's labels before RL).
+    /// A Hugging Face directory with a reward model (`kind: model`; a `score.weight` head on
+    /// the policy's architecture).
     pub model_dir: Option<PathBuf>,
     /// Reward computations run as this many parallel tasks.
     pub parallel_tasks: usize,
@@ -506,6 +506,12 @@ impl TrainConfig {
         match self.reward.kind {
             RewardKind::Remote if self.reward.url.is_none() => {
                 return Err(TrainError::config("reward.url", "expected a URL for reward.kind `remote`, found none"));
+            }
+            RewardKind::Model if self.reward.model_dir.is_none() => {
+                return Err(TrainError::config(
+                    "reward.model_dir",
+                    "expected a reward-model directory for reward.kind `model`, found none",
+                ));
             }
             RewardKind::Rule | RewardKind::Custom
                 if crate::reward::find_reward_function(&self.reward.name).is_none() =>

@@ -79,6 +79,9 @@ pub struct ExperienceStats {
     pub token_return: f64,
     /// Mean absolute advantage.
     pub advantage_abs: f64,
+    /// Mean |engine log-prob − policy log-prob| over response tokens: the rollout/trainer
+    /// mismatch (near 0 when the engines hold the policy's weights).
+    pub engine_logprob_gap: f64,
 }
 
 /// A step's training rows and their aggregates.
@@ -95,6 +98,7 @@ pub fn make_experience(
     trainer: &Trainer,
     records: &[&PromptRecord],
     sequences: Vec<Sequence>,
+    engine_log_probs: &[Vec<f32>],
     kl_coef: f64,
 ) -> Result<ExperienceBatch> {
     let roles = &trainer.roles;
@@ -164,7 +168,12 @@ pub fn make_experience(
     let tokens = mask.f_sum(Kind::Float)?.f_double_value(&[])?.max(1.0);
     let tok = CharTokenizer;
     let correct = sequences.iter().zip(records).filter(|(s, r)| tok.decode(&s.response_ids) == r.label).count();
+    let mut gap = 0.0f64;
+    for (engine, policy) in engine_log_probs.iter().zip(&old_log_probs) {
+        gap += engine.iter().zip(policy).map(|(a, b)| f64::from((a - b).abs())).sum::<f64>();
+    }
     let stats = ExperienceStats {
+        engine_logprob_gap: gap / tokens,
         reward: scalar_rewards.iter().map(|&r| f64::from(r)).sum::<f64>() / count.max(1) as f64,
         accuracy: correct as f64 / count.max(1) as f64,
         kl: match &kl {

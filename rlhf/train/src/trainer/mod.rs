@@ -334,6 +334,7 @@ impl Trainer {
         let n = self.config.rollout.n_samples_per_prompt;
         let mut sequences = Vec::with_capacity(records.len() * n);
         let mut sample_records = Vec::with_capacity(records.len() * n);
+        let mut engine_log_probs = Vec::with_capacity(records.len() * n);
         for ((output, ids), record) in outputs.iter().zip(&prompt_ids).zip(&records) {
             if output.samples.len() != n {
                 return Err(TrainError::role(
@@ -344,12 +345,13 @@ impl Trainer {
             for sample in &output.samples {
                 sequences.push(Sequence { prompt_ids: ids.clone(), response_ids: sample.token_ids.clone() });
                 sample_records.push(record);
+                engine_log_probs.push(sample.log_probs.clone());
             }
         }
 
         progress.phase("experience");
         let kl_coef = self.state.kl.value();
-        let batch = self.timed("experience", |t| experience::make_experience(t, &sample_records, sequences, kl_coef))?;
+        let batch = self.timed("experience", |t| experience::make_experience(t, &sample_records, sequences, &engine_log_probs, kl_coef))?;
 
         progress.phase("train");
         let train_stats = self.timed("train", |t| experience::train(t, &batch.rows, step, kl_coef))?;
@@ -368,6 +370,7 @@ impl Trainer {
             ("accuracy", s.accuracy),
             ("kl", s.kl),
             ("kl_coef", kl_coef),
+            ("engine_logprob_gap", s.engine_logprob_gap),
             ("response_length", s.response_length),
             ("return", s.token_return),
             ("advantage_abs", s.advantage_abs),
