@@ -105,8 +105,9 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("rtrun-warmup-{}", std::process::id()));
         let task = TaskConfig { train_size: 256, eval_size: 1, ..Default::default() };
         let (train, _) = task.generate(1).unwrap();
-        let config = policy_config(&ModelShape::default(), 32);
-        let warmup = WarmupConfig { steps: 30, batch_size: 32, lr: 3e-3 };
+        let shape = ModelShape { hidden_size: 32, num_layers: 1, num_heads: 2, num_kv_heads: 1, intermediate_size: 64 };
+        let config = policy_config(&shape, 32);
+        let warmup = WarmupConfig { steps: 12, batch_size: 16, lr: 1e-2 };
         let report = make_initial_policy(&dir, &config, &warmup, &train, 1).unwrap();
         assert!(report.last_loss < report.first_loss, "{report:?}");
         let loaded = CausalLm::from_pretrained(&dir, Device::Cpu, Kind::Float).unwrap();
