@@ -222,9 +222,12 @@ fn train_command(config: &Path, run_dir: &Path, extra: &[&str]) -> std::process:
     cmd
 }
 
-fn run_to_end(cmd: &mut std::process::Command) {
+/// Runs the driver to its end; returns its stderr.
+fn run_to_end(cmd: &mut std::process::Command) -> String {
     let out = cmd.output().unwrap();
-    assert!(out.status.success(), "train failed: {}", String::from_utf8_lossy(&out.stderr));
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "train failed: {stderr}");
+    stderr
 }
 
 #[test]
@@ -251,12 +254,51 @@ fn killed_then_resumed_run_matches_an_uninterrupted_one() {
         assert!(Instant::now() < deadline, "no step-2 checkpoint within 90 s");
         std::thread::sleep(Duration::from_millis(20));
     }
+    assert!(child.try_wait().unwrap().is_none(), "the run must still be going when it is killed");
     child.kill().unwrap();
     child.wait().unwrap();
-    run_to_end(&mut train_command(&config_path, &resumed, &settings));
+    let stderr = run_to_end(&mut train_command(&config_path, &resumed, &settings));
+    let resumed_from = stderr
+        .lines()
+        .find_map(|l| l.strip_prefix("resuming from "))
+        .and_then(|dir| dir.rsplit("step_").next())
+        .and_then(|step| step.parse::<u64>().ok())
+        .unwrap_or_else(|| panic!("the second run did not resume: {stderr}"));
+    assert!((2..4).contains(&resumed_from), "resumed from step {resumed_from}, expected 2 or 3");
 
     let (a, b) = (comparable(&straight), comparable(&resumed));
     assert_eq!(a.iter().map(|(s, _)| *s).collect::<Vec<_>>(), vec![0, 1, 2, 3, 4]);
     assert_eq!(a, b, "a resumed run must reproduce the uninterrupted run's metrics");
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A custom reward function registered by name in this binary (the workers, which are this
+/// binary re-run, find it too). A constant, so the test can tell its rewards from any other.
+fn count_ones(_prompt: &str, _response: &str, _label: &str) -> f32 {
+    0.375
+}
+
+#[linkme::distributed_slice(rtrun_rlhf::reward::REWARD_FUNCTIONS)]
+static COUNT_ONES: rtrun_rlhf::reward::RewardFunction =
+    rtrun_rlhf::reward::RewardFunction { name: "count_ones", score: count_ones };
+
+#[test]
+fn custom_reward_function_registered_by_name() {
+    let dir = scratch("custom");
+    let config = small_config(
+        &dir,
+        "algo: {advantage_estimator: reinforce, init_kl_coef: 0.01, kl_estimator: k2}\nreward: {kind: custom, name: count_ones}\n",
+    );
+    let (trainer, report) = rtrun_rlhf::run::run(&config, &mut NoProgress).unwrap();
+    assert_eq!(report.steps, 2);
+    assert_eq!(report.final_result.mean_reward, 0.375);
+    assert_trained(&dir, 2);
+    for r in metrics(&dir).iter().filter(|r| r.step() > 0) {
+        assert_eq!(r.get("reward"), Some(0.375));
+    }
+    trainer.roles.kill();
+    std::fs::remove_dir_all(&dir).unwrap();
+
+    let err = TrainConfig::from_yaml("reward: {kind: custom, name: nope}\n", "x.yaml", &[]).unwrap_err();
+    assert!(err.to_string().contains("count_ones"), "the error lists registered names: {err}");
 }

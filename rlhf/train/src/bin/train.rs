@@ -76,6 +76,11 @@ fn main() -> anyhow::Result<()> {
         ),
         rtrun_rlhf::run::InitialPolicy::Reused => eprintln!("warm-up: reusing the initial policy of the run directory"),
     }
+    if config.checkpoint.resume
+        && let Some(dir) = rtrun_rlhf::trainer::checkpoint::newest(&paths.checkpoints)?
+    {
+        eprintln!("resuming from {}", dir.display());
+    }
     let total = {
         let per_episode = (config.task.train_size / config.rollout.prompts_per_step).max(1) as u64;
         let total = per_episode * config.train.num_episodes as u64;
