@@ -23,13 +23,19 @@ impl AlgoConfig {
 
     /// The policy clip settings.
     pub fn clip_config(&self) -> ClipConfig {
-        ClipConfig { clip_eps_low: self.eps_clip_low, clip_eps_high: self.eps_clip_high, dual_clip: None }
+        ClipConfig {
+            clip_eps_low: self.eps_clip_low,
+            clip_eps_high: self.eps_clip_high,
+            dual_clip: None,
+        }
     }
 
     /// The KL coefficient controller (adaptive when `kl_target` is set).
     pub fn kl_controller(&self) -> crate::Result<KlController> {
         let controller = match self.kl_target {
-            Some(target) => KlController::adaptive(self.init_kl_coef, target, self.kl_horizon as u64)?,
+            Some(target) => {
+                KlController::adaptive(self.init_kl_coef, target, self.kl_horizon as u64)?
+            }
             None => KlController::Fixed { value: self.init_kl_coef },
         };
         Ok(controller)

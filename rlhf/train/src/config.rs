@@ -79,7 +79,13 @@ pub struct ModelShape {
 
 impl Default for ModelShape {
     fn default() -> Self {
-        Self { hidden_size: 64, num_layers: 2, num_heads: 4, num_kv_heads: 2, intermediate_size: 128 }
+        Self {
+            hidden_size: 64,
+            num_layers: 2,
+            num_heads: 4,
+            num_kv_heads: 2,
+            intermediate_size: 128,
+        }
     }
 }
 
@@ -361,7 +367,8 @@ impl TrainConfig {
 
     /// Parses YAML text (`file` names it in errors) and applies overrides.
     pub fn from_yaml(text: &str, file: &str, overrides: &[String]) -> Result<Self> {
-        let file_error = |message: String| TrainError::ConfigFile { file: file.to_owned(), message };
+        let file_error =
+            |message: String| TrainError::ConfigFile { file: file.to_owned(), message };
         let mut root: serde_yaml::Value = if text.trim().is_empty() {
             serde_yaml::Value::Mapping(Default::default())
         } else {
@@ -415,7 +422,10 @@ impl TrainConfig {
         if m.num_kv_heads <= 0 || m.num_heads % m.num_kv_heads != 0 {
             return Err(TrainError::config(
                 "model.num_kv_heads",
-                format!("expected a divisor of model.num_heads={}, found {}", m.num_heads, m.num_kv_heads),
+                format!(
+                    "expected a divisor of model.num_heads={}, found {}",
+                    m.num_heads, m.num_kv_heads
+                ),
             ));
         }
         if m.num_layers <= 0 || m.intermediate_size <= 0 {
@@ -426,7 +436,10 @@ impl TrainConfig {
         }
         positive("warmup.batch_size", self.warmup.batch_size)?;
         if self.cluster.num_gpus < 0.0 {
-            return Err(TrainError::config("cluster.num_gpus", format!("expected >= 0, found {}", self.cluster.num_gpus)));
+            return Err(TrainError::config(
+                "cluster.num_gpus",
+                format!("expected >= 0, found {}", self.cluster.num_gpus),
+            ));
         }
         positive("cluster.actor_replicas", self.cluster.actor_replicas)?;
         positive("cluster.ref_replicas", self.cluster.ref_replicas)?;
@@ -434,17 +447,26 @@ impl TrainConfig {
         positive("cluster.reward_replicas", self.cluster.reward_replicas)?;
         positive("cluster.engine_replicas", self.cluster.engine_replicas)?;
         if self.cluster.threads_per_worker < 1 {
-            return Err(TrainError::config("cluster.threads_per_worker", format!("expected at least 1, found {}", self.cluster.threads_per_worker)));
+            return Err(TrainError::config(
+                "cluster.threads_per_worker",
+                format!("expected at least 1, found {}", self.cluster.threads_per_worker),
+            ));
         }
         let r = &self.rollout;
         positive("rollout.prompts_per_step", r.prompts_per_step)?;
         positive("rollout.n_samples_per_prompt", r.n_samples_per_prompt)?;
         positive("rollout.weight_bucket_bytes", r.weight_bucket_bytes)?;
         if !(r.temperature.is_finite() && r.temperature >= 0.0) {
-            return Err(TrainError::config("rollout.temperature", format!("expected a finite number >= 0, found {}", r.temperature)));
+            return Err(TrainError::config(
+                "rollout.temperature",
+                format!("expected a finite number >= 0, found {}", r.temperature),
+            ));
         }
         if !(r.top_p > 0.0 && r.top_p <= 1.0) {
-            return Err(TrainError::config("rollout.top_p", format!("expected a number in (0, 1], found {}", r.top_p)));
+            return Err(TrainError::config(
+                "rollout.top_p",
+                format!("expected a number in (0, 1], found {}", r.top_p),
+            ));
         }
         let a = &self.algo;
         if a.advantage_estimator.is_group_baseline() && r.n_samples_per_prompt < 2 {
@@ -456,12 +478,12 @@ impl TrainConfig {
                 ),
             ));
         }
-        for (key, value) in [
-            ("algo.gamma", a.gamma),
-            ("algo.lambd", a.lambd),
-        ] {
+        for (key, value) in [("algo.gamma", a.gamma), ("algo.lambd", a.lambd)] {
             if !(0.0..=1.0).contains(&value) {
-                return Err(TrainError::config(key, format!("expected a number in [0, 1], found {value}")));
+                return Err(TrainError::config(
+                    key,
+                    format!("expected a number in [0, 1], found {value}"),
+                ));
             }
         }
         for (key, value) in [
@@ -478,23 +500,32 @@ impl TrainConfig {
             ("warmup.lr", self.warmup.lr),
         ] {
             if !(value.is_finite() && value >= 0.0) {
-                return Err(TrainError::config(key, format!("expected a finite number >= 0, found {value}")));
+                return Err(TrainError::config(
+                    key,
+                    format!("expected a finite number >= 0, found {value}"),
+                ));
             }
         }
         if let Some(target) = a.kl_target
             && !(target.is_finite() && target > 0.0)
         {
-            return Err(TrainError::config("algo.kl_target", format!("expected a number above 0, found {target}")));
+            return Err(TrainError::config(
+                "algo.kl_target",
+                format!("expected a number above 0, found {target}"),
+            ));
         }
         if !(a.kl_horizon.is_finite() && a.kl_horizon > 0.0) {
-            return Err(TrainError::config("algo.kl_horizon", format!("expected a number above 0, found {}", a.kl_horizon)));
+            return Err(TrainError::config(
+                "algo.kl_horizon",
+                format!("expected a number above 0, found {}", a.kl_horizon),
+            ));
         }
         let tr = &self.train;
         positive("train.num_episodes", tr.num_episodes)?;
         positive("train.micro_batch_size", tr.micro_batch_size)?;
         positive("train.max_epochs", tr.max_epochs)?;
         let samples = r.prompts_per_step * r.n_samples_per_prompt;
-        if tr.train_batch_size == 0 || samples % tr.train_batch_size != 0 {
+        if tr.train_batch_size == 0 || !samples.is_multiple_of(tr.train_batch_size) {
             return Err(TrainError::config(
                 "train.train_batch_size",
                 format!(
@@ -505,7 +536,10 @@ impl TrainConfig {
         }
         match self.reward.kind {
             RewardKind::Remote if self.reward.url.is_none() => {
-                return Err(TrainError::config("reward.url", "expected a URL for reward.kind `remote`, found none"));
+                return Err(TrainError::config(
+                    "reward.url",
+                    "expected a URL for reward.kind `remote`, found none",
+                ));
             }
             RewardKind::Model if self.reward.model_dir.is_none() => {
                 return Err(TrainError::config(
@@ -543,20 +577,24 @@ impl TrainConfig {
 
 /// Sets `a.b.c=value` in a YAML tree; the value is parsed as YAML (`3`, `true`, `[1, 2]`, text).
 fn apply_override(root: &mut serde_yaml::Value, item: &str) -> Result<()> {
-    let (key, value) = item.split_once('=').ok_or_else(|| {
-        TrainError::config(item, "expected `--set key=value`, found no `=`")
-    })?;
+    let (key, value) = item
+        .split_once('=')
+        .ok_or_else(|| TrainError::config(item, "expected `--set key=value`, found no `=`"))?;
     let key = key.trim();
     if key.is_empty() || key.split('.').any(str::is_empty) {
         return Err(TrainError::config(key, "expected a dotted key such as `train.actor_lr`"));
     }
-    let value: serde_yaml::Value = serde_yaml::from_str(value)
-        .map_err(|e| TrainError::config(key, format!("expected a YAML value, found `{value}` ({e})")))?;
+    let value: serde_yaml::Value = serde_yaml::from_str(value).map_err(|e| {
+        TrainError::config(key, format!("expected a YAML value, found `{value}` ({e})"))
+    })?;
     let mut node = root;
     let parts: Vec<&str> = key.split('.').collect();
     for (i, part) in parts.iter().enumerate() {
         let map = node.as_mapping_mut().ok_or_else(|| {
-            TrainError::config(key, format!("expected `{}` to be a section, found a value", parts[..i].join(".")))
+            TrainError::config(
+                key,
+                format!("expected `{}` to be a section, found a value", parts[..i].join(".")),
+            )
         })?;
         let name = serde_yaml::Value::String((*part).to_owned());
         if i + 1 == parts.len() {
@@ -589,7 +627,11 @@ mod tests {
         let c = TrainConfig::from_yaml(
             "train:\n  actor_lr: 0.001\n",
             "x.yaml",
-            &["train.actor_lr=0.002".into(), "algo.advantage_estimator=group_norm".into(), "algo.kl_target=0.1".into()],
+            &[
+                "train.actor_lr=0.002".into(),
+                "algo.advantage_estimator=group_norm".into(),
+                "algo.kl_target=0.1".into(),
+            ],
         )
         .unwrap();
         assert_eq!(c.train.actor_lr, 0.002);
@@ -605,8 +647,10 @@ mod tests {
         };
         assert!(err("train:\n  actor_lrr: 1\n", &[]).contains("actor_lrr"));
         assert!(err("", &["rollout.top_p=0"]).contains("rollout.top_p"));
-        assert!(err("", &["rollout.n_samples_per_prompt=1", "algo.advantage_estimator=group_norm"])
-            .contains("rollout.n_samples_per_prompt"));
+        assert!(
+            err("", &["rollout.n_samples_per_prompt=1", "algo.advantage_estimator=group_norm"])
+                .contains("rollout.n_samples_per_prompt")
+        );
         assert!(err("", &["train.train_batch_size=7"]).contains("train.train_batch_size"));
         assert!(err("", &["reward.name=nope"]).contains("reward.name"));
         assert!(err("", &["reward.kind=remote"]).contains("reward.url"));

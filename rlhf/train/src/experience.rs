@@ -78,7 +78,8 @@ pub fn response_batch(sequences: &[&Sequence], device: Device) -> Result<Respons
 
 /// A `[rows, R]` tensor of per-response-token values from per-row vectors (right-padded with 0).
 pub fn pad_rows(rows: &[&[f32]], width: i64, device: Device) -> Result<Tensor> {
-    let width_usize = usize::try_from(width).map_err(|_| TrainError::Data(format!("width should be >= 0, found {width}")))?;
+    let width_usize = usize::try_from(width)
+        .map_err(|_| TrainError::Data(format!("width should be >= 0, found {width}")))?;
     let mut flat = vec![0f32; rows.len() * width_usize];
     for (r, values) in rows.iter().enumerate() {
         if values.len() > width_usize {
@@ -111,7 +112,9 @@ pub fn unpad_rows(tensor: &Tensor, lengths: &[usize]) -> Result<Vec<Vec<f32>>> {
         .enumerate()
         .map(|(r, &len)| {
             if len > width {
-                return Err(TrainError::Data(format!("row {r} has {len} tokens, wider than {width}")));
+                return Err(TrainError::Data(format!(
+                    "row {r} has {len} tokens, wider than {width}"
+                )));
             }
             Ok(flat[r * width..r * width + len].to_vec())
         })

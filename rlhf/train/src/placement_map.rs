@@ -81,7 +81,11 @@ impl RolePlacements {
                     critic: plain(c.critic_replicas),
                     reward: plain(c.reward_replicas),
                     engine: plain(c.engine_replicas),
-                    mode: if c.colocate_all { ColocationMode::All } else { ColocationMode::Separate },
+                    mode: if c.colocate_all {
+                        ColocationMode::All
+                    } else {
+                        ColocationMode::Separate
+                    },
                 })
             }
         }

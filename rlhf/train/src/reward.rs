@@ -79,7 +79,10 @@ pub struct RewardQuery {
 #[rtrun::remote]
 pub fn score_with_function(name: String, queries: Vec<RewardQuery>) -> Result<Vec<f32>, String> {
     let function = find_reward_function(&name).ok_or_else(|| {
-        format!("expected one of the reward functions {:?}, found `{name}`", reward_function_names())
+        format!(
+            "expected one of the reward functions {:?}, found `{name}`",
+            reward_function_names()
+        )
     })?;
     Ok(queries.iter().map(|q| (function.score)(&q.prompt, &q.response, &q.label)).collect())
 }
@@ -97,16 +100,19 @@ pub fn score_remote(url: String, queries: Vec<RewardQuery>) -> Result<Vec<f32>, 
     let response = http::post_json(&url, &body.to_string(), std::time::Duration::from_secs(60))?;
     let value: serde_json::Value = serde_json::from_str(&response)
         .map_err(|e| format!("{url}: expected a JSON body, found {e}"))?;
-    let rewards = value
-        .get("rewards")
-        .and_then(|r| r.as_array())
-        .ok_or_else(|| format!("{url}: expected a `rewards` array in the response, found {value}"))?;
+    let rewards = value.get("rewards").and_then(|r| r.as_array()).ok_or_else(|| {
+        format!("{url}: expected a `rewards` array in the response, found {value}")
+    })?;
     if rewards.len() != queries.len() {
         return Err(format!("{url}: expected {} rewards, found {}", queries.len(), rewards.len()));
     }
     rewards
         .iter()
-        .map(|r| r.as_f64().map(|x| x as f32).ok_or_else(|| format!("{url}: expected numbers, found {r}")))
+        .map(|r| {
+            r.as_f64()
+                .map(|x| x as f32)
+                .ok_or_else(|| format!("{url}: expected numbers, found {r}"))
+        })
         .collect()
 }
 
@@ -129,13 +135,15 @@ pub mod http {
             Some(i) => (&rest[..i], &rest[i..]),
             None => (rest, "/"),
         };
-        let address = if authority.contains(':') { authority.to_owned() } else { format!("{authority}:80") };
+        let address =
+            if authority.contains(':') { authority.to_owned() } else { format!("{authority}:80") };
         let socket = address
             .to_socket_addrs()
             .map_err(|e| format!("{url}: cannot resolve `{address}`: {e}"))?
             .next()
             .ok_or_else(|| format!("{url}: `{address}` resolves to nothing"))?;
-        let mut stream = TcpStream::connect_timeout(&socket, timeout).map_err(|e| format!("{url}: {e}"))?;
+        let mut stream =
+            TcpStream::connect_timeout(&socket, timeout).map_err(|e| format!("{url}: {e}"))?;
         stream.set_read_timeout(Some(timeout)).map_err(|e| format!("{url}: {e}"))?;
         stream.set_write_timeout(Some(timeout)).map_err(|e| format!("{url}: {e}"))?;
         let request = format!(
@@ -152,14 +160,16 @@ pub mod http {
             return Err(format!("{url}: response larger than {MAX_RESPONSE_BYTES} bytes"));
         }
         let text = String::from_utf8(raw).map_err(|_| format!("{url}: response is not UTF-8"))?;
-        let (head, body) = text
-            .split_once("\r\n\r\n")
-            .ok_or_else(|| format!("{url}: expected an HTTP response, found {} bytes without headers", text.len()))?;
-        let status: u16 = head
-            .split_whitespace()
-            .nth(1)
-            .and_then(|s| s.parse().ok())
-            .ok_or_else(|| format!("{url}: expected an HTTP status line, found `{}`", head.lines().next().unwrap_or("")))?;
+        let (head, body) = text.split_once("\r\n\r\n").ok_or_else(|| {
+            format!("{url}: expected an HTTP response, found {} bytes without headers", text.len())
+        })?;
+        let status: u16 =
+            head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).ok_or_else(|| {
+                format!(
+                    "{url}: expected an HTTP status line, found `{}`",
+                    head.lines().next().unwrap_or("")
+                )
+            })?;
         if !(200..300).contains(&status) {
             return Err(format!("{url}: expected a 2xx status, found {status}"));
         }

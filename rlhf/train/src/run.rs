@@ -42,7 +42,8 @@ pub fn prepare(config: &TrainConfig, paths: &RunPaths) -> Result<InitialPolicy> 
     let tmp = paths.initial_policy.with_extension("tmp");
     let report = make_initial_policy(&tmp, &model_config, &config.warmup, &train, config.seed)?;
     if paths.initial_policy.exists() {
-        std::fs::remove_dir_all(&paths.initial_policy).map_err(|e| TrainError::io(&paths.initial_policy, e))?;
+        std::fs::remove_dir_all(&paths.initial_policy)
+            .map_err(|e| TrainError::io(&paths.initial_policy, e))?;
     }
     std::fs::rename(&tmp, &paths.initial_policy).map_err(|e| TrainError::io(&tmp, e))?;
     Ok(InitialPolicy::Made(report))
@@ -64,7 +65,10 @@ pub fn start_runtime(config: &TrainConfig, placements: &RolePlacements) -> Resul
 }
 
 /// Everything after `rtrun::init`: roles, trainer (resumed when possible), fit.
-pub fn run(config: &TrainConfig, progress: &mut dyn ProgressObserver) -> Result<(Trainer, FitReport)> {
+pub fn run(
+    config: &TrainConfig,
+    progress: &mut dyn ProgressObserver,
+) -> Result<(Trainer, FitReport)> {
     let paths = RunPaths::new(&config.run_dir);
     prepare(config, &paths)?;
     let placements = RolePlacements::from_config(config)?;
@@ -79,7 +83,13 @@ pub fn run(config: &TrainConfig, progress: &mut dyn ProgressObserver) -> Result<
         total * (samples / config.train.train_batch_size) as u64 * config.train.max_epochs as u64
     };
     let reward_dir = config.reward.model_dir.clone();
-    let roles = crate::trainer::Roles::create(config, placements, &paths.initial_policy, reward_dir.as_deref(), steps_hint)?;
+    let roles = crate::trainer::Roles::create(
+        config,
+        placements,
+        &paths.initial_policy,
+        reward_dir.as_deref(),
+        steps_hint,
+    )?;
     let resuming = config.checkpoint.resume && checkpoint::newest(&paths.checkpoints)?.is_some();
     let mut trainer = Trainer::new(config.clone(), paths.clone(), train, eval, roles)?;
     let mode = if resuming {

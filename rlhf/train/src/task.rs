@@ -166,7 +166,10 @@ impl TaskConfig {
 
     /// The train and held-out splits: distinct prompts drawn from `seed`; no held-out prompt
     /// appears in the training split.
-    pub fn generate(&self, seed: u64) -> Result<(Vec<PromptRecord>, Vec<PromptRecord>), TrainError> {
+    pub fn generate(
+        &self,
+        seed: u64,
+    ) -> Result<(Vec<PromptRecord>, Vec<PromptRecord>), TrainError> {
         let mut rng = SplitMix64::new(seed);
         let mut seen = std::collections::HashSet::new();
         let wanted = self.train_size + self.eval_size;
@@ -321,12 +324,21 @@ mod tests {
         let digits = r.prompt.trim_end_matches('>');
         assert_eq!(r.label, digits.chars().rev().collect::<String>());
         // Same seed, same data.
-        assert_eq!(TaskConfig::default().generate(3).unwrap(), TaskConfig::default().generate(3).unwrap());
+        assert_eq!(
+            TaskConfig::default().generate(3).unwrap(),
+            TaskConfig::default().generate(3).unwrap()
+        );
     }
 
     #[test]
     fn too_few_distinct_prompts_is_a_config_error() {
-        let config = TaskConfig { min_digits: 1, max_digits: 1, train_size: 20, eval_size: 5, ..Default::default() };
+        let config = TaskConfig {
+            min_digits: 1,
+            max_digits: 1,
+            train_size: 20,
+            eval_size: 5,
+            ..Default::default()
+        };
         let err = config.generate(1).unwrap_err().to_string();
         assert!(err.contains("task.train_size"), "{err}");
     }
@@ -336,7 +348,8 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("rtrun-task-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("p.jsonl");
-        let records = TaskConfig { train_size: 5, eval_size: 0, ..Default::default() }.generate(1).unwrap().0;
+        let records =
+            TaskConfig { train_size: 5, eval_size: 0, ..Default::default() }.generate(1).unwrap().0;
         write_jsonl(&path, &records).unwrap();
         assert_eq!(read_jsonl(&path).unwrap(), records);
         std::fs::write(&path, "{\"prompt\":\"1>\",\"label\":\"1\"}\nnot json\n").unwrap();
@@ -357,6 +370,9 @@ mod tests {
         let mut straight = PromptLoader::new(10, 5);
         straight.next_batch(4);
         assert_eq!(resumed.next_batch(13), straight.next_batch(13));
-        assert_ne!(PromptLoader::new(10, 5).next_batch(10), PromptLoader::new(10, 6).next_batch(10));
+        assert_ne!(
+            PromptLoader::new(10, 5).next_batch(10),
+            PromptLoader::new(10, 6).next_batch(10)
+        );
     }
 }

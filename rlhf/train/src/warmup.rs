@@ -75,7 +75,8 @@ pub fn make_initial_policy(
     };
     let mut optimizer = AdamW::new(model.named_parameters(), optimizer_config)?;
     let mut rng = SplitMix64::new(seed ^ 0xFEED);
-    let mut report = WarmupReport { first_loss: f64::NAN, last_loss: f64::NAN, steps: warmup.steps };
+    let mut report =
+        WarmupReport { first_loss: f64::NAN, last_loss: f64::NAN, steps: warmup.steps };
     for step in 0..warmup.steps {
         let batch: Vec<&Sequence> = (0..warmup.batch_size)
             .map(|_| &sequences[rng.below(sequences.len() as u64) as usize])
@@ -105,7 +106,13 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("rtrun-warmup-{}", std::process::id()));
         let task = TaskConfig { train_size: 256, eval_size: 1, ..Default::default() };
         let (train, _) = task.generate(1).unwrap();
-        let shape = ModelShape { hidden_size: 32, num_layers: 1, num_heads: 2, num_kv_heads: 1, intermediate_size: 64 };
+        let shape = ModelShape {
+            hidden_size: 32,
+            num_layers: 1,
+            num_heads: 2,
+            num_kv_heads: 1,
+            intermediate_size: 64,
+        };
         let config = policy_config(&shape, 32);
         let warmup = WarmupConfig { steps: 12, batch_size: 16, lr: 1e-2 };
         let report = make_initial_policy(&dir, &config, &warmup, &train, 1).unwrap();

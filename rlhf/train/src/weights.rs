@@ -43,7 +43,11 @@ pub fn export_bucket(model: &CausalLm, names: &[String]) -> Result<WeightBucket>
         let tensor = model.params.get(name).ok_or_else(|| {
             crate::TrainError::Data(format!("the policy has no parameter `{name}`"))
         })?;
-        let values = tensor.f_detach()?.f_to_kind(Kind::Float)?.f_to_device(tch::Device::Cpu)?.f_contiguous()?;
+        let values = tensor
+            .f_detach()?
+            .f_to_kind(Kind::Float)?
+            .f_to_device(tch::Device::Cpu)?
+            .f_contiguous()?;
         let flat = Vec::<f32>::try_from(values.f_view([-1])?)?;
         let mut data = Vec::with_capacity(flat.len() * 4);
         for v in flat {

@@ -45,7 +45,8 @@ fn small_config(run_dir: &Path, extra: &str) -> TrainConfig {
 /// A reward model (fresh scalar head on the policy's shape) for `reward.kind: model`.
 fn write_reward_model(dir: &Path, config: &TrainConfig) {
     let model_config = rtrun_rlhf::warmup::policy_config(&config.model, 32);
-    let rm = ScalarHeadModel::new_random(&model_config, tch::Device::Cpu, tch::Kind::Float, 3).unwrap();
+    let rm =
+        ScalarHeadModel::new_random(&model_config, tch::Device::Cpu, tch::Kind::Float, 3).unwrap();
     rm.save_pretrained(dir, &Default::default()).unwrap();
 }
 
@@ -57,8 +58,13 @@ fn assert_trained(run_dir: &Path, steps: u64) {
     let records = metrics(run_dir);
     let last = records.last().expect("metrics were written");
     assert_eq!(last.step(), steps);
-    for name in ["reward", "policy_loss", "actor_grad_norm", "eval/reward", "time/generate", "time/train"] {
-        assert!(last.get(name).is_some_and(f64::is_finite), "`{name}` missing or not finite in {last:?}");
+    for name in
+        ["reward", "policy_loss", "actor_grad_norm", "eval/reward", "time/generate", "time/train"]
+    {
+        assert!(
+            last.get(name).is_some_and(f64::is_finite),
+            "`{name}` missing or not finite in {last:?}"
+        );
     }
     // The engines generate with exactly the weights the policy trains (weight sync works).
     for r in records.iter().filter(|r| r.step() > 0) {
@@ -181,7 +187,9 @@ fn remote_http_reward_scores_every_sample() {
     let dir = scratch("remote");
     let config = small_config(
         &dir,
-        &format!("algo: {{advantage_estimator: rloo, init_kl_coef: 0.0}}\nreward: {{kind: remote, url: \"{url}\", parallel_tasks: 2}}\n"),
+        &format!(
+            "algo: {{advantage_estimator: rloo, init_kl_coef: 0.0}}\nreward: {{kind: remote, url: \"{url}\", parallel_tasks: 2}}\n"
+        ),
     );
     let (trainer, report) = rtrun_rlhf::run::run(&config, &mut NoProgress).unwrap();
     assert_eq!(report.steps, 2);
@@ -237,7 +245,12 @@ fn killed_then_resumed_run_matches_an_uninterrupted_one() {
     let config_path = dir.join("ppo.yaml");
     let base = small_config(&dir.join("unused"), "");
     std::fs::write(&config_path, serde_yaml::to_string(&base).unwrap()).unwrap();
-    let settings = ["train.max_steps=4", "algo.advantage_estimator=gae", "algo.kl_target=0.1", "checkpoint.every_steps=1"];
+    let settings = [
+        "train.max_steps=4",
+        "algo.advantage_estimator=gae",
+        "algo.kl_target=0.1",
+        "checkpoint.every_steps=1",
+    ];
 
     let straight = dir.join("straight");
     run_to_end(&mut train_command(&config_path, &straight, &settings));
@@ -299,6 +312,7 @@ fn custom_reward_function_registered_by_name() {
     trainer.roles.kill();
     std::fs::remove_dir_all(&dir).unwrap();
 
-    let err = TrainConfig::from_yaml("reward: {kind: custom, name: nope}\n", "x.yaml", &[]).unwrap_err();
+    let err =
+        TrainConfig::from_yaml("reward: {kind: custom, name: nope}\n", "x.yaml", &[]).unwrap_err();
     assert!(err.to_string().contains("count_ones"), "the error lists registered names: {err}");
 }

@@ -14,7 +14,8 @@ use clap::Parser;
 use rtrun_rlhf::TrainConfig;
 use rtrun_rlhf::trainer::ProgressObserver;
 use rtrun_rlhf_telemetry::{
-    EvalRow, ProgressField, ProgressOptions, RunProgress, RunSummary, StepMetrics, StepPhases, jsonl, reward_curve,
+    EvalRow, ProgressField, ProgressOptions, RunProgress, RunSummary, StepMetrics, StepPhases,
+    jsonl, reward_curve,
 };
 
 /// Command line of the driver.
@@ -49,7 +50,9 @@ fn main() -> anyhow::Result<()> {
     // Worker processes are this binary re-run; they serve here and never return.
     rtrun::run_worker_if_requested();
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+        )
         .with_writer(std::io::stderr)
         .init();
     let args = Args::parse();
@@ -74,7 +77,9 @@ fn main() -> anyhow::Result<()> {
             "warm-up: {} supervised steps, token loss {:.3} -> {:.3}",
             w.steps, w.first_loss, w.last_loss
         ),
-        rtrun_rlhf::run::InitialPolicy::Reused => eprintln!("warm-up: reusing the initial policy of the run directory"),
+        rtrun_rlhf::run::InitialPolicy::Reused => {
+            eprintln!("warm-up: reusing the initial policy of the run directory")
+        }
     }
     if config.checkpoint.resume
         && let Some(dir) = rtrun_rlhf::trainer::checkpoint::newest(&paths.checkpoints)?
@@ -102,8 +107,10 @@ fn main() -> anyhow::Result<()> {
     let (trainer, report) = rtrun_rlhf::run::run(&config, &mut bar)?;
     bar.0.finish();
 
-    let records = jsonl::read_jsonl(&paths.root.join("metrics.jsonl")).context("reading metrics.jsonl")?;
-    let chart = reward_curve(&records, &[("train reward", "reward"), ("held-out reward", "eval/reward")]);
+    let records =
+        jsonl::read_jsonl(&paths.root.join("metrics.jsonl")).context("reading metrics.jsonl")?;
+    let chart =
+        reward_curve(&records, &[("train reward", "reward"), ("held-out reward", "eval/reward")]);
     chart.write_png(&paths.root.join("reward.png")).context("writing reward.png")?;
     let summary = RunSummary {
         title,
@@ -124,7 +131,8 @@ fn main() -> anyhow::Result<()> {
         ],
         phases: trainer.timer.totals().to_vec(),
     };
-    std::fs::write(paths.root.join("summary.md"), summary.to_markdown()).context("writing summary.md")?;
+    std::fs::write(paths.root.join("summary.md"), summary.to_markdown())
+        .context("writing summary.md")?;
     println!("{}", summary.to_text());
     println!(
         "metrics: {} (TensorBoard event files beside it), plot: {}",

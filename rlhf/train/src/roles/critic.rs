@@ -64,9 +64,15 @@ impl CriticWorkerState {
     /// Loads the critic.
     fn create(config: CriticWorkerConfig) -> Result<CriticWorkerState, String> {
         config.setup.apply();
-        let model = ScalarHeadModel::from_pretrained(&config.model_dir, config.setup.device(), Kind::Float, config.seed)
-            .map_err(|e| format!("loading {}: {e}", config.model_dir.display()))?;
-        let optimizer = AdamW::new(model.named_parameters(), config.optimizer).map_err(to_string_error)?;
+        let model = ScalarHeadModel::from_pretrained(
+            &config.model_dir,
+            config.setup.device(),
+            Kind::Float,
+            config.seed,
+        )
+        .map_err(|e| format!("loading {}: {e}", config.model_dir.display()))?;
+        let optimizer =
+            AdamW::new(model.named_parameters(), config.optimizer).map_err(to_string_error)?;
         Ok(CriticWorkerState {
             setup: config.setup,
             model,
@@ -97,7 +103,11 @@ impl CriticWorkerState {
     }
 
     /// One optimizer step of the clipped value loss on this rank's share of a mini-batch.
-    pub fn train(&mut self, rows: Vec<ExperienceRow>, global_tokens: usize) -> Result<CriticTrainStats, String> {
+    pub fn train(
+        &mut self,
+        rows: Vec<ExperienceRow>,
+        global_tokens: usize,
+    ) -> Result<CriticTrainStats, String> {
         self.train_impl(&rows, global_tokens).map_err(to_string_error)
     }
 
@@ -113,7 +123,8 @@ impl CriticWorkerState {
     /// Loads what [`CriticWorker::save_checkpoint`] saved.
     pub fn load_checkpoint(&mut self, dir: PathBuf) -> Result<(), String> {
         let run = || -> rtrun_rlhf_model::Result<()> {
-            let loaded = ScalarHeadModel::from_pretrained(&dir, self.model.params.device(), Kind::Float, 0)?;
+            let loaded =
+                ScalarHeadModel::from_pretrained(&dir, self.model.params.device(), Kind::Float, 0)?;
             tch::no_grad(|| -> rtrun_rlhf_model::Result<()> {
                 for (name, value) in loaded.named_parameters() {
                     self.model.params.copy_into(name, value)?;
@@ -142,7 +153,8 @@ impl CriticWorkerState {
 impl CriticWorker {
     /// Loads the critic.
     pub fn new(config: CriticWorkerConfig) -> Result<Self, String> {
-        CriticWorkerState::create(config).map(|state| CriticWorker { state: std::sync::Mutex::new(state) })
+        CriticWorkerState::create(config)
+            .map(|state| CriticWorker { state: std::sync::Mutex::new(state) })
     }
 
     /// Values of the states before each response token.
@@ -151,7 +163,11 @@ impl CriticWorker {
     }
 
     /// One optimizer step of the clipped value loss on this rank's share of a mini-batch.
-    pub fn train(&mut self, rows: Vec<ExperienceRow>, global_tokens: usize) -> Result<CriticTrainStats, String> {
+    pub fn train(
+        &mut self,
+        rows: Vec<ExperienceRow>,
+        global_tokens: usize,
+    ) -> Result<CriticTrainStats, String> {
         self.state().train(rows, global_tokens)
     }
 
@@ -174,7 +190,6 @@ impl CriticWorker {
     pub fn onload(&mut self) -> Result<(), String> {
         self.state().onload()
     }
-
 }
 
 /// Tensors are `Send` but not `Sync`, and the runtime shares an actor between its executor
@@ -189,7 +204,11 @@ impl CriticWorker {
 }
 
 impl CriticWorkerState {
-    fn train_impl(&mut self, rows: &[ExperienceRow], global_tokens: usize) -> crate::Result<CriticTrainStats> {
+    fn train_impl(
+        &mut self,
+        rows: &[ExperienceRow],
+        global_tokens: usize,
+    ) -> crate::Result<CriticTrainStats> {
         let device = self.model.params.device();
         let dp_size = rtrun::context()?.group.map(|g| g.world_size).unwrap_or(1);
         let aggregation = LossAggregation::GlobalTokenMean {
@@ -210,11 +229,19 @@ impl CriticWorkerState {
             let returns = column(|r| &r.returns)?;
             let mask = batch.action_mask.f_to_kind(Kind::Float)?;
             let values = self.model.action_values(&batch)?;
-            let loss = algo::value_loss(&values, &old_values, &returns, &mask, Some(self.value_clip), aggregation)?;
+            let loss = algo::value_loss(
+                &values,
+                &old_values,
+                &returns,
+                &mask,
+                Some(self.value_clip),
+                aggregation,
+            )?;
             stats.value_loss += loss.f_double_value(&[])?;
             loss.f_backward()?;
         }
-        let params: Vec<tch::Tensor> = self.model.named_parameters().map(|(_, t)| t.shallow_clone()).collect();
+        let params: Vec<tch::Tensor> =
+            self.model.named_parameters().map(|(_, t)| t.shallow_clone()).collect();
         self.comm.all_reduce(&params, &self.setup.role)?;
         let step = self.optimizer.step()?;
         stats.grad_norm = step.grad_norm;
@@ -249,8 +276,13 @@ impl RewardModelWorkerState {
     /// Loads the reward model.
     fn create(config: RewardModelConfig) -> Result<RewardModelWorkerState, String> {
         config.setup.apply();
-        let model = ScalarHeadModel::from_pretrained(&config.model_dir, config.setup.device(), Kind::Float, 0)
-            .map_err(|e| format!("loading {}: {e}", config.model_dir.display()))?;
+        let model = ScalarHeadModel::from_pretrained(
+            &config.model_dir,
+            config.setup.device(),
+            Kind::Float,
+            0,
+        )
+        .map_err(|e| format!("loading {}: {e}", config.model_dir.display()))?;
         model.params.set_requires_grad(false).map_err(to_string_error)?;
         Ok(RewardModelWorkerState { model, micro_batch_size: config.micro_batch_size.max(1) })
     }
@@ -264,7 +296,9 @@ impl RewardModelWorkerState {
                     let refs: Vec<&Sequence> = chunk.iter().collect();
                     let batch = response_batch(&refs, self.model.params.device())?;
                     let scores = self.model.rewards(&batch.input_ids, &batch.attention_mask)?;
-                    out.extend(Vec::<f32>::try_from(scores.f_to_kind(Kind::Float)?.f_to_device(tch::Device::Cpu)?)?);
+                    out.extend(Vec::<f32>::try_from(
+                        scores.f_to_kind(Kind::Float)?.f_to_device(tch::Device::Cpu)?,
+                    )?);
                 }
                 Ok(())
             })?;
@@ -278,14 +312,14 @@ impl RewardModelWorkerState {
 impl RewardModelWorker {
     /// Loads the reward model.
     pub fn new(config: RewardModelConfig) -> Result<Self, String> {
-        RewardModelWorkerState::create(config).map(|state| RewardModelWorker { state: std::sync::Mutex::new(state) })
+        RewardModelWorkerState::create(config)
+            .map(|state| RewardModelWorker { state: std::sync::Mutex::new(state) })
     }
 
     /// The score of each full sequence (read at its last real token).
     pub fn rewards(&self, sequences: Vec<Sequence>) -> Result<Vec<f32>, String> {
         self.state().rewards(sequences)
     }
-
 }
 
 /// Tensors are `Send` but not `Sync`, and the runtime shares an actor between its executor

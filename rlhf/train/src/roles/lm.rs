@@ -91,13 +91,21 @@ impl LmWorkerState {
         let model = CausalLm::from_pretrained(&config.model_dir, device, Kind::Float)
             .map_err(|e| format!("loading {}: {e}", config.model_dir.display()))?;
         let optimizer = match &config.optimizer {
-            Some(o) => Some(AdamW::new(model.named_parameters(), o.clone()).map_err(to_string_error)?),
+            Some(o) => {
+                Some(AdamW::new(model.named_parameters(), o.clone()).map_err(to_string_error)?)
+            }
             None => {
                 model.params.set_requires_grad(false).map_err(to_string_error)?;
                 None
             }
         };
-        Ok(LmWorkerState { setup: config.setup, model, optimizer, loss: config.loss, comm: DpComm::default() })
+        Ok(LmWorkerState {
+            setup: config.setup,
+            model,
+            optimizer,
+            loss: config.loss,
+            comm: DpComm::default(),
+        })
     }
 
     /// Log-probs of every response token, one vector per sequence (no gradients).
@@ -120,7 +128,10 @@ impl LmWorkerState {
     /// The weights (Hugging Face names, f32) in buckets of at most `bucket_bytes`, each put
     /// into the object store by this rank; engines resolve the references themselves, so the
     /// bytes go from this worker to each engine without passing through the driver.
-    pub fn weight_buckets(&self, bucket_bytes: usize) -> Result<Vec<rtrun::ObjectRef<WeightBucket>>, String> {
+    pub fn weight_buckets(
+        &self,
+        bucket_bytes: usize,
+    ) -> Result<Vec<rtrun::ObjectRef<WeightBucket>>, String> {
         let plan = bucket_plan(self.model.named_parameters(), bucket_bytes);
         let mut refs = Vec::with_capacity(plan.len());
         for names in &plan {
@@ -147,7 +158,9 @@ impl LmWorkerState {
     /// Loads weights and optimizer state saved by [`LmWorker::save_checkpoint`].
     pub fn load_checkpoint(&mut self, dir: PathBuf) -> Result<(), String> {
         match &mut self.optimizer {
-            Some(opt) => rtrun_rlhf_model::train::load_training_checkpoint(&dir, &self.model.params, opt),
+            Some(opt) => {
+                rtrun_rlhf_model::train::load_training_checkpoint(&dir, &self.model.params, opt)
+            }
             None => CausalLm::from_pretrained(&dir, self.model.params.device(), Kind::Float)
                 .map(|loaded| self.model = loaded),
         }
@@ -187,12 +200,20 @@ impl LmWorker {
 
     /// One optimizer step on this rank's share of a global mini-batch of `global_tokens` response
     /// tokens (every rank of the group must be called with its share: gradients are all-reduced).
-    pub fn train(&mut self, rows: Vec<ExperienceRow>, kl_coef: f64, global_tokens: usize) -> Result<PolicyTrainStats, String> {
+    pub fn train(
+        &mut self,
+        rows: Vec<ExperienceRow>,
+        kl_coef: f64,
+        global_tokens: usize,
+    ) -> Result<PolicyTrainStats, String> {
         self.state().train(rows, kl_coef, global_tokens)
     }
 
     /// The weights in buckets of at most `bucket_bytes`, put into the object store by this rank.
-    pub fn weight_buckets(&self, bucket_bytes: usize) -> Result<Vec<rtrun::ObjectRef<WeightBucket>>, String> {
+    pub fn weight_buckets(
+        &self,
+        bucket_bytes: usize,
+    ) -> Result<Vec<rtrun::ObjectRef<WeightBucket>>, String> {
         self.state().weight_buckets(bucket_bytes)
     }
 
@@ -220,7 +241,6 @@ impl LmWorker {
     pub fn is_offloaded(&self) -> bool {
         self.state().is_offloaded()
     }
-
 }
 
 /// Tensors are `Send` but not `Sync`, and the runtime shares an actor between its executor
@@ -241,7 +261,10 @@ impl LmWorkerState {
         }
         Err(crate::TrainError::role(
             &self.setup.role,
-            format!("moving between devices needs CUDA; parameters are on {:?}", self.model.params.device()),
+            format!(
+                "moving between devices needs CUDA; parameters are on {:?}",
+                self.model.params.device()
+            ),
         ))
     }
 
@@ -297,20 +320,35 @@ impl LmWorkerState {
             let mask = batch.action_mask.f_to_kind(Kind::Float)?;
             let logits = self.model.response_logits(&batch)?;
             let log_probs =
-                rtrun_rlhf_model::logprobs::token_log_probs(&logits, &batch.response_ids()?)?.f_mul(&mask)?;
-            let out = algo::policy_loss(&log_probs, &old_log_probs, &advantages, &mask, &clip, aggregation)?;
+                rtrun_rlhf_model::logprobs::token_log_probs(&logits, &batch.response_ids()?)?
+                    .f_mul(&mask)?;
+            let out = algo::policy_loss(
+                &log_probs,
+                &old_log_probs,
+                &advantages,
+                &mask,
+                &clip,
+                aggregation,
+            )?;
             let chunk_tokens: usize = chunk.iter().map(|r| r.sequence.response_ids.len()).sum();
             let share = chunk_tokens as f64 / local_tokens.max(1) as f64;
             let mut loss = out.loss.shallow_clone();
             if self.loss.entropy_coef > 0.0 {
                 let entropy = algo::masked_entropy(&logits, &mask, aggregation)?;
                 loss = loss.f_sub(&entropy.f_mul_scalar(self.loss.entropy_coef)?)?;
-                let mean = algo::masked_entropy(&logits.f_detach()?, &mask, LossAggregation::TokenMean)?;
+                let mean =
+                    algo::masked_entropy(&logits.f_detach()?, &mask, LossAggregation::TokenMean)?;
                 stats.entropy += mean.f_double_value(&[])? * share;
             }
             if self.loss.use_kl_loss {
                 let ref_log_probs = column(|r| &r.ref_log_probs)?;
-                let kl = algo::kl_loss(&log_probs, &ref_log_probs, &mask, self.loss.kl_estimator, aggregation)?;
+                let kl = algo::kl_loss(
+                    &log_probs,
+                    &ref_log_probs,
+                    &mask,
+                    self.loss.kl_estimator,
+                    aggregation,
+                )?;
                 loss = loss.f_add(&kl.f_mul_scalar(kl_coef)?)?;
                 let mean = algo::kl_loss(
                     &log_probs.f_detach()?,

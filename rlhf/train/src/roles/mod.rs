@@ -58,7 +58,8 @@ impl DpComm {
     /// All-reduces (mean) the gradients of `model` over the rank's group; a rank outside a group
     /// or alone in it has nothing to do.
     pub fn all_reduce_gradients(&mut self, model: &CausalLm, role: &str) -> Result<()> {
-        let params: Vec<tch::Tensor> = model.named_parameters().map(|(_, t)| t.shallow_clone()).collect();
+        let params: Vec<tch::Tensor> =
+            model.named_parameters().map(|(_, t)| t.shallow_clone()).collect();
         self.all_reduce(&params, role)
     }
 
@@ -73,7 +74,8 @@ impl DpComm {
                 .map_err(|e| TrainError::role(role, format!("joining the DP collective: {e}")))?;
             self.comm = Some(comm);
         }
-        let comm = self.comm.as_mut().ok_or_else(|| TrainError::role(role, "collective missing"))?;
+        let comm =
+            self.comm.as_mut().ok_or_else(|| TrainError::role(role, "collective missing"))?;
         rtrun_rlhf_algo::all_reduce_gradients(comm, params, &Default::default())
             .map(|_| ())
             .map_err(|e| TrainError::role(role, format!("gradient all-reduce: {e}")))

@@ -27,7 +27,9 @@ pub fn newest(dir: &Path) -> Result<Option<PathBuf>> {
     for entry in entries {
         let entry = entry.map_err(|e| TrainError::io(dir, e))?;
         let name = entry.file_name();
-        let Some(step) = name.to_str().and_then(|n| n.strip_prefix("step_")).and_then(|n| n.parse::<u64>().ok()) else {
+        let Some(step) =
+            name.to_str().and_then(|n| n.strip_prefix("step_")).and_then(|n| n.parse::<u64>().ok())
+        else {
             continue;
         };
         if entry.path().join(STATE_FILE).is_file() && best.as_ref().is_none_or(|(s, _)| step > *s) {
@@ -46,7 +48,12 @@ impl Trainer {
         }
         std::fs::create_dir_all(&dir).map_err(|e| TrainError::io(&dir, e))?;
         // DP ranks hold identical replicas: rank 0 saves.
-        let actor = self.roles.actor.members().first().ok_or_else(|| TrainError::role("actor", "the group is empty"))?;
+        let actor = self
+            .roles
+            .actor
+            .members()
+            .first()
+            .ok_or_else(|| TrainError::role("actor", "the group is empty"))?;
         let mut saves = vec![actor.save_checkpoint(dir.join("actor"))];
         if let Some(critic) = &self.roles.critic
             && let Some(rank0) = critic.members().first()
@@ -54,7 +61,8 @@ impl Trainer {
             saves.push(rank0.save_checkpoint(dir.join("critic")));
         }
         gather_each("checkpoint", &saves)?;
-        let state = serde_json::to_vec_pretty(&self.state).map_err(|e| TrainError::Data(e.to_string()))?;
+        let state =
+            serde_json::to_vec_pretty(&self.state).map_err(|e| TrainError::Data(e.to_string()))?;
         let tmp = dir.join(format!("{STATE_FILE}.tmp"));
         std::fs::write(&tmp, state).map_err(|e| TrainError::io(&tmp, e))?;
         std::fs::rename(&tmp, dir.join(STATE_FILE)).map_err(|e| TrainError::io(&dir, e))?;
@@ -98,7 +106,9 @@ mod tests {
         let root = std::env::temp_dir().join(format!("rtrun-ckpt-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&root);
         assert_eq!(newest(&root).unwrap(), None);
-        for (name, complete) in [("step_000002", true), ("step_000010", false), ("step_000005", true), ("other", true)] {
+        for (name, complete) in
+            [("step_000002", true), ("step_000010", false), ("step_000005", true), ("other", true)]
+        {
             let d = root.join(name);
             std::fs::create_dir_all(&d).unwrap();
             if complete {

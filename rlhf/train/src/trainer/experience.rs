@@ -33,11 +33,18 @@ impl PendingRewards {
 }
 
 /// Starts computing the rewards of `sequences` (one per record) and returns at once.
-pub fn rewards(trainer: &Trainer, records: &[&PromptRecord], sequences: &[Sequence]) -> Result<PendingRewards> {
+pub fn rewards(
+    trainer: &Trainer,
+    records: &[&PromptRecord],
+    sequences: &[Sequence],
+) -> Result<PendingRewards> {
     let config = &trainer.config.reward;
     if config.kind == RewardKind::Model {
         let group = trainer.roles.reward_model.as_ref().ok_or_else(|| {
-            TrainError::role("reward", "reward.kind is `model` but no reward-model group was created")
+            TrainError::role(
+                "reward",
+                "reward.kind is `model` but no reward-model group was created",
+            )
         })?;
         let refs = dispatch(group, sequences.to_vec(), |w, chunk| w.rewards(chunk));
         return Ok(PendingRewards { role: "reward", refs });
@@ -105,9 +112,11 @@ pub fn make_experience(
     let algo_config = &trainer.config.algo;
     // Everything in flight at once: the roles run in their own processes.
     let pending_rewards = rewards(trainer, records, &sequences)?;
-    let ref_refs = roles.reference.as_ref().map(|g| dispatch(g, sequences.clone(), |w, c| w.log_probs(c)));
+    let ref_refs =
+        roles.reference.as_ref().map(|g| dispatch(g, sequences.clone(), |w, c| w.log_probs(c)));
     let old_refs = dispatch(&roles.actor, sequences.clone(), |w, c| w.log_probs(c));
-    let value_refs = roles.critic.as_ref().map(|g| dispatch(g, sequences.clone(), |w, c| w.values(c)));
+    let value_refs =
+        roles.critic.as_ref().map(|g| dispatch(g, sequences.clone(), |w, c| w.values(c)));
     let scalar_rewards = pending_rewards.get()?;
     let old_log_probs = gather("actor", &old_refs)?;
     let ref_log_probs = match ref_refs {
@@ -142,7 +151,9 @@ pub fn make_experience(
     let mask = tensor_of(&ones)?;
     let old = tensor_of(&old_log_probs)?;
     let kl = match &ref_log_probs {
-        Some(r) => Some(algo::approx_kl(&old, &tensor_of(r)?, algo_config.kl_estimator)?.f_mul(&mask)?),
+        Some(r) => {
+            Some(algo::approx_kl(&old, &tensor_of(r)?, algo_config.kl_estimator)?.f_mul(&mask)?)
+        }
         None => None,
     };
     let values_tensor = match &values {
@@ -167,7 +178,11 @@ pub fn make_experience(
 
     let tokens = mask.f_sum(Kind::Float)?.f_double_value(&[])?.max(1.0);
     let tok = CharTokenizer;
-    let correct = sequences.iter().zip(records).filter(|(s, r)| tok.decode(&s.response_ids) == r.label).count();
+    let correct = sequences
+        .iter()
+        .zip(records)
+        .filter(|(s, r)| tok.decode(&s.response_ids) == r.label)
+        .count();
     let mut gap = 0.0f64;
     for (engine, policy) in engine_log_probs.iter().zip(&old_log_probs) {
         gap += engine.iter().zip(policy).map(|(a, b)| f64::from((a - b).abs())).sum::<f64>();
@@ -181,8 +196,15 @@ pub fn make_experience(
             None => 0.0,
         },
         response_length: lengths.iter().sum::<usize>() as f64 / count.max(1) as f64,
-        token_return: advantages.token_rewards.f_sum(Kind::Float)?.f_double_value(&[])? / count.max(1) as f64,
-        advantage_abs: advantages.advantages.f_abs()?.f_mul(&mask)?.f_sum(Kind::Float)?.f_double_value(&[])? / tokens,
+        token_return: advantages.token_rewards.f_sum(Kind::Float)?.f_double_value(&[])?
+            / count.max(1) as f64,
+        advantage_abs: advantages
+            .advantages
+            .f_abs()?
+            .f_mul(&mask)?
+            .f_sum(Kind::Float)?
+            .f_double_value(&[])?
+            / tokens,
     };
 
     let empty = Vec::new();
@@ -217,7 +239,12 @@ pub struct TrainStats {
 /// `max_epochs` passes over the rows in seeded random order, in global mini-batches of
 /// `train_batch_size`; each mini-batch is split across the DP ranks of the policy and of the
 /// critic, which train concurrently.
-pub fn train(trainer: &Trainer, rows: &[ExperienceRow], step: u64, kl_coef: f64) -> Result<TrainStats> {
+pub fn train(
+    trainer: &Trainer,
+    rows: &[ExperienceRow],
+    step: u64,
+    kl_coef: f64,
+) -> Result<TrainStats> {
     let config = &trainer.config;
     let roles = &trainer.roles;
     let train_actor = step > config.train.freezing_actor_steps;
@@ -235,7 +262,11 @@ pub fn train(trainer: &Trainer, rows: &[ExperienceRow], step: u64, kl_coef: f64)
             let global_tokens: usize = batch.iter().map(|r| r.sequence.response_ids.len()).sum();
             let policy_refs = if train_actor {
                 let shares = rtrun::split_batch(batch.clone(), roles.actor.world_size());
-                Some(roles.actor.call_each(shares, |w, rows| w.train(rows, kl_coef, global_tokens))?)
+                Some(
+                    roles
+                        .actor
+                        .call_each(shares, |w, rows| w.train(rows, kl_coef, global_tokens))?,
+                )
             } else {
                 None
             };

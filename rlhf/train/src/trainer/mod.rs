@@ -140,7 +140,15 @@ impl Trainer {
             kl: config.algo.kl_controller()?,
             baseline: None,
         };
-        let mut trainer = Trainer { config, paths, train_data, eval_data, roles, state, timer: PhaseTimer::new() };
+        let mut trainer = Trainer {
+            config,
+            paths,
+            train_data,
+            eval_data,
+            roles,
+            state,
+            timer: PhaseTimer::new(),
+        };
         if trainer.config.checkpoint.resume
             && let Some(dir) = checkpoint::newest(&trainer.paths.checkpoints)?
         {
@@ -151,14 +159,19 @@ impl Trainer {
 
     /// Total steps of the run: episodes × prompts / prompts per step, capped by `max_steps`.
     pub fn total_steps(&self) -> u64 {
-        let per_episode = (self.train_data.len() / self.config.rollout.prompts_per_step).max(1) as u64;
+        let per_episode =
+            (self.train_data.len() / self.config.rollout.prompts_per_step).max(1) as u64;
         let total = per_episode * self.config.train.num_episodes as u64;
         self.config.train.max_steps.map_or(total, |m| m.min(total))
     }
 
     /// Runs the remaining steps, recording metrics into `sink`; evaluates on the held-out
     /// prompts before the first step, every `eval.every_steps` and after the last.
-    pub fn fit(&mut self, sink: &mut dyn MetricsSink, progress: &mut dyn ProgressObserver) -> Result<FitReport> {
+    pub fn fit(
+        &mut self,
+        sink: &mut dyn MetricsSink,
+        progress: &mut dyn ProgressObserver,
+    ) -> Result<FitReport> {
         let total = self.total_steps();
         if self.state.baseline.is_none() {
             progress.phase("eval");
@@ -174,7 +187,7 @@ impl Trainer {
             let step = self.state.step + 1;
             let mut metrics = self.train_step(step, progress)?;
             let every = self.config.eval.every_steps;
-            if step == total || (every > 0 && step % every == 0) {
+            if step == total || (every > 0 && step.is_multiple_of(every)) {
                 progress.phase("eval");
                 let result = self.timed("eval", |t| t.evaluate())?;
                 set_eval(&mut metrics, &result)?;
@@ -186,7 +199,7 @@ impl Trainer {
             progress.step_done(&metrics, &phases);
             self.state.step = step;
             let every = self.config.checkpoint.every_steps;
-            if every > 0 && step % every == 0 {
+            if every > 0 && step.is_multiple_of(every) {
                 progress.phase("checkpoint");
                 self.save_checkpoint()?;
             }
@@ -212,13 +225,21 @@ impl Trainer {
 
     /// Generates `n` samples for each prompt on the engines (prompts split across engines in
     /// contiguous chunks), with per-prompt seeds derived from `seed_base`.
-    fn generate(&self, prompts: &[Vec<u32>], params: &SamplingParams, seed_base: u64) -> Result<Vec<GenerationOutput>> {
+    fn generate(
+        &self,
+        prompts: &[Vec<u32>],
+        params: &SamplingParams,
+        seed_base: u64,
+    ) -> Result<Vec<GenerationOutput>> {
         let requests: Vec<GenerationRequest> = prompts
             .iter()
             .enumerate()
             .map(|(i, ids)| GenerationRequest {
                 prompt_token_ids: ids.clone(),
-                params: SamplingParams { seed: Some(mix_seed(seed_base, i as u64)), ..params.clone() },
+                params: SamplingParams {
+                    seed: Some(mix_seed(seed_base, i as u64)),
+                    ..params.clone()
+                },
             })
             .collect();
         let engines = &self.roles.engines;
@@ -252,7 +273,11 @@ impl Trainer {
     pub fn evaluate(&self) -> Result<EvalResult> {
         self.wake_engines()?;
         let tok = CharTokenizer;
-        let prompts = self.eval_data.iter().map(|r| tok.encode_prompt(&r.prompt)).collect::<Result<Vec<_>>>()?;
+        let prompts = self
+            .eval_data
+            .iter()
+            .map(|r| tok.encode_prompt(&r.prompt))
+            .collect::<Result<Vec<_>>>()?;
         let params = SamplingParams {
             temperature: 0.0,
             max_tokens: self.config.max_new_tokens() as u32,
@@ -263,9 +288,15 @@ impl Trainer {
         let mut sequences = Vec::with_capacity(outputs.len());
         for (output, prompt_ids) in outputs.iter().zip(&prompts) {
             let sample = output.samples.first().ok_or_else(|| {
-                TrainError::role("vllm_engine", "expected one sample per evaluation prompt, found none")
+                TrainError::role(
+                    "vllm_engine",
+                    "expected one sample per evaluation prompt, found none",
+                )
             })?;
-            sequences.push(Sequence { prompt_ids: prompt_ids.clone(), response_ids: sample.token_ids.clone() });
+            sequences.push(Sequence {
+                prompt_ids: prompt_ids.clone(),
+                response_ids: sample.token_ids.clone(),
+            });
         }
         let records: Vec<&PromptRecord> = self.eval_data.iter().collect();
         let rewards = experience::rewards(self, &records, &sequences)?.get()?;
@@ -295,7 +326,8 @@ impl Trainer {
         if let Some(critic) = &self.roles.critic {
             roles::gather_each("critic", &critic.call_all(|c| c.offload()))?;
         }
-        let wakes: Vec<_> = self.roles.engines.iter().map(|e| e.wake_up(Vec::<String>::new())).collect();
+        let wakes: Vec<_> =
+            self.roles.engines.iter().map(|e| e.wake_up(Vec::<String>::new())).collect();
         roles::gather_each("vllm_engine", &wakes)?;
         Ok(())
     }
@@ -315,12 +347,18 @@ impl Trainer {
     }
 
     /// One training step; returns its metrics (phase times are added by the caller).
-    fn train_step(&mut self, step: u64, progress: &mut dyn ProgressObserver) -> Result<StepMetrics> {
+    fn train_step(
+        &mut self,
+        step: u64,
+        progress: &mut dyn ProgressObserver,
+    ) -> Result<StepMetrics> {
         let prompts_per_step = self.config.rollout.prompts_per_step;
         let indices = self.state.loader.next_batch(prompts_per_step);
-        let records: Vec<PromptRecord> = indices.iter().map(|&i| self.train_data[i].clone()).collect();
+        let records: Vec<PromptRecord> =
+            indices.iter().map(|&i| self.train_data[i].clone()).collect();
         let tok = CharTokenizer;
-        let prompt_ids = records.iter().map(|r| tok.encode_prompt(&r.prompt)).collect::<Result<Vec<_>>>()?;
+        let prompt_ids =
+            records.iter().map(|r| tok.encode_prompt(&r.prompt)).collect::<Result<Vec<_>>>()?;
 
         progress.phase("generate");
         let params = self.rollout_params();
@@ -343,7 +381,10 @@ impl Trainer {
                 ));
             }
             for sample in &output.samples {
-                sequences.push(Sequence { prompt_ids: ids.clone(), response_ids: sample.token_ids.clone() });
+                sequences.push(Sequence {
+                    prompt_ids: ids.clone(),
+                    response_ids: sample.token_ids.clone(),
+                });
                 sample_records.push(record);
                 engine_log_probs.push(sample.log_probs.clone());
             }
@@ -351,10 +392,13 @@ impl Trainer {
 
         progress.phase("experience");
         let kl_coef = self.state.kl.value();
-        let batch = self.timed("experience", |t| experience::make_experience(t, &sample_records, sequences, &engine_log_probs, kl_coef))?;
+        let batch = self.timed("experience", |t| {
+            experience::make_experience(t, &sample_records, sequences, &engine_log_probs, kl_coef)
+        })?;
 
         progress.phase("train");
-        let train_stats = self.timed("train", |t| experience::train(t, &batch.rows, step, kl_coef))?;
+        let train_stats =
+            self.timed("train", |t| experience::train(t, &batch.rows, step, kl_coef))?;
         self.state.kl.update(batch.stats.kl, batch.rows.len() as u64);
 
         progress.phase("sync");
@@ -385,14 +429,21 @@ impl Trainer {
         ] {
             metrics.set(name, value).map_err(telemetry_error)?;
         }
-        metrics.set("consumed_prompts", self.state.loader.consumed as f64).map_err(telemetry_error)?;
+        metrics
+            .set("consumed_prompts", self.state.loader.consumed as f64)
+            .map_err(telemetry_error)?;
         Ok(metrics)
     }
 
     /// Sends the policy's weights to every engine in buckets (straight from policy rank 0 to
     /// the engines, through the object store), then resets the engines' prefix caches.
     pub fn sync_weights(&self) -> Result<()> {
-        let source = self.roles.actor.members().first().ok_or_else(|| TrainError::role("actor", "the group is empty"))?;
+        let source = self
+            .roles
+            .actor
+            .members()
+            .first()
+            .ok_or_else(|| TrainError::role("actor", "the group is empty"))?;
         let buckets = source
             .weight_buckets(self.config.rollout.weight_bucket_bytes)
             .get()?
@@ -401,7 +452,8 @@ impl Trainer {
         let hybrid = self.roles.placements.hybrid();
         if hybrid {
             // OpenRLHF's order: weights first, sync, reset, then the KV cache.
-            let wakes: Vec<_> = engines.iter().map(|e| e.wake_up(vec!["weights".to_owned()])).collect();
+            let wakes: Vec<_> =
+                engines.iter().map(|e| e.wake_up(vec!["weights".to_owned()])).collect();
             roles::gather_each("vllm_engine", &wakes)?;
         }
         for bucket in &buckets {

@@ -11,7 +11,9 @@ use crate::config::{AlgoConfig, RewardKind, TrainConfig};
 use crate::error::{Result, TrainError};
 use crate::placement_map::RolePlacements;
 use crate::roles::WorkerSetup;
-use crate::roles::critic::{CriticWorker, CriticWorkerConfig, RewardModelConfig, RewardModelWorker};
+use crate::roles::critic::{
+    CriticWorker, CriticWorkerConfig, RewardModelConfig, RewardModelWorker,
+};
 use crate::roles::lm::{LmWorker, LmWorkerConfig, PolicyLossConfig};
 
 /// Every role of a run.
@@ -80,20 +82,26 @@ impl Roles {
             loss: loss.clone(),
         };
         let p = &placements;
-        let actor = ActorGroup::create("actor", p.actor.replicas, Default::default(), |rank, options| {
-            let options = merge(options, p.options(&p.actor, "actor", rank));
-            LmWorker::remote_with(options, actor_config.clone())
-        })?;
+        let actor =
+            ActorGroup::create("actor", p.actor.replicas, Default::default(), |rank, options| {
+                let options = merge(options, p.options(&p.actor, "actor", rank));
+                LmWorker::remote_with(options, actor_config.clone())
+            })?;
         let reference = if needs_reference(&config.algo) {
             let ref_config = LmWorkerConfig {
                 setup: WorkerSetup::cpu("ref", threads),
                 optimizer: None,
                 ..actor_config.clone()
             };
-            Some(ActorGroup::create("ref", p.reference.replicas, Default::default(), |rank, options| {
-                let options = merge(options, p.options(&p.reference, "ref", rank));
-                LmWorker::remote_with(options, ref_config.clone())
-            })?)
+            Some(ActorGroup::create(
+                "ref",
+                p.reference.replicas,
+                Default::default(),
+                |rank, options| {
+                    let options = merge(options, p.options(&p.reference, "ref", rank));
+                    LmWorker::remote_with(options, ref_config.clone())
+                },
+            )?)
         } else {
             None
         };
@@ -106,10 +114,15 @@ impl Roles {
                 micro_batch_size: config.train.micro_batch_size,
                 seed: config.seed,
             };
-            Some(ActorGroup::create("critic", p.critic.replicas, Default::default(), |rank, options| {
-                let options = merge(options, p.options(&p.critic, "critic", rank));
-                CriticWorker::remote_with(options, critic_config.clone())
-            })?)
+            Some(ActorGroup::create(
+                "critic",
+                p.critic.replicas,
+                Default::default(),
+                |rank, options| {
+                    let options = merge(options, p.options(&p.critic, "critic", rank));
+                    CriticWorker::remote_with(options, critic_config.clone())
+                },
+            )?)
         } else {
             None
         };
@@ -120,13 +133,21 @@ impl Roles {
                     model_dir: dir.to_path_buf(),
                     micro_batch_size: config.train.micro_batch_size,
                 };
-                Some(ActorGroup::create("reward", p.reward.replicas, Default::default(), |rank, options| {
-                    let options = merge(options, p.options(&p.reward, "reward", rank));
-                    RewardModelWorker::remote_with(options, rm_config.clone())
-                })?)
+                Some(ActorGroup::create(
+                    "reward",
+                    p.reward.replicas,
+                    Default::default(),
+                    |rank, options| {
+                        let options = merge(options, p.options(&p.reward, "reward", rank));
+                        RewardModelWorker::remote_with(options, rm_config.clone())
+                    },
+                )?)
             }
             (RewardKind::Model, None) => {
-                return Err(TrainError::config("reward.model_dir", "expected a reward model directory, found none"));
+                return Err(TrainError::config(
+                    "reward.model_dir",
+                    "expected a reward model directory, found none",
+                ));
             }
             _ => None,
         };
@@ -193,8 +214,5 @@ pub fn gather_each<R: serde::de::DeserializeOwned>(
     role: &str,
     refs: &[ObjectRef<std::result::Result<R, String>>],
 ) -> Result<Vec<R>> {
-    rtrun::get_all(refs)?
-        .into_iter()
-        .map(|r| r.map_err(|e| TrainError::role(role, e)))
-        .collect()
+    rtrun::get_all(refs)?.into_iter().map(|r| r.map_err(|e| TrainError::role(role, e))).collect()
 }
