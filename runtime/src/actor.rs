@@ -76,6 +76,9 @@ pub struct ActorOptions {
     pub env: BTreeMap<String, String>,
     /// Set by actor groups.
     pub group: Option<GroupMembership>,
+    /// Where inside a placement group the actor goes (it then uses the bundle's reserved
+    /// resources and GPUs); `None` places it on the cluster's free resources.
+    pub placement: Option<crate::placement_group::BundleSchedule>,
 }
 
 impl ActorOptions {
@@ -122,6 +125,33 @@ impl ActorOptions {
     /// Adds an environment variable for the worker process.
     pub fn env(mut self, key: &str, value: &str) -> Self {
         self.env.insert(key.to_owned(), value.to_owned());
+        self
+    }
+    /// Places the actor inside a placement group (see [`crate::PlacementGroup::bundle`]).
+    pub fn placement(mut self, schedule: crate::placement_group::BundleSchedule) -> Self {
+        self.placement = Some(schedule);
+        self
+    }
+    /// Places the actor in bundle `index` of `group`.
+    pub fn bundle(self, group: &crate::PlacementGroup, index: usize) -> Self {
+        self.placement(group.bundle(index))
+    }
+    /// Sets `num_cpus`, `num_gpus` and custom resources from an exact resource set (as a
+    /// placement spec gives them).
+    pub fn resource_set(mut self, resources: &rtrun_placement::ResourceSet) -> Self {
+        self.num_cpus = None;
+        self.num_gpus = None;
+        self.resources.clear();
+        for (name, amount) in resources.iter() {
+            let amount = amount.as_f64();
+            match name {
+                rtrun_placement::CPU => self.num_cpus = Some(amount),
+                rtrun_placement::GPU => self.num_gpus = Some(amount),
+                other => {
+                    self.resources.insert(other.to_owned(), amount);
+                }
+            }
+        }
         self
     }
 }
@@ -219,6 +249,10 @@ impl<A> ActorRef<A> {
 pub fn create_actor<A: Actor>(options: ActorOptions, args: Vec<Result<Arg>>) -> Result<A::Ref> {
     let runtime = runtime::current()?;
     let ctor_args = args.into_iter().collect::<Result<Vec<_>>>()?;
+    let mut options = options;
+    if options.placement.is_none() {
+        options.placement = runtime.captured_placement();
+    }
     let spec = ActorSpec { type_name: A::TYPE_NAME.to_owned(), ctor_args, options };
     let info = runtime.create_actor(spec)?;
     Ok(ActorRef::from_info(info).into())

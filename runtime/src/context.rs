@@ -2,6 +2,8 @@
 
 use serde::{Deserialize, Serialize};
 
+use rtrun_placement::{BundleRef, GpuShare, ResourceSet};
+
 use crate::ids::{ActorId, NodeId, WorkerId};
 
 /// Membership of an actor in an actor group: rank, world size, and the master address and port
@@ -37,6 +39,28 @@ pub struct RuntimeContext {
     pub group: Option<GroupMembership>,
     /// The session this process belongs to.
     pub session: String,
+    /// The node's name in the placement tables (the `node` column of a bundle table).
+    pub placement_node: Option<String>,
+    /// The GPUs given to this actor, each with its share (1 for a whole GPU, 0.2 for a
+    /// hybrid-engine share), ascending by index. `CUDA_VISIBLE_DEVICES` lists their indices
+    /// unless `RTRUN_NOSET_CUDA_VISIBLE_DEVICES` is set.
+    pub gpus: Vec<GpuShare>,
+    /// Everything the actor holds (CPU, GPU, memory, custom resources).
+    pub resources: ResourceSet,
+    /// The placement-group bundle it lives in, if any.
+    pub bundle: Option<BundleRef>,
+}
+
+impl RuntimeContext {
+    /// The device indices of its GPUs (what `CUDA_VISIBLE_DEVICES` lists).
+    pub fn gpu_ids(&self) -> Vec<u32> {
+        self.gpus.iter().map(|share| share.gpu.index).collect()
+    }
+
+    /// The UUIDs of its GPUs, in the order of [`RuntimeContext::gpu_ids`].
+    pub fn gpu_uuids(&self) -> Vec<String> {
+        self.gpus.iter().map(|share| share.gpu.uuid.clone()).collect()
+    }
 }
 
 /// The current process's context.

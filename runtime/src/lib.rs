@@ -28,12 +28,15 @@ pub mod actor;
 pub mod bench;
 pub mod codec;
 pub mod collective;
+pub mod colocation;
 pub mod context;
 pub mod error;
+pub mod gpus;
 pub mod group;
 mod head;
 pub mod ids;
 pub mod object;
+pub mod placement_group;
 pub mod protocol;
 pub mod registry;
 pub mod runtime;
@@ -47,8 +50,14 @@ pub use collective::{Backend, CollectiveConfig, CollectiveError, Communicator, R
 pub use context::{GroupMembership, RuntimeContext, context};
 pub use error::{Error, Result};
 pub use group::{ActorGroup, split_batch};
+pub use head::NOSET_CUDA_VISIBLE_DEVICES_ENV;
 pub use ids::{ActorId, ObjectId, WorkerId};
 pub use object::{ObjectRef, free, get_all, put, wait};
+pub use placement_group::{
+    BundleSchedule, PlacementGroup, PlacementGroupOptions, PlacementGroupReady,
+    PlacementGroupState, PlacementGroupStatus, get_placement_group, list_placement_groups,
+    placement_group, remove_placement_group,
+};
 pub use rtrun_macros::{actor, remote};
 pub use runtime::{Config, current, init, init_with, run_worker_if_requested, shutdown};
 pub use task::TaskOptions;

@@ -116,6 +116,11 @@ pub struct ActorStart {
     pub group: Option<crate::context::GroupMembership>,
     /// The actor's name, when it has one.
     pub name: Option<String>,
+    /// The resources, GPUs and bundle the actor was given (what its runtime context reports).
+    pub allocation: Option<rtrun_placement::Allocation>,
+    /// The placement group its child actors and tasks go to by default (Ray's
+    /// `placement_group_capture_child_tasks`).
+    pub capture_group: Option<rtrun_placement::GroupId>,
 }
 
 /// Requests to the head, to an object's owner, or from the head to a worker.
@@ -183,6 +188,30 @@ pub enum Request {
     },
     /// Cluster summary, for `rtrun status` and tests.
     ClusterInfo,
+    /// Create a placement group; answered at once with its state (pending or created).
+    CreatePlacementGroup(Box<crate::placement_group::PlacementGroupOptions>),
+    /// Answered with the group's state once it is created, or an error once it is removed.
+    WaitPlacementGroup {
+        /// The group.
+        group: rtrun_placement::GroupId,
+    },
+    /// Remove a placement group: stops its actors and tasks and frees its bundles.
+    RemovePlacementGroup {
+        /// The group.
+        group: rtrun_placement::GroupId,
+    },
+    /// The group's state now.
+    GetPlacementGroup {
+        /// The group.
+        group: rtrun_placement::GroupId,
+    },
+    /// The live group with this name.
+    GetPlacementGroupByName {
+        /// Its name.
+        name: String,
+    },
+    /// Every live placement group.
+    ListPlacementGroups,
 }
 
 /// Answers to [`Request`]s.
@@ -205,6 +234,10 @@ pub enum Response {
     Outcome(Outcome),
     /// Cluster resources and counts.
     ClusterInfo(ClusterInfo),
+    /// One placement group's state.
+    PlacementGroup(Box<crate::placement_group::PlacementGroupState>),
+    /// Every live placement group's state, oldest first.
+    PlacementGroups(Vec<crate::placement_group::PlacementGroupState>),
     /// The request failed.
     Error(Error),
 }

@@ -25,8 +25,9 @@ use crate::worker::{HostedActor, TaskExecutor, WorkerSpec};
 pub struct Config {
     /// CPUs this node offers (default: the machine's cores).
     pub num_cpus: Option<f64>,
-    /// GPUs this node offers (default: 0 until GPU detection lands; any number can be declared,
-    /// and is accounted even on a machine without GPUs).
+    /// GPUs this node offers, a whole number (default: the GPUs detected on the machine, see
+    /// [`crate::gpus`]). Fewer than detected uses the first ones; more adds fake GPUs with
+    /// synthetic UUIDs, so placement works the same on a machine without GPUs.
     pub num_gpus: Option<f64>,
     /// Custom resources this node offers.
     pub resources: BTreeMap<String, f64>,
@@ -278,6 +279,7 @@ impl Runtime {
 
     pub(crate) fn context(&self) -> RuntimeContext {
         let start = self.actor_context.lock();
+        let allocation = start.as_ref().and_then(|s| s.allocation.as_ref());
         RuntimeContext {
             node_id: self.node_id,
             worker_id: self.worker_id,
@@ -286,7 +288,21 @@ impl Runtime {
             actor_name: start.as_ref().and_then(|s| s.name.clone()),
             group: start.as_ref().and_then(|s| s.group.clone()),
             session: self.session.clone(),
+            placement_node: allocation.map(|a| a.node.to_string()),
+            gpus: allocation.map(|a| a.gpus.clone()).unwrap_or_default(),
+            resources: allocation.map(|a| a.resources.clone()).unwrap_or_default(),
+            bundle: allocation.and_then(|a| a.bundle),
         }
+    }
+
+    /// The placement group this process's actor captures its children into, if any.
+    pub(crate) fn captured_placement(&self) -> Option<crate::placement_group::BundleSchedule> {
+        let group = self.actor_context.lock().as_ref().and_then(|start| start.capture_group)?;
+        Some(crate::placement_group::BundleSchedule {
+            group,
+            bundle_index: None,
+            capture_child_tasks: true,
+        })
     }
 
     /// Stores encoded bytes as a new object owned by this process.

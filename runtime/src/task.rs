@@ -20,11 +20,28 @@ pub struct TaskOptions {
     pub resources: BTreeMap<String, f64>,
     /// Re-runs when the worker running it dies (default 3, as Ray).
     pub max_retries: u32,
+    /// Where inside a placement group the task runs (its resources then come out of the
+    /// bundle's reservation); `None` uses the cluster's free resources.
+    pub placement: Option<crate::placement_group::BundleSchedule>,
+}
+
+impl TaskOptions {
+    /// Runs the task inside a placement group (see [`crate::PlacementGroup::bundle`]).
+    pub fn placement(mut self, schedule: crate::placement_group::BundleSchedule) -> Self {
+        self.placement = Some(schedule);
+        self
+    }
 }
 
 impl Default for TaskOptions {
     fn default() -> Self {
-        TaskOptions { num_cpus: 1.0, num_gpus: 0.0, resources: BTreeMap::new(), max_retries: 3 }
+        TaskOptions {
+            num_cpus: 1.0,
+            num_gpus: 0.0,
+            resources: BTreeMap::new(),
+            max_retries: 3,
+            placement: None,
+        }
     }
 }
 
@@ -52,6 +69,10 @@ pub fn submit_task<R>(
         Ok(runtime) => runtime,
         Err(e) => return runtime::failed_ref(e),
     };
+    let mut options = options;
+    if options.placement.is_none() {
+        options.placement = runtime.captured_placement();
+    }
     match args.into_iter().collect::<Result<Vec<_>>>() {
         Ok(args) => runtime.submit_task(function.to_owned(), args, options),
         Err(e) => runtime::failed_ref(e),

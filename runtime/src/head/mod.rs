@@ -1,19 +1,23 @@
 //! The control plane of an embedded session (Ray's GCS plus raylet, in the driver process):
-//! the actor directory with names and restarts, the node's resources, the task queue and pool
-//! of task workers, and supervision of every worker process.
+//! the actor directory with names and restarts, the node's resources and placement groups (as a
+//! placement [`ClusterState`], see `groups.rs`), the task queue and pool of task workers, and
+//! supervision of every worker process.
 //!
 //! All decisions are made under one lock on [`HeadState`]; what must happen afterwards
 //! (answers, process spawns, sends) is collected as [`Effect`]s and carried out after the lock
 //! is released, so no callback ever runs with the lock held.
 
+mod groups;
 mod spawn;
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use parking_lot::Mutex;
-use rtrun_placement::{CPU, GPU, Quantity, ResourceSet};
+use rtrun_placement::{
+    Allocation, AllocationId, CPU, ClusterState, GPU, GroupId, NodeResources, Quantity, ResourceSet,
+};
 
 use crate::actor::{ActorInfo, ActorSpec};
 use crate::error::{Error, Result};
@@ -31,13 +35,26 @@ use crate::worker::WorkerSpec;
 pub(crate) use spawn::kill_process;
 use spawn::{SpawnRequest, Spawner};
 
+/// The environment variable that stops the runtime from setting `CUDA_VISIBLE_DEVICES` (and
+/// `CUDA_DEVICE_ORDER`) for workers given GPUs (Ray's
+/// `RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES`). Set it in the driver's environment for every
+/// worker, or in one actor's `ActorOptions::env` for that actor; any non-empty value other than
+/// `0` counts.
+pub const NOSET_CUDA_VISIBLE_DEVICES_ENV: &str = "RTRUN_NOSET_CUDA_VISIBLE_DEVICES";
+
+fn opt_out(value: Option<&str>) -> bool {
+    value.is_some_and(|v| !v.is_empty() && v != "0")
+}
+
 /// Control-plane settings.
 #[derive(Debug, Clone)]
 pub(crate) struct HeadConfig {
-    /// The node's resources.
-    pub(crate) total: ResourceSet,
+    /// The node's resources and GPUs.
+    pub(crate) node: NodeResources,
     /// At most this many task workers exist at once.
     pub(crate) max_task_workers: usize,
+    /// Whether workers keep the driver's `CUDA_VISIBLE_DEVICES` instead of their assignment.
+    pub(crate) noset_cuda_visible_devices: bool,
 }
 
 impl HeadConfig {
@@ -45,12 +62,29 @@ impl HeadConfig {
         let cpus = config.num_cpus.unwrap_or_else(|| {
             std::thread::available_parallelism().map(|n| n.get() as f64).unwrap_or(1.0)
         });
-        let mut pairs: Vec<(&str, f64)> = vec![(CPU, cpus), (GPU, config.num_gpus.unwrap_or(0.0))];
-        pairs.extend(config.resources.iter().map(|(k, v)| (k.as_str(), *v)));
-        let total = ResourceSet::from_floats(pairs)
+        let mut pairs: Vec<(&str, f64)> = vec![(CPU, cpus)];
+        for (name, amount) in &config.resources {
+            if name == GPU {
+                return Err(Error::Invalid(
+                    "node resources: expected GPUs in `num_gpus`, found `GPU` in `resources`"
+                        .into(),
+                ));
+            }
+            pairs.push((name.as_str(), *amount));
+        }
+        let resources = ResourceSet::from_floats(pairs)
+            .map_err(|e| Error::Invalid(format!("node resources: {e}")))?;
+        let id = rtrun_placement::NodeId::new(crate::ids::NodeId(0).to_string());
+        let (detected, source) = crate::gpus::detect_gpus();
+        let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
+        let gpus =
+            crate::gpus::node_gpus(id.as_str(), detected, visible.as_deref(), config.num_gpus)?;
+        tracing::debug!(gpus = gpus.len(), ?source, "node GPUs");
+        let node = NodeResources::new(id, resources, gpus)
             .map_err(|e| Error::Invalid(format!("node resources: {e}")))?;
         let max_task_workers = (cpus.ceil() as usize).max(1) + 2;
-        Ok(HeadConfig { total, max_task_workers })
+        let noset = opt_out(std::env::var(NOSET_CUDA_VISIBLE_DEVICES_ENV).ok().as_deref());
+        Ok(HeadConfig { node, max_task_workers, noset_cuda_visible_devices: noset })
     }
 }
 
@@ -115,7 +149,8 @@ struct ActorEntry {
     incarnation: u64,
     restarts_left: i32,
     killed: bool,
-    holds_resources: bool,
+    /// What the actor holds while it is starting or alive (kept across restarts).
+    allocation: Option<Allocation>,
     /// Why the actor must die when its worker exits (a failed constructor).
     death_reason: Option<String>,
     waiters: Vec<(Option<u64>, Responder)>,
@@ -131,12 +166,22 @@ struct QueuedTask {
 struct RunningTask {
     task: QueuedTask,
     worker: WorkerId,
+    allocation: AllocationId,
 }
 
 struct HeadState {
     session: String,
     config: HeadConfig,
-    available: ResourceSet,
+    /// Nodes, placement groups and every allocation.
+    cluster: ClusterState,
+    /// This node's name in `cluster`.
+    node: rtrun_placement::NodeId,
+    /// Groups waiting for resources.
+    pending_groups: BTreeSet<GroupId>,
+    /// Who waits for which group to be created.
+    group_waiters: HashMap<GroupId, Vec<Responder>>,
+    /// How many unnamed groups were created (for their generated names).
+    unnamed_groups: u64,
     next_worker: u64,
     next_actor: u64,
     workers: HashMap<WorkerId, WorkerEntry>,
@@ -159,14 +204,22 @@ pub(crate) struct Head {
 
 impl Head {
     pub(crate) fn start(runtime: &Arc<Runtime>, config: HeadConfig) -> Result<Arc<Head>> {
-        let available = config.total.clone();
+        let node = config.node.id().clone();
+        let mut cluster = ClusterState::new();
+        cluster
+            .add_node(config.node.clone())
+            .map_err(|e| Error::Invalid(format!("node resources: {e}")))?;
         let (spawner, inbox) = Spawner::channel();
         let head = Arc::new(Head {
             runtime: Arc::downgrade(runtime),
             state: Mutex::new(HeadState {
                 session: runtime.session.clone(),
                 config,
-                available,
+                cluster,
+                node,
+                pending_groups: BTreeSet::new(),
+                group_waiters: HashMap::new(),
+                unnamed_groups: 0,
                 next_worker: 1,
                 next_actor: 1,
                 workers: HashMap::new(),
@@ -243,8 +296,7 @@ impl Head {
         {
             let mut state = self.state.lock();
             state.on_worker_exit(worker, status, &mut effects);
-            state.schedule_pending_actors(&mut effects);
-            state.dispatch_tasks(self, &mut effects);
+            state.reschedule(self, &mut effects);
         }
         self.apply(effects);
     }
@@ -254,14 +306,13 @@ impl Head {
         {
             let mut state = self.state.lock();
             if let Some(running) = state.running_tasks.remove(&call_id) {
-                state.available.add(&running.task.demand);
+                state.release(running.allocation);
                 if let Some(entry) = state.workers.get_mut(&running.worker) {
                     entry.role = WorkerRole::Tasks { running: None };
                     state.idle_task_workers.push(running.worker);
                 }
                 effects.push(Effect::Respond(running.task.responder, Response::Outcome(outcome)));
-                state.schedule_pending_actors(&mut effects);
-                state.dispatch_tasks(self, &mut effects);
+                state.reschedule(self, &mut effects);
             }
         }
         self.apply(effects);
@@ -389,6 +440,31 @@ impl HeadState {
                 Response::Done
             }
             Request::ClusterInfo => Response::ClusterInfo(self.cluster_info()),
+            Request::CreatePlacementGroup(options) => match self.create_group(*options) {
+                Ok(state) => Response::PlacementGroup(Box::new(state)),
+                Err(e) => Response::Error(e),
+            },
+            Request::WaitPlacementGroup { group } => {
+                self.wait_group(group, responder, effects);
+                return;
+            }
+            Request::RemovePlacementGroup { group } => {
+                match self.remove_group(head, group, effects) {
+                    Ok(()) => Response::Done,
+                    Err(e) => Response::Error(e),
+                }
+            }
+            Request::GetPlacementGroup { group } => match self.group_state(group) {
+                Some(state) => Response::PlacementGroup(Box::new(state)),
+                None => Response::Error(Error::Invalid(format!(
+                    "no placement group {group}: it was removed or never existed"
+                ))),
+            },
+            Request::GetPlacementGroupByName { name } => match self.group_by_name(&name) {
+                Ok(state) => Response::PlacementGroup(Box::new(state)),
+                Err(e) => Response::Error(e),
+            },
+            Request::ListPlacementGroups => Response::PlacementGroups(self.list_groups()),
             other => {
                 Response::Error(Error::Invalid(format!("not a control-plane request: {other:?}")))
             }
@@ -468,6 +544,13 @@ impl HeadState {
                     max_concurrency: actor_entry.spec.options.max_concurrency,
                     group: actor_entry.spec.options.group.clone(),
                     name: actor_entry.spec.options.name.clone(),
+                    allocation: actor_entry.allocation.clone(),
+                    capture_group: actor_entry
+                        .spec
+                        .options
+                        .placement
+                        .filter(|schedule| schedule.capture_child_tasks)
+                        .map(|schedule| schedule.group),
                 })))
             }
             WorkerRole::Tasks { .. } => {
@@ -533,11 +616,11 @@ impl HeadState {
             options.num_gpus.unwrap_or(0.0),
             &options.resources,
         )?;
-        if let Some(message) =
-            shortfall_message(&format!("actor {}", spec.type_name), &demand, &self.config.total)
-        {
-            return Err(Error::Infeasible(message));
-        }
+        self.check_placeable(
+            &format!("actor {}", spec.type_name),
+            &demand,
+            options.placement.as_ref(),
+        )?;
         let name_key = match &options.name {
             Some(name) => {
                 let key =
@@ -567,7 +650,7 @@ impl HeadState {
                 state: ActorState::Pending,
                 incarnation: 0,
                 killed: false,
-                holds_resources: false,
+                allocation: None,
                 death_reason: None,
                 waiters: Vec::new(),
             },
@@ -585,17 +668,31 @@ impl HeadState {
             if !matches!(entry.state, ActorState::Pending) {
                 continue;
             }
-            if self.available.try_subtract(&entry.demand).is_err() {
-                still_pending.push_back(id);
+            let demand = entry.demand.clone();
+            let placement = entry.spec.options.placement;
+            let allocation = match self.place_demand(&demand, placement.as_ref()) {
+                Ok(allocation) => allocation,
+                Err(e) if groups::is_waiting(&e) => {
+                    still_pending.push_back(id);
+                    continue;
+                }
+                Err(e) => {
+                    self.finish_actor(id, format!("it cannot be placed: {e}"), effects);
+                    continue;
+                }
+            };
+            let Some(entry) = self.actors.get_mut(&id) else {
+                self.release(allocation.id);
                 continue;
-            }
-            let env = entry.spec.options.env.clone();
+            };
+            entry.allocation = Some(allocation);
             let incarnation = entry.incarnation;
+            let env = self.actor_env(id);
             let worker =
                 self.new_worker(WorkerRole::Actor { actor: id, incarnation }, &env, effects);
-            let entry = self.actors.get_mut(&id).expect("present: looked up above");
-            entry.holds_resources = true;
-            entry.state = ActorState::Starting { worker };
+            if let Some(entry) = self.actors.get_mut(&id) {
+                entry.state = ActorState::Starting { worker };
+            }
         }
         self.pending_actors = still_pending;
     }
@@ -633,13 +730,39 @@ impl HeadState {
         Ok(())
     }
 
+    /// Returns an allocation's resources to its node or bundle. The caller reschedules.
+    fn release(&mut self, allocation: AllocationId) {
+        if let Err(e) = self.cluster.release(allocation) {
+            // Only a group removal releases allocations behind our back, and it clears the
+            // owner's record first; anything else is a bookkeeping bug worth seeing.
+            tracing::warn!(%allocation, "could not release an allocation: {e}");
+        }
+    }
+
+    /// The environment of an actor's worker: its `env` option, plus `CUDA_VISIBLE_DEVICES` and
+    /// `CUDA_DEVICE_ORDER` for the GPUs it was given unless opted out.
+    fn actor_env(&self, actor: ActorId) -> BTreeMap<String, String> {
+        let Some(entry) = self.actors.get(&actor) else { return BTreeMap::new() };
+        let mut env = entry.spec.options.env.clone();
+        let opted_out = self.config.noset_cuda_visible_devices
+            || opt_out(env.get(NOSET_CUDA_VISIBLE_DEVICES_ENV).map(String::as_str));
+        if let Some(allocation) = &entry.allocation
+            && !allocation.gpus.is_empty()
+            && !opted_out
+        {
+            env.insert("CUDA_VISIBLE_DEVICES".into(), allocation.cuda_visible_devices());
+            env.insert("CUDA_DEVICE_ORDER".into(), "PCI_BUS_ID".into());
+        }
+        env
+    }
+
     /// Marks an actor dead for good: frees its resources and name, fails its waiters.
     fn finish_actor(&mut self, actor: ActorId, reason: String, effects: &mut Vec<Effect>) {
         let Some(entry) = self.actors.get_mut(&actor) else { return };
-        if entry.holds_resources {
-            entry.holds_resources = false;
-            self.available.add(&entry.demand);
+        if let Some(allocation) = entry.allocation.take() {
+            self.release(allocation.id);
         }
+        let Some(entry) = self.actors.get_mut(&actor) else { return };
         entry.state = ActorState::Dead { reason: reason.clone() };
         for (_, responder) in std::mem::take(&mut entry.waiters) {
             effects.push(Effect::Respond(
@@ -672,8 +795,8 @@ impl HeadState {
                     }
                     actor_entry.incarnation += 1;
                     tracing::info!(%actor, %status, incarnation = actor_entry.incarnation, "restarting actor");
-                    let env = actor_entry.spec.options.env.clone();
                     let incarnation = actor_entry.incarnation;
+                    let env = self.actor_env(actor);
                     let new_worker =
                         self.new_worker(WorkerRole::Actor { actor, incarnation }, &env, effects);
                     if let Some(actor_entry) = self.actors.get_mut(&actor) {
@@ -693,7 +816,7 @@ impl HeadState {
                     && let Some(run) = self.running_tasks.remove(&call_id)
                 {
                     {
-                        self.available.add(&run.task.demand);
+                        self.release(run.allocation);
                         let mut task = run.task;
                         if task.attempts < task.spec.options.max_retries {
                             task.attempts += 1;
@@ -723,11 +846,11 @@ impl HeadState {
         }
         let demand =
             resources_of(spec.options.num_cpus, spec.options.num_gpus, &spec.options.resources)?;
-        if let Some(message) =
-            shortfall_message(&format!("task {}", spec.function), &demand, &self.config.total)
-        {
-            return Err(Error::Infeasible(message));
-        }
+        self.check_placeable(
+            &format!("task {}", spec.function),
+            &demand,
+            spec.options.placement.as_ref(),
+        )?;
         Ok(demand)
     }
 
@@ -739,22 +862,49 @@ impl HeadState {
         let mut waiting_for_worker = 0usize;
         let mut index = 0;
         while index < self.task_queue.len() {
-            if !self.available.contains(&self.task_queue[index].demand) {
-                index += 1;
-                continue;
-            }
-            let Some(worker) = self.idle_task_workers.pop() else {
-                waiting_for_worker += 1;
+            let queued = &self.task_queue[index];
+            let placement = queued.spec.options.placement;
+            let Some(&worker) = self.idle_task_workers.last() else {
+                if self.could_place_now(&queued.demand, placement.as_ref()) {
+                    waiting_for_worker += 1;
+                }
                 index += 1;
                 continue;
             };
             let Some(conn) = self.workers.get(&worker).and_then(|w| w.conn.clone()) else {
+                self.idle_task_workers.pop();
                 continue;
             };
-            let Some(task) = self.task_queue.remove(index) else { break };
-            // `contains` was checked above, so the subtraction cannot fail.
-            let _ = self.available.try_subtract(&task.demand);
-            let Some(runtime) = head.runtime() else { return };
+            let demand = queued.demand.clone();
+            let allocation = match self.place_demand(&demand, placement.as_ref()) {
+                Ok(allocation) => allocation,
+                Err(e) if groups::is_waiting(&e) => {
+                    index += 1;
+                    continue;
+                }
+                Err(e) => {
+                    if let Some(task) = self.task_queue.remove(index) {
+                        let error = Error::Infeasible(format!(
+                            "task {} cannot be placed: {e}",
+                            task.spec.function
+                        ));
+                        effects.push(Effect::Respond(
+                            task.responder,
+                            Response::Outcome(Outcome::Error(error)),
+                        ));
+                    }
+                    continue;
+                }
+            };
+            self.idle_task_workers.pop();
+            let Some(task) = self.task_queue.remove(index) else {
+                self.release(allocation.id);
+                break;
+            };
+            let Some(runtime) = head.runtime() else {
+                self.release(allocation.id);
+                return;
+            };
             let call_id = runtime.next_id();
             runtime.calls.insert(call_id, PendingCall::HeadTask);
             if let Some(entry) = self.workers.get_mut(&worker) {
@@ -765,7 +915,8 @@ impl HeadState {
                 target: CallTarget::Task { function: task.spec.function.clone() },
                 args: task.spec.args.clone(),
             });
-            self.running_tasks.insert(call_id, RunningTask { task, worker });
+            self.running_tasks
+                .insert(call_id, RunningTask { task, worker, allocation: allocation.id });
             effects.push(Effect::Send(conn, frame));
         }
         let task_workers =
@@ -798,7 +949,7 @@ impl HeadState {
         };
         if force {
             if let Some(mut run) = self.running_tasks.remove(&call_id) {
-                self.available.add(&run.task.demand);
+                self.release(run.allocation);
                 run.task.spec.options.max_retries = 0;
                 effects.push(Effect::Respond(
                     run.task.responder,
@@ -820,9 +971,13 @@ impl HeadState {
         let floats = |set: &ResourceSet| {
             set.iter().map(|(k, q): (&str, Quantity)| (k.to_owned(), q.as_f64())).collect()
         };
+        let (total, available) = match self.cluster.node(&self.node) {
+            Some(node) => (floats(node.total()), floats(node.available())),
+            None => Default::default(),
+        };
         ClusterInfo {
-            total: floats(&self.config.total),
-            available: floats(&self.available),
+            total,
+            available,
             workers: self.workers.len(),
             alive_actors: self
                 .actors
@@ -831,5 +986,36 @@ impl HeadState {
                 .count(),
             worker_pids: self.workers.values().filter_map(|w| w.pid).collect(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn node_config_takes_gpus_from_num_gpus_only() {
+        let config = Config { num_cpus: Some(4.0), num_gpus: Some(3.0), ..Default::default() };
+        let head = HeadConfig::from_runtime_config(&config).unwrap();
+        assert_eq!(head.node.total().get(GPU), Quantity::whole(3));
+        assert_eq!(head.node.gpus().slots().len(), 3);
+        let config = Config { num_gpus: Some(2.5), ..Default::default() };
+        let err = HeadConfig::from_runtime_config(&config).unwrap_err();
+        assert!(err.to_string().contains("whole non-negative number of GPUs"), "{err}");
+        let config = Config {
+            resources: [("GPU".to_owned(), 2.0)].into_iter().collect(),
+            ..Default::default()
+        };
+        let err = HeadConfig::from_runtime_config(&config).unwrap_err();
+        assert!(err.to_string().contains("expected GPUs in `num_gpus`"), "{err}");
+    }
+
+    #[test]
+    fn opt_out_values() {
+        assert!(opt_out(Some("1")));
+        assert!(opt_out(Some("true")));
+        assert!(!opt_out(Some("0")));
+        assert!(!opt_out(Some("")));
+        assert!(!opt_out(None));
     }
 }

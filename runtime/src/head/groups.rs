@@ -1,0 +1,339 @@
+//! The control plane's placement: placement groups (create, wait, remove, list) and placing
+//! actor and task demands on the node or inside a bundle. Decisions come from the pure
+//! [`ClusterState`](rtrun_placement::ClusterState); this module keeps the runtime's side of it —
+//! who waits for which group, and which actors and tasks to stop when a group goes.
+
+use std::collections::BTreeSet;
+
+use rtrun_placement::{
+    Allocation, BundleRef, GpuPool, GroupId, GroupStatus, PlacementError, PlacementGroupRequest,
+    PlacementTarget, ResourceSet,
+};
+
+use super::{ActorState, Effect, Head, HeadState, Responder, WorkerRole};
+use crate::error::{Error, Result};
+use crate::placement_group::{
+    BundleSchedule, PlacementGroupOptions, PlacementGroupState, PlacementGroupStatus,
+};
+use crate::protocol::{Outcome, Response};
+
+/// Whether a placement failure means "wait for resources" rather than "never".
+pub(super) fn is_waiting(error: &PlacementError) -> bool {
+    matches!(error, PlacementError::Unavailable { .. } | PlacementError::GroupPending(_))
+}
+
+impl HeadState {
+    pub(super) fn create_group(
+        &mut self,
+        options: PlacementGroupOptions,
+    ) -> Result<PlacementGroupState> {
+        let name = match options.name {
+            Some(name) if name.is_empty() => {
+                return Err(Error::Invalid(
+                    "placement group name: expected a non-empty name, found an empty one".into(),
+                ));
+            }
+            Some(name) => name,
+            None => {
+                self.unnamed_groups += 1;
+                format!("unnamed-{}", self.unnamed_groups)
+            }
+        };
+        let request =
+            PlacementGroupRequest { name, strategy: options.strategy, bundles: options.bundles };
+        let (id, status) = self.cluster.create_group(request).map_err(|e| match e {
+            PlacementError::Infeasible { .. } => Error::Infeasible(e.to_string()),
+            e => Error::Invalid(e.to_string()),
+        })?;
+        if status == GroupStatus::Pending {
+            self.pending_groups.insert(id);
+        }
+        self.group_state(id).ok_or_else(|| Error::Invalid(format!("{id} vanished on creation")))
+    }
+
+    /// Answers `responder` once the group is created (now, if it is).
+    pub(super) fn wait_group(
+        &mut self,
+        group: GroupId,
+        responder: Responder,
+        effects: &mut Vec<Effect>,
+    ) {
+        match self.group_state(group) {
+            None => effects.push(Effect::Respond(
+                responder,
+                Response::Error(Error::Invalid(format!(
+                    "no placement group {group}: it was removed or never existed"
+                ))),
+            )),
+            Some(state) if state.status == PlacementGroupStatus::Created => {
+                effects.push(Effect::Respond(responder, Response::PlacementGroup(Box::new(state))))
+            }
+            Some(_) => self.group_waiters.entry(group).or_default().push(responder),
+        }
+    }
+
+    /// Removes a group: kills the actors and tasks placed in it, fails waiters, frees its
+    /// bundles, and lets pending work use what was freed.
+    pub(super) fn remove_group(
+        &mut self,
+        head: &Head,
+        group: GroupId,
+        effects: &mut Vec<Effect>,
+    ) -> Result<()> {
+        let removed = self.cluster.remove_group(group).map_err(|e| match e {
+            PlacementError::UnknownGroup(_) => Error::Invalid(format!(
+                "no placement group {group}: it was removed or never existed"
+            )),
+            e => Error::Invalid(e.to_string()),
+        })?;
+        self.pending_groups.remove(&group);
+        let reason = format!("its placement group `{}` was removed", removed.name);
+        for responder in self.group_waiters.remove(&group).unwrap_or_default() {
+            effects.push(Effect::Respond(
+                responder,
+                Response::Error(Error::Invalid(format!(
+                    "placement group `{}` was removed before it was created",
+                    removed.name
+                ))),
+            ));
+        }
+        let released: BTreeSet<_> = removed.released.iter().map(|a| a.id).collect();
+        let in_group = |placement: Option<BundleSchedule>| {
+            placement.is_some_and(|schedule| schedule.group == group)
+        };
+        // Actors: those holding a bundle's resources are killed; those still waiting die now.
+        let mut waiting_actors = Vec::new();
+        for (id, entry) in &mut self.actors {
+            let placed_here =
+                entry.allocation.as_ref().is_some_and(|alloc| released.contains(&alloc.id));
+            if placed_here {
+                entry.allocation = None;
+                entry.killed = true;
+                entry.death_reason = Some(reason.clone());
+                let worker = match entry.state {
+                    ActorState::Starting { worker } | ActorState::Alive { worker, .. } => worker,
+                    _ => continue,
+                };
+                if let Some(w) = self.workers.get_mut(&worker) {
+                    match w.pid {
+                        Some(pid) => effects.push(Effect::Kill(pid)),
+                        None => w.kill_requested = true,
+                    }
+                }
+            } else if matches!(entry.state, ActorState::Pending)
+                && in_group(entry.spec.options.placement)
+            {
+                waiting_actors.push(*id);
+            }
+        }
+        for actor in waiting_actors {
+            self.finish_actor(actor, reason.clone(), effects);
+        }
+        // Tasks: running ones lose their worker, queued ones fail.
+        let running: Vec<u64> = self
+            .running_tasks
+            .iter()
+            .filter(|(_, run)| released.contains(&run.allocation))
+            .map(|(call_id, _)| *call_id)
+            .collect();
+        for call_id in running {
+            let Some(run) = self.running_tasks.remove(&call_id) else { continue };
+            if let Some(w) = self.workers.get_mut(&run.worker) {
+                w.role = WorkerRole::Tasks { running: None };
+                if let Some(pid) = w.pid {
+                    effects.push(Effect::Kill(pid));
+                }
+            }
+            let error = Error::WorkerDied {
+                target: run.task.spec.function.clone(),
+                reason: reason.clone(),
+            };
+            effects.push(Effect::Respond(
+                run.task.responder,
+                Response::Outcome(Outcome::Error(error)),
+            ));
+        }
+        let mut index = 0;
+        while index < self.task_queue.len() {
+            if in_group(self.task_queue[index].spec.options.placement)
+                && let Some(task) = self.task_queue.remove(index)
+            {
+                let error = Error::Invalid(format!(
+                    "task {} cannot run: {reason}",
+                    task.spec.function.clone()
+                ));
+                effects.push(Effect::Respond(
+                    task.responder,
+                    Response::Outcome(Outcome::Error(error)),
+                ));
+                continue;
+            }
+            index += 1;
+        }
+        self.reschedule(head, effects);
+        Ok(())
+    }
+
+    /// After anything was released: creates pending groups that now fit (answering their
+    /// waiters), then starts pending actors and queued tasks.
+    pub(super) fn reschedule(&mut self, head: &Head, effects: &mut Vec<Effect>) {
+        if !self.pending_groups.is_empty() {
+            for id in self.cluster.schedule_pending() {
+                self.pending_groups.remove(&id);
+                let waiters = self.group_waiters.remove(&id).unwrap_or_default();
+                if waiters.is_empty() {
+                    continue;
+                }
+                if let Some(state) = self.group_state(id) {
+                    for responder in waiters {
+                        effects.push(Effect::Respond(
+                            responder,
+                            Response::PlacementGroup(Box::new(state.clone())),
+                        ));
+                    }
+                }
+            }
+        }
+        self.schedule_pending_actors(effects);
+        self.dispatch_tasks(head, effects);
+    }
+
+    pub(super) fn group_state(&self, id: GroupId) -> Option<PlacementGroupState> {
+        let (_, request, status) = self.cluster.groups().find(|(group, _, _)| *group == id)?;
+        Some(state_of(id, request, status, self.cluster.bundle_table(id).cloned()))
+    }
+
+    pub(super) fn group_by_name(&self, name: &str) -> Result<PlacementGroupState> {
+        self.cluster
+            .group_by_name(name)
+            .and_then(|id| self.group_state(id))
+            .ok_or_else(|| Error::Invalid(format!("no placement group named `{name}`")))
+    }
+
+    pub(super) fn list_groups(&self) -> Vec<PlacementGroupState> {
+        self.cluster
+            .groups()
+            .map(|(id, request, status)| {
+                state_of(id, request, status, self.cluster.bundle_table(id).cloned())
+            })
+            .collect()
+    }
+
+    /// Checks at submission that `demand` could ever be placed as asked, so an impossible
+    /// request fails at once instead of waiting forever.
+    pub(super) fn check_placeable(
+        &self,
+        what: &str,
+        demand: &ResourceSet,
+        placement: Option<&BundleSchedule>,
+    ) -> Result<()> {
+        GpuPool::check_demand(demand.get(rtrun_placement::GPU))
+            .map_err(|e| Error::Invalid(format!("{what}: {e}")))?;
+        let Some(schedule) = placement else {
+            let total = self.node_total();
+            return match super::shortfall_message(what, demand, &total) {
+                Some(message) => Err(Error::Infeasible(message)),
+                None => Ok(()),
+            };
+        };
+        let (_, request, _) =
+            self.cluster.groups().find(|(id, _, _)| *id == schedule.group).ok_or_else(|| {
+                Error::Invalid(format!(
+                    "{what} asks for placement group {}, which was removed or never existed",
+                    schedule.group
+                ))
+            })?;
+        let name = &request.name;
+        let candidates: Vec<(usize, &ResourceSet)> = match schedule.bundle_index {
+            Some(index) => match request.bundles.get(index) {
+                Some(bundle) => vec![(index, bundle)],
+                None => {
+                    return Err(Error::Invalid(format!(
+                        "{what}: placement group `{name}` has {} bundles, found bundle index \
+                         {index}",
+                        request.bundles.len()
+                    )));
+                }
+            },
+            None => request.bundles.iter().enumerate().collect(),
+        };
+        let mut shortfall = None;
+        for (index, bundle) in candidates {
+            match bundle.first_shortfall(demand) {
+                None => return Ok(()),
+                Some((resource, needed, has)) => {
+                    shortfall.get_or_insert(format!(
+                        "{what} needs {resource}: {needed}, bundle {index} of `{name}` has {has}"
+                    ));
+                }
+            }
+        }
+        Err(Error::Infeasible(shortfall.unwrap_or_else(|| format!("{what} fits no bundle"))))
+    }
+
+    /// Places `demand` on the node, or inside the bundle(s) `placement` names.
+    pub(super) fn place_demand(
+        &mut self,
+        demand: &ResourceSet,
+        placement: Option<&BundleSchedule>,
+    ) -> std::result::Result<Allocation, PlacementError> {
+        let Some(schedule) = placement else {
+            return self.cluster.place(demand, &PlacementTarget::Node(self.node.clone()));
+        };
+        let bundle = |index| PlacementTarget::Bundle(BundleRef { group: schedule.group, index });
+        if let Some(index) = schedule.bundle_index {
+            return self.cluster.place(demand, &bundle(index));
+        }
+        let count = match self.cluster.bundle_table(schedule.group) {
+            Some(table) => table.bundles.len(),
+            None => match self.cluster.group_status(schedule.group) {
+                Some(_) => return self.cluster.place(demand, &bundle(0)),
+                None => return Err(PlacementError::UnknownGroup(schedule.group)),
+            },
+        };
+        let mut last = None;
+        for index in 0..count {
+            match self.cluster.place(demand, &bundle(index)) {
+                Ok(allocation) => return Ok(allocation),
+                Err(e) if is_waiting(&e) => last = Some(e),
+                Err(e) => {
+                    last.get_or_insert(e);
+                }
+            }
+        }
+        Err(last.unwrap_or(PlacementError::UnknownGroup(schedule.group)))
+    }
+
+    /// Whether `demand` would fit on the node now (bundle placements are assumed to fit; they
+    /// are checked when a worker is free).
+    pub(super) fn could_place_now(
+        &self,
+        demand: &ResourceSet,
+        placement: Option<&BundleSchedule>,
+    ) -> bool {
+        placement.is_some() || self.cluster.node(&self.node).is_some_and(|n| n.can_take(demand))
+    }
+
+    pub(super) fn node_total(&self) -> ResourceSet {
+        self.cluster.node(&self.node).map(|node| node.total().clone()).unwrap_or_default()
+    }
+}
+
+fn state_of(
+    id: GroupId,
+    request: &PlacementGroupRequest,
+    status: GroupStatus,
+    table: Option<rtrun_placement::BundleTable>,
+) -> PlacementGroupState {
+    PlacementGroupState {
+        id,
+        name: request.name.clone(),
+        strategy: request.strategy,
+        bundles: request.bundles.clone(),
+        status: match status {
+            GroupStatus::Pending => PlacementGroupStatus::Pending,
+            GroupStatus::Placed => PlacementGroupStatus::Created,
+        },
+        table,
+    }
+}

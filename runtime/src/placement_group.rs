@@ -1,0 +1,320 @@
+//! Placement groups in the public API (Ray's `ray.util.placement_group`): reserve bundles of
+//! resources across the cluster all at once, wait until they are reserved, place actors and tasks
+//! into a bundle, read the bundle table (bundle → node, GPU indices, GPU UUIDs), and remove the
+//! group, which stops everything running in it.
+//!
+//! The decisions themselves (which node, which GPUs, pending or infeasible) are made by the pure
+//! `rtrun-placement` state machine inside the control plane; this module only carries requests
+//! to it and answers back.
+//!
+//! ```ignore
+//! let pg = rtrun::placement_group(
+//!     PlacementGroupOptions::uniform(8, &[("GPU", 1.0), ("CPU", 1.0)])?.name("train"),
+//! )?;
+//! let table = pg.ready().wait(Some(Duration::from_secs(60)))?;
+//! let actor = Policy::remote_with(ActorOptions::default().num_gpus(0.2).bundle(&pg, 3), ())?;
+//! pg.remove()?;
+//! ```
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll, Waker};
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex};
+use serde::{Deserialize, Serialize};
+
+pub use rtrun_placement::{
+    BundlePlacement, BundleRef, BundleTable, GpuInstance, GpuShare, GroupId as PlacementGroupId,
+    Quantity, ResourceSet, Strategy,
+};
+
+use crate::error::{Error, Result};
+use crate::protocol::{Request, Response};
+use crate::runtime;
+
+/// What to reserve: bundles, a strategy and an optional name.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PlacementGroupOptions {
+    /// The bundles, in the order their indices refer to.
+    pub bundles: Vec<ResourceSet>,
+    /// How to spread the bundles over nodes (default `PACK`).
+    pub strategy: Strategy,
+    /// A name, unique among live groups, for [`get_placement_group`]. Without one the group
+    /// is named `pg-<n>`.
+    pub name: Option<String>,
+}
+
+impl PlacementGroupOptions {
+    /// A group of these bundles with strategy `PACK` and no name.
+    pub fn new(bundles: Vec<ResourceSet>) -> PlacementGroupOptions {
+        PlacementGroupOptions { bundles, strategy: Strategy::Pack, name: None }
+    }
+
+    /// `count` identical bundles given as `(resource, amount)` pairs, e.g.
+    /// `uniform(8, &[("GPU", 1.0), ("CPU", 1.0)])`.
+    pub fn uniform(count: usize, bundle: &[(&str, f64)]) -> Result<PlacementGroupOptions> {
+        let bundle = ResourceSet::from_floats(bundle.iter().copied())
+            .map_err(|e| Error::Invalid(format!("placement group bundle: {e}")))?;
+        Ok(PlacementGroupOptions::new(vec![bundle; count]))
+    }
+
+    /// Sets the strategy.
+    pub fn strategy(mut self, strategy: Strategy) -> Self {
+        self.strategy = strategy;
+        self
+    }
+
+    /// Names the group.
+    pub fn name(mut self, name: &str) -> Self {
+        self.name = Some(name.to_owned());
+        self
+    }
+}
+
+/// Whether a group's bundles are reserved.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum PlacementGroupStatus {
+    /// Waiting for resources to free up.
+    Pending,
+    /// Every bundle is reserved.
+    Created,
+}
+
+/// A snapshot of one placement group.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PlacementGroupState {
+    /// The group's id.
+    pub id: PlacementGroupId,
+    /// Its name.
+    pub name: String,
+    /// Its strategy.
+    pub strategy: Strategy,
+    /// Its bundles as requested.
+    pub bundles: Vec<ResourceSet>,
+    /// Pending or created.
+    pub status: PlacementGroupStatus,
+    /// Where each bundle lives, once created.
+    pub table: Option<BundleTable>,
+}
+
+/// A handle to a placement group. Serializable: pass it to actors, which may place their own
+/// children into it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct PlacementGroup {
+    id: PlacementGroupId,
+    name: String,
+    bundle_count: usize,
+}
+
+impl PlacementGroup {
+    /// The group's id.
+    pub fn id(&self) -> PlacementGroupId {
+        self.id
+    }
+
+    /// The group's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// How many bundles it has.
+    pub fn bundle_count(&self) -> usize {
+        self.bundle_count
+    }
+
+    /// Resolves once every bundle is reserved, with the bundle table; fails if the group is
+    /// removed first. Await it, or block on it with [`PlacementGroupReady::wait`].
+    pub fn ready(&self) -> PlacementGroupReady {
+        let ready = PlacementGroupReady { inner: Arc::new(ReadyInner::default()) };
+        let inner = ready.inner.clone();
+        match runtime::current() {
+            Ok(runtime) => runtime.head_request(
+                Request::WaitPlacementGroup { group: self.id },
+                Box::new(move |response| inner.complete(table_of(response))),
+            ),
+            Err(e) => inner.complete(Err(e)),
+        }
+        ready
+    }
+
+    /// Blocks until the group is created (`true`) or `timeout` passes (`false`), like Ray's
+    /// `pg.wait(timeout_seconds)`. Fails if the group is removed.
+    pub fn wait(&self, timeout: Duration) -> Result<bool> {
+        match self.ready().wait(Some(timeout)) {
+            Ok(_) => Ok(true),
+            Err(Error::Timeout(_)) => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The group's current state (status and, once created, its bundle table).
+    pub fn state(&self) -> Result<PlacementGroupState> {
+        state_of(runtime::current()?.head_call(Request::GetPlacementGroup { group: self.id })?)
+    }
+
+    /// The bundle table (bundle → node, GPU indices, GPU UUIDs), or `None` while pending.
+    pub fn bundle_table(&self) -> Result<Option<BundleTable>> {
+        Ok(self.state()?.table)
+    }
+
+    /// Removes the group: kills the actors and tasks placed in it (they are not restarted) and
+    /// frees its bundles, which may let pending groups be created.
+    pub fn remove(&self) -> Result<()> {
+        runtime::current()?.head_call(Request::RemovePlacementGroup { group: self.id }).map(|_| ())
+    }
+
+    /// Placement into bundle `index` of this group, for [`crate::ActorOptions::placement`].
+    pub fn bundle(&self, index: usize) -> BundleSchedule {
+        BundleSchedule { group: self.id, bundle_index: Some(index), capture_child_tasks: false }
+    }
+
+    /// Placement into whichever bundle of this group has room.
+    pub fn any_bundle(&self) -> BundleSchedule {
+        BundleSchedule { group: self.id, bundle_index: None, capture_child_tasks: false }
+    }
+}
+
+/// Where inside a placement group an actor or task goes (Ray's
+/// `PlacementGroupSchedulingStrategy`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct BundleSchedule {
+    /// The group.
+    pub group: PlacementGroupId,
+    /// The bundle; `None` takes the first bundle with room (Ray's index `-1`).
+    pub bundle_index: Option<usize>,
+    /// Whether actors and tasks created by this actor go into the same group by default.
+    pub capture_child_tasks: bool,
+}
+
+impl BundleSchedule {
+    /// Makes the actor's children (actors and tasks it creates without a placement of their
+    /// own) go into the same group.
+    pub fn capture_child_tasks(mut self) -> Self {
+        self.capture_child_tasks = true;
+        self
+    }
+}
+
+/// Creates a placement group and returns its handle at once; the group is created now when the
+/// cluster has room, or later when resources free up (see [`PlacementGroup::ready`]). Fails at
+/// once, reserving nothing, when the cluster could never hold it, naming the missing resource:
+/// ``placement group `train` needs GPU: 16, cluster has 8``.
+pub fn placement_group(options: PlacementGroupOptions) -> Result<PlacementGroup> {
+    let state =
+        state_of(runtime::current()?.head_call(Request::CreatePlacementGroup(Box::new(options)))?)?;
+    Ok(handle_of(&state))
+}
+
+/// Removes a placement group (see [`PlacementGroup::remove`]).
+pub fn remove_placement_group(group: &PlacementGroup) -> Result<()> {
+    group.remove()
+}
+
+/// The live placement group with this name.
+pub fn get_placement_group(name: &str) -> Result<PlacementGroup> {
+    let request = Request::GetPlacementGroupByName { name: name.to_owned() };
+    Ok(handle_of(&state_of(runtime::current()?.head_call(request)?)?))
+}
+
+/// Every live placement group, oldest first (Ray's `placement_group_table()`).
+pub fn list_placement_groups() -> Result<Vec<PlacementGroupState>> {
+    match runtime::current()?.head_call(Request::ListPlacementGroups)? {
+        Response::PlacementGroups(states) => Ok(states),
+        other => Err(Error::Transport(format!("unexpected response {other:?}"))),
+    }
+}
+
+impl PlacementGroupState {
+    /// A handle to this group.
+    pub fn handle(&self) -> PlacementGroup {
+        handle_of(self)
+    }
+}
+
+fn handle_of(state: &PlacementGroupState) -> PlacementGroup {
+    PlacementGroup { id: state.id, name: state.name.clone(), bundle_count: state.bundles.len() }
+}
+
+fn state_of(response: Response) -> Result<PlacementGroupState> {
+    match response {
+        Response::PlacementGroup(state) => Ok(*state),
+        Response::Error(e) => Err(e),
+        other => Err(Error::Transport(format!("unexpected response {other:?}"))),
+    }
+}
+
+fn table_of(response: Response) -> Result<BundleTable> {
+    let state = state_of(response)?;
+    state.table.ok_or_else(|| {
+        Error::Transport(format!("placement group `{}` reported ready without a table", state.name))
+    })
+}
+
+/// The pending result of [`PlacementGroup::ready`]: a future, or a blocking
+/// [`PlacementGroupReady::wait`].
+#[derive(Debug)]
+pub struct PlacementGroupReady {
+    inner: Arc<ReadyInner>,
+}
+
+#[derive(Debug, Default)]
+struct ReadyInner {
+    result: Mutex<Option<Result<BundleTable>>>,
+    done: Condvar,
+    waker: Mutex<Option<Waker>>,
+}
+
+impl ReadyInner {
+    fn complete(&self, result: Result<BundleTable>) {
+        *self.result.lock() = Some(result);
+        self.done.notify_all();
+        if let Some(waker) = self.waker.lock().take() {
+            waker.wake();
+        }
+    }
+}
+
+impl PlacementGroupReady {
+    /// Blocks until the group is created (its bundle table) or removed (an error), or until
+    /// `timeout` passes ([`Error::Timeout`]); `None` waits without limit.
+    pub fn wait(&self, timeout: Option<Duration>) -> Result<BundleTable> {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let mut result = self.inner.result.lock();
+        loop {
+            if let Some(result) = result.as_ref() {
+                return result.clone();
+            }
+            match deadline {
+                None => self.inner.done.wait(&mut result),
+                Some(deadline) => {
+                    if self.inner.done.wait_until(&mut result, deadline).timed_out()
+                        && result.is_none()
+                    {
+                        return Err(Error::Timeout(timeout.unwrap_or_default()));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Whether the answer is in.
+    pub fn is_ready(&self) -> bool {
+        self.inner.result.lock().is_some()
+    }
+}
+
+impl Future for PlacementGroupReady {
+    type Output = Result<BundleTable>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        // The waker is stored before the result is checked, so a completion racing with this
+        // poll either is seen here or wakes the stored waker.
+        *self.inner.waker.lock() = Some(cx.waker().clone());
+        match self.inner.result.lock().as_ref() {
+            Some(result) => Poll::Ready(result.clone()),
+            None => Poll::Pending,
+        }
+    }
+}
