@@ -1,14 +1,15 @@
 //! The one place where a YAML placement spec (placement/SPEC.md) becomes actor options for the
 //! role groups, and where the colocation mode is decided.
 //!
-//! Until the runtime creates placement groups, each rank gets the spec's per-actor resources as
-//! plain options (fractional `num_gpus` on the embedded node's declared, possibly fake, GPUs;
-//! `num_cpus`), so the resource accounting of every colocation mode is exercised. When placement
-//! groups land, only [`RolePlacements::options`] changes: it will add the group and bundle.
+//! With a spec, [`RolePlacements::deploy`] creates the spec's placement groups on the runtime
+//! (`rtrun::colocation::deploy_spec`, all-or-nothing, waiting until reserved) and each rank of a
+//! role gets its bundle and its share of it (fractional GPUs on the node's declared — possibly
+//! fake — GPUs). Without a spec, roles get `cluster.*_replicas` ranks placed anywhere.
 
 use std::path::Path;
 
 use rtrun::ActorOptions;
+use rtrun::colocation::{DeployOptions, SpecDeployment};
 use rtrun_placement::spec::{PlacementSpec, parse_spec};
 
 use crate::config::TrainConfig;
@@ -46,7 +47,7 @@ pub struct RolePlacement {
 }
 
 /// Placements of every role and the colocation mode.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone)]
 pub struct RolePlacements {
     /// Policy ranks.
     pub actor: RolePlacement,
@@ -60,6 +61,10 @@ pub struct RolePlacements {
     pub engine: RolePlacement,
     /// The colocation mode.
     pub mode: ColocationMode,
+    /// The spec, when there is one.
+    pub spec: Option<PlacementSpec>,
+    /// The spec's placement groups once deployed.
+    pub deployment: Option<SpecDeployment>,
 }
 
 impl RolePlacements {
@@ -86,6 +91,8 @@ impl RolePlacements {
                     } else {
                         ColocationMode::Separate
                     },
+                    spec: None,
+                    deployment: None,
                 })
             }
         }
@@ -124,28 +131,58 @@ impl RolePlacements {
                 (false, false) => ColocationMode::Separate,
             }
         };
-        Ok(Self { actor, reference, critic, reward, engine, mode })
+        Ok(Self {
+            actor,
+            reference,
+            critic,
+            reward,
+            engine,
+            mode,
+            spec: Some(spec.clone()),
+            deployment: None,
+        })
     }
 
-    /// Options of rank `rank` of a role.
-    pub fn options(&self, placement: &RolePlacement, role: &str, rank: usize) -> ActorOptions {
-        let mut options = ActorOptions::default();
-        if placement.num_gpus > 0.0 {
-            options = options.num_gpus(placement.num_gpus);
+    /// Creates the spec's placement groups and waits until they are reserved (nothing to do
+    /// without a spec). Needs the runtime.
+    pub fn deploy(&mut self) -> Result<()> {
+        if let (Some(spec), None) = (&self.spec, &self.deployment) {
+            let deployment = rtrun::colocation::deploy_spec(spec, &DeployOptions::default())
+                .map_err(|e| TrainError::Placement(format!("deploying the spec: {e}")))?;
+            self.deployment = Some(deployment);
         }
-        if placement.num_cpus > 0.0 {
-            options = options.num_cpus(placement.num_cpus);
-        }
-        options.env("RTRUN_RLHF_ROLE", &format!("{role}:{rank}"))
+        Ok(())
     }
 
-    /// CPUs all role actors hold together (the embedded node must offer at least this plus
-    /// what reward tasks need).
-    pub fn total_cpus(&self) -> f64 {
-        [&self.actor, &self.reference, &self.critic, &self.reward, &self.engine]
-            .iter()
-            .map(|p| p.num_cpus * p.replicas as f64)
-            .sum()
+    /// `options` (which carry the group membership) with rank `rank`'s bundle and share of role
+    /// `role` (a spec role name), or unchanged placement without a deployed spec.
+    pub fn options(&self, role: &str, rank: usize, options: ActorOptions) -> Result<ActorOptions> {
+        let options = options.env("RTRUN_RLHF_ROLE", &format!("{role}:{rank}"));
+        match &self.deployment {
+            Some(deployment) => deployment
+                .role(role)
+                .and_then(|r| r.options_for(rank, options))
+                .map_err(|e| TrainError::Placement(e.to_string())),
+            None => Ok(options),
+        }
+    }
+
+    /// Removes the spec's placement groups (stopping the actors in them).
+    pub fn remove(&self) -> Result<()> {
+        match &self.deployment {
+            Some(d) => d.remove().map_err(|e| TrainError::Placement(e.to_string())),
+            None => Ok(()),
+        }
+    }
+
+    /// CPUs and GPUs the spec's bundles reserve together (the embedded node must offer at least
+    /// this, plus a CPU per reward task).
+    pub fn reserved(&self) -> (f64, f64) {
+        let Some(spec) = &self.spec else { return (0.0, 0.0) };
+        let bundles = spec.groups.iter().flat_map(|g| g.bundles.iter());
+        bundles.fold((0.0, 0.0), |(cpu, gpu), b| {
+            (cpu + b.get("CPU").as_f64(), gpu + b.get("GPU").as_f64())
+        })
     }
 
     /// Whether engines and training share devices (the hybrid engine).
@@ -185,9 +222,10 @@ mod tests {
         let p = RolePlacements::from_spec(&spec, &path).unwrap();
         assert_eq!(p.actor.replicas, 8);
         assert!((p.actor.num_gpus - 0.2).abs() < 1e-9);
-        let options = p.options(&p.actor, "actor", 3);
-        assert_eq!(options.num_gpus, Some(p.actor.num_gpus));
+        // Not deployed yet: the options only gain the role tag.
+        let options = p.options("actor", 3, ActorOptions::default()).unwrap();
         assert_eq!(options.env.get("RTRUN_RLHF_ROLE").map(String::as_str), Some("actor:3"));
+        assert_eq!(p.reserved(), (40.0, 8.0));
     }
 
     #[test]

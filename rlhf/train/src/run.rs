@@ -53,8 +53,20 @@ pub fn prepare(config: &TrainConfig, paths: &RunPaths) -> Result<InitialPolicy> 
 /// role actors plus the reward tasks).
 pub fn start_runtime(config: &TrainConfig, placements: &RolePlacements) -> Result<()> {
     let machine = std::thread::available_parallelism().map(|n| n.get() as f64).unwrap_or(2.0);
-    let needed = placements.total_cpus() + config.reward.parallel_tasks as f64;
+    let (bundle_cpus, bundle_gpus) = placements.reserved();
+    // CPUs are accounting here (actors hold none by default); tasks need one each besides what
+    // the bundles reserve.
+    let needed = bundle_cpus + config.reward.parallel_tasks as f64;
     let num_cpus = config.cluster.num_cpus.unwrap_or(machine).max(needed);
+    if bundle_gpus > config.cluster.num_gpus {
+        return Err(TrainError::config(
+            "cluster.num_gpus",
+            format!(
+                "expected at least the {bundle_gpus} GPUs the placement spec reserves, found {}",
+                config.cluster.num_gpus
+            ),
+        ));
+    }
     rtrun::init_with(rtrun::Config {
         num_cpus: Some(num_cpus),
         num_gpus: Some(config.cluster.num_gpus),
@@ -71,8 +83,9 @@ pub fn run(
 ) -> Result<(Trainer, FitReport)> {
     let paths = RunPaths::new(&config.run_dir);
     prepare(config, &paths)?;
-    let placements = RolePlacements::from_config(config)?;
+    let mut placements = RolePlacements::from_config(config)?;
     start_runtime(config, &placements)?;
+    placements.deploy()?;
     let train = read_jsonl(&paths.train_data)?;
     let eval = read_jsonl(&paths.eval_data)?;
     let steps_hint = {

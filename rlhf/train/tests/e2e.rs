@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use rtrun_rlhf::TrainConfig;
+use rtrun_rlhf::placement_map::ColocationMode;
 use rtrun_rlhf::trainer::NoProgress;
 use rtrun_rlhf_model::ScalarHeadModel;
 
@@ -73,7 +74,7 @@ fn assert_trained(run_dir: &Path, steps: u64) {
     }
 }
 
-fn run_mode(spec: &str) {
+fn run_mode(spec: &str, mode: ColocationMode) {
     let dir = scratch(spec);
     let rm_dir = dir.join("rm");
     let spec_path = repo_root().join(format!("deploy/examples/rlhf/placement/{spec}.yaml"));
@@ -89,6 +90,11 @@ fn run_mode(spec: &str) {
     let (trainer, report) = rtrun_rlhf::run::run(&config, &mut NoProgress).unwrap();
     assert_eq!(report.steps, 2);
     assert!(trainer.roles.critic.is_some() && trainer.roles.reward_model.is_some());
+    let placements = &trainer.roles.placements;
+    assert_eq!(placements.mode, mode);
+    let deployment =
+        placements.deployment.as_ref().expect("the spec's placement groups were created");
+    assert_eq!(deployment.groups().count(), placements.spec.as_ref().unwrap().groups.len());
     assert_trained(&dir.join("run"), 2);
     let records = metrics(&dir.join("run"));
     assert!(records.last().unwrap().get("value_loss").is_some_and(|v| v > 0.0));
@@ -98,22 +104,22 @@ fn run_mode(spec: &str) {
 
 #[test]
 fn ppo_separate_placement_with_two_dp_policy_ranks() {
-    run_mode("separate");
+    run_mode("separate", ColocationMode::Separate);
 }
 
 #[test]
 fn ppo_actor_and_reference_colocated() {
-    run_mode("actor-ref");
+    run_mode("actor-ref", ColocationMode::ActorRef);
 }
 
 #[test]
 fn ppo_critic_and_reward_model_colocated() {
-    run_mode("critic-reward");
+    run_mode("critic-reward", ColocationMode::CriticReward);
 }
 
 #[test]
 fn ppo_all_colocated_hybrid_engine() {
-    run_mode("hybrid");
+    run_mode("hybrid", ColocationMode::All);
 }
 
 #[test]

@@ -84,8 +84,7 @@ impl Roles {
         let p = &placements;
         let actor =
             ActorGroup::create("actor", p.actor.replicas, Default::default(), |rank, options| {
-                let options = merge(options, p.options(&p.actor, "actor", rank));
-                LmWorker::remote_with(options, actor_config.clone())
+                LmWorker::remote_with(placed(p, "actor", rank, options)?, actor_config.clone())
             })?;
         let reference = if needs_reference(&config.algo) {
             let ref_config = LmWorkerConfig {
@@ -98,8 +97,7 @@ impl Roles {
                 p.reference.replicas,
                 Default::default(),
                 |rank, options| {
-                    let options = merge(options, p.options(&p.reference, "ref", rank));
-                    LmWorker::remote_with(options, ref_config.clone())
+                    LmWorker::remote_with(placed(p, "ref", rank, options)?, ref_config.clone())
                 },
             )?)
         } else {
@@ -119,8 +117,10 @@ impl Roles {
                 p.critic.replicas,
                 Default::default(),
                 |rank, options| {
-                    let options = merge(options, p.options(&p.critic, "critic", rank));
-                    CriticWorker::remote_with(options, critic_config.clone())
+                    CriticWorker::remote_with(
+                        placed(p, "critic", rank, options)?,
+                        critic_config.clone(),
+                    )
                 },
             )?)
         } else {
@@ -138,8 +138,10 @@ impl Roles {
                     p.reward.replicas,
                     Default::default(),
                     |rank, options| {
-                        let options = merge(options, p.options(&p.reward, "reward", rank));
-                        RewardModelWorker::remote_with(options, rm_config.clone())
+                        RewardModelWorker::remote_with(
+                            placed(p, "reward", rank, options)?,
+                            rm_config.clone(),
+                        )
                     },
                 )?)
             }
@@ -157,10 +159,10 @@ impl Roles {
         };
         let engines = (0..p.engine.replicas)
             .map(|rank| {
-                let options = p.options(&p.engine, "vllm_engine", rank);
-                EngineActor::remote_with(options, engine_config.clone())
+                let options = p.options("vllm_engine", rank, rtrun::ActorOptions::default())?;
+                Ok(EngineActor::remote_with(options, engine_config.clone())?)
             })
-            .collect::<rtrun::Result<Vec<_>>>()?;
+            .collect::<Result<Vec<_>>>()?;
         Ok(Roles { actor, reference, critic, reward_model, engines, placements })
     }
 
@@ -179,12 +181,18 @@ impl Roles {
         for e in &self.engines {
             let _ = e.kill();
         }
+        let _ = self.placements.remove();
     }
 }
 
-/// The group's options (membership) with a rank's placement options on top.
-fn merge(group: rtrun::ActorOptions, rank: rtrun::ActorOptions) -> rtrun::ActorOptions {
-    rtrun::ActorOptions { group: group.group, ..rank }
+/// A rank's options: its group membership plus its bundle and share from the placement.
+fn placed(
+    p: &RolePlacements,
+    role: &str,
+    rank: usize,
+    options: rtrun::ActorOptions,
+) -> rtrun::Result<rtrun::ActorOptions> {
+    p.options(role, rank, options).map_err(|e| rtrun::Error::Invalid(e.to_string()))
 }
 
 /// Splits `batch` across the group's ranks and calls each with its share.
