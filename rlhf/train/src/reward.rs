@@ -197,4 +197,46 @@ mod tests {
         assert!(find_reward_function("nope").is_none());
         assert_eq!(reward_function_names(), vec!["char_match", "exact_match"]);
     }
+
+    /// Serves each canned raw HTTP response to one connection, in order.
+    fn canned_server(responses: Vec<&'static str>) -> String {
+        use std::io::{Read, Write};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("http://{}/score", listener.local_addr().unwrap());
+        std::thread::spawn(move || {
+            for (response, stream) in responses.into_iter().zip(listener.incoming()) {
+                let mut stream = stream.unwrap();
+                let mut buf = [0u8; 4096];
+                let _ = stream.read(&mut buf);
+                let _ = stream.write_all(response.as_bytes());
+            }
+        });
+        url
+    }
+
+    fn query() -> Vec<RewardQuery> {
+        vec![RewardQuery { prompt: "12>".into(), response: "21".into(), label: "21".into() }]
+    }
+
+    #[test]
+    fn remote_reward_parses_good_answers_and_rejects_bad_ones() {
+        let ok = "HTTP/1.1 200 OK\r\nContent-Length: 17\r\n\r\n{\"rewards\": [0.5]}";
+        let server_error = "HTTP/1.1 500 Oops\r\nContent-Length: 0\r\n\r\n";
+        let not_json = "HTTP/1.1 200 OK\r\n\r\nhello";
+        let wrong_count = "HTTP/1.1 200 OK\r\n\r\n{\"rewards\": [0.5, 1]}";
+        let no_rewards = "HTTP/1.1 200 OK\r\n\r\n{\"scores\": [0.5]}";
+        let garbage = "nonsense";
+        let url = canned_server(vec![ok, server_error, not_json, wrong_count, no_rewards, garbage]);
+        assert_eq!(score_remote(url.clone(), query()).unwrap(), vec![0.5]);
+        let errors: Vec<String> =
+            (0..5).map(|_| score_remote(url.clone(), query()).unwrap_err()).collect();
+        assert!(errors[0].contains("found 500"), "{}", errors[0]);
+        assert!(errors[1].contains("expected a JSON body"), "{}", errors[1]);
+        assert!(errors[2].contains("expected 1 rewards, found 2"), "{}", errors[2]);
+        assert!(errors[3].contains("expected a `rewards` array"), "{}", errors[3]);
+        assert!(errors[4].contains("expected an HTTP response"), "{}", errors[4]);
+        assert!(score_remote("https://x".into(), query()).unwrap_err().contains("http://"));
+        let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+        assert!(score_remote(format!("http://{closed}/"), query()).is_err());
+    }
 }
