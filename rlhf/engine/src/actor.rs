@@ -135,9 +135,6 @@ impl EngineActor {
                 Err(error) => {
                     // Undo: run nothing of this call. The requests are only queued, so aborting
                     // them is immediate; their aborted outputs are dropped.
-                    for id in &engine_ids {
-                        state.routed.remove(id);
-                    }
                     state.engine.abort_requests(&engine_ids);
                     return Err(error.to_string());
                 }
@@ -149,7 +146,8 @@ impl EngineActor {
     }
 
     /// Runs every queued request (of every rank) to completion and returns `actor_rank`'s
-    /// outputs in its submission order.
+    /// outputs in its submission order. If a step fails, the error is returned and the
+    /// unfinished requests are aborted; their outputs (reason `aborted`) come with the next call.
     pub fn get_responses(&mut self, actor_rank: u32) -> Result<Vec<GenerationOutput>, String> {
         let state = self.state();
         let run = state.engine.run_until_idle();

@@ -142,6 +142,34 @@ impl WeightBucket {
         Ok(Self { tensors })
     }
 
+    /// Every parameter of `model` split into buckets of at most `max_bucket_bytes` of data each
+    /// (a tensor larger than that travels alone), in `named_parameters` order, optionally cast
+    /// to `dtype` first (e.g. bf16 to halve the traffic; the engine converts on arrival).
+    pub fn split_model(
+        model: &rtrun_rlhf_model::CausalLm,
+        max_bucket_bytes: usize,
+        dtype: Option<Kind>,
+    ) -> Result<Vec<Self>, EngineError> {
+        let mut buckets = Vec::new();
+        let mut current = WeightBucket::default();
+        for (name, tensor) in model.named_parameters() {
+            let named = match dtype {
+                Some(kind) => NamedTensor::from_tensor(name, &tensor.f_to_kind(kind)?)?,
+                None => NamedTensor::from_tensor(name, tensor)?,
+            };
+            if !current.tensors.is_empty()
+                && current.num_bytes() + named.data.len() > max_bucket_bytes
+            {
+                buckets.push(std::mem::take(&mut current));
+            }
+            current.tensors.push(named);
+        }
+        if !current.tensors.is_empty() {
+            buckets.push(current);
+        }
+        Ok(buckets)
+    }
+
     /// Total bytes of data carried.
     pub fn num_bytes(&self) -> usize {
         self.tensors.iter().map(|t| t.data.len()).sum()
@@ -163,6 +191,23 @@ mod tests {
             assert_eq!(back.kind(), kind);
             assert!(back.equal(&original));
         }
+    }
+
+    #[test]
+    fn a_model_splits_into_bounded_buckets_in_parameter_order() {
+        let config = rtrun_rlhf_model::tiny::tiny_config(rtrun_rlhf_model::ModelFamily::Llama);
+        let model = rtrun_rlhf_model::tiny::tiny_model(&config, 1).unwrap();
+        let whole = WeightBucket::from_model(&model).unwrap();
+        let buckets = WeightBucket::split_model(&model, 40_000, None).unwrap();
+        assert!(buckets.len() > 2);
+        let largest = whole.tensors.iter().map(|t| t.data.len()).max().unwrap();
+        assert!(buckets.iter().all(|b| b.num_bytes() <= 40_000.max(largest)));
+        let rejoined: Vec<NamedTensor> = buckets.into_iter().flat_map(|b| b.tensors).collect();
+        assert_eq!(rejoined, whole.tensors);
+        let half = WeightBucket::split_model(&model, usize::MAX, Some(Kind::BFloat16)).unwrap();
+        assert_eq!(half.len(), 1);
+        assert_eq!(half[0].num_bytes() * 2, whole.num_bytes());
+        assert!(half[0].tensors.iter().all(|t| t.dtype == "bf16"));
     }
 
     #[test]

@@ -31,6 +31,10 @@ pub struct EngineConfig {
     pub dtype: String,
     /// Fraction of blocks admission leaves free for running sequences to grow. Default 0.01.
     pub watermark: f64,
+    /// Prefill chunks share one padded attention problem while `chunks * longest chunk *
+    /// longest context` stays within this many elements (attention scores of that size are
+    /// materialised per head). Default 2^20.
+    pub max_prefill_group_area: usize,
 }
 
 impl Default for EngineConfig {
@@ -46,6 +50,7 @@ impl Default for EngineConfig {
             device: "cpu".to_owned(),
             dtype: "f32".to_owned(),
             watermark: 0.01,
+            max_prefill_group_area: 1 << 20,
         }
     }
 }

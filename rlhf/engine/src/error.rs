@@ -3,7 +3,6 @@
 use rtrun_rlhf_model::ModelError;
 use thiserror::Error;
 
-use crate::RequestId;
 use crate::routing::RoutingError;
 use crate::sampling::SamplingError;
 use crate::scheduler::SchedulerError;
@@ -73,7 +72,4 @@ pub enum EngineError {
         /// Slots the table covers.
         covered: usize,
     },
-    /// An output was asked for a request the engine does not know.
-    #[error("expected a request of this engine, found unknown {0}")]
-    UnknownRequest(RequestId),
 }

@@ -352,7 +352,7 @@ impl LlmEngine {
                     sample: chunk.sample,
                 });
             }
-            StepBatch::build(block_size, &views)?
+            StepBatch::build(block_size, self.config.max_prefill_group_area, &views)?
         };
         let logits = self.runner.execute(&batch)?;
         let vocab = logits.len().checked_div(batch.sampled.len()).unwrap_or(0);

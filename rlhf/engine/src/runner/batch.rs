@@ -6,8 +6,8 @@
 //!
 //! Layout: all chunks of a step are packed into one row of `T` tokens (the projections and the
 //! MLP run on it once). Attention runs in *groups*: decodes (one query each) form one group and
-//! prefill chunks another, so a step that mixes a long prefill with many decodes does not pad
-//! every decode to the prefill's length. Within a group, sequence `b` has `Q` query slots and
+//! prefill chunks the following ones (bounded in padded area), so a step that mixes a long
+//! prefill with many decodes does not pad every decode to the prefill's length. Within a group, sequence `b` has `Q` query slots and
 //! `L` key slots (the group's longest chunk and longest context); missing ones are padding.
 
 use crate::SequenceId;
@@ -71,8 +71,15 @@ pub struct StepBatch {
 }
 
 impl StepBatch {
-    /// Lays out the chunks of one step for a cache of `block_size`-slot blocks.
-    pub fn build(block_size: usize, chunks: &[ChunkView<'_>]) -> Result<Self, EngineError> {
+    /// Lays out the chunks of one step for a cache of `block_size`-slot blocks. Prefill chunks
+    /// are grouped in order while a group's padded area `batch * q_len * kv_len` stays within
+    /// `max_group_area` (a single larger chunk gets a group of its own): attention materialises
+    /// scores of that area per head, and padding many short prompts to one long one wastes it.
+    pub fn build(
+        block_size: usize,
+        max_group_area: usize,
+        chunks: &[ChunkView<'_>],
+    ) -> Result<Self, EngineError> {
         let mut batch = StepBatch::default();
         let mut offsets = Vec::with_capacity(chunks.len());
         for chunk in chunks {
@@ -98,10 +105,24 @@ impl StepBatch {
         }
         let (decodes, prefills): (Vec<usize>, Vec<usize>) =
             (0..chunks.len()).partition(|&i| chunks[i].num_tokens == 1);
-        for members in [decodes, prefills] {
-            if !members.is_empty() {
+        if !decodes.is_empty() {
+            batch.groups.push(group(block_size, chunks, &offsets, &decodes));
+        }
+        let mut members: Vec<usize> = Vec::new();
+        let (mut q_len, mut kv_len) = (0, 0);
+        for i in prefills {
+            let (q, kv) = (chunks[i].num_tokens, chunks[i].start + chunks[i].num_tokens);
+            let area = (members.len() + 1) * q_len.max(q) * kv_len.max(kv);
+            if !members.is_empty() && area > max_group_area {
                 batch.groups.push(group(block_size, chunks, &offsets, &members));
+                members.clear();
+                (q_len, kv_len) = (0, 0);
             }
+            members.push(i);
+            (q_len, kv_len) = (q_len.max(q), kv_len.max(kv));
+        }
+        if !members.is_empty() {
+            batch.groups.push(group(block_size, chunks, &offsets, &members));
         }
         Ok(batch)
     }
@@ -165,6 +186,7 @@ fn group(
 mod tests {
     use super::*;
     use crate::RequestId;
+    use proptest::prelude::*;
 
     fn seq(i: u64) -> SequenceId {
         SequenceId { request: RequestId(i), sample_index: 0 }
@@ -196,7 +218,7 @@ mod tests {
                 sample: true,
             },
         ];
-        let batch = StepBatch::build(4, &chunks).unwrap();
+        let batch = StepBatch::build(4, usize::MAX, &chunks).unwrap();
         assert_eq!(batch.input_ids, vec![14, 21, 22]);
         assert_eq!(batch.positions, vec![4, 1, 2]);
         assert_eq!(batch.slots, vec![4, 1, 2]);
@@ -211,6 +233,93 @@ mod tests {
         assert_eq!(prefill.q_index, vec![1, 2]);
         assert_eq!(prefill.mask, vec![true, true, false, true, true, true]);
         assert_eq!(prefill.valid_rows, vec![1, 2]);
+    }
+
+    /// A random step: per chunk (start, num_tokens, extra context beyond the chunk, sample).
+    fn arbitrary_chunks() -> impl Strategy<Value = Vec<(usize, usize, usize, bool)>> {
+        prop::collection::vec((0usize..20, 1usize..6, 0usize..4, any::<bool>()), 1..8)
+    }
+
+    proptest! {
+        /// Every packed row is a query of exactly one group; each real query sees exactly the
+        /// positions up to its own, through the right slots; sampled rows are chunk ends.
+        #[test]
+        fn groups_cover_every_row_once_with_causal_masks(
+            spec in arbitrary_chunks(),
+            max_group_area in prop_oneof![Just(usize::MAX), 1usize..200],
+        ) {
+            let block_size = 4;
+            let tokens: Vec<Vec<u32>> = spec
+                .iter()
+                .map(|&(start, n, extra, _)| (0..(start + n + extra) as u32).collect())
+                .collect();
+            // Block tables: block b of chunk i is `7 * i + b`, distinct everywhere.
+            let tables: Vec<Vec<BlockId>> = tokens
+                .iter()
+                .enumerate()
+                .map(|(i, t)| (0..t.len().div_ceil(block_size)).map(|b| BlockId((7 * i + b) as u32 * 3)).collect())
+                .collect();
+            let chunks: Vec<ChunkView<'_>> = spec
+                .iter()
+                .enumerate()
+                .map(|(i, &(start, num_tokens, _, sample))| ChunkView {
+                    sequence: seq(i as u64),
+                    tokens: &tokens[i],
+                    start,
+                    num_tokens,
+                    block_table: &tables[i],
+                    sample,
+                })
+                .collect();
+            let batch = StepBatch::build(block_size, max_group_area, &chunks).unwrap();
+            let total = batch.num_tokens();
+            prop_assert_eq!(total, spec.iter().map(|s| s.1).sum::<usize>());
+            let mut seen = vec![0; total];
+            // Packed row where each chunk starts.
+            let starts: Vec<usize> = spec
+                .iter()
+                .scan(0usize, |next, &(_, n, _, _)| { let s = *next; *next += n; Some(s) })
+                .collect();
+            for g in &batch.groups {
+                prop_assert_eq!(g.q_index.len(), g.batch * g.q_len);
+                prop_assert_eq!(g.kv_slots.len(), g.batch * g.kv_len);
+                prop_assert_eq!(g.mask.len(), g.batch * g.q_len * g.kv_len);
+                for (&slot, &row) in g.valid_slots.iter().zip(&g.valid_rows) {
+                    let row = row as usize;
+                    seen[row] += 1;
+                    prop_assert_eq!(g.q_index[slot as usize], row as i64);
+                    let b = slot as usize / g.q_len;
+                    let mask = &g.mask[slot as usize * g.kv_len..(slot as usize + 1) * g.kv_len];
+                    let position = batch.positions[row] as usize;
+                    for (k, &allowed) in mask.iter().enumerate() {
+                        prop_assert_eq!(allowed, k <= position);
+                        if allowed {
+                            // The key slot holds position k of the query's own sequence.
+                            let owner = starts.iter().rposition(|&s| s <= row).unwrap();
+                            let block = tables[owner][k / block_size].0 as usize;
+                            let expected = (block * block_size + k % block_size) as i64;
+                            prop_assert_eq!(g.kv_slots[b * g.kv_len + k], expected);
+                        }
+                    }
+                }
+                for q in 0..g.batch * g.q_len {
+                    let row = &g.mask[q * g.kv_len..(q + 1) * g.kv_len];
+                    prop_assert!(row.iter().any(|&m| m), "no softmax row may be empty");
+                }
+            }
+            prop_assert!(seen.iter().all(|&c| c == 1), "{:?}", seen);
+            for g in batch.groups.iter().filter(|g| g.batch > 1 && g.q_len > 1) {
+                prop_assert!(g.batch * g.q_len * g.kv_len <= max_group_area);
+            }
+            let expected_samples: Vec<i64> = spec
+                .iter()
+                .scan(0usize, |end, &(_, n, _, _)| { *end += n; Some(*end) })
+                .zip(&spec)
+                .filter(|(_, s)| s.3)
+                .map(|(end, _)| end as i64 - 1)
+                .collect();
+            prop_assert_eq!(&batch.sample_rows, &expected_samples);
+        }
     }
 
     #[test]
@@ -235,14 +344,14 @@ mod tests {
                 sample: true,
             },
         ];
-        let batch = StepBatch::build(4, &chunks).unwrap();
+        let batch = StepBatch::build(4, usize::MAX, &chunks).unwrap();
         let g = &batch.groups[0];
         assert_eq!(g.q_index, vec![0, 1, 2, 3, 4, 0]);
         assert_eq!(&g.mask[15..18], &[true, false, false]);
         assert_eq!(g.valid_slots, vec![0, 1, 2, 3, 4]);
         let too_long = [ChunkView { num_tokens: 4, start: 1, ..chunks[0] }];
         assert!(matches!(
-            StepBatch::build(4, &too_long),
+            StepBatch::build(4, usize::MAX, &too_long),
             Err(EngineError::BlockTableTooShort { needed: 5, .. })
         ));
     }

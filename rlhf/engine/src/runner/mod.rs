@@ -215,32 +215,25 @@ fn paged_attention(
     let width = attn.num_heads * attn.head_dim;
     // [T, heads, head_dim]
     let q_rows = q.f_squeeze_dim(0)?.f_transpose(0, 1)?;
-    let mut attended: Option<Tensor> = None;
-    for g in groups {
+    let attend_group = |g: &GroupTensors| -> Result<Tensor, EngineError> {
         let qg = q_rows
             .f_index_select(0, &g.q_index)?
             .f_view([g.batch, g.q_len, attn.num_heads, attn.head_dim])?
             .f_permute([0, 2, 1, 3])?;
         let (k, v) = cache.gather(&g.kv_slots, g.batch, g.kv_len)?;
-        let out = attn.attend(&qg, &k, &v, Some(&g.mask))?.f_reshape([g.batch * g.q_len, width])?;
-        if g.identity {
-            return Ok(out.f_unsqueeze(0)?);
-        }
-        let target = match &attended {
-            Some(t) => t.shallow_clone(),
-            None => {
-                let t = Tensor::f_zeros([total, width], (out.f_kind()?, out.device()))?;
-                attended = Some(t.shallow_clone());
-                t
-            }
-        };
-        let mut target = target;
-        let _ = target.f_index_copy_(0, &g.valid_rows, &out.f_index_select(0, &g.valid_slots)?)?;
+        Ok(attn.attend(&qg, &k, &v, Some(&g.mask))?.f_reshape([g.batch * g.q_len, width])?)
+    };
+    if let [only] = groups
+        && only.identity
+    {
+        // A pure decode step: the group's rows already are the packed rows, in order.
+        return Ok(attend_group(only)?.f_unsqueeze(0)?);
     }
-    match attended {
-        Some(t) => Ok(t.f_unsqueeze(0)?),
-        None => {
-            Err(EngineError::InvalidArgument("a step with tokens had no attention group".into()))
-        }
+    let mut attended = Tensor::f_zeros([total, width], (q.f_kind()?, q.device()))?;
+    for g in groups {
+        let out = attend_group(g)?;
+        let _ =
+            attended.f_index_copy_(0, &g.valid_rows, &out.f_index_select(0, &g.valid_slots)?)?;
     }
+    Ok(attended.f_unsqueeze(0)?)
 }
