@@ -250,6 +250,37 @@ fn a_killed_rank_fails_the_collective_on_every_survivor() {
     group.kill().unwrap();
 }
 
+/// Sends `signal` to `pid`.
+fn send_signal(pid: u32, signal: libc::c_int) {
+    // SAFETY: kill(2) has no memory-safety preconditions.
+    unsafe {
+        libc::kill(pid as libc::pid_t, signal);
+    }
+}
+
+#[test]
+fn a_stuck_rank_times_out_every_survivor() {
+    init();
+    // A short timeout: the stopped rank makes no progress, so its neighbours give up after
+    // 2 s and the failure travels around the ring.
+    let group = connected_group("stuck", 3, Duration::from_secs(2));
+    let pid = group.members()[1].pid().get_timeout(LONG).unwrap();
+    send_signal(pid, libc::SIGSTOP);
+    let results = get_all_within(
+        &[0, 2].map(|r| group.members()[r].all_reduce(vec![1.0; 10], ReduceOp::Sum)),
+    );
+    send_signal(pid, libc::SIGCONT);
+    for result in &results {
+        let error = result.as_ref().expect_err("a collective with a stopped rank fails");
+        assert!(error.contains("timed out") || error.contains("lost its connection"), "{error}");
+    }
+    assert!(
+        results.iter().any(|r| r.as_ref().is_err_and(|e| e.contains("timed out after 2s"))),
+        "{results:?}"
+    );
+    group.kill().unwrap();
+}
+
 #[test]
 fn a_missing_rank_fails_the_rendezvous_within_the_timeout() {
     init();
@@ -286,6 +317,12 @@ fn mismatched_buffer_lengths_are_an_error_on_every_rank() {
             .any(|r| r.as_ref().is_err_and(|e| e.contains("buffers of different lengths"))),
         "{results:?}"
     );
+    // The failed communicators stay failed; a new rendezvous on the same master port gives
+    // working ones.
+    let joined = get_all_within(&group.call_all(|m| m.connect(60_000)));
+    assert_eq!(joined, vec![Ok((0, 3)), Ok((1, 3)), Ok((2, 3))]);
+    let results = get_all_within(&group.call_all(|m| m.all_reduce(vec![1.0, 2.0], ReduceOp::Sum)));
+    assert_eq!(results, vec![Ok(vec![3.0, 6.0]); 3]);
     group.kill().unwrap();
 }
 

@@ -1,6 +1,8 @@
-//! Data-parallel gradient synchronisation: after `backward`, every DP rank calls
+//! Data-parallel synchronisation: after `backward`, every DP rank calls
 //! [`all_reduce_gradients`] with its parameters in the same order, and each gradient becomes
-//! the mean over the ranks (what DDP / DeepSpeed do between backward and the optimizer step).
+//! the mean over the ranks (what DDP / DeepSpeed do between backward and the optimizer step);
+//! before training, [`broadcast_parameters`] gives every rank the root's weights (what DDP does
+//! at construction) so the replicas start identical.
 //!
 //! Gradients are packed into flat `f32` buckets of about [`GradientSyncConfig::bucket_bytes`]
 //! so that many small tensors cost one collective, and a huge one does not need a second full
@@ -93,18 +95,90 @@ pub fn all_reduce_gradients(
     Ok(stats)
 }
 
-/// All-reduces (mean) one bucket of gradients through a flat host `f32` buffer.
+/// Copies `root`'s values of `params` into every other rank's `params`, bit for bit (any
+/// dtype, any device), in buckets of about `config.bucket_bytes`. Every rank must pass the
+/// same parameters (shapes and dtypes) in the same order; a size mismatch is an error.
+/// Returns the number of bytes broadcast.
+pub fn broadcast_parameters(
+    comm: &mut Communicator,
+    params: &[Tensor],
+    root: usize,
+    config: &GradientSyncConfig,
+) -> Result<usize> {
+    let sizes: Vec<usize> = params
+        .iter()
+        .map(|p| Ok(p.numel() * p.f_kind()?.elt_size_in_bytes()))
+        .collect::<Result<_>>()?;
+    let total = sizes.iter().sum();
+    if comm.world_size() == 1 {
+        return Ok(total);
+    }
+    let is_root = comm.rank() == root;
+    let mut start = 0;
+    while start < params.len() {
+        let mut end = start;
+        let mut bytes = 0;
+        while end < params.len() && (end == start || bytes + sizes[end] <= config.bucket_bytes) {
+            bytes += sizes[end];
+            end += 1;
+        }
+        let mut bucket = vec![0u8; bytes];
+        if is_root {
+            let mut offset = 0;
+            for (param, &size) in params[start..end].iter().zip(&sizes[start..end]) {
+                let host = param.f_detach()?.f_to_device(Device::Cpu)?.f_contiguous()?;
+                host.f_copy_data_u8(&mut bucket[offset..offset + size], param.numel())?;
+                offset += size;
+            }
+        }
+        comm.broadcast(&mut bucket, root)?;
+        if !is_root {
+            let mut offset = 0;
+            for (index, (param, &size)) in
+                params[start..end].iter().zip(&sizes[start..end]).enumerate()
+            {
+                // `bucket[offset..offset + size]` holds exactly numel × element size bytes, the
+                // length `from_data_size` reads.
+                let value = Tensor::f_from_data_size(
+                    &bucket[offset..offset + size],
+                    &param.size(),
+                    param.f_kind()?,
+                )?;
+                let mut target = param.shallow_clone();
+                tch::no_grad(|| target.f_copy_(&value)).map_err(|e| AlgoError::Gradient {
+                    index: start + index,
+                    message: format!("cannot write the broadcast value: {e}"),
+                })?;
+                offset += size;
+            }
+        }
+        start = end;
+    }
+    Ok(total)
+}
+
+/// All-reduces (mean) one bucket of gradients through a flat `f32` buffer: on the GPU in place
+/// when the communicator is NCCL's and the gradients live on its device, through host memory
+/// otherwise.
 fn reduce_bucket(comm: &mut Communicator, bucket: &mut [(usize, Tensor)]) -> Result<()> {
+    let nccl_device = comm.cuda_device().map(Device::Cuda);
+    let staging = match nccl_device {
+        Some(device) if bucket.iter().all(|(_, g)| g.device() == device) => device,
+        _ => Device::Cpu,
+    };
     let flat_parts = bucket
         .iter()
-        .map(|(_, g)| {
-            g.f_detach()?.f_to_device(Device::Cpu)?.f_to_kind(Kind::Float)?.f_reshape([-1])
-        })
+        .map(|(_, g)| g.f_detach()?.f_to_device(staging)?.f_to_kind(Kind::Float)?.f_reshape([-1]))
         .collect::<Result<Vec<_>, _>>()?;
-    let flat = Tensor::f_cat(&flat_parts, 0)?;
-    let mut host = Vec::<f32>::try_from(&flat)?;
-    comm.all_reduce_f32(&mut host, ReduceOp::Mean)?;
-    let reduced = Tensor::from_slice(&host);
+    let flat = Tensor::f_cat(&flat_parts, 0)?.f_contiguous()?;
+    let reduced = if staging == Device::Cpu {
+        let mut host = Vec::<f32>::try_from(&flat)?;
+        comm.all_reduce_f32(&mut host, ReduceOp::Mean)?;
+        Tensor::from_slice(&host)
+    } else {
+        all_reduce_on_device(comm, &flat)?;
+        flat
+    };
     tch::no_grad(|| -> Result<()> {
         let mut offset = 0i64;
         for (index, grad) in bucket.iter_mut() {
@@ -121,10 +195,37 @@ fn reduce_bucket(comm: &mut Communicator, bucket: &mut [(usize, Tensor)]) -> Res
     })
 }
 
+/// All-reduces (mean) a contiguous f32 CUDA tensor in place with NCCL.
+#[cfg(feature = "cuda")]
+#[allow(unsafe_code)]
+fn all_reduce_on_device(comm: &mut Communicator, flat: &Tensor) -> Result<()> {
+    let count = flat.numel();
+    // SAFETY: `flat` is a freshly allocated contiguous f32 tensor of `count` elements on the
+    // communicator's CUDA device (the caller checked the device), alive until this returns,
+    // and nothing else holds it; the call synchronises the device before and after.
+    unsafe { comm.all_reduce_device_f32(flat.data_ptr() as u64, count, ReduceOp::Mean) }?;
+    Ok(())
+}
+
+/// Without the `cuda` feature no communicator has a CUDA device, so this is never reached.
+#[cfg(not(feature = "cuda"))]
+fn all_reduce_on_device(_comm: &mut Communicator, _flat: &Tensor) -> Result<()> {
+    Err(AlgoError::Config("device all-reduce needs rtrun-rlhf-algo built with `cuda`".into()))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use rtrun::collective::CollectiveConfig;
+
+    #[test]
+    fn broadcast_in_a_group_of_one_counts_the_bytes() {
+        let mut comm =
+            Communicator::init(CollectiveConfig::new("solo", 0, 1, "127.0.0.1", 0)).unwrap();
+        let params = [Tensor::from_slice(&[1.0f32, 2.0]), Tensor::from_slice(&[1.0f64])];
+        let bytes = broadcast_parameters(&mut comm, &params, 0, &GradientSyncConfig::default());
+        assert_eq!(bytes.unwrap(), 2 * 4 + 8);
+    }
 
     #[test]
     fn a_group_of_one_leaves_gradients_alone_and_counts_them() {

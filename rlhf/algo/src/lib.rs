@@ -9,13 +9,16 @@
 //!   [`compute_advantages`].
 //! - [`loss`]: the clipped policy loss, the clipped value loss, entropy from logits, and the
 //!   loss aggregation modes.
-//! - [`grad`]: bucketed all-reduce (mean) of parameter gradients across DP ranks.
+//! - [`grad`]: bucketed all-reduce (mean) of parameter gradients across DP ranks, and the
+//!   broadcast of the root's parameters that makes the replicas start identical.
 //!
 //! Shapes: sequences × response tokens (`[B, T]`) with an action mask; group estimators expect
 //! the `n` samples of a prompt in consecutive rows. Targets (advantages, returns, rewards) are
 //! computed in `f32` without autograd; the losses keep autograd to their inputs.
 
-#![forbid(unsafe_code)]
+// The one `unsafe` call (handing a tch CUDA buffer to NCCL) exists only with the `cuda` feature.
+#![cfg_attr(not(feature = "cuda"), forbid(unsafe_code))]
+#![cfg_attr(feature = "cuda", deny(unsafe_code))]
 
 pub mod advantage;
 pub mod error;
@@ -29,7 +32,7 @@ pub use advantage::{
     cumulative_returns, gae, shape_group_rewards,
 };
 pub use error::{AlgoError, Result};
-pub use grad::{GradientSyncConfig, GradientSyncStats, all_reduce_gradients};
+pub use grad::{GradientSyncConfig, GradientSyncStats, all_reduce_gradients, broadcast_parameters};
 pub use kl::{KlConfig, KlController, KlEstimator, approx_kl, kl_loss, per_token_rewards};
 pub use loss::{
     LossAggregation, PolicyLoss, PolicyLossConfig, aggregate_loss, entropy_from_logits,

@@ -57,6 +57,14 @@ impl Call<'_> {
                 timeout: self.timeout,
             }
         } else {
+            let error = if error.kind() == ErrorKind::UnexpectedEof {
+                std::io::Error::new(
+                    ErrorKind::UnexpectedEof,
+                    "the connection closed (the peer died or its collective failed)",
+                )
+            } else {
+                error
+            };
             CollectiveError::PeerLost {
                 group: self.group.to_owned(),
                 rank: self.rank,
@@ -321,28 +329,36 @@ fn exchange_chunks<T: ReduceElement>(
     let (outgoing, incoming) = disjoint(buffer, send, receive);
     std::thread::scope(|scope| {
         let writer = scope.spawn(|| {
-            let mut bytes = Vec::with_capacity(segment_elements.min(outgoing.len()) * T::SIZE);
             for segment in outgoing.chunks(segment_elements) {
-                bytes.clear();
-                bytes.resize(segment.len() * T::SIZE, 0);
-                for (value, out) in segment.iter().zip(bytes.chunks_exact_mut(T::SIZE)) {
-                    value.write_le(out);
+                if cfg!(target_endian = "little") {
+                    call.send(&links.right, bytemuck::cast_slice(segment))?;
+                } else {
+                    let wire: Vec<T> = segment.iter().map(|v| v.wire_encoded()).collect();
+                    call.send(&links.right, bytemuck::cast_slice(&wire))?;
                 }
-                call.send(&links.right, &bytes)?;
             }
             Ok(())
         });
         let read = (|| {
-            let mut bytes = vec![0u8; segment_elements.min(incoming.len()) * T::SIZE];
+            let mut scratch = vec![T::zeroed(); segment_elements.min(incoming.len())];
             for segment in incoming.chunks_mut(segment_elements) {
-                let raw = &mut bytes[..segment.len() * T::SIZE];
-                call.receive_exact(&links.left, raw, "an all-reduce segment")?;
-                for (value, raw) in segment.iter_mut().zip(raw.chunks_exact(T::SIZE)) {
-                    let incoming = T::read_le(raw);
-                    *value = match apply {
-                        Apply::Reduce(op) => value.combine(incoming, op),
-                        Apply::Overwrite => incoming,
-                    };
+                let received = &mut scratch[..segment.len()];
+                call.receive_exact(
+                    &links.left,
+                    bytemuck::cast_slice_mut(received),
+                    "an all-reduce segment",
+                )?;
+                match apply {
+                    Apply::Reduce(op) => {
+                        for (value, wire) in segment.iter_mut().zip(received.iter()) {
+                            *value = value.combine(wire.wire_decoded(), op);
+                        }
+                    }
+                    Apply::Overwrite => {
+                        for (value, wire) in segment.iter_mut().zip(received.iter()) {
+                            *value = wire.wire_decoded();
+                        }
+                    }
                 }
             }
             Ok(())

@@ -22,9 +22,9 @@
 //! reported as [`CollectiveError::Protocol`].
 
 mod cpu;
-mod rendezvous;
 #[cfg(feature = "cuda")]
 mod nccl;
+mod rendezvous;
 mod wire;
 
 use std::time::Duration;
@@ -128,7 +128,9 @@ impl CollectiveConfig {
     pub fn from_group_context() -> Result<CollectiveConfig, CollectiveError> {
         let context = crate::context().map_err(|e| CollectiveError::NotInGroup(e.to_string()))?;
         let membership = context.group.ok_or_else(|| {
-            CollectiveError::NotInGroup("the calling process is not a member of an actor group".into())
+            CollectiveError::NotInGroup(
+                "the calling process is not a member of an actor group".into(),
+            )
         })?;
         Ok(CollectiveConfig::from_membership(&membership))
     }
@@ -163,7 +165,10 @@ impl CollectiveConfig {
             return invalid("timeout must be positive, found 0".into());
         }
         if self.segment_bytes < 8 {
-            return invalid(format!("segment_bytes must be at least 8, found {}", self.segment_bytes));
+            return invalid(format!(
+                "segment_bytes must be at least 8, found {}",
+                self.segment_bytes
+            ));
         }
         Ok(())
     }
@@ -189,7 +194,9 @@ pub enum CollectiveError {
         message: String,
     },
     /// A peer made no progress within the timeout.
-    #[error("group `{group}` rank {rank}: {op} timed out after {timeout:?} waiting for rank {peer}")]
+    #[error(
+        "group `{group}` rank {rank}: {op} timed out after {timeout:?} waiting for rank {peer}"
+    )]
     Timeout {
         /// The group.
         group: String,
@@ -248,14 +255,31 @@ pub enum CollectiveError {
     Nccl(String),
 }
 
-/// Element types an all-reduce can combine.
-pub trait ReduceElement: Copy + Send + Sync + PartialOrd + std::fmt::Debug + 'static + sealed::Sealed {
+/// The element types of [`ReduceElement`], for backends that need to name them.
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ElementKind {
+    /// `f32`.
+    F32,
+    /// `f64`.
+    F64,
+}
+
+/// Element types an all-reduce can combine. On the wire they are little-endian; on
+/// little-endian machines (all the ones ML runs on) that is their memory layout, so buffers go
+/// to the socket without a conversion pass.
+pub trait ReduceElement:
+    bytemuck::Pod + Send + Sync + PartialOrd + std::fmt::Debug + sealed::Sealed
+{
     /// Bytes per element on the wire.
     const SIZE: usize;
-    /// Writes the element little-endian into `out` (`SIZE` bytes).
-    fn write_le(self, out: &mut [u8]);
-    /// Reads an element from `SIZE` little-endian bytes.
-    fn read_le(bytes: &[u8]) -> Self;
+    /// Which type this is.
+    #[doc(hidden)]
+    const KIND: ElementKind;
+    /// This value's wire representation (byte-swapped on big-endian machines).
+    fn wire_encoded(self) -> Self;
+    /// The value a wire representation stands for.
+    fn wire_decoded(self) -> Self;
     /// Combines two values.
     fn combine(self, other: Self, op: ReduceOp) -> Self;
     /// Divides by the world size (the last step of a mean).
@@ -269,18 +293,17 @@ mod sealed {
 }
 
 macro_rules! impl_reduce_element {
-    ($t:ty) => {
+    ($t:ty, $kind:expr) => {
         impl ReduceElement for $t {
             const SIZE: usize = std::mem::size_of::<$t>();
+            const KIND: ElementKind = $kind;
 
-            fn write_le(self, out: &mut [u8]) {
-                out.copy_from_slice(&self.to_le_bytes());
+            fn wire_encoded(self) -> Self {
+                <$t>::from_ne_bytes(self.to_le_bytes())
             }
 
-            fn read_le(bytes: &[u8]) -> Self {
-                let mut raw = [0u8; std::mem::size_of::<$t>()];
-                raw.copy_from_slice(bytes);
-                <$t>::from_le_bytes(raw)
+            fn wire_decoded(self) -> Self {
+                <$t>::from_le_bytes(self.to_ne_bytes())
             }
 
             fn combine(self, other: Self, op: ReduceOp) -> Self {
@@ -297,8 +320,8 @@ macro_rules! impl_reduce_element {
         }
     };
 }
-impl_reduce_element!(f32);
-impl_reduce_element!(f64);
+impl_reduce_element!(f32, ElementKind::F32);
+impl_reduce_element!(f64, ElementKind::F64);
 
 /// One rank's handle on a collective group. Not shareable between threads at once (every
 /// collective takes `&mut self`); ranks must issue the same collectives in the same order.
@@ -373,9 +396,22 @@ impl Communicator {
         Backend::Cpu
     }
 
+    /// The CUDA device ordinal the NCCL backend runs on; `None` for the CPU backend.
+    pub fn cuda_device(&self) -> Option<usize> {
+        #[cfg(feature = "cuda")]
+        if let Some(nccl) = &self.nccl {
+            return Some(nccl.device());
+        }
+        None
+    }
+
     /// All-reduces `buffer` in place: afterwards every rank holds the element-wise
     /// combination of all ranks' buffers. Every rank must pass a buffer of the same length.
-    pub fn all_reduce<T: ReduceElement>(&mut self, buffer: &mut [T], op: ReduceOp) -> Result<(), CollectiveError> {
+    pub fn all_reduce<T: ReduceElement>(
+        &mut self,
+        buffer: &mut [T],
+        op: ReduceOp,
+    ) -> Result<(), CollectiveError> {
         #[cfg(feature = "cuda")]
         if let Some(nccl) = &mut self.nccl {
             return nccl.all_reduce_host(buffer, op);
@@ -384,12 +420,20 @@ impl Communicator {
     }
 
     /// [`Communicator::all_reduce`] on `f32`.
-    pub fn all_reduce_f32(&mut self, buffer: &mut [f32], op: ReduceOp) -> Result<(), CollectiveError> {
+    pub fn all_reduce_f32(
+        &mut self,
+        buffer: &mut [f32],
+        op: ReduceOp,
+    ) -> Result<(), CollectiveError> {
         self.all_reduce(buffer, op)
     }
 
     /// [`Communicator::all_reduce`] on `f64`.
-    pub fn all_reduce_f64(&mut self, buffer: &mut [f64], op: ReduceOp) -> Result<(), CollectiveError> {
+    pub fn all_reduce_f64(
+        &mut self,
+        buffer: &mut [f64],
+        op: ReduceOp,
+    ) -> Result<(), CollectiveError> {
         self.all_reduce(buffer, op)
     }
 
@@ -405,7 +449,11 @@ impl Communicator {
     }
 
     /// Copies `root`'s bytes to every other rank, resizing their vectors to `root`'s length.
-    pub fn broadcast_bytes(&mut self, buffer: &mut Vec<u8>, root: usize) -> Result<(), CollectiveError> {
+    pub fn broadcast_bytes(
+        &mut self,
+        buffer: &mut Vec<u8>,
+        root: usize,
+    ) -> Result<(), CollectiveError> {
         self.check_root(root)?;
         self.ring.broadcast(cpu::BroadcastTarget::Resizable(buffer), root)
     }
@@ -449,5 +497,97 @@ impl Communicator {
             )));
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// A port that was free a moment ago, for one test group's master.
+    fn free_port() -> u16 {
+        let listener =
+            std::net::TcpListener::bind(("127.0.0.1", 0)).expect("bind an ephemeral port");
+        listener.local_addr().expect("a bound listener has an address").port()
+    }
+
+    /// Runs `body` on `world` threads, each with its own communicator of one group, and
+    /// returns their results by rank.
+    fn on_ranks<R: Send>(
+        world: usize,
+        segment_bytes: usize,
+        body: impl Fn(&mut Communicator) -> R + Sync,
+    ) -> Vec<R> {
+        let port = free_port();
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..world)
+                .map(|rank| {
+                    let body = &body;
+                    scope.spawn(move || {
+                        let config = CollectiveConfig {
+                            segment_bytes,
+                            timeout: Duration::from_secs(30),
+                            ..CollectiveConfig::new("threads", rank, world, "127.0.0.1", port)
+                        };
+                        let mut comm = Communicator::init(config).expect("every rank joins");
+                        body(&mut comm)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().expect("rank thread")).collect()
+        })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+        /// Every length (shorter than the world, uneven chunks, many tiny segments) and every
+        /// operation gives each rank exactly the element-wise combination.
+        #[test]
+        fn ring_collectives_match_a_direct_computation(
+            world in 1usize..6,
+            len in 0usize..200,
+            segment_bytes in prop::sample::select(vec![8usize, 12, 64, 1 << 20]),
+            root_seed: usize,
+        ) {
+            let value = |rank: usize, i: usize| ((rank * 7 + i * 3) % 11) as f32 - 5.0;
+            let root = root_seed % world;
+            let results = on_ranks(world, segment_bytes, |comm| {
+                let rank = comm.rank();
+                let mut outputs = Vec::new();
+                for op in [ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max, ReduceOp::Min] {
+                    let mut data: Vec<f32> = (0..len).map(|i| value(rank, i)).collect();
+                    comm.all_reduce_f32(&mut data, op).expect("all-reduce");
+                    outputs.push(data);
+                }
+                let mut bytes = if rank == root { vec![root as u8; len] } else { Vec::new() };
+                comm.broadcast_bytes(&mut bytes, root).expect("broadcast");
+                let gathered = comm.all_gather_bytes(&vec![rank as u8; rank]).expect("all-gather");
+                comm.barrier().expect("barrier");
+                (outputs, bytes, gathered)
+            });
+            let column = |i: usize| (0..world).map(move |r| value(r, i));
+            let sum: Vec<f32> = (0..len).map(|i| column(i).sum()).collect();
+            let mean: Vec<f32> = sum.iter().map(|s| s / world as f32).collect();
+            let max: Vec<f32> = (0..len).map(|i| column(i).fold(f32::MIN, f32::max)).collect();
+            let min: Vec<f32> = (0..len).map(|i| column(i).fold(f32::MAX, f32::min)).collect();
+            let gathered: Vec<Vec<u8>> = (0..world).map(|r| vec![r as u8; r]).collect();
+            for (outputs, bytes, all) in results {
+                prop_assert_eq!(&outputs, &vec![sum.clone(), mean.clone(), max.clone(), min.clone()]);
+                prop_assert_eq!(bytes, vec![root as u8; len]);
+                prop_assert_eq!(&all, &gathered);
+            }
+        }
+    }
+
+    #[test]
+    fn nccl_without_the_cuda_feature_or_a_gpu_is_a_clear_error() {
+        let config = CollectiveConfig::new("g", 0, 1, "127.0.0.1", 0).with_backend(Backend::Nccl);
+        let err = Communicator::init(config).unwrap_err();
+        assert!(
+            matches!(err, CollectiveError::BackendUnavailable(_) | CollectiveError::Nccl(_)),
+            "{err}"
+        );
     }
 }
