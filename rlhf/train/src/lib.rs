@@ -8,7 +8,6 @@
 //! - [`reward`]: reward functions registered by name, run as tasks; the remote HTTP reward.
 //! - [`roles`]: the role actors (policy / reference, critic, reward model).
 //! - [`placement_map`]: placement spec → actor options and colocation mode.
-//! - [`weights`]: bucketed weight export for the engines.
 //! - [`trainer`]: `fit()`, experience making, PPO training, checkpoints.
 //! - [`run`]: a whole run as the `train` binary performs it.
 //!
@@ -29,7 +28,6 @@ pub mod run;
 pub mod task;
 pub mod trainer;
 pub mod warmup;
-pub mod weights;
 
 pub use config::TrainConfig;
 pub use error::{Result, TrainError};

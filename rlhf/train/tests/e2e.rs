@@ -322,3 +322,26 @@ fn custom_reward_function_registered_by_name() {
         TrainConfig::from_yaml("reward: {kind: custom, name: nope}\n", "x.yaml", &[]).unwrap_err();
     assert!(err.to_string().contains("count_ones"), "the error lists registered names: {err}");
 }
+
+#[test]
+fn the_driver_rejects_bad_configs_and_addresses_with_clear_errors() {
+    let config = repo_root().join("deploy/examples/rlhf/grpo.yaml");
+    let run = |extra: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_train"))
+            .arg("--config")
+            .arg(&config)
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(!out.status.success());
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    assert!(run(&["--set", "rollout.top_p=2"]).contains("config key `rollout.top_p`"));
+    assert!(run(&["--set", "train.actor_lrr=1"]).contains("actor_lrr"));
+    assert!(run(&["--address", "10.0.0.1:6379"]).contains("multi-node not available yet"));
+    let missing = std::process::Command::new(env!("CARGO_BIN_EXE_train"))
+        .args(["--config", "/nonexistent/x.yaml"])
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&missing.stderr).contains("/nonexistent/x.yaml"));
+}

@@ -16,7 +16,7 @@ use rtrun_rlhf_model::train::{AdamW, OptimizerConfig};
 use crate::algo::{self, ClipConfig, KlEstimator, LossAggregation};
 use crate::experience::{ExperienceRow, Sequence, pad_rows, response_batch, unpad_rows};
 use crate::roles::{DpComm, WorkerSetup};
-use crate::weights::{WeightBucket, bucket_plan, export_bucket};
+use rtrun_rlhf_engine::WeightBucket;
 
 /// How a policy rank computes its loss.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -132,13 +132,11 @@ impl LmWorkerState {
         &self,
         bucket_bytes: usize,
     ) -> Result<Vec<rtrun::ObjectRef<WeightBucket>>, String> {
-        let plan = bucket_plan(self.model.named_parameters(), bucket_bytes);
-        let mut refs = Vec::with_capacity(plan.len());
-        for names in &plan {
-            let bucket = export_bucket(&self.model, names).map_err(to_string_error)?;
-            refs.push(rtrun::put(&bucket).map_err(to_string_error)?);
-        }
-        Ok(refs)
+        // f32 as trained: the engines' weights must equal the policy's bit for bit (the run
+        // logs the engine/policy log-prob gap every step).
+        let buckets =
+            WeightBucket::split_model(&self.model, bucket_bytes, None).map_err(to_string_error)?;
+        buckets.iter().map(|b| rtrun::put(b).map_err(to_string_error)).collect()
     }
 
     /// Saves the model (Hugging Face layout) and, for a policy rank, the optimizer state.
