@@ -22,15 +22,47 @@ pub enum InitialPolicy {
     Reused,
 }
 
-/// Writes the datasets and the initial policy into the run directory, unless a previous run
-/// already did (then they are reused, so a resumed run sees the same data and model).
+/// Name of the file recording what a run directory's data and initial policy were made from.
+pub const PREPARED_FILE: &str = "prepared.json";
+
+/// Writes the datasets and the initial policy into the run directory, or reuses those a
+/// previous run made from the same seed, task, model and warm-up settings (so a resumed run
+/// sees the same data and model). A directory prepared from other settings is prepared again,
+/// unless it holds checkpoints, which would then not match: that is an error.
 pub fn prepare(config: &TrainConfig, paths: &RunPaths) -> Result<InitialPolicy> {
     let data_dir = paths.train_data.parent().unwrap_or(&paths.root);
     std::fs::create_dir_all(data_dir).map_err(|e| TrainError::io(data_dir, e))?;
-    if !(paths.train_data.is_file() && paths.eval_data.is_file()) {
+    let key = serde_json::json!({
+        "seed": config.seed,
+        "task": config.task,
+        "model": config.model,
+        "warmup": config.warmup,
+        "max_new_tokens": config.max_new_tokens(),
+    });
+    let key_path = paths.root.join(PREPARED_FILE);
+    let previous: Option<serde_json::Value> =
+        std::fs::read(&key_path).ok().and_then(|bytes| serde_json::from_slice(&bytes).ok());
+    let same =
+        previous.as_ref() == Some(&key) && paths.train_data.is_file() && paths.eval_data.is_file();
+    if !same {
+        if checkpoint::newest(&paths.checkpoints)?.is_some() {
+            return Err(TrainError::config(
+                "run_dir",
+                format!(
+                    "{} holds checkpoints of a run with other seed/task/model/warmup settings \
+                     (see {PREPARED_FILE}); use another run_dir or remove it",
+                    paths.root.display()
+                ),
+            ));
+        }
         let (train, eval) = config.task.generate(config.seed)?;
         write_jsonl(&paths.train_data, &train)?;
         write_jsonl(&paths.eval_data, &eval)?;
+        if paths.initial_policy.exists() {
+            std::fs::remove_dir_all(&paths.initial_policy)
+                .map_err(|e| TrainError::io(&paths.initial_policy, e))?;
+        }
+        std::fs::write(&key_path, key.to_string()).map_err(|e| TrainError::io(&key_path, e))?;
     }
     if paths.initial_policy.join("config.json").is_file() {
         return Ok(InitialPolicy::Reused);
@@ -41,10 +73,6 @@ pub fn prepare(config: &TrainConfig, paths: &RunPaths) -> Result<InitialPolicy> 
     // Written under a temporary name and renamed, so a killed warm-up is redone, not reused.
     let tmp = paths.initial_policy.with_extension("tmp");
     let report = make_initial_policy(&tmp, &model_config, &config.warmup, &train, config.seed)?;
-    if paths.initial_policy.exists() {
-        std::fs::remove_dir_all(&paths.initial_policy)
-            .map_err(|e| TrainError::io(&paths.initial_policy, e))?;
-    }
     std::fs::rename(&tmp, &paths.initial_policy).map_err(|e| TrainError::io(&tmp, e))?;
     Ok(InitialPolicy::Made(report))
 }
@@ -116,4 +144,35 @@ pub fn run(
         trainer.roles.kill();
     }
     Ok((trainer, report?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prepare_reuses_same_settings_and_refuses_mismatched_checkpoints() {
+        let root = std::env::temp_dir().join(format!("rtrun-prepare-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let yaml = format!(
+            "run_dir: {}\ntask: {{train_size: 32, eval_size: 4, max_digits: 4}}\n\
+             model: {{hidden_size: 16, num_layers: 1, num_heads: 2, num_kv_heads: 1, intermediate_size: 32}}\n\
+             warmup: {{steps: 2, batch_size: 4}}\n",
+            root.display()
+        );
+        let config = TrainConfig::from_yaml(&yaml, "t.yaml", &[]).unwrap();
+        let paths = RunPaths::new(&root);
+        assert!(matches!(prepare(&config, &paths).unwrap(), InitialPolicy::Made(_)));
+        assert_eq!(prepare(&config, &paths).unwrap(), InitialPolicy::Reused);
+        // Other settings without checkpoints: prepared again.
+        let other = TrainConfig::from_yaml(&yaml, "t.yaml", &["seed=5".into()]).unwrap();
+        assert!(matches!(prepare(&other, &paths).unwrap(), InitialPolicy::Made(_)));
+        // With a checkpoint, switching settings again is refused.
+        let ckpt = paths.checkpoints.join("step_000001");
+        std::fs::create_dir_all(&ckpt).unwrap();
+        std::fs::write(ckpt.join(checkpoint::STATE_FILE), "{}").unwrap();
+        let err = prepare(&config, &paths).unwrap_err().to_string();
+        assert!(err.contains("run_dir"), "{err}");
+        std::fs::remove_dir_all(&root).unwrap();
+    }
 }
