@@ -147,7 +147,16 @@ impl RolePlacements {
     /// without a spec). Needs the runtime.
     pub fn deploy(&mut self) -> Result<()> {
         if let (Some(spec), None) = (&self.spec, &self.deployment) {
-            let deployment = rtrun::colocation::deploy_spec(spec, &DeployOptions::default())
+            // A per-deployment prefix keeps group names unique when several runs share a
+            // cluster (or a test process).
+            static DEPLOYMENTS: std::sync::atomic::AtomicUsize =
+                std::sync::atomic::AtomicUsize::new(0);
+            let n = DEPLOYMENTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let options = DeployOptions {
+                name_prefix: format!("rlhf{}-{n}-", std::process::id()),
+                ..DeployOptions::default()
+            };
+            let deployment = rtrun::colocation::deploy_spec(spec, &options)
                 .map_err(|e| TrainError::Placement(format!("deploying the spec: {e}")))?;
             self.deployment = Some(deployment);
         }
