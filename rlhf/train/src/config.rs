@@ -365,25 +365,28 @@ impl TrainConfig {
         Self::from_yaml(&text, &path.display().to_string(), overrides)
     }
 
-    /// Parses YAML text (`file` names it in errors) and applies overrides.
+    /// Parses YAML text (`file` names it in errors; positions come with its messages), then
+    /// applies overrides on the parsed config's tree, so an override of an unknown key is an
+    /// error as a typo in the file is.
     pub fn from_yaml(text: &str, file: &str, overrides: &[String]) -> Result<Self> {
         let file_error =
             |message: String| TrainError::ConfigFile { file: file.to_owned(), message };
-        let mut root: serde_yaml::Value = if text.trim().is_empty() {
-            serde_yaml::Value::Mapping(Default::default())
+        let mut config: TrainConfig = if text.trim().is_empty() {
+            TrainConfig::default()
         } else {
-            serde_yaml::from_str(text).map_err(|e| file_error(e.to_string()))?
+            serde_saphyr::from_str(text).map_err(|e| file_error(e.to_string()))?
         };
-        if !root.is_mapping() {
-            return Err(file_error("expected a mapping of config sections at the top".into()));
+        if !overrides.is_empty() {
+            let mut root = serde_json::to_value(&config)
+                .map_err(|e| file_error(format!("config does not serialise: {e}")))?;
+            for item in overrides {
+                apply_override(&mut root, item)?;
+            }
+            config = serde_json::from_value(root).map_err(|e| TrainError::ConfigFile {
+                file: format!("{file} with --set {}", overrides.join(" --set ")),
+                message: e.to_string(),
+            })?;
         }
-        for item in overrides {
-            apply_override(&mut root, item)?;
-        }
-        let config: TrainConfig = serde_yaml::from_value(root).map_err(|e| {
-            // serde names the field; say where overrides and file meet.
-            file_error(format!("{e} (after applying {} --set override(s))", overrides.len()))
-        })?;
         config.validate()?;
         Ok(config)
     }
@@ -473,7 +476,7 @@ impl TrainConfig {
             return Err(TrainError::config(
                 "rollout.n_samples_per_prompt",
                 format!(
-                    "expected at least 2 samples per prompt for advantage_estimator {:?} (a group baseline), found {}",
+                    "expected at least 2 samples per prompt for advantage_estimator `{}` (a group baseline), found {}",
                     a.advantage_estimator, r.n_samples_per_prompt
                 ),
             ));
@@ -575,8 +578,9 @@ impl TrainConfig {
     }
 }
 
-/// Sets `a.b.c=value` in a YAML tree; the value is parsed as YAML (`3`, `true`, `[1, 2]`, text).
-fn apply_override(root: &mut serde_yaml::Value, item: &str) -> Result<()> {
+/// Sets `a.b.c=value` in the config tree; the value is parsed as YAML (`3`, `true`, `[1, 2]`,
+/// text).
+fn apply_override(root: &mut serde_json::Value, item: &str) -> Result<()> {
     let (key, value) = item
         .split_once('=')
         .ok_or_else(|| TrainError::config(item, "expected `--set key=value`, found no `=`"))?;
@@ -584,24 +588,25 @@ fn apply_override(root: &mut serde_yaml::Value, item: &str) -> Result<()> {
     if key.is_empty() || key.split('.').any(str::is_empty) {
         return Err(TrainError::config(key, "expected a dotted key such as `train.actor_lr`"));
     }
-    let value: serde_yaml::Value = serde_yaml::from_str(value).map_err(|e| {
+    let value: serde_json::Value = serde_saphyr::from_str(value).map_err(|e| {
         TrainError::config(key, format!("expected a YAML value, found `{value}` ({e})"))
     })?;
     let mut node = root;
     let parts: Vec<&str> = key.split('.').collect();
     for (i, part) in parts.iter().enumerate() {
-        let map = node.as_mapping_mut().ok_or_else(|| {
+        let map = node.as_object_mut().ok_or_else(|| {
             TrainError::config(
                 key,
                 format!("expected `{}` to be a section, found a value", parts[..i].join(".")),
             )
         })?;
-        let name = serde_yaml::Value::String((*part).to_owned());
         if i + 1 == parts.len() {
-            map.insert(name, value);
+            map.insert((*part).to_owned(), value);
             return Ok(());
         }
-        node = map.entry(name).or_insert_with(|| serde_yaml::Value::Mapping(Default::default()));
+        node = map
+            .entry((*part).to_owned())
+            .or_insert_with(|| serde_json::Value::Object(Default::default()));
     }
     Ok(())
 }

@@ -252,7 +252,8 @@ fn killed_then_resumed_run_matches_an_uninterrupted_one() {
     // The small PPO config as a file (the driver reads files): critic, reference, adaptive KL.
     let config_path = dir.join("ppo.yaml");
     let base = small_config(&dir.join("unused"), "");
-    std::fs::write(&config_path, serde_yaml::to_string(&base).unwrap()).unwrap();
+    // JSON is YAML.
+    std::fs::write(&config_path, serde_json::to_string(&base).unwrap()).unwrap();
     let settings = [
         "train.max_steps=4",
         "algo.advantage_estimator=gae",
