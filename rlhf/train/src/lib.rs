@@ -1,5 +1,33 @@
 //! The RLHF application on rtrun: role groups (policy, critic, reference, reward) built on the
 //! runtime's actor groups, the trainer's `fit()` loop and the PPO/GRPO driver binary.
 //!
+//! - [`task`]: the synthetic verifiable tasks, their tokenizer and JSONL datasets.
+//! - [`config`]: the YAML config with `--set` overrides.
+//! - [`warmup`]: the initial policy (tiny model + supervised warm-up).
+//! - [`experience`]: rows on the wire and their padded tensor layout.
+//! - [`reward`]: reward functions registered by name, run as tasks; the remote HTTP reward.
+//! - [`roles`]: the role actors (policy / reference, critic, reward model).
+//! - [`placement_map`]: placement spec → actor options and colocation mode.
+//! - [`trainer`]: `fit()`, experience making, PPO training, checkpoints.
+//! - [`run`]: a whole run as the `train` binary performs it.
+//!
 //! This crate uses only the public runtime API (`rtrun`), never its internals.
-#![forbid(unsafe_code)]
+// No `forbid(unsafe_code)`: link-time registration of actors, tasks and reward functions
+// (`linkme`) declares statics with `link_section`, which that lint counts. The crate has no
+// `unsafe` block.
+
+pub mod algo;
+pub mod config;
+pub mod error;
+pub mod experience;
+pub mod placement_map;
+pub mod reward;
+pub mod rng;
+pub mod roles;
+pub mod run;
+pub mod task;
+pub mod trainer;
+pub mod warmup;
+
+pub use config::TrainConfig;
+pub use error::{Result, TrainError};

@@ -1,0 +1,145 @@
+//! The PPO / GRPO driver: `train --config X.yaml [--set key=value]… [--address A]`.
+//!
+//! Runs on the embedded single-node runtime; prints a progress bar with live reward, KL and
+//! phase timings; leaves `metrics.jsonl`, TensorBoard event files, `reward.png` and
+//! `summary.md` in the run directory; prints the summary (baseline vs final held-out reward and
+//! per-phase timings) at the end.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::Context;
+use clap::Parser;
+
+use rtrun_rlhf::TrainConfig;
+use rtrun_rlhf::trainer::ProgressObserver;
+use rtrun_rlhf_telemetry::{
+    EvalRow, ProgressField, ProgressOptions, RunProgress, RunSummary, StepMetrics, StepPhases,
+    jsonl, reward_curve,
+};
+
+/// Command line of the driver.
+#[derive(Debug, Parser)]
+#[command(name = "train", about = "PPO / GRPO on rtrun")]
+struct Args {
+    /// The YAML config.
+    #[arg(long)]
+    config: PathBuf,
+    /// Overrides, `key=value` with dotted keys (repeatable).
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    overrides: Vec<String>,
+    /// Address of a running cluster (multi-node); the default runs on the embedded runtime.
+    #[arg(long)]
+    address: Option<String>,
+}
+
+/// The telemetry progress bar behind the trainer's observer.
+struct Bar(RunProgress);
+
+impl ProgressObserver for Bar {
+    fn phase(&mut self, name: &str) {
+        self.0.set_phase(name);
+    }
+
+    fn step_done(&mut self, metrics: &StepMetrics, phases: &StepPhases) {
+        self.0.step_done(metrics, phases);
+    }
+}
+
+fn main() -> anyhow::Result<()> {
+    // Worker processes are this binary re-run; they serve here and never return.
+    rtrun::run_worker_if_requested();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let args = Args::parse();
+    if let Some(address) = &args.address {
+        anyhow::bail!(
+            "--address {address}: multi-node not available yet; run without --address to use the embedded runtime"
+        );
+    }
+    let config = TrainConfig::load(&args.config, &args.overrides)?;
+    let started = Instant::now();
+    let title = format!(
+        "{} ({}, {:?} reward `{}`)",
+        args.config.display(),
+        config.algo.advantage_estimator,
+        config.reward.kind,
+        config.reward.name
+    );
+    let paths = rtrun_rlhf::trainer::RunPaths::new(&config.run_dir);
+    eprintln!("run directory: {}", paths.root.display());
+    match rtrun_rlhf::run::prepare(&config, &paths)? {
+        rtrun_rlhf::run::InitialPolicy::Made(w) => eprintln!(
+            "warm-up: {} supervised steps, token loss {:.3} -> {:.3}",
+            w.steps, w.first_loss, w.last_loss
+        ),
+        rtrun_rlhf::run::InitialPolicy::Reused => {
+            eprintln!("warm-up: reusing the initial policy of the run directory")
+        }
+    }
+    if config.checkpoint.resume
+        && let Some(dir) = rtrun_rlhf::trainer::checkpoint::newest(&paths.checkpoints)?
+    {
+        eprintln!("resuming from {}", dir.display());
+    }
+    let total = {
+        let per_episode = (config.task.train_size / config.rollout.prompts_per_step).max(1) as u64;
+        let total = per_episode * config.train.num_episodes as u64;
+        config.train.max_steps.map_or(total, |m| m.min(total))
+    };
+    let progress = RunProgress::new(
+        total,
+        ProgressOptions {
+            fields: vec![
+                ProgressField::new("reward", "reward"),
+                ProgressField::new("acc", "accuracy"),
+                ProgressField::new("kl", "kl"),
+                ProgressField::new("eval", "eval/reward"),
+            ],
+            ..ProgressOptions::default()
+        },
+    );
+    let mut bar = Bar(progress);
+    let (trainer, report) = rtrun_rlhf::run::run(&config, &mut bar)?;
+    bar.0.finish();
+
+    let records =
+        jsonl::read_jsonl(&paths.root.join("metrics.jsonl")).context("reading metrics.jsonl")?;
+    let chart =
+        reward_curve(&records, &[("train reward", "reward"), ("held-out reward", "eval/reward")]);
+    chart.write_png(&paths.root.join("reward.png")).context("writing reward.png")?;
+    let summary = RunSummary {
+        title,
+        steps: report.steps,
+        wall_time: started.elapsed(),
+        held_out_prompts: config.task.eval_size,
+        held_out: vec![
+            EvalRow {
+                metric: "mean reward".into(),
+                baseline: Some(report.baseline.mean_reward),
+                final_value: Some(report.final_result.mean_reward),
+            },
+            EvalRow {
+                metric: "exact-match accuracy".into(),
+                baseline: Some(report.baseline.accuracy),
+                final_value: Some(report.final_result.accuracy),
+            },
+        ],
+        phases: trainer.timer.totals().to_vec(),
+    };
+    std::fs::write(paths.root.join("summary.md"), summary.to_markdown())
+        .context("writing summary.md")?;
+    println!("{}", summary.to_text());
+    println!(
+        "metrics: {} (TensorBoard event files beside it), plot: {}",
+        paths.root.join("metrics.jsonl").display(),
+        paths.root.join("reward.png").display()
+    );
+    trainer.roles.kill();
+    rtrun::shutdown();
+    Ok(())
+}

@@ -1,0 +1,678 @@
+//! The trainer's configuration: one YAML file plus `--set key=value` overrides, with OpenRLHF's
+//! defaults where a key is absent, and errors that name the key and say why it is wrong.
+//!
+//! Every section rejects unknown keys (a typo is an error, not a silently ignored setting).
+//! [`TrainConfig::validate`] checks ranges and cross-key constraints after parsing.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::algo::{AdvantageEstimator, KlEstimator};
+use crate::error::{Result, TrainError};
+use crate::task::TaskConfig;
+
+/// The whole run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TrainConfig {
+    /// Seed of everything random in the run (data, shuffles, model init, sampling).
+    pub seed: u64,
+    /// Where datasets, models, checkpoints and metrics go.
+    pub run_dir: PathBuf,
+    /// The synthetic task.
+    pub task: TaskConfig,
+    /// The policy architecture (a tiny Qwen2-style decoder made locally).
+    pub model: ModelShape,
+    /// Supervised warm-up that makes the initial policy (and the reference model).
+    pub warmup: WarmupConfig,
+    /// The embedded cluster and the placement of roles.
+    pub cluster: ClusterConfig,
+    /// Generation.
+    pub rollout: RolloutConfig,
+    /// Advantages, KL and losses.
+    pub algo: AlgoConfig,
+    /// Optimisation.
+    pub train: TrainLoopConfig,
+    /// Where rewards come from.
+    pub reward: RewardConfig,
+    /// Held-out evaluation.
+    pub eval: EvalConfig,
+    /// Checkpoints and resume.
+    pub checkpoint: CheckpointConfig,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        Self {
+            seed: 42,
+            run_dir: PathBuf::from("runs/default"),
+            task: TaskConfig::default(),
+            model: ModelShape::default(),
+            warmup: WarmupConfig::default(),
+            cluster: ClusterConfig::default(),
+            rollout: RolloutConfig::default(),
+            algo: AlgoConfig::default(),
+            train: TrainLoopConfig::default(),
+            reward: RewardConfig::default(),
+            eval: EvalConfig::default(),
+            checkpoint: CheckpointConfig::default(),
+        }
+    }
+}
+
+/// Shape of the tiny policy.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ModelShape {
+    /// Hidden size.
+    pub hidden_size: i64,
+    /// Decoder layers.
+    pub num_layers: i64,
+    /// Query heads.
+    pub num_heads: i64,
+    /// Key/value heads (GQA).
+    pub num_kv_heads: i64,
+    /// MLP width.
+    pub intermediate_size: i64,
+}
+
+impl Default for ModelShape {
+    fn default() -> Self {
+        Self {
+            hidden_size: 64,
+            num_layers: 2,
+            num_heads: 4,
+            num_kv_heads: 2,
+            intermediate_size: 128,
+        }
+    }
+}
+
+/// Supervised warm-up on the training prompts with their labels.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct WarmupConfig {
+    /// Optimizer steps (0 skips the warm-up: the policy starts random).
+    pub steps: u64,
+    /// Sequences per step.
+    pub batch_size: usize,
+    /// Peak learning rate.
+    pub lr: f64,
+}
+
+impl Default for WarmupConfig {
+    fn default() -> Self {
+        Self { steps: 60, batch_size: 64, lr: 3e-3 }
+    }
+}
+
+/// The embedded cluster and where the roles go.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ClusterConfig {
+    /// CPUs the embedded node offers (default: the machine's).
+    pub num_cpus: Option<f64>,
+    /// GPUs the embedded node declares (fake ones are accounted on a CPU-only machine).
+    pub num_gpus: f64,
+    /// A YAML placement spec (placement/SPEC.md); without it, each role gets `replicas` below
+    /// and no GPU share.
+    pub placement_spec: Option<PathBuf>,
+    /// Ranks per role when there is no spec.
+    pub actor_replicas: usize,
+    /// Reference-model ranks when there is no spec.
+    pub ref_replicas: usize,
+    /// Critic ranks when there is no spec.
+    pub critic_replicas: usize,
+    /// Reward-model ranks when there is no spec (model-based reward only).
+    pub reward_replicas: usize,
+    /// Engine actors when there is no spec.
+    pub engine_replicas: usize,
+    /// libtorch intra-op threads in each worker process.
+    pub threads_per_worker: i32,
+    /// Engines sleep while training and training state is offloaded while generating (the
+    /// hybrid engine). Implied by a spec that puts `vllm_engine` in the actor's group.
+    pub colocate_all: bool,
+}
+
+impl Default for ClusterConfig {
+    fn default() -> Self {
+        Self {
+            num_cpus: None,
+            num_gpus: 8.0,
+            placement_spec: None,
+            actor_replicas: 1,
+            ref_replicas: 1,
+            critic_replicas: 1,
+            reward_replicas: 1,
+            engine_replicas: 1,
+            threads_per_worker: 1,
+            colocate_all: false,
+        }
+    }
+}
+
+/// Generation settings (vLLM sampling parameters and batch sizes).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RolloutConfig {
+    /// Prompts per training step (OpenRLHF's `rollout_batch_size`).
+    pub prompts_per_step: usize,
+    /// Samples per prompt (OpenRLHF's `n_samples_per_prompt`).
+    pub n_samples_per_prompt: usize,
+    /// Sampling temperature.
+    pub temperature: f32,
+    /// Nucleus sampling.
+    pub top_p: f32,
+    /// Top-k sampling (absent: off).
+    pub top_k: Option<u32>,
+    /// Generated tokens at most (0: the task's longest answer plus one).
+    pub max_new_tokens: usize,
+    /// Weight-sync bucket size in bytes.
+    pub weight_bucket_bytes: usize,
+}
+
+impl Default for RolloutConfig {
+    fn default() -> Self {
+        Self {
+            prompts_per_step: 16,
+            n_samples_per_prompt: 8,
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: None,
+            max_new_tokens: 0,
+            weight_bucket_bytes: 32 << 20,
+        }
+    }
+}
+
+/// Advantage, KL and loss settings (OpenRLHF v0.11 names and defaults).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AlgoConfig {
+    /// `gae`, `reinforce`, `rloo`, `reinforce_baseline`, `group_norm` (GRPO), `dr_grpo`.
+    pub advantage_estimator: AdvantageEstimator,
+    /// Discount.
+    pub gamma: f64,
+    /// GAE's lambda.
+    pub lambd: f64,
+    /// PPO clip below 1.
+    pub eps_clip_low: f64,
+    /// PPO clip above 1.
+    pub eps_clip_high: f64,
+    /// Value clip of the critic loss.
+    pub value_clip: f64,
+    /// Entropy bonus coefficient (0: off).
+    pub entropy_coef: f64,
+    /// Initial KL coefficient β.
+    pub init_kl_coef: f64,
+    /// KL estimator: `k1`, `k2`, `k3`.
+    pub kl_estimator: KlEstimator,
+    /// KL as a loss term (GRPO style) instead of a per-token reward penalty.
+    pub use_kl_loss: bool,
+    /// Target KL of the adaptive controller; absent: fixed coefficient.
+    pub kl_target: Option<f64>,
+    /// Horizon of the adaptive controller.
+    pub kl_horizon: f64,
+    /// Rewards are clipped to ±this.
+    pub reward_clip: f64,
+}
+
+impl Default for AlgoConfig {
+    fn default() -> Self {
+        Self {
+            advantage_estimator: AdvantageEstimator::Gae,
+            gamma: 1.0,
+            lambd: 1.0,
+            eps_clip_low: 0.2,
+            eps_clip_high: 0.2,
+            value_clip: 0.5,
+            entropy_coef: 0.0,
+            init_kl_coef: 0.01,
+            kl_estimator: KlEstimator::K1,
+            use_kl_loss: false,
+            kl_target: None,
+            kl_horizon: 10_000.0,
+            reward_clip: 10.0,
+        }
+    }
+}
+
+/// Optimisation settings.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TrainLoopConfig {
+    /// Passes over the prompt dataset.
+    pub num_episodes: usize,
+    /// Stop after this many steps (absent: the episodes decide).
+    pub max_steps: Option<u64>,
+    /// Samples per optimizer step, over all DP ranks (OpenRLHF's `train_batch_size`).
+    pub train_batch_size: usize,
+    /// Samples per forward/backward on one rank.
+    pub micro_batch_size: usize,
+    /// Passes over each step's experience.
+    pub max_epochs: usize,
+    /// Actor learning rate.
+    pub actor_lr: f64,
+    /// Critic learning rate.
+    pub critic_lr: f64,
+    /// Learning-rate warm-up steps (optimizer steps).
+    pub lr_warmup_steps: u64,
+    /// Gradient clipping.
+    pub max_grad_norm: f64,
+    /// AdamW weight decay.
+    pub weight_decay: f64,
+    /// Steps during which only the critic trains.
+    pub freezing_actor_steps: u64,
+}
+
+impl Default for TrainLoopConfig {
+    fn default() -> Self {
+        Self {
+            num_episodes: 1,
+            max_steps: None,
+            train_batch_size: 128,
+            micro_batch_size: 32,
+            max_epochs: 1,
+            actor_lr: 1e-6,
+            critic_lr: 9e-6,
+            lr_warmup_steps: 0,
+            max_grad_norm: 1.0,
+            weight_decay: 0.0,
+            freezing_actor_steps: 0,
+        }
+    }
+}
+
+/// Where rewards come from.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RewardConfig {
+    /// `rule` (a built-in rule checking the label), `custom` (a function registered by name),
+    /// `model` (a reward-model role), `remote` (an HTTP URL).
+    pub kind: RewardKind,
+    /// The rule's or custom function's registered name.
+    pub name: String,
+    /// The URL of a remote reward server (`kind: remote`).
+    pub url: Option<String>,
+    /// A Hugging Face directory with a reward model (`kind: model`; a `score.weight` head on
+    /// the policy's architecture).
+    pub model_dir: Option<PathBuf>,
+    /// Reward computations run as this many parallel tasks.
+    pub parallel_tasks: usize,
+}
+
+impl Default for RewardConfig {
+    fn default() -> Self {
+        Self {
+            kind: RewardKind::Rule,
+            name: "char_match".to_owned(),
+            url: None,
+            model_dir: None,
+            parallel_tasks: 1,
+        }
+    }
+}
+
+/// Reward sources.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RewardKind {
+    /// A built-in rule.
+    Rule,
+    /// A function registered with [`crate::reward::REWARD_FUNCTIONS`].
+    Custom,
+    /// A reward model.
+    Model,
+    /// An HTTP reward server.
+    Remote,
+}
+
+/// Held-out evaluation.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct EvalConfig {
+    /// Evaluate every this many steps (0: only at the start and the end).
+    pub every_steps: u64,
+}
+
+impl Default for EvalConfig {
+    fn default() -> Self {
+        Self { every_steps: 10 }
+    }
+}
+
+/// Checkpoints.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CheckpointConfig {
+    /// Save every this many steps (0: never).
+    pub every_steps: u64,
+    /// Resume from the newest checkpoint in the run directory when there is one.
+    pub resume: bool,
+}
+
+impl Default for CheckpointConfig {
+    fn default() -> Self {
+        Self { every_steps: 0, resume: true }
+    }
+}
+
+impl TrainConfig {
+    /// Reads a YAML file and applies `key=value` overrides (dotted keys, YAML values).
+    pub fn load(path: &Path, overrides: &[String]) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| TrainError::io(path, e))?;
+        Self::from_yaml(&text, &path.display().to_string(), overrides)
+    }
+
+    /// Parses YAML text (`file` names it in errors; positions come with its messages), then
+    /// applies overrides on the parsed config's tree, so an override of an unknown key is an
+    /// error as a typo in the file is.
+    pub fn from_yaml(text: &str, file: &str, overrides: &[String]) -> Result<Self> {
+        let file_error =
+            |message: String| TrainError::ConfigFile { file: file.to_owned(), message };
+        let mut config: TrainConfig = if text.trim().is_empty() {
+            TrainConfig::default()
+        } else {
+            serde_saphyr::from_str(text).map_err(|e| file_error(e.to_string()))?
+        };
+        if !overrides.is_empty() {
+            let mut root = serde_json::to_value(&config)
+                .map_err(|e| file_error(format!("config does not serialise: {e}")))?;
+            for item in overrides {
+                apply_override(&mut root, item)?;
+            }
+            config = serde_json::from_value(root).map_err(|e| TrainError::ConfigFile {
+                file: format!("{file} with --set {}", overrides.join(" --set ")),
+                message: e.to_string(),
+            })?;
+        }
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Checks ranges and cross-key constraints.
+    pub fn validate(&self) -> Result<()> {
+        let positive = |key: &str, value: usize| {
+            if value == 0 {
+                Err(TrainError::config(key, "expected at least 1, found 0"))
+            } else {
+                Ok(())
+            }
+        };
+        let t = &self.task;
+        if t.min_digits == 0 || t.min_digits > t.max_digits || t.max_digits > 18 {
+            return Err(TrainError::config(
+                "task.min_digits",
+                format!(
+                    "expected 1 <= min_digits <= max_digits <= 18, found {}..={}",
+                    t.min_digits, t.max_digits
+                ),
+            ));
+        }
+        positive("task.train_size", t.train_size)?;
+        positive("task.eval_size", t.eval_size)?;
+        let m = &self.model;
+        if m.hidden_size <= 0 || m.num_heads <= 0 || m.hidden_size % m.num_heads != 0 {
+            return Err(TrainError::config(
+                "model.hidden_size",
+                format!(
+                    "expected a positive multiple of model.num_heads={}, found {}",
+                    m.num_heads, m.hidden_size
+                ),
+            ));
+        }
+        if m.num_kv_heads <= 0 || m.num_heads % m.num_kv_heads != 0 {
+            return Err(TrainError::config(
+                "model.num_kv_heads",
+                format!(
+                    "expected a divisor of model.num_heads={}, found {}",
+                    m.num_heads, m.num_kv_heads
+                ),
+            ));
+        }
+        if m.num_layers <= 0 || m.intermediate_size <= 0 {
+            return Err(TrainError::config(
+                "model.num_layers",
+                "expected num_layers and intermediate_size above 0",
+            ));
+        }
+        positive("warmup.batch_size", self.warmup.batch_size)?;
+        if self.cluster.num_gpus < 0.0 {
+            return Err(TrainError::config(
+                "cluster.num_gpus",
+                format!("expected >= 0, found {}", self.cluster.num_gpus),
+            ));
+        }
+        positive("cluster.actor_replicas", self.cluster.actor_replicas)?;
+        positive("cluster.ref_replicas", self.cluster.ref_replicas)?;
+        positive("cluster.critic_replicas", self.cluster.critic_replicas)?;
+        positive("cluster.reward_replicas", self.cluster.reward_replicas)?;
+        positive("cluster.engine_replicas", self.cluster.engine_replicas)?;
+        if self.cluster.threads_per_worker < 1 {
+            return Err(TrainError::config(
+                "cluster.threads_per_worker",
+                format!("expected at least 1, found {}", self.cluster.threads_per_worker),
+            ));
+        }
+        let r = &self.rollout;
+        positive("rollout.prompts_per_step", r.prompts_per_step)?;
+        positive("rollout.n_samples_per_prompt", r.n_samples_per_prompt)?;
+        positive("rollout.weight_bucket_bytes", r.weight_bucket_bytes)?;
+        if !(r.temperature.is_finite() && r.temperature >= 0.0) {
+            return Err(TrainError::config(
+                "rollout.temperature",
+                format!("expected a finite number >= 0, found {}", r.temperature),
+            ));
+        }
+        if !(r.top_p > 0.0 && r.top_p <= 1.0) {
+            return Err(TrainError::config(
+                "rollout.top_p",
+                format!("expected a number in (0, 1], found {}", r.top_p),
+            ));
+        }
+        let a = &self.algo;
+        if a.advantage_estimator.is_group_baseline() && r.n_samples_per_prompt < 2 {
+            return Err(TrainError::config(
+                "rollout.n_samples_per_prompt",
+                format!(
+                    "expected at least 2 samples per prompt for advantage_estimator `{}` (a group baseline), found {}",
+                    a.advantage_estimator, r.n_samples_per_prompt
+                ),
+            ));
+        }
+        for (key, value) in [("algo.gamma", a.gamma), ("algo.lambd", a.lambd)] {
+            if !(0.0..=1.0).contains(&value) {
+                return Err(TrainError::config(
+                    key,
+                    format!("expected a number in [0, 1], found {value}"),
+                ));
+            }
+        }
+        for (key, value) in [
+            ("algo.eps_clip_low", a.eps_clip_low),
+            ("algo.eps_clip_high", a.eps_clip_high),
+            ("algo.value_clip", a.value_clip),
+            ("algo.entropy_coef", a.entropy_coef),
+            ("algo.init_kl_coef", a.init_kl_coef),
+            ("algo.reward_clip", a.reward_clip),
+            ("train.actor_lr", self.train.actor_lr),
+            ("train.critic_lr", self.train.critic_lr),
+            ("train.max_grad_norm", self.train.max_grad_norm),
+            ("train.weight_decay", self.train.weight_decay),
+            ("warmup.lr", self.warmup.lr),
+        ] {
+            if !(value.is_finite() && value >= 0.0) {
+                return Err(TrainError::config(
+                    key,
+                    format!("expected a finite number >= 0, found {value}"),
+                ));
+            }
+        }
+        if let Some(target) = a.kl_target
+            && !(target.is_finite() && target > 0.0)
+        {
+            return Err(TrainError::config(
+                "algo.kl_target",
+                format!("expected a number above 0, found {target}"),
+            ));
+        }
+        if !(a.kl_horizon.is_finite() && a.kl_horizon > 0.0) {
+            return Err(TrainError::config(
+                "algo.kl_horizon",
+                format!("expected a number above 0, found {}", a.kl_horizon),
+            ));
+        }
+        let tr = &self.train;
+        positive("train.num_episodes", tr.num_episodes)?;
+        positive("train.micro_batch_size", tr.micro_batch_size)?;
+        positive("train.max_epochs", tr.max_epochs)?;
+        let samples = r.prompts_per_step * r.n_samples_per_prompt;
+        if tr.train_batch_size == 0 || !samples.is_multiple_of(tr.train_batch_size) {
+            return Err(TrainError::config(
+                "train.train_batch_size",
+                format!(
+                    "expected a divisor of rollout.prompts_per_step × n_samples_per_prompt = {samples}, found {}",
+                    tr.train_batch_size
+                ),
+            ));
+        }
+        match self.reward.kind {
+            RewardKind::Remote if self.reward.url.is_none() => {
+                return Err(TrainError::config(
+                    "reward.url",
+                    "expected a URL for reward.kind `remote`, found none",
+                ));
+            }
+            RewardKind::Model if self.reward.model_dir.is_none() => {
+                return Err(TrainError::config(
+                    "reward.model_dir",
+                    "expected a reward-model directory for reward.kind `model`, found none",
+                ));
+            }
+            RewardKind::Rule | RewardKind::Custom
+                if crate::reward::find_reward_function(&self.reward.name).is_none() =>
+            {
+                return Err(TrainError::config(
+                    "reward.name",
+                    format!(
+                        "expected one of the registered reward functions {:?}, found `{}`",
+                        crate::reward::reward_function_names(),
+                        self.reward.name
+                    ),
+                ));
+            }
+            _ => {}
+        }
+        positive("reward.parallel_tasks", self.reward.parallel_tasks)?;
+        Ok(())
+    }
+
+    /// Generated tokens at most per sample.
+    pub fn max_new_tokens(&self) -> usize {
+        if self.rollout.max_new_tokens == 0 {
+            self.task.max_answer_tokens() + 1
+        } else {
+            self.rollout.max_new_tokens
+        }
+    }
+}
+
+/// Sets `a.b.c=value` in the config tree; the value is parsed as YAML (`3`, `true`, `[1, 2]`,
+/// text).
+fn apply_override(root: &mut serde_json::Value, item: &str) -> Result<()> {
+    let (key, value) = item
+        .split_once('=')
+        .ok_or_else(|| TrainError::config(item, "expected `--set key=value`, found no `=`"))?;
+    let key = key.trim();
+    if key.is_empty() || key.split('.').any(str::is_empty) {
+        return Err(TrainError::config(key, "expected a dotted key such as `train.actor_lr`"));
+    }
+    let value: serde_json::Value = serde_saphyr::from_str(value).map_err(|e| {
+        TrainError::config(key, format!("expected a YAML value, found `{value}` ({e})"))
+    })?;
+    let mut node = root;
+    let parts: Vec<&str> = key.split('.').collect();
+    for (i, part) in parts.iter().enumerate() {
+        let map = node.as_object_mut().ok_or_else(|| {
+            TrainError::config(
+                key,
+                format!("expected `{}` to be a section, found a value", parts[..i].join(".")),
+            )
+        })?;
+        if i + 1 == parts.len() {
+            map.insert((*part).to_owned(), value);
+            return Ok(());
+        }
+        node = map
+            .entry((*part).to_owned())
+            .or_insert_with(|| serde_json::Value::Object(Default::default()));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn empty_file_gives_openrlhf_defaults() {
+        let c = TrainConfig::from_yaml("", "x.yaml", &[]).unwrap();
+        assert_eq!(c.algo.eps_clip_low, 0.2);
+        assert_eq!(c.algo.value_clip, 0.5);
+        assert_eq!(c.algo.init_kl_coef, 0.01);
+        assert_eq!(c.algo.kl_estimator, KlEstimator::K1);
+        assert_eq!(c.algo.advantage_estimator, AdvantageEstimator::Gae);
+        assert_eq!(c.train.actor_lr, 1e-6);
+        assert_eq!(c.train.critic_lr, 9e-6);
+    }
+
+    #[test]
+    fn overrides_set_nested_keys_with_yaml_values() {
+        let c = TrainConfig::from_yaml(
+            "train:\n  actor_lr: 0.001\n",
+            "x.yaml",
+            &[
+                "train.actor_lr=0.002".into(),
+                "algo.advantage_estimator=group_norm".into(),
+                "algo.kl_target=0.1".into(),
+            ],
+        )
+        .unwrap();
+        assert_eq!(c.train.actor_lr, 0.002);
+        assert_eq!(c.algo.advantage_estimator, AdvantageEstimator::GroupNorm);
+        assert_eq!(c.algo.kl_target, Some(0.1));
+    }
+
+    #[test]
+    fn bad_configs_name_the_key() {
+        let err = |yaml: &str, sets: &[&str]| {
+            let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+            TrainConfig::from_yaml(yaml, "bad.yaml", &sets).unwrap_err().to_string()
+        };
+        assert!(err("train:\n  actor_lrr: 1\n", &[]).contains("actor_lrr"));
+        assert!(err("", &["rollout.top_p=0"]).contains("rollout.top_p"));
+        assert!(
+            err("", &["rollout.n_samples_per_prompt=1", "algo.advantage_estimator=group_norm"])
+                .contains("rollout.n_samples_per_prompt")
+        );
+        assert!(err("", &["train.train_batch_size=7"]).contains("train.train_batch_size"));
+        assert!(err("", &["reward.name=nope"]).contains("reward.name"));
+        assert!(err("", &["reward.kind=remote"]).contains("reward.url"));
+        assert!(err("", &["noequals"]).contains("no `="));
+        assert!(err("seed: 1\n", &["seed.x=1"]).contains("`seed` to be a section"));
+        assert!(err("algo: [1, 2]\n", &[]).contains("bad.yaml"));
+        assert!(err("", &["algo.kl_estimator=k9"]).contains("k9"));
+        assert!(err("", &["model.num_kv_heads=3"]).contains("model.num_kv_heads"));
+        assert!(err("", &["task.min_digits=0"]).contains("task.min_digits"));
+        assert!(err("", &["algo.gamma=1.5"]).contains("algo.gamma"));
+    }
+
+    #[test]
+    fn shipped_examples_parse() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy/examples/rlhf");
+        for name in ["grpo.yaml", "ppo.yaml"] {
+            TrainConfig::load(&root.join(name), &[]).unwrap_or_else(|e| panic!("{name}: {e}"));
+        }
+    }
+}

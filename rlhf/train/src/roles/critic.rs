@@ -1,0 +1,334 @@
+//! The critic role (values per response token, trained with the clipped value loss) and the
+//! reward-model role (a scalar at the last real token), both on the scalar-head model.
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+use tch::Kind;
+
+use rtrun_rlhf_model::ScalarHeadModel;
+use rtrun_rlhf_model::train::{AdamW, OptimizerConfig};
+
+use crate::algo::{self, LossAggregation};
+use crate::experience::{ExperienceRow, Sequence, pad_rows, response_batch, unpad_rows};
+use crate::roles::{DpComm, WorkerSetup};
+
+/// Constructor argument of [`CriticWorker`].
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct CriticWorkerConfig {
+    /// Process setup.
+    pub setup: WorkerSetup,
+    /// A causal-LM or scalar-head checkpoint (a fresh head is drawn when it has none).
+    pub model_dir: PathBuf,
+    /// Optimizer settings.
+    pub optimizer: OptimizerConfig,
+    /// Value clip.
+    pub value_clip: f64,
+    /// Sequences per forward/backward.
+    pub micro_batch_size: usize,
+    /// Seed of a fresh head.
+    pub seed: u64,
+}
+
+/// What one critic training call did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct CriticTrainStats {
+    /// Clipped value loss.
+    pub value_loss: f64,
+    /// Gradient norm before clipping.
+    pub grad_norm: f64,
+    /// Learning rate.
+    pub lr: f64,
+}
+
+/// A critic rank.
+pub struct CriticWorker {
+    state: std::sync::Mutex<CriticWorkerState>,
+}
+
+/// The tensors and settings of a [`CriticWorker`].
+struct CriticWorkerState {
+    setup: WorkerSetup,
+    model: ScalarHeadModel,
+    optimizer: AdamW,
+    value_clip: f64,
+    micro_batch_size: usize,
+    comm: DpComm,
+}
+
+fn to_string_error(e: impl std::fmt::Display) -> String {
+    e.to_string()
+}
+
+impl CriticWorkerState {
+    /// Loads the critic.
+    fn create(config: CriticWorkerConfig) -> Result<CriticWorkerState, String> {
+        config.setup.apply();
+        let model = ScalarHeadModel::from_pretrained(
+            &config.model_dir,
+            config.setup.device(),
+            Kind::Float,
+            config.seed,
+        )
+        .map_err(|e| format!("loading {}: {e}", config.model_dir.display()))?;
+        let optimizer =
+            AdamW::new(model.named_parameters(), config.optimizer).map_err(to_string_error)?;
+        Ok(CriticWorkerState {
+            setup: config.setup,
+            model,
+            optimizer,
+            value_clip: config.value_clip,
+            micro_batch_size: config.micro_batch_size.max(1),
+            comm: DpComm::default(),
+        })
+    }
+
+    /// Values of the states before each response token.
+    pub fn values(&self, sequences: Vec<Sequence>) -> Result<Vec<Vec<f32>>, String> {
+        let run = || -> crate::Result<Vec<Vec<f32>>> {
+            let mut out = Vec::with_capacity(sequences.len());
+            tch::no_grad(|| -> crate::Result<()> {
+                for chunk in sequences.chunks(self.micro_batch_size) {
+                    let refs: Vec<&Sequence> = chunk.iter().collect();
+                    let batch = response_batch(&refs, self.model.params.device())?;
+                    let values = self.model.action_values(&batch)?;
+                    let lengths: Vec<usize> = chunk.iter().map(|s| s.response_ids.len()).collect();
+                    out.extend(unpad_rows(&values, &lengths)?);
+                }
+                Ok(())
+            })?;
+            Ok(out)
+        };
+        run().map_err(to_string_error)
+    }
+
+    /// One optimizer step of the clipped value loss on this rank's share of a mini-batch.
+    pub fn train(
+        &mut self,
+        rows: Vec<ExperienceRow>,
+        global_tokens: usize,
+    ) -> Result<CriticTrainStats, String> {
+        self.train_impl(&rows, global_tokens).map_err(to_string_error)
+    }
+
+    /// Saves the critic and its optimizer state.
+    pub fn save_checkpoint(&self, dir: PathBuf) -> Result<(), String> {
+        let run = || -> rtrun_rlhf_model::Result<()> {
+            self.model.save_pretrained(&dir, &Default::default())?;
+            self.optimizer.save(&dir.join(rtrun_rlhf_model::train::OPTIMIZER_FILE))
+        };
+        run().map_err(|e| format!("saving {}: {e}", dir.display()))
+    }
+
+    /// Loads what [`CriticWorker::save_checkpoint`] saved.
+    pub fn load_checkpoint(&mut self, dir: PathBuf) -> Result<(), String> {
+        let run = || -> rtrun_rlhf_model::Result<()> {
+            let loaded =
+                ScalarHeadModel::from_pretrained(&dir, self.model.params.device(), Kind::Float, 0)?;
+            tch::no_grad(|| -> rtrun_rlhf_model::Result<()> {
+                for (name, value) in loaded.named_parameters() {
+                    self.model.params.copy_into(name, value)?;
+                }
+                Ok(())
+            })?;
+            self.optimizer.load(&dir.join(rtrun_rlhf_model::train::OPTIMIZER_FILE))
+        };
+        let mut run = run;
+        run().map_err(|e| format!("loading {}: {e}", dir.display()))
+    }
+
+    /// Marks training state offloaded (see [`crate::roles::lm::LmWorker::offload`]).
+    pub fn offload(&mut self) -> Result<(), String> {
+        self.setup.offloaded = true;
+        Ok(())
+    }
+
+    /// Marks training state back on the device.
+    pub fn onload(&mut self) -> Result<(), String> {
+        self.setup.offloaded = false;
+        Ok(())
+    }
+}
+#[rtrun::actor(pub)]
+impl CriticWorker {
+    /// Loads the critic.
+    pub fn new(config: CriticWorkerConfig) -> Result<Self, String> {
+        CriticWorkerState::create(config)
+            .map(|state| CriticWorker { state: std::sync::Mutex::new(state) })
+    }
+
+    /// Values of the states before each response token.
+    pub fn values(&self, sequences: Vec<Sequence>) -> Result<Vec<Vec<f32>>, String> {
+        self.state().values(sequences)
+    }
+
+    /// One optimizer step of the clipped value loss on this rank's share of a mini-batch.
+    pub fn train(
+        &mut self,
+        rows: Vec<ExperienceRow>,
+        global_tokens: usize,
+    ) -> Result<CriticTrainStats, String> {
+        self.state().train(rows, global_tokens)
+    }
+
+    /// Saves the critic and its optimizer state.
+    pub fn save_checkpoint(&self, dir: PathBuf) -> Result<(), String> {
+        self.state().save_checkpoint(dir)
+    }
+
+    /// Loads what `save_checkpoint` saved.
+    pub fn load_checkpoint(&mut self, dir: PathBuf) -> Result<(), String> {
+        self.state().load_checkpoint(dir)
+    }
+
+    /// Marks training state offloaded.
+    pub fn offload(&mut self) -> Result<(), String> {
+        self.state().offload()
+    }
+
+    /// Marks training state back on the device.
+    pub fn onload(&mut self) -> Result<(), String> {
+        self.state().onload()
+    }
+}
+
+/// Tensors are `Send` but not `Sync`, and the runtime shares an actor between its executor
+/// threads, so the state sits behind a mutex (uncontended: the runtime runs one call at a time
+/// unless `max_concurrency` says otherwise).
+impl CriticWorker {
+    fn state(&self) -> std::sync::MutexGuard<'_, CriticWorkerState> {
+        // A panic inside a call cannot leave the tensors half-updated in a way the next call
+        // would not report, so a poisoned lock is taken over.
+        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+impl CriticWorkerState {
+    fn train_impl(
+        &mut self,
+        rows: &[ExperienceRow],
+        global_tokens: usize,
+    ) -> crate::Result<CriticTrainStats> {
+        let device = self.model.params.device();
+        let dp_size = rtrun::context()?.group.map(|g| g.world_size).unwrap_or(1);
+        let aggregation = LossAggregation::GlobalTokenMean {
+            batch_num_tokens: global_tokens.max(1) as f64,
+            dp_size,
+        };
+        self.optimizer.zero_grad();
+        let mut stats = CriticTrainStats::default();
+        for chunk in rows.chunks(self.micro_batch_size) {
+            let sequences: Vec<&Sequence> = chunk.iter().map(|r| &r.sequence).collect();
+            let batch = response_batch(&sequences, device)?;
+            let width = batch.num_actions()?;
+            let column = |f: fn(&ExperienceRow) -> &[f32]| -> crate::Result<tch::Tensor> {
+                let rows: Vec<&[f32]> = chunk.iter().map(f).collect();
+                pad_rows(&rows, width, device)
+            };
+            let old_values = column(|r| &r.values)?;
+            let returns = column(|r| &r.returns)?;
+            let mask = batch.action_mask.f_to_kind(Kind::Float)?;
+            let values = self.model.action_values(&batch)?;
+            let loss = algo::value_loss(
+                &values,
+                &old_values,
+                &returns,
+                &mask,
+                Some(self.value_clip),
+                aggregation,
+            )?;
+            stats.value_loss += loss.f_double_value(&[])?;
+            loss.f_backward()?;
+        }
+        let params: Vec<tch::Tensor> =
+            self.model.named_parameters().map(|(_, t)| t.shallow_clone()).collect();
+        self.comm.all_reduce(&params, &self.setup.role)?;
+        let step = self.optimizer.step()?;
+        stats.grad_norm = step.grad_norm;
+        stats.lr = step.lr;
+        Ok(stats)
+    }
+}
+
+/// Constructor argument of [`RewardModelWorker`].
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RewardModelConfig {
+    /// Process setup.
+    pub setup: WorkerSetup,
+    /// A scalar-head checkpoint.
+    pub model_dir: PathBuf,
+    /// Sequences per forward.
+    pub micro_batch_size: usize,
+}
+
+/// A reward-model rank (OpenRLHF's model-based reward).
+pub struct RewardModelWorker {
+    state: std::sync::Mutex<RewardModelWorkerState>,
+}
+
+/// The tensors and settings of a [`RewardModelWorker`].
+struct RewardModelWorkerState {
+    model: ScalarHeadModel,
+    micro_batch_size: usize,
+}
+
+impl RewardModelWorkerState {
+    /// Loads the reward model.
+    fn create(config: RewardModelConfig) -> Result<RewardModelWorkerState, String> {
+        config.setup.apply();
+        let model = ScalarHeadModel::from_pretrained(
+            &config.model_dir,
+            config.setup.device(),
+            Kind::Float,
+            0,
+        )
+        .map_err(|e| format!("loading {}: {e}", config.model_dir.display()))?;
+        model.params.set_requires_grad(false).map_err(to_string_error)?;
+        Ok(RewardModelWorkerState { model, micro_batch_size: config.micro_batch_size.max(1) })
+    }
+
+    /// The score of each full sequence (read at its last real token).
+    pub fn rewards(&self, sequences: Vec<Sequence>) -> Result<Vec<f32>, String> {
+        let run = || -> crate::Result<Vec<f32>> {
+            let mut out = Vec::with_capacity(sequences.len());
+            tch::no_grad(|| -> crate::Result<()> {
+                for chunk in sequences.chunks(self.micro_batch_size) {
+                    let refs: Vec<&Sequence> = chunk.iter().collect();
+                    let batch = response_batch(&refs, self.model.params.device())?;
+                    let scores = self.model.rewards(&batch.input_ids, &batch.attention_mask)?;
+                    out.extend(Vec::<f32>::try_from(
+                        scores.f_to_kind(Kind::Float)?.f_to_device(tch::Device::Cpu)?,
+                    )?);
+                }
+                Ok(())
+            })?;
+            Ok(out)
+        };
+        run().map_err(to_string_error)
+    }
+}
+
+#[rtrun::actor(pub)]
+impl RewardModelWorker {
+    /// Loads the reward model.
+    pub fn new(config: RewardModelConfig) -> Result<Self, String> {
+        RewardModelWorkerState::create(config)
+            .map(|state| RewardModelWorker { state: std::sync::Mutex::new(state) })
+    }
+
+    /// The score of each full sequence (read at its last real token).
+    pub fn rewards(&self, sequences: Vec<Sequence>) -> Result<Vec<f32>, String> {
+        self.state().rewards(sequences)
+    }
+}
+
+/// Tensors are `Send` but not `Sync`, and the runtime shares an actor between its executor
+/// threads, so the state sits behind a mutex (uncontended: the runtime runs one call at a time
+/// unless `max_concurrency` says otherwise).
+impl RewardModelWorker {
+    fn state(&self) -> std::sync::MutexGuard<'_, RewardModelWorkerState> {
+        // A panic inside a call cannot leave the tensors half-updated in a way the next call
+        // would not report, so a poisoned lock is taken over.
+        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}

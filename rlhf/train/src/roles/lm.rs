@@ -1,0 +1,371 @@
+//! The policy (`actor`) and reference (`ref`) role actors: one causal LM per DP rank.
+//!
+//! The reference rank only computes log-probs. A policy rank also trains: PPO clipped loss over
+//! micro-batches with gradient accumulation, the gradients all-reduced (mean) across the DP ranks
+//! of its group with the runtime's collective, then one AdamW step; and it serves its weights in
+//! buckets for the engines.
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+use tch::{Device, Kind, Tensor};
+
+use rtrun_rlhf_model::CausalLm;
+use rtrun_rlhf_model::train::{AdamW, OptimizerConfig};
+
+use crate::algo::{self, ClipConfig, KlEstimator, LossAggregation};
+use crate::experience::{ExperienceRow, Sequence, pad_rows, response_batch, unpad_rows};
+use crate::roles::{DpComm, WorkerSetup};
+use rtrun_rlhf_engine::WeightBucket;
+
+/// How a policy rank computes its loss.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PolicyLossConfig {
+    /// PPO clip range.
+    pub clip: ClipConfig,
+    /// Entropy bonus coefficient.
+    pub entropy_coef: f64,
+    /// KL to the reference model as a loss term.
+    pub use_kl_loss: bool,
+    /// KL estimator of the loss term.
+    pub kl_estimator: KlEstimator,
+    /// Sequences per forward/backward.
+    pub micro_batch_size: usize,
+}
+
+/// Constructor argument of [`LmWorker`].
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct LmWorkerConfig {
+    /// Process setup (role name, threads, device).
+    pub setup: WorkerSetup,
+    /// Hugging Face directory to load.
+    pub model_dir: PathBuf,
+    /// Optimizer settings; `None` makes a frozen (reference) rank.
+    pub optimizer: Option<OptimizerConfig>,
+    /// Loss settings (policy ranks).
+    pub loss: PolicyLossConfig,
+}
+
+/// What one policy training call did (means over micro-batches, this rank).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct PolicyTrainStats {
+    /// PPO policy loss.
+    pub policy_loss: f64,
+    /// Fraction of tokens whose ratio was clipped.
+    pub clip_fraction: f64,
+    /// Approximate KL between the new and the old policy.
+    pub approx_kl: f64,
+    /// KL to the reference (when computed).
+    pub ref_kl: f64,
+    /// Mean token entropy.
+    pub entropy: f64,
+    /// Gradient norm before clipping (after the all-reduce).
+    pub grad_norm: f64,
+    /// Learning rate of the step.
+    pub lr: f64,
+}
+
+/// A policy or reference rank.
+pub struct LmWorker {
+    state: std::sync::Mutex<LmWorkerState>,
+}
+
+/// The tensors and settings of a [`LmWorker`].
+struct LmWorkerState {
+    setup: WorkerSetup,
+    model: CausalLm,
+    optimizer: Option<AdamW>,
+    loss: PolicyLossConfig,
+    comm: DpComm,
+}
+
+fn to_string_error(e: impl std::fmt::Display) -> String {
+    e.to_string()
+}
+
+impl LmWorkerState {
+    /// Loads the model; a config with an optimizer makes a trainable rank.
+    fn create(config: LmWorkerConfig) -> Result<LmWorkerState, String> {
+        config.setup.apply();
+        let device = config.setup.device();
+        let model = CausalLm::from_pretrained(&config.model_dir, device, Kind::Float)
+            .map_err(|e| format!("loading {}: {e}", config.model_dir.display()))?;
+        let optimizer = match &config.optimizer {
+            Some(o) => {
+                Some(AdamW::new(model.named_parameters(), o.clone()).map_err(to_string_error)?)
+            }
+            None => {
+                model.params.set_requires_grad(false).map_err(to_string_error)?;
+                None
+            }
+        };
+        Ok(LmWorkerState {
+            setup: config.setup,
+            model,
+            optimizer,
+            loss: config.loss,
+            comm: DpComm::default(),
+        })
+    }
+
+    /// Log-probs of every response token, one vector per sequence (no gradients).
+    pub fn log_probs(&self, sequences: Vec<Sequence>) -> Result<Vec<Vec<f32>>, String> {
+        self.log_probs_impl(&sequences).map_err(to_string_error)
+    }
+
+    /// One optimizer step on this rank's share of a global mini-batch of `global_tokens`
+    /// response tokens (every rank of the group must be called with its share, since the
+    /// gradients are all-reduced).
+    pub fn train(
+        &mut self,
+        rows: Vec<ExperienceRow>,
+        kl_coef: f64,
+        global_tokens: usize,
+    ) -> Result<PolicyTrainStats, String> {
+        self.train_impl(&rows, kl_coef, global_tokens).map_err(to_string_error)
+    }
+
+    /// The weights (Hugging Face names, f32) in buckets of at most `bucket_bytes`, each put
+    /// into the object store by this rank; engines resolve the references themselves, so the
+    /// bytes go from this worker to each engine without passing through the driver.
+    pub fn weight_buckets(
+        &self,
+        bucket_bytes: usize,
+    ) -> Result<Vec<rtrun::ObjectRef<WeightBucket>>, String> {
+        // f32 as trained: the engines' weights must equal the policy's bit for bit (the run
+        // logs the engine/policy log-prob gap every step).
+        let buckets =
+            WeightBucket::split_model(&self.model, bucket_bytes, None).map_err(to_string_error)?;
+        buckets.iter().map(|b| rtrun::put(b).map_err(to_string_error)).collect()
+    }
+
+    /// Saves the model (Hugging Face layout) and, for a policy rank, the optimizer state.
+    pub fn save_checkpoint(&self, dir: PathBuf) -> Result<(), String> {
+        match &self.optimizer {
+            Some(opt) => rtrun_rlhf_model::train::save_training_checkpoint(
+                &dir,
+                &self.model,
+                opt,
+                &Default::default(),
+            ),
+            None => self.model.save_pretrained(&dir, &Default::default()),
+        }
+        .map_err(|e| format!("saving {}: {e}", dir.display()))
+    }
+
+    /// Loads weights and optimizer state saved by [`LmWorker::save_checkpoint`].
+    pub fn load_checkpoint(&mut self, dir: PathBuf) -> Result<(), String> {
+        match &mut self.optimizer {
+            Some(opt) => {
+                rtrun_rlhf_model::train::load_training_checkpoint(&dir, &self.model.params, opt)
+            }
+            None => CausalLm::from_pretrained(&dir, self.model.params.device(), Kind::Float)
+                .map(|loaded| self.model = loaded),
+        }
+        .map_err(|e| format!("loading {}: {e}", dir.display()))
+    }
+
+    /// Moves parameters and optimizer state to host memory (hybrid engine: while the engines
+    /// generate). On a CPU-only run the tensors already live in host memory and stay put.
+    pub fn offload(&mut self) -> Result<(), String> {
+        self.setup.offloaded = true;
+        self.move_to(Device::Cpu).map_err(to_string_error)
+    }
+
+    /// Brings parameters and optimizer state back to the training device.
+    pub fn onload(&mut self) -> Result<(), String> {
+        self.setup.offloaded = false;
+        let device = self.setup.device();
+        self.move_to(device).map_err(to_string_error)
+    }
+
+    /// Whether training state is offloaded now.
+    pub fn is_offloaded(&self) -> bool {
+        self.setup.offloaded
+    }
+}
+#[rtrun::actor(pub)]
+impl LmWorker {
+    /// Loads the model; a config with an optimizer makes a trainable rank.
+    pub fn new(config: LmWorkerConfig) -> Result<Self, String> {
+        LmWorkerState::create(config).map(|state| LmWorker { state: std::sync::Mutex::new(state) })
+    }
+
+    /// Log-probs of every response token, one vector per sequence (no gradients).
+    pub fn log_probs(&self, sequences: Vec<Sequence>) -> Result<Vec<Vec<f32>>, String> {
+        self.state().log_probs(sequences)
+    }
+
+    /// One optimizer step on this rank's share of a global mini-batch of `global_tokens` response
+    /// tokens (every rank of the group must be called with its share: gradients are all-reduced).
+    pub fn train(
+        &mut self,
+        rows: Vec<ExperienceRow>,
+        kl_coef: f64,
+        global_tokens: usize,
+    ) -> Result<PolicyTrainStats, String> {
+        self.state().train(rows, kl_coef, global_tokens)
+    }
+
+    /// The weights in buckets of at most `bucket_bytes`, put into the object store by this rank.
+    pub fn weight_buckets(
+        &self,
+        bucket_bytes: usize,
+    ) -> Result<Vec<rtrun::ObjectRef<WeightBucket>>, String> {
+        self.state().weight_buckets(bucket_bytes)
+    }
+
+    /// Saves the model and, for a policy rank, the optimizer state.
+    pub fn save_checkpoint(&self, dir: PathBuf) -> Result<(), String> {
+        self.state().save_checkpoint(dir)
+    }
+
+    /// Loads what `save_checkpoint` saved.
+    pub fn load_checkpoint(&mut self, dir: PathBuf) -> Result<(), String> {
+        self.state().load_checkpoint(dir)
+    }
+
+    /// Offloads training state to host memory (hybrid engine, while the engines generate).
+    pub fn offload(&mut self) -> Result<(), String> {
+        self.state().offload()
+    }
+
+    /// Brings training state back to the training device.
+    pub fn onload(&mut self) -> Result<(), String> {
+        self.state().onload()
+    }
+
+    /// Whether training state is offloaded now.
+    pub fn is_offloaded(&self) -> bool {
+        self.state().is_offloaded()
+    }
+}
+
+/// Tensors are `Send` but not `Sync`, and the runtime shares an actor between its executor
+/// threads, so the state sits behind a mutex (uncontended: the runtime runs one call at a time
+/// unless `max_concurrency` says otherwise).
+impl LmWorker {
+    fn state(&self) -> std::sync::MutexGuard<'_, LmWorkerState> {
+        // A panic inside a call cannot leave the tensors half-updated in a way the next call
+        // would not report, so a poisoned lock is taken over.
+        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+impl LmWorkerState {
+    fn move_to(&mut self, device: Device) -> crate::Result<()> {
+        if self.model.params.device() == device {
+            return Ok(());
+        }
+        Err(crate::TrainError::role(
+            &self.setup.role,
+            format!(
+                "moving between devices needs CUDA; parameters are on {:?}",
+                self.model.params.device()
+            ),
+        ))
+    }
+
+    fn log_probs_impl(&self, sequences: &[Sequence]) -> crate::Result<Vec<Vec<f32>>> {
+        let mut out = Vec::with_capacity(sequences.len());
+        let micro = self.loss.micro_batch_size.max(1);
+        tch::no_grad(|| -> crate::Result<()> {
+            for chunk in sequences.chunks(micro) {
+                let refs: Vec<&Sequence> = chunk.iter().collect();
+                let batch = response_batch(&refs, self.model.params.device())?;
+                let log_probs = self.model.response_log_probs(&batch)?;
+                let lengths: Vec<usize> = chunk.iter().map(|s| s.response_ids.len()).collect();
+                out.extend(unpad_rows(&log_probs, &lengths)?);
+            }
+            Ok(())
+        })?;
+        Ok(out)
+    }
+
+    fn train_impl(
+        &mut self,
+        rows: &[ExperienceRow],
+        kl_coef: f64,
+        global_tokens: usize,
+    ) -> crate::Result<PolicyTrainStats> {
+        let role = self.setup.role.clone();
+        let optimizer = self
+            .optimizer
+            .as_mut()
+            .ok_or_else(|| crate::TrainError::role(&role, "this rank is frozen (no optimizer)"))?;
+        let device = self.model.params.device();
+        let dp_size = rtrun::context()?.group.map(|g| g.world_size).unwrap_or(1);
+        // OpenRLHF's token-level loss over the global mini-batch: each micro-batch's token sum
+        // divided by the global token count (times dp_size, undone by the gradient mean).
+        let aggregation = LossAggregation::GlobalTokenMean {
+            batch_num_tokens: global_tokens.max(1) as f64,
+            dp_size,
+        };
+        let clip = self.loss.clip.clone();
+        optimizer.zero_grad();
+        let local_tokens: usize = rows.iter().map(|r| r.sequence.response_ids.len()).sum();
+        let mut stats = PolicyTrainStats::default();
+        for chunk in rows.chunks(self.loss.micro_batch_size.max(1)) {
+            let sequences: Vec<&Sequence> = chunk.iter().map(|r| &r.sequence).collect();
+            let batch = response_batch(&sequences, device)?;
+            let width = batch.num_actions()?;
+            let column = |f: fn(&ExperienceRow) -> &[f32]| -> crate::Result<Tensor> {
+                let rows: Vec<&[f32]> = chunk.iter().map(f).collect();
+                pad_rows(&rows, width, device)
+            };
+            let old_log_probs = column(|r| &r.old_log_probs)?;
+            let advantages = column(|r| &r.advantages)?;
+            let mask = batch.action_mask.f_to_kind(Kind::Float)?;
+            let logits = self.model.response_logits(&batch)?;
+            let log_probs =
+                rtrun_rlhf_model::logprobs::token_log_probs(&logits, &batch.response_ids()?)?
+                    .f_mul(&mask)?;
+            let out = algo::policy_loss(
+                &log_probs,
+                &old_log_probs,
+                &advantages,
+                &mask,
+                &clip,
+                aggregation,
+            )?;
+            let chunk_tokens: usize = chunk.iter().map(|r| r.sequence.response_ids.len()).sum();
+            let share = chunk_tokens as f64 / local_tokens.max(1) as f64;
+            let mut loss = out.loss.shallow_clone();
+            if self.loss.entropy_coef > 0.0 {
+                let entropy = algo::masked_entropy(&logits, &mask, aggregation)?;
+                loss = loss.f_sub(&entropy.f_mul_scalar(self.loss.entropy_coef)?)?;
+                let mean =
+                    algo::masked_entropy(&logits.f_detach()?, &mask, LossAggregation::TokenMean)?;
+                stats.entropy += mean.f_double_value(&[])? * share;
+            }
+            if self.loss.use_kl_loss {
+                let ref_log_probs = column(|r| &r.ref_log_probs)?;
+                let kl = algo::kl_loss(
+                    &log_probs,
+                    &ref_log_probs,
+                    &mask,
+                    self.loss.kl_estimator,
+                    aggregation,
+                )?;
+                loss = loss.f_add(&kl.f_mul_scalar(kl_coef)?)?;
+                let mean = algo::kl_loss(
+                    &log_probs.f_detach()?,
+                    &ref_log_probs,
+                    &mask,
+                    self.loss.kl_estimator,
+                    LossAggregation::TokenMean,
+                )?;
+                stats.ref_kl += mean.f_double_value(&[])? * share;
+            }
+            stats.policy_loss += out.loss.f_double_value(&[])?;
+            stats.clip_fraction += out.clip_fraction.f_double_value(&[])? * share;
+            stats.approx_kl += out.approx_kl.f_double_value(&[])? * share;
+            loss.f_backward()?;
+        }
+        self.comm.all_reduce_gradients(&self.model, &role)?;
+        let step = optimizer.step()?;
+        stats.grad_norm = step.grad_norm;
+        stats.lr = step.lr;
+        Ok(stats)
+    }
+}

@@ -1,0 +1,178 @@
+//! One whole run as the `train` driver performs it: prepare the run directory (datasets, the
+//! warmed-up initial policy), start the embedded runtime, create the roles from the placement,
+//! then `fit()` with metrics in the run directory. Tests call [`run`] in-process too.
+
+use std::collections::BTreeMap;
+
+use rtrun_rlhf_telemetry::{MetricsWriter, StartMode};
+
+use crate::config::TrainConfig;
+use crate::error::{Result, TrainError};
+use crate::placement_map::RolePlacements;
+use crate::task::{read_jsonl, write_jsonl};
+use crate::trainer::{FitReport, ProgressObserver, RunPaths, Trainer, checkpoint, telemetry_error};
+use crate::warmup::{WarmupReport, make_initial_policy, policy_config};
+
+/// Where the initial policy came from.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum InitialPolicy {
+    /// Made now, with this warm-up.
+    Made(WarmupReport),
+    /// Reused from the run directory (a resumed run).
+    Reused,
+}
+
+/// Name of the file recording what a run directory's data and initial policy were made from.
+pub const PREPARED_FILE: &str = "prepared.json";
+
+/// Writes the datasets and the initial policy into the run directory, or reuses those a
+/// previous run made from the same seed, task, model and warm-up settings (so a resumed run
+/// sees the same data and model). A directory prepared from other settings is prepared again,
+/// unless it holds checkpoints, which would then not match: that is an error.
+pub fn prepare(config: &TrainConfig, paths: &RunPaths) -> Result<InitialPolicy> {
+    let data_dir = paths.train_data.parent().unwrap_or(&paths.root);
+    std::fs::create_dir_all(data_dir).map_err(|e| TrainError::io(data_dir, e))?;
+    let key = serde_json::json!({
+        "seed": config.seed,
+        "task": config.task,
+        "model": config.model,
+        "warmup": config.warmup,
+        "max_new_tokens": config.max_new_tokens(),
+    });
+    let key_path = paths.root.join(PREPARED_FILE);
+    let previous: Option<serde_json::Value> =
+        std::fs::read(&key_path).ok().and_then(|bytes| serde_json::from_slice(&bytes).ok());
+    let same =
+        previous.as_ref() == Some(&key) && paths.train_data.is_file() && paths.eval_data.is_file();
+    if !same {
+        if checkpoint::newest(&paths.checkpoints)?.is_some() {
+            return Err(TrainError::config(
+                "run_dir",
+                format!(
+                    "{} holds checkpoints of a run with other seed/task/model/warmup settings \
+                     (see {PREPARED_FILE}); use another run_dir or remove it",
+                    paths.root.display()
+                ),
+            ));
+        }
+        let (train, eval) = config.task.generate(config.seed)?;
+        write_jsonl(&paths.train_data, &train)?;
+        write_jsonl(&paths.eval_data, &eval)?;
+        if paths.initial_policy.exists() {
+            std::fs::remove_dir_all(&paths.initial_policy)
+                .map_err(|e| TrainError::io(&paths.initial_policy, e))?;
+        }
+        std::fs::write(&key_path, key.to_string()).map_err(|e| TrainError::io(&key_path, e))?;
+    }
+    if paths.initial_policy.join("config.json").is_file() {
+        return Ok(InitialPolicy::Reused);
+    }
+    let train = read_jsonl(&paths.train_data)?;
+    let max_positions = (config.task.max_prompt_tokens() + config.max_new_tokens() + 8) as i64;
+    let model_config = policy_config(&config.model, max_positions);
+    // Written under a temporary name and renamed, so a killed warm-up is redone, not reused.
+    let tmp = paths.initial_policy.with_extension("tmp");
+    let report = make_initial_policy(&tmp, &model_config, &config.warmup, &train, config.seed)?;
+    std::fs::rename(&tmp, &paths.initial_policy).map_err(|e| TrainError::io(&tmp, e))?;
+    Ok(InitialPolicy::Made(report))
+}
+
+/// Starts the embedded runtime sized for the placement (declared GPUs, enough CPUs for the
+/// role actors plus the reward tasks).
+pub fn start_runtime(config: &TrainConfig, placements: &RolePlacements) -> Result<()> {
+    let machine = std::thread::available_parallelism().map(|n| n.get() as f64).unwrap_or(2.0);
+    let (bundle_cpus, bundle_gpus) = placements.reserved();
+    // CPUs are accounting here (actors hold none by default); tasks need one each besides what
+    // the bundles reserve.
+    let needed = bundle_cpus + config.reward.parallel_tasks as f64;
+    let num_cpus = config.cluster.num_cpus.unwrap_or(machine).max(needed);
+    if bundle_gpus > config.cluster.num_gpus {
+        return Err(TrainError::config(
+            "cluster.num_gpus",
+            format!(
+                "expected at least the {bundle_gpus} GPUs the placement spec reserves, found {}",
+                config.cluster.num_gpus
+            ),
+        ));
+    }
+    rtrun::init_with(rtrun::Config {
+        num_cpus: Some(num_cpus),
+        num_gpus: Some(config.cluster.num_gpus),
+        resources: BTreeMap::new(),
+        ..Default::default()
+    })?;
+    Ok(())
+}
+
+/// Everything after `rtrun::init`: roles, trainer (resumed when possible), fit.
+pub fn run(
+    config: &TrainConfig,
+    progress: &mut dyn ProgressObserver,
+) -> Result<(Trainer, FitReport)> {
+    let paths = RunPaths::new(&config.run_dir);
+    prepare(config, &paths)?;
+    let mut placements = RolePlacements::from_config(config)?;
+    start_runtime(config, &placements)?;
+    placements.deploy()?;
+    let train = read_jsonl(&paths.train_data)?;
+    let eval = read_jsonl(&paths.eval_data)?;
+    let steps_hint = {
+        let per_episode = (train.len() / config.rollout.prompts_per_step).max(1) as u64;
+        let total = per_episode * config.train.num_episodes as u64;
+        let total = config.train.max_steps.map_or(total, |m| m.min(total));
+        let samples = config.rollout.prompts_per_step * config.rollout.n_samples_per_prompt;
+        total * (samples / config.train.train_batch_size) as u64 * config.train.max_epochs as u64
+    };
+    let reward_dir = config.reward.model_dir.clone();
+    let roles = crate::trainer::Roles::create(
+        config,
+        placements,
+        &paths.initial_policy,
+        reward_dir.as_deref(),
+        steps_hint,
+    )?;
+    let resuming = config.checkpoint.resume && checkpoint::newest(&paths.checkpoints)?.is_some();
+    let mut trainer = Trainer::new(config.clone(), paths.clone(), train, eval, roles)?;
+    let mode = if resuming {
+        StartMode::Resume { next_step: trainer.state.step + 1 }
+    } else {
+        StartMode::Overwrite
+    };
+    let mut writer = MetricsWriter::create(&paths.root, mode).map_err(telemetry_error)?;
+    let report = trainer.fit(&mut writer, progress);
+    if report.is_err() {
+        trainer.roles.kill();
+    }
+    Ok((trainer, report?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prepare_reuses_same_settings_and_refuses_mismatched_checkpoints() {
+        let root = std::env::temp_dir().join(format!("rtrun-prepare-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let yaml = format!(
+            "run_dir: {}\ntask: {{train_size: 32, eval_size: 4, max_digits: 4}}\n\
+             model: {{hidden_size: 16, num_layers: 1, num_heads: 2, num_kv_heads: 1, intermediate_size: 32}}\n\
+             warmup: {{steps: 2, batch_size: 4}}\n",
+            root.display()
+        );
+        let config = TrainConfig::from_yaml(&yaml, "t.yaml", &[]).unwrap();
+        let paths = RunPaths::new(&root);
+        assert!(matches!(prepare(&config, &paths).unwrap(), InitialPolicy::Made(_)));
+        assert_eq!(prepare(&config, &paths).unwrap(), InitialPolicy::Reused);
+        // Other settings without checkpoints: prepared again.
+        let other = TrainConfig::from_yaml(&yaml, "t.yaml", &["seed=5".into()]).unwrap();
+        assert!(matches!(prepare(&other, &paths).unwrap(), InitialPolicy::Made(_)));
+        // With a checkpoint, switching settings again is refused.
+        let ckpt = paths.checkpoints.join("step_000001");
+        std::fs::create_dir_all(&ckpt).unwrap();
+        std::fs::write(ckpt.join(checkpoint::STATE_FILE), "{}").unwrap();
+        let err = prepare(&config, &paths).unwrap_err().to_string();
+        assert!(err.contains("run_dir"), "{err}");
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+}

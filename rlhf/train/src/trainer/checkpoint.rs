@@ -1,0 +1,121 @@
+//! Checkpoints: `checkpoints/step_NNNNNN/` holds the policy (weights + AdamW state), the critic
+//! (when there is one) and `trainer_state.json` (step, dataloader position, KL controller,
+//! baseline evaluation). The state file is written last, so a directory without it is an
+//! interrupted save and is ignored on resume.
+//!
+//! Every RNG of a run is derived from the config's seed and the step number (sampling seeds,
+//! shuffles), so the state above is the whole RNG state: a resumed run draws what the
+//! uninterrupted one would have.
+
+use std::path::{Path, PathBuf};
+
+use crate::error::{Result, TrainError};
+use crate::trainer::roles::gather_each;
+use crate::trainer::{Trainer, TrainerState};
+
+/// Name of the state file (the completion marker of a checkpoint).
+pub const STATE_FILE: &str = "trainer_state.json";
+
+/// The newest complete checkpoint directory under `dir`, if any.
+pub fn newest(dir: &Path) -> Result<Option<PathBuf>> {
+    let entries = match std::fs::read_dir(dir) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(TrainError::io(dir, e)),
+    };
+    let mut best: Option<(u64, PathBuf)> = None;
+    for entry in entries {
+        let entry = entry.map_err(|e| TrainError::io(dir, e))?;
+        let name = entry.file_name();
+        let Some(step) =
+            name.to_str().and_then(|n| n.strip_prefix("step_")).and_then(|n| n.parse::<u64>().ok())
+        else {
+            continue;
+        };
+        if entry.path().join(STATE_FILE).is_file() && best.as_ref().is_none_or(|(s, _)| step > *s) {
+            best = Some((step, entry.path()));
+        }
+    }
+    Ok(best.map(|(_, p)| p))
+}
+
+impl Trainer {
+    /// Saves the run's state after the current step.
+    pub fn save_checkpoint(&self) -> Result<PathBuf> {
+        let dir = self.paths.checkpoints.join(format!("step_{:06}", self.state.step));
+        if dir.exists() {
+            std::fs::remove_dir_all(&dir).map_err(|e| TrainError::io(&dir, e))?;
+        }
+        std::fs::create_dir_all(&dir).map_err(|e| TrainError::io(&dir, e))?;
+        // DP ranks hold identical replicas: rank 0 saves.
+        let actor = self
+            .roles
+            .actor
+            .members()
+            .first()
+            .ok_or_else(|| TrainError::role("actor", "the group is empty"))?;
+        let mut saves = vec![actor.save_checkpoint(dir.join("actor"))];
+        if let Some(critic) = &self.roles.critic
+            && let Some(rank0) = critic.members().first()
+        {
+            saves.push(rank0.save_checkpoint(dir.join("critic")));
+        }
+        gather_each("checkpoint", &saves)?;
+        let state =
+            serde_json::to_vec_pretty(&self.state).map_err(|e| TrainError::Data(e.to_string()))?;
+        let tmp = dir.join(format!("{STATE_FILE}.tmp"));
+        std::fs::write(&tmp, state).map_err(|e| TrainError::io(&tmp, e))?;
+        std::fs::rename(&tmp, dir.join(STATE_FILE)).map_err(|e| TrainError::io(&dir, e))?;
+        Ok(dir)
+    }
+
+    /// Restores the state saved in `dir`: every DP rank loads the policy (and critic), the
+    /// engines get the restored weights.
+    pub fn load_checkpoint(&mut self, dir: &Path) -> Result<()> {
+        let path = dir.join(STATE_FILE);
+        let text = std::fs::read(&path).map_err(|e| TrainError::io(&path, e))?;
+        let state: TrainerState = serde_json::from_slice(&text).map_err(|e| {
+            TrainError::Data(format!("{}: expected a trainer state, found {e}", path.display()))
+        })?;
+        if state.loader.len != self.state.loader.len {
+            return Err(TrainError::Data(format!(
+                "{}: the checkpoint was taken over {} training prompts, this run has {}",
+                path.display(),
+                state.loader.len,
+                self.state.loader.len
+            )));
+        }
+        let loads = self.roles.actor.call_all(|a| a.load_checkpoint(dir.join("actor")));
+        gather_each("actor", &loads)?;
+        if let Some(critic) = &self.roles.critic {
+            gather_each("critic", &critic.call_all(|c| c.load_checkpoint(dir.join("critic"))))?;
+        }
+        self.state = state;
+        self.sync_weights()?;
+        tracing::info!(dir = %dir.display(), step = self.state.step, "resumed from checkpoint");
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn newest_ignores_incomplete_and_foreign_directories() {
+        let root = std::env::temp_dir().join(format!("rtrun-ckpt-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        assert_eq!(newest(&root).unwrap(), None);
+        for (name, complete) in
+            [("step_000002", true), ("step_000010", false), ("step_000005", true), ("other", true)]
+        {
+            let d = root.join(name);
+            std::fs::create_dir_all(&d).unwrap();
+            if complete {
+                std::fs::write(d.join(STATE_FILE), "{}").unwrap();
+            }
+        }
+        assert_eq!(newest(&root).unwrap(), Some(root.join("step_000005")));
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+}

@@ -1,0 +1,328 @@
+//! `make_experience` and `ppo_train`: turning a step's generations into training rows (rewards,
+//! reference and old log-probs, values and advantages, with the role calls in flight together),
+//! and training the policy and the critic concurrently over mini-batches and epochs.
+
+use rtrun::ObjectRef;
+use tch::{Device, Kind, Tensor};
+
+use crate::algo::{self, AdvantageInputs};
+use crate::config::RewardKind;
+use crate::error::{Result, TrainError};
+use crate::experience::{ExperienceRow, Sequence, pad_rows, unpad_rows};
+use crate::reward::{RewardQuery, score_remote, score_with_function};
+use crate::rng::{SplitMix64, mix_seed};
+use crate::roles::critic::CriticTrainStats;
+use crate::roles::lm::PolicyTrainStats;
+use crate::task::{CharTokenizer, PromptRecord};
+use crate::trainer::Trainer;
+use crate::trainer::roles::{dispatch, gather, gather_each};
+
+type Pending<R> = Vec<ObjectRef<std::result::Result<Vec<R>, String>>>;
+
+/// Rewards being computed (by tasks or by the reward-model group).
+pub struct PendingRewards {
+    role: &'static str,
+    refs: Pending<f32>,
+}
+
+impl PendingRewards {
+    /// Waits for every reward, in sequence order.
+    pub fn get(self) -> Result<Vec<f32>> {
+        gather(self.role, &self.refs)
+    }
+}
+
+/// Starts computing the rewards of `sequences` (one per record) and returns at once.
+pub fn rewards(
+    trainer: &Trainer,
+    records: &[&PromptRecord],
+    sequences: &[Sequence],
+) -> Result<PendingRewards> {
+    let config = &trainer.config.reward;
+    if config.kind == RewardKind::Model {
+        let group = trainer.roles.reward_model.as_ref().ok_or_else(|| {
+            TrainError::role(
+                "reward",
+                "reward.kind is `model` but no reward-model group was created",
+            )
+        })?;
+        let refs = dispatch(group, sequences.to_vec(), |w, chunk| w.rewards(chunk));
+        return Ok(PendingRewards { role: "reward", refs });
+    }
+    let tok = CharTokenizer;
+    let queries: Vec<RewardQuery> = records
+        .iter()
+        .zip(sequences)
+        .map(|(record, s)| RewardQuery {
+            prompt: record.prompt.clone(),
+            response: tok.decode(&s.response_ids),
+            label: record.label.clone(),
+        })
+        .collect();
+    let chunks = rtrun::split_batch(queries, config.parallel_tasks);
+    let refs = chunks
+        .into_iter()
+        .filter(|c| !c.is_empty())
+        .map(|chunk| match (config.kind, &config.url) {
+            (RewardKind::Remote, Some(url)) => score_remote::remote(url.clone(), chunk),
+            _ => score_with_function::remote(config.name.clone(), chunk),
+        })
+        .collect();
+    Ok(PendingRewards { role: "reward", refs })
+}
+
+/// Aggregates of one step's experience.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct ExperienceStats {
+    /// Mean scalar reward.
+    pub reward: f64,
+    /// Fraction of exactly right samples.
+    pub accuracy: f64,
+    /// Mean per-token KL to the reference (0 without one).
+    pub kl: f64,
+    /// Mean response length.
+    pub response_length: f64,
+    /// Mean sum of per-token rewards (OpenRLHF's `return`).
+    pub token_return: f64,
+    /// Mean absolute advantage.
+    pub advantage_abs: f64,
+    /// Mean |engine log-prob − policy log-prob| over response tokens: the rollout/trainer
+    /// mismatch (near 0 when the engines hold the policy's weights).
+    pub engine_logprob_gap: f64,
+}
+
+/// A step's training rows and their aggregates.
+#[derive(Debug, Clone)]
+pub struct ExperienceBatch {
+    /// One row per sample, prompt-major.
+    pub rows: Vec<ExperienceRow>,
+    /// Aggregates for the metrics.
+    pub stats: ExperienceStats,
+}
+
+/// Rewards, reference log-probs, old log-probs and values in parallel, then advantages.
+pub fn make_experience(
+    trainer: &Trainer,
+    records: &[&PromptRecord],
+    sequences: Vec<Sequence>,
+    engine_log_probs: &[Vec<f32>],
+    kl_coef: f64,
+) -> Result<ExperienceBatch> {
+    let roles = &trainer.roles;
+    let algo_config = &trainer.config.algo;
+    // Everything in flight at once: the roles run in their own processes.
+    let pending_rewards = rewards(trainer, records, &sequences)?;
+    let ref_refs =
+        roles.reference.as_ref().map(|g| dispatch(g, sequences.clone(), |w, c| w.log_probs(c)));
+    let old_refs = dispatch(&roles.actor, sequences.clone(), |w, c| w.log_probs(c));
+    let value_refs =
+        roles.critic.as_ref().map(|g| dispatch(g, sequences.clone(), |w, c| w.values(c)));
+    let scalar_rewards = pending_rewards.get()?;
+    let old_log_probs = gather("actor", &old_refs)?;
+    let ref_log_probs = match ref_refs {
+        Some(refs) => Some(gather("ref", &refs)?),
+        None => None,
+    };
+    let values = match value_refs {
+        Some(refs) => Some(gather("critic", &refs)?),
+        None => None,
+    };
+    let count = sequences.len();
+    for (name, len) in [
+        ("reward", scalar_rewards.len()),
+        ("actor", old_log_probs.len()),
+        ("ref", ref_log_probs.as_ref().map_or(count, Vec::len)),
+        ("critic", values.as_ref().map_or(count, Vec::len)),
+    ] {
+        if len != count {
+            return Err(TrainError::role(name, format!("expected {count} results, found {len}")));
+        }
+    }
+
+    let lengths: Vec<usize> = sequences.iter().map(|s| s.response_ids.len()).collect();
+    let width = lengths.iter().copied().max().unwrap_or(0).max(1) as i64;
+    let device = Device::Cpu;
+    let as_rows = |v: &[Vec<f32>]| -> Vec<Vec<f32>> { v.to_vec() };
+    let tensor_of = |v: &[Vec<f32>]| -> Result<Tensor> {
+        let refs: Vec<&[f32]> = v.iter().map(Vec::as_slice).collect();
+        pad_rows(&refs, width, device)
+    };
+    let ones: Vec<Vec<f32>> = lengths.iter().map(|&l| vec![1.0; l]).collect();
+    let mask = tensor_of(&ones)?;
+    let old = tensor_of(&old_log_probs)?;
+    let kl = match &ref_log_probs {
+        Some(r) => {
+            Some(algo::approx_kl(&old, &tensor_of(r)?, algo_config.kl_estimator)?.f_mul(&mask)?)
+        }
+        None => None,
+    };
+    let values_tensor = match &values {
+        Some(v) => Some(tensor_of(v)?),
+        None => None,
+    };
+    let scalar = Tensor::from_slice(&scalar_rewards);
+    let reward_kl = if algo_config.use_kl_loss { None } else { kl.as_ref() };
+    let advantages = algo::compute_advantages(
+        &algo_config.advantage_config(),
+        trainer.config.rollout.n_samples_per_prompt,
+        if algo_config.use_kl_loss { 0.0 } else { kl_coef },
+        AdvantageInputs {
+            scalar_rewards: &scalar,
+            action_mask: &mask,
+            kl: reward_kl,
+            values: values_tensor.as_ref(),
+        },
+    )?;
+    let adv_rows = unpad_rows(&advantages.advantages, &lengths)?;
+    let ret_rows = unpad_rows(&advantages.returns, &lengths)?;
+
+    let tokens = mask.f_sum(Kind::Float)?.f_double_value(&[])?.max(1.0);
+    let tok = CharTokenizer;
+    let correct = sequences
+        .iter()
+        .zip(records)
+        .filter(|(s, r)| tok.decode(&s.response_ids) == r.label)
+        .count();
+    let mut gap = 0.0f64;
+    for (engine, policy) in engine_log_probs.iter().zip(&old_log_probs) {
+        gap += engine.iter().zip(policy).map(|(a, b)| f64::from((a - b).abs())).sum::<f64>();
+    }
+    let stats = ExperienceStats {
+        engine_logprob_gap: gap / tokens,
+        reward: scalar_rewards.iter().map(|&r| f64::from(r)).sum::<f64>() / count.max(1) as f64,
+        accuracy: correct as f64 / count.max(1) as f64,
+        kl: match &kl {
+            Some(kl) => kl.f_sum(Kind::Float)?.f_double_value(&[])? / tokens,
+            None => 0.0,
+        },
+        response_length: lengths.iter().sum::<usize>() as f64 / count.max(1) as f64,
+        token_return: advantages.token_rewards.f_sum(Kind::Float)?.f_double_value(&[])?
+            / count.max(1) as f64,
+        advantage_abs: advantages
+            .advantages
+            .f_abs()?
+            .f_mul(&mask)?
+            .f_sum(Kind::Float)?
+            .f_double_value(&[])?
+            / tokens,
+    };
+
+    let empty = Vec::new();
+    let ref_rows = ref_log_probs.as_deref().map(as_rows);
+    let value_rows = values.as_deref().map(as_rows);
+    let rows = sequences
+        .into_iter()
+        .enumerate()
+        .map(|(i, sequence)| ExperienceRow {
+            sequence,
+            old_log_probs: old_log_probs[i].clone(),
+            ref_log_probs: ref_rows.as_ref().map_or_else(|| empty.clone(), |r| r[i].clone()),
+            values: value_rows.as_ref().map_or_else(|| empty.clone(), |v| v[i].clone()),
+            advantages: adv_rows[i].clone(),
+            returns: ret_rows[i].clone(),
+        })
+        .collect();
+    Ok(ExperienceBatch { rows, stats })
+}
+
+/// What the step's training did (means over mini-batches and ranks).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct TrainStats {
+    /// Policy statistics.
+    pub policy: PolicyTrainStats,
+    /// Critic statistics.
+    pub critic: CriticTrainStats,
+    /// Whether the policy was trained (it is frozen for `freezing_actor_steps`).
+    pub actor_trained: bool,
+}
+
+/// `max_epochs` passes over the rows in seeded random order, in global mini-batches of
+/// `train_batch_size`; each mini-batch is split across the DP ranks of the policy and of the
+/// critic, which train concurrently.
+pub fn train(
+    trainer: &Trainer,
+    rows: &[ExperienceRow],
+    step: u64,
+    kl_coef: f64,
+) -> Result<TrainStats> {
+    let config = &trainer.config;
+    let roles = &trainer.roles;
+    let train_actor = step > config.train.freezing_actor_steps;
+    let mut stats = TrainStats { actor_trained: train_actor, ..TrainStats::default() };
+    let mut policy_calls = 0usize;
+    let mut critic_calls = 0usize;
+    for epoch in 0..config.train.max_epochs {
+        let mut order: Vec<usize> = (0..rows.len()).collect();
+        let mut rng = SplitMix64::new(mix_seed(mix_seed(config.seed, step), epoch as u64));
+        for i in (1..order.len()).rev() {
+            order.swap(i, rng.below(i as u64 + 1) as usize);
+        }
+        for mini_batch in order.chunks(config.train.train_batch_size) {
+            let batch: Vec<ExperienceRow> = mini_batch.iter().map(|&i| rows[i].clone()).collect();
+            let global_tokens: usize = batch.iter().map(|r| r.sequence.response_ids.len()).sum();
+            let policy_refs = if train_actor {
+                let shares = rtrun::split_batch(batch.clone(), roles.actor.world_size());
+                Some(
+                    roles
+                        .actor
+                        .call_each(shares, |w, rows| w.train(rows, kl_coef, global_tokens))?,
+                )
+            } else {
+                None
+            };
+            let critic_refs = match &roles.critic {
+                Some(critic) => {
+                    let shares = rtrun::split_batch(batch, critic.world_size());
+                    Some(critic.call_each(shares, |w, rows| w.train(rows, global_tokens))?)
+                }
+                None => None,
+            };
+            if let Some(refs) = policy_refs {
+                for s in gather_each("actor", &refs)? {
+                    add_policy(&mut stats.policy, &s);
+                    policy_calls += 1;
+                }
+            }
+            if let Some(refs) = critic_refs {
+                for s in gather_each("critic", &refs)? {
+                    stats.critic.value_loss += s.value_loss;
+                    stats.critic.grad_norm += s.grad_norm;
+                    stats.critic.lr += s.lr;
+                    critic_calls += 1;
+                }
+            }
+        }
+    }
+    scale_policy(&mut stats.policy, policy_calls);
+    if critic_calls > 0 {
+        let k = critic_calls as f64;
+        stats.critic.value_loss /= k;
+        stats.critic.grad_norm /= k;
+        stats.critic.lr /= k;
+    }
+    Ok(stats)
+}
+
+fn add_policy(total: &mut PolicyTrainStats, s: &PolicyTrainStats) {
+    total.policy_loss += s.policy_loss;
+    total.clip_fraction += s.clip_fraction;
+    total.approx_kl += s.approx_kl;
+    total.ref_kl += s.ref_kl;
+    total.entropy += s.entropy;
+    total.grad_norm += s.grad_norm;
+    total.lr += s.lr;
+}
+
+fn scale_policy(total: &mut PolicyTrainStats, calls: usize) {
+    if calls == 0 {
+        return;
+    }
+    let k = calls as f64;
+    total.policy_loss /= k;
+    total.clip_fraction /= k;
+    total.approx_kl /= k;
+    total.ref_kl /= k;
+    total.entropy /= k;
+    total.grad_norm /= k;
+    total.lr /= k;
+}

@@ -1,0 +1,484 @@
+//! The trainer: OpenRLHF's `PPOTrainer.fit()` as a single controller in the driver process.
+//!
+//! Each step: engines generate `n` samples per prompt → rewards, reference log-probs, old
+//! log-probs and critic values are computed in parallel by their role groups → advantages
+//! (GAE / REINFORCE++ / GRPO / RLOO ...) → the policy and the critic train concurrently over
+//! mini-batches and epochs, their DP ranks all-reducing gradients → the new weights go to every
+//! engine in buckets, then the prefix caches are reset. In the hybrid-engine mode, engines sleep
+//! while training and training state is offloaded while generating.
+//!
+//! The controller runs in the driver (as OpenRLHF's and verl's do) rather than in an actor:
+//! it owns no tensors that matter, and keeping it in the driver means every role handle, the
+//! metrics files and the progress bar live in one process.
+
+pub mod checkpoint;
+pub mod experience;
+pub mod roles;
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use rtrun_rlhf_engine::{GenerationOutput, GenerationRequest, SamplingParams};
+use rtrun_rlhf_telemetry::{MetricsSink, PhaseTimer, StepMetrics, StepPhases};
+
+use crate::algo::KlController;
+use crate::config::TrainConfig;
+use crate::error::{Result, TrainError};
+use crate::experience::Sequence;
+use crate::rng::mix_seed;
+use crate::task::{CharTokenizer, EOS_ID, PromptLoader, PromptRecord};
+
+pub use roles::Roles;
+
+/// Files of a run directory.
+#[derive(Debug, Clone)]
+pub struct RunPaths {
+    /// The run directory.
+    pub root: PathBuf,
+    /// Training prompts (JSONL).
+    pub train_data: PathBuf,
+    /// Held-out prompts (JSONL).
+    pub eval_data: PathBuf,
+    /// The initial policy (Hugging Face directory).
+    pub initial_policy: PathBuf,
+    /// Checkpoints, one directory per step.
+    pub checkpoints: PathBuf,
+}
+
+impl RunPaths {
+    /// The layout under `root`.
+    pub fn new(root: &Path) -> Self {
+        Self {
+            root: root.to_path_buf(),
+            train_data: root.join("data/train.jsonl"),
+            eval_data: root.join("data/eval.jsonl"),
+            initial_policy: root.join("models/initial"),
+            checkpoints: root.join("checkpoints"),
+        }
+    }
+}
+
+/// Held-out results.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct EvalResult {
+    /// Mean reward of greedy answers.
+    pub mean_reward: f64,
+    /// Fraction of exactly right greedy answers.
+    pub accuracy: f64,
+    /// Mean response length in tokens.
+    pub response_length: f64,
+}
+
+/// What the trainer carries from step to step (and what a checkpoint restores).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TrainerState {
+    /// Steps completed.
+    pub step: u64,
+    /// Dataloader position (OpenRLHF's `consumed_samples`, as prompts).
+    pub loader: PromptLoader,
+    /// The KL coefficient and its controller.
+    pub kl: KlController,
+    /// Held-out results before the first step.
+    pub baseline: Option<EvalResult>,
+}
+
+/// Receives live progress (the driver's progress bar).
+pub trait ProgressObserver {
+    /// A phase started.
+    fn phase(&mut self, _name: &str) {}
+    /// A step finished.
+    fn step_done(&mut self, _metrics: &StepMetrics, _phases: &StepPhases) {}
+}
+
+/// Progress nobody watches.
+#[derive(Debug, Default)]
+pub struct NoProgress;
+
+impl ProgressObserver for NoProgress {}
+
+/// The end of a run.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FitReport {
+    /// Steps completed.
+    pub steps: u64,
+    /// Held-out results before the first step.
+    pub baseline: EvalResult,
+    /// Held-out results after the last step.
+    pub final_result: EvalResult,
+}
+
+/// A run: config, data, roles and state.
+pub struct Trainer {
+    /// The config.
+    pub config: TrainConfig,
+    /// The run directory's files.
+    pub paths: RunPaths,
+    train_data: Vec<PromptRecord>,
+    eval_data: Vec<PromptRecord>,
+    /// The role groups and engines.
+    pub roles: Roles,
+    /// The state.
+    pub state: TrainerState,
+    /// Phase timings.
+    pub timer: PhaseTimer,
+}
+
+impl Trainer {
+    /// A trainer over prepared data and created roles, resumed from the newest checkpoint when
+    /// the config says so and there is one.
+    pub fn new(
+        config: TrainConfig,
+        paths: RunPaths,
+        train_data: Vec<PromptRecord>,
+        eval_data: Vec<PromptRecord>,
+        roles: Roles,
+    ) -> Result<Self> {
+        let state = TrainerState {
+            step: 0,
+            loader: PromptLoader::new(train_data.len(), config.seed),
+            kl: config.algo.kl_controller()?,
+            baseline: None,
+        };
+        let mut trainer = Trainer {
+            config,
+            paths,
+            train_data,
+            eval_data,
+            roles,
+            state,
+            timer: PhaseTimer::new(),
+        };
+        if trainer.config.checkpoint.resume
+            && let Some(dir) = checkpoint::newest(&trainer.paths.checkpoints)?
+        {
+            trainer.load_checkpoint(&dir)?;
+        }
+        Ok(trainer)
+    }
+
+    /// Total steps of the run: episodes × prompts / prompts per step, capped by `max_steps`.
+    pub fn total_steps(&self) -> u64 {
+        let per_episode =
+            (self.train_data.len() / self.config.rollout.prompts_per_step).max(1) as u64;
+        let total = per_episode * self.config.train.num_episodes as u64;
+        self.config.train.max_steps.map_or(total, |m| m.min(total))
+    }
+
+    /// Runs the remaining steps, recording metrics into `sink`; evaluates on the held-out
+    /// prompts before the first step, every `eval.every_steps` and after the last.
+    pub fn fit(
+        &mut self,
+        sink: &mut dyn MetricsSink,
+        progress: &mut dyn ProgressObserver,
+    ) -> Result<FitReport> {
+        let total = self.total_steps();
+        if self.state.baseline.is_none() {
+            progress.phase("eval");
+            let baseline = self.timed("eval", |t| t.evaluate())?;
+            let _ = self.timer.finish_step();
+            let mut metrics = StepMetrics::new(0);
+            set_eval(&mut metrics, &baseline)?;
+            sink.record(&metrics).map_err(telemetry_error)?;
+            self.state.baseline = Some(baseline);
+        }
+        let mut last_eval = None;
+        while self.state.step < total {
+            let step = self.state.step + 1;
+            let mut metrics = self.train_step(step, progress)?;
+            let every = self.config.eval.every_steps;
+            if step == total || (every > 0 && step.is_multiple_of(every)) {
+                progress.phase("eval");
+                let result = self.timed("eval", |t| t.evaluate())?;
+                set_eval(&mut metrics, &result)?;
+                last_eval = Some(result);
+            }
+            let phases = self.timer.finish_step();
+            metrics.extend_prefixed("time/", phases.seconds()).map_err(telemetry_error)?;
+            sink.record(&metrics).map_err(telemetry_error)?;
+            progress.step_done(&metrics, &phases);
+            self.state.step = step;
+            let every = self.config.checkpoint.every_steps;
+            if every > 0 && step.is_multiple_of(every) {
+                progress.phase("checkpoint");
+                self.save_checkpoint()?;
+            }
+        }
+        let final_result = match last_eval {
+            Some(r) => r,
+            None => self.evaluate()?,
+        };
+        Ok(FitReport {
+            steps: self.state.step,
+            baseline: self.state.baseline.unwrap_or_default(),
+            final_result,
+        })
+    }
+
+    /// Runs `body` as phase `name` of the current step.
+    fn timed<T>(&mut self, name: &str, body: impl FnOnce(&Self) -> T) -> T {
+        let started = self.timer.start(name);
+        let out = body(self);
+        self.timer.stop(started);
+        out
+    }
+
+    /// Generates `n` samples for each prompt on the engines (prompts split across engines in
+    /// contiguous chunks), with per-prompt seeds derived from `seed_base`.
+    fn generate(
+        &self,
+        prompts: &[Vec<u32>],
+        params: &SamplingParams,
+        seed_base: u64,
+    ) -> Result<Vec<GenerationOutput>> {
+        let requests: Vec<GenerationRequest> = prompts
+            .iter()
+            .enumerate()
+            .map(|(i, ids)| GenerationRequest {
+                prompt_token_ids: ids.clone(),
+                params: SamplingParams {
+                    seed: Some(mix_seed(seed_base, i as u64)),
+                    ..params.clone()
+                },
+            })
+            .collect();
+        let engines = &self.roles.engines;
+        let chunks = rtrun::split_batch(requests, engines.len());
+        let refs: Vec<_> = engines.iter().zip(chunks).map(|(e, c)| e.generate(c)).collect();
+        let outputs = roles::gather("vllm_engine", &refs)?;
+        if outputs.len() != prompts.len() {
+            return Err(TrainError::role(
+                "vllm_engine",
+                format!("expected {} outputs, found {}", prompts.len(), outputs.len()),
+            ));
+        }
+        Ok(outputs)
+    }
+
+    /// The sampling parameters of training rollouts.
+    fn rollout_params(&self) -> SamplingParams {
+        let r = &self.config.rollout;
+        SamplingParams {
+            n: r.n_samples_per_prompt as u32,
+            temperature: r.temperature,
+            top_p: r.top_p,
+            top_k: r.top_k,
+            max_tokens: self.config.max_new_tokens() as u32,
+            stop_token_ids: vec![EOS_ID],
+            ..SamplingParams::default()
+        }
+    }
+
+    /// Greedy answers to every held-out prompt, scored with the run's reward.
+    pub fn evaluate(&self) -> Result<EvalResult> {
+        self.wake_engines()?;
+        let tok = CharTokenizer;
+        let prompts = self
+            .eval_data
+            .iter()
+            .map(|r| tok.encode_prompt(&r.prompt))
+            .collect::<Result<Vec<_>>>()?;
+        let params = SamplingParams {
+            temperature: 0.0,
+            max_tokens: self.config.max_new_tokens() as u32,
+            stop_token_ids: vec![EOS_ID],
+            ..SamplingParams::default()
+        };
+        let outputs = self.generate(&prompts, &params, mix_seed(self.config.seed, u64::MAX))?;
+        let mut sequences = Vec::with_capacity(outputs.len());
+        for (output, prompt_ids) in outputs.iter().zip(&prompts) {
+            let sample = output.samples.first().ok_or_else(|| {
+                TrainError::role(
+                    "vllm_engine",
+                    "expected one sample per evaluation prompt, found none",
+                )
+            })?;
+            sequences.push(Sequence {
+                prompt_ids: prompt_ids.clone(),
+                response_ids: sample.token_ids.clone(),
+            });
+        }
+        let records: Vec<&PromptRecord> = self.eval_data.iter().collect();
+        let rewards = experience::rewards(self, &records, &sequences)?.get()?;
+        let n = rewards.len().max(1) as f64;
+        let correct = sequences
+            .iter()
+            .zip(&records)
+            .filter(|(s, r)| tok.decode(&s.response_ids) == r.label)
+            .count();
+        let length = sequences.iter().map(|s| s.response_ids.len()).sum::<usize>();
+        self.sleep_engines_if_hybrid()?;
+        Ok(EvalResult {
+            mean_reward: rewards.iter().map(|&r| f64::from(r)).sum::<f64>() / n,
+            accuracy: correct as f64 / n,
+            response_length: length as f64 / n,
+        })
+    }
+
+    /// Hybrid engine: brings the engines back (weights, then KV cache) and offloads training
+    /// state before generation.
+    fn wake_engines(&self) -> Result<()> {
+        if !self.roles.placements.hybrid() {
+            return Ok(());
+        }
+        let offloads = self.roles.actor.call_all(|a| a.offload());
+        roles::gather_each("actor", &offloads)?;
+        if let Some(critic) = &self.roles.critic {
+            roles::gather_each("critic", &critic.call_all(|c| c.offload()))?;
+        }
+        let wakes: Vec<_> =
+            self.roles.engines.iter().map(|e| e.wake_up(Vec::<String>::new())).collect();
+        roles::gather_each("vllm_engine", &wakes)?;
+        Ok(())
+    }
+
+    /// Hybrid engine: engines release their memory and training state comes back.
+    fn sleep_engines_if_hybrid(&self) -> Result<()> {
+        if !self.roles.placements.hybrid() {
+            return Ok(());
+        }
+        let sleeps: Vec<_> = self.roles.engines.iter().map(|e| e.sleep(1)).collect();
+        roles::gather_each("vllm_engine", &sleeps)?;
+        roles::gather_each("actor", &self.roles.actor.call_all(|a| a.onload()))?;
+        if let Some(critic) = &self.roles.critic {
+            roles::gather_each("critic", &critic.call_all(|c| c.onload()))?;
+        }
+        Ok(())
+    }
+
+    /// One training step; returns its metrics (phase times are added by the caller).
+    fn train_step(
+        &mut self,
+        step: u64,
+        progress: &mut dyn ProgressObserver,
+    ) -> Result<StepMetrics> {
+        let prompts_per_step = self.config.rollout.prompts_per_step;
+        let indices = self.state.loader.next_batch(prompts_per_step);
+        let records: Vec<PromptRecord> =
+            indices.iter().map(|&i| self.train_data[i].clone()).collect();
+        let tok = CharTokenizer;
+        let prompt_ids =
+            records.iter().map(|r| tok.encode_prompt(&r.prompt)).collect::<Result<Vec<_>>>()?;
+
+        progress.phase("generate");
+        let params = self.rollout_params();
+        let seed_base = mix_seed(self.config.seed, step);
+        let outputs = self.timed("generate", |t| -> Result<_> {
+            t.wake_engines()?;
+            let outputs = t.generate(&prompt_ids, &params, seed_base)?;
+            t.sleep_engines_if_hybrid()?;
+            Ok(outputs)
+        })?;
+        let n = self.config.rollout.n_samples_per_prompt;
+        let mut sequences = Vec::with_capacity(records.len() * n);
+        let mut sample_records = Vec::with_capacity(records.len() * n);
+        let mut engine_log_probs = Vec::with_capacity(records.len() * n);
+        for ((output, ids), record) in outputs.iter().zip(&prompt_ids).zip(&records) {
+            if output.samples.len() != n {
+                return Err(TrainError::role(
+                    "vllm_engine",
+                    format!("expected {n} samples per prompt, found {}", output.samples.len()),
+                ));
+            }
+            for sample in &output.samples {
+                sequences.push(Sequence {
+                    prompt_ids: ids.clone(),
+                    response_ids: sample.token_ids.clone(),
+                });
+                sample_records.push(record);
+                engine_log_probs.push(sample.log_probs.clone());
+            }
+        }
+
+        progress.phase("experience");
+        let kl_coef = self.state.kl.value();
+        let batch = self.timed("experience", |t| {
+            experience::make_experience(t, &sample_records, sequences, &engine_log_probs, kl_coef)
+        })?;
+
+        progress.phase("train");
+        let train_stats =
+            self.timed("train", |t| experience::train(t, &batch.rows, step, kl_coef))?;
+        self.state.kl.update(batch.stats.kl, batch.rows.len() as u64);
+
+        progress.phase("sync");
+        if train_stats.actor_trained {
+            self.timed("sync", |t| t.sync_weights())?;
+        }
+
+        let mut metrics = StepMetrics::new(step);
+        let s = &batch.stats;
+        let t = &train_stats;
+        for (name, value) in [
+            ("reward", s.reward),
+            ("accuracy", s.accuracy),
+            ("kl", s.kl),
+            ("kl_coef", kl_coef),
+            ("engine_logprob_gap", s.engine_logprob_gap),
+            ("response_length", s.response_length),
+            ("return", s.token_return),
+            ("advantage_abs", s.advantage_abs),
+            ("policy_loss", t.policy.policy_loss),
+            ("clip_fraction", t.policy.clip_fraction),
+            ("ppo_kl", t.policy.approx_kl),
+            ("entropy", t.policy.entropy),
+            ("actor_grad_norm", t.policy.grad_norm),
+            ("actor_lr", t.policy.lr),
+            ("value_loss", t.critic.value_loss),
+            ("critic_grad_norm", t.critic.grad_norm),
+        ] {
+            metrics.set(name, value).map_err(telemetry_error)?;
+        }
+        metrics
+            .set("consumed_prompts", self.state.loader.consumed as f64)
+            .map_err(telemetry_error)?;
+        Ok(metrics)
+    }
+
+    /// Sends the policy's weights to every engine in buckets (straight from policy rank 0 to
+    /// the engines, through the object store), then resets the engines' prefix caches.
+    pub fn sync_weights(&self) -> Result<()> {
+        let source = self
+            .roles
+            .actor
+            .members()
+            .first()
+            .ok_or_else(|| TrainError::role("actor", "the group is empty"))?;
+        let buckets = source
+            .weight_buckets(self.config.rollout.weight_bucket_bytes)
+            .get()?
+            .map_err(|e| TrainError::role("actor", e))?;
+        let engines = &self.roles.engines;
+        let hybrid = self.roles.placements.hybrid();
+        if hybrid {
+            // OpenRLHF's order: weights first, sync, reset, then the KV cache.
+            let wakes: Vec<_> =
+                engines.iter().map(|e| e.wake_up(vec!["weights".to_owned()])).collect();
+            roles::gather_each("vllm_engine", &wakes)?;
+        }
+        for bucket in &buckets {
+            let updates: Vec<_> = engines.iter().map(|e| e.update_weights(bucket)).collect();
+            roles::gather_each("vllm_engine", &updates)?;
+        }
+        let resets: Vec<_> = engines.iter().map(|e| e.reset_prefix_cache()).collect();
+        roles::gather_each("vllm_engine", &resets)?;
+        if hybrid {
+            let sleeps: Vec<_> = engines.iter().map(|e| e.sleep(1)).collect();
+            roles::gather_each("vllm_engine", &sleeps)?;
+        }
+        rtrun::free(&buckets)?;
+        Ok(())
+    }
+}
+
+fn set_eval(metrics: &mut StepMetrics, result: &EvalResult) -> Result<()> {
+    metrics.set("eval/reward", result.mean_reward).map_err(telemetry_error)?;
+    metrics.set("eval/accuracy", result.accuracy).map_err(telemetry_error)?;
+    metrics.set("eval/response_length", result.response_length).map_err(telemetry_error)?;
+    Ok(())
+}
+
+/// Telemetry errors as trainer errors.
+pub fn telemetry_error(e: rtrun_rlhf_telemetry::TelemetryError) -> TrainError {
+    TrainError::Data(format!("metrics: {e}"))
+}

@@ -1,0 +1,226 @@
+//! Creating the role groups and engines of a run, and the calls that fan work out to their ranks
+//! and gather it back (verl's `DP_COMPUTE_PROTO` for calls whose results are `Result`s).
+
+use std::path::Path;
+
+use rtrun::{ActorGroup, ObjectRef};
+use rtrun_rlhf_engine::{EngineActor, EngineActorConfig, EngineActorRef, EngineConfig};
+use rtrun_rlhf_model::train::{OptimizerConfig, ScheduleConfig};
+
+use crate::config::{AlgoConfig, RewardKind, TrainConfig};
+use crate::error::{Result, TrainError};
+use crate::placement_map::RolePlacements;
+use crate::roles::WorkerSetup;
+use crate::roles::critic::{
+    CriticWorker, CriticWorkerConfig, RewardModelConfig, RewardModelWorker,
+};
+use crate::roles::lm::{LmWorker, LmWorkerConfig, PolicyLossConfig};
+
+/// Every role of a run.
+pub struct Roles {
+    /// Policy ranks.
+    pub actor: ActorGroup<LmWorker>,
+    /// Reference ranks (absent when no KL is used).
+    pub reference: Option<ActorGroup<LmWorker>>,
+    /// Critic ranks (GAE only).
+    pub critic: Option<ActorGroup<CriticWorker>>,
+    /// Reward-model ranks (`reward.kind: model`).
+    pub reward_model: Option<ActorGroup<RewardModelWorker>>,
+    /// Generation engines.
+    pub engines: Vec<EngineActorRef>,
+    /// Where everything was placed.
+    pub placements: RolePlacements,
+}
+
+/// Whether the run needs reference log-probs.
+pub fn needs_reference(algo: &AlgoConfig) -> bool {
+    algo.use_kl_loss || algo.init_kl_coef > 0.0 || algo.kl_target.is_some()
+}
+
+/// Whether the run needs a critic.
+pub fn needs_critic(algo: &AlgoConfig) -> bool {
+    algo.advantage_estimator.needs_critic()
+}
+
+fn optimizer(config: &TrainConfig, lr: f64, total_steps: u64) -> OptimizerConfig {
+    OptimizerConfig {
+        schedule: ScheduleConfig {
+            peak_lr: lr,
+            warmup_steps: config.train.lr_warmup_steps,
+            total_steps: total_steps.max(1),
+            // A constant rate after warm-up, as OpenRLHF's `constant_with_warmup` default.
+            min_lr_ratio: 1.0,
+        },
+        weight_decay: config.train.weight_decay,
+        max_grad_norm: config.train.max_grad_norm,
+        ..OptimizerConfig::default()
+    }
+}
+
+impl Roles {
+    /// Creates every group from `policy_dir` (the initial policy; also the reference and the
+    /// critic's trunk) and `reward_dir` (a reward model, when the reward is model-based).
+    pub fn create(
+        config: &TrainConfig,
+        placements: RolePlacements,
+        policy_dir: &Path,
+        reward_dir: Option<&Path>,
+        total_optimizer_steps: u64,
+    ) -> Result<Roles> {
+        let threads = config.cluster.threads_per_worker;
+        let loss = PolicyLossConfig {
+            clip: config.algo.clip_config(),
+            entropy_coef: config.algo.entropy_coef,
+            use_kl_loss: config.algo.use_kl_loss,
+            kl_estimator: config.algo.kl_estimator,
+            micro_batch_size: config.train.micro_batch_size,
+        };
+        let actor_config = LmWorkerConfig {
+            setup: WorkerSetup::cpu("actor", threads),
+            model_dir: policy_dir.to_path_buf(),
+            optimizer: Some(optimizer(config, config.train.actor_lr, total_optimizer_steps)),
+            loss: loss.clone(),
+        };
+        let p = &placements;
+        let actor =
+            ActorGroup::create("actor", p.actor.replicas, Default::default(), |rank, options| {
+                LmWorker::remote_with(placed(p, "actor", rank, options)?, actor_config.clone())
+            })?;
+        let reference = if needs_reference(&config.algo) {
+            let ref_config = LmWorkerConfig {
+                setup: WorkerSetup::cpu("ref", threads),
+                optimizer: None,
+                ..actor_config.clone()
+            };
+            Some(ActorGroup::create(
+                "ref",
+                p.reference.replicas,
+                Default::default(),
+                |rank, options| {
+                    LmWorker::remote_with(placed(p, "ref", rank, options)?, ref_config.clone())
+                },
+            )?)
+        } else {
+            None
+        };
+        let critic = if needs_critic(&config.algo) {
+            let critic_config = CriticWorkerConfig {
+                setup: WorkerSetup::cpu("critic", threads),
+                model_dir: policy_dir.to_path_buf(),
+                optimizer: optimizer(config, config.train.critic_lr, total_optimizer_steps),
+                value_clip: config.algo.value_clip,
+                micro_batch_size: config.train.micro_batch_size,
+                seed: config.seed,
+            };
+            Some(ActorGroup::create(
+                "critic",
+                p.critic.replicas,
+                Default::default(),
+                |rank, options| {
+                    CriticWorker::remote_with(
+                        placed(p, "critic", rank, options)?,
+                        critic_config.clone(),
+                    )
+                },
+            )?)
+        } else {
+            None
+        };
+        let reward_model = match (config.reward.kind, reward_dir) {
+            (RewardKind::Model, Some(dir)) => {
+                let rm_config = RewardModelConfig {
+                    setup: WorkerSetup::cpu("reward", threads),
+                    model_dir: dir.to_path_buf(),
+                    micro_batch_size: config.train.micro_batch_size,
+                };
+                Some(ActorGroup::create(
+                    "reward",
+                    p.reward.replicas,
+                    Default::default(),
+                    |rank, options| {
+                        RewardModelWorker::remote_with(
+                            placed(p, "reward", rank, options)?,
+                            rm_config.clone(),
+                        )
+                    },
+                )?)
+            }
+            (RewardKind::Model, None) => {
+                return Err(TrainError::config(
+                    "reward.model_dir",
+                    "expected a reward model directory, found none",
+                ));
+            }
+            _ => None,
+        };
+        let engine_config = EngineActorConfig {
+            model_dir: policy_dir.to_path_buf(),
+            engine: EngineConfig { seed: config.seed, ..EngineConfig::default() },
+        };
+        let engines = (0..p.engine.replicas)
+            .map(|rank| {
+                let options = p.options("vllm_engine", rank, rtrun::ActorOptions::default())?;
+                Ok(EngineActor::remote_with(options, engine_config.clone())?)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Roles { actor, reference, critic, reward_model, engines, placements })
+    }
+
+    /// Kills every role actor.
+    pub fn kill(&self) {
+        let _ = self.actor.kill();
+        if let Some(g) = &self.reference {
+            let _ = g.kill();
+        }
+        if let Some(g) = &self.critic {
+            let _ = g.kill();
+        }
+        if let Some(g) = &self.reward_model {
+            let _ = g.kill();
+        }
+        for e in &self.engines {
+            let _ = e.kill();
+        }
+        let _ = self.placements.remove();
+    }
+}
+
+/// A rank's options: its group membership plus its bundle and share from the placement.
+fn placed(
+    p: &RolePlacements,
+    role: &str,
+    rank: usize,
+    options: rtrun::ActorOptions,
+) -> rtrun::Result<rtrun::ActorOptions> {
+    p.options(role, rank, options).map_err(|e| rtrun::Error::Invalid(e.to_string()))
+}
+
+/// Splits `batch` across the group's ranks and calls each with its share.
+pub fn dispatch<A: rtrun::Actor, T, R>(
+    group: &ActorGroup<A>,
+    batch: Vec<T>,
+    call: impl Fn(&A::Ref, Vec<T>) -> ObjectRef<std::result::Result<Vec<R>, String>>,
+) -> Vec<ObjectRef<std::result::Result<Vec<R>, String>>> {
+    let chunks = rtrun::split_batch(batch, group.world_size());
+    group.members().iter().zip(chunks).map(|(m, c)| call(m, c)).collect()
+}
+
+/// Waits for per-rank results and concatenates them in rank order.
+pub fn gather<R: serde::de::DeserializeOwned>(
+    role: &str,
+    refs: &[ObjectRef<std::result::Result<Vec<R>, String>>],
+) -> Result<Vec<R>> {
+    let mut out = Vec::new();
+    for r in rtrun::get_all(refs)? {
+        out.extend(r.map_err(|e| TrainError::role(role, e))?);
+    }
+    Ok(out)
+}
+
+/// Waits for one result per rank.
+pub fn gather_each<R: serde::de::DeserializeOwned>(
+    role: &str,
+    refs: &[ObjectRef<std::result::Result<R, String>>],
+) -> Result<Vec<R>> {
+    rtrun::get_all(refs)?.into_iter().map(|r| r.map_err(|e| TrainError::role(role, e))).collect()
+}

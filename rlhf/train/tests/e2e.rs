@@ -1,0 +1,350 @@
+//! End-to-end runs of the trainer on the embedded runtime with real worker processes: GRPO and
+//! PPO steps in each colocation mode (on 8 declared, fake GPUs), the remote HTTP reward, and a
+//! run killed after k steps then resumed reproducing the metrics of an uninterrupted run.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use rtrun_rlhf::TrainConfig;
+use rtrun_rlhf::placement_map::ColocationMode;
+use rtrun_rlhf::trainer::NoProgress;
+use rtrun_rlhf_model::ScalarHeadModel;
+
+#[ctor::ctor]
+fn serve_worker_processes() {
+    // Worker processes are this test binary re-run: they serve here and never reach the harness.
+    rtrun::run_worker_if_requested();
+}
+
+fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("rtrun-e2e-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// A small, fast config: few prompts, a 5-step warm-up, 2 training steps.
+fn small_config(run_dir: &Path, extra: &str) -> TrainConfig {
+    let yaml = format!(
+        "seed: 7\nrun_dir: {}\n\
+         task: {{kind: reverse_digits, min_digits: 2, max_digits: 4, train_size: 64, eval_size: 8}}\n\
+         model: {{hidden_size: 32, num_layers: 1, num_heads: 2, num_kv_heads: 1, intermediate_size: 64}}\n\
+         warmup: {{steps: 5, batch_size: 16, lr: 0.003}}\n\
+         rollout: {{prompts_per_step: 4, n_samples_per_prompt: 2}}\n\
+         train: {{max_steps: 2, train_batch_size: 4, micro_batch_size: 2, actor_lr: 0.001, critic_lr: 0.001}}\n\
+         eval: {{every_steps: 0}}\n{extra}",
+        run_dir.display()
+    );
+    // Enough CPUs for every spec's bundles, whichever test of a process starts the runtime.
+    TrainConfig::from_yaml(&yaml, "test.yaml", &["cluster.num_cpus=16".into()])
+        .expect("test config parses")
+}
+
+/// A reward model (fresh scalar head on the policy's shape) for `reward.kind: model`.
+fn write_reward_model(dir: &Path, config: &TrainConfig) {
+    let model_config = rtrun_rlhf::warmup::policy_config(&config.model, 32);
+    let rm =
+        ScalarHeadModel::new_random(&model_config, tch::Device::Cpu, tch::Kind::Float, 3).unwrap();
+    rm.save_pretrained(dir, &Default::default()).unwrap();
+}
+
+fn metrics(run_dir: &Path) -> Vec<rtrun_rlhf_telemetry::StepMetrics> {
+    rtrun_rlhf_telemetry::jsonl::read_jsonl(&run_dir.join("metrics.jsonl")).unwrap()
+}
+
+fn assert_trained(run_dir: &Path, steps: u64) {
+    let records = metrics(run_dir);
+    let last = records.last().expect("metrics were written");
+    assert_eq!(last.step(), steps);
+    for name in
+        ["reward", "policy_loss", "actor_grad_norm", "eval/reward", "time/generate", "time/train"]
+    {
+        assert!(
+            last.get(name).is_some_and(f64::is_finite),
+            "`{name}` missing or not finite in {last:?}"
+        );
+    }
+    // The engines generate with exactly the weights the policy trains (weight sync works).
+    for r in records.iter().filter(|r| r.step() > 0) {
+        let gap = r.get("engine_logprob_gap").unwrap();
+        assert!(gap < 1e-4, "step {}: engine and policy log-probs differ by {gap}", r.step());
+    }
+}
+
+fn run_mode(spec: &str, mode: ColocationMode) {
+    let dir = scratch(spec);
+    let rm_dir = dir.join("rm");
+    let spec_path = repo_root().join(format!("deploy/examples/rlhf/placement/{spec}.yaml"));
+    let extra = format!(
+        "cluster: {{num_gpus: 8, placement_spec: {}}}\n\
+         algo: {{advantage_estimator: gae, init_kl_coef: 0.01, kl_target: 0.1}}\n\
+         reward: {{kind: model, model_dir: {}}}\n",
+        spec_path.display(),
+        rm_dir.display()
+    );
+    let config = small_config(&dir.join("run"), &extra);
+    write_reward_model(&rm_dir, &config);
+    let (trainer, report) = rtrun_rlhf::run::run(&config, &mut NoProgress).unwrap();
+    assert_eq!(report.steps, 2);
+    assert!(trainer.roles.critic.is_some() && trainer.roles.reward_model.is_some());
+    let placements = &trainer.roles.placements;
+    assert_eq!(placements.mode, mode);
+    let deployment =
+        placements.deployment.as_ref().expect("the spec's placement groups were created");
+    assert_eq!(deployment.groups().count(), placements.spec.as_ref().unwrap().groups.len());
+    assert_trained(&dir.join("run"), 2);
+    let records = metrics(&dir.join("run"));
+    assert!(records.last().unwrap().get("value_loss").is_some_and(|v| v > 0.0));
+    trainer.roles.kill();
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn ppo_separate_placement_with_two_dp_policy_ranks() {
+    run_mode("separate", ColocationMode::Separate);
+}
+
+#[test]
+fn ppo_actor_and_reference_colocated() {
+    run_mode("actor-ref", ColocationMode::ActorRef);
+}
+
+#[test]
+fn ppo_critic_and_reward_model_colocated() {
+    run_mode("critic-reward", ColocationMode::CriticReward);
+}
+
+#[test]
+fn ppo_all_colocated_hybrid_engine() {
+    run_mode("hybrid", ColocationMode::All);
+}
+
+#[test]
+fn grpo_with_kl_loss_and_entropy_bonus() {
+    let dir = scratch("grpo");
+    let config = small_config(
+        &dir,
+        "algo: {advantage_estimator: group_norm, use_kl_loss: true, kl_estimator: k3, init_kl_coef: 0.01, entropy_coef: 0.01}\n",
+    );
+    let (trainer, report) = rtrun_rlhf::run::run(&config, &mut NoProgress).unwrap();
+    assert_eq!(report.steps, 2);
+    assert!(trainer.roles.critic.is_none(), "GRPO needs no critic");
+    assert_trained(&dir, 2);
+    let last = metrics(&dir).pop().unwrap();
+    assert!(last.get("entropy").is_some_and(|e| e > 0.0));
+    trainer.roles.kill();
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A one-thread HTTP reward server: answers each POST with one reward per query (1 for an
+/// answer equal to the label, else 0.25) and counts the requests it served.
+fn start_reward_server() -> (String, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}/reward", listener.local_addr().unwrap());
+    let served = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counter = served.clone();
+    std::thread::spawn(move || {
+        for stream in listener.incoming().flatten() {
+            let mut reader = BufReader::new(stream.try_clone().unwrap());
+            let mut length = 0usize;
+            loop {
+                let mut line = String::new();
+                if reader.read_line(&mut line).unwrap_or(0) == 0 || line == "\r\n" {
+                    break;
+                }
+                if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
+                    length = v.trim().parse().unwrap_or(0);
+                }
+            }
+            let mut body = vec![0u8; length];
+            reader.read_exact(&mut body).unwrap();
+            let request: serde_json::Value = serde_json::from_slice(&body).unwrap();
+            let queries = request["query"].as_array().unwrap();
+            let prompts = request["prompts"].as_array().unwrap();
+            let labels = request["labels"].as_array().unwrap();
+            let rewards: Vec<f64> = queries
+                .iter()
+                .zip(prompts)
+                .zip(labels)
+                .map(|((q, p), l)| {
+                    let response = &q.as_str().unwrap()[p.as_str().unwrap().len()..];
+                    if response == l.as_str().unwrap() { 1.0 } else { 0.25 }
+                })
+                .collect();
+            let answer = serde_json::json!({ "rewards": rewards }).to_string();
+            let mut stream = stream;
+            let _ = write!(
+                stream,
+                "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{answer}",
+                answer.len()
+            );
+            counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    });
+    (url, served)
+}
+
+#[test]
+fn remote_http_reward_scores_every_sample() {
+    let (url, served) = start_reward_server();
+    let dir = scratch("remote");
+    let config = small_config(
+        &dir,
+        &format!(
+            "algo: {{advantage_estimator: rloo, init_kl_coef: 0.0}}\nreward: {{kind: remote, url: \"{url}\", parallel_tasks: 2}}\n"
+        ),
+    );
+    let (trainer, report) = rtrun_rlhf::run::run(&config, &mut NoProgress).unwrap();
+    assert_eq!(report.steps, 2);
+    assert!(trainer.roles.reference.is_none(), "no KL, no reference model");
+    // Baseline eval, 2 steps and the final eval, each split into 2 tasks.
+    assert!(served.load(std::sync::atomic::Ordering::SeqCst) >= 8);
+    for r in metrics(&dir).iter().filter(|r| r.step() > 0) {
+        let reward = r.get("reward").unwrap();
+        assert!((0.25..=1.0).contains(&reward), "rewards come from the server: {reward}");
+    }
+    trainer.roles.kill();
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Metrics that must match between runs: everything but timings and wall time.
+fn comparable(run_dir: &Path) -> Vec<(u64, Vec<(String, f64)>)> {
+    metrics(run_dir)
+        .into_iter()
+        .map(|m| {
+            let values = m
+                .scalars()
+                .iter()
+                .filter(|(name, _)| !name.starts_with("time/") && name != "wall_time")
+                .cloned()
+                .collect();
+            (m.step(), values)
+        })
+        .collect()
+}
+
+fn train_command(config: &Path, run_dir: &Path, extra: &[&str]) -> std::process::Command {
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_train"));
+    cmd.arg("--config").arg(config).arg("--set").arg(format!("run_dir={}", run_dir.display()));
+    for e in extra {
+        cmd.arg("--set").arg(e);
+    }
+    cmd.stdout(std::process::Stdio::null()).stderr(std::process::Stdio::piped());
+    cmd
+}
+
+/// Runs the driver to its end; returns its stderr.
+fn run_to_end(cmd: &mut std::process::Command) -> String {
+    let out = cmd.output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "train failed: {stderr}");
+    stderr
+}
+
+#[test]
+fn killed_then_resumed_run_matches_an_uninterrupted_one() {
+    let dir = scratch("resume");
+    // The small PPO config as a file (the driver reads files): critic, reference, adaptive KL.
+    let config_path = dir.join("ppo.yaml");
+    let base = small_config(&dir.join("unused"), "");
+    // JSON is YAML.
+    std::fs::write(&config_path, serde_json::to_string(&base).unwrap()).unwrap();
+    let settings = [
+        "train.max_steps=4",
+        "algo.advantage_estimator=gae",
+        "algo.kl_target=0.1",
+        "checkpoint.every_steps=1",
+    ];
+
+    let straight = dir.join("straight");
+    run_to_end(&mut train_command(&config_path, &straight, &settings));
+
+    // Kill the second run (SIGKILL, driver and workers) once step 2's checkpoint is complete.
+    let resumed = dir.join("resumed");
+    let mut child = train_command(&config_path, &resumed, &settings).spawn().unwrap();
+    let marker = resumed.join("checkpoints/step_000002/trainer_state.json");
+    let deadline = Instant::now() + Duration::from_secs(90);
+    while !marker.is_file() {
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("the run ended ({status}) before its step-2 checkpoint");
+        }
+        assert!(Instant::now() < deadline, "no step-2 checkpoint within 90 s");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(child.try_wait().unwrap().is_none(), "the run must still be going when it is killed");
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let stderr = run_to_end(&mut train_command(&config_path, &resumed, &settings));
+    let resumed_from = stderr
+        .lines()
+        .find_map(|l| l.strip_prefix("resuming from "))
+        .and_then(|dir| dir.rsplit("step_").next())
+        .and_then(|step| step.parse::<u64>().ok())
+        .unwrap_or_else(|| panic!("the second run did not resume: {stderr}"));
+    assert!((2..4).contains(&resumed_from), "resumed from step {resumed_from}, expected 2 or 3");
+
+    let (a, b) = (comparable(&straight), comparable(&resumed));
+    assert_eq!(a.iter().map(|(s, _)| *s).collect::<Vec<_>>(), vec![0, 1, 2, 3, 4]);
+    assert_eq!(a, b, "a resumed run must reproduce the uninterrupted run's metrics");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A custom reward function registered by name in this binary (the workers, which are this
+/// binary re-run, find it too). A constant, so the test can tell its rewards from any other.
+fn count_ones(_prompt: &str, _response: &str, _label: &str) -> f32 {
+    0.375
+}
+
+#[linkme::distributed_slice(rtrun_rlhf::reward::REWARD_FUNCTIONS)]
+static COUNT_ONES: rtrun_rlhf::reward::RewardFunction =
+    rtrun_rlhf::reward::RewardFunction { name: "count_ones", score: count_ones };
+
+#[test]
+fn custom_reward_function_registered_by_name() {
+    let dir = scratch("custom");
+    let config = small_config(
+        &dir,
+        "algo: {advantage_estimator: reinforce, init_kl_coef: 0.01, kl_estimator: k2}\nreward: {kind: custom, name: count_ones}\n",
+    );
+    let (trainer, report) = rtrun_rlhf::run::run(&config, &mut NoProgress).unwrap();
+    assert_eq!(report.steps, 2);
+    assert_eq!(report.final_result.mean_reward, 0.375);
+    assert_trained(&dir, 2);
+    for r in metrics(&dir).iter().filter(|r| r.step() > 0) {
+        assert_eq!(r.get("reward"), Some(0.375));
+    }
+    trainer.roles.kill();
+    std::fs::remove_dir_all(&dir).unwrap();
+
+    let err =
+        TrainConfig::from_yaml("reward: {kind: custom, name: nope}\n", "x.yaml", &[]).unwrap_err();
+    assert!(err.to_string().contains("count_ones"), "the error lists registered names: {err}");
+}
+
+#[test]
+fn the_driver_rejects_bad_configs_and_addresses_with_clear_errors() {
+    let config = repo_root().join("deploy/examples/rlhf/grpo.yaml");
+    let run = |extra: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_train"))
+            .arg("--config")
+            .arg(&config)
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(!out.status.success());
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    assert!(run(&["--set", "rollout.top_p=2"]).contains("config key `rollout.top_p`"));
+    assert!(run(&["--set", "train.actor_lrr=1"]).contains("actor_lrr"));
+    assert!(run(&["--address", "10.0.0.1:6379"]).contains("multi-node not available yet"));
+    let missing = std::process::Command::new(env!("CARGO_BIN_EXE_train"))
+        .args(["--config", "/nonexistent/x.yaml"])
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&missing.stderr).contains("/nonexistent/x.yaml"));
+}
