@@ -264,6 +264,24 @@ pub struct TrainLoopConfig {
     pub weight_decay: f64,
     /// Steps during which only the critic trains.
     pub freezing_actor_steps: u64,
+    /// How a step's experience is made: `sequential` (generate everything, then every role
+    /// over the whole batch; the default) or `dock` (GRPO stages streaming prompt groups
+    /// through a TransferDock actor, see [`crate::trainer::pipeline`]).
+    pub pipeline: PipelineMode,
+}
+
+/// How a step's experience is made (`train.pipeline`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PipelineMode {
+    /// Generate every sample, then rewards, log-probs and values over the whole batch.
+    #[default]
+    Sequential,
+    /// Rollout → rule reward → reference log-prob → old log-prob → advantages → train as
+    /// concurrent stages reading and writing only through a TransferDock actor, so later
+    /// stages start on early prompt groups while generation continues. GRPO-style runs only
+    /// (a group-local advantage estimator, no critic, no hybrid engine).
+    Dock,
 }
 
 impl Default for TrainLoopConfig {
@@ -280,6 +298,7 @@ impl Default for TrainLoopConfig {
             max_grad_norm: 1.0,
             weight_decay: 0.0,
             freezing_actor_steps: 0,
+            pipeline: PipelineMode::Sequential,
         }
     }
 }
@@ -536,6 +555,28 @@ impl TrainConfig {
                     tr.train_batch_size
                 ),
             ));
+        }
+        if tr.pipeline == PipelineMode::Dock {
+            if !matches!(
+                a.advantage_estimator,
+                AdvantageEstimator::GroupNorm
+                    | AdvantageEstimator::Rloo
+                    | AdvantageEstimator::DrGrpo
+            ) {
+                return Err(TrainError::config(
+                    "algo.advantage_estimator",
+                    format!(
+                        "expected a group-local estimator (group_norm, rloo or dr_grpo) for train.pipeline `dock`, whose stages compute advantages one prompt group at a time, found `{}`",
+                        a.advantage_estimator
+                    ),
+                ));
+            }
+            if self.cluster.colocate_all {
+                return Err(TrainError::config(
+                    "cluster.colocate_all",
+                    "expected false for train.pipeline `dock` (its stages run generation and log-probs at the same time, which a hybrid engine cannot), found true",
+                ));
+            }
         }
         match self.reward.kind {
             RewardKind::Remote if self.reward.url.is_none() => {

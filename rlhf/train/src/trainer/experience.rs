@@ -109,7 +109,6 @@ pub fn make_experience(
     kl_coef: f64,
 ) -> Result<ExperienceBatch> {
     let roles = &trainer.roles;
-    let algo_config = &trainer.config.algo;
     // Everything in flight at once: the roles run in their own processes.
     let pending_rewards = rewards(trainer, records, &sequences)?;
     let ref_refs =
@@ -127,9 +126,47 @@ pub fn make_experience(
         Some(refs) => Some(gather("critic", &refs)?),
         None => None,
     };
+    assemble(
+        trainer,
+        records,
+        sequences,
+        engine_log_probs,
+        RoleResults { scalar_rewards, old_log_probs, ref_log_probs, values },
+        kl_coef,
+    )
+}
+
+/// What the roles computed for a batch of sequences, one entry per sequence.
+#[derive(Debug, Clone, Default)]
+pub struct RoleResults {
+    /// Scalar rewards.
+    pub scalar_rewards: Vec<f32>,
+    /// Per-token log-probs under the policy that generated the batch.
+    pub old_log_probs: Vec<Vec<f32>>,
+    /// Per-token reference log-probs (when the run has a reference).
+    pub ref_log_probs: Option<Vec<Vec<f32>>>,
+    /// Per-token critic values (when the run has a critic).
+    pub values: Option<Vec<Vec<f32>>>,
+}
+
+/// The maths of `make_experience` once the roles have answered: the KL to the reference,
+/// advantages and returns, the step's aggregates and the training rows. Group-local
+/// estimators give every prompt group the same result whether it is assembled alone or in a
+/// larger batch, which the dock pipeline relies on.
+pub fn assemble(
+    trainer: &Trainer,
+    records: &[&PromptRecord],
+    sequences: Vec<Sequence>,
+    engine_log_probs: &[Vec<f32>],
+    results: RoleResults,
+    kl_coef: f64,
+) -> Result<ExperienceBatch> {
+    let algo_config = &trainer.config.algo;
+    let RoleResults { scalar_rewards, old_log_probs, ref_log_probs, values } = results;
     let count = sequences.len();
     for (name, len) in [
         ("reward", scalar_rewards.len()),
+        ("vllm_engine", engine_log_probs.len()),
         ("actor", old_log_probs.len()),
         ("ref", ref_log_probs.as_ref().map_or(count, Vec::len)),
         ("critic", values.as_ref().map_or(count, Vec::len)),

@@ -13,17 +13,19 @@
 
 pub mod checkpoint;
 pub mod experience;
+pub mod pipeline;
 pub mod roles;
 
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use rtrun_rlhf_dock::StageTimeline;
 use rtrun_rlhf_engine::{GenerationOutput, GenerationRequest, SamplingParams};
 use rtrun_rlhf_telemetry::{MetricsSink, PhaseTimer, StepMetrics, StepPhases};
 
 use crate::algo::KlController;
-use crate::config::TrainConfig;
+use crate::config::{PipelineMode, TrainConfig};
 use crate::error::{Result, TrainError};
 use crate::experience::Sequence;
 use crate::rng::mix_seed;
@@ -122,6 +124,8 @@ pub struct Trainer {
     pub state: TrainerState,
     /// Phase timings.
     pub timer: PhaseTimer,
+    /// `train.pipeline: dock`: every stage rank's timeline of the last step.
+    pub pipeline_timelines: Vec<StageTimeline>,
 }
 
 impl Trainer {
@@ -148,6 +152,7 @@ impl Trainer {
             roles,
             state,
             timer: PhaseTimer::new(),
+            pipeline_timelines: Vec::new(),
         };
         if trainer.config.checkpoint.resume
             && let Some(dir) = checkpoint::newest(&trainer.paths.checkpoints)?
@@ -360,46 +365,28 @@ impl Trainer {
         let prompt_ids =
             records.iter().map(|r| tok.encode_prompt(&r.prompt)).collect::<Result<Vec<_>>>()?;
 
-        progress.phase("generate");
         let params = self.rollout_params();
         let seed_base = mix_seed(self.config.seed, step);
-        let outputs = self.timed("generate", |t| -> Result<_> {
-            t.wake_engines()?;
-            let outputs = t.generate(&prompt_ids, &params, seed_base)?;
-            t.sleep_engines_if_hybrid()?;
-            Ok(outputs)
-        })?;
-        let n = self.config.rollout.n_samples_per_prompt;
-        let mut sequences = Vec::with_capacity(records.len() * n);
-        let mut sample_records = Vec::with_capacity(records.len() * n);
-        let mut engine_log_probs = Vec::with_capacity(records.len() * n);
-        for ((output, ids), record) in outputs.iter().zip(&prompt_ids).zip(&records) {
-            if output.samples.len() != n {
-                return Err(TrainError::role(
-                    "vllm_engine",
-                    format!("expected {n} samples per prompt, found {}", output.samples.len()),
-                ));
-            }
-            for sample in &output.samples {
-                sequences.push(Sequence {
-                    prompt_ids: ids.clone(),
-                    response_ids: sample.token_ids.clone(),
-                });
-                sample_records.push(record);
-                engine_log_probs.push(sample.log_probs.clone());
-            }
-        }
-
-        progress.phase("experience");
         let kl_coef = self.state.kl.value();
-        let batch = self.timed("experience", |t| {
-            experience::make_experience(t, &sample_records, sequences, &engine_log_probs, kl_coef)
-        })?;
-
-        progress.phase("train");
-        let train_stats =
-            self.timed("train", |t| experience::train(t, &batch.rows, step, kl_coef))?;
-        self.state.kl.update(batch.stats.kl, batch.rows.len() as u64);
+        let (stats, rows, train_stats) = if self.config.train.pipeline == PipelineMode::Dock {
+            progress.phase("pipeline");
+            let out = self.timed("pipeline", |t| {
+                pipeline::run_step(t, &records, &prompt_ids, &params, seed_base, step, kl_coef)
+            })?;
+            self.pipeline_timelines = out.timelines;
+            (out.stats, out.rows, out.train)
+        } else {
+            self.sequential_step(
+                &records,
+                &prompt_ids,
+                &params,
+                seed_base,
+                step,
+                kl_coef,
+                progress,
+            )?
+        };
+        self.state.kl.update(stats.kl, rows as u64);
 
         progress.phase("sync");
         if train_stats.actor_trained {
@@ -407,7 +394,7 @@ impl Trainer {
         }
 
         let mut metrics = StepMetrics::new(step);
-        let s = &batch.stats;
+        let s = &stats;
         let t = &train_stats;
         for (name, value) in [
             ("reward", s.reward),
@@ -432,7 +419,62 @@ impl Trainer {
         metrics
             .set("consumed_prompts", self.state.loader.consumed as f64)
             .map_err(telemetry_error)?;
+        if self.config.train.pipeline == PipelineMode::Dock {
+            pipeline::record_summary(step, &self.pipeline_timelines, &mut metrics)?;
+        }
         Ok(metrics)
+    }
+
+    /// Generation, then make-experience over the whole batch, then training: the step of
+    /// `train.pipeline: sequential`.
+    #[allow(clippy::too_many_arguments)]
+    fn sequential_step(
+        &mut self,
+        records: &[PromptRecord],
+        prompt_ids: &[Vec<u32>],
+        params: &SamplingParams,
+        seed_base: u64,
+        step: u64,
+        kl_coef: f64,
+        progress: &mut dyn ProgressObserver,
+    ) -> Result<(experience::ExperienceStats, usize, experience::TrainStats)> {
+        progress.phase("generate");
+        let outputs = self.timed("generate", |t| -> Result<_> {
+            t.wake_engines()?;
+            let outputs = t.generate(prompt_ids, params, seed_base)?;
+            t.sleep_engines_if_hybrid()?;
+            Ok(outputs)
+        })?;
+        let n = self.config.rollout.n_samples_per_prompt;
+        let mut sequences = Vec::with_capacity(records.len() * n);
+        let mut sample_records = Vec::with_capacity(records.len() * n);
+        let mut engine_log_probs = Vec::with_capacity(records.len() * n);
+        for ((output, ids), record) in outputs.iter().zip(prompt_ids).zip(records) {
+            if output.samples.len() != n {
+                return Err(TrainError::role(
+                    "vllm_engine",
+                    format!("expected {n} samples per prompt, found {}", output.samples.len()),
+                ));
+            }
+            for sample in &output.samples {
+                sequences.push(Sequence {
+                    prompt_ids: ids.clone(),
+                    response_ids: sample.token_ids.clone(),
+                });
+                sample_records.push(record);
+                engine_log_probs.push(sample.log_probs.clone());
+            }
+        }
+
+        progress.phase("experience");
+        let batch = self.timed("experience", |t| {
+            experience::make_experience(t, &sample_records, sequences, &engine_log_probs, kl_coef)
+        })?;
+
+        progress.phase("train");
+        let train_stats =
+            self.timed("train", |t| experience::train(t, &batch.rows, step, kl_coef))?;
+        Ok((batch.stats, batch.rows.len(), train_stats))
     }
 
     /// Sends the policy's weights to every engine in buckets (straight from policy rank 0 to

@@ -7,7 +7,9 @@ use rtrun::{ActorGroup, ObjectRef};
 use rtrun_rlhf_engine::{EngineActor, EngineActorConfig, EngineActorRef, EngineConfig};
 use rtrun_rlhf_model::train::{OptimizerConfig, ScheduleConfig};
 
-use crate::config::{AlgoConfig, RewardKind, TrainConfig};
+use rtrun_rlhf_dock::RemoteDock;
+
+use crate::config::{AlgoConfig, PipelineMode, RewardKind, TrainConfig};
 use crate::error::{Result, TrainError};
 use crate::placement_map::RolePlacements;
 use crate::roles::WorkerSetup;
@@ -30,6 +32,8 @@ pub struct Roles {
     pub engines: Vec<EngineActorRef>,
     /// Where everything was placed.
     pub placements: RolePlacements,
+    /// The TransferDock actor of `train.pipeline: dock`.
+    pub dock: Option<RemoteDock>,
 }
 
 /// Whether the run needs reference log-probs.
@@ -163,7 +167,17 @@ impl Roles {
                 Ok(EngineActor::remote_with(options, engine_config.clone())?)
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(Roles { actor, reference, critic, reward_model, engines, placements })
+        let dock = match config.train.pipeline {
+            PipelineMode::Dock => Some(
+                RemoteDock::create(
+                    crate::trainer::pipeline::dock_config(config),
+                    rtrun::ActorOptions::default(),
+                )
+                .map_err(|e| TrainError::role("dock", e))?,
+            ),
+            PipelineMode::Sequential => None,
+        };
+        Ok(Roles { actor, reference, critic, reward_model, engines, placements, dock })
     }
 
     /// Kills every role actor.
@@ -180,6 +194,9 @@ impl Roles {
         }
         for e in &self.engines {
             let _ = e.kill();
+        }
+        if let Some(dock) = &self.dock {
+            let _ = dock.actor().kill();
         }
         let _ = self.placements.remove();
     }

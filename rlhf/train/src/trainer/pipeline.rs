@@ -1,0 +1,569 @@
+//! `train.pipeline: dock`: one GRPO step's make-experience and training as TransferDock stages.
+//!
+//! The driver writes the step's prompts into the run's [`DockActor`](rtrun_rlhf_dock::DockActor)
+//! (rows = prompts × samples, prompt-major, as the sequential mode orders its batch), then runs
+//! one thread per stage rank, each looping in [`run_stage`] and reading and writing only
+//! through the dock:
+//!
+//! - `rollout` (one rank per engine): prompts → responses + the engine's log-probs, one prompt
+//!   group per call, with the same per-prompt seeds as the sequential mode;
+//! - `reward`: prompts + responses → rm_scores (the run's reward: rule, custom, remote or model);
+//! - `ref_log_prob` (when the run has a reference) and `old_log_prob`: per-token log-probs from
+//!   the reference and policy groups;
+//! - `compute_advantage`: everything above → advantages + returns, by the same
+//!   [`experience::assemble`] as the sequential mode, one prompt group at a time (exact for
+//!   group-local estimators, the only ones this mode accepts);
+//! - `actor_train`: every row → [`experience::train`].
+//!
+//! So reward and log-prob stages start on the first groups while the engines still generate
+//! the rest. Training asks for every row at once: the policy ranks compute the old log-probs,
+//! so updating them before the last group's old log-probs are in would make those off-policy,
+//! and taking the rows together keeps the mini-batch shuffle of the sequential mode.
+//!
+//! The stages' timelines become a [`PipelineSummary`] in the step's metrics (`pipeline/…`) and
+//! a chart in the log. Each stage's rows are checked to be every row of the step exactly once.
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use rtrun_rlhf_dock::{
+    ColumnKind, ColumnValues, DockCallError, DockConfig, ExperienceBatch as DockBatch,
+    ExperienceStore, PackedBatch, PackedNamedColumn, PipelineSummary, PollConfig, RemoteDock,
+    SampleOrder, SamplingConfig, StageSpec, StageTimeline, StageWorkError, run_stage,
+};
+use rtrun_rlhf_engine::{EngineActorRef, GenerationRequest, SamplingParams};
+use rtrun_rlhf_telemetry::StepMetrics;
+
+use crate::config::TrainConfig;
+use crate::error::{Result, TrainError};
+use crate::experience::{ExperienceRow, Sequence};
+use crate::rng::mix_seed;
+use crate::task::PromptRecord;
+use crate::trainer::experience::{self, ExperienceStats, RoleResults, TrainStats};
+use crate::trainer::roles::{dispatch, gather, needs_reference};
+use crate::trainer::{Trainer, telemetry_error};
+
+const PROMPTS: &str = "prompts";
+const RESPONSES: &str = "responses";
+const ENGINE_LOG_PROBS: &str = "engine_log_probs";
+const RM_SCORES: &str = "rm_scores";
+const REF_LOG_PROB: &str = "ref_log_prob";
+const OLD_LOG_PROB: &str = "old_log_prob";
+const ADVANTAGES: &str = "advantages";
+const RETURNS: &str = "returns";
+
+/// The stages' consumers, in pipeline order.
+pub const STAGES: [&str; 6] =
+    ["rollout", "reward", "ref_log_prob", "old_log_prob", "compute_advantage", "actor_train"];
+
+/// The dock of a run in dock mode: one step's rows, every column and every stage's consumer.
+pub fn dock_config(config: &TrainConfig) -> DockConfig {
+    let mut dock =
+        DockConfig::new(config.rollout.prompts_per_step, config.rollout.n_samples_per_prompt)
+            .with_column(PROMPTS, ColumnKind::TokenIds)
+            .with_column(RESPONSES, ColumnKind::TokenIds)
+            .with_column(ENGINE_LOG_PROBS, ColumnKind::Floats)
+            .with_column(RM_SCORES, ColumnKind::Scalars)
+            .with_column(REF_LOG_PROB, ColumnKind::Floats)
+            .with_column(OLD_LOG_PROB, ColumnKind::Floats)
+            .with_column(ADVANTAGES, ColumnKind::Floats)
+            .with_column(RETURNS, ColumnKind::Floats)
+            .with_sampling(SamplingConfig {
+                order: SampleOrder::Ascending,
+                seed: config.seed,
+                allow_short_final_batch: false,
+            });
+    for stage in STAGES {
+        dock = dock.with_consumer(stage);
+    }
+    dock
+}
+
+/// What a dock step produced.
+pub struct DockStep {
+    /// The experience aggregates, over every row.
+    pub stats: ExperienceStats,
+    /// Rows trained on.
+    pub rows: usize,
+    /// What training did.
+    pub train: TrainStats,
+    /// Every stage rank's timeline.
+    pub timelines: Vec<StageTimeline>,
+}
+
+/// The dock with a stop switch: once a stage fails, every other stage's next get fails too,
+/// so the step ends with the first error instead of waiting for the stall timeout.
+struct StepDock<'a> {
+    dock: &'a RemoteDock,
+    failed: &'a AtomicBool,
+}
+
+impl ExperienceStore for StepDock<'_> {
+    fn put(&self, batch: PackedBatch) -> std::result::Result<(), DockCallError> {
+        self.dock.put_experience(batch)
+    }
+
+    fn get(
+        &self,
+        consumer: &str,
+        columns: &[String],
+        count: usize,
+    ) -> std::result::Result<Option<PackedBatch>, DockCallError> {
+        if self.failed.load(Ordering::SeqCst) {
+            return Err(DockCallError::Runtime(rtrun::Error::Invalid(
+                "stopped because another stage of the step failed".to_owned(),
+            )));
+        }
+        self.dock.get_experience(consumer, columns, count, None)
+    }
+
+    fn all_consumed(&self, consumer: &str) -> std::result::Result<bool, DockCallError> {
+        self.dock.all_consumed(consumer)
+    }
+}
+
+/// A stage's batch with its rows in ascending order (prompt groups contiguous, samples in
+/// order, as `assemble` expects), remembering where each came from so outputs go back in the
+/// order the dock handed the rows out.
+struct SortedBatch {
+    rows: Vec<usize>,
+    order: Vec<usize>,
+    data: DockBatch,
+}
+
+impl SortedBatch {
+    fn new(batch: &PackedBatch) -> Result<Self> {
+        let data = batch.unpack().map_err(|e| TrainError::Data(format!("dock batch: {e}")))?;
+        let mut order: Vec<usize> = (0..batch.rows.len()).collect();
+        order.sort_by_key(|&i| batch.rows.get(i).copied());
+        let rows = order.iter().filter_map(|&i| batch.rows.get(i).copied()).collect();
+        Ok(Self { rows, order, data })
+    }
+
+    fn sorted<T: Clone>(&self, name: &str, values: &[T]) -> Result<Vec<T>> {
+        if values.len() != self.order.len() {
+            return Err(TrainError::Data(format!(
+                "dock column `{name}`: expected {} rows, found {}",
+                self.order.len(),
+                values.len()
+            )));
+        }
+        Ok(self.order.iter().filter_map(|&i| values.get(i).cloned()).collect())
+    }
+
+    fn token_ids(&self, name: &str) -> Result<Vec<Vec<u32>>> {
+        let Some(ColumnValues::TokenIds(rows)) = self.data.column(name) else {
+            return Err(TrainError::Data(format!("dock column `{name}`: expected token ids")));
+        };
+        self.sorted(name, rows)?
+            .into_iter()
+            .map(|row| {
+                row.into_iter()
+                    .map(|id| {
+                        u32::try_from(id).map_err(|_| {
+                            TrainError::Data(format!(
+                                "dock column `{name}`: expected token ids in 0..2^32, found {id}"
+                            ))
+                        })
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
+    fn floats(&self, name: &str) -> Result<Vec<Vec<f32>>> {
+        let Some(ColumnValues::Floats(rows)) = self.data.column(name) else {
+            return Err(TrainError::Data(format!("dock column `{name}`: expected float rows")));
+        };
+        self.sorted(name, rows)
+    }
+
+    fn scalars(&self, name: &str) -> Result<Vec<f32>> {
+        let Some(ColumnValues::Scalars(values)) = self.data.column(name) else {
+            return Err(TrainError::Data(format!("dock column `{name}`: expected scalars")));
+        };
+        self.sorted(name, values)
+    }
+
+    fn sequences(&self) -> Result<Vec<Sequence>> {
+        let prompts = self.token_ids(PROMPTS)?;
+        let responses = self.token_ids(RESPONSES)?;
+        Ok(prompts
+            .into_iter()
+            .zip(responses)
+            .map(|(prompt_ids, response_ids)| Sequence { prompt_ids, response_ids })
+            .collect())
+    }
+
+    /// Values given in sorted order, put back into the dock's order.
+    fn unsort<T: Clone + Default>(&self, values: Vec<T>) -> Vec<T> {
+        let mut out = vec![T::default(); values.len()];
+        for (&slot, value) in self.order.iter().zip(values) {
+            if let Some(place) = out.get_mut(slot) {
+                *place = value;
+            }
+        }
+        out
+    }
+
+    fn floats_out(&self, name: &str, values: Vec<Vec<f32>>) -> PackedNamedColumn {
+        PackedNamedColumn::new(name, &ColumnValues::Floats(self.unsort(values)))
+    }
+}
+
+/// A stage's work on one batch.
+type Work<'a> = Box<dyn FnMut(&PackedBatch) -> Result<Vec<PackedNamedColumn>> + Send + 'a>;
+
+fn push<'a>(stages: &mut Vec<(StageSpec, Work<'a>)>, spec: StageSpec, work: Work<'a>) {
+    stages.push((spec, work));
+}
+
+fn work_error(e: TrainError) -> StageWorkError {
+    e.to_string().into()
+}
+
+/// Runs one step in dock mode.
+#[allow(clippy::too_many_arguments)]
+pub fn run_step(
+    trainer: &Trainer,
+    records: &[PromptRecord],
+    prompt_ids: &[Vec<u32>],
+    params: &SamplingParams,
+    seed_base: u64,
+    step: u64,
+    kl_coef: f64,
+) -> Result<DockStep> {
+    let dock = trainer.roles.dock.as_ref().ok_or_else(|| {
+        TrainError::role("dock", "train.pipeline is `dock` but no dock actor was created")
+    })?;
+    if trainer.roles.placements.hybrid() {
+        return Err(TrainError::config(
+            "train.pipeline",
+            "expected separate engines for `dock` (stages generate and compute log-probs at the same time), found a hybrid engine placement",
+        ));
+    }
+    let n = trainer.config.rollout.n_samples_per_prompt;
+    let total = records.len() * n;
+    let dock_error = |e: DockCallError| TrainError::role("dock", e);
+    dock.clear(None).map_err(dock_error)?;
+    let prompts: Vec<Vec<i64>> = prompt_ids
+        .iter()
+        .flat_map(|ids| std::iter::repeat_n(ids.iter().map(|&t| i64::from(t)).collect(), n))
+        .collect();
+    dock.put_experience(PackedBatch {
+        rows: (0..total).collect(),
+        columns: vec![PackedNamedColumn::new(PROMPTS, &ColumnValues::TokenIds(prompts))],
+    })
+    .map_err(dock_error)?;
+
+    let has_ref = needs_reference(&trainer.config.algo) && trainer.roles.reference.is_some();
+    let failed = AtomicBool::new(false);
+    let store = StepDock { dock, failed: &failed };
+    let poll = PollConfig::default();
+    let spec = |consumer: &str, inputs: &[&str], outputs: &[&str], rows: usize| {
+        StageSpec::new(consumer, inputs, outputs, rows).with_poll(poll)
+    };
+    let stats_parts: Mutex<Vec<(ExperienceStats, usize, usize)>> = Mutex::new(Vec::new());
+    let trained: Mutex<Option<(TrainStats, usize)>> = Mutex::new(None);
+    let mut adv_inputs = vec![PROMPTS, RESPONSES, ENGINE_LOG_PROBS, RM_SCORES, OLD_LOG_PROB];
+    let mut train_inputs = vec![PROMPTS, RESPONSES, OLD_LOG_PROB, ADVANTAGES, RETURNS];
+    if has_ref {
+        adv_inputs.push(REF_LOG_PROB);
+        train_inputs.push(REF_LOG_PROB);
+    }
+    let record_of = |rows: &[usize]| -> Result<Vec<&PromptRecord>> {
+        rows.iter()
+            .map(|&row| {
+                records.get(row / n).ok_or_else(|| {
+                    TrainError::Data(format!("dock row {row} is beyond the step's {total} rows"))
+                })
+            })
+            .collect()
+    };
+
+    let mut stages: Vec<(StageSpec, Work<'_>)> = Vec::new();
+    for (rank, engine) in trainer.roles.engines.iter().enumerate() {
+        let spec = spec("rollout", &[PROMPTS], &[RESPONSES, ENGINE_LOG_PROBS], n).with_rank(rank);
+        push(
+            &mut stages,
+            spec,
+            Box::new(move |batch: &PackedBatch| rollout(engine, batch, params, seed_base, n)),
+        );
+    }
+    push(
+        &mut stages,
+        spec("reward", &[PROMPTS, RESPONSES], &[RM_SCORES], n),
+        Box::new(|batch: &PackedBatch| {
+            let input = SortedBatch::new(batch)?;
+            let sequences = input.sequences()?;
+            let scores =
+                experience::rewards(trainer, &record_of(&input.rows)?, &sequences)?.get()?;
+            Ok(vec![PackedNamedColumn::new(
+                RM_SCORES,
+                &ColumnValues::Scalars(input.unsort(scores)),
+            )])
+        }),
+    );
+    if has_ref && let Some(reference) = &trainer.roles.reference {
+        push(
+            &mut stages,
+            spec("ref_log_prob", &[PROMPTS, RESPONSES], &[REF_LOG_PROB], n),
+            Box::new(move |batch: &PackedBatch| {
+                let input = SortedBatch::new(batch)?;
+                let refs = dispatch(reference, input.sequences()?, |w, c| w.log_probs(c));
+                Ok(vec![input.floats_out(REF_LOG_PROB, gather("ref", &refs)?)])
+            }),
+        );
+    }
+    push(
+        &mut stages,
+        spec("old_log_prob", &[PROMPTS, RESPONSES], &[OLD_LOG_PROB], n),
+        Box::new(|batch: &PackedBatch| {
+            let input = SortedBatch::new(batch)?;
+            let refs = dispatch(&trainer.roles.actor, input.sequences()?, |w, c| w.log_probs(c));
+            Ok(vec![input.floats_out(OLD_LOG_PROB, gather("actor", &refs)?)])
+        }),
+    );
+    push(
+        &mut stages,
+        spec("compute_advantage", &adv_inputs, &[ADVANTAGES, RETURNS], n),
+        Box::new(|batch: &PackedBatch| {
+            let input = SortedBatch::new(batch)?;
+            let sequences = input.sequences()?;
+            let tokens = sequences.iter().map(|s| s.response_ids.len()).sum();
+            let results = RoleResults {
+                scalar_rewards: input.scalars(RM_SCORES)?,
+                old_log_probs: input.floats(OLD_LOG_PROB)?,
+                ref_log_probs: if has_ref { Some(input.floats(REF_LOG_PROB)?) } else { None },
+                values: None,
+            };
+            let built = experience::assemble(
+                trainer,
+                &record_of(&input.rows)?,
+                sequences,
+                &input.floats(ENGINE_LOG_PROBS)?,
+                results,
+                kl_coef,
+            )?;
+            let count = built.rows.len();
+            stats_parts
+                .lock()
+                .map_err(|_| TrainError::Data("a stage thread panicked".to_owned()))?
+                .push((built.stats, count, tokens));
+            let (advantages, returns) =
+                built.rows.into_iter().map(|r| (r.advantages, r.returns)).unzip();
+            Ok(vec![input.floats_out(ADVANTAGES, advantages), input.floats_out(RETURNS, returns)])
+        }),
+    );
+    push(
+        &mut stages,
+        spec("actor_train", &train_inputs, &[], total),
+        Box::new(|batch: &PackedBatch| {
+            let input = SortedBatch::new(batch)?;
+            let old = input.floats(OLD_LOG_PROB)?;
+            let reference = if has_ref { Some(input.floats(REF_LOG_PROB)?) } else { None };
+            let advantages = input.floats(ADVANTAGES)?;
+            let returns = input.floats(RETURNS)?;
+            let rows: Vec<ExperienceRow> = input
+                .sequences()?
+                .into_iter()
+                .enumerate()
+                .map(|(i, sequence)| ExperienceRow {
+                    sequence,
+                    old_log_probs: old.get(i).cloned().unwrap_or_default(),
+                    ref_log_probs: reference
+                        .as_ref()
+                        .and_then(|r| r.get(i).cloned())
+                        .unwrap_or_default(),
+                    values: Vec::new(),
+                    advantages: advantages.get(i).cloned().unwrap_or_default(),
+                    returns: returns.get(i).cloned().unwrap_or_default(),
+                })
+                .collect();
+            let stats = experience::train(trainer, &rows, step, kl_coef)?;
+            *trained
+                .lock()
+                .map_err(|_| TrainError::Data("a stage thread panicked".to_owned()))? =
+                Some((stats, rows.len()));
+            Ok(Vec::new())
+        }),
+    );
+    let results: Vec<std::result::Result<StageTimeline, String>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = stages
+            .into_iter()
+            .map(|(spec, mut work)| {
+                let store = &store;
+                scope.spawn(move || {
+                    let out = run_stage(store, &spec, |batch| work(batch).map_err(work_error))
+                        .map_err(|e| e.to_string());
+                    if out.is_err() {
+                        store.failed.store(true, Ordering::SeqCst);
+                    }
+                    out
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| Err("a stage thread panicked".to_owned())))
+            .collect()
+    });
+
+    // The first stage to fail caused the others to stop; report it.
+    let mut timelines = Vec::new();
+    let mut errors = Vec::new();
+    for result in results {
+        match result {
+            Ok(timeline) => timelines.push(timeline),
+            Err(e) => errors.push(e),
+        }
+    }
+    if !errors.is_empty() {
+        errors.sort_by_key(|e| e.contains("another stage of the step failed"));
+        return Err(TrainError::role("pipeline", errors.join("; ")));
+    }
+    check_every_row_once(&timelines, total)?;
+    let (train, rows) = trained
+        .into_inner()
+        .ok()
+        .flatten()
+        .ok_or_else(|| TrainError::role("pipeline", "the training stage never ran"))?;
+    let parts = stats_parts.into_inner().unwrap_or_default();
+    Ok(DockStep { stats: combine_stats(&parts), rows, train, timelines })
+}
+
+/// Generates a batch's prompt groups on one engine: one request of `n` samples per prompt,
+/// seeded by the prompt's index in the step as the sequential mode seeds it.
+fn rollout(
+    engine: &EngineActorRef,
+    batch: &PackedBatch,
+    params: &SamplingParams,
+    seed_base: u64,
+    n: usize,
+) -> Result<Vec<PackedNamedColumn>> {
+    let input = SortedBatch::new(batch)?;
+    let prompts = input.token_ids(PROMPTS)?;
+    let mut groups: BTreeMap<usize, Vec<u32>> = BTreeMap::new();
+    for (row, ids) in input.rows.iter().zip(prompts) {
+        groups.entry(row / n).or_insert(ids);
+    }
+    let requests: Vec<GenerationRequest> = groups
+        .iter()
+        .map(|(&prompt, ids)| GenerationRequest {
+            prompt_token_ids: ids.clone(),
+            params: SamplingParams {
+                seed: Some(mix_seed(seed_base, prompt as u64)),
+                ..params.clone()
+            },
+        })
+        .collect();
+    let outputs = gather("vllm_engine", &[engine.generate(requests)])?;
+    if outputs.len() != groups.len() {
+        return Err(TrainError::role(
+            "vllm_engine",
+            format!("expected {} outputs, found {}", groups.len(), outputs.len()),
+        ));
+    }
+    let by_prompt: BTreeMap<usize, _> = groups.keys().copied().zip(&outputs).collect();
+    let mut responses = Vec::with_capacity(input.rows.len());
+    let mut log_probs = Vec::with_capacity(input.rows.len());
+    for row in &input.rows {
+        let sample =
+            by_prompt.get(&(row / n)).and_then(|o| o.samples.get(row % n)).ok_or_else(|| {
+                TrainError::role(
+                    "vllm_engine",
+                    format!("expected {n} samples per prompt, found fewer"),
+                )
+            })?;
+        responses.push(sample.token_ids.iter().map(|&t| i64::from(t)).collect());
+        log_probs.push(sample.log_probs.clone());
+    }
+    Ok(vec![
+        PackedNamedColumn::new(RESPONSES, &ColumnValues::TokenIds(input.unsort(responses))),
+        input.floats_out(ENGINE_LOG_PROBS, log_probs),
+    ])
+}
+
+/// Every stage's ranks together received each of the step's rows exactly once.
+fn check_every_row_once(timelines: &[StageTimeline], total: usize) -> Result<()> {
+    for stage in STAGES {
+        let mut seen = vec![0usize; total];
+        let mut ran = false;
+        for timeline in timelines.iter().filter(|t| t.consumer == stage) {
+            ran = true;
+            for &row in timeline.spans.iter().flat_map(|s| &s.rows) {
+                match seen.get_mut(row) {
+                    Some(count) => *count += 1,
+                    None => {
+                        return Err(TrainError::role(
+                            "pipeline",
+                            format!("stage `{stage}` received row {row} of a {total}-row step"),
+                        ));
+                    }
+                }
+            }
+        }
+        if let Some((row, count)) = seen.iter().enumerate().find(|(_, c)| ran && **c != 1) {
+            return Err(TrainError::role(
+                "pipeline",
+                format!("stage `{stage}` received row {row} {count} times, expected once"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The aggregates of the whole step from those of its groups: each mean weighted by what it
+/// averages over (samples or response tokens), as `assemble` computes them over one batch.
+fn combine_stats(parts: &[(ExperienceStats, usize, usize)]) -> ExperienceStats {
+    let count = parts.iter().map(|p| p.1).sum::<usize>().max(1) as f64;
+    let tokens = parts.iter().map(|p| p.2).sum::<usize>().max(1) as f64;
+    let per_sample = |f: fn(&ExperienceStats) -> f64| {
+        parts.iter().map(|(s, c, _)| f(s) * *c as f64).sum::<f64>() / count
+    };
+    let per_token = |f: fn(&ExperienceStats) -> f64| {
+        parts.iter().map(|(s, _, t)| f(s) * (*t).max(1) as f64).sum::<f64>() / tokens
+    };
+    ExperienceStats {
+        reward: per_sample(|s| s.reward),
+        accuracy: per_sample(|s| s.accuracy),
+        response_length: per_sample(|s| s.response_length),
+        token_return: per_sample(|s| s.token_return),
+        kl: per_token(|s| s.kl),
+        advantage_abs: per_token(|s| s.advantage_abs),
+        engine_logprob_gap: per_token(|s| s.engine_logprob_gap),
+    }
+}
+
+/// The step's stage timelines as metrics (`pipeline/makespan_s`, `pipeline/concurrency`, and
+/// per stage `pipeline/<stage>/{start_s,end_s,busy_s,rows}`) and a chart in the log.
+pub fn record_summary(
+    step: u64,
+    timelines: &[StageTimeline],
+    metrics: &mut StepMetrics,
+) -> Result<()> {
+    let summary = PipelineSummary::new(timelines);
+    let s = |us: u64| us as f64 / 1e6;
+    metrics.set("pipeline/makespan_s", s(summary.makespan_us)).map_err(telemetry_error)?;
+    metrics.set("pipeline/busy_s", s(summary.busy_us)).map_err(telemetry_error)?;
+    metrics.set("pipeline/concurrency", summary.concurrency()).map_err(telemetry_error)?;
+    for stage in &summary.stages {
+        let name = &stage.consumer;
+        for (key, value) in [
+            ("start_s", s(stage.first_start_us)),
+            ("end_s", s(stage.last_end_us)),
+            ("busy_s", s(stage.busy_us)),
+            ("rows", stage.rows as f64),
+        ] {
+            metrics.set(format!("pipeline/{name}/{key}"), value).map_err(telemetry_error)?;
+        }
+    }
+    tracing::info!(
+        step,
+        concurrency = summary.concurrency(),
+        "dock pipeline stages:\n{}",
+        summary.chart(60)
+    );
+    Ok(())
+}
