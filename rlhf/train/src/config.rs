@@ -707,6 +707,27 @@ mod tests {
         assert!(err("", &["model.num_kv_heads=3"]).contains("model.num_kv_heads"));
         assert!(err("", &["task.min_digits=0"]).contains("task.min_digits"));
         assert!(err("", &["algo.gamma=1.5"]).contains("algo.gamma"));
+        assert!(err("", &["train.pipeline=dock"]).contains("algo.advantage_estimator"));
+        assert!(
+            err(
+                "",
+                &[
+                    "train.pipeline=dock",
+                    "algo.advantage_estimator=group_norm",
+                    "cluster.colocate_all=true"
+                ]
+            )
+            .contains("cluster.colocate_all")
+        );
+        assert!(err("", &["train.pipeline=conveyor"]).contains("conveyor"));
+    }
+
+    #[test]
+    fn dock_pipeline_is_opt_in() {
+        assert_eq!(TrainConfig::default().train.pipeline, PipelineMode::Sequential);
+        let sets = ["train.pipeline=dock".to_owned(), "algo.advantage_estimator=rloo".to_owned()];
+        let c = TrainConfig::from_yaml("", "t.yaml", &sets).unwrap();
+        assert_eq!(c.train.pipeline, PipelineMode::Dock);
     }
 
     #[test]

@@ -7,8 +7,9 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use rtrun_rlhf::TrainConfig;
+use rtrun_rlhf::config::PipelineMode;
 use rtrun_rlhf::placement_map::ColocationMode;
-use rtrun_rlhf::trainer::NoProgress;
+use rtrun_rlhf::trainer::{NoProgress, pipeline};
 use rtrun_rlhf_model::ScalarHeadModel;
 
 #[ctor::ctor]
@@ -347,4 +348,75 @@ fn the_driver_rejects_bad_configs_and_addresses_with_clear_errors() {
         .output()
         .unwrap();
     assert!(String::from_utf8_lossy(&missing.stderr).contains("/nonexistent/x.yaml"));
+}
+
+/// Metrics of a run that both pipeline modes produce: everything but timings, wall time and
+/// the dock's timeline.
+fn mode_independent(run_dir: &Path) -> Vec<(u64, Vec<(String, f64)>)> {
+    comparable(run_dir)
+        .into_iter()
+        .map(|(step, values)| {
+            (step, values.into_iter().filter(|(name, _)| !name.starts_with("pipeline/")).collect())
+        })
+        .collect()
+}
+
+#[test]
+fn grpo_dock_pipeline_streams_every_row_and_matches_the_sequential_mode() {
+    let extra = "cluster: {engine_replicas: 2}\n\
+                 algo: {advantage_estimator: group_norm, init_kl_coef: 0.01, kl_estimator: k3}\n";
+    let dir = scratch("grpo-dock");
+    let mut config = small_config(&dir.join("dock"), extra);
+    config.train.pipeline = PipelineMode::Dock;
+    config.validate().unwrap();
+    let (trainer, report) = rtrun_rlhf::run::run(&config, &mut NoProgress).unwrap();
+    assert_eq!(report.steps, 2);
+    assert!(trainer.roles.dock.is_some() && trainer.roles.reference.is_some());
+
+    // Every stage (the two rollout ranks together) received each row of the last step once.
+    let rows = config.rollout.prompts_per_step * config.rollout.n_samples_per_prompt;
+    for stage in pipeline::STAGES {
+        let mut seen: Vec<usize> = trainer
+            .pipeline_timelines
+            .iter()
+            .filter(|t| t.consumer == stage)
+            .flat_map(|t| t.spans.iter().flat_map(|s| s.rows.iter().copied()))
+            .collect();
+        seen.sort_unstable();
+        assert_eq!(seen, (0..rows).collect::<Vec<_>>(), "rows of stage `{stage}`");
+    }
+    let ranks = trainer.pipeline_timelines.iter().filter(|t| t.consumer == "rollout").count();
+    assert_eq!(ranks, 2, "one rollout rank per engine");
+
+    // The step trained, the engines got the new weights, and the timeline is in the metrics.
+    let records = metrics(&dir.join("dock"));
+    for record in records.iter().filter(|r| r.step() > 0) {
+        for name in ["reward", "policy_loss", "time/pipeline", "pipeline/concurrency"] {
+            assert!(record.get(name).is_some_and(f64::is_finite), "`{name}` in {record:?}");
+        }
+        assert!(record.get("actor_grad_norm").is_some_and(|g| g > 0.0), "{record:?}");
+        assert!(record.get("engine_logprob_gap").is_some_and(|g| g < 1e-4), "{record:?}");
+        for stage in pipeline::STAGES {
+            assert_eq!(record.get(&format!("pipeline/{stage}/rows")), Some(rows as f64));
+        }
+    }
+    trainer.roles.kill();
+
+    // The same seed without the dock: the same samples, rewards, losses and evaluations.
+    let mut sequential = config.clone();
+    sequential.run_dir = dir.join("sequential");
+    sequential.train.pipeline = PipelineMode::Sequential;
+    let (trainer, _) = rtrun_rlhf::run::run(&sequential, &mut NoProgress).unwrap();
+    trainer.roles.kill();
+    let piped = mode_independent(&dir.join("dock"));
+    let plain = mode_independent(&dir.join("sequential"));
+    assert_eq!(piped.len(), plain.len());
+    for ((step, a), (_, b)) in piped.iter().zip(&plain) {
+        let names = |v: &Vec<(String, f64)>| v.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>();
+        assert_eq!(names(a), names(b), "step {step}");
+        for ((name, x), (_, y)) in a.iter().zip(b) {
+            assert!((x - y).abs() <= 1e-4 * (1.0 + y.abs()), "step {step} `{name}`: {x} vs {y}");
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
 }
