@@ -400,6 +400,16 @@ fn grpo_dock_pipeline_streams_every_row_and_matches_the_sequential_mode() {
             assert_eq!(record.get(&format!("pipeline/{stage}/rows")), Some(rows as f64));
         }
     }
+
+    // A stage whose role died ends the step with that stage's error: the other stages stop
+    // instead of waiting for rows that never come.
+    let mut trainer = trainer;
+    trainer.config.train.max_steps = Some(3);
+    trainer.roles.reference.as_ref().unwrap().kill().unwrap();
+    let mut sink: Vec<rtrun_rlhf_telemetry::StepMetrics> = Vec::new();
+    let error = trainer.fit(&mut sink, &mut NoProgress).unwrap_err().to_string();
+    assert!(error.contains("stage `ref_log_prob`"), "{error}");
+    assert!(sink.is_empty(), "no metrics for the failed step: {sink:?}");
     trainer.roles.kill();
 
     // The same seed without the dock: the same samples, rewards, losses and evaluations.

@@ -53,6 +53,9 @@ const OLD_LOG_PROB: &str = "old_log_prob";
 const ADVANTAGES: &str = "advantages";
 const RETURNS: &str = "returns";
 
+/// What a stage reports when it stopped because another one failed.
+const STOPPED: &str = "stopped because another stage of the step failed";
+
 /// The stages' consumers, in pipeline order.
 pub const STAGES: [&str; 6] =
     ["rollout", "reward", "ref_log_prob", "old_log_prob", "compute_advantage", "actor_train"];
@@ -111,9 +114,7 @@ impl ExperienceStore for StepDock<'_> {
         count: usize,
     ) -> std::result::Result<Option<PackedBatch>, DockCallError> {
         if self.failed.load(Ordering::SeqCst) {
-            return Err(DockCallError::Runtime(rtrun::Error::Invalid(
-                "stopped because another stage of the step failed".to_owned(),
-            )));
+            return Err(DockCallError::Runtime(rtrun::Error::Invalid(STOPPED.to_owned())));
         }
         self.dock.get_experience(consumer, columns, count, None)
     }
@@ -420,8 +421,16 @@ pub fn run_step(
         }
     }
     if !errors.is_empty() {
-        errors.sort_by_key(|e| e.contains("another stage of the step failed"));
-        return Err(TrainError::role("pipeline", errors.join("; ")));
+        let (stopped, mut roots): (Vec<String>, Vec<String>) =
+            errors.into_iter().partition(|e| e.contains(STOPPED));
+        if roots.is_empty() {
+            roots = stopped.clone();
+        }
+        let mut message = roots.join("; ");
+        if !stopped.is_empty() {
+            message.push_str(&format!(" ({} other stage ranks stopped)", stopped.len()));
+        }
+        return Err(TrainError::role("pipeline", message));
     }
     check_every_row_once(&timelines, total)?;
     let (train, rows) = trained
