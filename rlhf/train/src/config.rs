@@ -268,6 +268,10 @@ pub struct TrainLoopConfig {
     /// over the whole batch; the default) or `dock` (GRPO stages streaming prompt groups
     /// through a TransferDock actor, see [`crate::trainer::pipeline`]).
     pub pipeline: PipelineMode,
+    /// `pipeline: dock`: prompt groups each stage (each rollout rank) takes per call; fewer
+    /// mean earlier overlap, more mean larger engine and log-prob batches. The last call of a
+    /// step may get fewer.
+    pub dock_groups_per_batch: usize,
 }
 
 /// How a step's experience is made (`train.pipeline`).
@@ -299,6 +303,7 @@ impl Default for TrainLoopConfig {
             weight_decay: 0.0,
             freezing_actor_steps: 0,
             pipeline: PipelineMode::Sequential,
+            dock_groups_per_batch: 4,
         }
     }
 }
@@ -546,6 +551,7 @@ impl TrainConfig {
         positive("train.num_episodes", tr.num_episodes)?;
         positive("train.micro_batch_size", tr.micro_batch_size)?;
         positive("train.max_epochs", tr.max_epochs)?;
+        positive("train.dock_groups_per_batch", tr.dock_groups_per_batch)?;
         let samples = r.prompts_per_step * r.n_samples_per_prompt;
         if tr.train_batch_size == 0 || !samples.is_multiple_of(tr.train_batch_size) {
             return Err(TrainError::config(

@@ -5,13 +5,14 @@
 //! one thread per stage rank, each looping in [`run_stage`] and reading and writing only
 //! through the dock:
 //!
-//! - `rollout` (one rank per engine): prompts → responses + the engine's log-probs, one prompt
-//!   group per call, with the same per-prompt seeds as the sequential mode;
+//! - `rollout` (one rank per engine): prompts → responses + the engine's log-probs,
+//!   `train.dock_groups_per_batch` prompt groups per call (as every stage but training), with
+//!   the same per-prompt seeds as the sequential mode;
 //! - `reward`: prompts + responses → rm_scores (the run's reward: rule, custom, remote or model);
 //! - `ref_log_prob` (when the run has a reference) and `old_log_prob`: per-token log-probs from
 //!   the reference and policy groups;
 //! - `compute_advantage`: everything above → advantages + returns, by the same
-//!   [`experience::assemble`] as the sequential mode, one prompt group at a time (exact for
+//!   [`experience::assemble`] as the sequential mode, a few whole prompt groups at a time (exact for
 //!   group-local estimators, the only ones this mode accepts);
 //! - `actor_train`: every row → [`experience::train`].
 //!
@@ -53,6 +54,10 @@ const OLD_LOG_PROB: &str = "old_log_prob";
 const ADVANTAGES: &str = "advantages";
 const RETURNS: &str = "returns";
 
+/// The longest pause between a stage's empty gets.
+const MAX_BACKOFF: std::time::Duration = std::time::Duration::from_millis(MAX_BACKOFF_MS);
+const MAX_BACKOFF_MS: u64 = 5;
+
 /// What a stage reports when it stopped because another one failed.
 const STOPPED: &str = "stopped because another stage of the step failed";
 
@@ -75,7 +80,8 @@ pub fn dock_config(config: &TrainConfig) -> DockConfig {
             .with_sampling(SamplingConfig {
                 order: SampleOrder::Ascending,
                 seed: config.seed,
-                allow_short_final_batch: false,
+                // `train.dock_groups_per_batch` need not divide the step's prompts.
+                allow_short_final_batch: true,
             });
     for stage in STAGES {
         dock = dock.with_consumer(stage);
@@ -246,6 +252,7 @@ pub fn run_step(
     }
     let n = trainer.config.rollout.n_samples_per_prompt;
     let total = records.len() * n;
+    let batch_rows = trainer.config.train.dock_groups_per_batch * n;
     let dock_error = |e: DockCallError| TrainError::role("dock", e);
     dock.clear(None).map_err(dock_error)?;
     let prompts: Vec<Vec<i64>> = prompt_ids
@@ -261,7 +268,9 @@ pub fn run_step(
     let has_ref = needs_reference(&trainer.config.algo) && trainer.roles.reference.is_some();
     let failed = AtomicBool::new(false);
     let store = StepDock { dock, failed: &failed };
-    let poll = PollConfig::default();
+    // Stages are threads of the driver polling an actor: a short longest pause keeps the gap
+    // between a batch landing and the next stage taking it small (the default is 20 ms).
+    let poll = PollConfig { max_backoff: MAX_BACKOFF, ..PollConfig::default() };
     let spec = |consumer: &str, inputs: &[&str], outputs: &[&str], rows: usize| {
         StageSpec::new(consumer, inputs, outputs, rows).with_poll(poll)
     };
@@ -285,7 +294,8 @@ pub fn run_step(
 
     let mut stages: Vec<(StageSpec, Work<'_>)> = Vec::new();
     for (rank, engine) in trainer.roles.engines.iter().enumerate() {
-        let spec = spec("rollout", &[PROMPTS], &[RESPONSES, ENGINE_LOG_PROBS], n).with_rank(rank);
+        let spec =
+            spec("rollout", &[PROMPTS], &[RESPONSES, ENGINE_LOG_PROBS], batch_rows).with_rank(rank);
         push(
             &mut stages,
             spec,
@@ -294,7 +304,7 @@ pub fn run_step(
     }
     push(
         &mut stages,
-        spec("reward", &[PROMPTS, RESPONSES], &[RM_SCORES], n),
+        spec("reward", &[PROMPTS, RESPONSES], &[RM_SCORES], batch_rows),
         Box::new(|batch: &PackedBatch| {
             let input = SortedBatch::new(batch)?;
             let sequences = input.sequences()?;
@@ -309,7 +319,7 @@ pub fn run_step(
     if has_ref && let Some(reference) = &trainer.roles.reference {
         push(
             &mut stages,
-            spec("ref_log_prob", &[PROMPTS, RESPONSES], &[REF_LOG_PROB], n),
+            spec("ref_log_prob", &[PROMPTS, RESPONSES], &[REF_LOG_PROB], batch_rows),
             Box::new(move |batch: &PackedBatch| {
                 let input = SortedBatch::new(batch)?;
                 let refs = dispatch(reference, input.sequences()?, |w, c| w.log_probs(c));
@@ -319,7 +329,7 @@ pub fn run_step(
     }
     push(
         &mut stages,
-        spec("old_log_prob", &[PROMPTS, RESPONSES], &[OLD_LOG_PROB], n),
+        spec("old_log_prob", &[PROMPTS, RESPONSES], &[OLD_LOG_PROB], batch_rows),
         Box::new(|batch: &PackedBatch| {
             let input = SortedBatch::new(batch)?;
             let refs = dispatch(&trainer.roles.actor, input.sequences()?, |w, c| w.log_probs(c));
@@ -328,7 +338,7 @@ pub fn run_step(
     );
     push(
         &mut stages,
-        spec("compute_advantage", &adv_inputs, &[ADVANTAGES, RETURNS], n),
+        spec("compute_advantage", &adv_inputs, &[ADVANTAGES, RETURNS], batch_rows),
         Box::new(|batch: &PackedBatch| {
             let input = SortedBatch::new(batch)?;
             let sequences = input.sequences()?;
