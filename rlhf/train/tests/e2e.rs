@@ -368,6 +368,8 @@ fn grpo_dock_pipeline_streams_every_row_and_matches_the_sequential_mode() {
     let dir = scratch("grpo-dock");
     let mut config = small_config(&dir.join("dock"), extra);
     config.train.pipeline = PipelineMode::Dock;
+    // 4 prompts in batches of 3 groups: two batches per stage, the second one short.
+    config.train.dock_groups_per_batch = 3;
     config.validate().unwrap();
     let (trainer, report) = rtrun_rlhf::run::run(&config, &mut NoProgress).unwrap();
     assert_eq!(report.steps, 2);
@@ -384,6 +386,9 @@ fn grpo_dock_pipeline_streams_every_row_and_matches_the_sequential_mode() {
             .collect();
         seen.sort_unstable();
         assert_eq!(seen, (0..rows).collect::<Vec<_>>(), "rows of stage `{stage}`");
+        let batches = trainer.pipeline_timelines.iter().filter(|t| t.consumer == stage);
+        let expected = if stage == "actor_train" { 1 } else { 2 };
+        assert_eq!(batches.map(|t| t.spans.len()).sum::<usize>(), expected, "{stage}");
     }
     let ranks = trainer.pipeline_timelines.iter().filter(|t| t.consumer == "rollout").count();
     assert_eq!(ranks, 2, "one rollout rank per engine");
