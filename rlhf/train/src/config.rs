@@ -272,6 +272,10 @@ pub struct TrainLoopConfig {
     /// mean earlier overlap, more mean larger engine and log-prob batches. The last call of a
     /// step may get fewer.
     pub dock_groups_per_batch: usize,
+    /// `pipeline: dock`: the longest pause, in milliseconds, of a stage waiting for rows (its
+    /// pauses double from 0.2 ms up to this); shorter means a batch is picked up sooner after
+    /// it lands, at the cost of more dock calls while waiting.
+    pub dock_max_poll_pause_ms: u64,
 }
 
 /// How a step's experience is made (`train.pipeline`).
@@ -304,6 +308,7 @@ impl Default for TrainLoopConfig {
             freezing_actor_steps: 0,
             pipeline: PipelineMode::Sequential,
             dock_groups_per_batch: 4,
+            dock_max_poll_pause_ms: 5,
         }
     }
 }
@@ -552,6 +557,12 @@ impl TrainConfig {
         positive("train.micro_batch_size", tr.micro_batch_size)?;
         positive("train.max_epochs", tr.max_epochs)?;
         positive("train.dock_groups_per_batch", tr.dock_groups_per_batch)?;
+        if tr.dock_max_poll_pause_ms == 0 {
+            return Err(TrainError::config(
+                "train.dock_max_poll_pause_ms",
+                "expected at least 1, found 0",
+            ));
+        }
         let samples = r.prompts_per_step * r.n_samples_per_prompt;
         if tr.train_batch_size == 0 || !samples.is_multiple_of(tr.train_batch_size) {
             return Err(TrainError::config(

@@ -54,10 +54,6 @@ const OLD_LOG_PROB: &str = "old_log_prob";
 const ADVANTAGES: &str = "advantages";
 const RETURNS: &str = "returns";
 
-/// The longest pause between a stage's empty gets.
-const MAX_BACKOFF: std::time::Duration = std::time::Duration::from_millis(MAX_BACKOFF_MS);
-const MAX_BACKOFF_MS: u64 = 5;
-
 /// What a stage reports when it stopped because another one failed.
 const STOPPED: &str = "stopped because another stage of the step failed";
 
@@ -268,9 +264,10 @@ pub fn run_step(
     let has_ref = needs_reference(&trainer.config.algo) && trainer.roles.reference.is_some();
     let failed = AtomicBool::new(false);
     let store = StepDock { dock, failed: &failed };
-    // Stages are threads of the driver polling an actor: a short longest pause keeps the gap
-    // between a batch landing and the next stage taking it small (the default is 20 ms).
-    let poll = PollConfig { max_backoff: MAX_BACKOFF, ..PollConfig::default() };
+    let poll = PollConfig {
+        max_backoff: std::time::Duration::from_millis(trainer.config.train.dock_max_poll_pause_ms),
+        ..PollConfig::default()
+    };
     let spec = |consumer: &str, inputs: &[&str], outputs: &[&str], rows: usize| {
         StageSpec::new(consumer, inputs, outputs, rows).with_poll(poll)
     };
