@@ -40,6 +40,7 @@ use crate::config::TrainConfig;
 use crate::error::{Result, TrainError};
 use crate::experience::{ExperienceRow, Sequence};
 use crate::rng::mix_seed;
+use crate::roles::lm::LmWorker;
 use crate::task::PromptRecord;
 use crate::trainer::experience::{self, ExperienceStats, RoleResults, TrainStats};
 use crate::trainer::roles::{dispatch, gather, needs_reference};
@@ -218,16 +219,11 @@ impl SortedBatch {
 /// A stage's work on one batch.
 type Work<'a> = Box<dyn FnMut(&PackedBatch) -> Result<Vec<PackedNamedColumn>> + Send + 'a>;
 
-fn push<'a>(stages: &mut Vec<(StageSpec, Work<'a>)>, spec: StageSpec, work: Work<'a>) {
-    stages.push((spec, work));
-}
-
 fn work_error(e: TrainError) -> StageWorkError {
     e.to_string().into()
 }
 
 /// Runs one step in dock mode.
-#[allow(clippy::too_many_arguments)]
 pub fn run_step(
     trainer: &Trainer,
     records: &[PromptRecord],
@@ -271,137 +267,188 @@ pub fn run_step(
     let spec = |consumer: &str, inputs: &[&str], outputs: &[&str], rows: usize| {
         StageSpec::new(consumer, inputs, outputs, rows).with_poll(poll)
     };
-    let stats_parts: Mutex<Vec<(ExperienceStats, usize, usize)>> = Mutex::new(Vec::new());
-    let trained: Mutex<Option<(TrainStats, usize)>> = Mutex::new(None);
+    let ctx = StepContext {
+        trainer,
+        records,
+        n,
+        has_ref,
+        step,
+        kl_coef,
+        stats_parts: Mutex::new(Vec::new()),
+        trained: Mutex::new(None),
+    };
     let mut adv_inputs = vec![PROMPTS, RESPONSES, ENGINE_LOG_PROBS, RM_SCORES, OLD_LOG_PROB];
     let mut train_inputs = vec![PROMPTS, RESPONSES, OLD_LOG_PROB, ADVANTAGES, RETURNS];
     if has_ref {
         adv_inputs.push(REF_LOG_PROB);
         train_inputs.push(REF_LOG_PROB);
     }
-    let record_of = |rows: &[usize]| -> Result<Vec<&PromptRecord>> {
-        rows.iter()
-            .map(|&row| {
-                records.get(row / n).ok_or_else(|| {
-                    TrainError::Data(format!("dock row {row} is beyond the step's {total} rows"))
-                })
-            })
-            .collect()
-    };
 
+    let shared = &ctx;
     let mut stages: Vec<(StageSpec, Work<'_>)> = Vec::new();
     for (rank, engine) in trainer.roles.engines.iter().enumerate() {
         let spec =
             spec("rollout", &[PROMPTS], &[RESPONSES, ENGINE_LOG_PROBS], batch_rows).with_rank(rank);
-        push(
-            &mut stages,
-            spec,
-            Box::new(move |batch: &PackedBatch| rollout(engine, batch, params, seed_base, n)),
-        );
+        let work = move |batch: &PackedBatch| rollout(engine, batch, params, seed_base, n);
+        stages.push((spec, Box::new(work)));
     }
-    push(
-        &mut stages,
-        spec("reward", &[PROMPTS, RESPONSES], &[RM_SCORES], batch_rows),
-        Box::new(|batch: &PackedBatch| {
-            let input = SortedBatch::new(batch)?;
-            let sequences = input.sequences()?;
-            let scores =
-                experience::rewards(trainer, &record_of(&input.rows)?, &sequences)?.get()?;
-            Ok(vec![PackedNamedColumn::new(
-                RM_SCORES,
-                &ColumnValues::Scalars(input.unsort(scores)),
-            )])
-        }),
-    );
+    let spec_of = |name, outputs: &[&str]| spec(name, &[PROMPTS, RESPONSES], outputs, batch_rows);
+    stages.push((spec_of("reward", &[RM_SCORES]), Box::new(|b: &PackedBatch| shared.reward(b))));
     if has_ref && let Some(reference) = &trainer.roles.reference {
-        push(
-            &mut stages,
-            spec("ref_log_prob", &[PROMPTS, RESPONSES], &[REF_LOG_PROB], batch_rows),
-            Box::new(move |batch: &PackedBatch| {
-                let input = SortedBatch::new(batch)?;
-                let refs = dispatch(reference, input.sequences()?, |w, c| w.log_probs(c));
-                Ok(vec![input.floats_out(REF_LOG_PROB, gather("ref", &refs)?)])
-            }),
-        );
+        let work = move |b: &PackedBatch| log_probs(reference, "ref", REF_LOG_PROB, b);
+        stages.push((spec_of("ref_log_prob", &[REF_LOG_PROB]), Box::new(work)));
     }
-    push(
-        &mut stages,
-        spec("old_log_prob", &[PROMPTS, RESPONSES], &[OLD_LOG_PROB], batch_rows),
-        Box::new(|batch: &PackedBatch| {
-            let input = SortedBatch::new(batch)?;
-            let refs = dispatch(&trainer.roles.actor, input.sequences()?, |w, c| w.log_probs(c));
-            Ok(vec![input.floats_out(OLD_LOG_PROB, gather("actor", &refs)?)])
-        }),
-    );
-    push(
-        &mut stages,
-        spec("compute_advantage", &adv_inputs, &[ADVANTAGES, RETURNS], batch_rows),
-        Box::new(|batch: &PackedBatch| {
-            let input = SortedBatch::new(batch)?;
-            let sequences = input.sequences()?;
-            let tokens = sequences.iter().map(|s| s.response_ids.len()).sum();
-            let results = RoleResults {
-                scalar_rewards: input.scalars(RM_SCORES)?,
-                old_log_probs: input.floats(OLD_LOG_PROB)?,
-                ref_log_probs: if has_ref { Some(input.floats(REF_LOG_PROB)?) } else { None },
-                values: None,
-            };
-            let built = experience::assemble(
-                trainer,
-                &record_of(&input.rows)?,
-                sequences,
-                &input.floats(ENGINE_LOG_PROBS)?,
-                results,
-                kl_coef,
-            )?;
-            let count = built.rows.len();
-            stats_parts
-                .lock()
-                .map_err(|_| TrainError::Data("a stage thread panicked".to_owned()))?
-                .push((built.stats, count, tokens));
-            let (advantages, returns) =
-                built.rows.into_iter().map(|r| (r.advantages, r.returns)).unzip();
-            Ok(vec![input.floats_out(ADVANTAGES, advantages), input.floats_out(RETURNS, returns)])
-        }),
-    );
-    push(
-        &mut stages,
-        spec("actor_train", &train_inputs, &[], total),
-        Box::new(|batch: &PackedBatch| {
-            let input = SortedBatch::new(batch)?;
-            let old = input.floats(OLD_LOG_PROB)?;
-            let reference = if has_ref { Some(input.floats(REF_LOG_PROB)?) } else { None };
-            let advantages = input.floats(ADVANTAGES)?;
-            let returns = input.floats(RETURNS)?;
-            let rows: Vec<ExperienceRow> = input
-                .sequences()?
-                .into_iter()
-                .enumerate()
-                .map(|(i, sequence)| ExperienceRow {
-                    sequence,
-                    old_log_probs: old.get(i).cloned().unwrap_or_default(),
-                    ref_log_probs: reference
-                        .as_ref()
-                        .and_then(|r| r.get(i).cloned())
-                        .unwrap_or_default(),
-                    values: Vec::new(),
-                    advantages: advantages.get(i).cloned().unwrap_or_default(),
-                    returns: returns.get(i).cloned().unwrap_or_default(),
+    let actor = &trainer.roles.actor;
+    let work = move |b: &PackedBatch| log_probs(actor, "actor", OLD_LOG_PROB, b);
+    stages.push((spec_of("old_log_prob", &[OLD_LOG_PROB]), Box::new(work)));
+    let adv_spec = spec("compute_advantage", &adv_inputs, &[ADVANTAGES, RETURNS], batch_rows);
+    stages.push((adv_spec, Box::new(|b: &PackedBatch| shared.advantages(b))));
+    let train_spec = spec("actor_train", &train_inputs, &[], total);
+    stages.push((train_spec, Box::new(|b: &PackedBatch| shared.train(b))));
+
+    let mut timelines = Vec::new();
+    let mut errors = Vec::new();
+    for result in run_concurrently(&store, stages) {
+        match result {
+            Ok(timeline) => timelines.push(timeline),
+            Err(e) => errors.push(e),
+        }
+    }
+    if !errors.is_empty() {
+        return Err(root_error(errors));
+    }
+    check_every_row_once(&timelines, total)?;
+    let StepContext { trained, stats_parts, .. } = ctx;
+    let (train, rows) = trained
+        .into_inner()
+        .ok()
+        .flatten()
+        .ok_or_else(|| TrainError::role("pipeline", "the training stage never ran"))?;
+    let parts = stats_parts.into_inner().unwrap_or_default();
+    Ok(DockStep { stats: combine_stats(&parts), rows, train, timelines })
+}
+
+/// What the stages of one step share: the trainer, the step's prompts and where the
+/// advantage and training stages leave their aggregates for the step's metrics.
+struct StepContext<'a> {
+    trainer: &'a Trainer,
+    records: &'a [PromptRecord],
+    n: usize,
+    has_ref: bool,
+    step: u64,
+    kl_coef: f64,
+    stats_parts: Mutex<Vec<(ExperienceStats, usize, usize)>>,
+    trained: Mutex<Option<(TrainStats, usize)>>,
+}
+
+impl StepContext<'_> {
+    fn records_of(&self, rows: &[usize]) -> Result<Vec<&PromptRecord>> {
+        rows.iter()
+            .map(|&row| {
+                self.records.get(row / self.n).ok_or_else(|| {
+                    TrainError::Data(format!(
+                        "dock row {row} is beyond the step's {} rows",
+                        self.records.len() * self.n
+                    ))
                 })
-                .collect();
-            let stats = experience::train(trainer, &rows, step, kl_coef)?;
-            *trained
-                .lock()
-                .map_err(|_| TrainError::Data("a stage thread panicked".to_owned()))? =
-                Some((stats, rows.len()));
-            Ok(Vec::new())
-        }),
-    );
-    let results: Vec<std::result::Result<StageTimeline, String>> = std::thread::scope(|scope| {
+            })
+            .collect()
+    }
+
+    /// `reward`: the run's reward of each sample.
+    fn reward(&self, batch: &PackedBatch) -> Result<Vec<PackedNamedColumn>> {
+        let input = SortedBatch::new(batch)?;
+        let sequences = input.sequences()?;
+        let records = self.records_of(&input.rows)?;
+        let scores = experience::rewards(self.trainer, &records, &sequences)?.get()?;
+        let scores = ColumnValues::Scalars(input.unsort(scores));
+        Ok(vec![PackedNamedColumn::new(RM_SCORES, &scores)])
+    }
+
+    /// `compute_advantage`: the sequential mode's `assemble` over the batch's whole groups.
+    fn advantages(&self, batch: &PackedBatch) -> Result<Vec<PackedNamedColumn>> {
+        let input = SortedBatch::new(batch)?;
+        let sequences = input.sequences()?;
+        let tokens = sequences.iter().map(|s| s.response_ids.len()).sum();
+        let results = RoleResults {
+            scalar_rewards: input.scalars(RM_SCORES)?,
+            old_log_probs: input.floats(OLD_LOG_PROB)?,
+            ref_log_probs: if self.has_ref { Some(input.floats(REF_LOG_PROB)?) } else { None },
+            values: None,
+        };
+        let built = experience::assemble(
+            self.trainer,
+            &self.records_of(&input.rows)?,
+            sequences,
+            &input.floats(ENGINE_LOG_PROBS)?,
+            results,
+            self.kl_coef,
+        )?;
+        let count = built.rows.len();
+        self.stats_parts
+            .lock()
+            .map_err(|_| TrainError::Data("a stage thread panicked".to_owned()))?
+            .push((built.stats, count, tokens));
+        let (advantages, returns) =
+            built.rows.into_iter().map(|r| (r.advantages, r.returns)).unzip();
+        Ok(vec![input.floats_out(ADVANTAGES, advantages), input.floats_out(RETURNS, returns)])
+    }
+
+    /// `actor_train`: the sequential mode's training over every row of the step.
+    fn train(&self, batch: &PackedBatch) -> Result<Vec<PackedNamedColumn>> {
+        let input = SortedBatch::new(batch)?;
+        let old = input.floats(OLD_LOG_PROB)?;
+        let reference = if self.has_ref { Some(input.floats(REF_LOG_PROB)?) } else { None };
+        let advantages = input.floats(ADVANTAGES)?;
+        let returns = input.floats(RETURNS)?;
+        let rows: Vec<ExperienceRow> = input
+            .sequences()?
+            .into_iter()
+            .enumerate()
+            .map(|(i, sequence)| ExperienceRow {
+                sequence,
+                old_log_probs: old.get(i).cloned().unwrap_or_default(),
+                ref_log_probs: reference
+                    .as_ref()
+                    .and_then(|r| r.get(i).cloned())
+                    .unwrap_or_default(),
+                values: Vec::new(),
+                advantages: advantages.get(i).cloned().unwrap_or_default(),
+                returns: returns.get(i).cloned().unwrap_or_default(),
+            })
+            .collect();
+        let stats = experience::train(self.trainer, &rows, self.step, self.kl_coef)?;
+        *self
+            .trained
+            .lock()
+            .map_err(|_| TrainError::Data("a stage thread panicked".to_owned()))? =
+            Some((stats, rows.len()));
+        Ok(Vec::new())
+    }
+}
+
+/// `ref_log_prob` / `old_log_prob`: per-token log-probs from a role group's DP ranks.
+fn log_probs(
+    group: &rtrun::ActorGroup<LmWorker>,
+    role: &str,
+    column: &str,
+    batch: &PackedBatch,
+) -> Result<Vec<PackedNamedColumn>> {
+    let input = SortedBatch::new(batch)?;
+    let refs = dispatch(group, input.sequences()?, |w, c| w.log_probs(c));
+    Ok(vec![input.floats_out(column, gather(role, &refs)?)])
+}
+
+/// Runs every stage rank on its own thread until all return; a failing one flips the stop
+/// switch so the others end too.
+fn run_concurrently(
+    store: &StepDock<'_>,
+    stages: Vec<(StageSpec, Work<'_>)>,
+) -> Vec<std::result::Result<StageTimeline, String>> {
+    std::thread::scope(|scope| {
         let handles: Vec<_> = stages
             .into_iter()
             .map(|(spec, mut work)| {
-                let store = &store;
                 scope.spawn(move || {
                     let out = run_stage(store, &spec, |batch| work(batch).map_err(work_error))
                         .map_err(|e| e.to_string());
@@ -416,37 +463,21 @@ pub fn run_step(
             .into_iter()
             .map(|h| h.join().unwrap_or_else(|_| Err("a stage thread panicked".to_owned())))
             .collect()
-    });
+    })
+}
 
-    // The first stage to fail caused the others to stop; report it.
-    let mut timelines = Vec::new();
-    let mut errors = Vec::new();
-    for result in results {
-        match result {
-            Ok(timeline) => timelines.push(timeline),
-            Err(e) => errors.push(e),
-        }
+/// The step's error: the stages that failed first, not the ones they stopped.
+fn root_error(errors: Vec<String>) -> TrainError {
+    let (stopped, mut roots): (Vec<String>, Vec<String>) =
+        errors.into_iter().partition(|e| e.contains(STOPPED));
+    if roots.is_empty() {
+        roots = stopped.clone();
     }
-    if !errors.is_empty() {
-        let (stopped, mut roots): (Vec<String>, Vec<String>) =
-            errors.into_iter().partition(|e| e.contains(STOPPED));
-        if roots.is_empty() {
-            roots = stopped.clone();
-        }
-        let mut message = roots.join("; ");
-        if !stopped.is_empty() {
-            message.push_str(&format!(" ({} other stage ranks stopped)", stopped.len()));
-        }
-        return Err(TrainError::role("pipeline", message));
+    let mut message = roots.join("; ");
+    if !stopped.is_empty() {
+        message.push_str(&format!(" ({} other stage ranks stopped)", stopped.len()));
     }
-    check_every_row_once(&timelines, total)?;
-    let (train, rows) = trained
-        .into_inner()
-        .ok()
-        .flatten()
-        .ok_or_else(|| TrainError::role("pipeline", "the training stage never ran"))?;
-    let parts = stats_parts.into_inner().unwrap_or_default();
-    Ok(DockStep { stats: combine_stats(&parts), rows, train, timelines })
+    TrainError::role("pipeline", message)
 }
 
 /// Generates a batch's prompt groups on one engine: one request of `n` samples per prompt,
