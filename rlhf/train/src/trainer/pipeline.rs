@@ -614,3 +614,80 @@ pub fn record_summary(
     );
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rtrun_rlhf_dock::pipeline::StageSpan;
+
+    fn timeline(consumer: &str, batches: &[&[usize]]) -> StageTimeline {
+        StageTimeline {
+            consumer: consumer.to_owned(),
+            rank: 0,
+            started_us: 0,
+            finished_us: 0,
+            spans: batches
+                .iter()
+                .map(|rows| StageSpan {
+                    rows: rows.to_vec(),
+                    requested_us: 0,
+                    started_us: 0,
+                    finished_us: 0,
+                })
+                .collect(),
+            empty_polls: 0,
+        }
+    }
+
+    #[test]
+    fn every_row_once_per_stage_is_checked() {
+        let all: Vec<StageTimeline> =
+            STAGES.iter().map(|s| timeline(s, &[&[0, 1], &[2, 3]])).collect();
+        check_every_row_once(&all, 4).unwrap();
+        let mut twice = all.clone();
+        twice.push(timeline("reward", &[&[2, 3]]));
+        let error = check_every_row_once(&twice, 4).unwrap_err().to_string();
+        assert!(error.contains("stage `reward` received row 2 2 times"), "{error}");
+        let mut missing = all.clone();
+        missing[0] = timeline("rollout", &[&[0, 1]]);
+        let error = check_every_row_once(&missing, 4).unwrap_err().to_string();
+        assert!(error.contains("stage `rollout` received row 2 0 times"), "{error}");
+        let mut beyond = all;
+        beyond[1] = timeline("reward", &[&[0, 1], &[2, 9]]);
+        let error = check_every_row_once(&beyond, 4).unwrap_err().to_string();
+        assert!(error.contains("row 9 of a 4-row step"), "{error}");
+    }
+
+    #[test]
+    fn combined_stats_weigh_samples_and_tokens() {
+        let part = |value: f64| ExperienceStats {
+            reward: value,
+            accuracy: value,
+            kl: value,
+            response_length: value,
+            token_return: value,
+            advantage_abs: value,
+            engine_logprob_gap: value,
+        };
+        // 2 samples with 6 tokens at 1.0, 6 samples with 2 tokens at 3.0.
+        let combined = combine_stats(&[(part(1.0), 2, 6), (part(3.0), 6, 2)]);
+        assert!((combined.reward - 2.5).abs() < 1e-12);
+        assert!((combined.response_length - 2.5).abs() < 1e-12);
+        assert!((combined.kl - 1.5).abs() < 1e-12);
+        assert!((combined.engine_logprob_gap - 1.5).abs() < 1e-12);
+        assert_eq!(combine_stats(&[]), ExperienceStats::default());
+    }
+
+    #[test]
+    fn root_error_names_the_failing_stage_first() {
+        let error = root_error(vec![
+            format!("stage `reward` rank 0: {STOPPED}"),
+            "stage `ref_log_prob` rank 0 failed on rows 0..: boom".to_owned(),
+        ])
+        .to_string();
+        assert!(
+            error.contains("`ref_log_prob` rank 0 failed on rows 0..: boom (1 other"),
+            "{error}"
+        );
+    }
+}
