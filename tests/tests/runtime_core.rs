@@ -502,3 +502,39 @@ fn driver_killed_with_sigkill_leaves_no_process_or_shared_memory_behind() {
         .collect();
     assert!(leftovers.is_empty(), "shared memory left behind: {leftovers:?}");
 }
+
+#[test]
+fn workers_start_after_the_driver_binary_is_replaced() {
+    use std::io::{BufRead, Write};
+    // Run a copy of the driver, then delete the copy and put other bytes at its path (what a
+    // rebuild does) before the driver starts its next worker.
+    let dir = std::env::temp_dir().join(format!("rtrun-replaced-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let copy = dir.join("driver");
+    std::fs::copy(env!("CARGO_BIN_EXE_sigkill_driver"), &copy).unwrap();
+    let mut driver = std::process::Command::new(&copy)
+        .arg("--late-actor")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(driver.stdout.take().unwrap()).lines();
+    let _session = lines.next().unwrap().unwrap();
+    let pids_line = lines.next().unwrap().unwrap();
+    assert!(pids_line.starts_with("pids "), "{pids_line}");
+    std::fs::remove_file(&copy).unwrap();
+    std::fs::write(&copy, b"#!/bin/sh\nexit 3\n").unwrap();
+    let mut stdin = driver.stdin.take().unwrap();
+    writeln!(stdin, "go").unwrap();
+    stdin.flush().unwrap();
+    let late = lines.next().unwrap().unwrap();
+    kill9(driver.id());
+    driver.wait().unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+    let pid: u32 = late
+        .strip_prefix("late ")
+        .unwrap_or_else(|| panic!("the late actor failed: {late}"))
+        .parse()
+        .unwrap();
+    assert!(wait_until(LONG, || !process_alive(pid)), "the late worker outlived the driver");
+}

@@ -40,6 +40,9 @@ impl Spawner {
     }
 }
 
+/// The running executable's image, as the kernel links it for every process.
+const SELF_EXE: &str = "/proc/self/exe";
+
 /// The receiving side of a [`Spawner`].
 pub(crate) struct SpawnerInbox {
     requests: crossbeam_channel::Receiver<SpawnRequest>,
@@ -50,6 +53,11 @@ impl SpawnerInbox {
     pub(crate) fn run(self, head: Weak<Head>) -> Result<()> {
         let exe = std::env::current_exe()
             .map_err(|e| Error::System(format!("cannot find this executable: {e}")))?;
+        // Workers exec `/proc/self/exe`, which the forked child resolves to the inode this
+        // process runs from: a driver binary rebuilt or deleted during the run (cargo replaces
+        // the file) still starts workers from the code the driver runs. `argv[0]` stays the path.
+        let image = std::path::PathBuf::from(SELF_EXE);
+        let image = if image.exists() { image } else { exe.clone() };
         let args: Vec<_> = std::env::args_os().skip(1).collect();
         std::thread::Builder::new()
             .name("rtrun-spawner".into())
@@ -57,8 +65,12 @@ impl SpawnerInbox {
                 let parent = std::process::id();
                 for request in self.requests {
                     let Some(head) = head.upgrade() else { return };
-                    let mut command = Command::new(&exe);
-                    command.args(&args).envs(request.env.iter().cloned()).stdin(Stdio::null());
+                    let mut command = Command::new(&image);
+                    command
+                        .arg0(&exe)
+                        .args(&args)
+                        .envs(request.env.iter().cloned())
+                        .stdin(Stdio::null());
                     // The node's object arena: the worker inherits its fd (close-on-exec is
                     // cleared in the child only) and learns of it from the environment.
                     let arena = head.runtime().and_then(|runtime| runtime.store_inheritance());

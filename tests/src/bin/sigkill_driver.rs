@@ -1,5 +1,7 @@
 //! A driver for the SIGKILL test: starts actors and task workers, prints their process ids and
-//! the session, then waits to be killed.
+//! the session, then waits to be killed. With `--late-actor` it first waits for a line on stdin
+//! and then starts one more actor and prints `late <pid>` (or `late-error <error>`): the
+//! replaced-binary test deletes this executable in between.
 
 use std::io::Write;
 
@@ -34,6 +36,15 @@ fn main() -> anyhow::Result<()> {
     writeln!(out, "session {session}")?;
     writeln!(out, "pids {}", pids.iter().map(u32::to_string).collect::<Vec<_>>().join(" "))?;
     out.flush()?;
+    if std::env::args().any(|a| a == "--late-actor") {
+        let mut line = String::new();
+        std::io::stdin().read_line(&mut line)?;
+        match Idle::remote().and_then(|late| late.pid().get()) {
+            Ok(pid) => writeln!(out, "late {pid}")?,
+            Err(e) => writeln!(out, "late-error {e}")?,
+        }
+        out.flush()?;
+    }
     drop(out);
     loop {
         std::thread::park();
