@@ -35,8 +35,10 @@ pub(crate) struct ActorCall {
 }
 
 enum State {
-    /// Waiting to learn where the actor lives; calls queue in order.
-    Resolving { queue: VecDeque<u64>, known_incarnation: Option<u64>, asked: bool },
+    /// Waiting to learn where the actor lives; calls queue in order. `lost` holds calls that
+    /// were in flight on a dead worker and cannot be retried: they fail once the head says what
+    /// happened (its reason — a kill, a removed placement group — is the error they get).
+    Resolving { queue: VecDeque<u64>, lost: Vec<u64>, known_incarnation: Option<u64>, asked: bool },
     /// Calls go straight to the actor's worker.
     Connected { conn: Arc<Connection>, incarnation: u64 },
     /// Every call fails with this error.
@@ -102,6 +104,7 @@ impl Submitters {
                     info: info.clone(),
                     state: Mutex::new(State::Resolving {
                         queue: VecDeque::new(),
+                        lost: Vec::new(),
                         known_incarnation: None,
                         asked: false,
                     }),
@@ -136,7 +139,7 @@ impl Submitter {
                     self.on_disconnect(runtime, conn.id());
                 }
             }
-            State::Resolving { queue, asked, known_incarnation } => {
+            State::Resolving { queue, asked, known_incarnation, .. } => {
                 queue.push_back(call_id);
                 if !*asked {
                     *asked = true;
@@ -183,11 +186,15 @@ impl Submitter {
 
     fn on_alive(self: &Arc<Self>, runtime: &Arc<Runtime>, conn: Arc<Connection>, incarnation: u64) {
         let mut state = self.state.lock();
-        let queue = match &mut *state {
-            State::Resolving { queue, .. } => std::mem::take(queue),
+        let (queue, lost) = match &mut *state {
+            State::Resolving { queue, lost, .. } => (std::mem::take(queue), std::mem::take(lost)),
             _ => return,
         };
         *state = State::Connected { conn: conn.clone(), incarnation };
+        // The actor lives on in a newer incarnation: the lost calls died with the old one.
+        for call_id in lost {
+            fail_call(runtime, call_id, self.lost_in_flight());
+        }
         for call_id in queue {
             if !send_call(runtime, &conn, call_id) {
                 drop(state);
@@ -197,17 +204,27 @@ impl Submitter {
         }
     }
 
+    /// The error of a call lost with a worker when the actor itself lives on (restarted).
+    fn lost_in_flight(&self) -> Error {
+        Error::ActorDied {
+            actor: self.info.id,
+            reason: "its worker process died while the call was in flight".into(),
+        }
+    }
+
     fn on_dead(self: &Arc<Self>, runtime: &Arc<Runtime>, error: Error) {
-        let queue = {
+        let (queue, lost) = {
             let mut state = self.state.lock();
-            let queue = match &mut *state {
-                State::Resolving { queue, .. } => std::mem::take(queue),
-                _ => VecDeque::new(),
+            let (queue, lost) = match &mut *state {
+                State::Resolving { queue, lost, .. } => {
+                    (std::mem::take(queue), std::mem::take(lost))
+                }
+                _ => (VecDeque::new(), Vec::new()),
             };
             *state = State::Dead(error.clone());
-            queue
+            (queue, lost)
         };
-        for call_id in queue {
+        for call_id in lost.into_iter().chain(queue) {
             fail_call(runtime, call_id, error.clone());
         }
     }
@@ -227,6 +244,7 @@ impl Submitter {
             .collect();
         in_flight.sort_unstable();
         let mut queue = VecDeque::new();
+        let mut lost = Vec::new();
         for call_id in in_flight {
             let retry = match runtime.calls.get_mut(&call_id) {
                 Some(mut entry) => match entry.value_mut() {
@@ -244,17 +262,11 @@ impl Submitter {
             if retry {
                 queue.push_back(call_id);
             } else {
-                fail_call(
-                    runtime,
-                    call_id,
-                    Error::ActorDied {
-                        actor: self.info.id,
-                        reason: "its worker process died while the call was in flight".into(),
-                    },
-                );
+                lost.push(call_id);
             }
         }
-        *state = State::Resolving { queue, known_incarnation: Some(incarnation), asked: true };
+        *state =
+            State::Resolving { queue, lost, known_incarnation: Some(incarnation), asked: true };
         drop(state);
         self.ask_where(runtime, Some(incarnation));
     }

@@ -66,6 +66,12 @@ impl Probe {
         })
     }
 
+    /// Blocks for `ms` milliseconds (a call that is still running when its group is removed).
+    pub fn busy(&self, ms: u64) -> u64 {
+        std::thread::sleep(Duration::from_millis(ms));
+        ms
+    }
+
     /// Creates, waits for and removes a placement group from inside a worker process.
     pub fn group_from_worker(&self, gpus: usize) -> Result<Vec<Vec<u32>>, String> {
         let options =
@@ -251,7 +257,15 @@ fn removal_stops_its_actors_and_frees_everything() {
     let state = pg.state().unwrap();
     assert_eq!(state.status, PlacementGroupStatus::Created);
     assert_eq!(rtrun::get_placement_group("train").unwrap(), pg);
+    // A call in flight when the group goes learns the reason too, not just that its worker died.
+    let in_flight = whole.busy(120_000);
+    assert!(matches!(in_flight.get_timeout(Duration::from_millis(200)), Err(Error::Timeout(_))));
     pg.remove().unwrap();
+    let err = in_flight.get_timeout(LONG).unwrap_err();
+    assert!(
+        matches!(&err, Error::ActorDied { reason, .. } if reason == "its placement group `train` was removed"),
+        "{err}"
+    );
     for probe in fifths.iter().chain([&whole]) {
         let err = probe.report().get_timeout(LONG).unwrap_err();
         assert!(matches!(&err, Error::ActorDied { .. }), "{err}");
