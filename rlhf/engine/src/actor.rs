@@ -21,6 +21,7 @@ use crate::config::EngineConfig;
 use crate::engine::{EngineStats, LlmEngine, WakeTarget};
 use crate::error::EngineError;
 use crate::routing::RequestRouter;
+use crate::weight_sync::{WeightMeta, WeightSyncGroup};
 
 /// How to build an [`EngineActor`].
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -39,6 +40,8 @@ struct EngineActorState {
     router: RequestRouter<GenerationOutput>,
     /// Engine request id → router request id, for requests submitted through `add_requests`.
     routed: HashMap<RequestId, RequestId>,
+    /// The weight-sync group, once joined.
+    weight_sync: Option<rtrun::collective::Communicator>,
 }
 
 /// The generation engine actor.
@@ -71,6 +74,7 @@ impl EngineActor {
                 engine,
                 router: RequestRouter::new(),
                 routed: HashMap::new(),
+                weight_sync: None,
             }),
         }
     }
@@ -174,6 +178,30 @@ impl EngineActor {
     /// Copies a bucket of weights into the model and resets the prefix cache.
     pub fn update_weights(&mut self, bucket: WeightBucket) -> Result<(), String> {
         self.state().engine.update_weights(&bucket).map(|_| ()).map_err(|e| e.to_string())
+    }
+
+    /// Joins the weight-sync group (policy rank 0 plus every engine); every member must be
+    /// called at about the same time, since this waits for the rendezvous.
+    pub fn join_weight_sync(&mut self, group: WeightSyncGroup) -> Result<(), String> {
+        let comm = group.join().map_err(|e| e.to_string())?;
+        self.state().weight_sync = Some(comm);
+        Ok(())
+    }
+
+    /// Receives the weights `metas` describes from the weight-sync group's rank 0 in place and
+    /// resets the prefix cache (called together with the policy's `broadcast_weights`).
+    pub fn receive_weights(
+        &mut self,
+        metas: Vec<WeightMeta>,
+        bucket_bytes: usize,
+    ) -> Result<(), String> {
+        let guard = self.state();
+        let state = &mut *guard;
+        let comm = state
+            .weight_sync
+            .as_mut()
+            .ok_or("receive_weights needs join_weight_sync first")?;
+        state.engine.receive_weights(comm, &metas, bucket_bytes).map(|_| ()).map_err(|e| e.to_string())
     }
 
     /// Forgets every cached prefix.

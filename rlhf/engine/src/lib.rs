@@ -47,6 +47,7 @@ pub mod routing;
 pub mod runner;
 pub mod sampling;
 pub mod scheduler;
+pub mod weight_sync;
 
 pub use actor::{EngineActor, EngineActorConfig, EngineActorRef};
 pub use api::{GeneratedSample, GenerationOutput, GenerationRequest, NamedTensor, WeightBucket};
@@ -54,6 +55,7 @@ pub use config::EngineConfig;
 pub use engine::{EngineStats, LlmEngine, WakeTarget, WeightState};
 pub use error::EngineError;
 pub use reference::reference_generate;
+pub use weight_sync::{WeightMeta, WeightSyncGroup};
 
 pub use block::{
     BlockError, BlockHash, BlockId, BlockManager, BlockManagerConfig, BlockManagerStats,

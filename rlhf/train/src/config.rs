@@ -170,6 +170,21 @@ pub struct RolloutConfig {
     pub max_new_tokens: usize,
     /// Weight-sync bucket size in bytes.
     pub weight_bucket_bytes: usize,
+    /// How the policy's weights reach the engines.
+    pub weight_sync_backend: WeightSyncBackend,
+}
+
+/// The transport of the policy-to-engine weight sync.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WeightSyncBackend {
+    /// Policy rank 0 puts buckets into the object store and every engine fetches them (any
+    /// device, any build).
+    #[default]
+    ObjectStore,
+    /// An NCCL broadcast from policy rank 0 to every engine in one collective group; needs a
+    /// build with the `cuda` feature and the models on CUDA.
+    Nccl,
 }
 
 impl Default for RolloutConfig {
@@ -182,6 +197,7 @@ impl Default for RolloutConfig {
             top_k: None,
             max_new_tokens: 0,
             weight_bucket_bytes: 32 << 20,
+            weight_sync_backend: WeightSyncBackend::ObjectStore,
         }
     }
 }
@@ -488,6 +504,13 @@ impl TrainConfig {
         positive("rollout.prompts_per_step", r.prompts_per_step)?;
         positive("rollout.n_samples_per_prompt", r.n_samples_per_prompt)?;
         positive("rollout.weight_bucket_bytes", r.weight_bucket_bytes)?;
+        if r.weight_sync_backend == WeightSyncBackend::Nccl && !cfg!(feature = "cuda") {
+            return Err(TrainError::config(
+                "rollout.weight_sync_backend",
+                "expected object_store in a build without the `cuda` feature, found nccl \
+                 (rebuild with `--features cuda`)",
+            ));
+        }
         if !(r.temperature.is_finite() && r.temperature >= 0.0) {
             return Err(TrainError::config(
                 "rollout.temperature",

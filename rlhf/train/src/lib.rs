@@ -29,5 +29,5 @@ pub mod task;
 pub mod trainer;
 pub mod warmup;
 
-pub use config::TrainConfig;
+pub use config::{TrainConfig, WeightSyncBackend};
 pub use error::{Result, TrainError};

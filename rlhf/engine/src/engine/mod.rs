@@ -299,6 +299,26 @@ impl LlmEngine {
         Ok(updated)
     }
 
+    /// Receives the weights `metas` describes from rank 0 of the weight-sync group `comm` into
+    /// the model in place, then resets the prefix cache; the conditions of
+    /// [`LlmEngine::update_weights`] apply. Returns the bytes received.
+    pub fn receive_weights(
+        &mut self,
+        comm: &mut rtrun::collective::Communicator,
+        metas: &[crate::weight_sync::WeightMeta],
+        bucket_bytes: usize,
+    ) -> Result<usize, EngineError> {
+        if !matches!(self.weights, WeightResidency::Resident) {
+            return Err(EngineError::Asleep { operation: "receive_weights", part: "weights" });
+        }
+        self.require_idle("receive_weights")?;
+        let bytes =
+            crate::weight_sync::receive_weights(comm, self.runner.model(), metas, bucket_bytes)?;
+        self.scheduler.reset_prefix_cache();
+        self.counters.weight_updates += 1;
+        Ok(bytes)
+    }
+
     /// Forgets every cached prefix block (K/V computed by earlier weights).
     pub fn reset_prefix_cache(&mut self) {
         self.scheduler.reset_prefix_cache();

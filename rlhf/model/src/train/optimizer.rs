@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
-use tch::{Kind, Tensor};
+use tch::{Device, Kind, Tensor};
 
 use super::schedule::ScheduleConfig;
 use crate::error::{ModelError, Result};
@@ -94,6 +94,26 @@ impl AdamW {
     /// The learning rate the next step will use.
     pub fn current_lr(&self) -> f64 {
         self.config.schedule.lr_at(self.step)
+    }
+
+    /// Moves the whole training state (every parameter's storage, its gradient and both AdamW
+    /// moments) to `device`, e.g. to host memory while the engines generate and back before
+    /// training. Parameters move in place (`set_data`), so the model's layers, which hold
+    /// shallow clones of the same tensors, follow without being rebuilt.
+    pub fn move_to(&mut self, device: Device) -> Result<()> {
+        tch::no_grad(|| -> Result<()> {
+            for (_, param) in &self.params {
+                let grad = param.grad();
+                if grad.defined() {
+                    grad.shallow_clone().f_set_data(&grad.f_to_device(device)?)?;
+                }
+                param.shallow_clone().f_set_data(&param.f_to_device(device)?)?;
+            }
+            for moment in self.exp_avg.iter_mut().chain(self.exp_avg_sq.iter_mut()) {
+                *moment = moment.f_to_device(device)?;
+            }
+            Ok(())
+        })
     }
 
     /// Clears every gradient.

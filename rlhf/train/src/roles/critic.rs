@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
-use tch::Kind;
+use tch::{Device, Kind};
 
 use rtrun_rlhf_model::ScalarHeadModel;
 use rtrun_rlhf_model::train::{AdamW, OptimizerConfig};
@@ -137,16 +137,25 @@ impl CriticWorkerState {
         run().map_err(|e| format!("loading {}: {e}", dir.display()))
     }
 
-    /// Marks training state offloaded (see [`crate::roles::lm::LmWorker::offload`]).
+    /// Moves parameters, gradients and AdamW state to host memory while the engines generate
+    /// (see [`crate::roles::lm::LmWorker::offload`]); a no-op on a CPU rank.
     pub fn offload(&mut self) -> Result<(), String> {
         self.setup.offloaded = true;
-        Ok(())
+        self.move_to(Device::Cpu)
     }
 
-    /// Marks training state back on the device.
+    /// Brings training state back to the training device.
     pub fn onload(&mut self) -> Result<(), String> {
         self.setup.offloaded = false;
-        Ok(())
+        let device = self.setup.device();
+        self.move_to(device)
+    }
+
+    fn move_to(&mut self, device: Device) -> Result<(), String> {
+        if self.model.params.device() == Device::Cpu {
+            return Ok(());
+        }
+        self.optimizer.move_to(device).map_err(to_string_error)
     }
 }
 #[rtrun::actor(pub)]

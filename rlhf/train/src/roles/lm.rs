@@ -16,7 +16,7 @@ use rtrun_rlhf_model::train::{AdamW, OptimizerConfig};
 use crate::algo::{self, ClipConfig, KlEstimator, LossAggregation};
 use crate::experience::{ExperienceRow, Sequence, pad_rows, response_batch, unpad_rows};
 use crate::roles::{DpComm, WorkerSetup};
-use rtrun_rlhf_engine::WeightBucket;
+use rtrun_rlhf_engine::{WeightBucket, WeightMeta, WeightSyncGroup};
 
 /// How a policy rank computes its loss.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -77,6 +77,8 @@ struct LmWorkerState {
     optimizer: Option<AdamW>,
     loss: PolicyLossConfig,
     comm: DpComm,
+    /// The weight-sync group with the engines (policy rank 0 only), once joined.
+    weight_sync: Option<rtrun::collective::Communicator>,
 }
 
 fn to_string_error(e: impl std::fmt::Display) -> String {
@@ -105,6 +107,7 @@ impl LmWorkerState {
             optimizer,
             loss: config.loss,
             comm: DpComm::default(),
+            weight_sync: None,
         })
     }
 
@@ -137,6 +140,41 @@ impl LmWorkerState {
         let buckets =
             WeightBucket::split_model(&self.model, bucket_bytes, None).map_err(to_string_error)?;
         buckets.iter().map(|b| rtrun::put(b).map_err(to_string_error)).collect()
+    }
+
+    /// An address and a free port for the weight-sync rendezvous, which this rank hosts as
+    /// rank 0: the address its actor group's rendezvous uses (this node's), else loopback.
+    pub fn weight_sync_endpoint(&self) -> Result<(String, u16), String> {
+        let addr = rtrun::context()
+            .map_err(to_string_error)?
+            .group
+            .map_or_else(|| "127.0.0.1".to_owned(), |g| g.master_addr);
+        let listener = std::net::TcpListener::bind((addr.as_str(), 0))
+            .map_err(|e| format!("finding a free port on {addr}: {e}"))?;
+        let port = listener.local_addr().map_err(to_string_error)?.port();
+        Ok((addr, port))
+    }
+
+    /// Joins the weight-sync group as its rank 0.
+    pub fn join_weight_sync(&mut self, group: WeightSyncGroup) -> Result<(), String> {
+        self.weight_sync = Some(group.join().map_err(to_string_error)?);
+        Ok(())
+    }
+
+    /// Name, shape and dtype of every parameter, in broadcast order.
+    pub fn weight_metadata(&self) -> Result<Vec<WeightMeta>, String> {
+        WeightMeta::of_model(&self.model).map_err(to_string_error)
+    }
+
+    /// Broadcasts the weights to the weight-sync group in buckets of about `bucket_bytes`
+    /// (the engines call `receive_weights` at the same time). Returns the bytes sent.
+    pub fn broadcast_weights(&mut self, bucket_bytes: usize) -> Result<usize, String> {
+        let comm = self
+            .weight_sync
+            .as_mut()
+            .ok_or("broadcast_weights needs join_weight_sync first")?;
+        rtrun_rlhf_engine::weight_sync::send_weights(comm, &self.model, bucket_bytes)
+            .map_err(to_string_error)
     }
 
     /// Saves the model (Hugging Face layout) and, for a policy rank, the optimizer state.
@@ -215,6 +253,26 @@ impl LmWorker {
         self.state().weight_buckets(bucket_bytes)
     }
 
+    /// A free rendezvous endpoint for the weight-sync group this rank hosts.
+    pub fn weight_sync_endpoint(&self) -> Result<(String, u16), String> {
+        self.state().weight_sync_endpoint()
+    }
+
+    /// Joins the weight-sync group with the engines as its rank 0.
+    pub fn join_weight_sync(&mut self, group: WeightSyncGroup) -> Result<(), String> {
+        self.state().join_weight_sync(group)
+    }
+
+    /// Name, shape and dtype of every parameter, in broadcast order.
+    pub fn weight_metadata(&self) -> Result<Vec<WeightMeta>, String> {
+        self.state().weight_metadata()
+    }
+
+    /// Broadcasts the weights to the engines of the weight-sync group.
+    pub fn broadcast_weights(&mut self, bucket_bytes: usize) -> Result<usize, String> {
+        self.state().broadcast_weights(bucket_bytes)
+    }
+
     /// Saves the model and, for a policy rank, the optimizer state.
     pub fn save_checkpoint(&self, dir: PathBuf) -> Result<(), String> {
         self.state().save_checkpoint(dir)
@@ -253,17 +311,22 @@ impl LmWorker {
 }
 
 impl LmWorkerState {
+    /// Moves parameters, gradients and optimizer state to `device`; a no-op on a CPU rank,
+    /// whose home device already is host memory.
     fn move_to(&mut self, device: Device) -> crate::Result<()> {
-        if self.model.params.device() == device {
+        if self.model.params.device() == Device::Cpu {
             return Ok(());
         }
-        Err(crate::TrainError::role(
-            &self.setup.role,
-            format!(
-                "moving between devices needs CUDA; parameters are on {:?}",
-                self.model.params.device()
-            ),
-        ))
+        match &mut self.optimizer {
+            Some(opt) => opt.move_to(device)?,
+            None => tch::no_grad(|| -> crate::Result<()> {
+                for (_, param) in self.model.named_parameters() {
+                    param.shallow_clone().f_set_data(&param.f_to_device(device)?)?;
+                }
+                Ok(())
+            })?,
+        }
+        Ok(())
     }
 
     fn log_probs_impl(&self, sequences: &[Sequence]) -> crate::Result<Vec<Vec<f32>>> {

@@ -25,7 +25,7 @@ use rtrun_rlhf_engine::{GenerationOutput, GenerationRequest, SamplingParams};
 use rtrun_rlhf_telemetry::{MetricsSink, PhaseTimer, StepMetrics, StepPhases};
 
 use crate::algo::KlController;
-use crate::config::{PipelineMode, TrainConfig};
+use crate::config::{PipelineMode, TrainConfig, WeightSyncBackend};
 use crate::error::{Result, TrainError};
 use crate::experience::Sequence;
 use crate::rng::mix_seed;
@@ -126,6 +126,8 @@ pub struct Trainer {
     pub timer: PhaseTimer,
     /// `train.pipeline: dock`: every stage rank's timeline of the last step.
     pub pipeline_timelines: Vec<StageTimeline>,
+    /// `rollout.weight_sync_backend: nccl`: the weight metadata once the group is formed.
+    weight_sync_metas: std::sync::OnceLock<Vec<rtrun_rlhf_engine::WeightMeta>>,
 }
 
 impl Trainer {
@@ -153,6 +155,7 @@ impl Trainer {
             state,
             timer: PhaseTimer::new(),
             pipeline_timelines: Vec::new(),
+            weight_sync_metas: std::sync::OnceLock::new(),
         };
         if trainer.config.checkpoint.resume
             && let Some(dir) = checkpoint::newest(&trainer.paths.checkpoints)?
@@ -480,6 +483,9 @@ impl Trainer {
     /// Sends the policy's weights to every engine in buckets (straight from policy rank 0 to
     /// the engines, through the object store), then resets the engines' prefix caches.
     pub fn sync_weights(&self) -> Result<()> {
+        if self.config.rollout.weight_sync_backend == WeightSyncBackend::Nccl {
+            return self.sync_weights_collective();
+        }
         let source = self
             .roles
             .actor
@@ -509,6 +515,59 @@ impl Trainer {
             roles::gather_each("vllm_engine", &sleeps)?;
         }
         rtrun::free(&buckets)?;
+        Ok(())
+    }
+
+    /// `rollout.weight_sync_backend: nccl`: policy rank 0 broadcasts its weights to every
+    /// engine over the weight-sync group (formed on the first call), in place, then the engines
+    /// reset their prefix caches (part of `receive_weights`).
+    fn sync_weights_collective(&self) -> Result<()> {
+        let source = self
+            .roles
+            .actor
+            .members()
+            .first()
+            .ok_or_else(|| TrainError::role("actor", "the group is empty"))?;
+        let engines = &self.roles.engines;
+        let metas = match self.weight_sync_metas.get() {
+            Some(metas) => metas,
+            None => {
+                let (addr, port) =
+                    source.weight_sync_endpoint().get()?.map_err(|e| TrainError::role("actor", e))?;
+                let group = |rank| rtrun_rlhf_engine::WeightSyncGroup {
+                    group_name: "rlhf-weight-sync".to_owned(),
+                    rank,
+                    world_size: engines.len() + 1,
+                    master_addr: addr.clone(),
+                    master_port: port,
+                    backend: rtrun::collective::Backend::Nccl,
+                };
+                let policy = source.join_weight_sync(group(0));
+                let joins: Vec<_> =
+                    engines.iter().enumerate().map(|(i, e)| e.join_weight_sync(group(i + 1))).collect();
+                policy.get()?.map_err(|e| TrainError::role("actor", e))?;
+                roles::gather_each("vllm_engine", &joins)?;
+                let metas =
+                    source.weight_metadata().get()?.map_err(|e| TrainError::role("actor", e))?;
+                self.weight_sync_metas.get_or_init(|| metas)
+            }
+        };
+        let hybrid = self.roles.placements.hybrid();
+        if hybrid {
+            let wakes: Vec<_> =
+                engines.iter().map(|e| e.wake_up(vec!["weights".to_owned()])).collect();
+            roles::gather_each("vllm_engine", &wakes)?;
+        }
+        let bucket_bytes = self.config.rollout.weight_bucket_bytes;
+        let send = source.broadcast_weights(bucket_bytes);
+        let receives: Vec<_> =
+            engines.iter().map(|e| e.receive_weights(metas.clone(), bucket_bytes)).collect();
+        send.get()?.map_err(|e| TrainError::role("actor", e))?;
+        roles::gather_each("vllm_engine", &receives)?;
+        if hybrid {
+            let sleeps: Vec<_> = engines.iter().map(|e| e.sleep(1)).collect();
+            roles::gather_each("vllm_engine", &sleeps)?;
+        }
         Ok(())
     }
 }
