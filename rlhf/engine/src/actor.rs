@@ -197,11 +197,13 @@ impl EngineActor {
     ) -> Result<(), String> {
         let guard = self.state();
         let state = &mut *guard;
-        let comm = state
-            .weight_sync
-            .as_mut()
-            .ok_or("receive_weights needs join_weight_sync first")?;
-        state.engine.receive_weights(comm, &metas, bucket_bytes).map(|_| ()).map_err(|e| e.to_string())
+        let comm =
+            state.weight_sync.as_mut().ok_or("receive_weights needs join_weight_sync first")?;
+        state
+            .engine
+            .receive_weights(comm, &metas, bucket_bytes)
+            .map(|_| ())
+            .map_err(|e| e.to_string())
     }
 
     /// Forgets every cached prefix.

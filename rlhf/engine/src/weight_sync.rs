@@ -104,10 +104,8 @@ pub fn receive_weights(
 ) -> Result<usize, EngineError> {
     let mut targets = Vec::with_capacity(metas.len());
     for meta in metas {
-        let invalid = |message: String| EngineError::InvalidWeight {
-            name: meta.name.clone(),
-            message,
-        };
+        let invalid =
+            |message: String| EngineError::InvalidWeight { name: meta.name.clone(), message };
         let param = model
             .params
             .get(&meta.name)

@@ -726,6 +726,19 @@ mod tests {
     }
 
     #[test]
+    fn weight_sync_backend_defaults_to_the_object_store_and_nccl_needs_cuda() {
+        let c = TrainConfig::from_yaml("", "x.yaml", &[]).unwrap();
+        assert_eq!(c.rollout.weight_sync_backend, WeightSyncBackend::ObjectStore);
+        let nccl = TrainConfig::from_yaml("rollout:\n  weight_sync_backend: nccl\n", "x.yaml", &[]);
+        if cfg!(feature = "cuda") {
+            assert_eq!(nccl.unwrap().rollout.weight_sync_backend, WeightSyncBackend::Nccl);
+        } else {
+            let message = nccl.unwrap_err().to_string();
+            assert!(message.contains("rollout.weight_sync_backend"), "{message}");
+        }
+    }
+
+    #[test]
     fn bad_configs_name_the_key() {
         let err = |yaml: &str, sets: &[&str]| {
             let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();

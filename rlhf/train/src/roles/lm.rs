@@ -169,10 +169,8 @@ impl LmWorkerState {
     /// Broadcasts the weights to the weight-sync group in buckets of about `bucket_bytes`
     /// (the engines call `receive_weights` at the same time). Returns the bytes sent.
     pub fn broadcast_weights(&mut self, bucket_bytes: usize) -> Result<usize, String> {
-        let comm = self
-            .weight_sync
-            .as_mut()
-            .ok_or("broadcast_weights needs join_weight_sync first")?;
+        let comm =
+            self.weight_sync.as_mut().ok_or("broadcast_weights needs join_weight_sync first")?;
         rtrun_rlhf_engine::weight_sync::send_weights(comm, &self.model, bucket_bytes)
             .map_err(to_string_error)
     }

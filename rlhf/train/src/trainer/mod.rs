@@ -532,8 +532,10 @@ impl Trainer {
         let metas = match self.weight_sync_metas.get() {
             Some(metas) => metas,
             None => {
-                let (addr, port) =
-                    source.weight_sync_endpoint().get()?.map_err(|e| TrainError::role("actor", e))?;
+                let (addr, port) = source
+                    .weight_sync_endpoint()
+                    .get()?
+                    .map_err(|e| TrainError::role("actor", e))?;
                 let group = |rank| rtrun_rlhf_engine::WeightSyncGroup {
                     group_name: "rlhf-weight-sync".to_owned(),
                     rank,
@@ -543,8 +545,11 @@ impl Trainer {
                     backend: rtrun::collective::Backend::Nccl,
                 };
                 let policy = source.join_weight_sync(group(0));
-                let joins: Vec<_> =
-                    engines.iter().enumerate().map(|(i, e)| e.join_weight_sync(group(i + 1))).collect();
+                let joins: Vec<_> = engines
+                    .iter()
+                    .enumerate()
+                    .map(|(i, e)| e.join_weight_sync(group(i + 1)))
+                    .collect();
                 policy.get()?.map_err(|e| TrainError::role("actor", e))?;
                 roles::gather_each("vllm_engine", &joins)?;
                 let metas =
