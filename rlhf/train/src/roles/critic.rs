@@ -190,12 +190,12 @@ impl CriticWorker {
         self.state().load_checkpoint(dir)
     }
 
-    /// Marks training state offloaded.
+    /// Offloads training state to host memory (a no-op move on CPU).
     pub fn offload(&mut self) -> Result<(), String> {
         self.state().offload()
     }
 
-    /// Marks training state back on the device.
+    /// Brings training state back to the training device.
     pub fn onload(&mut self) -> Result<(), String> {
         self.state().onload()
     }
