@@ -47,6 +47,7 @@ struct Inner {
     peer_name: String,
     shared: Arc<Shared>,
     requests: Mutex<mpsc::Receiver<IncomingRequest>>,
+    channels: Mutex<mpsc::Receiver<IncomingChannel>>,
     next_correlation: AtomicU64,
     server: JoinHandle<()>,
 }
@@ -75,19 +76,23 @@ impl Connection {
     ) -> Connection {
         shared.config.open_admitted(&quinn);
         let (tx, rx) = mpsc::channel(shared.config.request_queue.max(1));
+        let (channel_tx, channel_rx) = mpsc::channel(64);
         let budget =
             Arc::new(Semaphore::new(budget_units(shared.config.max_unanswered_request_bytes)));
         let peer: Arc<str> = Arc::from(peer_name.as_str());
         // Every log line of this connection's tasks names both ends.
         let span = tracing::info_span!("peer", node = %shared.node_name, peer = %peer_name);
         let server =
-            tokio::spawn(serve(shared.clone(), quinn.clone(), peer, tx, budget).instrument(span));
+            tokio::spawn(
+            serve(shared.clone(), quinn.clone(), peer, tx, channel_tx, budget).instrument(span),
+        );
         Connection {
             inner: Arc::new(Inner {
                 quinn,
                 peer_name,
                 shared,
                 requests: Mutex::new(rx),
+                channels: Mutex::new(channel_rx),
                 next_correlation: AtomicU64::new(1),
                 server,
             }),
@@ -157,6 +162,27 @@ impl Connection {
         self.inner.requests.lock().await.recv().await
     }
 
+    /// Opens a long-lived application channel: a bidirectional stream whose first frame is a
+    /// [`FrameKind::Channel`] carrying `head` (what the channel is for), after which both
+    /// directions carry whatever the application frames on them. The runtime carries its
+    /// frames between processes of different nodes this way.
+    pub async fn open_channel(
+        &self,
+        head: impl Into<Bytes>,
+    ) -> Result<(quinn::SendStream, quinn::RecvStream)> {
+        let peer = &self.inner.peer_name;
+        let (mut send, recv) =
+            self.inner.quinn.open_bi().await.map_err(|e| connection_error(peer, e))?;
+        let open = Frame::new(FrameKind::Channel, self.next_correlation(), head);
+        write_frame(&mut send, &open, self.limits()).await.map_err(|e| self.lost(e.into()))?;
+        Ok((send, recv))
+    }
+
+    /// The next channel the peer opened; `None` when the connection is closed.
+    pub async fn next_channel(&self) -> Option<IncomingChannel> {
+        self.inner.channels.lock().await.recv().await
+    }
+
     /// Starts sending heartbeats every [`crate::HeartbeatConfig::interval`] on a dedicated
     /// stream; they stop when the returned handle drops.
     pub fn start_heartbeats(&self) -> HeartbeatSender {
@@ -201,6 +227,24 @@ pub struct HeartbeatSender {
 impl Drop for HeartbeatSender {
     fn drop(&mut self) {
         self.task.abort();
+    }
+}
+
+/// A channel a peer opened with [`Connection::open_channel`].
+pub struct IncomingChannel {
+    /// The head of the opening frame.
+    pub head: Bytes,
+    /// The sending node's name.
+    pub peer: Arc<str>,
+    /// Our direction of the stream.
+    pub send: quinn::SendStream,
+    /// The peer's direction, positioned after the opening frame.
+    pub recv: quinn::RecvStream,
+}
+
+impl std::fmt::Debug for IncomingChannel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IncomingChannel").field("peer", &self.peer).finish_non_exhaustive()
     }
 }
 
@@ -289,13 +333,14 @@ async fn serve(
     quinn: quinn::Connection,
     peer: Arc<str>,
     tx: mpsc::Sender<IncomingRequest>,
+    channels: mpsc::Sender<IncomingChannel>,
     budget: Arc<Semaphore>,
 ) {
     loop {
         tokio::select! {
             bi = quinn.accept_bi() => match bi {
                 Ok((send, recv)) => {
-                    let stream = serve_stream(shared.clone(), peer.clone(), send, recv, tx.clone(), budget.clone());
+                    let stream = serve_stream(shared.clone(), peer.clone(), send, recv, tx.clone(), channels.clone(), budget.clone());
                     tokio::spawn(stream.in_current_span());
                 }
                 Err(error) => return debug!(%peer, %error, "connection ended"),
@@ -318,6 +363,7 @@ async fn serve_stream(
     mut send: quinn::SendStream,
     mut recv: quinn::RecvStream,
     tx: mpsc::Sender<IncomingRequest>,
+    channels: mpsc::Sender<IncomingChannel>,
     budget: Arc<Semaphore>,
 ) {
     let limits = shared.config.frames;
@@ -391,9 +437,19 @@ async fn serve_stream(
             }
         }
         FrameKind::PullOpen => crate::pull::serve_pull(&shared, &peer, header, send, recv).await,
+        FrameKind::Channel if header.part_lens.is_empty() => {
+            let channel = IncomingChannel { head: header.head, peer: peer.clone(), send, recv };
+            if let Err(unsent) = channels.send(channel).await {
+                let mut channel = unsent.0;
+                let reason = "the node is not accepting channels";
+                reject_stream(&peer, &mut channel.send, &mut channel.recv, correlation, reason)
+                    .await;
+            }
+        }
         other => {
-            let reason =
-                format!("a stream must start with a Request or PullOpen frame, found {other:?}");
+            let reason = format!(
+                "a stream must start with a Request, PullOpen or part-less Channel frame, found {other:?}"
+            );
             reject_stream(&peer, &mut send, &mut recv, correlation, &reason).await;
         }
     }

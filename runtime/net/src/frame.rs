@@ -52,6 +52,9 @@ pub enum FrameKind {
     PullWant = 11,
     /// One chunk of object data (one part).
     PullChunk = 12,
+    /// Opens a long-lived application channel: the rest of the stream, both ways, belongs to
+    /// the application (the runtime's own framing), see [`crate::Connection::open_channel`].
+    Channel = 13,
 }
 
 impl FrameKind {
@@ -71,6 +74,7 @@ impl FrameKind {
             10 => PullMeta,
             11 => PullWant,
             12 => PullChunk,
+            13 => Channel,
             _ => return None,
         })
     }

@@ -31,7 +31,9 @@ pub mod tls;
 
 pub use bootstrap::bootstrap;
 pub use config::NetConfig;
-pub use connection::{Connection, HeartbeatSender, IncomingRequest, ObjectSource, Responder};
+pub use connection::{
+    Connection, HeartbeatSender, IncomingChannel, IncomingRequest, ObjectSource, Responder,
+};
 pub use credentials::{
     CLUSTER_SERVER_NAME, ClusterAuthority, CredentialsDir, HeadCredentials, JoinToken,
     NodeCredentials, TOKEN_ENV,
