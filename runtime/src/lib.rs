@@ -26,6 +26,7 @@ extern crate self as rtrun;
 
 pub mod actor;
 pub mod bench;
+pub mod cluster;
 pub mod codec;
 pub mod collective;
 pub mod colocation;

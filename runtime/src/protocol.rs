@@ -318,6 +318,63 @@ pub enum Request {
     },
     /// Every live placement group.
     ListPlacementGroups,
+    /// Every actor the control plane knows (`rtrun list actors`).
+    ListActors,
+    /// Head → node daemon: start a worker (its binary is the job's, fetched from the head).
+    SpawnWorker {
+        /// Its id.
+        worker: WorkerId,
+        /// Its environment.
+        env: Vec<(String, String)>,
+        /// The digest of the job binary it runs.
+        job: Option<String>,
+    },
+    /// Head → node daemon: kill one of the node's worker processes.
+    KillProcess {
+        /// Its process id on that node.
+        pid: u32,
+    },
+    /// Node daemon → head: a worker it spawned started.
+    WorkerSpawned {
+        /// The worker.
+        worker: WorkerId,
+        /// Its process id on that node.
+        pid: u32,
+    },
+    /// Node daemon → head: a worker it spawned exited (or could not start).
+    WorkerExited {
+        /// The worker.
+        worker: WorkerId,
+        /// How it ended.
+        status: String,
+    },
+    /// Head → node daemons: a process of the cluster exited; drop its store references.
+    ProcessExited {
+        /// The process.
+        worker: WorkerId,
+    },
+    /// Head → node daemon: kill every worker and exit.
+    StopNode,
+    /// Run a job's driver binary (uploaded before, by digest) on the head's node.
+    SubmitJob {
+        /// The binary's digest.
+        binary: String,
+        /// Its arguments.
+        args: Vec<String>,
+        /// Extra environment.
+        env: Vec<(String, String)>,
+    },
+    /// A job's output from a byte offset, and its state.
+    JobLogs {
+        /// The job.
+        job: u64,
+        /// Bytes already read.
+        offset: u64,
+    },
+    /// Every submitted job.
+    ListJobs,
+    /// Stop every node and the head.
+    StopCluster,
 }
 
 /// Operations a process asks of its node's object store.
@@ -396,6 +453,18 @@ pub enum Response {
     PlacementGroup(Box<crate::placement_group::PlacementGroupState>),
     /// Every live placement group's state, oldest first.
     PlacementGroups(Vec<crate::placement_group::PlacementGroupState>),
+    /// Actors, for `rtrun list actors`.
+    Actors(Vec<ActorSummary>),
+    /// Jobs.
+    Jobs(Vec<JobInfo>),
+    /// Part of a job's output.
+    Logs {
+        /// The bytes.
+        #[serde(with = "serde_bytes")]
+        bytes: Vec<u8>,
+        /// The job's state.
+        job: JobInfo,
+    },
     /// The request failed.
     Error(Error),
 }
@@ -422,6 +491,78 @@ pub struct ClusterInfo {
     pub alive_actors: usize,
     /// Process ids of live workers.
     pub worker_pids: Vec<u32>,
+    /// The nodes (one in an embedded session).
+    pub nodes: Vec<NodeInfo>,
+}
+
+/// One node of the cluster.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct NodeInfo {
+    /// Its id.
+    pub node: crate::ids::NodeId,
+    /// Its name (from its certificate).
+    pub name: String,
+    /// Its daemon's address.
+    pub address: Address,
+    /// Whether it is alive.
+    pub alive: bool,
+    /// Why it died.
+    pub death_reason: Option<String>,
+    /// Its resources.
+    pub total: BTreeMap<String, f64>,
+    /// Its resources not held.
+    pub available: BTreeMap<String, f64>,
+}
+
+/// One actor, for listings.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ActorSummary {
+    /// Its id.
+    pub actor: ActorId,
+    /// Its type.
+    pub type_name: String,
+    /// Its name.
+    pub name: Option<String>,
+    /// PENDING, STARTING, ALIVE or DEAD (reason).
+    pub state: String,
+    /// The node it runs on.
+    pub node: Option<crate::ids::NodeId>,
+    /// Its worker's process id.
+    pub pid: Option<u32>,
+    /// How many times it was restarted.
+    pub restarts: u64,
+}
+
+/// A submitted job.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct JobInfo {
+    /// Its id.
+    pub job: u64,
+    /// Its binary's digest.
+    pub binary: String,
+    /// Its arguments.
+    pub args: Vec<String>,
+    /// Where it is.
+    pub state: JobState,
+    /// Its log file on the head's host.
+    pub log: String,
+}
+
+/// Where a job is.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum JobState {
+    /// Its driver runs.
+    Running,
+    /// Its driver exited with this code.
+    Exited {
+        /// The exit code.
+        code: i32,
+    },
+    /// Its driver was killed or could not start.
+    Failed {
+        /// Why.
+        reason: String,
+    },
 }
 
 /// What `rtrun memory` shows for one node.

@@ -48,6 +48,15 @@ pub struct Config {
     /// travelling inline in frames (default [`DEFAULT_MAX_INLINE_OBJECT_BYTES`], 100 KiB as in
     /// Ray).
     pub max_inline_object_bytes: Option<usize>,
+    /// A cluster head's `host:port` to join instead of starting an embedded session (Ray's
+    /// `ray.init(address=...)`); default: the `RTRUN_ADDRESS` environment variable.
+    pub address: Option<String>,
+    /// The join token, when this process has no credentials yet (default: `RTRUN_TOKEN`, then
+    /// the credentials directory's token file).
+    pub token: Option<String>,
+    /// The credentials directory (default: `RTRUN_CREDENTIALS_DIR`, else
+    /// `~/.rtrun/credentials`).
+    pub credentials_dir: Option<std::path::PathBuf>,
 }
 
 static CURRENT: OnceLock<Arc<Runtime>> = OnceLock::new();
@@ -70,7 +79,13 @@ pub fn init_with(config: Config) -> Result<()> {
     if CURRENT.get().is_some() {
         return Ok(());
     }
-    let runtime = Runtime::start_driver(config)?;
+    let address = config.address.clone().or_else(|| {
+        std::env::var(crate::cluster::ADDRESS_ENV).ok().filter(|a| !a.trim().is_empty())
+    });
+    let runtime = match address {
+        Some(address) => crate::cluster::start_driver(&config, &address, true)?,
+        None => Runtime::start_driver(config)?,
+    };
     let _ = CURRENT.set(runtime);
     Ok(())
 }
@@ -137,6 +152,10 @@ pub struct Runtime {
     requests: DashMap<u64, PendingRequest>,
     pub(crate) head: OnceLock<Arc<Head>>,
     head_connection: OnceLock<Arc<Connection>>,
+    /// A cluster worker's connection to its node daemon (store operations go there).
+    node_connection: OnceLock<Arc<Connection>>,
+    /// A node daemon's worker supervision.
+    node_agent: OnceLock<Arc<crate::cluster::node::NodeAgent>>,
     pub(crate) hosted: OnceLock<Arc<dyn HostedActor>>,
     pub(crate) tasks: OnceLock<Arc<TaskExecutor>>,
     pub(crate) actor_context: parking_lot::Mutex<Option<crate::protocol::ActorStart>>,
@@ -190,15 +209,23 @@ pub(crate) fn random_u64() -> u64 {
     t ^ (u64::from(std::process::id()) << 32)
 }
 
-/// The endpoint address of `worker` in `session`.
+/// The abstract socket name of `worker` in `session`.
+pub(crate) fn socket_name(session: &str, worker: WorkerId) -> String {
+    format!("rtrun-{session}-{}", worker.0)
+}
+
+/// The endpoint address of `worker` in an embedded `session`.
 pub(crate) fn worker_address(session: &str, worker: WorkerId) -> Address {
-    format!("unix:@rtrun-{session}-{}", worker.0)
+    format!("unix:@{}", socket_name(session, worker))
 }
 
 impl Runtime {
+    #[allow(clippy::too_many_arguments)]
     fn new(
         session: String,
         worker_id: WorkerId,
+        node_id: NodeId,
+        address: Address,
         namespace: String,
         transport: TransportConfig,
         tokio_threads: usize,
@@ -209,11 +236,10 @@ impl Runtime {
             .enable_all()
             .build()
             .map_err(|e| Error::System(format!("cannot start the async runtime: {e}")))?;
-        let address = worker_address(&session, worker_id);
         let runtime = Arc::new(Runtime {
             session,
             worker_id,
-            node_id: NodeId(0),
+            node_id,
             address: address.clone(),
             object_prefix: random_u64(),
             counter: Counter::starting_at(1),
@@ -224,6 +250,8 @@ impl Runtime {
             requests: DashMap::new(),
             head: OnceLock::new(),
             head_connection: OnceLock::new(),
+            node_connection: OnceLock::new(),
+            node_agent: OnceLock::new(),
             hosted: OnceLock::new(),
             tasks: OnceLock::new(),
             actor_context: parking_lot::Mutex::new(None),
@@ -234,19 +262,85 @@ impl Runtime {
         let handler = Arc::new(Handler(Arc::downgrade(&runtime)));
         let endpoint = Endpoint::bind(address, handler, transport)?;
         let _ = runtime.endpoint.set(endpoint);
+        if let Some(member) = crate::cluster::member() {
+            runtime.endpoint()?.attach_net(member.link.clone());
+        }
         Ok(runtime)
     }
 
     fn start_driver(config: Config) -> Result<Arc<Runtime>> {
         let session = format!("{:016x}", random_u64());
+        let address = worker_address(&session, DRIVER_WORKER_ID);
+        Runtime::start_head_process(&config, session, address)
+    }
+
+    /// A cluster head's runtime: an embedded session's, at a cluster address.
+    pub(crate) fn start_cluster_head(
+        config: &Config,
+        session: String,
+        address: Address,
+    ) -> Result<Arc<Runtime>> {
+        let runtime = Runtime::start_head_process(config, session, address)?;
+        let _ = CURRENT.set(runtime.clone());
+        Ok(runtime)
+    }
+
+    /// A node daemon's runtime: the node's store and worker supervision, connected to the head.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn start_cluster_node(
+        config: &Config,
+        session: String,
+        worker: WorkerId,
+        node: u64,
+        address: Address,
+        head_address: Address,
+        agent: crate::cluster::node::NodeAgentConfig,
+    ) -> Result<Arc<Runtime>> {
         let namespace = config.namespace.clone().unwrap_or_else(|| "default".to_owned());
         let runtime = Runtime::new(
-            session.clone(),
-            DRIVER_WORKER_ID,
+            session,
+            worker,
+            NodeId(node),
+            address,
             namespace,
             config.transport.clone(),
             2,
         )?;
+        runtime.open_store(config, worker)?;
+        let agent = crate::cluster::node::NodeAgent::start(&runtime, agent)?;
+        let _ = runtime.node_agent.set(agent);
+        let conn = runtime.endpoint()?.connect(&head_address)?;
+        let _ = runtime.head_connection.set(conn);
+        let _ = CURRENT.set(runtime.clone());
+        Ok(runtime)
+    }
+
+    /// A driver (or command-line client) of a cluster: no store of its own, the head remote.
+    pub(crate) fn start_cluster_driver(
+        config: &Config,
+        session: String,
+        worker: WorkerId,
+        node: u64,
+        address: Address,
+        head_address: Address,
+    ) -> Result<Arc<Runtime>> {
+        let namespace = config.namespace.clone().unwrap_or_else(|| "default".to_owned());
+        let runtime = Runtime::new(
+            session,
+            worker,
+            NodeId(node),
+            address,
+            namespace,
+            config.transport.clone(),
+            2,
+        )?;
+        let conn = runtime.endpoint()?.connect(&head_address)?;
+        let _ = runtime.head_connection.set(conn);
+        Ok(runtime)
+    }
+
+    /// Opens the node's object store in this process (an embedded driver, a head, a node).
+    fn open_store(self: &Arc<Self>, config: &Config, worker: WorkerId) -> Result<()> {
         // An explicit capacity is reserved up front (an error now rather than memory pressure
         // later); the default one, 30 % of RAM, is only address space until objects use it, as
         // in Ray, so that a driver does not take gigabytes it may never need.
@@ -260,13 +354,32 @@ impl Runtime {
         store_config.spill_dir = config.object_spill_dir.clone();
         let max_inline = config.max_inline_object_bytes.unwrap_or(DEFAULT_MAX_INLINE_OBJECT_BYTES);
         let store = StoreClient::open_node(
-            Arc::downgrade(&runtime),
-            crate::store::holder_of(DRIVER_WORKER_ID),
+            Arc::downgrade(self),
+            crate::store::holder_of(worker),
             store_config,
             max_inline,
         )?;
-        let _ = runtime.store.set(store);
-        let head = Head::start(&runtime, HeadConfig::from_runtime_config(&config)?)?;
+        let _ = self.store.set(store);
+        Ok(())
+    }
+
+    fn start_head_process(
+        config: &Config,
+        session: String,
+        address: Address,
+    ) -> Result<Arc<Runtime>> {
+        let namespace = config.namespace.clone().unwrap_or_else(|| "default".to_owned());
+        let runtime = Runtime::new(
+            session.clone(),
+            DRIVER_WORKER_ID,
+            NodeId(0),
+            address,
+            namespace,
+            config.transport.clone(),
+            2,
+        )?;
+        runtime.open_store(config, DRIVER_WORKER_ID)?;
+        let head = Head::start(&runtime, HeadConfig::from_runtime_config(config)?)?;
         let _ = runtime.head.set(head);
         tracing::debug!(session = %session, "embedded runtime started");
         Ok(runtime)
@@ -274,9 +387,16 @@ impl Runtime {
 
     /// Starts a worker process's runtime and connects it to the head.
     pub(crate) fn start_worker(spec: &WorkerSpec) -> Result<Arc<Runtime>> {
+        let name = socket_name(&spec.session, spec.worker);
+        let (node, node_address, address) = match crate::cluster::start_worker_link(&name)? {
+            Some((node, node_address, address)) => (NodeId(node), Some(node_address), address),
+            None => (NodeId(0), None, worker_address(&spec.session, spec.worker)),
+        };
         let runtime = Runtime::new(
             spec.session.clone(),
             spec.worker,
+            node,
+            address,
             spec.namespace.clone(),
             TransportConfig::default(),
             2,
@@ -285,10 +405,19 @@ impl Runtime {
         if let Some(store) = StoreClient::attach_worker(Arc::downgrade(&runtime), holder)? {
             let _ = runtime.store.set(store);
         }
+        if let Some(node_address) = node_address {
+            let conn = runtime.endpoint()?.connect(&node_address)?;
+            let _ = runtime.node_connection.set(conn);
+        }
         let conn = runtime.endpoint()?.connect(&spec.head_address)?;
         let _ = runtime.head_connection.set(conn);
         let _ = CURRENT.set(runtime.clone());
         Ok(runtime)
+    }
+
+    /// The node this process runs on.
+    pub fn node(&self) -> NodeId {
+        self.node_id
     }
 
     /// This process's endpoint address.
@@ -442,6 +571,31 @@ impl Runtime {
         }
     }
 
+    /// Sends a request to this process's node (its store): the node daemon's connection in a
+    /// cluster worker, else the control plane's (which is also the node).
+    pub(crate) fn node_request(self: &Arc<Self>, body: Request, callback: ResponseCallback) {
+        match self.node_connection.get() {
+            Some(conn) => self.request_on(conn, body, callback),
+            None => self.head_request(body, callback),
+        }
+    }
+
+    /// Like [`Runtime::node_request`], blocking for the answer.
+    pub(crate) fn node_call(self: &Arc<Self>, body: Request) -> Result<Response> {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        self.node_request(
+            body,
+            Box::new(move |response| {
+                let _ = tx.send(response);
+            }),
+        );
+        match rx.recv() {
+            Ok(Response::Error(e)) => Err(e),
+            Ok(response) => Ok(response),
+            Err(_) => Err(Error::Transport("the node went away".into())),
+        }
+    }
+
     /// Sends a request to the control plane and blocks for the response. Never call this from a
     /// connection's reader thread.
     pub(crate) fn head_call(self: &Arc<Self>, body: Request) -> Result<Response> {
@@ -525,6 +679,12 @@ impl Runtime {
     }
 
     pub(crate) fn create_actor(self: &Arc<Self>, mut spec: ActorSpec) -> Result<ActorInfo> {
+        if crate::registry::actor_type(&spec.type_name).is_none() {
+            return Err(Error::Invalid(format!(
+                "actor type {} is not compiled into this binary",
+                spec.type_name
+            )));
+        }
         if spec.options.namespace.is_none() && spec.options.name.is_some() {
             spec.options.namespace = Some(self.namespace.clone());
         }
@@ -557,6 +717,11 @@ impl Runtime {
         args: Vec<crate::protocol::Arg>,
         options: crate::task::TaskOptions,
     ) -> ObjectRef<T> {
+        if crate::registry::task(&function).is_none() {
+            return failed_ref(Error::Invalid(format!(
+                "remote function {function} is not compiled into this binary"
+            )));
+        }
         let id = self.new_object_id();
         let spec = TaskSpec { task: id, function, args, options };
         let slot = Arc::new(Slot::default());
@@ -657,6 +822,16 @@ impl Runtime {
                 }
                 responder.respond(Response::Done);
             }
+            body @ (Request::SpawnWorker { .. }
+            | Request::KillProcess { .. }
+            | Request::ProcessExited { .. }
+            | Request::StopNode) => match self.node_agent.get() {
+                Some(agent) => agent.handle(body, Box::new(move |r| responder.respond(r))),
+                None => responder.respond(Response::Error(Error::Invalid(format!(
+                    "{} is not a node daemon; cannot answer {body:?}",
+                    self.worker_id
+                )))),
+            },
             body => match self.head.get() {
                 Some(head) => head.handle(Some(conn), body, responder),
                 None => responder.respond(Response::Error(Error::Invalid(format!(
@@ -689,6 +864,12 @@ impl Runtime {
             }
         }
         self.submitters.on_connection_closed(self, conn);
+        // A driver of a cluster went away: its job's actors go with it.
+        if let Some(head) = self.head.get()
+            && let Some(holder) = conn.peer().as_deref().and_then(crate::store::holder_of_address)
+        {
+            head.on_driver_gone(WorkerId(holder.0));
+        }
         // The head learns of worker deaths from the reaper (waitpid), not from closed sockets.
         if self.head_connection.get().is_some_and(|h| h.id() == conn.id()) {
             // The control plane (the driver, in an embedded session) is gone: so is this worker.

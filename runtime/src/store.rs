@@ -242,6 +242,14 @@ impl StoreClient {
     }
 
     /// The store's snapshot, asked of the node when this is a worker.
+    /// Serves this node's objects to other nodes' pulls (node processes only).
+    pub(crate) fn object_source(&self) -> Result<Arc<dyn rtrun_net::ObjectSource>> {
+        let node = self.node.as_ref().ok_or_else(|| {
+            Error::ObjectStore("only the node process serves its store to other nodes".into())
+        })?;
+        Ok(Arc::new(rtrun_net::StoreSource::new(Arc::new(node.store.clone()), self.holder)))
+    }
+
     pub(crate) fn stats(&self) -> Result<StoreStats> {
         match &self.node {
             Some(node) => Ok(node.store.stats()),
@@ -293,14 +301,14 @@ impl StoreClient {
     /// A store request to the node, waiting for the answer (worker only).
     fn call(&self, op: StoreOp) -> Result<Response> {
         let runtime = self.runtime.upgrade().ok_or(Error::NotInitialised)?;
-        runtime.head_call(Request::Store { holder: self.holder, op })
+        runtime.node_call(Request::Store { holder: self.holder, op })
     }
 
     /// A store request to the node whose answer nobody waits for (worker only). Requests on
     /// one connection are handled in order, which the reference accounting relies on.
     fn notify(&self, op: StoreOp) {
         if let Some(runtime) = self.runtime.upgrade() {
-            runtime.head_request(
+            runtime.node_request(
                 Request::Store { holder: self.holder, op },
                 Box::new(|response| {
                     if let Response::Error(error) = response {

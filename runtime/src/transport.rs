@@ -1,12 +1,21 @@
-//! Connections between processes on a node: abstract Unix sockets (no file is ever created, so
-//! nothing is left behind when a process is killed), length-prefixed frames, one reader thread
-//! per connection and writes straight from the sending thread.
+//! Connections between processes: abstract Unix sockets between processes of one node (no file
+//! is ever created, so nothing is left behind when a process is killed) and, in a cluster, QUIC
+//! channels (`rtrun-net`: mutual TLS + join token) between processes of different nodes. Both
+//! carry the same length-prefixed frames, with one reader thread per connection and writes
+//! straight from the sending thread, so everything above this module is the same on one node
+//! and across nodes.
 //!
 //! A frame is a little-endian `u32` length followed by that many bytes of the codec's encoding
 //! of [`Frame`]. Frames longer than [`TransportConfig::max_frame_bytes`] are refused on both
 //! sides; a malformed frame closes the connection with an error, never a panic.
+//!
+//! Addresses: `unix:@<name>` (a process of an embedded session) or
+//! `quic://<ip>:<port>/<node>/<name>` (a process of a cluster: its QUIC endpoint, its node's
+//! id and its abstract socket name). A connection to a cluster address on the local node goes
+//! over the Unix socket `@<name>`; to another node, over QUIC.
 
 use std::io::{BufReader, Read, Write};
+use std::net::SocketAddr as NetAddr;
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
 use std::sync::Arc;
@@ -44,11 +53,45 @@ pub trait FrameHandler: Send + Sync + 'static {
     fn on_sent(&self, _conn: &Connection, _frame: &Frame) {}
 }
 
+/// The write half of a connection.
+enum Writer {
+    Unix(UnixStream),
+    Quic {
+        send: quinn::SendStream,
+        /// Keeps the QUIC connection open as long as this runtime connection.
+        link: rtrun_net::Connection,
+    },
+}
+
+impl Writer {
+    fn write_all(&mut self, buf: &[u8]) -> std::io::Result<()> {
+        match self {
+            Writer::Unix(stream) => stream.write_all(buf),
+            // quinn's stream futures need no tokio context: the connection's driver task (on
+            // the net runtime) moves the bytes, this thread only fills the stream's buffer.
+            Writer::Quic { send, .. } => futures::executor::block_on(send.write_all(buf))
+                .map_err(|e| std::io::Error::new(std::io::ErrorKind::BrokenPipe, e)),
+        }
+    }
+
+    fn shutdown(&mut self) {
+        match self {
+            Writer::Unix(stream) => {
+                let _ = stream.shutdown(std::net::Shutdown::Both);
+            }
+            Writer::Quic { send, link } => {
+                let _ = send.finish();
+                link.close();
+            }
+        }
+    }
+}
+
 /// One bidirectional connection to a peer process.
 pub struct Connection {
     id: u64,
     peer: Mutex<Option<Address>>,
-    writer: Mutex<UnixStream>,
+    writer: Mutex<Writer>,
     closed: AtomicBool,
     max_frame_bytes: usize,
     handler: Arc<dyn FrameHandler>,
@@ -117,7 +160,89 @@ impl Connection {
     /// Closes both directions; the reader thread then reports the close.
     pub fn shutdown(&self) {
         self.closed.store(true, Ordering::Release);
-        let _ = self.writer.lock().shutdown(std::net::Shutdown::Both);
+        self.writer.lock().shutdown();
+    }
+}
+
+/// The QUIC side of a cluster process's endpoint: its `rtrun-net` endpoint, the tokio runtime
+/// that drives it, and its node's id (to tell local addresses from remote ones).
+pub(crate) struct NetLink {
+    /// The node this process runs on (set once the head has assigned it).
+    pub node: AtomicU64,
+    /// The endpoint (bound on the node's address).
+    pub endpoint: rtrun_net::Endpoint,
+    /// Drives QUIC; separate from the runtime's async runtime so that blocking waits on QUIC
+    /// work from any thread.
+    pub handle: tokio::runtime::Handle,
+    /// Answers `rtrun-net` requests peers send (the head's joins and binaries).
+    pub requests: std::sync::OnceLock<Arc<dyn crate::cluster::NetService>>,
+}
+
+impl NetLink {
+    /// Runs `future` on the net runtime and waits for it from any thread (also from a thread
+    /// of another tokio runtime, where `block_on` would panic).
+    pub fn wait<T: Send + 'static>(
+        &self,
+        future: impl std::future::Future<Output = T> + Send + 'static,
+    ) -> Result<T> {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        self.handle.spawn(async move {
+            let _ = tx.send(future.await);
+        });
+        rx.recv().map_err(|_| Error::Transport("the network runtime stopped".into()))
+    }
+}
+
+/// Where an address is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Route {
+    /// An abstract Unix socket name on this host.
+    Unix(String),
+    /// A cluster process: its QUIC endpoint, node and socket name.
+    Quic {
+        /// Its endpoint.
+        addr: NetAddr,
+        /// Its node.
+        node: u64,
+        /// Its abstract socket name.
+        name: String,
+    },
+}
+
+impl Route {
+    /// Parses an address (see the module docs).
+    pub fn parse(address: &str) -> Result<Route> {
+        if let Some(name) = address.strip_prefix("unix:@") {
+            return Ok(Route::Unix(name.to_owned()));
+        }
+        let bad = |why: &str| {
+            Error::Invalid(format!(
+                "expected an address unix:@name or quic://ip:port/node/name, found `{address}` ({why})"
+            ))
+        };
+        let rest = address.strip_prefix("quic://").ok_or_else(|| bad("unknown scheme"))?;
+        let mut parts = rest.splitn(3, '/');
+        let addr = parts.next().unwrap_or_default();
+        let node = parts.next().ok_or_else(|| bad("no node"))?;
+        let name = parts.next().ok_or_else(|| bad("no socket name"))?;
+        let addr: NetAddr = addr.parse().map_err(|_| bad("bad ip:port"))?;
+        let node = node.parse().map_err(|_| bad("bad node id"))?;
+        if name.is_empty() || name.contains('/') {
+            return Err(bad("bad socket name"));
+        }
+        Ok(Route::Quic { addr, node, name: name.to_owned() })
+    }
+
+    /// The cluster address of a process.
+    pub fn quic(addr: NetAddr, node: u64, name: &str) -> Address {
+        format!("quic://{addr}/{node}/{name}")
+    }
+
+    /// The abstract socket name.
+    pub fn socket_name(&self) -> &str {
+        match self {
+            Route::Unix(name) | Route::Quic { name, .. } => name,
+        }
     }
 }
 
@@ -127,6 +252,7 @@ pub struct Endpoint {
     handler: Arc<dyn FrameHandler>,
     connections: DashMap<Address, Arc<Connection>>,
     config: TransportConfig,
+    net: std::sync::OnceLock<Arc<NetLink>>,
 }
 
 impl std::fmt::Debug for Endpoint {
@@ -135,11 +261,10 @@ impl std::fmt::Debug for Endpoint {
     }
 }
 
-/// Builds the abstract socket address for `unix:@name`.
+/// Builds the abstract socket address of an address's process.
 fn socket_addr(address: &str) -> Result<SocketAddr> {
-    let name = address.strip_prefix("unix:@").ok_or_else(|| {
-        Error::Invalid(format!("expected an address of the form unix:@name, found `{address}`"))
-    })?;
+    let route = Route::parse(address)?;
+    let name = route.socket_name();
     SocketAddr::from_abstract_name(name.as_bytes())
         .map_err(|e| Error::Invalid(format!("bad socket name `{name}`: {e}")))
 }
@@ -153,7 +278,13 @@ impl Endpoint {
     ) -> Result<Arc<Endpoint>> {
         let listener = UnixListener::bind_addr(&socket_addr(&address)?)
             .map_err(|e| Error::Transport(format!("cannot listen on {address}: {e}")))?;
-        let endpoint = Arc::new(Endpoint { address, handler, connections: DashMap::new(), config });
+        let endpoint = Arc::new(Endpoint {
+            address,
+            handler,
+            connections: DashMap::new(),
+            config,
+            net: std::sync::OnceLock::new(),
+        });
         let weak = Arc::downgrade(&endpoint);
         std::thread::Builder::new()
             .name("rtrun-accept".into())
@@ -179,6 +310,48 @@ impl Endpoint {
         &self.address
     }
 
+    /// Gives this endpoint its QUIC side (cluster processes) and starts accepting the channels
+    /// other nodes' processes open to it.
+    pub(crate) fn attach_net(self: &Arc<Self>, net: Arc<NetLink>) {
+        if self.net.set(net.clone()).is_err() {
+            return;
+        }
+        let weak = Arc::downgrade(self);
+        net.handle.clone().spawn(async move {
+            while let Some(link) = net.endpoint.accept().await {
+                let weak = weak.clone();
+                match net.requests.get() {
+                    Some(service) => {
+                        tokio::spawn(crate::cluster::serve_requests(link.clone(), service.clone()));
+                    }
+                    None => {
+                        let link = link.clone();
+                        tokio::spawn(async move {
+                            while let Some(request) = link.next_request().await {
+                                let _ =
+                                    request.respond_error("this process serves no requests").await;
+                            }
+                        });
+                    }
+                }
+                tokio::spawn(async move {
+                    while let Some(channel) = link.next_channel().await {
+                        let Some(endpoint) = weak.upgrade() else { return };
+                        let writer = Writer::Quic { send: channel.send, link: link.clone() };
+                        if let Err(e) = endpoint.adopt_quic(writer, channel.recv, None) {
+                            tracing::warn!("dropping a channel from {}: {e}", link.peer_name());
+                        }
+                    }
+                });
+            }
+        });
+    }
+
+    /// The QUIC side, in a cluster process.
+    pub(crate) fn net(&self) -> Option<&Arc<NetLink>> {
+        self.net.get()
+    }
+
     /// The connection to `peer`, connecting when there is none (or the cached one closed).
     pub fn connect(&self, peer: &Address) -> Result<Arc<Connection>> {
         if let Some(conn) = self.connections.get(peer)
@@ -186,9 +359,40 @@ impl Endpoint {
         {
             return Ok(conn.clone());
         }
-        let stream = UnixStream::connect_addr(&socket_addr(peer)?)
-            .map_err(|e| Error::Transport(format!("cannot connect to {peer}: {e}")))?;
-        let conn = self.adopt(stream, Some(peer.clone()))?;
+        let route = Route::parse(peer)?;
+        let remote = match (&route, self.net.get()) {
+            (Route::Quic { addr, node, .. }, Some(net))
+                if *node != net.node.load(Ordering::Acquire) =>
+            {
+                Some((*addr, net.clone()))
+            }
+            (Route::Quic { .. }, None) => {
+                return Err(Error::Transport(format!(
+                    "cannot connect to {peer}: this process is not part of a cluster"
+                )));
+            }
+            _ => None,
+        };
+        let conn = match remote {
+            Some((addr, net)) => {
+                let opened = net.wait({
+                    let net = net.clone();
+                    async move {
+                        let link = net.endpoint.connect(addr).await?;
+                        let (send, recv) = link.open_channel(bytes::Bytes::new()).await?;
+                        Ok::<_, rtrun_net::NetError>((link, send, recv))
+                    }
+                })?;
+                let (link, send, recv) = opened
+                    .map_err(|e| Error::Transport(format!("cannot connect to {peer}: {e}")))?;
+                self.adopt_quic(Writer::Quic { send, link }, recv, Some(peer.clone()))?
+            }
+            None => {
+                let stream = UnixStream::connect_addr(&socket_addr(peer)?)
+                    .map_err(|e| Error::Transport(format!("cannot connect to {peer}: {e}")))?;
+                self.adopt(stream, Some(peer.clone()))?
+            }
+        };
         // The acceptor learns who we are from the first frame.
         conn.send(&Frame::Hello { address: self.address.clone() })?;
         self.connections.insert(peer.clone(), conn.clone());
@@ -201,37 +405,77 @@ impl Endpoint {
         self.connections.insert(peer, conn);
     }
 
-    /// Wraps a stream in a connection and starts its reader thread.
-    fn adopt(&self, stream: UnixStream, peer: Option<Address>) -> Result<Arc<Connection>> {
-        let reader = stream.try_clone()?;
-        let conn = Arc::new(Connection {
+    fn new_connection(&self, writer: Writer, peer: Option<Address>) -> Arc<Connection> {
+        Arc::new(Connection {
             id: NEXT_CONNECTION_ID.fetch_add(1, Ordering::Relaxed),
             peer: Mutex::new(peer),
-            writer: Mutex::new(stream),
+            writer: Mutex::new(writer),
             closed: AtomicBool::new(false),
             max_frame_bytes: self.config.max_frame_bytes,
             handler: self.handler.clone(),
-        });
+        })
+    }
+
+    /// Wraps a stream in a connection and starts its reader thread.
+    fn adopt(&self, stream: UnixStream, peer: Option<Address>) -> Result<Arc<Connection>> {
+        let reader = stream.try_clone()?;
+        let conn = self.new_connection(Writer::Unix(stream), peer);
+        let reader = BufReader::with_capacity(self.config.read_buffer_bytes, reader);
+        self.start_reader(&conn, reader)?;
+        Ok(conn)
+    }
+
+    /// Wraps a QUIC channel in a connection and starts its reader thread.
+    fn adopt_quic(
+        &self,
+        writer: Writer,
+        recv: quinn::RecvStream,
+        peer: Option<Address>,
+    ) -> Result<Arc<Connection>> {
+        let conn = self.new_connection(writer, peer);
+        let reader = BufReader::with_capacity(self.config.read_buffer_bytes, QuicReader(recv));
+        self.start_reader(&conn, reader)?;
+        Ok(conn)
+    }
+
+    fn start_reader(
+        &self,
+        conn: &Arc<Connection>,
+        reader: impl Read + Send + 'static,
+    ) -> Result<()> {
         let handler = self.handler.clone();
         let reader_conn = conn.clone();
-        let config = self.config.clone();
+        let max_frame_bytes = self.config.max_frame_bytes;
         std::thread::Builder::new()
             .name(format!("rtrun-conn-{}", conn.id))
-            .spawn(move || read_loop(reader, reader_conn, handler, config))
+            .spawn(move || read_loop(reader, reader_conn, handler, max_frame_bytes))
             .map_err(|e| Error::System(format!("cannot start reader thread: {e}")))?;
-        Ok(conn)
+        Ok(())
+    }
+}
+
+/// A QUIC receive stream read from a plain thread (quinn's stream futures need no tokio
+/// context; the net runtime's connection driver wakes this thread).
+struct QuicReader(quinn::RecvStream);
+
+impl Read for QuicReader {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        match futures::executor::block_on(self.0.read(buf)) {
+            Ok(Some(n)) => Ok(n),
+            Ok(None) => Ok(0),
+            Err(e) => Err(std::io::Error::new(std::io::ErrorKind::ConnectionReset, e)),
+        }
     }
 }
 
 fn read_loop(
-    stream: UnixStream,
+    mut reader: impl Read,
     conn: Arc<Connection>,
     handler: Arc<dyn FrameHandler>,
-    config: TransportConfig,
+    max_frame_bytes: usize,
 ) {
-    let mut reader = BufReader::with_capacity(config.read_buffer_bytes, stream);
     let reason = loop {
-        match read_frame(&mut reader, config.max_frame_bytes) {
+        match read_frame(&mut reader, max_frame_bytes) {
             Ok(Some(frame)) => handler.on_frame(&conn, frame),
             Ok(None) => break "peer closed the connection".to_owned(),
             Err(e) => {

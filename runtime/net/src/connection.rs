@@ -32,7 +32,8 @@ pub trait ObjectSource: Send + Sync + 'static {
     fn size(&self, object: ObjectId) -> Option<u64>;
     /// Bytes `offset..offset + len` of the object. Returning a `Bytes` that borrows the store's
     /// memory (`Bytes::from_owner` over a pinned view) sends without copying. Called on a tokio
-    /// worker thread: it must not block (restore a spilled object before serving it).
+    /// worker thread: it must not block (restore a spilled object before serving it), or must
+    /// wrap blocking work in `tokio::task::block_in_place` as [`crate::StoreSource`] does.
     fn read(&self, object: ObjectId, offset: u64, len: u64) -> std::result::Result<Bytes, String>;
 }
 
@@ -82,8 +83,7 @@ impl Connection {
         let peer: Arc<str> = Arc::from(peer_name.as_str());
         // Every log line of this connection's tasks names both ends.
         let span = tracing::info_span!("peer", node = %shared.node_name, peer = %peer_name);
-        let server =
-            tokio::spawn(
+        let server = tokio::spawn(
             serve(shared.clone(), quinn.clone(), peer, tx, channel_tx, budget).instrument(span),
         );
         Connection {

@@ -97,6 +97,20 @@ pub enum NetError {
     /// An object pull failed in its bookkeeping (bad chunk index or length).
     #[error("object pull: {0}")]
     Pull(#[from] rtrun_object_store::PullError),
+    /// A call to this node's object store failed.
+    #[error("object store: {0}")]
+    Store(#[from] rtrun_object_store::StoreError),
+    /// Pulling an object into this node's store failed; nothing of it is left in the store.
+    #[error("pulling object {object} from {peer}: {source}")]
+    ObjectPull {
+        /// The object.
+        object: rtrun_object_store::ObjectId,
+        /// The node it was pulled from.
+        peer: String,
+        /// What went wrong.
+        #[source]
+        source: Box<NetError>,
+    },
 }
 
 /// Result alias of the crate.

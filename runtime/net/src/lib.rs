@@ -5,12 +5,13 @@
 //!
 //! How the runtime uses it: the head loads or creates its credentials
 //! ([`CredentialsDir::load_or_create_head`]) and binds an [`Endpoint`] with the CA
-//! ([`EndpointOptions::authority`]), its object store as [`ObjectSource`] and a
+//! ([`EndpointOptions::authority`]), its object store as [`ObjectSource`] ([`StoreSource`]) and a
 //! [`HeartbeatMonitor`]. A joining node either loads credentials or calls [`bootstrap`] with the
 //! token, saves them, binds its own endpoint and [`Endpoint::connect`]s to the head, then
 //! [`Connection::start_heartbeats`]. Control messages travel as [`Connection::request`] with the
-//! runtime's own encoded head; objects move by [`Connection::open_pull`] into object-store
-//! allocations using the store's [`PullState`](rtrun_object_store::PullState).
+//! runtime's own encoded head; objects move by [`pull_into_store`] ([`Connection::open_pull`]
+//! into object-store allocations using the store's
+//! [`PullState`](rtrun_object_store::PullState)).
 //!
 //! The crate does not depend on `rtrun`; only [`frame`] knows the wire format.
 
@@ -27,6 +28,7 @@ pub mod frame;
 pub mod heartbeat;
 pub mod protocol;
 pub mod pull;
+pub mod store_transfer;
 pub mod tls;
 
 pub use bootstrap::bootstrap;
@@ -44,3 +46,4 @@ pub use failure::{FailureDetector, HeartbeatConfig, HeartbeatOutcome};
 pub use frame::{Frame, FrameError, FrameKind, FrameLimits};
 pub use heartbeat::HeartbeatMonitor;
 pub use pull::ObjectPull;
+pub use store_transfer::{StoreSource, pull_into_store};

@@ -116,7 +116,7 @@ impl HeadState {
                 };
                 if let Some(w) = self.workers.get_mut(&worker) {
                     match w.pid {
-                        Some(pid) => effects.push(Effect::Kill(pid)),
+                        Some(pid) => effects.push(Effect::Kill(w.node, pid)),
                         None => w.kill_requested = true,
                     }
                 }
@@ -141,7 +141,7 @@ impl HeadState {
             if let Some(w) = self.workers.get_mut(&run.worker) {
                 w.role = WorkerRole::Tasks { running: None };
                 if let Some(pid) = w.pid {
-                    effects.push(Effect::Kill(pid));
+                    effects.push(Effect::Kill(w.node, pid));
                 }
             }
             let error = Error::WorkerDied {
@@ -230,7 +230,7 @@ impl HeadState {
         GpuPool::check_demand(demand.get(rtrun_placement::GPU))
             .map_err(|e| Error::Invalid(format!("{what}: {e}")))?;
         let Some(schedule) = placement else {
-            let total = self.node_total();
+            let total = self.node_total(demand);
             return match super::shortfall_message(what, demand, &total) {
                 Some(message) => Err(Error::Infeasible(message)),
                 None => Ok(()),
@@ -278,7 +278,7 @@ impl HeadState {
         placement: Option<&BundleSchedule>,
     ) -> std::result::Result<Allocation, PlacementError> {
         let Some(schedule) = placement else {
-            return self.cluster.place(demand, &PlacementTarget::Node(self.node.clone()));
+            return self.cluster.place(demand, &PlacementTarget::Anywhere);
         };
         let bundle = |index| PlacementTarget::Bundle(BundleRef { group: schedule.group, index });
         if let Some(index) = schedule.bundle_index {
@@ -311,11 +311,18 @@ impl HeadState {
         demand: &ResourceSet,
         placement: Option<&BundleSchedule>,
     ) -> bool {
-        placement.is_some() || self.cluster.node(&self.node).is_some_and(|n| n.can_take(demand))
+        placement.is_some() || self.cluster.nodes().iter().any(|n| n.can_take(demand))
     }
 
-    pub(super) fn node_total(&self) -> ResourceSet {
-        self.cluster.node(&self.node).map(|node| node.total().clone()).unwrap_or_default()
+    /// The total resources of the node that best fits `demand` (a demand must fit on one node).
+    pub(super) fn node_total(&self, demand: &ResourceSet) -> ResourceSet {
+        let nodes = self.cluster.nodes();
+        nodes
+            .iter()
+            .find(|node| node.total().first_shortfall(demand).is_none())
+            .or_else(|| nodes.first())
+            .map(|node| node.total().clone())
+            .unwrap_or_default()
     }
 }
 

@@ -8,6 +8,7 @@
 //! is released, so no callback ever runs with the lock held.
 
 mod groups;
+mod nodes;
 mod spawn;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
@@ -16,7 +17,7 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 use rtrun_placement::{
-    Allocation, AllocationId, CPU, ClusterState, GPU, GroupId, NodeResources, Quantity, ResourceSet,
+    Allocation, AllocationId, CPU, ClusterState, GPU, GroupId, NodeResources, ResourceSet,
 };
 
 use crate::actor::{ActorInfo, ActorSpec};
@@ -32,8 +33,8 @@ use crate::task::TaskSpec;
 use crate::transport::Connection;
 use crate::worker::WorkerSpec;
 
-pub(crate) use spawn::kill_process;
-use spawn::{SpawnRequest, Spawner};
+pub(crate) use nodes::{ClusterHead, JoinAs};
+pub(crate) use spawn::{SpawnEvents, SpawnRequest, Spawner, kill_process};
 
 /// The environment variable that stops the runtime from setting `CUDA_VISIBLE_DEVICES` (and
 /// `CUDA_DEVICE_ORDER`) for workers given GPUs (Ray's
@@ -57,8 +58,36 @@ pub(crate) struct HeadConfig {
     pub(crate) noset_cuda_visible_devices: bool,
 }
 
+/// A node's resources from the runtime's settings: CPUs, custom resources and GPUs (detected,
+/// limited by `CUDA_VISIBLE_DEVICES`, or fake ones from `num_gpus`), under placement id `id`.
+pub(crate) fn node_resources(config: &Config, id: &str) -> Result<NodeResources> {
+    Ok(HeadConfig::node_of(config, id)?.0)
+}
+
+impl SpawnEvents for Head {
+    fn on_spawned(&self, worker: WorkerId, pid: u32) {
+        Head::on_spawned(self, worker, pid)
+    }
+
+    fn on_worker_exit(&self, worker: WorkerId, status: String) {
+        Head::on_worker_exit(self, worker, status)
+    }
+
+    fn runtime(&self) -> Option<Arc<Runtime>> {
+        self.runtime.upgrade()
+    }
+}
+
 impl HeadConfig {
     pub(crate) fn from_runtime_config(config: &Config) -> Result<HeadConfig> {
+        let id = crate::ids::NodeId(0).to_string();
+        let (node, cpus) = HeadConfig::node_of(config, &id)?;
+        let max_task_workers = (cpus.ceil() as usize).max(1) + 2;
+        let noset = opt_out(std::env::var(NOSET_CUDA_VISIBLE_DEVICES_ENV).ok().as_deref());
+        Ok(HeadConfig { node, max_task_workers, noset_cuda_visible_devices: noset })
+    }
+
+    fn node_of(config: &Config, id: &str) -> Result<(NodeResources, f64)> {
         let cpus = config.num_cpus.unwrap_or_else(|| {
             std::thread::available_parallelism().map(|n| n.get() as f64).unwrap_or(1.0)
         });
@@ -74,7 +103,7 @@ impl HeadConfig {
         }
         let resources = ResourceSet::from_floats(pairs)
             .map_err(|e| Error::Invalid(format!("node resources: {e}")))?;
-        let id = rtrun_placement::NodeId::new(crate::ids::NodeId(0).to_string());
+        let id = rtrun_placement::NodeId::new(id);
         let (detected, source) = crate::gpus::detect_gpus();
         let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
         let gpus =
@@ -82,9 +111,7 @@ impl HeadConfig {
         tracing::debug!(gpus = gpus.len(), ?source, "node GPUs");
         let node = NodeResources::new(id, resources, gpus)
             .map_err(|e| Error::Invalid(format!("node resources: {e}")))?;
-        let max_task_workers = (cpus.ceil() as usize).max(1) + 2;
-        let noset = opt_out(std::env::var(NOSET_CUDA_VISIBLE_DEVICES_ENV).ok().as_deref());
-        Ok(HeadConfig { node, max_task_workers, noset_cuda_visible_devices: noset })
+        Ok((node, cpus))
     }
 }
 
@@ -112,9 +139,13 @@ impl Responder {
 /// Work to do once the state lock is released.
 enum Effect {
     Respond(Responder, Response),
-    Spawn(SpawnRequest),
+    /// Start a worker on a node (the head's own node spawns it, another node's daemon is asked).
+    Spawn(u64, SpawnRequest),
     Send(Arc<Connection>, Frame),
-    Kill(u32),
+    /// Kill a process on a node.
+    Kill(u64, u32),
+    /// Send a request to a node's daemon (answers are ignored).
+    ToNode(u64, Request),
 }
 
 enum WorkerRole {
@@ -122,7 +153,19 @@ enum WorkerRole {
     Tasks { running: Option<u64> },
 }
 
+/// Which driver's job a worker, actor or task belongs to.
+#[derive(Clone, Debug, Default)]
+struct Lineage {
+    /// The job binary (`None`: the embedded driver's own executable).
+    job: Option<String>,
+    /// The driver (`None`: the embedded driver, which outlives everything).
+    driver: Option<WorkerId>,
+}
+
 struct WorkerEntry {
+    /// The node it runs on.
+    node: u64,
+    lineage: Lineage,
     pid: Option<u32>,
     address: Option<Address>,
     conn: Option<Arc<Connection>>,
@@ -143,6 +186,8 @@ enum ActorState {
 }
 
 struct ActorEntry {
+    /// The job that created it (it dies with that job's driver).
+    lineage: Lineage,
     spec: ActorSpec,
     demand: ResourceSet,
     state: ActorState,
@@ -158,6 +203,7 @@ struct ActorEntry {
 
 struct QueuedTask {
     spec: TaskSpec,
+    lineage: Lineage,
     demand: ResourceSet,
     responder: Responder,
     attempts: u32,
@@ -182,7 +228,6 @@ struct HeadState {
     group_waiters: HashMap<GroupId, Vec<Responder>>,
     /// How many unnamed groups were created (for their generated names).
     unnamed_groups: u64,
-    next_worker: u64,
     next_actor: u64,
     workers: HashMap<WorkerId, WorkerEntry>,
     actors: HashMap<ActorId, ActorEntry>,
@@ -193,6 +238,8 @@ struct HeadState {
     starting_task_workers: usize,
     running_tasks: HashMap<u64, RunningTask>,
     shutting_down: bool,
+    /// Nodes, drivers and jobs of a cluster (the embedded session has only its own node).
+    members: nodes::Members,
 }
 
 /// The control plane.
@@ -200,6 +247,9 @@ pub(crate) struct Head {
     runtime: Weak<Runtime>,
     state: Mutex<HeadState>,
     spawner: Spawner,
+    /// The head's own node.
+    local_node: u64,
+    weak: Weak<Head>,
 }
 
 impl Head {
@@ -210,7 +260,8 @@ impl Head {
             .add_node(config.node.clone())
             .map_err(|e| Error::Invalid(format!("node resources: {e}")))?;
         let (spawner, inbox) = Spawner::channel();
-        let head = Arc::new(Head {
+        let head = Arc::new_cyclic(|weak| Head {
+            weak: weak.clone(),
             runtime: Arc::downgrade(runtime),
             state: Mutex::new(HeadState {
                 session: runtime.session.clone(),
@@ -220,7 +271,6 @@ impl Head {
                 pending_groups: BTreeSet::new(),
                 group_waiters: HashMap::new(),
                 unnamed_groups: 0,
-                next_worker: 1,
                 next_actor: 1,
                 workers: HashMap::new(),
                 actors: HashMap::new(),
@@ -231,8 +281,10 @@ impl Head {
                 starting_task_workers: 0,
                 running_tasks: HashMap::new(),
                 shutting_down: false,
+                members: nodes::Members::new(runtime.node_id.0),
             }),
             spawner,
+            local_node: runtime.node_id.0,
         });
         inbox.run(Arc::downgrade(&head))?;
         Ok(head)
@@ -245,6 +297,43 @@ impl Head {
         body: Request,
         responder: Responder,
     ) {
+        // Requests about jobs and node daemons' children, answered outside the state lock.
+        let body = match body {
+            Request::WorkerSpawned { worker, pid } => {
+                self.on_spawned(worker, pid);
+                return responder.respond(Response::Done);
+            }
+            Request::WorkerExited { worker, status } => {
+                self.on_worker_exit(worker, status);
+                return responder.respond(Response::Done);
+            }
+            Request::SubmitJob { binary, args, env } => {
+                return responder.respond(match self.submit_job(binary, args, env) {
+                    Ok(info) => Response::Jobs(vec![info]),
+                    Err(e) => Response::Error(e),
+                });
+            }
+            Request::JobLogs { job, offset } => {
+                return responder.respond(match self.job_logs(job, offset, 1 << 20) {
+                    Ok((bytes, info)) => Response::Logs { bytes, job: info },
+                    Err(e) => Response::Error(e),
+                });
+            }
+            Request::ListJobs => return responder.respond(Response::Jobs(self.jobs())),
+            Request::StopCluster => {
+                responder.respond(Response::Done);
+                if let Some(weak) = self.weak.upgrade() {
+                    std::thread::spawn(move || {
+                        // Let the answer go out first.
+                        std::thread::sleep(Duration::from_millis(200));
+                        weak.stop_cluster();
+                        std::process::exit(0);
+                    });
+                }
+                return;
+            }
+            body => body,
+        };
         let mut effects = Vec::new();
         {
             let mut state = self.state.lock();
@@ -257,11 +346,13 @@ impl Head {
         for effect in effects {
             match effect {
                 Effect::Respond(responder, response) => responder.respond(response),
-                Effect::Spawn(request) => {
+                Effect::Spawn(node, request) if node == self.local_node => {
                     if let Err(e) = self.spawner.spawn(request) {
                         tracing::error!("{e}");
                     }
                 }
+                Effect::Spawn(node, request) => self.spawn_remote(node, request),
+                Effect::ToNode(node, request) => self.send_to_node(node, request),
                 Effect::Send(conn, frame) => {
                     if let Err(e) = conn.send(&frame) {
                         tracing::debug!(
@@ -269,7 +360,8 @@ impl Head {
                         );
                     }
                 }
-                Effect::Kill(pid) => kill_process(pid),
+                Effect::Kill(node, pid) if node == self.local_node => kill_process(pid),
+                Effect::Kill(node, pid) => self.send_to_node(node, Request::KillProcess { pid }),
             }
         }
     }
@@ -292,9 +384,16 @@ impl Head {
     }
 
     pub(crate) fn on_worker_exit(&self, worker: WorkerId, status: String) {
-        // The object store drops the exited process's references and pins.
+        // The object store drops the exited process's references and pins (every node's).
         if let Some(runtime) = self.runtime() {
             runtime.on_process_exit(worker);
+        }
+        self.broadcast_exit(worker);
+        let code = status
+            .strip_prefix("worker process exited with code ")
+            .and_then(|code| code.parse().ok());
+        if self.job_exited(worker, &status, code) {
+            return;
         }
         let mut effects = Vec::new();
         {
@@ -335,7 +434,7 @@ impl Head {
         Runtime::poll_until(Duration::from_secs(10), || self.state.lock().workers.is_empty());
     }
 
-    fn runtime(&self) -> Option<Arc<Runtime>> {
+    pub(crate) fn runtime(&self) -> Option<Arc<Runtime>> {
         self.runtime.upgrade()
     }
 }
@@ -373,6 +472,7 @@ impl HeadState {
         responder: Responder,
         effects: &mut Vec<Effect>,
     ) {
+        let lineage = self.lineage_of(origin);
         let response = match body {
             Request::RegisterWorker { worker, address, pid } => {
                 match self.register_worker(head, origin, worker, address, pid, effects) {
@@ -384,7 +484,7 @@ impl HeadState {
                 self.actor_started(actor, incarnation, result, effects);
                 Response::Done
             }
-            Request::CreateActor(spec) => match self.create_actor(*spec, effects) {
+            Request::CreateActor(spec) => match self.create_actor(*spec, lineage, effects) {
                 Ok(info) => Response::Actor(info),
                 Err(e) => Response::Error(e),
             },
@@ -429,6 +529,7 @@ impl HeadState {
             Request::SubmitTask(spec) => match self.validate_task(&spec) {
                 Ok(demand) => {
                     self.task_queue.push_back(QueuedTask {
+                        lineage,
                         spec: *spec,
                         demand,
                         responder,
@@ -444,6 +545,7 @@ impl HeadState {
                 Response::Done
             }
             Request::ClusterInfo => Response::ClusterInfo(self.cluster_info()),
+            Request::ListActors => Response::Actors(self.actor_summaries()),
             Request::CreatePlacementGroup(options) => match self.create_group(*options) {
                 Ok(state) => Response::PlacementGroup(Box::new(state)),
                 Err(e) => Response::Error(e),
@@ -484,10 +586,9 @@ impl HeadState {
         let spec = WorkerSpec {
             session: self.session.clone(),
             worker,
-            head_address: crate::runtime::worker_address(
-                &self.session,
-                crate::ids::DRIVER_WORKER_ID,
-            ),
+            head_address: self.members.head_address.clone().unwrap_or_else(|| {
+                crate::runtime::worker_address(&self.session, crate::ids::DRIVER_WORKER_ID)
+            }),
             namespace: "default".into(),
         };
         let mut env: Vec<(String, String)> =
@@ -499,17 +600,28 @@ impl HeadState {
     fn new_worker(
         &mut self,
         role: WorkerRole,
+        node: u64,
+        lineage: Lineage,
         extra_env: &std::collections::BTreeMap<String, String>,
         effects: &mut Vec<Effect>,
     ) -> WorkerId {
-        let worker = WorkerId(self.next_worker);
-        self.next_worker += 1;
+        let worker = WorkerId(self.members.next_id());
+        let job = lineage.job.clone();
         let env = self.worker_env(worker, extra_env);
         self.workers.insert(
             worker,
-            WorkerEntry { pid: None, address: None, conn: None, role, kill_requested: false },
+            WorkerEntry {
+                node,
+                lineage,
+                pid: None,
+                address: None,
+                conn: None,
+                role,
+                kill_requested: false,
+            },
         );
-        effects.push(Effect::Spawn(SpawnRequest { worker, env }));
+        let request = self.members.spawn_request(node, worker, env, job.as_deref());
+        effects.push(Effect::Spawn(node, request));
         worker
     }
 
@@ -600,20 +712,36 @@ impl HeadState {
                 // A constructor that fails is not retried (as in Ray): the actor is dead.
                 entry.killed = true;
                 entry.death_reason = Some(format!("its constructor failed: {message}"));
-                if let Some(pid) = self.workers.get(&worker).and_then(|w| w.pid) {
-                    effects.push(Effect::Kill(pid));
+                if let Some(w) = self.workers.get(&worker)
+                    && let Some(pid) = w.pid
+                {
+                    effects.push(Effect::Kill(w.node, pid));
                 }
             }
         }
     }
 
-    fn create_actor(&mut self, spec: ActorSpec, effects: &mut Vec<Effect>) -> Result<ActorInfo> {
-        if crate::registry::actor_type(&spec.type_name).is_none() {
-            return Err(Error::Invalid(format!(
-                "actor type {} is not compiled into this binary",
-                spec.type_name
-            )));
+    /// The job of the process a request came from.
+    fn lineage_of(&self, origin: Option<&Arc<Connection>>) -> Lineage {
+        let Some(worker) = origin
+            .and_then(|conn| conn.peer())
+            .and_then(|peer| crate::store::holder_of_address(&peer))
+            .map(|holder| WorkerId(holder.0))
+        else {
+            return Lineage::default();
+        };
+        if let Some(job) = self.members.drivers.get(&worker) {
+            return Lineage { job: job.clone(), driver: Some(worker) };
         }
+        self.workers.get(&worker).map(|w| w.lineage.clone()).unwrap_or_default()
+    }
+
+    fn create_actor(
+        &mut self,
+        spec: ActorSpec,
+        lineage: Lineage,
+        effects: &mut Vec<Effect>,
+    ) -> Result<ActorInfo> {
         let options = &spec.options;
         let demand = resources_of(
             options.num_cpus.unwrap_or(0.0),
@@ -648,6 +776,7 @@ impl HeadState {
         self.actors.insert(
             id,
             ActorEntry {
+                lineage,
                 restarts_left: spec.options.max_restarts,
                 spec,
                 demand,
@@ -689,11 +818,13 @@ impl HeadState {
                 self.release(allocation.id);
                 continue;
             };
+            let node = self.members.node_of(&allocation.node);
             entry.allocation = Some(allocation);
             let incarnation = entry.incarnation;
+            let lineage = entry.lineage.clone();
             let env = self.actor_env(id);
-            let worker =
-                self.new_worker(WorkerRole::Actor { actor: id, incarnation }, &env, effects);
+            let role = WorkerRole::Actor { actor: id, incarnation };
+            let worker = self.new_worker(role, node, lineage, &env, effects);
             if let Some(entry) = self.actors.get_mut(&id) {
                 entry.state = ActorState::Starting { worker };
             }
@@ -727,7 +858,7 @@ impl HeadState {
         };
         if let Some(w) = self.workers.get_mut(&worker) {
             match w.pid {
-                Some(pid) => effects.push(Effect::Kill(pid)),
+                Some(pid) => effects.push(Effect::Kill(w.node, pid)),
                 None => w.kill_requested = true,
             }
         }
@@ -800,11 +931,22 @@ impl HeadState {
                     actor_entry.incarnation += 1;
                     tracing::info!(%actor, %status, incarnation = actor_entry.incarnation, "restarting actor");
                     let incarnation = actor_entry.incarnation;
-                    let env = self.actor_env(actor);
-                    let new_worker =
-                        self.new_worker(WorkerRole::Actor { actor, incarnation }, &env, effects);
-                    if let Some(actor_entry) = self.actors.get_mut(&actor) {
-                        actor_entry.state = ActorState::Starting { worker: new_worker };
+                    let lineage = actor_entry.lineage.clone();
+                    match actor_entry.allocation.as_ref().map(|a| a.node.clone()) {
+                        Some(placed) => {
+                            let node = self.members.node_of(&placed);
+                            let env = self.actor_env(actor);
+                            let role = WorkerRole::Actor { actor, incarnation };
+                            let new_worker = self.new_worker(role, node, lineage, &env, effects);
+                            if let Some(actor_entry) = self.actors.get_mut(&actor) {
+                                actor_entry.state = ActorState::Starting { worker: new_worker };
+                            }
+                        }
+                        // Its node died: it is placed anew.
+                        None => {
+                            actor_entry.state = ActorState::Pending;
+                            self.pending_actors.push_back(actor);
+                        }
                     }
                 } else {
                     let reason = actor_entry.death_reason.clone().unwrap_or(status);
@@ -842,12 +984,6 @@ impl HeadState {
     }
 
     fn validate_task(&self, spec: &TaskSpec) -> Result<ResourceSet> {
-        if crate::registry::task(&spec.function).is_none() {
-            return Err(Error::Invalid(format!(
-                "remote function {} is not compiled into this binary",
-                spec.function
-            )));
-        }
         let demand =
             resources_of(spec.options.num_cpus, spec.options.num_gpus, &spec.options.resources)?;
         self.check_placeable(
@@ -858,27 +994,17 @@ impl HeadState {
         Ok(demand)
     }
 
-    /// Starts queued tasks that fit, on idle task workers, spawning workers as needed.
+    /// Starts queued tasks that fit, on idle task workers of the node and job each task is
+    /// placed on, spawning workers there as needed.
     fn dispatch_tasks(&mut self, head: &Head, effects: &mut Vec<Effect>) {
         if self.shutting_down {
             return;
         }
-        let mut waiting_for_worker = 0usize;
+        let mut wanted: Vec<(u64, Lineage)> = Vec::new();
         let mut index = 0;
         while index < self.task_queue.len() {
             let queued = &self.task_queue[index];
             let placement = queued.spec.options.placement;
-            let Some(&worker) = self.idle_task_workers.last() else {
-                if self.could_place_now(&queued.demand, placement.as_ref()) {
-                    waiting_for_worker += 1;
-                }
-                index += 1;
-                continue;
-            };
-            let Some(conn) = self.workers.get(&worker).and_then(|w| w.conn.clone()) else {
-                self.idle_task_workers.pop();
-                continue;
-            };
             let demand = queued.demand.clone();
             let allocation = match self.place_demand(&demand, placement.as_ref()) {
                 Ok(allocation) => allocation,
@@ -900,7 +1026,24 @@ impl HeadState {
                     continue;
                 }
             };
-            self.idle_task_workers.pop();
+            let node = self.members.node_of(&allocation.node);
+            let lineage = self.task_queue[index].lineage.clone();
+            let idle = self.idle_task_workers.iter().rposition(|w| {
+                self.workers.get(w).is_some_and(|entry| {
+                    entry.node == node && entry.lineage.job == lineage.job && entry.conn.is_some()
+                })
+            });
+            let Some(position) = idle else {
+                self.release(allocation.id);
+                wanted.push((node, lineage));
+                index += 1;
+                continue;
+            };
+            let worker = self.idle_task_workers.remove(position);
+            let Some(conn) = self.workers.get(&worker).and_then(|w| w.conn.clone()) else {
+                self.release(allocation.id);
+                continue;
+            };
             let Some(task) = self.task_queue.remove(index) else {
                 self.release(allocation.id);
                 break;
@@ -923,13 +1066,38 @@ impl HeadState {
                 .insert(call_id, RunningTask { task, worker, allocation: allocation.id });
             effects.push(Effect::Send(conn, frame));
         }
-        let task_workers =
+        let mut task_workers =
             self.workers.values().filter(|w| matches!(w.role, WorkerRole::Tasks { .. })).count();
-        let room = self.config.max_task_workers.saturating_sub(task_workers);
-        let wanted = waiting_for_worker.saturating_sub(self.starting_task_workers).min(room);
-        for _ in 0..wanted {
+        let mut asked: Vec<(u64, Option<String>, usize)> = Vec::new();
+        for (node, lineage) in wanted {
+            let key = (node, lineage.job.clone());
+            let asked_now = match asked.iter_mut().find(|(n, j, _)| (*n, j.clone()) == key) {
+                Some(entry) => {
+                    entry.2 += 1;
+                    entry.2
+                }
+                None => {
+                    asked.push((node, lineage.job.clone(), 1));
+                    1
+                }
+            };
+            let starting = self
+                .workers
+                .values()
+                .filter(|w| {
+                    matches!(w.role, WorkerRole::Tasks { .. })
+                        && w.conn.is_none()
+                        && w.node == node
+                        && w.lineage.job == lineage.job
+                })
+                .count();
+            if asked_now <= starting || task_workers >= self.config.max_task_workers {
+                continue;
+            }
+            task_workers += 1;
             self.starting_task_workers += 1;
-            self.new_worker(WorkerRole::Tasks { running: None }, &Default::default(), effects);
+            let role = WorkerRole::Tasks { running: None };
+            self.new_worker(role, node, lineage, &Default::default(), effects);
         }
     }
 
@@ -963,7 +1131,7 @@ impl HeadState {
             if let Some(w) = self.workers.get_mut(&worker) {
                 w.role = WorkerRole::Tasks { running: None };
                 if let Some(pid) = w.pid {
-                    effects.push(Effect::Kill(pid));
+                    effects.push(Effect::Kill(w.node, pid));
                 }
             }
         } else if let Some(conn) = self.workers.get(&worker).and_then(|w| w.conn.clone()) {
@@ -972,13 +1140,23 @@ impl HeadState {
     }
 
     fn cluster_info(&self) -> ClusterInfo {
-        let floats = |set: &ResourceSet| {
-            set.iter().map(|(k, q): (&str, Quantity)| (k.to_owned(), q.as_f64())).collect()
-        };
-        let (total, available) = match self.cluster.node(&self.node) {
-            Some(node) => (floats(node.total()), floats(node.available())),
-            None => Default::default(),
-        };
+        let mut total: BTreeMap<String, f64> = BTreeMap::new();
+        let mut available: BTreeMap<String, f64> = BTreeMap::new();
+        for node in self.cluster.nodes() {
+            for (name, amount) in nodes::floats(node.total()) {
+                *total.entry(name).or_default() += amount;
+            }
+            for (name, amount) in nodes::floats(node.available()) {
+                *available.entry(name).or_default() += amount;
+            }
+        }
+        let mut node_infos = self.members.info();
+        for info in &mut node_infos {
+            let placement = rtrun_placement::NodeId::new(info.node.to_string());
+            if let Some(node) = self.cluster.node(&placement) {
+                info.available = nodes::floats(node.available());
+            }
+        }
         ClusterInfo {
             total,
             available,
@@ -989,7 +1167,41 @@ impl HeadState {
                 .filter(|a| matches!(a.state, ActorState::Alive { .. }))
                 .count(),
             worker_pids: self.workers.values().filter_map(|w| w.pid).collect(),
+            nodes: node_infos,
         }
+    }
+
+    fn actor_summaries(&self) -> Vec<crate::protocol::ActorSummary> {
+        let mut actors: Vec<_> = self
+            .actors
+            .iter()
+            .map(|(id, entry)| {
+                let worker = match entry.state {
+                    ActorState::Starting { worker } | ActorState::Alive { worker, .. } => {
+                        Some(worker)
+                    }
+                    _ => None,
+                };
+                let node =
+                    worker.and_then(|w| self.workers.get(&w)).map(|w| crate::ids::NodeId(w.node));
+                crate::protocol::ActorSummary {
+                    actor: *id,
+                    type_name: entry.spec.type_name.clone(),
+                    name: entry.spec.options.name.clone(),
+                    state: match &entry.state {
+                        ActorState::Pending => "PENDING".into(),
+                        ActorState::Starting { .. } => "STARTING".into(),
+                        ActorState::Alive { .. } => "ALIVE".into(),
+                        ActorState::Dead { reason } => format!("DEAD ({reason})"),
+                    },
+                    node,
+                    pid: worker.and_then(|w| self.workers.get(&w)).and_then(|w| w.pid),
+                    restarts: entry.incarnation,
+                }
+            })
+            .collect();
+        actors.sort_by_key(|a| a.actor.0);
+        actors
     }
 }
 

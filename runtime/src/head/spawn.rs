@@ -7,17 +7,44 @@
 
 use std::os::unix::process::CommandExt;
 use std::process::{Command, Stdio};
-use std::sync::Weak;
+use std::sync::{Arc, Weak};
 
 use crate::error::{Error, Result};
 use crate::ids::WorkerId;
+use crate::runtime::Runtime;
 
-use super::Head;
+/// Who learns of the spawner's children: the head (embedded session, head node) or a node
+/// daemon (which reports to the head).
+pub(crate) trait SpawnEvents: Send + Sync + 'static {
+    /// The worker's process started.
+    fn on_spawned(&self, worker: WorkerId, pid: u32);
+    /// The worker's process exited (or could not start).
+    fn on_worker_exit(&self, worker: WorkerId, status: String);
+    /// The runtime whose node store the children inherit.
+    fn runtime(&self) -> Option<Arc<Runtime>>;
+}
 
 /// A worker to start.
 pub(crate) struct SpawnRequest {
     pub(crate) worker: WorkerId,
     pub(crate) env: Vec<(String, String)>,
+    /// The executable to run (a job's binary from the node's cache); `None`: this process's own
+    /// executable with its arguments (an embedded session's driver).
+    pub(crate) binary: Option<std::path::PathBuf>,
+    /// Where the child's stdout and stderr go (inherited when `None`).
+    pub(crate) log: Option<std::path::PathBuf>,
+    /// The job binary's digest (what a node daemon must run).
+    pub(crate) job: Option<String>,
+    /// Arguments for `binary` (a submitted job's driver; workers need none).
+    pub(crate) args: Vec<String>,
+}
+
+impl SpawnRequest {
+    /// With arguments for the binary.
+    pub(crate) fn with_args(mut self, args: Vec<String>) -> SpawnRequest {
+        self.args = args;
+        self
+    }
 }
 
 /// Sends spawn requests to the spawner thread.
@@ -50,7 +77,7 @@ pub(crate) struct SpawnerInbox {
 
 impl SpawnerInbox {
     /// Starts the spawner thread; it reports spawns and exits to `head`.
-    pub(crate) fn run(self, head: Weak<Head>) -> Result<()> {
+    pub(crate) fn run<H: SpawnEvents>(self, head: Weak<H>) -> Result<()> {
         let exe = std::env::current_exe()
             .map_err(|e| Error::System(format!("cannot find this executable: {e}")))?;
         // Workers exec `/proc/self/exe`, which the forked child resolves to the inode this
@@ -65,12 +92,31 @@ impl SpawnerInbox {
                 let parent = std::process::id();
                 for request in self.requests {
                     let Some(head) = head.upgrade() else { return };
-                    let mut command = Command::new(&image);
-                    command
-                        .arg0(&exe)
-                        .args(&args)
-                        .envs(request.env.iter().cloned())
-                        .stdin(Stdio::null());
+                    let mut command = match &request.binary {
+                        Some(binary) => {
+                            let mut command = Command::new(binary);
+                            command.args(&request.args);
+                            command
+                        }
+                        None => {
+                            let mut command = Command::new(&image);
+                            command.arg0(&exe).args(&args);
+                            command
+                        }
+                    };
+                    command.envs(request.env.iter().cloned()).stdin(Stdio::null());
+                    if let Some(path) = &request.log {
+                        match std::fs::OpenOptions::new().create(true).append(true).open(path) {
+                            Ok(file) => {
+                                let err = file.try_clone().map(Stdio::from);
+                                command.stdout(Stdio::from(file));
+                                if let Ok(err) = err {
+                                    command.stderr(err);
+                                }
+                            }
+                            Err(e) => tracing::warn!("cannot open log {}: {e}", path.display()),
+                        }
+                    }
                     // The node's object arena: the worker inherits its fd (close-on-exec is
                     // cleared in the child only) and learns of it from the environment.
                     let arena = head.runtime().and_then(|runtime| runtime.store_inheritance());
@@ -117,7 +163,7 @@ impl SpawnerInbox {
 }
 
 /// Waits for `child` on its own thread and reports its exit.
-fn start_reaper(head: &std::sync::Arc<Head>, worker: WorkerId, mut child: std::process::Child) {
+fn start_reaper<H: SpawnEvents>(head: &Arc<H>, worker: WorkerId, mut child: std::process::Child) {
     let head = std::sync::Arc::downgrade(head);
     let spawned =
         std::thread::Builder::new().name(format!("rtrun-reap-{}", worker.0)).spawn(move || {
@@ -134,7 +180,7 @@ fn start_reaper(head: &std::sync::Arc<Head>, worker: WorkerId, mut child: std::p
     }
 }
 
-fn describe_exit(status: std::process::ExitStatus) -> String {
+pub(crate) fn describe_exit(status: std::process::ExitStatus) -> String {
     use std::os::unix::process::ExitStatusExt;
     match (status.code(), status.signal()) {
         (Some(code), _) => format!("worker process exited with code {code}"),

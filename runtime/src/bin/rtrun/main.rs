@@ -1,6 +1,7 @@
 //! The `rtrun` command: cluster operations (growing with the multi-node work), `rtrun memory`,
 //! and the microbenchmark that compares rtrun with `ray microbenchmark`.
 
+mod cluster;
 mod memory;
 mod microbenchmark;
 
@@ -34,6 +35,72 @@ enum Command {
         #[arg(long)]
         session: Option<String>,
     },
+    /// Starts a cluster head (control plane and a node) and prints its address and join token.
+    Head {
+        /// UDP port to listen on.
+        #[arg(long, default_value_t = 6379)]
+        port: u16,
+        /// IP to listen on.
+        #[arg(long, default_value = "0.0.0.0")]
+        bind: std::net::IpAddr,
+        /// IP other nodes reach this head at (default: the bind IP, or 127.0.0.1).
+        #[arg(long)]
+        advertise: Option<std::net::IpAddr>,
+        /// Seconds without heartbeats after which a node is declared dead.
+        #[arg(long, default_value_t = 5.0)]
+        heartbeat_timeout: f64,
+        #[command(flatten)]
+        node: cluster::NodeArgs,
+    },
+    /// Starts a node daemon that joins the cluster at --address.
+    Join {
+        /// The head's host:port.
+        #[arg(long)]
+        address: String,
+        /// The join token (else $RTRUN_TOKEN, else the credentials directory's token file).
+        #[arg(long)]
+        token: Option<String>,
+        /// IP to bind and advertise (default: the one that routes to the head).
+        #[arg(long)]
+        bind_ip: Option<std::net::IpAddr>,
+        #[command(flatten)]
+        node: cluster::NodeArgs,
+    },
+    /// Shows the cluster's nodes and resources.
+    Status {
+        #[command(flatten)]
+        client: cluster::ClientArgs,
+    },
+    /// Lists actors, nodes, placement groups, objects or jobs.
+    List {
+        /// What to list.
+        what: cluster::Listing,
+        #[command(flatten)]
+        client: cluster::ClientArgs,
+    },
+    /// Prints a job's output.
+    Logs {
+        /// The job id.
+        job: u64,
+        /// Keep printing until the job ends.
+        #[arg(long, short)]
+        follow: bool,
+        #[command(flatten)]
+        client: cluster::ClientArgs,
+    },
+    /// Uploads a driver binary, runs it on the cluster, streams its output, exits with its code.
+    Submit {
+        #[command(flatten)]
+        client: cluster::ClientArgs,
+        /// The driver binary and its arguments (after `--`).
+        #[arg(last = true, required = true)]
+        command: Vec<String>,
+    },
+    /// Stops every node and the head.
+    Stop {
+        #[command(flatten)]
+        client: cluster::ClientArgs,
+    },
 }
 
 fn main() -> anyhow::Result<()> {
@@ -47,5 +114,19 @@ fn main() -> anyhow::Result<()> {
             microbenchmark::run(&pattern, round_seconds)
         }
         Command::Memory { session } => memory::run(session.as_deref()),
+        Command::Head { port, bind, advertise, heartbeat_timeout, node } => {
+            cluster::head(port, bind, advertise, heartbeat_timeout, node)
+        }
+        Command::Join { address, token, bind_ip, node } => {
+            cluster::join(address, token, bind_ip, node)
+        }
+        Command::Status { client } => cluster::status(client),
+        Command::List { what, client } => cluster::list(what, client),
+        Command::Logs { job, follow, client } => cluster::logs(job, follow, client),
+        Command::Submit { client, command } => {
+            let code = cluster::submit(command, client)?;
+            std::process::exit(code)
+        }
+        Command::Stop { client } => cluster::stop(client),
     }
 }

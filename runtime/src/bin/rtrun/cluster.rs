@@ -1,0 +1,326 @@
+//! `rtrun head`, `join`, `status`, `list`, `logs`, `submit`, `stop`.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use clap::{Args, ValueEnum};
+use rtrun::cluster::{self, Client, HeadOptions, JoinOptions};
+use rtrun::protocol::JobState;
+
+/// Resources a node offers (as `ray start`).
+#[derive(Args, Debug, Clone)]
+pub struct NodeArgs {
+    /// CPUs this node offers (default: its cores).
+    #[arg(long)]
+    num_cpus: Option<f64>,
+    /// GPUs this node offers (default: detected; more adds fake GPUs).
+    #[arg(long)]
+    num_gpus: Option<f64>,
+    /// Custom resources as JSON, e.g. '{"x": 2}'.
+    #[arg(long)]
+    resources: Option<String>,
+    /// Bytes of the node's object store (default: 30 % of memory).
+    #[arg(long)]
+    object_store_memory: Option<u64>,
+    /// This node's name (default: the host name).
+    #[arg(long)]
+    node_name: Option<String>,
+    /// Credentials directory (default: $RTRUN_CREDENTIALS_DIR or ~/.rtrun/credentials).
+    #[arg(long)]
+    credentials_dir: Option<PathBuf>,
+    /// Where job binaries and worker logs go (default: ~/.rtrun/<node name>).
+    #[arg(long)]
+    data_dir: Option<PathBuf>,
+}
+
+impl NodeArgs {
+    fn config(&self) -> anyhow::Result<rtrun::Config> {
+        let resources: BTreeMap<String, f64> = match &self.resources {
+            Some(json) => serde_json::from_str(json).with_context(|| {
+                format!("--resources must be a JSON object of numbers, found `{json}`")
+            })?,
+            None => BTreeMap::new(),
+        };
+        Ok(rtrun::Config {
+            num_cpus: self.num_cpus,
+            num_gpus: self.num_gpus,
+            resources,
+            object_store_memory: self.object_store_memory,
+            ..rtrun::Config::default()
+        })
+    }
+
+    fn node_name(&self) -> String {
+        self.node_name.clone().unwrap_or_else(|| {
+            std::fs::read_to_string("/proc/sys/kernel/hostname")
+                .map(|h| h.trim().to_owned())
+                .ok()
+                .filter(|h| !h.is_empty())
+                .unwrap_or_else(|| "node".into())
+        })
+    }
+
+    fn credentials_dir(&self) -> PathBuf {
+        self.credentials_dir.clone().unwrap_or_else(cluster::default_credentials_dir)
+    }
+
+    fn data_dir(&self, name: &str) -> PathBuf {
+        self.data_dir.clone().unwrap_or_else(|| {
+            let home =
+                std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(std::env::temp_dir);
+            home.join(".rtrun").join(name)
+        })
+    }
+}
+
+/// `rtrun head`.
+pub fn head(
+    port: u16,
+    bind: IpAddr,
+    advertise: Option<IpAddr>,
+    heartbeat_timeout: f64,
+    node: NodeArgs,
+) -> anyhow::Result<()> {
+    let name = node.node_name();
+    let credentials_dir = node.credentials_dir();
+    let handle = cluster::start_head(HeadOptions {
+        bind: SocketAddr::new(bind, port),
+        advertise,
+        node_name: name.clone(),
+        credentials_dir: credentials_dir.clone(),
+        data_dir: node.data_dir(&name),
+        config: node.config()?,
+        heartbeat_timeout: Duration::from_secs_f64(heartbeat_timeout),
+    })?;
+    let address_file = credentials_dir.join(cluster::client::HEAD_ADDRESS_FILE);
+    std::fs::write(&address_file, handle.address.to_string())
+        .with_context(|| format!("cannot write {}", address_file.display()))?;
+    println!("rtrun head is running at {}", handle.address);
+    println!(
+        "credentials: {}{}",
+        handle.credentials_dir.display(),
+        if handle.created_credentials { " (created)" } else { "" }
+    );
+    println!("join token: {}", handle.token);
+    println!("to add a node: rtrun join --address {} --token <token>", handle.address);
+    std::io::stdout().flush()?;
+    loop {
+        std::thread::park();
+    }
+}
+
+/// `rtrun join`.
+pub fn join(
+    address: String,
+    token: Option<String>,
+    bind_ip: Option<IpAddr>,
+    node: NodeArgs,
+) -> anyhow::Result<()> {
+    let name = node.node_name();
+    let runtime = cluster::start_node(JoinOptions {
+        address: address.clone(),
+        token,
+        node_name: name.clone(),
+        credentials_dir: node.credentials_dir(),
+        data_dir: node.data_dir(&name),
+        config: node.config()?,
+        bind_ip,
+    })?;
+    println!("node {name} joined the cluster at {address} as {}", runtime.node());
+    std::io::stdout().flush()?;
+    // The daemon exits when the head's connection closes or the head stops it.
+    loop {
+        std::thread::park();
+    }
+}
+
+/// How to reach the cluster from a command.
+#[derive(Args, Debug, Clone)]
+pub struct ClientArgs {
+    /// The head's host:port (default: $RTRUN_ADDRESS, else the address `rtrun head` recorded).
+    #[arg(long)]
+    address: Option<String>,
+    /// The join token, when this machine has no credentials.
+    #[arg(long)]
+    token: Option<String>,
+    /// Credentials directory.
+    #[arg(long)]
+    credentials_dir: Option<PathBuf>,
+}
+
+impl ClientArgs {
+    fn connect(&self) -> anyhow::Result<Client> {
+        let dir = self.credentials_dir.clone().unwrap_or_else(cluster::default_credentials_dir);
+        let address = cluster::client::resolve_address(self.address.as_deref(), &dir)?;
+        Ok(Client::connect(&address, self.token.clone(), dir)?)
+    }
+}
+
+fn resources(map: &BTreeMap<String, f64>) -> String {
+    map.iter().map(|(k, v)| format!("{k}: {v}")).collect::<Vec<_>>().join(", ")
+}
+
+/// `rtrun status`.
+pub fn status(client: ClientArgs) -> anyhow::Result<()> {
+    let info = client.connect()?.status()?;
+    println!(
+        "nodes: {} alive, {} dead",
+        info.nodes.iter().filter(|n| n.alive).count(),
+        info.nodes.iter().filter(|n| !n.alive).count()
+    );
+    println!("resources: {}", resources(&info.total));
+    println!("available: {}", resources(&info.available));
+    println!("workers: {}, alive actors: {}", info.workers, info.alive_actors);
+    for node in &info.nodes {
+        let state = match &node.death_reason {
+            None => "ALIVE".to_owned(),
+            Some(reason) => format!("DEAD ({reason})"),
+        };
+        println!(
+            "  {} {} {} [{}] {}",
+            node.node,
+            node.name,
+            state,
+            resources(&node.total),
+            node.address
+        );
+    }
+    Ok(())
+}
+
+/// What `rtrun list` lists.
+#[derive(ValueEnum, Debug, Clone, Copy)]
+pub enum Listing {
+    Actors,
+    Nodes,
+    PlacementGroups,
+    Objects,
+    Jobs,
+}
+
+/// `rtrun list`.
+pub fn list(what: Listing, client: ClientArgs) -> anyhow::Result<()> {
+    let client = client.connect()?;
+    match what {
+        Listing::Actors => {
+            println!(
+                "{:<10} {:<24} {:<16} {:<10} {:>8} {:>8}  STATE",
+                "ACTOR", "TYPE", "NAME", "NODE", "PID", "RESTARTS"
+            );
+            for a in client.actors()? {
+                println!(
+                    "{:<10} {:<24} {:<16} {:<10} {:>8} {:>8}  {}",
+                    a.actor.to_string(),
+                    a.type_name,
+                    a.name.unwrap_or_default(),
+                    a.node.map(|n| n.to_string()).unwrap_or_default(),
+                    a.pid.map(|p| p.to_string()).unwrap_or_default(),
+                    a.restarts,
+                    a.state
+                );
+            }
+        }
+        Listing::Nodes => {
+            println!(
+                "{:<10} {:<16} {:<6} {:<40} RESOURCES (available)",
+                "NODE", "NAME", "STATE", "ADDRESS"
+            );
+            for n in client.status()?.nodes {
+                println!(
+                    "{:<10} {:<16} {:<6} {:<40} {} ({})",
+                    n.node.to_string(),
+                    n.name,
+                    if n.alive { "ALIVE" } else { "DEAD" },
+                    n.address,
+                    resources(&n.total),
+                    resources(&n.available)
+                );
+            }
+        }
+        Listing::PlacementGroups => {
+            for g in client.placement_groups()? {
+                println!(
+                    "{} {} {:?} {:?} bundles: {}",
+                    g.id,
+                    g.name,
+                    g.strategy,
+                    g.status,
+                    g.bundles.len()
+                );
+            }
+        }
+        Listing::Objects => {
+            for node in client.objects()? {
+                let s = &node.stats;
+                println!(
+                    "{}: {} objects, {} bytes in memory, {} bytes spilled, capacity {}",
+                    node.node, s.objects, s.bytes_in_memory, s.bytes_spilled, s.capacity
+                );
+            }
+        }
+        Listing::Jobs => {
+            for j in client.jobs()? {
+                println!("job {} {:?} {} {}", j.job, j.state, j.binary, j.args.join(" "));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Prints a job's log from `offset` until it ends (when `follow`); returns its state.
+fn stream_logs(client: &Client, job: u64, follow: bool) -> anyhow::Result<JobState> {
+    let mut offset = 0;
+    let mut out = std::io::stdout();
+    loop {
+        let (bytes, info) = client.job_logs(job, offset)?;
+        offset += bytes.len() as u64;
+        out.write_all(&bytes)?;
+        out.flush()?;
+        if bytes.is_empty() {
+            if !follow || info.state != JobState::Running {
+                return Ok(info.state);
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
+
+/// `rtrun logs`.
+pub fn logs(job: u64, follow: bool, client: ClientArgs) -> anyhow::Result<()> {
+    let client = client.connect()?;
+    stream_logs(&client, job, follow)?;
+    Ok(())
+}
+
+/// `rtrun submit`: returns the job's exit code.
+pub fn submit(command: Vec<String>, client: ClientArgs) -> anyhow::Result<i32> {
+    let Some((binary, args)) = command.split_first() else {
+        bail!("expected a driver binary after `--`");
+    };
+    let path = PathBuf::from(binary);
+    if !path.is_file() {
+        bail!("driver binary {} does not exist", path.display());
+    }
+    let client = client.connect()?;
+    let job = client.submit(&path, args.to_vec())?;
+    eprintln!("submitted job {} ({})", job.job, job.binary);
+    match stream_logs(&client, job.job, true)? {
+        JobState::Exited { code } => Ok(code),
+        JobState::Failed { reason } => {
+            eprintln!("job {} failed: {reason}", job.job);
+            Ok(1)
+        }
+        JobState::Running => Ok(1),
+    }
+}
+
+/// `rtrun stop`.
+pub fn stop(client: ClientArgs) -> anyhow::Result<()> {
+    client.connect()?.stop()?;
+    println!("cluster stopping");
+    Ok(())
+}

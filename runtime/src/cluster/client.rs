@@ -1,0 +1,147 @@
+//! The command-line client of a cluster (`rtrun status`, `list`, `logs`, `submit`, `stop`): a
+//! process that joins as a driver without a binary and asks the control plane.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use crate::error::{Error, Result};
+use crate::placement_group::PlacementGroupState;
+use crate::protocol::{ActorSummary, ClusterInfo, JobInfo, NodeMemory, Request, Response, StoreOp};
+use crate::runtime::{Config, Runtime};
+
+/// The file in the credentials directory where `rtrun head` records its address.
+pub const HEAD_ADDRESS_FILE: &str = "head_address";
+
+/// A connection to a cluster's control plane.
+pub struct Client {
+    runtime: Arc<Runtime>,
+}
+
+impl std::fmt::Debug for Client {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Client({})", self.runtime.address())
+    }
+}
+
+/// The head address to use: the flag, else `RTRUN_ADDRESS`, else the one `rtrun head` recorded
+/// in the credentials directory.
+pub fn resolve_address(flag: Option<&str>, credentials_dir: &Path) -> Result<String> {
+    if let Some(address) = flag {
+        return Ok(address.to_owned());
+    }
+    if let Ok(address) = std::env::var(super::ADDRESS_ENV)
+        && !address.trim().is_empty()
+    {
+        return Ok(address);
+    }
+    let file = credentials_dir.join(HEAD_ADDRESS_FILE);
+    std::fs::read_to_string(&file).map(|s| s.trim().to_owned()).map_err(|_| {
+        Error::Invalid(format!(
+            "no cluster address: pass --address, set {}, or run on the head's host (no {})",
+            super::ADDRESS_ENV,
+            file.display()
+        ))
+    })
+}
+
+impl Client {
+    /// Connects to the head at `address` with the credentials in `credentials_dir` (or a token).
+    pub fn connect(
+        address: &str,
+        token: Option<String>,
+        credentials_dir: PathBuf,
+    ) -> Result<Client> {
+        let config = Config { token, credentials_dir: Some(credentials_dir), ..Config::default() };
+        let runtime = super::start_driver(&config, address, false)?;
+        Ok(Client { runtime })
+    }
+
+    fn call(&self, request: Request) -> Result<Response> {
+        self.runtime.head_call(request)
+    }
+
+    /// Nodes, resources and counts.
+    pub fn status(&self) -> Result<ClusterInfo> {
+        match self.call(Request::ClusterInfo)? {
+            Response::ClusterInfo(info) => Ok(info),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Every actor.
+    pub fn actors(&self) -> Result<Vec<ActorSummary>> {
+        match self.call(Request::ListActors)? {
+            Response::Actors(actors) => Ok(actors),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Every live placement group.
+    pub fn placement_groups(&self) -> Result<Vec<PlacementGroupState>> {
+        match self.call(Request::ListPlacementGroups)? {
+            Response::PlacementGroups(groups) => Ok(groups),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Every submitted job.
+    pub fn jobs(&self) -> Result<Vec<JobInfo>> {
+        match self.call(Request::ListJobs)? {
+            Response::Jobs(jobs) => Ok(jobs),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// The object store of every live node.
+    pub fn objects(&self) -> Result<Vec<NodeMemory>> {
+        let info = self.status()?;
+        let mut nodes = Vec::new();
+        for node in info.nodes.iter().filter(|n| n.alive) {
+            let conn = self.runtime.endpoint()?.connect(&node.address)?;
+            let (tx, rx) = crossbeam_channel::bounded(1);
+            let holder = crate::store::holder_of(self.runtime.worker_id);
+            self.runtime.request_on(
+                &conn,
+                Request::Store { holder, op: StoreOp::Stats },
+                Box::new(move |response| {
+                    let _ = tx.send(response);
+                }),
+            );
+            match rx.recv() {
+                Ok(Response::StoreStats(memory)) => nodes.push(*memory),
+                Ok(Response::Error(e)) => return Err(e),
+                Ok(other) => return Err(unexpected(other)),
+                Err(_) => return Err(Error::Transport(format!("{} did not answer", node.node))),
+            }
+        }
+        Ok(nodes)
+    }
+
+    /// Uploads `binary` (unless the head has it) and runs it with `args` on the head's node.
+    pub fn submit(&self, binary: &Path, args: Vec<String>) -> Result<JobInfo> {
+        let digest = super::binaries::digest_file(binary)?;
+        let member = super::member().ok_or(Error::NotInitialised)?;
+        super::upload_binary(member, binary, &digest)?;
+        match self.call(Request::SubmitJob { binary: digest, args, env: Vec::new() })? {
+            Response::Jobs(mut jobs) if jobs.len() == 1 => Ok(jobs.remove(0)),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// A job's output from `offset`, and its state.
+    pub fn job_logs(&self, job: u64, offset: u64) -> Result<(Vec<u8>, JobInfo)> {
+        match self.call(Request::JobLogs { job, offset })? {
+            Response::Logs { bytes, job } => Ok((bytes, job)),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// Stops every node and the head.
+    pub fn stop(&self) -> Result<()> {
+        self.call(Request::StopCluster).map(|_| ())
+    }
+}
+
+fn unexpected(response: Response) -> Error {
+    Error::Transport(format!("unexpected answer from the head: {response:?}"))
+}

@@ -1,0 +1,167 @@
+//! A node daemon's agent: starts the workers the head places on this node (from the job's
+//! binary, fetched from the head by digest and cached), reports their starts and exits to the
+//! head, kills them when told, and releases the store references of processes that exited
+//! anywhere in the cluster.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Weak};
+
+use parking_lot::Mutex;
+
+use crate::error::{Error, Result};
+use crate::head::{SpawnEvents, SpawnRequest, Spawner, kill_process};
+use crate::ids::WorkerId;
+use crate::protocol::{Request, Response};
+use crate::runtime::Runtime;
+
+use super::binaries::BinaryCache;
+use super::{NetReply, NetRequest};
+
+/// Where a node keeps job binaries and worker logs.
+pub(crate) struct NodeAgentConfig {
+    pub(crate) binaries: Arc<BinaryCache>,
+    pub(crate) log_dir: PathBuf,
+}
+
+/// The node daemon's worker supervision.
+pub(crate) struct NodeAgent {
+    runtime: Weak<Runtime>,
+    spawner: Spawner,
+    config: NodeAgentConfig,
+    /// Live children: worker → pid.
+    children: Mutex<HashMap<WorkerId, Option<u32>>>,
+    /// Serializes binary fetches (one download per digest).
+    fetching: Mutex<()>,
+}
+
+impl NodeAgent {
+    pub(crate) fn start(runtime: &Arc<Runtime>, config: NodeAgentConfig) -> Result<Arc<NodeAgent>> {
+        let (spawner, inbox) = Spawner::channel();
+        let agent = Arc::new(NodeAgent {
+            runtime: Arc::downgrade(runtime),
+            spawner,
+            config,
+            children: Mutex::new(HashMap::new()),
+            fetching: Mutex::new(()),
+        });
+        inbox.run(Arc::downgrade(&agent))?;
+        Ok(agent)
+    }
+
+    /// Handles a request from the head; `respond` gets the answer.
+    pub(crate) fn handle(
+        self: &Arc<Self>,
+        body: Request,
+        respond: Box<dyn FnOnce(Response) + Send>,
+    ) {
+        match body {
+            Request::SpawnWorker { worker, env, job } => {
+                // Fetching a binary may take a while: not on the connection's reader thread.
+                let agent = self.clone();
+                std::thread::spawn(move || {
+                    respond(match agent.spawn(worker, env, job) {
+                        Ok(()) => Response::Done,
+                        Err(e) => Response::Error(e),
+                    })
+                });
+            }
+            Request::KillProcess { pid } => {
+                let ours = self.children.lock().values().any(|p| *p == Some(pid));
+                if ours {
+                    kill_process(pid);
+                }
+                respond(Response::Done)
+            }
+            Request::ProcessExited { worker } => {
+                if let Some(runtime) = self.runtime.upgrade() {
+                    runtime.on_process_exit(worker);
+                }
+                respond(Response::Done)
+            }
+            Request::StopNode => {
+                respond(Response::Done);
+                self.stop();
+                std::process::exit(0);
+            }
+            other => respond(Response::Error(Error::Invalid(format!(
+                "a node daemon does not answer {other:?}"
+            )))),
+        }
+    }
+
+    fn spawn(
+        &self,
+        worker: WorkerId,
+        env: Vec<(String, String)>,
+        job: Option<String>,
+    ) -> Result<()> {
+        let runtime = self.runtime.upgrade().ok_or(Error::NotInitialised)?;
+        let digest = job.ok_or_else(|| {
+            Error::Invalid("a node daemon runs job binaries only; this worker has none".into())
+        })?;
+        let binary = self.binary(&digest)?;
+        let mut env = env;
+        env.extend(super::node_env(runtime.node_id.0, runtime.address()));
+        self.children.lock().insert(worker, None);
+        self.spawner.spawn(SpawnRequest {
+            worker,
+            env,
+            binary: Some(binary),
+            log: Some(self.config.log_dir.join(format!("worker-{}.log", worker.0))),
+            job: Some(digest),
+            args: Vec::new(),
+        })
+    }
+
+    /// The path of a job binary, fetched from the head when not cached.
+    fn binary(&self, digest: &str) -> Result<PathBuf> {
+        let _one_at_a_time = self.fetching.lock();
+        if self.config.binaries.contains(digest) {
+            return Ok(self.config.binaries.path(digest));
+        }
+        let member = super::member().ok_or(Error::NotInitialised)?;
+        let (reply, parts) = super::control_request(
+            member,
+            NetRequest::FetchBinary { digest: digest.to_owned() },
+            Vec::new(),
+        )?;
+        match (reply, parts.first()) {
+            (NetReply::Done, Some(bytes)) => self.config.binaries.insert(digest, bytes),
+            _ => Err(Error::Transport(format!("the head sent no binary {digest}"))),
+        }
+    }
+
+    /// Kills every child.
+    pub(crate) fn stop(&self) {
+        let pids: Vec<u32> = self.children.lock().values().flatten().copied().collect();
+        for pid in pids {
+            kill_process(pid);
+        }
+    }
+
+    fn report(&self, request: Request) {
+        if let Some(runtime) = self.runtime.upgrade() {
+            runtime.head_request(request, Box::new(|_| {}));
+        }
+    }
+}
+
+impl SpawnEvents for NodeAgent {
+    fn on_spawned(&self, worker: WorkerId, pid: u32) {
+        self.children.lock().insert(worker, Some(pid));
+        self.report(Request::WorkerSpawned { worker, pid });
+    }
+
+    fn on_worker_exit(&self, worker: WorkerId, status: String) {
+        self.children.lock().remove(&worker);
+        if let Some(runtime) = self.runtime.upgrade() {
+            runtime.on_process_exit(worker);
+        }
+        self.report(Request::WorkerExited { worker, status });
+    }
+
+    fn runtime(&self) -> Option<Arc<Runtime>> {
+        self.runtime.upgrade()
+    }
+}
