@@ -57,6 +57,11 @@ impl ObjectBytes {
         ObjectBytes(BytesRepr::Inline(Arc::new(bytes)))
     }
 
+    /// A pinned mapping of an object in this node's store.
+    pub(crate) fn mapped(view: ObjectView) -> ObjectBytes {
+        ObjectBytes(BytesRepr::Mapped(Arc::new(view)))
+    }
+
     /// Whether these bytes are mapped from the node's object store (rather than copied here).
     pub fn is_mapped(&self) -> bool {
         matches!(self.0, BytesRepr::Mapped(_))
@@ -118,6 +123,9 @@ pub struct StoredValue {
     pub id: ObjectId,
     /// Its size in bytes.
     pub size: u64,
+    /// The node daemon whose store holds it, in a cluster (`None`: this node's store).
+    #[serde(default)]
+    pub home: Option<crate::protocol::Address>,
     #[serde(skip)]
     pub(crate) hold: Option<Arc<Hold>>,
 }
@@ -159,7 +167,11 @@ impl Value {
                 Ok(ObjectBytes(BytesRepr::Nested(bytes.clone(), refs.clone())))
             }
             Value::Stored(stored) => {
-                let client = runtime::current()?.store_client()?;
+                let runtime = runtime::current()?;
+                if runtime.is_foreign(stored) {
+                    return runtime.fetch_foreign(stored);
+                }
+                let client = runtime.store_client()?;
                 Ok(ObjectBytes(BytesRepr::Mapped(Arc::new(client.view(stored.id)?))))
             }
         }
@@ -420,7 +432,7 @@ impl ObjectTable {
         }
         let stored = decoding_ref(stored_id).or_else(|| {
             let hold = runtime.store_client().ok()?.borrow(stored_id).ok()?;
-            Some(StoredValue { id: stored_id, size, hold: Some(hold) })
+            Some(StoredValue { id: stored_id, size, home: None, hold: Some(hold) })
         });
         let Some(stored) = stored else { return self.handle_for(runtime, locator) };
         let object = Arc::new(LocalObject {

@@ -423,6 +423,14 @@ pub enum StoreOp {
     },
     /// A snapshot of the store, answered with [`Response::StoreStats`].
     Stats,
+    /// Copy an object from another node's store into this one (unless it is here already) and
+    /// give the asker a count on the copy; answered with [`Response::Done`].
+    Pull {
+        /// The object.
+        id: ObjectId,
+        /// The node daemon whose store has it.
+        from: Address,
+    },
 }
 
 /// Answers to [`Request`]s.

@@ -751,14 +751,19 @@ impl Runtime {
     }
 
     fn on_frame(self: &Arc<Self>, conn: &Arc<Connection>, mut frame: Frame) {
-        // Every stored value that arrives came with a count its sender added for this process.
-        if let Some(store) = self.store.get() {
-            frame.visit_stored_mut(&mut |value| {
-                if value.hold.is_none() {
-                    value.hold = Some(Hold::adopt(store, value.id));
-                }
-            });
-        }
+        // Every stored value that arrives came with a count its sender added for this process,
+        // at the store of the value's home node.
+        frame.visit_stored_mut(&mut |value| {
+            if value.hold.is_some() {
+                return;
+            }
+            if self.is_foreign(value) {
+                let home = value.home.clone().unwrap_or_default();
+                value.hold = Some(Hold::adopt_remote(self, home, value.id));
+            } else if let Some(store) = self.store.get() {
+                value.hold = Some(Hold::adopt(store, value.id));
+            }
+        });
         match frame {
             Frame::Hello { address } => conn.set_peer(address),
             Frame::Call(call) => crate::worker::on_call(self, conn, call),
@@ -810,6 +815,18 @@ impl Runtime {
                     }))
                 }),
             },
+            Request::Store { holder, op: crate::protocol::StoreOp::Pull { id, from } } => {
+                // A transfer from another node: not on this connection's reader thread.
+                let runtime = self.clone();
+                std::thread::spawn(move || {
+                    responder.respond(
+                        match crate::cluster::pull_into_node(&runtime, id, &from, holder) {
+                            Ok(()) => Response::Done,
+                            Err(e) => Response::Error(e),
+                        },
+                    )
+                });
+            }
             Request::Store { holder, op } => match self.store.get() {
                 Some(store) => responder.respond(store.handle_remote(self, holder, op)),
                 None => responder.respond(Response::Error(Error::ObjectStore(
@@ -845,11 +862,66 @@ impl Runtime {
     /// A frame went out on `conn`: add a count for the receiver of every stored value in it
     /// (the sender's own count is alive until the frame is dropped, after this).
     fn on_sent(&self, conn: &Connection, frame: &Frame) {
-        let Some(store) = self.store.get() else { return };
-        frame.visit_stored(&mut |value| match conn.peer().as_deref().and_then(crate::store::holder_of_address) {
-            Some(peer) => store.lend(value.id, peer),
-            None => tracing::warn!(object = %value.id, "a stored value was sent to a peer of unknown identity"),
+        frame.visit_stored(&mut |value| {
+            let Some(peer) = conn.peer().as_deref().and_then(crate::store::holder_of_address) else {
+                tracing::warn!(object = %value.id, "a stored value was sent to a peer of unknown identity");
+                return;
+            };
+            match (&value.home, self.store.get()) {
+                (Some(home), _) if self.is_foreign(value) => {
+                    self.notify_store_at(home, crate::protocol::StoreOp::Lend { id: value.id, to: peer })
+                }
+                (_, Some(store)) => store.lend(value.id, peer),
+                (_, None) => {}
+            }
         });
+    }
+
+    /// Whether a stored value lives in another node's store.
+    pub(crate) fn is_foreign(&self, value: &crate::object::StoredValue) -> bool {
+        match value.home.as_deref().map(crate::transport::Route::parse) {
+            Some(Ok(crate::transport::Route::Quic { node, .. })) => node != self.node_id.0,
+            _ => false,
+        }
+    }
+
+    /// Sends a store operation to the node daemon at `home` (answers are only logged).
+    pub(crate) fn notify_store_at(&self, home: &str, op: crate::protocol::StoreOp) {
+        let holder = crate::store::holder_of(self.worker_id);
+        match self.endpoint().and_then(|e| e.connect(&home.to_owned())) {
+            Ok(conn) => self.request_on(
+                &conn,
+                Request::Store { holder, op },
+                Box::new(|response| {
+                    if let Response::Error(error) = response {
+                        tracing::debug!(%error, "store operation at another node failed");
+                    }
+                }),
+            ),
+            Err(e) => tracing::debug!("store at {home} unreachable: {e}"),
+        }
+    }
+
+    /// The bytes of a value in another node's store: copied into this node's store (then
+    /// mapped) when this process has one, else pulled into memory.
+    pub(crate) fn fetch_foreign(
+        self: &Arc<Self>,
+        stored: &crate::object::StoredValue,
+    ) -> Result<crate::object::ObjectBytes> {
+        let home = stored.home.clone().unwrap_or_default();
+        let lost = |reason: String| Error::ObjectLost { id: stored.id, reason };
+        if let Some(store) = self.store.get() {
+            let op = crate::protocol::StoreOp::Pull { id: stored.id, from: home.clone() };
+            self.node_call(Request::Store { holder: crate::store::holder_of(self.worker_id), op })
+                .map_err(|e| lost(format!("copying it from {home}: {e}")))?;
+            let view = store.view(stored.id);
+            // The pin of the view keeps the copy; the count the pull gave us is not needed.
+            store.release_count(stored.id);
+            return Ok(crate::object::ObjectBytes::mapped(view?));
+        }
+        let bytes =
+            crate::cluster::pull_to_memory(&home, stored.id).map_err(|e| lost(e.to_string()))?;
+        Ok(crate::object::ObjectBytes::inline(bytes))
     }
 
     fn on_close(self: &Arc<Self>, conn: &Arc<Connection>, reason: &str) {

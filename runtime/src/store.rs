@@ -168,7 +168,9 @@ impl StoreClient {
             Some(node) => node.store.seal(id).map_err(store_error)?,
             None => self.call(StoreOp::Seal { id }).map(|_| ())?,
         }
-        Ok(StoredValue { id, size, hold: Some(Arc::new(Hold { id, client: self.clone() })) })
+        let home = crate::cluster::member().and_then(|m| m.node_address.clone());
+        let hold = Arc::new(Hold { id, client: Some(self.clone()), remote: None });
+        Ok(StoredValue { id, size, home, hold: Some(hold) })
     }
 
     /// Stores `bytes` as a new object.
@@ -216,6 +218,16 @@ impl StoreClient {
     }
 
     /// Drops one of this process's counts.
+    /// Drops one of this process's counts on `id`.
+    pub(crate) fn release_count(&self, id: ObjectId) {
+        self.release(id)
+    }
+
+    /// The node's store itself (node processes only).
+    pub(crate) fn node_store(&self) -> Option<&ObjectStore> {
+        self.node.as_ref().map(|node| &node.store)
+    }
+
     fn release(&self, id: ObjectId) {
         match &self.node {
             Some(node) => node.apply(self.holder, StoreOp::Release { id }).log_error(),
@@ -344,6 +356,8 @@ impl NodeStore {
             StoreOp::Lend { id, to } => store.add_holder(id, to).map(|_| Response::Done),
             StoreOp::Release { id } => store.remove_holder(id, holder).map(|_| Response::Done),
             StoreOp::Stats => Ok(Response::Done),
+            // Pulls are served by the runtime on their own thread (they wait on the network).
+            StoreOp::Pull { .. } => Ok(Response::Done),
         };
         result.unwrap_or_else(|error| Response::Error(store_error(error)))
     }
@@ -364,19 +378,33 @@ impl LogError for Response {
 /// One reference count of this process on a stored object; dropping it removes the count.
 pub(crate) struct Hold {
     id: ObjectId,
-    client: Arc<StoreClient>,
+    client: Option<Arc<StoreClient>>,
+    /// For an object in another node's store: that node, told when the count drops.
+    remote: Option<(Weak<Runtime>, crate::protocol::Address)>,
 }
 
 impl Hold {
     /// Wraps a count that another process added for this one (a received reference).
     pub(crate) fn adopt(client: &Arc<StoreClient>, id: ObjectId) -> Arc<Hold> {
-        Arc::new(Hold { id, client: client.clone() })
+        Arc::new(Hold { id, client: Some(client.clone()), remote: None })
+    }
+
+    /// Wraps a count that another process added for this one at another node's store.
+    pub(crate) fn adopt_remote(runtime: &Arc<Runtime>, home: String, id: ObjectId) -> Arc<Hold> {
+        Arc::new(Hold { id, client: None, remote: Some((Arc::downgrade(runtime), home)) })
     }
 }
 
 impl Drop for Hold {
     fn drop(&mut self) {
-        self.client.release(self.id);
+        if let Some(client) = &self.client {
+            client.release(self.id);
+        }
+        if let Some((runtime, home)) = &self.remote
+            && let Some(runtime) = runtime.upgrade()
+        {
+            runtime.notify_store_at(home, StoreOp::Release { id: self.id });
+        }
     }
 }
 

@@ -347,11 +347,6 @@ impl Endpoint {
         });
     }
 
-    /// The QUIC side, in a cluster process.
-    pub(crate) fn net(&self) -> Option<&Arc<NetLink>> {
-        self.net.get()
-    }
-
     /// The connection to `peer`, connecting when there is none (or the cached one closed).
     pub fn connect(&self, peer: &Address) -> Result<Arc<Connection>> {
         if let Some(conn) = self.connections.get(peer)

@@ -125,6 +125,8 @@ pub(crate) struct Member {
     pub(crate) credentials_dir: PathBuf,
     /// Keeps the net runtime alive.
     _net: Arc<tokio::runtime::Runtime>,
+    /// Connections to other nodes' endpoints for object pulls.
+    pulls: dashmap::DashMap<SocketAddr, rtrun_net::Connection>,
 }
 
 static MEMBER: OnceLock<Arc<Member>> = OnceLock::new();
@@ -240,10 +242,12 @@ pub fn start_head(options: HeadOptions) -> Result<HeadHandle> {
     let (credentials, created) =
         dir.load_or_create_head(&options.node_name).map_err(net_error("cluster credentials"))?;
     let net = net_runtime()?;
-    let mut config = NetConfig::default();
-    config.heartbeat = HeartbeatConfig {
-        interval: (options.heartbeat_timeout / 5).max(Duration::from_millis(100)),
-        timeout: options.heartbeat_timeout,
+    let config = NetConfig {
+        heartbeat: HeartbeatConfig {
+            interval: (options.heartbeat_timeout / 5).max(Duration::from_millis(100)),
+            timeout: options.heartbeat_timeout,
+        },
+        ..NetConfig::default()
     };
     let (monitor, mut dead) = {
         let _guard = net.enter();
@@ -285,9 +289,10 @@ pub fn start_head(options: HeadOptions) -> Result<HeadHandle> {
         control: None,
         _heartbeats: None,
         bind_ip: ip,
-        node_address: None,
+        node_address: Some(address.clone()),
         credentials_dir: options.credentials_dir.clone(),
         _net: net.clone(),
+        pulls: Default::default(),
     });
     let _ = MEMBER.set(member);
     let runtime = Runtime::start_cluster_head(&options.config, session.clone(), address.clone())?;
@@ -391,7 +396,7 @@ impl NetService for HeadService {
                     Vec::new(),
                 ))
             }
-            NetRequest::JoinDriver { binary, endpoint } => {
+            NetRequest::JoinDriver { binary, .. } => {
                 if let Some(digest) = &binary
                     && !self.binaries.contains(digest)
                 {
@@ -399,7 +404,7 @@ impl NetService for HeadService {
                         "driver binary {digest} must be uploaded before joining"
                     )));
                 }
-                let joined = head.join(&self.session, JoinAs::Driver { binary, endpoint })?;
+                let joined = head.join(&self.session, JoinAs::Driver { binary })?;
                 Ok((
                     NetReply::Joined {
                         session: joined.session,
@@ -570,6 +575,7 @@ pub fn start_node(options: JoinOptions) -> Result<Arc<Runtime>> {
         node_address: Some(address.clone()),
         credentials_dir: options.credentials_dir.clone(),
         _net: joining.net,
+        pulls: Default::default(),
     });
     let _ = MEMBER.set(member);
     let cache = Arc::new(BinaryCache::open(options.data_dir.join("binaries"))?);
@@ -616,6 +622,7 @@ pub(crate) fn start_driver(config: &Config, address: &str, binary: bool) -> Resu
         node_address: None,
         credentials_dir: dir.clone(),
         _net: joining.net.clone(),
+        pulls: Default::default(),
     };
     let digest = if binary {
         let exe = std::env::current_exe()
@@ -647,9 +654,70 @@ pub(crate) fn start_driver(config: &Config, address: &str, binary: bool) -> Resu
         node_address: None,
         credentials_dir: dir,
         _net: joining.net,
+        pulls: Default::default(),
     });
     let _ = MEMBER.set(member);
     Runtime::start_cluster_driver(config, session, worker, node_id, address, head_address)
+}
+
+/// A connection to the endpoint of the node daemon at `home` (for pulls), reused.
+fn pull_link(member: &Member, home: &str) -> Result<rtrun_net::Connection> {
+    let Route::Quic { addr, .. } = Route::parse(home)? else {
+        return Err(Error::Invalid(format!("`{home}` is not another node's address")));
+    };
+    if let Some(link) = member.pulls.get(&addr)
+        && link.quinn().close_reason().is_none()
+    {
+        return Ok(link.clone());
+    }
+    let link = member.link.clone();
+    let connection = member
+        .link
+        .wait(async move { link.endpoint.connect(addr).await })?
+        .map_err(net_error(&format!("connecting to the node at {addr}")))?;
+    member.pulls.insert(addr, connection.clone());
+    Ok(connection)
+}
+
+/// Pulls an object from the store of the node daemon at `home` into memory (a process of a
+/// cluster without a store of its own: a driver).
+pub(crate) fn pull_to_memory(home: &str, id: rtrun_object_store::ObjectId) -> Result<Vec<u8>> {
+    let member = member().ok_or(Error::NotInitialised)?;
+    let link = pull_link(member, home)?;
+    member
+        .link
+        .wait(async move { link.pull_object(id, rtrun_object_store::PullConfig::default()).await })?
+        .map_err(net_error(&format!("pulling {id} from {home}")))
+}
+
+/// Copies an object from the store of the node daemon at `home` into this node's store and
+/// gives `holder` a count on the copy (this process is the node).
+pub(crate) fn pull_into_node(
+    runtime: &Runtime,
+    id: rtrun_object_store::ObjectId,
+    home: &str,
+    holder: rtrun_object_store::HolderId,
+) -> Result<()> {
+    let member = member().ok_or(Error::NotInitialised)?;
+    let store = runtime
+        .store_client()?
+        .node_store()
+        .cloned()
+        .ok_or_else(|| Error::ObjectStore("only a node process pulls into its store".into()))?;
+    let link = pull_link(member, home)?;
+    member
+        .link
+        .wait(async move {
+            rtrun_net::pull_into_store(
+                &link,
+                &store,
+                id,
+                holder,
+                rtrun_object_store::PullConfig::default(),
+            )
+            .await
+        })?
+        .map_err(net_error(&format!("copying {id} from {home}")))
 }
 
 /// Uploads a job binary unless the head has it.
@@ -706,6 +774,7 @@ pub(crate) fn start_worker_link(name: &str) -> Result<Option<(u64, Address, Addr
         node_address: Some(node_address.clone()),
         credentials_dir: dir,
         _net: net,
+        pulls: Default::default(),
     });
     let _ = MEMBER.set(member);
     Ok(Some((node, node_address, Route::quic(local, node, name))))

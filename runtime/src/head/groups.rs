@@ -304,16 +304,6 @@ impl HeadState {
         Err(last.unwrap_or(PlacementError::UnknownGroup(schedule.group)))
     }
 
-    /// Whether `demand` would fit on the node now (bundle placements are assumed to fit; they
-    /// are checked when a worker is free).
-    pub(super) fn could_place_now(
-        &self,
-        demand: &ResourceSet,
-        placement: Option<&BundleSchedule>,
-    ) -> bool {
-        placement.is_some() || self.cluster.nodes().iter().any(|n| n.can_take(demand))
-    }
-
     /// The total resources of the node that best fits `demand` (a demand must fit on one node).
     pub(super) fn node_total(&self, demand: &ResourceSet) -> ResourceSet {
         let nodes = self.cluster.nodes();

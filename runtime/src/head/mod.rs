@@ -144,8 +144,6 @@ enum Effect {
     Send(Arc<Connection>, Frame),
     /// Kill a process on a node.
     Kill(u64, u32),
-    /// Send a request to a node's daemon (answers are ignored).
-    ToNode(u64, Request),
 }
 
 enum WorkerRole {
@@ -220,8 +218,6 @@ struct HeadState {
     config: HeadConfig,
     /// Nodes, placement groups and every allocation.
     cluster: ClusterState,
-    /// This node's name in `cluster`.
-    node: rtrun_placement::NodeId,
     /// Groups waiting for resources.
     pending_groups: BTreeSet<GroupId>,
     /// Who waits for which group to be created.
@@ -254,7 +250,6 @@ pub(crate) struct Head {
 
 impl Head {
     pub(crate) fn start(runtime: &Arc<Runtime>, config: HeadConfig) -> Result<Arc<Head>> {
-        let node = config.node.id().clone();
         let mut cluster = ClusterState::new();
         cluster
             .add_node(config.node.clone())
@@ -267,7 +262,6 @@ impl Head {
                 session: runtime.session.clone(),
                 config,
                 cluster,
-                node,
                 pending_groups: BTreeSet::new(),
                 group_waiters: HashMap::new(),
                 unnamed_groups: 0,
@@ -352,7 +346,6 @@ impl Head {
                     }
                 }
                 Effect::Spawn(node, request) => self.spawn_remote(node, request),
-                Effect::ToNode(node, request) => self.send_to_node(node, request),
                 Effect::Send(conn, frame) => {
                     if let Err(e) = conn.send(&frame) {
                         tracing::debug!(
@@ -1208,6 +1201,7 @@ impl HeadState {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rtrun_placement::Quantity;
 
     #[test]
     fn node_config_takes_gpus_from_num_gpus_only() {

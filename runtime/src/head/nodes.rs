@@ -156,7 +156,7 @@ pub(crate) enum JoinAs {
     /// A node daemon with its resources, reachable at `endpoint`.
     Node { name: String, resources: NodeResources, endpoint: std::net::SocketAddr },
     /// A driver running `binary` (its digest; `None` for command-line clients).
-    Driver { binary: Option<String>, endpoint: std::net::SocketAddr },
+    Driver { binary: Option<String> },
 }
 
 /// What a joining process learns.
@@ -388,7 +388,13 @@ impl Head {
             let worker = WorkerId(id);
             let log = cluster.log_dir.join(format!("job-{id}.log"));
             let mut env = env;
-            env.push((crate::cluster::ADDRESS_ENV.into(), cluster.address.clone()));
+            let head = match crate::transport::Route::parse(&cluster.address)? {
+                crate::transport::Route::Quic { addr, .. } => addr.to_string(),
+                crate::transport::Route::Unix(_) => {
+                    return Err(Error::Invalid("the head has no network address".into()));
+                }
+            };
+            env.push((crate::cluster::ADDRESS_ENV.into(), head));
             env.extend(crate::cluster::node_env(state.members.head_node, &cluster.address));
             let entry = JobEntry {
                 worker,

@@ -1,0 +1,89 @@
+//! The driver of the multi-node test: joins the cluster named by `RTRUN_ADDRESS`, creates a
+//! SPREAD placement group with one bundle per node, calls an actor in each bundle, moves a
+//! 256 MiB object between nodes and checks its checksum on both ends. Prints `nodes ...`,
+//! `checksum ...` and `ok` lines the test reads.
+
+use std::io::Write;
+
+use rtrun::placement_group::Strategy;
+use rtrun::{ActorOptions, PlacementGroupOptions};
+
+/// A deterministic 64-bit checksum (FNV-1a over 8-byte words).
+fn checksum(bytes: &[u8]) -> u64 {
+    let mut hash = 0xcbf2_9ce4_8422_2325u64;
+    for chunk in bytes.chunks(8) {
+        let mut word = [0u8; 8];
+        word[..chunk.len()].copy_from_slice(chunk);
+        hash ^= u64::from_le_bytes(word);
+        hash = hash.wrapping_mul(0x100_0000_01b3);
+    }
+    hash ^ bytes.len() as u64
+}
+
+struct Probe;
+
+#[rtrun::actor]
+impl Probe {
+    pub fn new() -> Self {
+        Probe
+    }
+
+    /// The node this actor runs on, and its pid.
+    pub fn where_am_i(&self) -> (String, u32) {
+        let node = rtrun::context().map(|c| c.node_id.to_string()).unwrap_or_default();
+        (node, std::process::id())
+    }
+
+    /// `len` pseudo-random bytes.
+    pub fn make(&self, len: usize, seed: u64) -> Vec<u8> {
+        let mut state = seed;
+        let mut bytes = Vec::with_capacity(len);
+        while bytes.len() < len {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            bytes.extend_from_slice(&state.to_le_bytes());
+        }
+        bytes.truncate(len);
+        bytes
+    }
+
+    /// The checksum of bytes produced elsewhere.
+    pub fn checksum(&self, bytes: Vec<u8>) -> u64 {
+        checksum(&bytes)
+    }
+}
+
+fn main() -> anyhow::Result<()> {
+    rtrun::init()?;
+    let mut out = std::io::stdout().lock();
+    let nodes: usize =
+        std::env::var("CLUSTER_NODES").ok().and_then(|n| n.parse().ok()).unwrap_or(3);
+    let group = rtrun::placement_group(
+        PlacementGroupOptions::uniform(nodes, &[("CPU", 1.0)])?
+            .strategy(Strategy::Spread)
+            .name("spread"),
+    )?;
+    group.wait(std::time::Duration::from_secs(60))?;
+    let probes = (0..nodes)
+        .map(|i| Probe::remote_with(ActorOptions::default().bundle(&group, i)))
+        .collect::<rtrun::Result<Vec<_>>>()?;
+    let places = probes.iter().map(|p| p.where_am_i().get()).collect::<rtrun::Result<Vec<_>>>()?;
+    let names: Vec<&str> = places.iter().map(|(node, _)| node.as_str()).collect();
+    writeln!(out, "nodes {}", names.join(" "))?;
+    out.flush()?;
+    let len = std::env::var("CLUSTER_OBJECT_BYTES")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(256 << 20);
+    let made = probes[0].make(len, 0x9e37_79b9_7f4a_7c15);
+    let remote_sum = probes[nodes - 1].checksum(&made).get()?;
+    let local = made.get()?;
+    let local_sum = checksum(&local);
+    writeln!(out, "checksum {local_sum:x} {remote_sum:x} {}", local.len())?;
+    anyhow::ensure!(local.len() == len, "expected {len} bytes, found {}", local.len());
+    anyhow::ensure!(local_sum == remote_sum, "checksums differ across nodes");
+    writeln!(out, "ok")?;
+    out.flush()?;
+    Ok(())
+}

@@ -1,0 +1,221 @@
+//! Multi-node clusters on loopback: a real `rtrun head` and two `rtrun join` processes (distinct
+//! ports, store and data directories, fake resources), a driver that spreads a placement group
+//! over the three nodes and moves a 256 MiB object between them, node death detection after
+//! `kill -9`, refusal of clients without credentials, `rtrun submit`, and hostile frames
+//! against the live head.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use rtrun_tests::rtrun_binary;
+
+/// Processes killed when the test ends, whatever happens.
+struct Cluster {
+    dir: PathBuf,
+    head: Child,
+    nodes: Vec<Child>,
+    address: String,
+    token: String,
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        for child in self.nodes.iter_mut().chain(std::iter::once(&mut self.head)) {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn driver_binary() -> PathBuf {
+    rtrun_binary().with_file_name("cluster_driver")
+}
+
+fn free_udp_port() -> u16 {
+    std::net::UdpSocket::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// Reads lines from `child`'s stdout until one starts with `prefix`.
+fn wait_line(child: &mut Child, prefix: &str, what: &str) -> String {
+    let stdout = child.stdout.take().expect("piped stdout");
+    let (tx, rx) = std::sync::mpsc::channel();
+    let prefix = prefix.to_owned();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if line.starts_with(&prefix) {
+                let _ = tx.send(line);
+                return;
+            }
+        }
+    });
+    rx.recv_timeout(Duration::from_secs(60)).unwrap_or_else(|_| panic!("{what} did not start"))
+}
+
+fn start_cluster(name: &str, heartbeat_timeout: &str) -> Cluster {
+    let dir = std::env::temp_dir().join(format!("rtrun-cluster-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let port = free_udp_port();
+    let mut head = Command::new(rtrun_binary())
+        .args(["head", "--bind", "127.0.0.1", "--port", &port.to_string(), "--num-cpus", "1"])
+        .args(["--node-name", "head", "--object-store-memory", "700000000"])
+        .args(["--heartbeat-timeout", heartbeat_timeout])
+        .arg("--credentials-dir")
+        .arg(dir.join("head-credentials"))
+        .arg("--data-dir")
+        .arg(dir.join("head-data"))
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("rtrun head starts");
+    let token_line = wait_line(&mut head, "join token: ", "rtrun head");
+    let token = token_line.trim_start_matches("join token: ").to_owned();
+    let address = format!("127.0.0.1:{port}");
+    let mut cluster = Cluster { dir: dir.clone(), head, nodes: Vec::new(), address, token };
+    for node in ["n1", "n2"] {
+        let mut child = Command::new(rtrun_binary())
+            .args(["join", "--address", &cluster.address, "--token", &cluster.token])
+            .args(["--num-cpus", "1", "--num-gpus", "2", "--node-name", node])
+            .args(["--object-store-memory", "700000000"])
+            .arg("--credentials-dir")
+            .arg(dir.join(format!("{node}-credentials")))
+            .arg("--data-dir")
+            .arg(dir.join(format!("{node}-data")))
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("rtrun join starts");
+        wait_line(&mut child, "node ", "rtrun join");
+        cluster.nodes.push(child);
+    }
+    cluster
+}
+
+fn rtrun(cluster: &Cluster, args: &[&str], credentials: &Path) -> std::process::Output {
+    Command::new(rtrun_binary())
+        .args(args)
+        .args(["--address", &cluster.address])
+        .arg("--credentials-dir")
+        .arg(credentials)
+        .output()
+        .expect("rtrun runs")
+}
+
+fn status(cluster: &Cluster) -> String {
+    let out = rtrun(cluster, &["status"], &cluster.dir.join("head-credentials"));
+    assert!(out.status.success(), "rtrun status failed: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+#[test]
+fn a_three_node_cluster_spreads_actors_moves_objects_and_detects_a_killed_node() {
+    let mut cluster = start_cluster("main", "3");
+    let before = status(&cluster);
+    assert!(before.contains("nodes: 3 alive, 0 dead"), "{before}");
+    assert!(before.contains("GPU: 4"), "fake GPUs of both joined nodes are counted: {before}");
+
+    // A driver joins with the head's credentials, spreads three actors and moves 256 MiB.
+    let out = Command::new(driver_binary())
+        .env("RTRUN_ADDRESS", &cluster.address)
+        .env("RTRUN_CREDENTIALS_DIR", cluster.dir.join("head-credentials"))
+        .output()
+        .expect("the driver runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "driver failed: {stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let nodes_line = stdout.lines().find(|l| l.starts_with("nodes ")).expect("nodes line");
+    let mut nodes: Vec<&str> = nodes_line.split_whitespace().skip(1).collect();
+    nodes.sort_unstable();
+    nodes.dedup();
+    assert_eq!(nodes.len(), 3, "one actor per node: {nodes_line}");
+    assert!(stdout.lines().any(|l| l == "ok"), "{stdout}");
+    let checksum = stdout.lines().find(|l| l.starts_with("checksum ")).unwrap();
+    assert!(checksum.ends_with(&format!(" {}", 256u64 << 20)), "{checksum}");
+
+    // `rtrun list` sees the nodes and the actors.
+    let nodes = rtrun(&cluster, &["list", "nodes"], &cluster.dir.join("head-credentials"));
+    let nodes = String::from_utf8_lossy(&nodes.stdout);
+    for name in ["head", "n1", "n2"] {
+        assert!(nodes.contains(name), "{nodes}");
+    }
+    let actors = rtrun(&cluster, &["list", "actors"], &cluster.dir.join("head-credentials"));
+    assert!(String::from_utf8_lossy(&actors.stdout).contains("Probe"));
+
+    // kill -9 of a node process: detected within the heartbeat timeout, reported dead.
+    let mut victim = cluster.nodes.remove(1);
+    victim.kill().unwrap();
+    victim.wait().unwrap();
+    let killed = Instant::now();
+    let deadline = killed + Duration::from_secs(20);
+    loop {
+        let now = status(&cluster);
+        if now.contains("nodes: 2 alive, 1 dead") {
+            assert!(now.contains("no heartbeat"), "{now}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "node death not detected: {now}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    eprintln!("node death detected after {:?}", killed.elapsed());
+}
+
+#[test]
+fn clients_without_credentials_are_refused_and_jobs_run_through_submit() {
+    let cluster = start_cluster("auth", "5");
+    // No credentials and no token.
+    let empty = cluster.dir.join("nothing");
+    let out = rtrun(&cluster, &["status"], &empty);
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("token"), "{stderr}");
+    // A well-formed token of another cluster: the CA fingerprint does not match.
+    let other = format!("rtrun1.{}.{}", "ab".repeat(32), "cd".repeat(32));
+    let out = Command::new(rtrun_binary())
+        .args(["status", "--address", &cluster.address, "--token", &other])
+        .arg("--credentials-dir")
+        .arg(cluster.dir.join("other"))
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "a foreign token must be refused");
+    // The right token bootstraps a client certificate.
+    let out = Command::new(rtrun_binary())
+        .args(["status", "--address", &cluster.address, "--token", &cluster.token])
+        .arg("--credentials-dir")
+        .arg(cluster.dir.join("bootstrapped"))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+
+    // `rtrun submit` ships the driver, streams its output and returns its exit code.
+    let out = Command::new(rtrun_binary())
+        .args(["submit", "--address", &cluster.address])
+        .arg("--credentials-dir")
+        .arg(cluster.dir.join("head-credentials"))
+        .arg("--")
+        .arg(driver_binary())
+        .env("CLUSTER_OBJECT_BYTES", "1000000")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.lines().any(|l| l == "ok"), "{stdout}");
+    let jobs = rtrun(&cluster, &["list", "jobs"], &cluster.dir.join("head-credentials"));
+    assert!(String::from_utf8_lossy(&jobs.stdout).contains("Exited { code: 0 }"));
+
+    // Garbage datagrams at the head's port: it keeps serving.
+    let socket = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    let mut seed = 0x1234_5678u64;
+    for i in 0..300 {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        let len = (seed % 1400) as usize + 1;
+        let bytes: Vec<u8> = (0..len).map(|j| (seed >> (j % 56)) as u8 ^ i as u8).collect();
+        let _ = socket.send_to(&bytes, &cluster.address);
+    }
+    assert!(status(&cluster).contains("nodes: 3 alive"));
+}
