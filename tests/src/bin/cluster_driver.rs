@@ -85,5 +85,23 @@ fn main() -> anyhow::Result<()> {
     anyhow::ensure!(local_sum == remote_sum, "checksums differ across nodes");
     writeln!(out, "ok")?;
     out.flush()?;
+    // `CLUSTER_BENCH_SECONDS=s`: sync calls (one in flight) to the actor on the last node, the
+    // cross-node counterpart of Ray's "1:1 actor calls sync".
+    if let Some(seconds) =
+        std::env::var("CLUSTER_BENCH_SECONDS").ok().and_then(|s| s.parse::<f64>().ok())
+    {
+        let target = &probes[nodes - 1];
+        for _ in 0..200 {
+            target.where_am_i().get()?;
+        }
+        let start = std::time::Instant::now();
+        let mut calls = 0u64;
+        while start.elapsed().as_secs_f64() < seconds {
+            target.where_am_i().get()?;
+            calls += 1;
+        }
+        let rate = calls as f64 / start.elapsed().as_secs_f64();
+        writeln!(out, "cross-node 1:1 actor calls sync per second {rate:.0}")?;
+    }
     Ok(())
 }
