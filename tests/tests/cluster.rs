@@ -219,3 +219,133 @@ fn clients_without_credentials_are_refused_and_jobs_run_through_submit() {
     }
     assert!(status(&cluster).contains("nodes: 3 alive"));
 }
+
+/// Runs `ip` with `args`; false when it fails.
+fn ip(args: &[&str]) -> bool {
+    Command::new("ip").args(args).status().map(|s| s.success()).unwrap_or(false)
+}
+
+/// Network namespaces joined by a bridge, removed on drop.
+struct Namespaces(Vec<String>);
+
+impl Drop for Namespaces {
+    fn drop(&mut self) {
+        for ns in &self.0 {
+            ip(&["netns", "del", ns]);
+        }
+    }
+}
+
+/// Three namespaces with one address each (10.77.<n>.1..3/24) behind a bridge in a fourth, or
+/// `None` where the sandbox does not allow creating them.
+fn namespaces() -> Option<(Namespaces, Vec<String>, Vec<String>)> {
+    let tag = format!("{:x}", std::process::id() % 0xffff);
+    let bridge = format!("rtb{tag}");
+    let nodes: Vec<String> = (0..3).map(|i| format!("rtn{tag}{i}")).collect();
+    let mut all = vec![bridge.clone()];
+    all.extend(nodes.iter().cloned());
+    if !ip(&["netns", "add", &bridge]) {
+        return None;
+    }
+    let guard = Namespaces(all);
+    let subnet = std::process::id() % 200 + 20;
+    let ok = ip(&["-n", &bridge, "link", "add", "br0", "type", "bridge"])
+        && ip(&["-n", &bridge, "link", "set", "br0", "up"]);
+    if !ok {
+        return None;
+    }
+    let mut addresses = Vec::new();
+    for (i, ns) in nodes.iter().enumerate() {
+        let address = format!("10.77.{subnet}.{}", i + 1);
+        let ok = ip(&["netns", "add", ns])
+            && ip(&[
+                "-n",
+                ns,
+                "link",
+                "add",
+                "eth0",
+                "type",
+                "veth",
+                "peer",
+                "name",
+                &format!("p{i}"),
+                "netns",
+                &bridge,
+            ])
+            && ip(&["-n", &bridge, "link", "set", &format!("p{i}"), "master", "br0"])
+            && ip(&["-n", &bridge, "link", "set", &format!("p{i}"), "up"])
+            && ip(&["-n", ns, "addr", "add", &format!("{address}/24"), "dev", "eth0"])
+            && ip(&["-n", ns, "link", "set", "eth0", "up"])
+            && ip(&["-n", ns, "link", "set", "lo", "up"]);
+        if !ok {
+            return None;
+        }
+        addresses.push(address);
+    }
+    Some((guard, nodes, addresses))
+}
+
+#[test]
+fn nodes_on_distinct_addresses_in_network_namespaces() {
+    let Some((_guard, nodes, addresses)) = namespaces() else {
+        eprintln!("skipped: network namespaces cannot be created here (needs root and ip netns)");
+        return;
+    };
+    let dir = std::env::temp_dir().join(format!("rtrun-netns-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut children = Vec::new();
+    let mut head = Command::new("ip")
+        .args(["netns", "exec", &nodes[0]])
+        .arg(rtrun_binary())
+        .args(["head", "--bind", &addresses[0], "--port", "6390", "--num-cpus", "1"])
+        .args(["--node-name", "head", "--object-store-memory", "200000000"])
+        .arg("--credentials-dir")
+        .arg(dir.join("hc"))
+        .arg("--data-dir")
+        .arg(dir.join("hd"))
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let token = wait_line(&mut head, "join token: ", "rtrun head")
+        .trim_start_matches("join token: ")
+        .to_owned();
+    children.push(head);
+    let address = format!("{}:6390", addresses[0]);
+    for (i, ns) in nodes.iter().enumerate().skip(1) {
+        let mut node = Command::new("ip")
+            .args(["netns", "exec", ns])
+            .arg(rtrun_binary())
+            .args(["join", "--address", &address, "--token", &token, "--num-cpus", "1"])
+            .args(["--node-name", &format!("n{i}"), "--object-store-memory", "200000000"])
+            .arg("--credentials-dir")
+            .arg(dir.join(format!("c{i}")))
+            .arg("--data-dir")
+            .arg(dir.join(format!("d{i}")))
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        wait_line(&mut node, "node ", "rtrun join");
+        children.push(node);
+    }
+    let out = Command::new("ip")
+        .args(["netns", "exec", &nodes[0]])
+        .arg(driver_binary())
+        .env("RTRUN_ADDRESS", &address)
+        .env("RTRUN_CREDENTIALS_DIR", dir.join("hc"))
+        .env("CLUSTER_OBJECT_BYTES", "8000000")
+        .output()
+        .unwrap();
+    for child in &mut children {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    let nodes_line = stdout.lines().find(|l| l.starts_with("nodes ")).expect("nodes line");
+    let mut seen: Vec<&str> = nodes_line.split_whitespace().skip(1).collect();
+    seen.sort_unstable();
+    seen.dedup();
+    assert_eq!(seen.len(), 3, "{nodes_line}");
+    assert!(stdout.lines().any(|l| l == "ok"), "{stdout}");
+}
