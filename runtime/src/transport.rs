@@ -193,6 +193,26 @@ impl NetLink {
     }
 }
 
+/// Connects to a QUIC endpoint, trying again when a handshake times out: on a loaded host a
+/// lost Initial packet is only retransmitted after a backed-off probe timeout, which can
+/// exhaust one attempt's budget although the peer is there. Refusals are not retried.
+pub(crate) async fn connect_with_retries(
+    endpoint: &rtrun_net::Endpoint,
+    addr: NetAddr,
+) -> std::result::Result<rtrun_net::Connection, rtrun_net::NetError> {
+    const ATTEMPTS: usize = 3;
+    let mut attempt = 1;
+    loop {
+        match endpoint.connect(addr).await {
+            Err(rtrun_net::NetError::Timeout { .. }) if attempt < ATTEMPTS => {
+                tracing::warn!(%addr, attempt, "QUIC handshake timed out; trying again");
+                attempt += 1;
+            }
+            result => return result,
+        }
+    }
+}
+
 /// Where an address is.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Route {
@@ -373,7 +393,7 @@ impl Endpoint {
                 let opened = net.wait({
                     let net = net.clone();
                     async move {
-                        let link = net.endpoint.connect(addr).await?;
+                        let link = connect_with_retries(&net.endpoint, addr).await?;
                         let (send, recv) = link.open_channel(bytes::Bytes::new()).await?;
                         Ok::<_, rtrun_net::NetError>((link, send, recv))
                     }

@@ -349,3 +349,60 @@ fn nodes_on_distinct_addresses_in_network_namespaces() {
     assert_eq!(seen.len(), 3, "{nodes_line}");
     assert!(stdout.lines().any(|l| l == "ok"), "{stdout}");
 }
+
+/// An authenticated peer (holding the cluster's credentials) sends malformed runtime frames on
+/// channels and malformed requests to a live head: each gets an error answer or a closed
+/// connection, and the head keeps serving.
+#[test]
+fn malformed_frames_from_an_authenticated_peer_leave_the_head_serving() {
+    let cluster = start_cluster("fuzz", "5");
+    let credentials = rtrun_net::CredentialsDir::new(cluster.dir.join("head-credentials"))
+        .load_node()
+        .expect("the head's credentials");
+    let head: std::net::SocketAddr = cluster.address.parse().unwrap();
+    let net =
+        tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let refused = net.block_on(async move {
+        let endpoint = rtrun_net::Endpoint::bind(
+            "127.0.0.1:0".parse().unwrap(),
+            credentials,
+            rtrun_net::EndpointOptions::default(),
+        )
+        .unwrap();
+        let mut seed = 0x9e37_79b9u64;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        let mut answered_with_errors = 0;
+        for round in 0..60 {
+            let link = endpoint.connect(head).await.expect("an authenticated peer is admitted");
+            // A runtime channel with a garbage frame: a plausible length then random bytes, an
+            // oversized length, or a truncated frame.
+            let (mut send, _recv) = link.open_channel(bytes::Bytes::new()).await.unwrap();
+            let body_len = (next() % 512) as usize + 1;
+            let mut frame = match round % 3 {
+                0 => (body_len as u32).to_le_bytes().to_vec(),
+                1 => u32::MAX.to_le_bytes().to_vec(),
+                _ => ((body_len as u32) + 100).to_le_bytes().to_vec(),
+            };
+            frame.extend((0..body_len).map(|_| next() as u8));
+            let _ = send.write_all(&frame).await;
+            let _ = send.finish();
+            // A request whose head is not a valid cluster request.
+            let garbage: Vec<u8> = (0..(next() % 256) as usize).map(|_| next() as u8).collect();
+            match link.request(bytes::Bytes::from(garbage), Vec::new()).await {
+                Err(rtrun_net::NetError::Remote { .. }) => answered_with_errors += 1,
+                Err(_) => {}
+                Ok(frame) => panic!("garbage was answered as valid: {frame:?}"),
+            }
+            link.close();
+        }
+        answered_with_errors
+    });
+    assert!(refused > 0, "malformed requests get error answers");
+    let now = status(&cluster);
+    assert!(now.contains("nodes: 3 alive"), "{now}");
+}

@@ -197,6 +197,12 @@ impl Endpoint {
         self.acceptor.abort();
         self.quinn.close(quinn::VarInt::from_u32(CLOSE_NORMAL), b"endpoint closed");
     }
+
+    /// Waits until every connection's close has been sent (after [`Endpoint::close`]), so that
+    /// peers learn of it at once rather than after their idle timeout.
+    pub async fn wait_idle(&self) {
+        self.quinn.wait_idle().await;
+    }
 }
 
 impl Drop for Endpoint {

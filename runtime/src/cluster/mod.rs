@@ -533,8 +533,10 @@ fn connect_to_head(
         requests: OnceLock::new(),
     });
     let connect_link = link.clone();
-    let control = link
-        .wait(async move { connect_link.endpoint.connect(head).await })?
+    let control =
+        link.wait(async move {
+            crate::transport::connect_with_retries(&connect_link.endpoint, head).await
+        })?
         .map_err(net_error(&format!("connecting to the head at {head}")))?;
     Ok(Joining { link, control, net, bind_ip, endpoint: local })
 }
@@ -657,7 +659,26 @@ pub(crate) fn start_driver(config: &Config, address: &str, binary: bool) -> Resu
         pulls: Default::default(),
     });
     let _ = MEMBER.set(member);
+    // Peers (the head above all, which ends the job's actors) learn of a normal exit at once;
+    // a killed driver is noticed through the QUIC idle timeout.
+    // SAFETY: `atexit` registers a plain `extern "C"` function with no preconditions.
+    unsafe {
+        libc::atexit(close_on_exit);
+    }
     Runtime::start_cluster_driver(config, session, worker, node_id, address, head_address)
+}
+
+/// Closes this process's QUIC connections with a close frame when the process exits normally.
+extern "C" fn close_on_exit() {
+    let Some(member) = member() else { return };
+    let link = member.link.clone();
+    let (tx, rx) = std::sync::mpsc::channel();
+    member.link.handle.spawn(async move {
+        link.endpoint.close();
+        let _ = tokio::time::timeout(Duration::from_millis(300), link.endpoint.wait_idle()).await;
+        let _ = tx.send(());
+    });
+    let _ = rx.recv_timeout(Duration::from_millis(500));
 }
 
 /// A connection to the endpoint of the node daemon at `home` (for pulls), reused.
@@ -673,7 +694,7 @@ fn pull_link(member: &Member, home: &str) -> Result<rtrun_net::Connection> {
     let link = member.link.clone();
     let connection = member
         .link
-        .wait(async move { link.endpoint.connect(addr).await })?
+        .wait(async move { crate::transport::connect_with_retries(&link.endpoint, addr).await })?
         .map_err(net_error(&format!("connecting to the node at {addr}")))?;
     member.pulls.insert(addr, connection.clone());
     Ok(connection)

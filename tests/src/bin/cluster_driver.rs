@@ -48,6 +48,12 @@ impl Probe {
         bytes
     }
 
+    /// Reads an object made on another node through its reference (a copy into this node's
+    /// store, then a mapping) and returns its length.
+    pub fn pull_len(&self, refs: Vec<rtrun::ObjectRef<Vec<u8>>>) -> usize {
+        refs.first().and_then(|r| r.get_view().ok()).map_or(0, |bytes| bytes.len())
+    }
+
     /// The checksum of bytes produced elsewhere.
     pub fn checksum(&self, bytes: Vec<u8>) -> u64 {
         checksum(&bytes)
@@ -77,6 +83,21 @@ fn main() -> anyhow::Result<()> {
         .and_then(|n| n.parse().ok())
         .unwrap_or(256 << 20);
     let made = probes[0].make(len, 0x9e37_79b9_7f4a_7c15);
+    // Calls to one actor run in order: this answer means the object exists.
+    probes[0].where_am_i().get()?;
+    let start = std::time::Instant::now();
+    let pulled = probes[nodes - 1].pull_len(vec![made.clone()]).get()?;
+    let node_to_node = start.elapsed().as_secs_f64();
+    let start = std::time::Instant::now();
+    let view = made.get_view()?;
+    let to_driver = start.elapsed().as_secs_f64();
+    drop(view);
+    writeln!(
+        out,
+        "object pulls: node to node {:.2} GB/s ({pulled} bytes), node to driver {:.2} GB/s",
+        pulled as f64 / node_to_node / 1e9,
+        len as f64 / to_driver / 1e9
+    )?;
     let remote_sum = probes[nodes - 1].checksum(&made).get()?;
     let local = made.get()?;
     let local_sum = checksum(&local);
