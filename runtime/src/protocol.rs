@@ -373,6 +373,11 @@ pub enum Request {
     },
     /// Every submitted job.
     ListJobs,
+    /// Answered with `Done` while the node is alive, with the reason once it died.
+    NodeAlive {
+        /// The node.
+        node: u64,
+    },
     /// Stop every node and the head.
     StopCluster,
 }

@@ -910,6 +910,14 @@ impl Runtime {
     ) -> Result<crate::object::ObjectBytes> {
         let home = stored.home.clone().unwrap_or_default();
         let lost = |reason: String| Error::ObjectLost { id: stored.id, reason };
+        // A copy on a dead node is gone: say so at once (with the head's reason) rather than
+        // after a connection attempt times out.
+        if let Ok(crate::transport::Route::Quic { node, .. }) =
+            crate::transport::Route::parse(&home)
+            && let Err(e) = self.head_call(Request::NodeAlive { node })
+        {
+            return Err(lost(format!("its node is gone: {e}")));
+        }
         if let Some(store) = self.store.get() {
             let op = crate::protocol::StoreOp::Pull { id: stored.id, from: home.clone() };
             self.node_call(Request::Store { holder: crate::store::holder_of(self.worker_id), op })

@@ -41,23 +41,35 @@ pub fn kill9(pid: u32) {
 /// `<target>/<profile>/deps/`, the `rtrun` binary in `<target>/<profile>/`; Cargo gives other
 /// packages' binaries to integration tests only within their own package, hence the search.
 pub fn rtrun_binary() -> std::path::PathBuf {
+    runtime_artifact("--bin", "rtrun", "")
+}
+
+/// The `cluster_driver` example of the `rtrun` package (the multi-node tests' driver; also the
+/// cross-node benchmark), built like [`rtrun_binary`].
+pub fn cluster_driver_binary() -> std::path::PathBuf {
+    runtime_artifact("--example", "cluster_driver", "examples")
+}
+
+/// A binary or example of the `rtrun` package in this test's target and profile, built when
+/// missing.
+fn runtime_artifact(kind: &str, name: &str, subdir: &str) -> std::path::PathBuf {
     let exe = std::env::current_exe().expect("the test binary's path");
     let profile_dir = exe
         .parent()
         .and_then(std::path::Path::parent)
         .expect("test binaries live in <target>/<profile>/deps");
-    let binary = profile_dir.join("rtrun");
+    let binary = profile_dir.join(subdir).join(name);
     if !binary.exists() {
         let target_dir = profile_dir.parent().expect("<target>/<profile>");
         let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned());
         let mut command = std::process::Command::new(cargo);
-        command.args(["build", "-p", "rtrun", "--bin", "rtrun", "--target-dir"]);
+        command.args(["build", "-p", "rtrun", kind, name, "--target-dir"]);
         command.arg(target_dir);
         if profile_dir.file_name().is_some_and(|name| name == "release") {
             command.arg("--release");
         }
         let status = command.status().expect("cargo runs");
-        assert!(status.success(), "building the rtrun binary failed");
+        assert!(status.success(), "building {name} failed");
     }
     binary
 }

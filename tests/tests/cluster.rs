@@ -31,7 +31,7 @@ impl Drop for Cluster {
 }
 
 fn driver_binary() -> PathBuf {
-    rtrun_binary().with_file_name("cluster_driver")
+    rtrun_tests::cluster_driver_binary()
 }
 
 fn free_udp_port() -> u16 {
@@ -115,40 +115,70 @@ fn a_three_node_cluster_spreads_actors_moves_objects_and_detects_a_killed_node()
     assert!(before.contains("nodes: 3 alive, 0 dead"), "{before}");
     assert!(before.contains("GPU: 4"), "fake GPUs of both joined nodes are counted: {before}");
 
-    // A driver joins with the head's credentials, spreads three actors and moves 256 MiB.
-    let out = Command::new(driver_binary())
+    // A driver joins with the head's credentials, spreads three actors and moves 256 MiB; then
+    // it keeps an actor and an object on a joined node, which the test kills.
+    let mut driver = Command::new(driver_binary())
         .env("RTRUN_ADDRESS", &cluster.address)
         .env("RTRUN_CREDENTIALS_DIR", cluster.dir.join("head-credentials"))
-        .output()
+        .env("CLUSTER_FAILOVER", "1")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
         .expect("the driver runs");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "driver failed: {stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let nodes_line = stdout.lines().find(|l| l.starts_with("nodes ")).expect("nodes line");
+    let (lines_tx, lines) = std::sync::mpsc::channel::<String>();
+    let mut driver_stdin = driver.stdin.take().unwrap();
+    let stdout = driver.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            let _ = lines_tx.send(line);
+        }
+    });
+    let mut seen = Vec::new();
+    let mut next_line = |seen: &mut Vec<String>| {
+        let line = lines.recv_timeout(Duration::from_secs(120)).unwrap_or_else(|_| {
+            let _ = driver.kill();
+            panic!("driver stopped talking after: {seen:?}")
+        });
+        seen.push(line.clone());
+        line
+    };
+    let victim = loop {
+        let line = next_line(&mut seen);
+        if let Some(node) = line.strip_prefix("victim ") {
+            break node.to_owned();
+        }
+    };
+    let output = seen.join("\n");
+    let nodes_line = seen.iter().find(|l| l.starts_with("nodes ")).expect("nodes line");
     let mut nodes: Vec<&str> = nodes_line.split_whitespace().skip(1).collect();
     nodes.sort_unstable();
     nodes.dedup();
     assert_eq!(nodes.len(), 3, "one actor per node: {nodes_line}");
-    assert!(stdout.lines().any(|l| l == "ok"), "{stdout}");
-    let checksum = stdout.lines().find(|l| l.starts_with("checksum ")).unwrap();
+    assert!(seen.iter().any(|l| l == "ok"), "{output}");
+    let checksum = seen.iter().find(|l| l.starts_with("checksum ")).unwrap();
     assert!(checksum.ends_with(&format!(" {}", 256u64 << 20)), "{checksum}");
 
     // `rtrun list` sees the nodes and the actors.
-    let nodes = rtrun(&cluster, &["list", "nodes"], &cluster.dir.join("head-credentials"));
-    let nodes = String::from_utf8_lossy(&nodes.stdout);
+    let listing = rtrun(&cluster, &["list", "nodes"], &cluster.dir.join("head-credentials"));
+    let listing = String::from_utf8_lossy(&listing.stdout).into_owned();
     for name in ["head", "n1", "n2"] {
-        assert!(nodes.contains(name), "{nodes}");
+        assert!(listing.contains(name), "{listing}");
     }
     let actors = rtrun(&cluster, &["list", "actors"], &cluster.dir.join("head-credentials"));
     assert!(String::from_utf8_lossy(&actors.stdout).contains("Probe"));
 
-    // kill -9 of a node process: detected within the heartbeat timeout, reported dead.
-    let mut victim = cluster.nodes.remove(1);
-    victim.kill().unwrap();
-    victim.wait().unwrap();
+    // kill -9 of the victim's node process: detected within the heartbeat timeout and
+    // reported dead; its actor dies and its object is lost, with errors that say so.
+    let victim_name = listing
+        .lines()
+        .find(|l| l.split_whitespace().next() == Some(victim.as_str()))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .unwrap_or_else(|| panic!("{victim} in {listing}"))
+        .to_owned();
+    let index = if victim_name == "n1" { 0 } else { 1 };
+    let mut killed_node = cluster.nodes.remove(index);
+    killed_node.kill().unwrap();
+    killed_node.wait().unwrap();
     let killed = Instant::now();
     let deadline = killed + Duration::from_secs(20);
     loop {
@@ -161,6 +191,23 @@ fn a_three_node_cluster_spreads_actors_moves_objects_and_detects_a_killed_node()
         std::thread::sleep(Duration::from_millis(200));
     }
     eprintln!("node death detected after {:?}", killed.elapsed());
+    use std::io::Write;
+    driver_stdin.write_all(b"killed\n").unwrap();
+    let mut failover = Vec::new();
+    loop {
+        let line = next_line(&mut seen);
+        failover.push(line.clone());
+        if line == "failover ok" {
+            break;
+        }
+    }
+    let status = driver.wait().unwrap();
+    assert!(status.success());
+    let died = failover.iter().find(|l| l.starts_with("actor died: ")).expect("ActorDied");
+    assert!(died.contains(&victim) && died.contains("died"), "{died}");
+    let lost = failover.iter().find(|l| l.starts_with("object lost: ")).expect("ObjectLost");
+    assert!(lost.contains(&victim), "{lost}");
+    eprintln!("{died}\n{lost}");
 }
 
 #[test]

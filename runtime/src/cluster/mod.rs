@@ -146,6 +146,17 @@ pub(crate) fn node_env(node: u64, node_address: &str) -> Vec<(String, String)> {
     ]
 }
 
+/// The network settings of cluster processes: `rtrun-net`'s defaults with a 10 s idle timeout
+/// (2 s keep-alives), so that a peer process killed without closing its connections (a worker
+/// of a dead node, a SIGKILLed driver) is noticed within seconds by those connected to it.
+fn net_config() -> NetConfig {
+    NetConfig {
+        idle_timeout: Duration::from_secs(10),
+        keep_alive: Duration::from_secs(2),
+        ..NetConfig::default()
+    }
+}
+
 fn net_runtime() -> Result<Arc<tokio::runtime::Runtime>> {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -247,7 +258,7 @@ pub fn start_head(options: HeadOptions) -> Result<HeadHandle> {
             interval: (options.heartbeat_timeout / 5).max(Duration::from_millis(100)),
             timeout: options.heartbeat_timeout,
         },
-        ..NetConfig::default()
+        ..net_config()
     };
     let (monitor, mut dead) = {
         let _guard = net.enter();
@@ -521,7 +532,7 @@ fn connect_to_head(
         rtrun_net::Endpoint::bind(
             SocketAddr::new(bind_ip, 0),
             node,
-            EndpointOptions { object_source, ..EndpointOptions::default() },
+            EndpointOptions { object_source, config: net_config(), ..EndpointOptions::default() },
         )
         .map_err(net_error("binding this process's endpoint"))?
     };
@@ -776,7 +787,7 @@ pub(crate) fn start_worker_link(name: &str) -> Result<Option<(u64, Address, Addr
         rtrun_net::Endpoint::bind(
             SocketAddr::new(bind_ip, 0),
             credentials,
-            EndpointOptions::default(),
+            EndpointOptions { config: net_config(), ..EndpointOptions::default() },
         )
         .map_err(net_error("binding this worker's endpoint"))?
     };

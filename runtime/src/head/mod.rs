@@ -22,7 +22,7 @@ use rtrun_placement::{
 
 use crate::actor::{ActorInfo, ActorSpec};
 use crate::error::{Error, Result};
-use crate::ids::{ActorId, ObjectId, WorkerId};
+use crate::ids::{ActorId, NodeId, ObjectId, WorkerId};
 use crate::protocol::{
     ActorStart, Address, Assignment, CallFrame, CallTarget, ClusterInfo, Frame, Outcome, Request,
     Response,
@@ -539,6 +539,13 @@ impl HeadState {
             }
             Request::ClusterInfo => Response::ClusterInfo(self.cluster_info()),
             Request::ListActors => Response::Actors(self.actor_summaries()),
+            Request::NodeAlive { node } => match self.members.nodes.get(&node) {
+                Some(entry) => match &entry.dead {
+                    None => Response::Done,
+                    Some(reason) => Response::Error(Error::Transport(reason.clone())),
+                },
+                None => Response::Error(Error::Invalid(format!("no node {}", NodeId(node)))),
+            },
             Request::CreatePlacementGroup(options) => match self.create_group(*options) {
                 Ok(state) => Response::PlacementGroup(Box::new(state)),
                 Err(e) => Response::Error(e),

@@ -106,6 +106,35 @@ fn main() -> anyhow::Result<()> {
     anyhow::ensure!(local_sum == remote_sum, "checksums differ across nodes");
     writeln!(out, "ok")?;
     out.flush()?;
+    // `CLUSTER_FAILOVER=1`: names a joined node whose actor and object it keeps, waits for a
+    // line on stdin (the test kills that node meanwhile), then checks that the actor is dead
+    // and the object lost, with errors that say so.
+    if std::env::var_os("CLUSTER_FAILOVER").is_some() {
+        let head_node = rtrun::context()?.node_id.to_string();
+        let (victim, node) = probes
+            .iter()
+            .zip(&places)
+            .rev()
+            .find(|(_, (node, _))| *node != head_node && node != "node-0")
+            .map(|(probe, (node, _))| (probe, node.clone()))
+            .ok_or_else(|| anyhow::anyhow!("no actor on a joined node"))?;
+        let object = victim.make(1 << 20, 7);
+        victim.where_am_i().get()?;
+        writeln!(out, "victim {node}")?;
+        out.flush()?;
+        let mut line = String::new();
+        std::io::stdin().read_line(&mut line)?;
+        match victim.where_am_i().get() {
+            Err(rtrun::Error::ActorDied { reason, .. }) => writeln!(out, "actor died: {reason}")?,
+            other => anyhow::bail!("expected ActorDied, found {other:?}"),
+        }
+        match object.get() {
+            Err(rtrun::Error::ObjectLost { reason, .. }) => writeln!(out, "object lost: {reason}")?,
+            other => anyhow::bail!("expected ObjectLost, found {:?}", other.map(|b| b.len())),
+        }
+        writeln!(out, "failover ok")?;
+        out.flush()?;
+    }
     // `CLUSTER_BENCH_SECONDS=s`: sync calls (one in flight) to the actor on the last node, the
     // cross-node counterpart of Ray's "1:1 actor calls sync".
     if let Some(seconds) =
