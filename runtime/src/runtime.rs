@@ -191,6 +191,25 @@ impl FrameHandler for Handler {
             runtime.on_sent(conn, frame);
         }
     }
+
+    fn handles_inline(&self, frame: &Frame) -> bool {
+        match frame {
+            // Completing an actor call's slot wakes its waiters; a task reply to the head
+            // would run the scheduler, which may block, so those stay on the thread.
+            Frame::Reply { call_id, .. } => self.0.upgrade().is_some_and(|runtime| {
+                matches!(
+                    runtime.calls.get(call_id).as_deref(),
+                    Some(crate::submit::PendingCall::Actor(_))
+                )
+            }),
+            // A call to the actor this worker hosts only queues it for the actor's executor.
+            Frame::Call(call) => {
+                matches!(call.target, crate::protocol::CallTarget::Actor { .. })
+                    && self.0.upgrade().is_some_and(|runtime| runtime.hosted.get().is_some())
+            }
+            _ => false,
+        }
+    }
 }
 
 /// A random 64-bit value from the OS, for session names and object id prefixes.

@@ -51,6 +51,12 @@ pub trait FrameHandler: Send + Sync + 'static {
     fn on_close(&self, conn: &Arc<Connection>, reason: &str);
     /// `frame` was written to `conn` (for the accounting of references it carries).
     fn on_sent(&self, _conn: &Connection, _frame: &Frame) {}
+    /// Whether `frame` may be handled on the network runtime's thread as soon as it arrives
+    /// (it never blocks and its order relative to earlier frames does not matter once those
+    /// are handled). Only QUIC connections ask.
+    fn handles_inline(&self, _frame: &Frame) -> bool {
+        false
+    }
 }
 
 /// The write half of a connection.
@@ -185,6 +191,11 @@ impl NetLink {
         &self,
         future: impl std::future::Future<Output = T> + Send + 'static,
     ) -> Result<T> {
+        // On one of the net runtime's own threads (a frame handled inline), blocking on a
+        // channel could leave no thread to run `future`; hand the thread's other work over.
+        if tokio::runtime::Handle::try_current().is_ok_and(|h| h.id() == self.handle.id()) {
+            return Ok(tokio::task::block_in_place(|| self.handle.block_on(future)));
+        }
         let (tx, rx) = crossbeam_channel::bounded(1);
         self.handle.spawn(async move {
             let _ = tx.send(future.await);
@@ -448,8 +459,67 @@ impl Endpoint {
         peer: Option<Address>,
     ) -> Result<Arc<Connection>> {
         let conn = self.new_connection(writer, peer);
-        let reader = BufReader::with_capacity(self.config.read_buffer_bytes, QuicReader(recv));
-        self.start_reader(&conn, reader)?;
+        let Some(net) = self.net.get().cloned() else {
+            let reader = BufReader::with_capacity(self.config.read_buffer_bytes, QuicReader(recv));
+            self.start_reader(&conn, reader)?;
+            return Ok(conn);
+        };
+        // Frames are read by a task of the net runtime. Those the handler takes inline (replies,
+        // calls to a hosted actor: they only complete a slot or queue work) are handled there
+        // at once, which saves a thread hand-off per frame; every other frame goes, in order,
+        // to the connection's thread, like a Unix connection's frames.
+        let (tx, rx) = crossbeam_channel::unbounded::<std::result::Result<Frame, String>>();
+        // Frames given to the thread and not yet handled: a frame is handled inline only when
+        // none is, so frames are still handled in the order they arrived.
+        let queued = Arc::new(AtomicU64::new(0));
+        let thread_queued = queued.clone();
+        let handler = self.handler.clone();
+        let thread_conn = conn.clone();
+        std::thread::Builder::new()
+            .name(format!("rtrun-conn-{}", conn.id))
+            .spawn(move || {
+                let reason = loop {
+                    match rx.recv() {
+                        Ok(Ok(frame)) => {
+                            handler.on_frame(&thread_conn, frame);
+                            thread_queued.fetch_sub(1, Ordering::AcqRel);
+                        }
+                        Ok(Err(reason)) => break reason,
+                        Err(_) => break "the connection's reader stopped".to_owned(),
+                    }
+                };
+                thread_conn.shutdown();
+                handler.on_close(&thread_conn, &reason);
+            })
+            .map_err(|e| Error::System(format!("cannot start reader thread: {e}")))?;
+        let handler = self.handler.clone();
+        let reader_conn = conn.clone();
+        let max_frame_bytes = self.config.max_frame_bytes;
+        let mut recv = recv;
+        net.handle.spawn(async move {
+            let reason = loop {
+                match read_frame_async(&mut recv, max_frame_bytes).await {
+                    Ok(Some(frame))
+                        if queued.load(Ordering::Acquire) == 0
+                            && handler.handles_inline(&frame) =>
+                    {
+                        handler.on_frame(&reader_conn, frame)
+                    }
+                    Ok(Some(frame)) => {
+                        queued.fetch_add(1, Ordering::AcqRel);
+                        if tx.send(Ok(frame)).is_err() {
+                            return;
+                        }
+                    }
+                    Ok(None) => break "peer closed the connection".to_owned(),
+                    Err(e) => {
+                        tracing::warn!(connection = reader_conn.id, "closing connection: {e}");
+                        break e.to_string();
+                    }
+                }
+            };
+            let _ = tx.send(Err(reason));
+        });
         Ok(conn)
     }
 
@@ -501,6 +571,30 @@ fn read_loop(
     };
     conn.shutdown();
     handler.on_close(&conn, &reason);
+}
+
+/// Reads one frame from a QUIC stream; `Ok(None)` on a clean end of stream between frames.
+async fn read_frame_async(
+    recv: &mut quinn::RecvStream,
+    max_frame_bytes: usize,
+) -> Result<Option<Frame>> {
+    let mut header = [0u8; 4];
+    match recv.read_exact(&mut header).await {
+        Ok(()) => {}
+        Err(quinn::ReadExactError::FinishedEarly(0)) => return Ok(None),
+        Err(e) => return Err(Error::Transport(format!("read failed: {e}"))),
+    }
+    let len = u32::from_le_bytes(header) as usize;
+    if len > max_frame_bytes {
+        return Err(Error::Transport(format!(
+            "frame length {len} exceeds the {max_frame_bytes} byte limit"
+        )));
+    }
+    let mut body = vec![0u8; len];
+    recv.read_exact(&mut body)
+        .await
+        .map_err(|e| Error::Transport(format!("truncated frame of {len} bytes: {e}")))?;
+    codec::decode(&body).map(Some)
 }
 
 /// Reads one frame; `Ok(None)` on a clean end of stream between frames.
