@@ -123,15 +123,20 @@ fn main() -> anyhow::Result<()> {
     // `CLUSTER_FAILOVER=1`: names a joined node whose actor and object it keeps, waits for a
     // line on stdin (the test kills that node meanwhile), then checks that the actor is dead
     // and the object lost, with errors that say so.
+    // With one `slot` resource on each joined node, a keeper and a restartable mover take one
+    // node each; the victim is the mover's node.
     if std::env::var_os("CLUSTER_FAILOVER").is_some() {
-        let head_node = rtrun::context()?.node_id.to_string();
-        let (victim, node) = probes
+        let slot = || ActorOptions::default().resource("slot", 1.0);
+        let keeper = Probe::remote_with(slot())?;
+        let mover = Probe::remote_with(slot().max_restarts(1))?;
+        keeper.where_am_i().get()?;
+        let (node, _) = mover.where_am_i().get()?;
+        let victim = probes
             .iter()
             .zip(&places)
-            .rev()
-            .find(|(_, (node, _))| *node != head_node && node != "node-0")
-            .map(|(probe, (node, _))| (probe, node.clone()))
-            .ok_or_else(|| anyhow::anyhow!("no actor on a joined node"))?;
+            .find(|(_, (at, _))| *at == node)
+            .map(|(probe, _)| probe)
+            .ok_or_else(|| anyhow::anyhow!("no spread actor on {node}"))?;
         let object = victim.make(1 << 20, 7);
         victim.where_am_i().get()?;
         writeln!(out, "victim {node}")?;
@@ -146,6 +151,21 @@ fn main() -> anyhow::Result<()> {
             Err(rtrun::Error::ObjectLost { reason, .. }) => writeln!(out, "object lost: {reason}")?,
             other => anyhow::bail!("expected ObjectLost, found {:?}", other.map(|b| b.len())),
         }
+        // The mover restarts once a slot is free elsewhere: free the keeper's.
+        keeper.kill()?;
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        let moved_to = loop {
+            match mover.where_am_i().get() {
+                Ok((at, _)) => break at,
+                Err(e) if std::time::Instant::now() < deadline => {
+                    writeln!(out, "mover not back yet: {e}")?;
+                    std::thread::sleep(std::time::Duration::from_millis(200));
+                }
+                Err(e) => return Err(e.into()),
+            }
+        };
+        anyhow::ensure!(moved_to != node, "the mover is still on the dead node {node}");
+        writeln!(out, "mover restarted on {moved_to}")?;
         writeln!(out, "failover ok")?;
         out.flush()?;
     }

@@ -78,6 +78,7 @@ fn start_cluster(name: &str, heartbeat_timeout: &str) -> Cluster {
         let mut child = Command::new(rtrun_binary())
             .args(["join", "--address", &cluster.address, "--token", &cluster.token])
             .args(["--num-cpus", "1", "--num-gpus", "2", "--node-name", node])
+            .args(["--resources", r#"{"slot": 1}"#])
             .args(["--object-store-memory", "700000000"])
             .arg("--credentials-dir")
             .arg(dir.join(format!("{node}-credentials")))
@@ -207,7 +208,9 @@ fn a_three_node_cluster_spreads_actors_moves_objects_and_detects_a_killed_node()
     assert!(died.contains(&victim) && died.contains("died"), "{died}");
     let lost = failover.iter().find(|l| l.starts_with("object lost: ")).expect("ObjectLost");
     assert!(lost.contains(&victim), "{lost}");
-    eprintln!("{died}\n{lost}");
+    let moved = failover.iter().find(|l| l.starts_with("mover restarted on ")).expect("restart");
+    assert!(!moved.ends_with(&victim), "{moved}");
+    eprintln!("{died}\n{lost}\n{moved}");
 }
 
 #[test]
