@@ -1001,8 +1001,18 @@ impl HeadState {
             return;
         }
         let mut wanted: Vec<(u64, Lineage)> = Vec::new();
+        let task_workers =
+            self.workers.values().filter(|w| matches!(w.role, WorkerRole::Tasks { .. })).count();
+        // Tasks that find no idle worker are placed only to learn which node wants a worker;
+        // past what could still be started (and started already), the rest of the queue waits
+        // untouched, so a long queue costs nothing per reply.
+        let startable =
+            self.config.max_task_workers.saturating_sub(task_workers) + self.starting_task_workers;
         let mut index = 0;
         while index < self.task_queue.len() {
+            if self.idle_task_workers.is_empty() && wanted.len() >= startable {
+                break;
+            }
             let queued = &self.task_queue[index];
             let placement = queued.spec.options.placement;
             let demand = queued.demand.clone();
@@ -1066,8 +1076,7 @@ impl HeadState {
                 .insert(call_id, RunningTask { task, worker, allocation: allocation.id });
             effects.push(Effect::Send(conn, frame));
         }
-        let mut task_workers =
-            self.workers.values().filter(|w| matches!(w.role, WorkerRole::Tasks { .. })).count();
+        let mut task_workers = task_workers;
         let mut asked: Vec<(u64, Option<String>, usize)> = Vec::new();
         for (node, lineage) in wanted {
             let key = (node, lineage.job.clone());
