@@ -601,35 +601,18 @@ impl Runtime {
 
     /// Like [`Runtime::node_request`], blocking for the answer.
     pub(crate) fn node_call(self: &Arc<Self>, body: Request) -> Result<Response> {
-        let (tx, rx) = crossbeam_channel::bounded(1);
-        self.node_request(
-            body,
-            Box::new(move |response| {
-                let _ = tx.send(response);
-            }),
-        );
-        match rx.recv() {
-            Ok(Response::Error(e)) => Err(e),
-            Ok(response) => Ok(response),
-            Err(_) => Err(Error::Transport("the node went away".into())),
-        }
+        wait_response("the node", |callback| self.node_request(body, callback))
     }
 
     /// Sends a request to the control plane and blocks for the response. Never call this from a
     /// connection's reader thread.
     pub(crate) fn head_call(self: &Arc<Self>, body: Request) -> Result<Response> {
-        let (tx, rx) = crossbeam_channel::bounded(1);
-        self.head_request(
-            body,
-            Box::new(move |response| {
-                let _ = tx.send(response);
-            }),
-        );
-        match rx.recv() {
-            Ok(Response::Error(e)) => Err(e),
-            Ok(response) => Ok(response),
-            Err(_) => Err(Error::Transport("the control plane went away".into())),
-        }
+        wait_response("the control plane", |callback| self.head_request(body, callback))
+    }
+
+    /// Sends a request on `conn` and blocks for the response.
+    pub(crate) fn call_on(&self, conn: &Arc<Connection>, body: Request) -> Result<Response> {
+        wait_response("the peer", |callback| self.request_on(conn, body, callback))
     }
 
     /// Sends a request on `conn`.
@@ -986,6 +969,19 @@ impl Runtime {
             std::thread::sleep(Duration::from_millis(5));
         }
         condition()
+    }
+}
+
+/// Sends a request through `send` and blocks for its response; an error response is an `Err`.
+fn wait_response(who: &str, send: impl FnOnce(ResponseCallback)) -> Result<Response> {
+    let (tx, rx) = crossbeam_channel::bounded(1);
+    send(Box::new(move |response| {
+        let _ = tx.send(response);
+    }));
+    match rx.recv() {
+        Ok(Response::Error(e)) => Err(e),
+        Ok(response) => Ok(response),
+        Err(_) => Err(Error::Transport(format!("{who} went away"))),
     }
 }
 

@@ -356,8 +356,13 @@ impl NodeStore {
             StoreOp::Lend { id, to } => store.add_holder(id, to).map(|_| Response::Done),
             StoreOp::Release { id } => store.remove_holder(id, holder).map(|_| Response::Done),
             StoreOp::Stats => Ok(Response::Done),
-            // Pulls are served by the runtime on their own thread (they wait on the network).
-            StoreOp::Pull { .. } => Ok(Response::Done),
+            // The node's runtime serves pulls on a thread of their own (they wait on the
+            // network) before a request reaches the store.
+            StoreOp::Pull { .. } => {
+                return Response::Error(Error::Invalid(
+                    "object pulls are served by the node's runtime, not its store".into(),
+                ));
+            }
         };
         result.unwrap_or_else(|error| Response::Error(store_error(error)))
     }

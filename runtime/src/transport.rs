@@ -351,6 +351,7 @@ impl Endpoint {
         net.handle.clone().spawn(async move {
             while let Some(link) = net.endpoint.accept().await {
                 let weak = weak.clone();
+                let net_for_links = net.clone();
                 match net.requests.get() {
                     Some(service) => {
                         tokio::spawn(crate::cluster::serve_requests(link.clone(), service.clone()));
@@ -369,7 +370,8 @@ impl Endpoint {
                     while let Some(channel) = link.next_channel().await {
                         let Some(endpoint) = weak.upgrade() else { return };
                         let writer = Writer::Quic { send: channel.send, link: link.clone() };
-                        if let Err(e) = endpoint.adopt_quic(writer, channel.recv, None) {
+                        let net = net_for_links.clone();
+                        if let Err(e) = endpoint.adopt_quic(net, writer, channel.recv, None) {
                             tracing::warn!("dropping a channel from {}: {e}", link.peer_name());
                         }
                     }
@@ -411,7 +413,7 @@ impl Endpoint {
                 })?;
                 let (link, send, recv) = opened
                     .map_err(|e| Error::Transport(format!("cannot connect to {peer}: {e}")))?;
-                self.adopt_quic(Writer::Quic { send, link }, recv, Some(peer.clone()))?
+                self.adopt_quic(net, Writer::Quic { send, link }, recv, Some(peer.clone()))?
             }
             None => {
                 let stream = UnixStream::connect_addr(&socket_addr(peer)?)
@@ -454,16 +456,12 @@ impl Endpoint {
     /// Wraps a QUIC channel in a connection and starts its reader thread.
     fn adopt_quic(
         &self,
+        net: Arc<NetLink>,
         writer: Writer,
         recv: quinn::RecvStream,
         peer: Option<Address>,
     ) -> Result<Arc<Connection>> {
         let conn = self.new_connection(writer, peer);
-        let Some(net) = self.net.get().cloned() else {
-            let reader = BufReader::with_capacity(self.config.read_buffer_bytes, QuicReader(recv));
-            self.start_reader(&conn, reader)?;
-            return Ok(conn);
-        };
         // Frames are read by a task of the net runtime. Those the handler takes inline (replies,
         // calls to a hosted actor: they only complete a slot or queue work) are handled there
         // at once, which saves a thread hand-off per frame; every other frame goes, in order,
@@ -536,20 +534,6 @@ impl Endpoint {
             .spawn(move || read_loop(reader, reader_conn, handler, max_frame_bytes))
             .map_err(|e| Error::System(format!("cannot start reader thread: {e}")))?;
         Ok(())
-    }
-}
-
-/// A QUIC receive stream read from a plain thread (quinn's stream futures need no tokio
-/// context; the net runtime's connection driver wakes this thread).
-struct QuicReader(quinn::RecvStream);
-
-impl Read for QuicReader {
-    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-        match futures::executor::block_on(self.0.read(buf)) {
-            Ok(Some(n)) => Ok(n),
-            Ok(None) => Ok(0),
-            Err(e) => Err(std::io::Error::new(std::io::ErrorKind::ConnectionReset, e)),
-        }
     }
 }
 

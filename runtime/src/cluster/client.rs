@@ -98,20 +98,10 @@ impl Client {
         let mut nodes = Vec::new();
         for node in info.nodes.iter().filter(|n| n.alive) {
             let conn = self.runtime.endpoint()?.connect(&node.address)?;
-            let (tx, rx) = crossbeam_channel::bounded(1);
             let holder = crate::store::holder_of(self.runtime.worker_id);
-            self.runtime.request_on(
-                &conn,
-                Request::Store { holder, op: StoreOp::Stats },
-                Box::new(move |response| {
-                    let _ = tx.send(response);
-                }),
-            );
-            match rx.recv() {
-                Ok(Response::StoreStats(memory)) => nodes.push(*memory),
-                Ok(Response::Error(e)) => return Err(e),
-                Ok(other) => return Err(unexpected(other)),
-                Err(_) => return Err(Error::Transport(format!("{} did not answer", node.node))),
+            match self.runtime.call_on(&conn, Request::Store { holder, op: StoreOp::Stats })? {
+                Response::StoreStats(memory) => nodes.push(*memory),
+                other => return Err(unexpected(other)),
             }
         }
         Ok(nodes)

@@ -501,10 +501,21 @@ fn credentials(
         .map_err(net_error("the join token"))?;
     let net = net_runtime()?;
     let name = node_name.to_owned();
+    // Retried on a timeout like every handshake (see `transport::connect_with_retries`); the
+    // head signs a fresh request each time, so a retry after a lost answer is harmless.
     let node = net
-        .block_on(
-            async move { rtrun_net::bootstrap(head, &token, &name, &NetConfig::default()).await },
-        )
+        .block_on(async move {
+            let mut attempt = 1;
+            loop {
+                match rtrun_net::bootstrap(head, &token, &name, &net_config()).await {
+                    Err(rtrun_net::NetError::Timeout { .. }) if attempt < 3 => {
+                        tracing::warn!(%head, attempt, "bootstrap timed out; trying again");
+                        attempt += 1;
+                    }
+                    result => return result,
+                }
+            }
+        })
         .map_err(net_error("bootstrapping credentials with the head"))?;
     credentials_dir.save_node(&node).map_err(net_error("saving credentials"))?;
     Ok(node)
@@ -627,40 +638,9 @@ pub(crate) fn start_driver(config: &Config, address: &str, binary: bool) -> Resu
         credentials(&bootstrap_dir, config.token.as_deref(), &name, head)?
     };
     let joining = connect_to_head(head, node, None, None)?;
-    let member_probe = Member {
-        link: joining.link.clone(),
-        control: Some(joining.control.clone()),
-        _heartbeats: None,
-        bind_ip: joining.bind_ip,
-        node_address: None,
-        credentials_dir: dir.clone(),
-        _net: joining.net.clone(),
-        pulls: Default::default(),
-    };
-    let digest = if binary {
-        let exe = std::env::current_exe()
-            .map_err(|e| Error::System(format!("cannot find this executable: {e}")))?;
-        let digest = binaries::digest_file(&exe)?;
-        upload_binary(&member_probe, &exe, &digest)?;
-        Some(digest)
-    } else {
-        None
-    };
-    let (reply, _) = control_request(
-        &member_probe,
-        NetRequest::JoinDriver { binary: digest, endpoint: joining.endpoint },
-        Vec::new(),
-    )?;
-    let NetReply::Joined { session, worker, node: node_id, head: head_address } = reply else {
-        return Err(Error::Transport("unexpected answer to a join".into()));
-    };
-    drop(member_probe);
-    let link = joining.link.clone();
-    link.node.store(node_id, std::sync::atomic::Ordering::Release);
-    let address =
-        Route::quic(joining.endpoint, node_id, &crate::runtime::socket_name(&session, worker));
+    let endpoint = joining.endpoint;
     let member = Arc::new(Member {
-        link: link.clone(),
+        link: joining.link,
         control: Some(joining.control),
         _heartbeats: None,
         bind_ip: joining.bind_ip,
@@ -669,6 +649,22 @@ pub(crate) fn start_driver(config: &Config, address: &str, binary: bool) -> Resu
         _net: joining.net,
         pulls: Default::default(),
     });
+    let digest = if binary {
+        let exe = std::env::current_exe()
+            .map_err(|e| Error::System(format!("cannot find this executable: {e}")))?;
+        let digest = binaries::digest_file(&exe)?;
+        upload_binary(&member, &exe, &digest)?;
+        Some(digest)
+    } else {
+        None
+    };
+    let (reply, _) =
+        control_request(&member, NetRequest::JoinDriver { binary: digest, endpoint }, Vec::new())?;
+    let NetReply::Joined { session, worker, node: node_id, head: head_address } = reply else {
+        return Err(Error::Transport("unexpected answer to a join".into()));
+    };
+    member.link.node.store(node_id, std::sync::atomic::Ordering::Release);
+    let address = Route::quic(endpoint, node_id, &crate::runtime::socket_name(&session, worker));
     let _ = MEMBER.set(member);
     // Peers (the head above all, which ends the job's actors) learn of a normal exit at once;
     // a killed driver is noticed through the QUIC idle timeout.

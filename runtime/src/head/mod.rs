@@ -465,7 +465,6 @@ impl HeadState {
         responder: Responder,
         effects: &mut Vec<Effect>,
     ) {
-        let lineage = self.lineage_of(origin);
         let response = match body {
             Request::RegisterWorker { worker, address, pid } => {
                 match self.register_worker(head, origin, worker, address, pid, effects) {
@@ -477,10 +476,13 @@ impl HeadState {
                 self.actor_started(actor, incarnation, result, effects);
                 Response::Done
             }
-            Request::CreateActor(spec) => match self.create_actor(*spec, lineage, effects) {
-                Ok(info) => Response::Actor(info),
-                Err(e) => Response::Error(e),
-            },
+            Request::CreateActor(spec) => {
+                let lineage = self.lineage_of(origin);
+                match self.create_actor(*spec, lineage, effects) {
+                    Ok(info) => Response::Actor(info),
+                    Err(e) => Response::Error(e),
+                }
+            }
             Request::GetActorByName { name, namespace } => {
                 let found = self
                     .names
@@ -522,7 +524,7 @@ impl HeadState {
             Request::SubmitTask(spec) => match self.validate_task(&spec) {
                 Ok(demand) => {
                     self.task_queue.push_back(QueuedTask {
-                        lineage,
+                        lineage: self.lineage_of(origin),
                         spec: *spec,
                         demand,
                         responder,

@@ -106,7 +106,9 @@ impl Members {
         self.by_placement.get(placement).copied().unwrap_or(self.head_node)
     }
 
-    /// The job binary of the process at `address` (a driver or a worker), if any.
+    /// What to spawn for `worker` on `node`: on the head's own node in a cluster, the job's
+    /// binary from the head's cache, a log file and the cluster environment; elsewhere the node
+    /// daemon resolves the binary from `job`.
     pub(super) fn spawn_request(
         &self,
         node: u64,
@@ -220,7 +222,8 @@ impl Head {
                         .nodes
                         .insert(id, NodeEntry { name, address, placement, resources, dead: None });
                     tracing::info!(node = %NodeId(id), "node joined");
-                    state.schedule_everything(self, &mut effects);
+                    // Whatever waited for resources may fit now.
+                    state.reschedule(self, &mut effects);
                     Joined { session: session.to_owned(), worker, node: id, head }
                 }
                 JoinAs::Driver { binary, .. } => {
@@ -494,11 +497,6 @@ pub(crate) fn read_from(path: &std::path::Path, offset: u64, max: u64) -> Result
 }
 
 impl HeadState {
-    /// Retries everything waiting for resources (after a node joined or left).
-    pub(super) fn schedule_everything(&mut self, head: &Head, effects: &mut Vec<Effect>) {
-        self.reschedule(head, effects);
-    }
-
     /// Removes a dead node: its workers are gone (actors restart elsewhere or die), its
     /// placement groups are placed anew, its objects are lost.
     fn node_died(&mut self, head: &Head, id: u64, reason: String, effects: &mut Vec<Effect>) {
