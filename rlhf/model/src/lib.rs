@@ -3,7 +3,8 @@
 //! ([`ScalarHeadModel`]).
 //!
 //! - Hugging Face I/O: `config.json` ([`ModelConfig`]), single or sharded `*.safetensors` in HF
-//!   tensor names ([`safetensors_io`]), `tokenizer.json` ([`TextTokenizer`]); saved checkpoints
+//!   tensor names ([`safetensors_io`]), `tokenizer.json` ([`TextTokenizer`]) with special tokens, EOS ids and chat
+//!   templates ([`PretrainedTokenizer`], [`ChatTemplate`]); saved checkpoints
 //!   load back in `transformers`.
 //! - Forward with attention masks (any padding side) and explicit positions; log-probs of
 //!   response tokens ([`CausalLm::response_log_probs`]), values per token
@@ -20,6 +21,7 @@
 
 pub mod backbone;
 pub mod causal_lm;
+pub mod chat_template;
 pub mod config;
 pub mod error;
 pub mod layers;
@@ -35,6 +37,7 @@ pub mod train;
 
 pub use backbone::Backbone;
 pub use causal_lm::CausalLm;
+pub use chat_template::{ChatMessage, ChatTemplate};
 pub use config::{ModelConfig, ModelFamily, RopeScaling};
 pub use error::{ModelError, Result};
 pub use logprobs::ResponseBatch;
@@ -42,4 +45,4 @@ pub use params::Parameters;
 pub use safetensors_io::SaveOptions;
 pub use scalar_head::ScalarHeadModel;
 pub use tch;
-pub use tokenizer::TextTokenizer;
+pub use tokenizer::{PretrainedTokenizer, TextTokenizer};

@@ -9,8 +9,8 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use crate::algo::{AdvantageEstimator, KlEstimator};
+use crate::data::{DataConfig, OneOrMany};
 use crate::error::{Result, TrainError};
-use crate::task::TaskConfig;
 
 /// The whole run.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -20,11 +20,20 @@ pub struct TrainConfig {
     pub seed: u64,
     /// Where datasets, models, checkpoints and metrics go.
     pub run_dir: PathBuf,
-    /// The synthetic task.
-    pub task: TaskConfig,
-    /// The policy architecture (a tiny Qwen2-style decoder made locally).
+    /// Prompts: a synthetic task or JSONL / Parquet files.
+    pub data: DataConfig,
+    /// The policy: a Hugging Face checkpoint, or (without `pretrain`) the tiny model below.
+    pub policy: RoleModelConfig,
+    /// The frozen reference model (`pretrain` defaults to the policy's).
+    pub reference: RoleModelConfig,
+    /// The critic (`pretrain` defaults to the policy's body with a fresh value head).
+    pub critic: RoleModelConfig,
+    /// The generation engines.
+    pub engine: EngineSection,
+    /// The architecture of the policy made locally when `policy.pretrain` is absent (a tiny
+    /// Qwen2-style decoder over the synthetic task's characters).
     pub model: ModelShape,
-    /// Supervised warm-up that makes the initial policy (and the reference model).
+    /// Supervised warm-up of the locally made policy (ignored with `policy.pretrain`).
     pub warmup: WarmupConfig,
     /// The embedded cluster and the placement of roles.
     pub cluster: ClusterConfig,
@@ -47,7 +56,11 @@ impl Default for TrainConfig {
         Self {
             seed: 42,
             run_dir: PathBuf::from("runs/default"),
-            task: TaskConfig::default(),
+            data: DataConfig::default(),
+            policy: RoleModelConfig::default(),
+            reference: RoleModelConfig::default(),
+            critic: RoleModelConfig::default(),
+            engine: EngineSection::default(),
             model: ModelShape::default(),
             warmup: WarmupConfig::default(),
             cluster: ClusterConfig::default(),
@@ -57,6 +70,122 @@ impl Default for TrainConfig {
             reward: RewardConfig::default(),
             eval: EvalConfig::default(),
             checkpoint: CheckpointConfig::default(),
+        }
+    }
+}
+
+/// Where a model role's weights come from and where it runs (sections `policy`, `reference`,
+/// `critic`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RoleModelConfig {
+    /// A Hugging Face directory: `config.json`, one or sharded `*.safetensors`, tokenizer files
+    /// (OpenRLHF's `--pretrain`, `--critic_pretrain`; the reference uses `--pretrain`).
+    pub pretrain: Option<PathBuf>,
+    /// Where the role's tensors live.
+    pub device: DeviceName,
+    /// The parameters' precision.
+    pub dtype: ModelDtype,
+}
+
+/// A device name: `cpu`, `cuda` (the rank's first visible GPU) or `cuda:N`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct DeviceName(pub String);
+
+impl Default for DeviceName {
+    fn default() -> Self {
+        DeviceName("cpu".to_owned())
+    }
+}
+
+impl DeviceName {
+    /// Whether this names a CUDA device.
+    pub fn is_cuda(&self) -> bool {
+        self.0.starts_with("cuda")
+    }
+
+    /// Checks the name, and that CUDA is there when it names a GPU.
+    pub fn validate(&self, key: &str) -> Result<()> {
+        rtrun_rlhf_engine::config::parse_device(&self.0)
+            .map_err(|e| TrainError::config(key, e.to_string()))?;
+        if self.is_cuda() {
+            if !cfg!(feature = "cuda") {
+                return Err(TrainError::config(
+                    key,
+                    format!(
+                        "expected cpu in a build without the `cuda` feature, found `{}` (rebuild with `--features cuda`)",
+                        self.0
+                    ),
+                ));
+            }
+            if !tch::Cuda::is_available() {
+                return Err(TrainError::config(
+                    key,
+                    format!("expected cpu on a machine without a usable GPU, found `{}`", self.0),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Parameter precision of a role.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ModelDtype {
+    /// 32-bit floats.
+    #[default]
+    Fp32,
+    /// bfloat16 (log-probs, losses and optimizer moments still accumulate in fp32).
+    Bf16,
+}
+
+impl ModelDtype {
+    /// The libtorch kind.
+    pub fn kind(self) -> tch::Kind {
+        match self {
+            ModelDtype::Fp32 => tch::Kind::Float,
+            ModelDtype::Bf16 => tch::Kind::BFloat16,
+        }
+    }
+
+    /// The generation engine's name for it.
+    pub fn engine_name(self) -> &'static str {
+        match self {
+            ModelDtype::Fp32 => "f32",
+            ModelDtype::Bf16 => "bf16",
+        }
+    }
+}
+
+/// The generation engines (vLLM's engine arguments).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct EngineSection {
+    /// Where the engines run.
+    pub device: DeviceName,
+    /// Weights and KV cache precision.
+    pub dtype: ModelDtype,
+    /// Bytes of KV cache per engine (vLLM sizes it with `gpu_memory_utilization`; here it is
+    /// given directly).
+    pub kv_cache_bytes: u64,
+    /// Running sequences per engine at most (`--max_num_seqs`).
+    pub max_num_seqs: usize,
+    /// libtorch intra-op threads of each engine process (absent: libtorch's default, every
+    /// core).
+    pub threads: Option<i32>,
+}
+
+impl Default for EngineSection {
+    fn default() -> Self {
+        let engine = rtrun_rlhf_engine::EngineConfig::default();
+        Self {
+            device: DeviceName::default(),
+            dtype: ModelDtype::Fp32,
+            kv_cache_bytes: engine.kv_cache_bytes,
+            max_num_seqs: engine.max_num_seqs,
+            threads: None,
         }
     }
 }
@@ -338,11 +467,22 @@ pub struct RewardConfig {
     pub kind: RewardKind,
     /// The rule's or custom function's registered name.
     pub name: String,
-    /// The URL of a remote reward server (`kind: remote`).
-    pub url: Option<String>,
-    /// A Hugging Face directory with a reward model (`kind: model`; a `score.weight` head on
-    /// the policy's architecture).
+    /// The URL of a remote reward server, or a list of them that the reward tasks spread over
+    /// and fail over between (`kind: remote`; OpenRLHF's `--remote_rm_url`).
+    pub url: OneOrMany<String>,
+    /// Seconds one request to a reward server may take.
+    pub timeout_s: f64,
+    /// Attempts after a failed request (connection error, timeout, 5xx), over the URLs in
+    /// turn, with doubling back-off from 0.2 s.
+    pub max_retries: u32,
+    /// A Hugging Face directory with a reward model (`kind: model`; a `score.weight` head,
+    /// OpenRLHF's `--reward_pretrain`). With a tokenizer other than the policy's, prompt and
+    /// response are re-tokenized with its own.
     pub model_dir: Option<PathBuf>,
+    /// Where the reward model runs.
+    pub device: DeviceName,
+    /// The reward model's precision.
+    pub dtype: ModelDtype,
     /// Reward computations run as this many parallel tasks.
     pub parallel_tasks: usize,
 }
@@ -352,8 +492,12 @@ impl Default for RewardConfig {
         Self {
             kind: RewardKind::Rule,
             name: "char_match".to_owned(),
-            url: None,
+            url: OneOrMany::default(),
+            timeout_s: 60.0,
+            max_retries: 3,
             model_dir: None,
+            device: DeviceName::default(),
+            dtype: ModelDtype::Fp32,
             parallel_tasks: 1,
         }
     }
@@ -395,11 +539,13 @@ pub struct CheckpointConfig {
     pub every_steps: u64,
     /// Resume from the newest checkpoint in the run directory when there is one.
     pub resume: bool,
+    /// Keep only this many newest checkpoints (absent: all).
+    pub keep_last: Option<usize>,
 }
 
 impl Default for CheckpointConfig {
     fn default() -> Self {
-        Self { every_steps: 0, resume: true }
+        Self { every_steps: 0, resume: true, keep_last: None }
     }
 }
 
@@ -445,18 +591,95 @@ impl TrainConfig {
                 Ok(())
             }
         };
-        let t = &self.task;
-        if t.min_digits == 0 || t.min_digits > t.max_digits || t.max_digits > 18 {
+        self.data.validate()?;
+        if let Some(t) = &self.data.synthetic {
+            if t.min_digits == 0 || t.min_digits > t.max_digits || t.max_digits > 18 {
+                return Err(TrainError::config(
+                    "data.synthetic.min_digits",
+                    format!(
+                        "expected 1 <= min_digits <= max_digits <= 18, found {}..={}",
+                        t.min_digits, t.max_digits
+                    ),
+                ));
+            }
+            positive("data.synthetic.train_size", t.train_size)?;
+            positive("data.synthetic.eval_size", t.eval_size)?;
+        }
+        if self.policy.pretrain.is_none() && !self.data.prompt_data.is_empty() {
             return Err(TrainError::config(
-                "task.min_digits",
-                format!(
-                    "expected 1 <= min_digits <= max_digits <= 18, found {}..={}",
-                    t.min_digits, t.max_digits
-                ),
+                "policy.pretrain",
+                "expected a Hugging Face checkpoint directory for data.prompt_data (the locally made \
+                 policy knows only the synthetic task's characters), found none",
             ));
         }
-        positive("task.train_size", t.train_size)?;
-        positive("task.eval_size", t.eval_size)?;
+        if self.policy.pretrain.is_some() && self.data.synthetic.is_some() {
+            return Err(TrainError::config(
+                "data.synthetic",
+                "expected data.prompt_data with policy.pretrain (the synthetic tasks use the \
+                 character tokenizer of the locally made policy), found data.synthetic",
+            ));
+        }
+        for (key, dir) in [
+            ("policy.pretrain", &self.policy.pretrain),
+            ("reference.pretrain", &self.reference.pretrain),
+            ("critic.pretrain", &self.critic.pretrain),
+        ] {
+            if dir.is_some() && self.policy.pretrain.is_none() {
+                return Err(TrainError::config(
+                    key,
+                    "expected policy.pretrain to be set too (the reference and critic must share \
+                     the policy's tokenizer)",
+                ));
+            }
+            if let Some(dir) = dir
+                && !dir.join("config.json").is_file()
+            {
+                return Err(TrainError::config(
+                    key,
+                    format!(
+                        "expected a Hugging Face directory with config.json, found no {}",
+                        dir.join("config.json").display()
+                    ),
+                ));
+            }
+        }
+        if self.policy.pretrain.is_some() && self.rollout.max_new_tokens == 0 {
+            return Err(TrainError::config(
+                "rollout.max_new_tokens",
+                "expected an explicit generation budget for prompt files, found 0 (only the \
+                 synthetic tasks derive it from their answers)",
+            ));
+        }
+        for (key, device) in [
+            ("policy.device", &self.policy.device),
+            ("reference.device", &self.reference.device),
+            ("critic.device", &self.critic.device),
+            ("engine.device", &self.engine.device),
+            ("reward.device", &self.reward.device),
+        ] {
+            device.validate(key)?;
+        }
+        if let Some(threads) = self.engine.threads
+            && threads < 1
+        {
+            return Err(TrainError::config(
+                "engine.threads",
+                format!("expected at least 1, found {threads}"),
+            ));
+        }
+        positive("engine.max_num_seqs", self.engine.max_num_seqs)?;
+        if self.engine.kv_cache_bytes == 0 {
+            return Err(TrainError::config(
+                "engine.kv_cache_bytes",
+                "expected at least 1, found 0",
+            ));
+        }
+        if self.checkpoint.keep_last == Some(0) {
+            return Err(TrainError::config(
+                "checkpoint.keep_last",
+                "expected at least 1 (or no key to keep all), found 0",
+            ));
+        }
         let m = &self.model;
         if m.hidden_size <= 0 || m.num_heads <= 0 || m.hidden_size % m.num_heads != 0 {
             return Err(TrainError::config(
@@ -619,7 +842,7 @@ impl TrainConfig {
             }
         }
         match self.reward.kind {
-            RewardKind::Remote if self.reward.url.is_none() => {
+            RewardKind::Remote if self.reward.url.is_empty() => {
                 return Err(TrainError::config(
                     "reward.url",
                     "expected a URL for reward.kind `remote`, found none",
@@ -646,16 +869,55 @@ impl TrainConfig {
             _ => {}
         }
         positive("reward.parallel_tasks", self.reward.parallel_tasks)?;
+        if !(self.reward.timeout_s.is_finite() && self.reward.timeout_s > 0.0) {
+            return Err(TrainError::config(
+                "reward.timeout_s",
+                format!("expected a number of seconds above 0, found {}", self.reward.timeout_s),
+            ));
+        }
+        if let Some(url) = self
+            .reward
+            .url
+            .0
+            .iter()
+            .find(|u| !(u.starts_with("http://") || u.starts_with("https://")))
+        {
+            return Err(TrainError::config(
+                "reward.url",
+                format!("expected http:// or https:// URLs, found `{url}`"),
+            ));
+        }
+        if matches!(self.reward.kind, RewardKind::Rule | RewardKind::Custom)
+            && !self.data.prompt_data.is_empty()
+            && self.data.label_key.is_none()
+            && crate::reward::find_reward_function(&self.reward.name).is_some_and(|f| f.needs_label)
+        {
+            return Err(TrainError::config(
+                "data.label_key",
+                format!(
+                    "expected a label key: reward `{}` compares responses with labels, found none",
+                    self.reward.name
+                ),
+            ));
+        }
         Ok(())
     }
 
     /// Generated tokens at most per sample.
     pub fn max_new_tokens(&self) -> usize {
-        if self.rollout.max_new_tokens == 0 {
-            self.task.max_answer_tokens() + 1
-        } else {
-            self.rollout.max_new_tokens
+        match (self.rollout.max_new_tokens, self.data.synthetic_task()) {
+            (0, Some(task)) => task.max_answer_tokens() + 1,
+            (n, _) => n,
         }
+    }
+
+    /// The policy's Hugging Face directory: `policy.pretrain`, or the locally made initial
+    /// policy in the run directory.
+    pub fn policy_dir(&self) -> PathBuf {
+        self.policy
+            .pretrain
+            .clone()
+            .unwrap_or_else(|| crate::trainer::RunPaths::new(&self.run_dir).initial_policy)
     }
 }
 
@@ -758,7 +1020,17 @@ mod tests {
         assert!(err("algo: [1, 2]\n", &[]).contains("bad.yaml"));
         assert!(err("", &["algo.kl_estimator=k9"]).contains("k9"));
         assert!(err("", &["model.num_kv_heads=3"]).contains("model.num_kv_heads"));
-        assert!(err("", &["task.min_digits=0"]).contains("task.min_digits"));
+        assert!(
+            err("data:\n  synthetic: {min_digits: 0}\n", &[]).contains("data.synthetic.min_digits")
+        );
+        assert!(err("", &["data.prompt_data=x.jsonl"]).contains("policy.pretrain"));
+        assert!(err("", &["policy.pretrain=/nonexistent"]).contains("policy.pretrain"));
+        assert!(err("", &["engine.device=gpu"]).contains("engine.device"));
+        assert!(err("", &["policy.dtype=fp8"]).contains("fp8"));
+        assert!(err("", &["checkpoint.keep_last=0"]).contains("checkpoint.keep_last"));
+        if !cfg!(feature = "cuda") {
+            assert!(err("", &["critic.device=cuda"]).contains("critic.device"));
+        }
         assert!(err("", &["algo.gamma=1.5"]).contains("algo.gamma"));
         assert!(err("", &["train.pipeline=dock"]).contains("algo.advantage_estimator"));
         assert!(

@@ -2,10 +2,13 @@
 //! runtime's actor groups, the trainer's `fit()` loop and the PPO/GRPO driver binary.
 //!
 //! - [`task`]: the synthetic verifiable tasks, their tokenizer and JSONL datasets.
+//! - [`data`]: prompt datasets: the synthetic task or JSONL / Parquet files, chat templates.
+//! - [`tokenizer`]: the tokenizer abstraction (character or Hugging Face) the trainer uses.
 //! - [`config`]: the YAML config with `--set` overrides.
 //! - [`warmup`]: the initial policy (tiny model + supervised warm-up).
 //! - [`experience`]: rows on the wire and their padded tensor layout.
-//! - [`reward`]: reward functions registered by name, run as tasks; the remote HTTP reward.
+//! - [`reward`]: reward functions registered by name (`math_answer`, `format`, …), run as
+//!   tasks; the remote HTTP reward.
 //! - [`roles`]: the role actors (policy / reference, critic, reward model).
 //! - [`placement_map`]: placement spec → actor options and colocation mode.
 //! - [`trainer`]: `fit()`, experience making, PPO training, checkpoints.
@@ -18,6 +21,7 @@
 
 pub mod algo;
 pub mod config;
+pub mod data;
 pub mod error;
 pub mod experience;
 pub mod placement_map;
@@ -26,6 +30,7 @@ pub mod rng;
 pub mod roles;
 pub mod run;
 pub mod task;
+pub mod tokenizer;
 pub mod trainer;
 pub mod warmup;
 

@@ -6,8 +6,11 @@
 //!
 //! ```ignore
 //! #[linkme::distributed_slice(rtrun_rlhf::reward::REWARD_FUNCTIONS)]
-//! static MY_REWARD: RewardFunction = RewardFunction { name: "my_reward", score: my_score };
+//! static MY_REWARD: RewardFunction =
+//!     RewardFunction { name: "my_reward", score: my_score, needs_label: true };
 //! ```
+
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
@@ -21,6 +24,8 @@ pub struct RewardFunction {
     pub name: &'static str,
     /// The function.
     pub score: ScoreFn,
+    /// Whether it reads the label (a run on prompt files must then set `data.label_key`).
+    pub needs_label: bool,
 }
 
 /// Every reward function linked into the binary.
@@ -29,12 +34,24 @@ pub static REWARD_FUNCTIONS: [RewardFunction];
 
 /// 1 when the response equals the label, else 0.
 #[linkme::distributed_slice(REWARD_FUNCTIONS)]
-static EXACT_MATCH: RewardFunction = RewardFunction { name: "exact_match", score: exact_match };
+static EXACT_MATCH: RewardFunction =
+    RewardFunction { name: "exact_match", score: exact_match, needs_label: true };
 
 /// Partial credit: the fraction of label positions the response gets right, minus a length
 /// penalty, and 1 exactly on a perfect answer.
 #[linkme::distributed_slice(REWARD_FUNCTIONS)]
-static CHAR_MATCH: RewardFunction = RewardFunction { name: "char_match", score: char_match };
+static CHAR_MATCH: RewardFunction =
+    RewardFunction { name: "char_match", score: char_match, needs_label: true };
+
+/// 1 when the response's final answer equals the label's (GSM8K / MATH style), else 0.
+#[linkme::distributed_slice(REWARD_FUNCTIONS)]
+static MATH_ANSWER: RewardFunction =
+    RewardFunction { name: "math_answer", score: math_answer, needs_label: true };
+
+/// 1 when the response ends in a marked final answer (`#### N` or `\boxed{..}`), else 0.
+#[linkme::distributed_slice(REWARD_FUNCTIONS)]
+static FORMAT: RewardFunction =
+    RewardFunction { name: "format", score: format, needs_label: false };
 
 fn exact_match(_prompt: &str, response: &str, label: &str) -> f32 {
     f32::from(u8::from(response == label))
@@ -50,6 +67,93 @@ fn char_match(_prompt: &str, response: &str, label: &str) -> f32 {
     let right = label.iter().zip(&response).filter(|(a, b)| a == b).count();
     // Strictly below 1 unless exact, so an exact answer is always the best in its group.
     0.9 * right as f32 / longest as f32
+}
+
+fn math_answer(_prompt: &str, response: &str, label: &str) -> f32 {
+    let expected = final_answer(label).and_then(|a| parse_number(&a));
+    let given = final_answer(response).and_then(|a| parse_number(&a));
+    match (expected, given) {
+        (Some(e), Some(g)) => f32::from(u8::from((e - g).abs() <= 1e-6 * e.abs().max(1.0))),
+        _ => 0.0,
+    }
+}
+
+fn format(_prompt: &str, response: &str, _label: &str) -> f32 {
+    let marked = marked_answer(response).and_then(|a| parse_number(&a)).is_some();
+    f32::from(u8::from(marked))
+}
+
+/// The final answer of a solution text: after the last `####`, else the last `\boxed{..}`, else
+/// the last number in the text.
+pub fn final_answer(text: &str) -> Option<String> {
+    marked_answer(text).or_else(|| last_number(text))
+}
+
+/// The answer after the last `####` (its first number) or inside the last `\boxed{..}`.
+fn marked_answer(text: &str) -> Option<String> {
+    if let Some(i) = text.rfind("####") {
+        return last_number(text[i + 4..].lines().next().unwrap_or(""));
+    }
+    let start = text.rfind("\\boxed{")? + "\\boxed{".len();
+    let mut depth = 1usize;
+    for (offset, c) in text[start..].char_indices() {
+        match c {
+            '{' => depth += 1,
+            '}' => {
+                depth -= 1;
+                if depth == 0 {
+                    return Some(text[start..start + offset].trim().to_owned());
+                }
+            }
+            _ => {}
+        }
+    }
+    None
+}
+
+/// The last number-like run (`-1,234.5`, `3/4`) in `text`.
+fn last_number(text: &str) -> Option<String> {
+    let bytes: Vec<char> = text.chars().collect();
+    let mut end = bytes.len();
+    while end > 0 && !bytes[end - 1].is_ascii_digit() {
+        end -= 1;
+    }
+    if end == 0 {
+        return None;
+    }
+    let mut start = end;
+    while start > 0
+        && (bytes[start - 1].is_ascii_digit() || matches!(bytes[start - 1], '.' | ',' | '/'))
+    {
+        start -= 1;
+    }
+    if start > 0 && bytes[start - 1] == '-' {
+        start -= 1;
+    }
+    Some(
+        bytes[start..end].iter().collect::<String>().trim_start_matches([',', '.', '/']).to_owned(),
+    )
+}
+
+/// A number as answers write it: thousands separators, `$`, a trailing `.` or `%`, simple
+/// fractions (`3/4`, `\frac{3}{4}`) and decimals.
+pub fn parse_number(text: &str) -> Option<f64> {
+    let mut t: String = text
+        .trim()
+        .trim_start_matches('$')
+        .trim_end_matches(['.', '%'])
+        .chars()
+        .filter(|c| !matches!(c, ',' | ' ' | '$'))
+        .collect();
+    if let Some(rest) = t.strip_prefix("\\frac{").or_else(|| t.strip_prefix("\\dfrac{")) {
+        let (num, den) = rest.trim_end_matches('}').split_once("}{")?;
+        t = format!("{num}/{den}");
+    }
+    if let Some((num, den)) = t.split_once('/') {
+        let (num, den) = (num.parse::<f64>().ok()?, den.parse::<f64>().ok()?);
+        return (den != 0.0).then(|| num / den);
+    }
+    t.parse::<f64>().ok().filter(|x| x.is_finite())
 }
 
 /// The function registered as `name`.
@@ -87,97 +191,118 @@ pub fn score_with_function(name: String, queries: Vec<RewardQuery>) -> Result<Ve
     Ok(queries.iter().map(|q| (function.score)(&q.prompt, &q.response, &q.label)).collect())
 }
 
+/// How a remote reward task reaches its servers.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RemoteRewardClient {
+    /// Reward servers; a task starts at `urls[first % len]` and fails over to the next.
+    pub urls: Vec<String>,
+    /// Which URL this task tries first (the chunk index: chunks spread over the servers).
+    pub first: usize,
+    /// Timeout of one request.
+    pub timeout: Duration,
+    /// Attempts after the first, over the URLs in turn, with doubling back-off from 200 ms.
+    pub retries: u32,
+}
+
 /// Scores `queries` with a remote reward server (OpenRLHF's `--remote_rm_url`), as an rtrun
 /// task: one `POST` of `{"query": [prompt + response], "prompts": [...], "labels": [...]}`
-/// expecting `{"rewards": [...]}` with one number per query. Plain `http://` only.
+/// expecting `{"rewards": [...]}` with one number per query. `http://` and `https://`.
 #[rtrun::remote]
-pub fn score_remote(url: String, queries: Vec<RewardQuery>) -> Result<Vec<f32>, String> {
+pub fn score_remote(
+    client: RemoteRewardClient,
+    queries: Vec<RewardQuery>,
+) -> Result<Vec<f32>, String> {
+    if client.urls.is_empty() {
+        return Err("reward.url: expected at least one URL, found none".to_owned());
+    }
     let body = serde_json::json!({
         "query": queries.iter().map(|q| format!("{}{}", q.prompt, q.response)).collect::<Vec<_>>(),
         "prompts": queries.iter().map(|q| q.prompt.as_str()).collect::<Vec<_>>(),
         "labels": queries.iter().map(|q| q.label.as_str()).collect::<Vec<_>>(),
-    });
-    let response = http::post_json(&url, &body.to_string(), std::time::Duration::from_secs(60))?;
-    let value: serde_json::Value = serde_json::from_str(&response)
-        .map_err(|e| format!("{url}: expected a JSON body, found {e}"))?;
+    })
+    .to_string();
+    let mut errors = Vec::new();
+    let mut pause = Duration::from_millis(200);
+    for attempt in 0..=client.retries as usize {
+        let url = &client.urls[(client.first + attempt) % client.urls.len()];
+        match post_for_rewards(url, &body, client.timeout, queries.len()) {
+            Ok(rewards) => return Ok(rewards),
+            // A well-formed answer with the wrong content will not improve on a retry.
+            Err(RemoteError::Answer(e)) => return Err(e),
+            Err(RemoteError::Transport(e)) => errors.push(e),
+        }
+        if attempt < client.retries as usize {
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_secs(5));
+        }
+    }
+    Err(format!("remote reward failed after {} attempts: {}", errors.len(), errors.join("; ")))
+}
+
+/// Why a request to a reward server failed.
+enum RemoteError {
+    /// Could not get an answer (connection, timeout, 5xx): worth another attempt.
+    Transport(String),
+    /// The server answered something unusable.
+    Answer(String),
+}
+
+/// Largest response body accepted.
+pub const MAX_RESPONSE_BYTES: u64 = 64 << 20;
+
+fn post_for_rewards(
+    url: &str,
+    body: &str,
+    timeout: Duration,
+    expected: usize,
+) -> Result<Vec<f32>, RemoteError> {
+    if !(url.starts_with("http://") || url.starts_with("https://")) {
+        return Err(RemoteError::Answer(format!(
+            "expected an http:// or https:// URL, found `{url}`"
+        )));
+    }
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .timeout_global(Some(timeout))
+        .http_status_as_error(false)
+        .build()
+        .into();
+    let mut response = agent
+        .post(url)
+        .header("Content-Type", "application/json")
+        .send(body)
+        .map_err(|e| RemoteError::Transport(format!("{url}: {e}")))?;
+    let status = response.status().as_u16();
+    if status >= 500 || status == 429 {
+        return Err(RemoteError::Transport(format!(
+            "{url}: expected a 2xx status, found {status}"
+        )));
+    }
+    if !(200..300).contains(&status) {
+        return Err(RemoteError::Answer(format!("{url}: expected a 2xx status, found {status}")));
+    }
+    let text = response
+        .body_mut()
+        .with_config()
+        .limit(MAX_RESPONSE_BYTES)
+        .read_to_string()
+        .map_err(|e| RemoteError::Transport(format!("{url}: reading the response: {e}")))?;
+    let answer = |m: String| RemoteError::Answer(format!("{url}: {m}"));
+    let value: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| answer(format!("expected a JSON body, found {e}")))?;
     let rewards = value.get("rewards").and_then(|r| r.as_array()).ok_or_else(|| {
-        format!("{url}: expected a `rewards` array in the response, found {value}")
+        answer(format!("expected a `rewards` array in the response, found {value}"))
     })?;
-    if rewards.len() != queries.len() {
-        return Err(format!("{url}: expected {} rewards, found {}", queries.len(), rewards.len()));
+    if rewards.len() != expected {
+        return Err(answer(format!("expected {expected} rewards, found {}", rewards.len())));
     }
     rewards
         .iter()
         .map(|r| {
             r.as_f64()
                 .map(|x| x as f32)
-                .ok_or_else(|| format!("{url}: expected numbers, found {r}"))
+                .ok_or_else(|| answer(format!("expected numbers, found {r}")))
         })
         .collect()
-}
-
-/// A minimal HTTP/1.1 client for the remote reward (no TLS, no redirects): enough for a
-/// reward server on the cluster's network, with a deadline on every socket operation.
-pub mod http {
-    use std::io::{Read, Write};
-    use std::net::{TcpStream, ToSocketAddrs};
-    use std::time::Duration;
-
-    /// Largest response body accepted.
-    pub const MAX_RESPONSE_BYTES: usize = 64 << 20;
-
-    /// `POST`s `body` as JSON to `url` and returns the response body of a 2xx answer.
-    pub fn post_json(url: &str, body: &str, timeout: Duration) -> Result<String, String> {
-        let rest = url
-            .strip_prefix("http://")
-            .ok_or_else(|| format!("expected an http:// URL, found `{url}`"))?;
-        let (authority, path) = match rest.find('/') {
-            Some(i) => (&rest[..i], &rest[i..]),
-            None => (rest, "/"),
-        };
-        let address =
-            if authority.contains(':') { authority.to_owned() } else { format!("{authority}:80") };
-        let socket = address
-            .to_socket_addrs()
-            .map_err(|e| format!("{url}: cannot resolve `{address}`: {e}"))?
-            .next()
-            .ok_or_else(|| format!("{url}: `{address}` resolves to nothing"))?;
-        let mut stream =
-            TcpStream::connect_timeout(&socket, timeout).map_err(|e| format!("{url}: {e}"))?;
-        stream.set_read_timeout(Some(timeout)).map_err(|e| format!("{url}: {e}"))?;
-        stream.set_write_timeout(Some(timeout)).map_err(|e| format!("{url}: {e}"))?;
-        let request = format!(
-            "POST {path} HTTP/1.1\r\nHost: {authority}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-            body.len()
-        );
-        stream.write_all(request.as_bytes()).map_err(|e| format!("{url}: {e}"))?;
-        let mut raw = Vec::new();
-        stream
-            .take(MAX_RESPONSE_BYTES as u64 + 1)
-            .read_to_end(&mut raw)
-            .map_err(|e| format!("{url}: {e}"))?;
-        if raw.len() > MAX_RESPONSE_BYTES {
-            return Err(format!("{url}: response larger than {MAX_RESPONSE_BYTES} bytes"));
-        }
-        let text = String::from_utf8(raw).map_err(|_| format!("{url}: response is not UTF-8"))?;
-        let (head, body) = text.split_once("\r\n\r\n").ok_or_else(|| {
-            format!("{url}: expected an HTTP response, found {} bytes without headers", text.len())
-        })?;
-        let status: u16 =
-            head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).ok_or_else(|| {
-                format!(
-                    "{url}: expected an HTTP status line, found `{}`",
-                    head.lines().next().unwrap_or("")
-                )
-            })?;
-        if !(200..300).contains(&status) {
-            return Err(format!("{url}: expected a 2xx status, found {status}"));
-        }
-        if head.to_ascii_lowercase().contains("transfer-encoding: chunked") {
-            return Err(format!("{url}: chunked responses are not supported; send Content-Length"));
-        }
-        Ok(body.to_owned())
-    }
 }
 
 #[cfg(test)]
@@ -195,7 +320,34 @@ mod tests {
         assert_eq!((e.score)("", "12", "12"), 1.0);
         assert_eq!((e.score)("", "13", "12"), 0.0);
         assert!(find_reward_function("nope").is_none());
-        assert_eq!(reward_function_names(), vec!["char_match", "exact_match"]);
+        assert_eq!(
+            reward_function_names(),
+            vec!["char_match", "exact_match", "format", "math_answer"]
+        );
+    }
+
+    #[test]
+    fn math_answer_reads_gsm8k_boxed_and_last_numbers() {
+        let m = find_reward_function("math_answer").unwrap();
+        let label = "She has 3 + 4 = 7 apples.\n#### 7";
+        assert_eq!((m.score)("", "3 + 4 = 7\n#### 7", label), 1.0);
+        assert_eq!((m.score)("", "The answer is \\boxed{7}.", label), 1.0);
+        assert_eq!((m.score)("", "so 7 apples", label), 1.0);
+        assert_eq!((m.score)("", "3 + 4 = 7 #### 8", label), 0.0);
+        assert_eq!((m.score)("", "no idea", label), 0.0);
+        assert_eq!((m.score)("", "#### 1,234", "1234"), 1.0);
+        assert_eq!((m.score)("", "\\boxed{\\frac{3}{4}}", "#### 0.75"), 1.0);
+        assert_eq!((m.score)("", "#### 3/4", "0.75"), 1.0);
+        assert_eq!((m.score)("", "It costs $-5.", "#### -5"), 1.0);
+        assert_eq!((m.score)("", "#### 7", "no number"), 0.0);
+        let f = find_reward_function("format").unwrap();
+        assert!(!f.needs_label);
+        assert_eq!((f.score)("", "so #### 12", ""), 1.0);
+        assert_eq!((f.score)("", "\\boxed{12}", ""), 1.0);
+        assert_eq!((f.score)("", "12", ""), 0.0);
+        assert_eq!((f.score)("", "#### twelve", ""), 0.0);
+        assert_eq!(parse_number("1,000."), Some(1000.0));
+        assert_eq!(parse_number("1/0"), None);
     }
 
     /// Serves each canned raw HTTP response to one connection, in order.
@@ -218,25 +370,45 @@ mod tests {
         vec![RewardQuery { prompt: "12>".into(), response: "21".into(), label: "21".into() }]
     }
 
+    fn client(urls: Vec<String>, retries: u32) -> RemoteRewardClient {
+        RemoteRewardClient { urls, first: 0, timeout: Duration::from_secs(5), retries }
+    }
+
     #[test]
     fn remote_reward_parses_good_answers_and_rejects_bad_ones() {
-        let ok = "HTTP/1.1 200 OK\r\nContent-Length: 17\r\n\r\n{\"rewards\": [0.5]}";
-        let server_error = "HTTP/1.1 500 Oops\r\nContent-Length: 0\r\n\r\n";
-        let not_json = "HTTP/1.1 200 OK\r\n\r\nhello";
-        let wrong_count = "HTTP/1.1 200 OK\r\n\r\n{\"rewards\": [0.5, 1]}";
-        let no_rewards = "HTTP/1.1 200 OK\r\n\r\n{\"scores\": [0.5]}";
-        let garbage = "nonsense";
-        let url = canned_server(vec![ok, server_error, not_json, wrong_count, no_rewards, garbage]);
-        assert_eq!(score_remote(url.clone(), query()).unwrap(), vec![0.5]);
-        let errors: Vec<String> =
-            (0..5).map(|_| score_remote(url.clone(), query()).unwrap_err()).collect();
-        assert!(errors[0].contains("found 500"), "{}", errors[0]);
+        let ok = "HTTP/1.1 200 OK\r\nContent-Length: 18\r\nConnection: close\r\n\r\n{\"rewards\": [0.5]}";
+        let client_error = "HTTP/1.1 404 Nope\r\nContent-Length: 0\r\nConnection: close\r\n\r\n";
+        let not_json = "HTTP/1.1 200 OK\r\nContent-Length: 5\r\nConnection: close\r\n\r\nhello";
+        let wrong_count = "HTTP/1.1 200 OK\r\nContent-Length: 21\r\nConnection: close\r\n\r\n{\"rewards\": [0.5, 1]}";
+        let no_rewards =
+            "HTTP/1.1 200 OK\r\nContent-Length: 17\r\nConnection: close\r\n\r\n{\"scores\": [0.5]}";
+        let url = canned_server(vec![ok, client_error, not_json, wrong_count, no_rewards]);
+        assert_eq!(score_remote(client(vec![url.clone()], 0), query()).unwrap(), vec![0.5]);
+        let errors: Vec<String> = (0..4)
+            .map(|_| score_remote(client(vec![url.clone()], 0), query()).unwrap_err())
+            .collect();
+        assert!(errors[0].contains("found 404"), "{}", errors[0]);
         assert!(errors[1].contains("expected a JSON body"), "{}", errors[1]);
         assert!(errors[2].contains("expected 1 rewards, found 2"), "{}", errors[2]);
         assert!(errors[3].contains("expected a `rewards` array"), "{}", errors[3]);
-        assert!(errors[4].contains("expected an HTTP response"), "{}", errors[4]);
-        assert!(score_remote("https://x".into(), query()).unwrap_err().contains("http://"));
+        assert!(
+            score_remote(client(vec!["ftp://x".into()], 0), query())
+                .unwrap_err()
+                .contains("https://")
+        );
+    }
+
+    #[test]
+    fn remote_reward_retries_and_fails_over_to_the_next_url() {
         let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
-        assert!(score_remote(format!("http://{closed}/"), query()).is_err());
+        let dead = format!("http://{closed}/");
+        let busy = "HTTP/1.1 503 Busy\r\nContent-Length: 0\r\nConnection: close\r\n\r\n";
+        let ok = "HTTP/1.1 200 OK\r\nContent-Length: 19\r\nConnection: close\r\n\r\n{\"rewards\": [0.25]}";
+        let live = canned_server(vec![busy, ok]);
+        // dead → live (503) → dead → live (200).
+        let rewards = score_remote(client(vec![dead.clone(), live], 3), query()).unwrap();
+        assert_eq!(rewards, vec![0.25]);
+        let err = score_remote(client(vec![dead], 1), query()).unwrap_err();
+        assert!(err.contains("after 2 attempts"), "{err}");
     }
 }

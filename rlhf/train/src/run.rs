@@ -7,74 +7,137 @@ use std::collections::BTreeMap;
 use rtrun_rlhf_telemetry::{MetricsWriter, StartMode};
 
 use crate::config::TrainConfig;
+use crate::data::load_prompts;
 use crate::error::{Result, TrainError};
 use crate::placement_map::RolePlacements;
 use crate::task::{read_jsonl, write_jsonl};
+use crate::tokenizer::HfTokenizer;
 use crate::trainer::{FitReport, ProgressObserver, RunPaths, Trainer, checkpoint, telemetry_error};
 use crate::warmup::{WarmupReport, make_initial_policy, policy_config};
 
 /// Where the initial policy came from.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum InitialPolicy {
     /// Made now, with this warm-up.
     Made(WarmupReport),
     /// Reused from the run directory (a resumed run).
     Reused,
+    /// A Hugging Face checkpoint (`policy.pretrain`).
+    Pretrained(std::path::PathBuf),
+}
+
+/// What [`prepare`] did.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Prepared {
+    /// Where the initial policy came from.
+    pub initial: InitialPolicy,
+    /// Training prompts.
+    pub train_prompts: usize,
+    /// Held-out prompts.
+    pub eval_prompts: usize,
+    /// Prompts dropped for `data.max_prompt_len` (train, held-out).
+    pub dropped_too_long: (usize, usize),
 }
 
 /// Name of the file recording what a run directory's data and initial policy were made from.
 pub const PREPARED_FILE: &str = "prepared.json";
 
-/// Writes the datasets and the initial policy into the run directory, or reuses those a
-/// previous run made from the same seed, task, model and warm-up settings (so a resumed run
-/// sees the same data and model). A directory prepared from other settings is prepared again,
-/// unless it holds checkpoints, which would then not match: that is an error.
-pub fn prepare(config: &TrainConfig, paths: &RunPaths) -> Result<InitialPolicy> {
+/// Writes the datasets (generated, or read from the prompt files, rendered and filtered) and,
+/// for a synthetic task, the warmed-up initial policy into the run directory; or reuses those a
+/// previous run made from the same settings (so a resumed run sees the same data and model).
+/// A directory prepared from other settings is prepared again, unless it holds checkpoints,
+/// which would then not match: that is an error.
+pub fn prepare(config: &TrainConfig, paths: &RunPaths) -> Result<Prepared> {
     let data_dir = paths.train_data.parent().unwrap_or(&paths.root);
     std::fs::create_dir_all(data_dir).map_err(|e| TrainError::io(data_dir, e))?;
-    let key = serde_json::json!({
-        "seed": config.seed,
-        "task": config.task,
-        "model": config.model,
-        "warmup": config.warmup,
-        "max_new_tokens": config.max_new_tokens(),
-    });
+    let synthetic = config.data.synthetic_task();
+    let key = match &synthetic {
+        Some(task) => serde_json::json!({
+            "seed": config.seed,
+            "synthetic": task,
+            "model": config.model,
+            "warmup": config.warmup,
+            "max_new_tokens": config.max_new_tokens(),
+        }),
+        None => serde_json::json!({
+            "seed": config.seed,
+            "data": config.data,
+            "policy": config.policy.pretrain,
+        }),
+    };
     let key_path = paths.root.join(PREPARED_FILE);
     let previous: Option<serde_json::Value> =
         std::fs::read(&key_path).ok().and_then(|bytes| serde_json::from_slice(&bytes).ok());
-    let same =
-        previous.as_ref() == Some(&key) && paths.train_data.is_file() && paths.eval_data.is_file();
+    let same = previous.as_ref().and_then(|p| p.get("key")) == Some(&key)
+        && paths.train_data.is_file()
+        && paths.eval_data.is_file();
+    let mut dropped = previous
+        .as_ref()
+        .and_then(|p| p.get("dropped_too_long"))
+        .and_then(|d| serde_json::from_value::<(usize, usize)>(d.clone()).ok())
+        .unwrap_or((0, 0));
     if !same {
         if checkpoint::newest(&paths.checkpoints)?.is_some() {
             return Err(TrainError::config(
                 "run_dir",
                 format!(
-                    "{} holds checkpoints of a run with other seed/task/model/warmup settings \
+                    "{} holds checkpoints of a run with other seed/data/model settings \
                      (see {PREPARED_FILE}); use another run_dir or remove it",
                     paths.root.display()
                 ),
             ));
         }
-        let (train, eval) = config.task.generate(config.seed)?;
+        let (train, eval) = match (&synthetic, &config.policy.pretrain) {
+            (Some(task), _) => {
+                dropped = (0, 0);
+                task.generate(config.seed)?
+            }
+            (None, Some(dir)) => {
+                let tokenizer = HfTokenizer::from_dir(dir, config.data.apply_chat_template)
+                    .map_err(|e| TrainError::config("policy.pretrain", e.to_string()))?;
+                let loaded = load_prompts(&config.data, &tokenizer, config.seed)?;
+                dropped = loaded.dropped_too_long;
+                (loaded.train, loaded.eval)
+            }
+            (None, None) => {
+                return Err(TrainError::config(
+                    "policy.pretrain",
+                    "expected a checkpoint directory for data.prompt_data, found none",
+                ));
+            }
+        };
         write_jsonl(&paths.train_data, &train)?;
         write_jsonl(&paths.eval_data, &eval)?;
         if paths.initial_policy.exists() {
             std::fs::remove_dir_all(&paths.initial_policy)
                 .map_err(|e| TrainError::io(&paths.initial_policy, e))?;
         }
-        std::fs::write(&key_path, key.to_string()).map_err(|e| TrainError::io(&key_path, e))?;
-    }
-    if paths.initial_policy.join("config.json").is_file() {
-        return Ok(InitialPolicy::Reused);
+        let record = serde_json::json!({"key": key, "dropped_too_long": dropped});
+        std::fs::write(&key_path, record.to_string()).map_err(|e| TrainError::io(&key_path, e))?;
     }
     let train = read_jsonl(&paths.train_data)?;
-    let max_positions = (config.task.max_prompt_tokens() + config.max_new_tokens() + 8) as i64;
+    let eval_prompts = read_jsonl(&paths.eval_data)?.len();
+    let mut prepared = Prepared {
+        initial: InitialPolicy::Reused,
+        train_prompts: train.len(),
+        eval_prompts,
+        dropped_too_long: dropped,
+    };
+    let Some(task) = synthetic else {
+        prepared.initial = InitialPolicy::Pretrained(config.policy_dir());
+        return Ok(prepared);
+    };
+    if paths.initial_policy.join("config.json").is_file() {
+        return Ok(prepared);
+    }
+    let max_positions = (task.max_prompt_tokens() + config.max_new_tokens() + 8) as i64;
     let model_config = policy_config(&config.model, max_positions);
     // Written under a temporary name and renamed, so a killed warm-up is redone, not reused.
     let tmp = paths.initial_policy.with_extension("tmp");
     let report = make_initial_policy(&tmp, &model_config, &config.warmup, &train, config.seed)?;
     std::fs::rename(&tmp, &paths.initial_policy).map_err(|e| TrainError::io(&tmp, e))?;
-    Ok(InitialPolicy::Made(report))
+    prepared.initial = InitialPolicy::Made(report);
+    Ok(prepared)
 }
 
 /// Starts the embedded runtime sized for the placement (declared GPUs, enough CPUs for the
@@ -127,7 +190,7 @@ pub fn run(
     let roles = crate::trainer::Roles::create(
         config,
         placements,
-        &paths.initial_policy,
+        &config.policy_dir(),
         reward_dir.as_deref(),
         steps_hint,
     )?;
@@ -155,18 +218,18 @@ mod tests {
         let root = std::env::temp_dir().join(format!("rtrun-prepare-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&root);
         let yaml = format!(
-            "run_dir: {}\ntask: {{train_size: 32, eval_size: 4, max_digits: 4}}\n\
+            "run_dir: {}\ndata: {{synthetic: {{train_size: 32, eval_size: 4, max_digits: 4}}}}\n\
              model: {{hidden_size: 16, num_layers: 1, num_heads: 2, num_kv_heads: 1, intermediate_size: 32}}\n\
              warmup: {{steps: 2, batch_size: 4}}\n",
             root.display()
         );
         let config = TrainConfig::from_yaml(&yaml, "t.yaml", &[]).unwrap();
         let paths = RunPaths::new(&root);
-        assert!(matches!(prepare(&config, &paths).unwrap(), InitialPolicy::Made(_)));
-        assert_eq!(prepare(&config, &paths).unwrap(), InitialPolicy::Reused);
+        assert!(matches!(prepare(&config, &paths).unwrap().initial, InitialPolicy::Made(_)));
+        assert_eq!(prepare(&config, &paths).unwrap().initial, InitialPolicy::Reused);
         // Other settings without checkpoints: prepared again.
         let other = TrainConfig::from_yaml(&yaml, "t.yaml", &["seed=5".into()]).unwrap();
-        assert!(matches!(prepare(&other, &paths).unwrap(), InitialPolicy::Made(_)));
+        assert!(matches!(prepare(&other, &paths).unwrap().initial, InitialPolicy::Made(_)));
         // With a checkpoint, switching settings again is refused.
         let ckpt = paths.checkpoints.join("step_000001");
         std::fs::create_dir_all(&ckpt).unwrap();

@@ -33,7 +33,7 @@ fn scratch(name: &str) -> PathBuf {
 fn small_config(run_dir: &Path, extra: &str) -> TrainConfig {
     let yaml = format!(
         "seed: 7\nrun_dir: {}\n\
-         task: {{kind: reverse_digits, min_digits: 2, max_digits: 4, train_size: 64, eval_size: 8}}\n\
+         data: {{synthetic: {{kind: reverse_digits, min_digits: 2, max_digits: 4, train_size: 64, eval_size: 8}}}}\n\
          model: {{hidden_size: 32, num_layers: 1, num_heads: 2, num_kv_heads: 1, intermediate_size: 64}}\n\
          warmup: {{steps: 5, batch_size: 16, lr: 0.003}}\n\
          rollout: {{prompts_per_step: 4, n_samples_per_prompt: 2}}\n\
@@ -302,8 +302,11 @@ fn count_ones(_prompt: &str, _response: &str, _label: &str) -> f32 {
 }
 
 #[linkme::distributed_slice(rtrun_rlhf::reward::REWARD_FUNCTIONS)]
-static COUNT_ONES: rtrun_rlhf::reward::RewardFunction =
-    rtrun_rlhf::reward::RewardFunction { name: "count_ones", score: count_ones };
+static COUNT_ONES: rtrun_rlhf::reward::RewardFunction = rtrun_rlhf::reward::RewardFunction {
+    name: "count_ones",
+    score: count_ones,
+    needs_label: false,
+};
 
 #[test]
 fn custom_reward_function_registered_by_name() {

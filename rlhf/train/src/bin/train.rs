@@ -72,7 +72,8 @@ fn main() -> anyhow::Result<()> {
     );
     let paths = rtrun_rlhf::trainer::RunPaths::new(&config.run_dir);
     eprintln!("run directory: {}", paths.root.display());
-    match rtrun_rlhf::run::prepare(&config, &paths)? {
+    let prepared = rtrun_rlhf::run::prepare(&config, &paths)?;
+    match &prepared.initial {
         rtrun_rlhf::run::InitialPolicy::Made(w) => eprintln!(
             "warm-up: {} supervised steps, token loss {:.3} -> {:.3}",
             w.steps, w.first_loss, w.last_loss
@@ -80,14 +81,31 @@ fn main() -> anyhow::Result<()> {
         rtrun_rlhf::run::InitialPolicy::Reused => {
             eprintln!("warm-up: reusing the initial policy of the run directory")
         }
+        rtrun_rlhf::run::InitialPolicy::Pretrained(dir) => {
+            eprintln!("policy: {}", dir.display())
+        }
     }
+    let (dropped_train, dropped_eval) = prepared.dropped_too_long;
+    eprintln!(
+        "prompts: {} training, {} held-out{}",
+        prepared.train_prompts,
+        prepared.eval_prompts,
+        if dropped_train + dropped_eval > 0 {
+            format!(
+                " ({dropped_train} training and {dropped_eval} held-out dropped: longer than data.max_prompt_len = {})",
+                config.data.max_prompt_len
+            )
+        } else {
+            String::new()
+        }
+    );
     if config.checkpoint.resume
         && let Some(dir) = rtrun_rlhf::trainer::checkpoint::newest(&paths.checkpoints)?
     {
         eprintln!("resuming from {}", dir.display());
     }
     let total = {
-        let per_episode = (config.task.train_size / config.rollout.prompts_per_step).max(1) as u64;
+        let per_episode = (prepared.train_prompts / config.rollout.prompts_per_step).max(1) as u64;
         let total = per_episode * config.train.num_episodes as u64;
         config.train.max_steps.map_or(total, |m| m.min(total))
     };
@@ -106,6 +124,9 @@ fn main() -> anyhow::Result<()> {
     let mut bar = Bar(progress);
     let (trainer, report) = rtrun_rlhf::run::run(&config, &mut bar)?;
     bar.0.finish();
+    if let Some(dir) = &report.exported {
+        eprintln!("final policy (Hugging Face format): {}", dir.display());
+    }
 
     let records =
         jsonl::read_jsonl(&paths.root.join("metrics.jsonl")).context("reading metrics.jsonl")?;
@@ -116,7 +137,7 @@ fn main() -> anyhow::Result<()> {
         title,
         steps: report.steps,
         wall_time: started.elapsed(),
-        held_out_prompts: config.task.eval_size,
+        held_out_prompts: prepared.eval_prompts,
         held_out: vec![
             EvalRow {
                 metric: "mean reward".into(),
@@ -124,7 +145,7 @@ fn main() -> anyhow::Result<()> {
                 final_value: Some(report.final_result.mean_reward),
             },
             EvalRow {
-                metric: "exact-match accuracy".into(),
+                metric: "full-reward accuracy".into(),
                 baseline: Some(report.baseline.accuracy),
                 final_value: Some(report.final_result.accuracy),
             },

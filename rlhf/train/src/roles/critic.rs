@@ -67,7 +67,7 @@ impl CriticWorkerState {
         let model = ScalarHeadModel::from_pretrained(
             &config.model_dir,
             config.setup.device(),
-            Kind::Float,
+            config.setup.kind(),
             config.seed,
         )
         .map_err(|e| format!("loading {}: {e}", config.model_dir.display()))?;
@@ -123,8 +123,12 @@ impl CriticWorkerState {
     /// Loads what [`CriticWorker::save_checkpoint`] saved.
     pub fn load_checkpoint(&mut self, dir: PathBuf) -> Result<(), String> {
         let run = || -> rtrun_rlhf_model::Result<()> {
-            let loaded =
-                ScalarHeadModel::from_pretrained(&dir, self.model.params.device(), Kind::Float, 0)?;
+            let loaded = ScalarHeadModel::from_pretrained(
+                &dir,
+                self.model.params.device(),
+                self.setup.kind(),
+                0,
+            )?;
             tch::no_grad(|| -> rtrun_rlhf_model::Result<()> {
                 for (name, value) in loaded.named_parameters() {
                     self.model.params.copy_into(name, value)?;
@@ -288,7 +292,7 @@ impl RewardModelWorkerState {
         let model = ScalarHeadModel::from_pretrained(
             &config.model_dir,
             config.setup.device(),
-            Kind::Float,
+            config.setup.kind(),
             0,
         )
         .map_err(|e| format!("loading {}: {e}", config.model_dir.display()))?;

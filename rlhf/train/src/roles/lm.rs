@@ -73,6 +73,8 @@ pub struct LmWorker {
 /// The tensors and settings of a [`LmWorker`].
 struct LmWorkerState {
     setup: WorkerSetup,
+    /// The directory the model was loaded from (its tokenizer files go with every save).
+    source_dir: PathBuf,
     model: CausalLm,
     optimizer: Option<AdamW>,
     loss: PolicyLossConfig,
@@ -90,7 +92,7 @@ impl LmWorkerState {
     fn create(config: LmWorkerConfig) -> Result<LmWorkerState, String> {
         config.setup.apply();
         let device = config.setup.device();
-        let model = CausalLm::from_pretrained(&config.model_dir, device, Kind::Float)
+        let model = CausalLm::from_pretrained(&config.model_dir, device, config.setup.kind())
             .map_err(|e| format!("loading {}: {e}", config.model_dir.display()))?;
         let optimizer = match &config.optimizer {
             Some(o) => {
@@ -103,6 +105,7 @@ impl LmWorkerState {
         };
         Ok(LmWorkerState {
             setup: config.setup,
+            source_dir: config.model_dir,
             model,
             optimizer,
             loss: config.loss,
@@ -175,7 +178,8 @@ impl LmWorkerState {
             .map_err(to_string_error)
     }
 
-    /// Saves the model (Hugging Face layout) and, for a policy rank, the optimizer state.
+    /// Saves the model (Hugging Face layout, with the tokenizer files of the directory it was
+    /// loaded from) and, for a policy rank, the optimizer state.
     pub fn save_checkpoint(&self, dir: PathBuf) -> Result<(), String> {
         match &self.optimizer {
             Some(opt) => rtrun_rlhf_model::train::save_training_checkpoint(
@@ -186,7 +190,17 @@ impl LmWorkerState {
             ),
             None => self.model.save_pretrained(&dir, &Default::default()),
         }
+        .and_then(|()| copy_tokenizer_files(&self.source_dir, &dir, self.model.config()))
         .map_err(|e| format!("saving {}: {e}", dir.display()))
+    }
+
+    /// Saves the model as a Hugging Face directory that `transformers` and `policy.pretrain`
+    /// load: config, safetensors, tokenizer files and generation config.
+    pub fn export(&self, dir: PathBuf) -> Result<(), String> {
+        self.model
+            .save_pretrained(&dir, &Default::default())
+            .and_then(|()| copy_tokenizer_files(&self.source_dir, &dir, self.model.config()))
+            .map_err(|e| format!("saving {}: {e}", dir.display()))
     }
 
     /// Loads weights and optimizer state saved by [`LmWorker::save_checkpoint`].
@@ -195,7 +209,7 @@ impl LmWorkerState {
             Some(opt) => {
                 rtrun_rlhf_model::train::load_training_checkpoint(&dir, &self.model.params, opt)
             }
-            None => CausalLm::from_pretrained(&dir, self.model.params.device(), Kind::Float)
+            None => CausalLm::from_pretrained(&dir, self.model.params.device(), self.setup.kind())
                 .map(|loaded| self.model = loaded),
         }
         .map_err(|e| format!("loading {}: {e}", dir.display()))
@@ -281,6 +295,11 @@ impl LmWorker {
         self.state().load_checkpoint(dir)
     }
 
+    /// Saves the model alone as a Hugging Face directory (weights, config, tokenizer files).
+    pub fn export(&self, dir: PathBuf) -> Result<(), String> {
+        self.state().export(dir)
+    }
+
     /// Offloads training state to host memory (hybrid engine, while the engines generate).
     pub fn offload(&mut self) -> Result<(), String> {
         self.state().offload()
@@ -295,6 +314,37 @@ impl LmWorker {
     pub fn is_offloaded(&self) -> bool {
         self.state().is_offloaded()
     }
+}
+
+/// Copies the tokenizer files of `from` into `to` (skipping files `to` already has, and
+/// `from == to`), and writes a `generation_config.json` with the model's EOS / BOS / PAD ids when
+/// `from` has none, so the directory generates and stops as the source did.
+fn copy_tokenizer_files(
+    from: &std::path::Path,
+    to: &std::path::Path,
+    config: &rtrun_rlhf_model::ModelConfig,
+) -> rtrun_rlhf_model::Result<()> {
+    use rtrun_rlhf_model::ModelError;
+    use rtrun_rlhf_model::tokenizer::{GENERATION_CONFIG_FILE, TOKENIZER_FILES};
+    let io = |path: &std::path::Path, e| ModelError::Io { path: path.to_path_buf(), source: e };
+    if from != to {
+        for name in TOKENIZER_FILES {
+            let source = from.join(name);
+            if source.is_file() {
+                std::fs::copy(&source, to.join(name)).map_err(|e| io(&source, e))?;
+            }
+        }
+    }
+    let generation = to.join(GENERATION_CONFIG_FILE);
+    if !generation.exists() {
+        let json = serde_json::json!({
+            "bos_token_id": config.bos_token_id,
+            "eos_token_id": config.eos_token_id,
+            "pad_token_id": config.pad_token_id,
+        });
+        std::fs::write(&generation, json.to_string()).map_err(|e| io(&generation, e))?;
+    }
+    Ok(())
 }
 
 /// Tensors are `Send` but not `Sync`, and the runtime shares an actor between its executor

@@ -10,6 +10,7 @@ use tch::Device;
 
 use rtrun_rlhf_model::CausalLm;
 
+use crate::config::{DeviceName, ModelDtype};
 use crate::error::{Result, TrainError};
 
 /// Per-process settings every role rank applies first.
@@ -19,16 +20,34 @@ pub struct WorkerSetup {
     pub role: String,
     /// libtorch intra-op threads.
     pub threads: i32,
-    /// `cpu` or `cuda`.
+    /// `cpu`, `cuda` or `cuda:N`.
     pub device: String,
+    /// The parameters' precision.
+    pub dtype: ModelDtype,
     /// Whether the rank's training state is offloaded (hybrid engine).
     pub offloaded: bool,
 }
 
 impl WorkerSetup {
-    /// A CPU rank of `role` with `threads` threads.
+    /// A CPU fp32 rank of `role` with `threads` threads.
     pub fn cpu(role: &str, threads: i32) -> Self {
-        Self { role: role.to_owned(), threads, device: "cpu".to_owned(), offloaded: false }
+        Self {
+            role: role.to_owned(),
+            threads,
+            device: "cpu".to_owned(),
+            dtype: ModelDtype::Fp32,
+            offloaded: false,
+        }
+    }
+
+    /// A rank of `role` on `device` in `dtype`.
+    pub fn on(role: &str, threads: i32, device: &DeviceName, dtype: ModelDtype) -> Self {
+        Self { device: device.0.clone(), dtype, ..Self::cpu(role, threads) }
+    }
+
+    /// The libtorch kind of the parameters.
+    pub fn kind(&self) -> tch::Kind {
+        self.dtype.kind()
     }
 
     /// Applies the process-wide settings (thread counts).
@@ -37,12 +56,12 @@ impl WorkerSetup {
         tch::set_num_interop_threads(1);
     }
 
-    /// The tensor device.
+    /// The tensor device (the driver checked the name and that CUDA is there; a worker that
+    /// finds otherwise falls back to the CPU rather than failing every call).
     pub fn device(&self) -> Device {
-        if self.device.starts_with("cuda") && tch::Cuda::is_available() {
-            Device::Cuda(0)
-        } else {
-            Device::Cpu
+        match rtrun_rlhf_engine::config::parse_device(&self.device) {
+            Ok(Device::Cuda(i)) if tch::Cuda::is_available() => Device::Cuda(i),
+            _ => Device::Cpu,
         }
     }
 }

@@ -39,6 +39,38 @@ pub fn newest(dir: &Path) -> Result<Option<PathBuf>> {
     Ok(best.map(|(_, p)| p))
 }
 
+/// Removes all but the `keep` newest complete checkpoints (and any incomplete one older than
+/// the oldest kept).
+pub fn prune(dir: &Path, keep: usize) -> Result<Vec<PathBuf>> {
+    let mut steps: Vec<(u64, PathBuf, bool)> = Vec::new();
+    for entry in std::fs::read_dir(dir).map_err(|e| TrainError::io(dir, e))? {
+        let entry = entry.map_err(|e| TrainError::io(dir, e))?;
+        let name = entry.file_name();
+        if let Some(step) =
+            name.to_str().and_then(|n| n.strip_prefix("step_")).and_then(|n| n.parse::<u64>().ok())
+        {
+            let complete = entry.path().join(STATE_FILE).is_file();
+            steps.push((step, entry.path(), complete));
+        }
+    }
+    steps.sort_by_key(|(step, _, _)| std::cmp::Reverse(*step));
+    let mut kept = 0;
+    let mut removed = Vec::new();
+    for (_, path, complete) in steps {
+        if complete && kept < keep {
+            kept += 1;
+            continue;
+        }
+        if kept < keep {
+            // An incomplete directory newer than the kept ones may be a save in progress.
+            continue;
+        }
+        std::fs::remove_dir_all(&path).map_err(|e| TrainError::io(&path, e))?;
+        removed.push(path);
+    }
+    Ok(removed)
+}
+
 impl Trainer {
     /// Saves the run's state after the current step.
     pub fn save_checkpoint(&self) -> Result<PathBuf> {
@@ -66,6 +98,9 @@ impl Trainer {
         let tmp = dir.join(format!("{STATE_FILE}.tmp"));
         std::fs::write(&tmp, state).map_err(|e| TrainError::io(&tmp, e))?;
         std::fs::rename(&tmp, dir.join(STATE_FILE)).map_err(|e| TrainError::io(&dir, e))?;
+        if let Some(keep) = self.config.checkpoint.keep_last {
+            prune(&self.paths.checkpoints, keep)?;
+        }
         Ok(dir)
     }
 
@@ -116,6 +151,11 @@ mod tests {
             }
         }
         assert_eq!(newest(&root).unwrap(), Some(root.join("step_000005")));
+        // keep_last 1: step 5 stays; the newer incomplete step 10 is a save in progress and
+        // stays; step 2 goes.
+        let removed = prune(&root, 1).unwrap();
+        assert_eq!(removed, vec![root.join("step_000002")]);
+        assert!(root.join("step_000010").exists() && root.join("step_000005").exists());
         std::fs::remove_dir_all(&root).unwrap();
     }
 }

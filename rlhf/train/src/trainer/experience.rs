@@ -9,11 +9,11 @@ use crate::algo::{self, AdvantageInputs};
 use crate::config::RewardKind;
 use crate::error::{Result, TrainError};
 use crate::experience::{ExperienceRow, Sequence, pad_rows, unpad_rows};
-use crate::reward::{RewardQuery, score_remote, score_with_function};
+use crate::reward::{RemoteRewardClient, RewardQuery, score_remote, score_with_function};
 use crate::rng::{SplitMix64, mix_seed};
 use crate::roles::critic::CriticTrainStats;
 use crate::roles::lm::PolicyTrainStats;
-use crate::task::{CharTokenizer, PromptRecord};
+use crate::task::PromptRecord;
 use crate::trainer::Trainer;
 use crate::trainer::roles::{dispatch, gather, gather_each};
 
@@ -46,16 +46,19 @@ pub fn rewards(
                 "reward.kind is `model` but no reward-model group was created",
             )
         })?;
-        let refs = dispatch(group, sequences.to_vec(), |w, chunk| w.rewards(chunk));
+        let sequences = match &trainer.reward_tokenizer {
+            None => sequences.to_vec(),
+            Some(rm) => retokenize(trainer, rm.as_ref(), records, sequences)?,
+        };
+        let refs = dispatch(group, sequences, |w, chunk| w.rewards(chunk));
         return Ok(PendingRewards { role: "reward", refs });
     }
-    let tok = CharTokenizer;
     let queries: Vec<RewardQuery> = records
         .iter()
         .zip(sequences)
         .map(|(record, s)| RewardQuery {
             prompt: record.prompt.clone(),
-            response: tok.decode(&s.response_ids),
+            response: trainer.tokenizer.decode_response(&s.response_ids),
             label: record.label.clone(),
         })
         .collect();
@@ -63,12 +66,57 @@ pub fn rewards(
     let refs = chunks
         .into_iter()
         .filter(|c| !c.is_empty())
-        .map(|chunk| match (config.kind, &config.url) {
-            (RewardKind::Remote, Some(url)) => score_remote::remote(url.clone(), chunk),
+        .enumerate()
+        .map(|(i, chunk)| match config.kind {
+            RewardKind::Remote => score_remote::remote(
+                RemoteRewardClient {
+                    urls: config.url.0.clone(),
+                    first: i,
+                    timeout: std::time::Duration::from_secs_f64(config.timeout_s),
+                    retries: config.max_retries,
+                },
+                chunk,
+            ),
             _ => score_with_function::remote(config.name.clone(), chunk),
         })
         .collect();
     Ok(PendingRewards { role: "reward", refs })
+}
+
+/// The sequences as the reward model's own tokenizer reads them: prompt text and decoded
+/// response re-encoded, and the reward model's EOS appended where the response ended with one.
+fn retokenize(
+    trainer: &Trainer,
+    rm: &dyn crate::tokenizer::PromptTokenizer,
+    records: &[&PromptRecord],
+    sequences: &[Sequence],
+) -> Result<Vec<Sequence>> {
+    let eos = trainer.tokenizer.eos_token_ids();
+    let rm_eos = rm.eos_token_ids();
+    records
+        .iter()
+        .zip(sequences)
+        .map(|(record, s)| {
+            let mut response_ids =
+                rm.encode_response(&trainer.tokenizer.decode_response(&s.response_ids))?;
+            if s.response_ids.last().is_some_and(|id| eos.contains(id))
+                && let Some(&end) = rm_eos.first()
+            {
+                response_ids.push(end);
+            }
+            if response_ids.is_empty() {
+                // The score is read at the last real token; an empty response reads it at the
+                // prompt's end, which the reward model must still see as a response position.
+                response_ids.extend(rm_eos.first());
+            }
+            Ok(Sequence { prompt_ids: rm.encode_prompt(&record.prompt)?, response_ids })
+        })
+        .collect()
+}
+
+/// Samples whose reward is full (≥ 1 − 1e-6: exactly right for the built-in rules).
+pub fn full_reward_count(rewards: &[f32]) -> usize {
+    rewards.iter().filter(|&&r| r >= 1.0 - 1e-6).count()
 }
 
 /// Aggregates of one step's experience.
@@ -76,7 +124,7 @@ pub fn rewards(
 pub struct ExperienceStats {
     /// Mean scalar reward.
     pub reward: f64,
-    /// Fraction of exactly right samples.
+    /// Fraction of samples with full reward.
     pub accuracy: f64,
     /// Mean per-token KL to the reference (0 without one).
     pub kl: f64,
@@ -128,7 +176,6 @@ pub fn make_experience(
     };
     assemble(
         trainer,
-        records,
         sequences,
         engine_log_probs,
         RoleResults { scalar_rewards, old_log_probs, ref_log_probs, values },
@@ -155,7 +202,6 @@ pub struct RoleResults {
 /// larger batch, which the dock pipeline relies on.
 pub fn assemble(
     trainer: &Trainer,
-    records: &[&PromptRecord],
     sequences: Vec<Sequence>,
     engine_log_probs: &[Vec<f32>],
     results: RoleResults,
@@ -214,12 +260,7 @@ pub fn assemble(
     let ret_rows = unpad_rows(&advantages.returns, &lengths)?;
 
     let tokens = mask.f_sum(Kind::Float)?.f_double_value(&[])?.max(1.0);
-    let tok = CharTokenizer;
-    let correct = sequences
-        .iter()
-        .zip(records)
-        .filter(|(s, r)| tok.decode(&s.response_ids) == r.label)
-        .count();
+    let correct = full_reward_count(&scalar_rewards);
     let mut gap = 0.0f64;
     for (engine, policy) in engine_log_probs.iter().zip(&old_log_probs) {
         gap += engine.iter().zip(policy).map(|(a, b)| f64::from((a - b).abs())).sum::<f64>();

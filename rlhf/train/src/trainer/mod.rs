@@ -17,6 +17,7 @@ pub mod pipeline;
 pub mod roles;
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
@@ -29,7 +30,8 @@ use crate::config::{PipelineMode, TrainConfig, WeightSyncBackend};
 use crate::error::{Result, TrainError};
 use crate::experience::Sequence;
 use crate::rng::mix_seed;
-use crate::task::{CharTokenizer, EOS_ID, PromptLoader, PromptRecord};
+use crate::task::{PromptLoader, PromptRecord};
+use crate::tokenizer::{HfTokenizer, PromptTokenizer, run_tokenizer};
 
 pub use roles::Roles;
 
@@ -46,6 +48,8 @@ pub struct RunPaths {
     pub initial_policy: PathBuf,
     /// Checkpoints, one directory per step.
     pub checkpoints: PathBuf,
+    /// The trained policy as a Hugging Face directory, written at the end of the run.
+    pub final_policy: PathBuf,
 }
 
 impl RunPaths {
@@ -57,6 +61,7 @@ impl RunPaths {
             eval_data: root.join("data/eval.jsonl"),
             initial_policy: root.join("models/initial"),
             checkpoints: root.join("checkpoints"),
+            final_policy: root.join("final_policy"),
         }
     }
 }
@@ -66,7 +71,7 @@ impl RunPaths {
 pub struct EvalResult {
     /// Mean reward of greedy answers.
     pub mean_reward: f64,
-    /// Fraction of exactly right greedy answers.
+    /// Fraction of greedy answers with full reward (≥ 1: exactly right for the built-in rules).
     pub accuracy: f64,
     /// Mean response length in tokens.
     pub response_length: f64,
@@ -108,6 +113,8 @@ pub struct FitReport {
     pub baseline: EvalResult,
     /// Held-out results after the last step.
     pub final_result: EvalResult,
+    /// Where the trained policy was exported (Hugging Face format).
+    pub exported: Option<PathBuf>,
 }
 
 /// A run: config, data, roles and state.
@@ -120,6 +127,11 @@ pub struct Trainer {
     eval_data: Vec<PromptRecord>,
     /// The role groups and engines.
     pub roles: Roles,
+    /// The policy's tokenizer: prompts to ids, responses to text, EOS ids.
+    pub tokenizer: Arc<dyn PromptTokenizer>,
+    /// The reward model's own tokenizer when it differs from the policy's (sequences are
+    /// re-tokenized for it).
+    pub reward_tokenizer: Option<Arc<dyn PromptTokenizer>>,
     /// The state.
     pub state: TrainerState,
     /// Phase timings.
@@ -146,12 +158,16 @@ impl Trainer {
             kl: config.algo.kl_controller()?,
             baseline: None,
         };
+        let tokenizer = run_tokenizer(&config)?;
+        let reward_tokenizer = reward_tokenizer(&config)?;
         let mut trainer = Trainer {
             config,
             paths,
             train_data,
             eval_data,
             roles,
+            tokenizer,
+            reward_tokenizer,
             state,
             timer: PhaseTimer::new(),
             pipeline_timelines: Vec::new(),
@@ -216,11 +232,35 @@ impl Trainer {
             Some(r) => r,
             None => self.evaluate()?,
         };
+        progress.phase("export");
+        let exported = self.export_policy(&self.paths.final_policy)?;
         Ok(FitReport {
             steps: self.state.step,
             baseline: self.state.baseline.unwrap_or_default(),
             final_result,
+            exported: Some(exported),
         })
+    }
+
+    /// Writes the policy (rank 0's replica) to `dir` as a Hugging Face directory: config,
+    /// safetensors, tokenizer files and generation config. Written beside `dir` and renamed, so a
+    /// directory at `dir` is always complete.
+    pub fn export_policy(&self, dir: &Path) -> Result<PathBuf> {
+        let rank0 = self
+            .roles
+            .actor
+            .members()
+            .first()
+            .ok_or_else(|| TrainError::role("actor", "the group is empty"))?;
+        let tmp = dir.with_extension("tmp");
+        for d in [&tmp, &dir.to_path_buf()] {
+            if d.exists() {
+                std::fs::remove_dir_all(d).map_err(|e| TrainError::io(d, e))?;
+            }
+        }
+        rank0.export(tmp.clone()).get()?.map_err(|e| TrainError::role("actor", e))?;
+        std::fs::rename(&tmp, dir).map_err(|e| TrainError::io(dir, e))?;
+        Ok(dir.to_path_buf())
     }
 
     /// Runs `body` as phase `name` of the current step.
@@ -272,7 +312,7 @@ impl Trainer {
             top_p: r.top_p,
             top_k: r.top_k,
             max_tokens: self.config.max_new_tokens() as u32,
-            stop_token_ids: vec![EOS_ID],
+            stop_token_ids: self.tokenizer.eos_token_ids(),
             ..SamplingParams::default()
         }
     }
@@ -280,16 +320,15 @@ impl Trainer {
     /// Greedy answers to every held-out prompt, scored with the run's reward.
     pub fn evaluate(&self) -> Result<EvalResult> {
         self.wake_engines()?;
-        let tok = CharTokenizer;
         let prompts = self
             .eval_data
             .iter()
-            .map(|r| tok.encode_prompt(&r.prompt))
+            .map(|r| self.tokenizer.encode_prompt(&r.prompt))
             .collect::<Result<Vec<_>>>()?;
         let params = SamplingParams {
             temperature: 0.0,
             max_tokens: self.config.max_new_tokens() as u32,
-            stop_token_ids: vec![EOS_ID],
+            stop_token_ids: self.tokenizer.eos_token_ids(),
             ..SamplingParams::default()
         };
         let outputs = self.generate(&prompts, &params, mix_seed(self.config.seed, u64::MAX))?;
@@ -309,11 +348,7 @@ impl Trainer {
         let records: Vec<&PromptRecord> = self.eval_data.iter().collect();
         let rewards = experience::rewards(self, &records, &sequences)?.get()?;
         let n = rewards.len().max(1) as f64;
-        let correct = sequences
-            .iter()
-            .zip(&records)
-            .filter(|(s, r)| tok.decode(&s.response_ids) == r.label)
-            .count();
+        let correct = experience::full_reward_count(&rewards);
         let length = sequences.iter().map(|s| s.response_ids.len()).sum::<usize>();
         self.sleep_engines_if_hybrid()?;
         Ok(EvalResult {
@@ -364,9 +399,10 @@ impl Trainer {
         let indices = self.state.loader.next_batch(prompts_per_step);
         let records: Vec<PromptRecord> =
             indices.iter().map(|&i| self.train_data[i].clone()).collect();
-        let tok = CharTokenizer;
-        let prompt_ids =
-            records.iter().map(|r| tok.encode_prompt(&r.prompt)).collect::<Result<Vec<_>>>()?;
+        let prompt_ids = records
+            .iter()
+            .map(|r| self.tokenizer.encode_prompt(&r.prompt))
+            .collect::<Result<Vec<_>>>()?;
 
         let params = self.rollout_params();
         let seed_base = mix_seed(self.config.seed, step);
@@ -575,6 +611,30 @@ impl Trainer {
         }
         Ok(())
     }
+}
+
+/// The reward model's tokenizer when it has one and it is not the policy's (compared by the
+/// contents of `tokenizer.json`).
+fn reward_tokenizer(config: &TrainConfig) -> Result<Option<Arc<dyn PromptTokenizer>>> {
+    let Some(dir) = config
+        .reward
+        .model_dir
+        .as_ref()
+        .filter(|_| config.reward.kind == crate::config::RewardKind::Model)
+    else {
+        return Ok(None);
+    };
+    let file = rtrun_rlhf_model::tokenizer::TOKENIZER_FILE;
+    let Ok(reward_vocab) = std::fs::read(dir.join(file)) else {
+        return Ok(None);
+    };
+    let policy_vocab = std::fs::read(config.policy_dir().join(file)).ok();
+    if policy_vocab.as_deref() == Some(reward_vocab.as_slice()) {
+        return Ok(None);
+    }
+    let tokenizer = HfTokenizer::from_dir(dir, config.data.apply_chat_template)
+        .map_err(|e| TrainError::config("reward.model_dir", e.to_string()))?;
+    Ok(Some(Arc::new(tokenizer)))
 }
 
 fn set_eval(metrics: &mut StepMetrics, result: &EvalResult) -> Result<()> {

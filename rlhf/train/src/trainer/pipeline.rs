@@ -378,7 +378,6 @@ impl StepContext<'_> {
         };
         let built = experience::assemble(
             self.trainer,
-            &self.records_of(&input.rows)?,
             sequences,
             &input.floats(ENGINE_LOG_PROBS)?,
             results,

@@ -80,7 +80,7 @@ impl Roles {
             micro_batch_size: config.train.micro_batch_size,
         };
         let actor_config = LmWorkerConfig {
-            setup: WorkerSetup::cpu("actor", threads),
+            setup: WorkerSetup::on("actor", threads, &config.policy.device, config.policy.dtype),
             model_dir: policy_dir.to_path_buf(),
             optimizer: Some(optimizer(config, config.train.actor_lr, total_optimizer_steps)),
             loss: loss.clone(),
@@ -92,7 +92,13 @@ impl Roles {
             })?;
         let reference = if needs_reference(&config.algo) {
             let ref_config = LmWorkerConfig {
-                setup: WorkerSetup::cpu("ref", threads),
+                setup: WorkerSetup::on(
+                    "ref",
+                    threads,
+                    &config.reference.device,
+                    config.reference.dtype,
+                ),
+                model_dir: config.reference.pretrain.clone().unwrap_or(policy_dir.to_path_buf()),
                 optimizer: None,
                 ..actor_config.clone()
             };
@@ -109,8 +115,13 @@ impl Roles {
         };
         let critic = if needs_critic(&config.algo) {
             let critic_config = CriticWorkerConfig {
-                setup: WorkerSetup::cpu("critic", threads),
-                model_dir: policy_dir.to_path_buf(),
+                setup: WorkerSetup::on(
+                    "critic",
+                    threads,
+                    &config.critic.device,
+                    config.critic.dtype,
+                ),
+                model_dir: config.critic.pretrain.clone().unwrap_or(policy_dir.to_path_buf()),
                 optimizer: optimizer(config, config.train.critic_lr, total_optimizer_steps),
                 value_clip: config.algo.value_clip,
                 micro_batch_size: config.train.micro_batch_size,
@@ -133,7 +144,12 @@ impl Roles {
         let reward_model = match (config.reward.kind, reward_dir) {
             (RewardKind::Model, Some(dir)) => {
                 let rm_config = RewardModelConfig {
-                    setup: WorkerSetup::cpu("reward", threads),
+                    setup: WorkerSetup::on(
+                        "reward",
+                        threads,
+                        &config.reward.device,
+                        config.reward.dtype,
+                    ),
                     model_dir: dir.to_path_buf(),
                     micro_batch_size: config.train.micro_batch_size,
                 };
@@ -157,13 +173,29 @@ impl Roles {
             }
             _ => None,
         };
+        let e = &config.engine;
         let engine_config = EngineActorConfig {
             model_dir: policy_dir.to_path_buf(),
-            engine: EngineConfig { seed: config.seed, ..EngineConfig::default() },
+            engine: EngineConfig {
+                seed: config.seed,
+                device: e.device.0.clone(),
+                dtype: e.dtype.engine_name().to_owned(),
+                kv_cache_bytes: e.kv_cache_bytes,
+                max_num_seqs: e.max_num_seqs,
+                ..EngineConfig::default()
+            },
         };
+        // libtorch reads its intra-op thread count from OMP_NUM_THREADS when the engine's
+        // process starts; without `engine.threads` it uses every core.
         let engines = (0..p.engine.replicas)
             .map(|rank| {
-                let options = p.options("vllm_engine", rank, rtrun::ActorOptions::default())?;
+                let base = match e.threads {
+                    Some(n) => {
+                        rtrun::ActorOptions::default().env("OMP_NUM_THREADS", &n.to_string())
+                    }
+                    None => rtrun::ActorOptions::default(),
+                };
+                let options = p.options("vllm_engine", rank, base)?;
                 Ok(EngineActor::remote_with(options, engine_config.clone())?)
             })
             .collect::<Result<Vec<_>>>()?;

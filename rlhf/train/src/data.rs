@@ -1,0 +1,404 @@
+//! Prompt datasets (config section `data`): a synthetic task, or JSONL / Parquet files of
+//! records as OpenRLHF reads them — `input_key` holds a prompt string or a list of chat
+//! messages, `label_key` the answer a reward checks — rendered through the policy tokenizer's
+//! chat template when `apply_chat_template` is set, and filtered by token length.
+//!
+//! Every bad record is an error naming the file and line (row, for Parquet); a length filter
+//! that drops every prompt is an error, not an empty run.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use rtrun_rlhf_model::ChatMessage;
+
+use crate::error::{Result, TrainError};
+use crate::rng::SplitMix64;
+use crate::task::{PromptRecord, TaskConfig};
+use crate::tokenizer::{HfTokenizer, PromptTokenizer};
+
+/// One value or a list of them (`prompt_data: a.jsonl` or `prompt_data: [a.jsonl, b.parquet]`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(from = "OneOrManyRepr<T>", into = "Vec<T>")]
+#[serde(bound(deserialize = "T: Deserialize<'de> + Clone", serialize = "T: Serialize + Clone"))]
+pub struct OneOrMany<T: Clone>(pub Vec<T>);
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum OneOrManyRepr<T> {
+    One(T),
+    Many(Vec<T>),
+}
+
+impl<T: Clone> From<OneOrManyRepr<T>> for OneOrMany<T> {
+    fn from(value: OneOrManyRepr<T>) -> Self {
+        match value {
+            OneOrManyRepr::One(p) => OneOrMany(vec![p]),
+            OneOrManyRepr::Many(v) => OneOrMany(v),
+        }
+    }
+}
+
+impl<T: Clone> From<OneOrMany<T>> for Vec<T> {
+    fn from(value: OneOrMany<T>) -> Self {
+        value.0
+    }
+}
+
+impl<T: Clone> Default for OneOrMany<T> {
+    fn default() -> Self {
+        OneOrMany(Vec::new())
+    }
+}
+
+impl<T: Clone> OneOrMany<T> {
+    /// Whether the list is empty.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+/// Paths given as one or a list.
+pub type PathList = OneOrMany<PathBuf>;
+
+/// Where prompts come from (config section `data`; OpenRLHF's flag in each doc).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DataConfig {
+    /// A generated verifiable task (the shipped demo); used when `prompt_data` is empty.
+    pub synthetic: Option<TaskConfig>,
+    /// JSONL (`.jsonl`, `.json`) or Parquet (`.parquet`) files (`--prompt_data`).
+    pub prompt_data: PathList,
+    /// The record key holding the prompt: a string or a list of `{role, content}` messages
+    /// (`--input_key`).
+    pub input_key: String,
+    /// The record key holding the label a reward checks (`--label_key`; absent: no labels).
+    pub label_key: Option<String>,
+    /// Render prompts with the policy tokenizer's chat template (`--apply_chat_template`); a
+    /// string input becomes one user message.
+    pub apply_chat_template: bool,
+    /// Prompts longer than this many tokens are dropped and counted (`--prompt_max_len`).
+    pub max_prompt_len: usize,
+    /// Use at most this many training records, the first ones (`--max_samples`).
+    pub max_samples: Option<usize>,
+    /// Held-out files (`--eval_dataset`); without them `eval_fraction` of `prompt_data` is held
+    /// out.
+    pub eval_data: PathList,
+    /// Fraction of `prompt_data` held out for evaluation when `eval_data` is empty.
+    pub eval_fraction: f64,
+}
+
+impl Default for DataConfig {
+    fn default() -> Self {
+        Self {
+            synthetic: None,
+            prompt_data: PathList::default(),
+            input_key: "input".to_owned(),
+            label_key: None,
+            apply_chat_template: false,
+            max_prompt_len: 1024,
+            max_samples: None,
+            eval_data: PathList::default(),
+            eval_fraction: 0.05,
+        }
+    }
+}
+
+impl DataConfig {
+    /// The synthetic task of the run: the configured one, or the default task when no prompt
+    /// files are given either. `None` for a run on prompt files.
+    pub fn synthetic_task(&self) -> Option<TaskConfig> {
+        if self.prompt_data.is_empty() {
+            Some(self.synthetic.clone().unwrap_or_default())
+        } else {
+            None
+        }
+    }
+
+    /// Checks the keys of this section.
+    pub fn validate(&self) -> Result<()> {
+        if self.synthetic.is_some() && !self.prompt_data.is_empty() {
+            return Err(TrainError::config(
+                "data.synthetic",
+                "expected either data.synthetic or data.prompt_data, found both",
+            ));
+        }
+        if self.prompt_data.is_empty() && !self.eval_data.is_empty() {
+            return Err(TrainError::config(
+                "data.eval_data",
+                "expected data.prompt_data beside it (a synthetic task makes its own held-out set)",
+            ));
+        }
+        if self.max_prompt_len == 0 {
+            return Err(TrainError::config("data.max_prompt_len", "expected at least 1, found 0"));
+        }
+        if self.max_samples == Some(0) {
+            return Err(TrainError::config("data.max_samples", "expected at least 1, found 0"));
+        }
+        if !(self.eval_fraction > 0.0 && self.eval_fraction < 1.0) {
+            return Err(TrainError::config(
+                "data.eval_fraction",
+                format!("expected a number in (0, 1), found {}", self.eval_fraction),
+            ));
+        }
+        if self.input_key.is_empty() {
+            return Err(TrainError::config("data.input_key", "expected a key name, found ``"));
+        }
+        Ok(())
+    }
+}
+
+/// One record of a dataset file, with where it came from.
+#[derive(Debug, Clone)]
+pub struct RawRecord {
+    /// `file:line` (JSONL) or `file:row N` (Parquet), for messages.
+    pub location: String,
+    /// The record.
+    pub value: serde_json::Value,
+}
+
+/// Reads every record of a JSONL or Parquet file.
+pub fn read_records(path: &Path) -> Result<Vec<RawRecord>> {
+    let extension = path.extension().and_then(|e| e.to_str()).unwrap_or("");
+    match extension {
+        "jsonl" | "json" => read_jsonl_records(path),
+        "parquet" => read_parquet_records(path),
+        other => Err(TrainError::Data(format!(
+            "{}: expected a .jsonl, .json or .parquet file, found extension `{other}`",
+            path.display()
+        ))),
+    }
+}
+
+fn read_jsonl_records(path: &Path) -> Result<Vec<RawRecord>> {
+    use std::io::BufRead;
+    let file = std::fs::File::open(path).map_err(|e| TrainError::io(path, e))?;
+    let mut records = Vec::new();
+    for (index, line) in std::io::BufReader::new(file).lines().enumerate() {
+        let line = line.map_err(|e| TrainError::io(path, e))?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        let location = format!("{}:{}", path.display(), index + 1);
+        let value: serde_json::Value = serde_json::from_str(&line).map_err(|e| {
+            TrainError::Data(format!(
+                "{location}: expected a JSON object, found invalid JSON ({e})"
+            ))
+        })?;
+        if !value.is_object() {
+            return Err(TrainError::Data(format!(
+                "{location}: expected a JSON object, found {}",
+                json_kind(&value)
+            )));
+        }
+        records.push(RawRecord { location, value });
+    }
+    Ok(records)
+}
+
+fn read_parquet_records(path: &Path) -> Result<Vec<RawRecord>> {
+    use parquet::file::reader::{FileReader, SerializedFileReader};
+    let file = std::fs::File::open(path).map_err(|e| TrainError::io(path, e))?;
+    let reader = SerializedFileReader::new(file).map_err(|e| {
+        TrainError::Data(format!("{}: expected a Parquet file, found {e}", path.display()))
+    })?;
+    let rows = reader
+        .get_row_iter(None)
+        .map_err(|e| TrainError::Data(format!("{}: cannot read rows: {e}", path.display())))?;
+    let mut records = Vec::new();
+    for (index, row) in rows.enumerate() {
+        let location = format!("{}: row {}", path.display(), index + 1);
+        let row = row.map_err(|e| TrainError::Data(format!("{location}: {e}")))?;
+        records.push(RawRecord { location, value: row.to_json_value() });
+    }
+    Ok(records)
+}
+
+fn json_kind(value: &serde_json::Value) -> &'static str {
+    match value {
+        serde_json::Value::Null => "null",
+        serde_json::Value::Bool(_) => "a boolean",
+        serde_json::Value::Number(_) => "a number",
+        serde_json::Value::String(_) => "a string",
+        serde_json::Value::Array(_) => "a list",
+        serde_json::Value::Object(_) => "an object",
+    }
+}
+
+/// The prompt text and label of one record.
+pub fn to_prompt_record(
+    record: &RawRecord,
+    config: &DataConfig,
+    tokenizer: &HfTokenizer,
+) -> Result<PromptRecord> {
+    let at = &record.location;
+    let keys = || -> String {
+        record
+            .value
+            .as_object()
+            .map(|m| m.keys().map(|k| format!("`{k}`")).collect::<Vec<_>>().join(", "))
+            .unwrap_or_default()
+    };
+    let input = record.value.get(&config.input_key).ok_or_else(|| {
+        TrainError::Data(format!(
+            "{at}: expected the key `{}` (data.input_key), found only {}",
+            config.input_key,
+            keys()
+        ))
+    })?;
+    let prompt = match input {
+        serde_json::Value::String(text) if !config.apply_chat_template => text.clone(),
+        serde_json::Value::String(text) => {
+            render(at, tokenizer, &[ChatMessage::new("user", text)])?
+        }
+        serde_json::Value::Array(items) => {
+            if !config.apply_chat_template {
+                return Err(TrainError::Data(format!(
+                    "{at}: `{}` holds chat messages, which need data.apply_chat_template: true",
+                    config.input_key
+                )));
+            }
+            let messages = items
+                .iter()
+                .enumerate()
+                .map(|(i, m)| {
+                    serde_json::from_value::<ChatMessage>(m.clone()).map_err(|e| {
+                        TrainError::Data(format!(
+                            "{at}: message {i} of `{}`: expected {{\"role\": .., \"content\": ..}} with strings, found {m} ({e})",
+                            config.input_key
+                        ))
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?;
+            render(at, tokenizer, &messages)?
+        }
+        other => {
+            return Err(TrainError::Data(format!(
+                "{at}: expected `{}` to be a string or a list of chat messages, found {}",
+                config.input_key,
+                json_kind(other)
+            )));
+        }
+    };
+    let label = match &config.label_key {
+        None => String::new(),
+        Some(key) => match record.value.get(key) {
+            Some(serde_json::Value::String(s)) => s.clone(),
+            Some(v @ (serde_json::Value::Number(_) | serde_json::Value::Bool(_))) => v.to_string(),
+            Some(other) => {
+                return Err(TrainError::Data(format!(
+                    "{at}: expected the label `{key}` to be a string or a number, found {}",
+                    json_kind(other)
+                )));
+            }
+            None => {
+                return Err(TrainError::Data(format!(
+                    "{at}: expected the key `{key}` (data.label_key), found only {}",
+                    keys()
+                )));
+            }
+        },
+    };
+    Ok(PromptRecord { prompt, label })
+}
+
+fn render(at: &str, tokenizer: &HfTokenizer, messages: &[ChatMessage]) -> Result<String> {
+    tokenizer
+        .pretrained()
+        .apply_chat_template(messages, true)
+        .map_err(|e| TrainError::Data(format!("{at}: {e}")))
+}
+
+/// The prompts of a run from files, and what was left out.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct LoadedPrompts {
+    /// Training prompts.
+    pub train: Vec<PromptRecord>,
+    /// Held-out prompts.
+    pub eval: Vec<PromptRecord>,
+    /// Prompts dropped for being longer than `data.max_prompt_len` (train, eval).
+    pub dropped_too_long: (usize, usize),
+}
+
+/// Reads, renders and filters the prompt files of `config`; the held-out split (when no
+/// `eval_data` is given) is a seeded draw of `eval_fraction` of the records.
+pub fn load_prompts(
+    config: &DataConfig,
+    tokenizer: &HfTokenizer,
+    seed: u64,
+) -> Result<LoadedPrompts> {
+    let read_all = |paths: &PathList| -> Result<Vec<PromptRecord>> {
+        let mut out = Vec::new();
+        for path in &paths.0 {
+            for record in read_records(path)? {
+                out.push(to_prompt_record(&record, config, tokenizer)?);
+            }
+        }
+        Ok(out)
+    };
+    let mut train = read_all(&config.prompt_data)?;
+    if train.is_empty() {
+        return Err(TrainError::Data(format!(
+            "data.prompt_data {:?} holds no records",
+            config.prompt_data.0
+        )));
+    }
+    let mut eval = if config.eval_data.is_empty() {
+        let held_out = ((train.len() as f64 * config.eval_fraction).ceil() as usize)
+            .clamp(1, train.len().saturating_sub(1).max(1));
+        let mut order: Vec<usize> = (0..train.len()).collect();
+        let mut rng = SplitMix64::new(seed ^ 0xE7A1);
+        for i in (1..order.len()).rev() {
+            order.swap(i, rng.below(i as u64 + 1) as usize);
+        }
+        let mut is_eval = vec![false; train.len()];
+        for &i in &order[..held_out] {
+            is_eval[i] = true;
+        }
+        let (mut kept, mut eval) = (Vec::new(), Vec::new());
+        for (record, held) in train.into_iter().zip(is_eval) {
+            if held { eval.push(record) } else { kept.push(record) }
+        }
+        train = kept;
+        eval
+    } else {
+        read_all(&config.eval_data)?
+    };
+    if let Some(max) = config.max_samples {
+        train.truncate(max);
+    }
+    let filter = |records: &mut Vec<PromptRecord>, split: &str| -> Result<usize> {
+        let before = records.len();
+        let mut longest = 0;
+        let mut kept = Vec::with_capacity(before);
+        for record in records.drain(..) {
+            let tokens = tokenizer.encode_prompt(&record.prompt)?.len();
+            longest = longest.max(tokens);
+            if tokens <= config.max_prompt_len {
+                kept.push(record);
+            }
+        }
+        *records = kept;
+        if records.is_empty() && before > 0 {
+            return Err(TrainError::config(
+                "data.max_prompt_len",
+                format!(
+                    "every one of the {before} {split} prompts is longer than {} tokens (the longest has {longest}); raise data.max_prompt_len",
+                    config.max_prompt_len
+                ),
+            ));
+        }
+        Ok(before - records.len())
+    };
+    let dropped_train = filter(&mut train, "training")?;
+    let dropped_eval = filter(&mut eval, "held-out")?;
+    if dropped_train + dropped_eval > 0 {
+        tracing::warn!(
+            train = dropped_train,
+            eval = dropped_eval,
+            max_prompt_len = config.max_prompt_len,
+            "dropped prompts longer than data.max_prompt_len"
+        );
+    }
+    Ok(LoadedPrompts { train, eval, dropped_too_long: (dropped_train, dropped_eval) })
+}
