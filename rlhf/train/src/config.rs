@@ -631,17 +631,14 @@ impl TrainConfig {
                      the policy's tokenizer)",
                 ));
             }
-            if let Some(dir) = dir
-                && !dir.join("config.json").is_file()
-            {
-                return Err(TrainError::config(
-                    key,
-                    format!(
-                        "expected a Hugging Face directory with config.json, found no {}",
-                        dir.join("config.json").display()
-                    ),
-                ));
+            if let Some(dir) = dir {
+                check_model_dir(key, dir)?;
             }
+        }
+        if self.reward.kind == RewardKind::Model
+            && let Some(dir) = &self.reward.model_dir
+        {
+            check_model_dir("reward.model_dir", dir)?;
         }
         if self.policy.pretrain.is_some() && self.rollout.max_new_tokens == 0 {
             return Err(TrainError::config(
@@ -919,6 +916,23 @@ impl TrainConfig {
             .clone()
             .unwrap_or_else(|| crate::trainer::RunPaths::new(&self.run_dir).initial_policy)
     }
+}
+
+/// Checks that `dir` holds a Hugging Face config of a supported architecture.
+fn check_model_dir(key: &str, dir: &Path) -> Result<()> {
+    let file = dir.join("config.json");
+    if !file.is_file() {
+        return Err(TrainError::config(
+            key,
+            format!(
+                "expected a Hugging Face directory with config.json, found no {}",
+                file.display()
+            ),
+        ));
+    }
+    rtrun_rlhf_model::ModelConfig::from_dir(dir)
+        .map(|_| ())
+        .map_err(|e| TrainError::config(key, format!("{}: {e}", file.display())))
 }
 
 /// Sets `a.b.c=value` in the config tree; the value is parsed as YAML (`3`, `true`, `[1, 2]`,

@@ -13,6 +13,7 @@
 //! - [`placement_map`]: placement spec → actor options and colocation mode.
 //! - [`trainer`]: `fit()`, experience making, PPO training, checkpoints.
 //! - [`run`]: a whole run as the `train` binary performs it.
+//! - [`walkthrough`]: a local HF checkpoint and GSM8K-format data for the no-download walkthrough.
 //!
 //! This crate uses only the public runtime API (`rtrun`), never its internals.
 // No `forbid(unsafe_code)`: link-time registration of actors, tasks and reward functions
@@ -32,6 +33,7 @@ pub mod run;
 pub mod task;
 pub mod tokenizer;
 pub mod trainer;
+pub mod walkthrough;
 pub mod warmup;
 
 pub use config::{TrainConfig, WeightSyncBackend};

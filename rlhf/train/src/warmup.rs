@@ -62,8 +62,23 @@ pub fn make_initial_policy(
     records: &[PromptRecord],
     seed: u64,
 ) -> Result<WarmupReport> {
-    let model = CausalLm::new_random(config, Device::Cpu, Kind::Float, seed)?;
     let sequences = records.iter().map(supervised_sequence).collect::<Result<Vec<_>>>()?;
+    train_supervised(dir, config, warmup, &sequences, seed)
+}
+
+/// Creates a seeded random model of `config`, trains it for `warmup.steps` on random batches of
+/// `sequences` (loss on the response tokens) and saves it to `dir`.
+pub fn train_supervised(
+    dir: &Path,
+    config: &ModelConfig,
+    warmup: &WarmupConfig,
+    sequences: &[Sequence],
+    seed: u64,
+) -> Result<WarmupReport> {
+    if sequences.is_empty() {
+        return Err(crate::TrainError::Data("supervised warm-up: no sequences".to_owned()));
+    }
+    let model = CausalLm::new_random(config, Device::Cpu, Kind::Float, seed)?;
     let optimizer_config = OptimizerConfig {
         schedule: ScheduleConfig {
             peak_lr: warmup.lr,

@@ -88,8 +88,9 @@ fn run_mode(spec: &str, mode: ColocationMode) {
         spec_path.display(),
         rm_dir.display()
     );
+    // The reward model's directory must exist when the config is checked.
+    write_reward_model(&rm_dir, &small_config(&dir.join("run"), ""));
     let config = small_config(&dir.join("run"), &extra);
-    write_reward_model(&rm_dir, &config);
     let (trainer, report) = rtrun_rlhf::run::run(&config, &mut NoProgress).unwrap();
     assert_eq!(report.steps, 2);
     assert!(trainer.roles.critic.is_some() && trainer.roles.reward_model.is_some());

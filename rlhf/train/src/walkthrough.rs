@@ -1,0 +1,243 @@
+//! The no-download walkthrough: writes what a user of rtrun brings from elsewhere — a small
+//! Hugging Face Qwen2 checkpoint (byte-level BPE `tokenizer.json`, a ChatML chat template, a
+//! generation config) and a GSM8K-format prompt dataset (`question` / `answer` ending in
+//! `#### N`) of generated arithmetic word problems — so `deploy/examples/rlhf/grpo-hf.yaml`
+//! trains a real checkpoint on real files with nothing fetched. The checkpoint gets a short
+//! supervised warm-up on the training problems so that it answers some of them (GRPO needs a
+//! non-zero reward to start from), as a user's SFT model would.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use rtrun_rlhf_model::tiny::tiny_config;
+use rtrun_rlhf_model::{ChatMessage, ModelFamily, PretrainedTokenizer, TextTokenizer};
+
+use crate::config::WarmupConfig;
+use crate::error::{Result, TrainError};
+use crate::experience::Sequence;
+use crate::rng::SplitMix64;
+use crate::warmup::{WarmupReport, train_supervised};
+
+/// The chat template of the walkthrough checkpoint: ChatML as Qwen2.5 writes it (a default
+/// system message when the conversation has none).
+pub const CHATML_TEMPLATE: &str = "{%- for message in messages %}\n\
+{%- if loop.first and message['role'] != 'system' %}\n\
+{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}\n\
+{%- endif %}\n\
+{%- if message['role'] not in ['system', 'user', 'assistant'] %}\n\
+{{- raise_exception('Unknown role: ' + message['role']) }}\n\
+{%- endif %}\n\
+{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}\n\
+{%- endfor %}\n\
+{%- if add_generation_prompt %}\n\
+{{- '<|im_start|>assistant\\n' }}\n\
+{%- endif %}\n";
+
+/// Special tokens, ids 0.. in this order.
+const SPECIAL_TOKENS: [&str; 3] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
+
+/// What to write.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct WalkthroughConfig {
+    /// Training problems.
+    pub train_problems: usize,
+    /// Held-out problems.
+    pub test_problems: usize,
+    /// Largest operand of the word problems.
+    pub max_operand: u64,
+    /// Tokenizer vocabulary size.
+    pub vocab_size: usize,
+    /// Supervised warm-up of the checkpoint.
+    pub warmup: WarmupConfig,
+    /// Seed of everything.
+    pub seed: u64,
+}
+
+impl Default for WalkthroughConfig {
+    fn default() -> Self {
+        Self {
+            train_problems: 2000,
+            test_problems: 64,
+            max_operand: 9,
+            vocab_size: 512,
+            warmup: WarmupConfig { steps: 150, batch_size: 32, lr: 3e-3 },
+            seed: 1,
+        }
+    }
+}
+
+/// One GSM8K-format record.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MathProblem {
+    /// The word problem.
+    pub question: String,
+    /// The worked answer, ending in `#### N`.
+    pub answer: String,
+}
+
+/// What [`write_walkthrough`] wrote.
+#[derive(Debug, Clone)]
+pub struct WalkthroughFiles {
+    /// The checkpoint directory.
+    pub model_dir: PathBuf,
+    /// `train.jsonl`.
+    pub train_data: PathBuf,
+    /// `test.jsonl`.
+    pub test_data: PathBuf,
+    /// The checkpoint's warm-up.
+    pub warmup: WarmupReport,
+}
+
+const NAMES: [&str; 8] = ["Ada", "Ben", "Cleo", "Dev", "Eli", "Fay", "Gus", "Hana"];
+const ITEMS: [&str; 6] = ["apples", "books", "coins", "pens", "shells", "stamps"];
+
+/// A seeded word problem: addition or subtraction of two operands up to `max_operand`.
+pub fn problem(rng: &mut SplitMix64, max_operand: u64) -> MathProblem {
+    let name = NAMES[rng.below(NAMES.len() as u64) as usize];
+    let item = ITEMS[rng.below(ITEMS.len() as u64) as usize];
+    let a = 1 + rng.below(max_operand);
+    let b = 1 + rng.below(max_operand);
+    if rng.below(2) == 0 {
+        MathProblem {
+            question: format!("{name} has {a} {item} and gets {b} more. How many {item} now?"),
+            answer: format!("{a} + {b} = {}\n#### {}", a + b, a + b),
+        }
+    } else {
+        let (big, small) = (a.max(b), a.min(b));
+        MathProblem {
+            question: format!(
+                "{name} has {big} {item} and gives away {small}. How many {item} now?"
+            ),
+            answer: format!("{big} - {small} = {}\n#### {}", big - small, big - small),
+        }
+    }
+}
+
+/// Writes `out/model/` (the checkpoint) and `out/data/{train,test}.jsonl`.
+pub fn write_walkthrough(out: &Path, config: &WalkthroughConfig) -> Result<WalkthroughFiles> {
+    let data_dir = out.join("data");
+    let model_dir = out.join("model");
+    for dir in [&data_dir, &model_dir] {
+        std::fs::create_dir_all(dir).map_err(|e| TrainError::io(dir, e))?;
+    }
+    let mut rng = SplitMix64::new(config.seed);
+    let mut seen = std::collections::HashSet::new();
+    let wanted = config.train_problems + config.test_problems;
+    let mut problems = Vec::with_capacity(wanted);
+    for _ in 0..wanted.saturating_mul(50) {
+        if problems.len() == wanted {
+            break;
+        }
+        let p = problem(&mut rng, config.max_operand);
+        if seen.insert(p.question.clone()) {
+            problems.push(p);
+        }
+    }
+    if problems.len() < wanted {
+        return Err(TrainError::Data(format!(
+            "walkthrough: only {} distinct problems with operands up to {}, asked for {wanted}",
+            problems.len(),
+            config.max_operand
+        )));
+    }
+    let test = problems.split_off(config.train_problems);
+    let train_data = data_dir.join("train.jsonl");
+    let test_data = data_dir.join("test.jsonl");
+    write_problems(&train_data, &problems)?;
+    write_problems(&test_data, &test)?;
+
+    // The tokenizer learns the chat markup's words too, so rendered prompts tokenize compactly.
+    let chat_words = "system user assistant You are a helpful assistant.";
+    let corpus: Vec<String> = problems
+        .iter()
+        .flat_map(|p| [p.question.clone(), p.answer.clone()])
+        .chain(std::iter::once(chat_words.to_owned()))
+        .collect();
+    let tokenizer = TextTokenizer::train_byte_level_bpe(
+        corpus.iter().map(String::as_str),
+        config.vocab_size,
+        &SPECIAL_TOKENS,
+    )?;
+    tokenizer.save_to_dir(&model_dir)?;
+    let tokenizer_config = serde_json::json!({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": null,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "model_max_length": 512,
+        "chat_template": CHATML_TEMPLATE,
+    });
+    write_json(&model_dir.join("tokenizer_config.json"), &tokenizer_config)?;
+    let (end_of_text, im_end) = (0i64, 2i64);
+    write_json(
+        &model_dir.join("generation_config.json"),
+        &serde_json::json!({"eos_token_id": [im_end, end_of_text], "pad_token_id": end_of_text}),
+    )?;
+
+    let mut model_config = tiny_config(ModelFamily::Qwen2);
+    model_config.vocab_size = tokenizer.vocab_size() as i64;
+    model_config.num_key_value_heads = 2;
+    model_config.intermediate_size = 128;
+    model_config.bos_token_id = None;
+    model_config.eos_token_id = Some(im_end);
+    model_config.pad_token_id = Some(end_of_text);
+    model_config.initializer_range = 0.05;
+
+    let pretrained = PretrainedTokenizer::from_dir(&model_dir)?;
+    let sequences = problems
+        .iter()
+        .map(|p| -> Result<Sequence> {
+            let prompt =
+                pretrained.apply_chat_template(&[ChatMessage::new("user", &p.question)], true)?;
+            let mut response_ids = pretrained.tokenizer.encode(&p.answer, false)?;
+            response_ids.push(im_end as u32);
+            Ok(Sequence { prompt_ids: pretrained.tokenizer.encode(&prompt, false)?, response_ids })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let longest = sequences.iter().map(|s| s.prompt_ids.len() + s.response_ids.len()).max();
+    model_config.max_position_embeddings = (longest.unwrap_or(0) as i64 + 64).max(128);
+    // The weights go beside the tokenizer files; written under a temporary name first so a
+    // killed warm-up leaves no half checkpoint behind.
+    let tmp = out.join("model.tmp");
+    let warmup = train_supervised(&tmp, &model_config, &config.warmup, &sequences, config.seed)?;
+    for entry in std::fs::read_dir(&tmp).map_err(|e| TrainError::io(&tmp, e))? {
+        let entry = entry.map_err(|e| TrainError::io(&tmp, e))?;
+        let target = model_dir.join(entry.file_name());
+        std::fs::rename(entry.path(), &target).map_err(|e| TrainError::io(&target, e))?;
+    }
+    std::fs::remove_dir(&tmp).map_err(|e| TrainError::io(&tmp, e))?;
+    Ok(WalkthroughFiles { model_dir, train_data, test_data, warmup })
+}
+
+fn write_problems(path: &Path, problems: &[MathProblem]) -> Result<()> {
+    let mut text = String::new();
+    for p in problems {
+        text.push_str(&serde_json::to_string(p).map_err(|e| TrainError::Data(e.to_string()))?);
+        text.push('\n');
+    }
+    std::fs::write(path, text).map_err(|e| TrainError::io(path, e))
+}
+
+fn write_json(path: &Path, value: &serde_json::Value) -> Result<()> {
+    let text = serde_json::to_string_pretty(value).map_err(|e| TrainError::Data(e.to_string()))?;
+    std::fs::write(path, text).map_err(|e| TrainError::io(path, e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn problems_are_gsm8k_shaped_and_answered_by_math_answer() {
+        let mut rng = SplitMix64::new(3);
+        let score = crate::reward::find_reward_function("math_answer").unwrap().score;
+        for _ in 0..50 {
+            let p = problem(&mut rng, 9);
+            assert!(p.answer.contains("\n#### "), "{p:?}");
+            let worked = p.answer.lines().next().unwrap();
+            assert_eq!(score(&p.question, &p.answer, &p.answer), 1.0);
+            assert_eq!(score(&p.question, worked, &p.answer), 1.0);
+        }
+    }
+}

@@ -1,0 +1,407 @@
+//! The trainer on real files, as a user of OpenRLHF or verl runs it: a Hugging Face Qwen2
+//! checkpoint written locally (byte-level BPE tokenizer, ChatML chat template, generation
+//! config) and GSM8K-format JSONL / Parquet prompts. GRPO and PPO train it with real worker
+//! processes; the exported policy reloads bit-identically and is accepted as `policy.pretrain`;
+//! a resumed run continues identically; every bad input gets an error naming what and where.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use rtrun_rlhf::TrainConfig;
+use rtrun_rlhf::run::{InitialPolicy, prepare};
+use rtrun_rlhf::trainer::{NoProgress, RunPaths};
+use rtrun_rlhf::walkthrough::{WalkthroughConfig, WalkthroughFiles, write_walkthrough};
+use rtrun_rlhf_model::CausalLm;
+
+#[ctor::ctor]
+fn serve_worker_processes() {
+    // Worker processes are this test binary re-run: they serve here and never reach the harness.
+    rtrun::run_worker_if_requested();
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("rtrun-hf-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// A small walkthrough: 600 problems, a 120-step warm-up (it answers some, not all).
+fn walkthrough(dir: &Path) -> WalkthroughFiles {
+    // Tests run side by side on two cores: one libtorch thread per process keeps them from
+    // oversubscribing (spinning OpenMP threads starve each other).
+    tch::set_num_threads(1);
+    let config = WalkthroughConfig {
+        train_problems: 600,
+        test_problems: 32,
+        vocab_size: 400,
+        warmup: rtrun_rlhf::config::WarmupConfig { steps: 120, batch_size: 32, lr: 3e-3 },
+        ..WalkthroughConfig::default()
+    };
+    write_walkthrough(&dir.join("walkthrough"), &config).unwrap()
+}
+
+/// GRPO on the walkthrough's files, with `sets` applied as `--set` overrides.
+fn hf_config(run_dir: &Path, files: &WalkthroughFiles, sets: &[&str]) -> TrainConfig {
+    let yaml = format!(
+        "seed: 3\nrun_dir: {}\n\
+         policy: {{pretrain: {}}}\n\
+         data: {{prompt_data: {}, eval_data: {}, input_key: question, label_key: answer, apply_chat_template: true, max_prompt_len: 96}}\n\
+         rollout: {{prompts_per_step: 16, n_samples_per_prompt: 8, max_new_tokens: 16}}\n\
+         algo: {{advantage_estimator: group_norm, use_kl_loss: true, kl_estimator: k3, init_kl_coef: 0.001}}\n\
+         train: {{max_steps: 2, train_batch_size: 64, micro_batch_size: 64, max_epochs: 2, actor_lr: 0.0003, critic_lr: 0.0003}}\n\
+         reward: {{kind: rule, name: math_answer}}\n\
+         eval: {{every_steps: 0}}\n",
+        run_dir.display(),
+        files.model_dir.display(),
+        files.train_data.display(),
+        files.test_data.display(),
+    );
+    let mut overrides = vec!["cluster.num_cpus=16".to_owned(), "engine.threads=1".to_owned()];
+    overrides.extend(sets.iter().map(|s| s.to_string()));
+    TrainConfig::from_yaml(&yaml, "hf.yaml", &overrides)
+        .unwrap_or_else(|e| panic!("test config: {e}"))
+}
+
+fn metrics(run_dir: &Path) -> Vec<rtrun_rlhf_telemetry::StepMetrics> {
+    rtrun_rlhf_telemetry::jsonl::read_jsonl(&run_dir.join("metrics.jsonl")).unwrap()
+}
+
+fn mean(values: impl Iterator<Item = f64>) -> f64 {
+    let v: Vec<f64> = values.collect();
+    v.iter().sum::<f64>() / v.len().max(1) as f64
+}
+
+fn assert_same_weights(a: &Path, b: &Path) {
+    let a = CausalLm::from_pretrained(a, tch::Device::Cpu, tch::Kind::Float).unwrap();
+    let b = CausalLm::from_pretrained(b, tch::Device::Cpu, tch::Kind::Float).unwrap();
+    let names_a: Vec<&str> = a.named_parameters().map(|(n, _)| n).collect();
+    let names_b: Vec<&str> = b.named_parameters().map(|(n, _)| n).collect();
+    assert_eq!(names_a, names_b);
+    for ((name, x), (_, y)) in a.named_parameters().zip(b.named_parameters()) {
+        assert!(x.equal(y), "`{name}` differs");
+    }
+}
+
+#[test]
+fn grpo_trains_a_local_hf_checkpoint_and_exports_it() {
+    let dir = scratch("grpo");
+    let files = walkthrough(&dir);
+    let run_dir = dir.join("run");
+    let config = hf_config(
+        &run_dir,
+        &files,
+        &["checkpoint.every_steps=5", "checkpoint.keep_last=2", "train.max_steps=30"],
+    );
+    let (trainer, report) = rtrun_rlhf::run::run(&config, &mut NoProgress).unwrap();
+    assert_eq!(report.steps, 30);
+    // The engines stop on the checkpoint's EOS ids and generate with the policy's weights.
+    assert_eq!(trainer.tokenizer.eos_token_ids(), vec![2, 0]);
+    let records = metrics(&run_dir);
+    for r in records.iter().filter(|r| r.step() > 0) {
+        let gap = r.get("engine_logprob_gap").unwrap();
+        assert!(gap < 1e-4, "step {}: engine and policy differ by {gap}", r.step());
+        assert!(r.get("response_length").unwrap() <= 16.0);
+    }
+    // The reward rises: the last third of the steps beats the first third.
+    let train: Vec<f64> =
+        records.iter().filter(|r| r.step() > 0).map(|r| r.get("reward").unwrap()).collect();
+    let (first, last) = (mean(train[..10].iter().copied()), mean(train[20..].iter().copied()));
+    assert!(last > first, "train reward {first:.3} -> {last:.3}");
+    assert!(first > 0.0, "the warmed-up checkpoint answers some problems");
+
+    // Export: an HF directory with the tokenizer files, bit-identical to the last checkpoint.
+    let exported = report.exported.clone().unwrap();
+    for name in [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    ] {
+        assert!(exported.join(name).is_file(), "{name} missing from the export");
+    }
+    let paths = RunPaths::new(&run_dir);
+    let checkpoints: Vec<String> = std::fs::read_dir(&paths.checkpoints)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    let mut sorted = checkpoints.clone();
+    sorted.sort();
+    assert_eq!(sorted, vec!["step_000025", "step_000030"], "keep_last: 2");
+    assert_same_weights(&exported, &paths.checkpoints.join("step_000030/actor"));
+    // A checkpoint's actor directory is a loadable HF directory too (tokenizer files included).
+    assert!(paths.checkpoints.join("step_000030/actor/tokenizer.json").is_file());
+    trainer.roles.kill();
+    rtrun::shutdown();
+
+    // The export is accepted again as `policy.pretrain`.
+    let again = TrainConfig::from_yaml(
+        &format!("policy: {{pretrain: {}}}\n", exported.display()),
+        "again.yaml",
+        &[
+            format!("data.prompt_data={}", files.train_data.display()),
+            "data.input_key=question".into(),
+            "data.label_key=answer".into(),
+            "data.apply_chat_template=true".into(),
+            "rollout.max_new_tokens=16".into(),
+            format!("run_dir={}", dir.join("again").display()),
+            "reward.name=math_answer".into(),
+        ],
+    )
+    .unwrap();
+    let prepared = prepare(&again, &RunPaths::new(&dir.join("again"))).unwrap();
+    assert_eq!(prepared.initial, InitialPolicy::Pretrained(exported.clone()));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn ppo_with_a_critic_from_the_policy_body_and_resume_continues_identically() {
+    let dir = scratch("ppo");
+    let files = walkthrough(&dir);
+    let ppo = [
+        "algo.advantage_estimator=gae",
+        "algo.use_kl_loss=false",
+        "algo.lambd=0.95",
+        "algo.init_kl_coef=0.01",
+        "algo.kl_estimator=k1",
+        "checkpoint.every_steps=1",
+        "train.max_epochs=1",
+    ];
+    let with_steps = |steps: &'static str| -> Vec<&'static str> {
+        ppo.iter().copied().chain(std::iter::once(steps)).collect()
+    };
+    let straight = dir.join("straight");
+    let config = hf_config(&straight, &files, &with_steps("train.max_steps=3"));
+    let (trainer, report) = rtrun_rlhf::run::run(&config, &mut NoProgress).unwrap();
+    assert_eq!(report.steps, 3);
+    assert!(trainer.roles.critic.is_some(), "GAE trains a critic");
+    let last = metrics(&straight).pop().unwrap();
+    assert!(last.get("value_loss").is_some_and(|v| v.is_finite() && v > 0.0), "{last:?}");
+    trainer.roles.kill();
+
+    // The same run stopped after 2 steps, then resumed to 3, records the same metrics.
+    let resumed = dir.join("resumed");
+    let (trainer, _) = rtrun_rlhf::run::run(
+        &hf_config(&resumed, &files, &with_steps("train.max_steps=2")),
+        &mut NoProgress,
+    )
+    .unwrap();
+    trainer.roles.kill();
+    let (trainer, report) = rtrun_rlhf::run::run(
+        &hf_config(&resumed, &files, &with_steps("train.max_steps=3")),
+        &mut NoProgress,
+    )
+    .unwrap();
+    assert_eq!(report.steps, 3);
+    trainer.roles.kill();
+    let strip =
+        |records: Vec<rtrun_rlhf_telemetry::StepMetrics>| -> Vec<(u64, Vec<(String, u64)>)> {
+            records
+                .into_iter()
+                .filter(|r| r.step() > 0)
+                .map(|r| {
+                    let values = r
+                        .scalars()
+                        .iter()
+                        // Timings differ, and the first leg evaluates at its own last step.
+                        .filter(|(k, _)| !k.starts_with("time/") && !k.starts_with("eval/"))
+                        .map(|(k, v)| (k.clone(), v.to_bits()))
+                        .collect();
+                    (r.step(), values)
+                })
+                .collect()
+        };
+    assert_eq!(strip(metrics(&straight)), strip(metrics(&resumed)));
+    assert_same_weights(&straight.join("final_policy"), &resumed.join("final_policy"));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Writes a Parquet file with UTF-8 string columns.
+fn write_parquet(path: &Path, columns: &[&str], rows: &[Vec<String>]) {
+    use parquet::data_type::{ByteArray, ByteArrayType};
+    use parquet::file::properties::WriterProperties;
+    use parquet::file::writer::SerializedFileWriter;
+    let fields: String = columns
+        .iter()
+        .map(|c| format!("REQUIRED BYTE_ARRAY {c} (UTF8);"))
+        .collect::<Vec<_>>()
+        .join(" ");
+    let schema = Arc::new(
+        parquet::schema::parser::parse_message_type(&format!("message m {{ {fields} }}")).unwrap(),
+    );
+    let file = std::fs::File::create(path).unwrap();
+    let mut writer =
+        SerializedFileWriter::new(file, schema, Arc::new(WriterProperties::builder().build()))
+            .unwrap();
+    let mut group = writer.next_row_group().unwrap();
+    for c in 0..columns.len() {
+        let mut column = group.next_column().unwrap().unwrap();
+        let values: Vec<ByteArray> = rows.iter().map(|r| ByteArray::from(r[c].as_str())).collect();
+        column.typed::<ByteArrayType>().write_batch(&values, None, None).unwrap();
+        column.close().unwrap();
+    }
+    group.close().unwrap();
+    writer.close().unwrap();
+}
+
+#[test]
+fn prompt_files_parquet_and_chat_messages_are_read_and_rendered() {
+    let dir = scratch("data");
+    let files = walkthrough(&dir);
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(&files.train_data)
+        .unwrap()
+        .lines()
+        .take(40)
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let rows: Vec<Vec<String>> = lines
+        .iter()
+        .map(|v| {
+            vec![
+                v["question"].as_str().unwrap().to_owned(),
+                v["answer"].as_str().unwrap().to_owned(),
+            ]
+        })
+        .collect();
+    let parquet = dir.join("train.parquet");
+    write_parquet(&parquet, &["question", "answer"], &rows);
+    // Chat messages as input, with a system turn.
+    let chat = dir.join("chat.jsonl");
+    let text: String = lines
+        .iter()
+        .map(|v| {
+            serde_json::json!({"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": v["question"]}], "answer": v["answer"]}).to_string() + "\n"
+        })
+        .collect();
+    std::fs::write(&chat, text).unwrap();
+    let mut config = hf_config(&dir.join("run"), &files, &[]);
+    config.data.prompt_data = rtrun_rlhf::data::OneOrMany(vec![parquet, chat.clone()]);
+    config.data.eval_data = Default::default();
+    config.data.eval_fraction = 0.1;
+    config.data.max_samples = Some(70);
+    config.validate().unwrap();
+    // Chat messages need input_key `messages`; a per-file key is not a thing: use two runs.
+    config.data.input_key = "question".into();
+    let err = prepare(&config, &RunPaths::new(&dir.join("run"))).unwrap_err().to_string();
+    assert!(err.contains("chat.jsonl:1") && err.contains("`question`"), "{err}");
+    config.data.prompt_data = rtrun_rlhf::data::OneOrMany(vec![dir.join("train.parquet")]);
+    let prepared = prepare(&config, &RunPaths::new(&dir.join("run"))).unwrap();
+    assert_eq!(prepared.train_prompts + prepared.eval_prompts, 40);
+    assert_eq!(prepared.eval_prompts, 4);
+    let records =
+        rtrun_rlhf::task::read_jsonl(&RunPaths::new(&dir.join("run")).train_data).unwrap();
+    assert!(records[0].prompt.starts_with(
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
+    ));
+    assert!(records[0].prompt.ends_with("<|im_start|>assistant\n"));
+    assert!(records[0].label.contains("####"));
+    config.data.prompt_data = rtrun_rlhf::data::OneOrMany(vec![chat]);
+    config.data.input_key = "messages".into();
+    config.run_dir = dir.join("chat-run");
+    let prepared = prepare(&config, &RunPaths::new(&dir.join("chat-run"))).unwrap();
+    assert_eq!(prepared.train_prompts + prepared.eval_prompts, 40);
+    let records =
+        rtrun_rlhf::task::read_jsonl(&RunPaths::new(&dir.join("chat-run")).train_data).unwrap();
+    assert!(
+        records[0].prompt.starts_with("<|im_start|>system\nBe brief.<|im_end|>\n"),
+        "{}",
+        records[0].prompt
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn bad_inputs_get_errors_naming_what_and_where() {
+    let dir = scratch("bad");
+    let files = walkthrough(&dir);
+    let base = hf_config(&dir.join("run"), &files, &[]);
+    let prepare_err = |config: &TrainConfig| -> String {
+        let run = config.run_dir.clone();
+        let _ = std::fs::remove_dir_all(&run);
+        prepare(config, &RunPaths::new(&run)).unwrap_err().to_string()
+    };
+    // A broken checkpoint directory: missing tokenizer.json, missing config.json, another
+    // architecture.
+    let broken = dir.join("broken");
+    std::fs::create_dir_all(&broken).unwrap();
+    for entry in std::fs::read_dir(&files.model_dir).unwrap() {
+        let entry = entry.unwrap();
+        std::fs::copy(entry.path(), broken.join(entry.file_name())).unwrap();
+    }
+    std::fs::remove_file(broken.join("tokenizer.json")).unwrap();
+    let mut c = base.clone();
+    c.policy.pretrain = Some(broken.clone());
+    let err = prepare_err(&c);
+    assert!(err.contains("policy.pretrain") && err.contains("tokenizer.json"), "{err}");
+    let config_json = std::fs::read_to_string(broken.join("config.json")).unwrap();
+    std::fs::write(broken.join("config.json"), config_json.replace("\"qwen2\"", "\"gpt2\""))
+        .unwrap();
+    let err = c.validate().unwrap_err().to_string();
+    assert!(
+        err.contains("policy.pretrain") && err.contains("model_type") && err.contains("gpt2"),
+        "{err}"
+    );
+    std::fs::remove_file(broken.join("config.json")).unwrap();
+    let err = c.validate().unwrap_err().to_string();
+    assert!(err.contains("policy.pretrain") && err.contains("config.json"), "{err}");
+
+    // JSONL lines: not JSON, no input key, no label key.
+    let bad = dir.join("bad.jsonl");
+    let good = std::fs::read_to_string(&files.train_data).unwrap();
+    let first: String = good.lines().take(3).map(|l| format!("{l}\n")).collect();
+    let mut c = base.clone();
+    c.data.prompt_data = rtrun_rlhf::data::OneOrMany(vec![bad.clone()]);
+    std::fs::write(&bad, format!("{first}{{not json\n")).unwrap();
+    let err = prepare_err(&c);
+    assert!(err.contains("bad.jsonl:4") && err.contains("JSON"), "{err}");
+    std::fs::write(&bad, format!("{first}{{\"q\": \"x\", \"answer\": \"#### 1\"}}\n")).unwrap();
+    let err = prepare_err(&c);
+    assert!(
+        err.contains("bad.jsonl:4") && err.contains("`question`") && err.contains("`q`"),
+        "{err}"
+    );
+    std::fs::write(&bad, format!("{first}{{\"question\": \"x\"}}\n")).unwrap();
+    let err = prepare_err(&c);
+    assert!(err.contains("bad.jsonl:4") && err.contains("`answer`"), "{err}");
+    // A label needed but no label key.
+    let err = TrainConfig::from_yaml(
+        "",
+        "x.yaml",
+        &[
+            format!("policy.pretrain={}", files.model_dir.display()),
+            format!("data.prompt_data={}", files.train_data.display()),
+            "rollout.max_new_tokens=8".into(),
+            "reward.name=math_answer".into(),
+        ],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("data.label_key") && err.contains("math_answer"), "{err}");
+
+    // A Parquet file without the column.
+    let parquet = dir.join("bad.parquet");
+    write_parquet(&parquet, &["prompt", "answer"], &[vec!["a".into(), "#### 1".into()]]);
+    c.data.prompt_data = rtrun_rlhf::data::OneOrMany(vec![parquet]);
+    let err = prepare_err(&c);
+    assert!(err.contains("bad.parquet: row 1") && err.contains("`question`"), "{err}");
+
+    // A chat template that refuses the messages.
+    let chat = dir.join("tool.jsonl");
+    std::fs::write(
+        &chat,
+        "{\"messages\": [{\"role\": \"tool\", \"content\": \"x\"}], \"answer\": \"1\"}\n",
+    )
+    .unwrap();
+    c.data.prompt_data = rtrun_rlhf::data::OneOrMany(vec![chat]);
+    c.data.input_key = "messages".into();
+    let err = prepare_err(&c);
+    assert!(err.contains("tool.jsonl:1") && err.contains("Unknown role: tool"), "{err}");
+
+    // max_prompt_len dropping every prompt.
+    let mut c = base.clone();
+    c.data.max_prompt_len = 3;
+    let err = prepare_err(&c);
+    assert!(err.contains("data.max_prompt_len") && err.contains("longer than 3 tokens"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
