@@ -97,10 +97,10 @@ impl ChatTemplate {
 /// the line and, for `raise_exception`, the template's own message).
 fn template_error(action: &str, source: &str, error: &Error) -> ModelError {
     let mut message = format!("{action} the chat template: {error}");
-    if let Some(line) = error.line() {
-        if let Some(text) = source.lines().nth(line.saturating_sub(1)) {
-            message.push_str(&format!(" (template line {line}: `{}`)", text.trim()));
-        }
+    if let Some(line) = error.line()
+        && let Some(text) = source.lines().nth(line.saturating_sub(1))
+    {
+        message.push_str(&format!(" (template line {line}: `{}`)", text.trim()));
     }
     let mut cause = std::error::Error::source(error);
     while let Some(inner) = cause {

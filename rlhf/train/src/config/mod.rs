@@ -10,7 +10,11 @@ use serde::{Deserialize, Serialize};
 
 use crate::algo::{AdvantageEstimator, KlEstimator};
 use crate::data::{DataConfig, OneOrMany};
+
+mod models;
+
 use crate::error::{Result, TrainError};
+pub use models::{DeviceName, EngineSection, ModelDtype, RoleModelConfig};
 
 /// The whole run.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -70,122 +74,6 @@ impl Default for TrainConfig {
             reward: RewardConfig::default(),
             eval: EvalConfig::default(),
             checkpoint: CheckpointConfig::default(),
-        }
-    }
-}
-
-/// Where a model role's weights come from and where it runs (sections `policy`, `reference`,
-/// `critic`).
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct RoleModelConfig {
-    /// A Hugging Face directory: `config.json`, one or sharded `*.safetensors`, tokenizer files
-    /// (OpenRLHF's `--pretrain`, `--critic_pretrain`; the reference uses `--pretrain`).
-    pub pretrain: Option<PathBuf>,
-    /// Where the role's tensors live.
-    pub device: DeviceName,
-    /// The parameters' precision.
-    pub dtype: ModelDtype,
-}
-
-/// A device name: `cpu`, `cuda` (the rank's first visible GPU) or `cuda:N`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(transparent)]
-pub struct DeviceName(pub String);
-
-impl Default for DeviceName {
-    fn default() -> Self {
-        DeviceName("cpu".to_owned())
-    }
-}
-
-impl DeviceName {
-    /// Whether this names a CUDA device.
-    pub fn is_cuda(&self) -> bool {
-        self.0.starts_with("cuda")
-    }
-
-    /// Checks the name, and that CUDA is there when it names a GPU.
-    pub fn validate(&self, key: &str) -> Result<()> {
-        rtrun_rlhf_engine::config::parse_device(&self.0)
-            .map_err(|e| TrainError::config(key, e.to_string()))?;
-        if self.is_cuda() {
-            if !cfg!(feature = "cuda") {
-                return Err(TrainError::config(
-                    key,
-                    format!(
-                        "expected cpu in a build without the `cuda` feature, found `{}` (rebuild with `--features cuda`)",
-                        self.0
-                    ),
-                ));
-            }
-            if !tch::Cuda::is_available() {
-                return Err(TrainError::config(
-                    key,
-                    format!("expected cpu on a machine without a usable GPU, found `{}`", self.0),
-                ));
-            }
-        }
-        Ok(())
-    }
-}
-
-/// Parameter precision of a role.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ModelDtype {
-    /// 32-bit floats.
-    #[default]
-    Fp32,
-    /// bfloat16 (log-probs, losses and optimizer moments still accumulate in fp32).
-    Bf16,
-}
-
-impl ModelDtype {
-    /// The libtorch kind.
-    pub fn kind(self) -> tch::Kind {
-        match self {
-            ModelDtype::Fp32 => tch::Kind::Float,
-            ModelDtype::Bf16 => tch::Kind::BFloat16,
-        }
-    }
-
-    /// The generation engine's name for it.
-    pub fn engine_name(self) -> &'static str {
-        match self {
-            ModelDtype::Fp32 => "f32",
-            ModelDtype::Bf16 => "bf16",
-        }
-    }
-}
-
-/// The generation engines (vLLM's engine arguments).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct EngineSection {
-    /// Where the engines run.
-    pub device: DeviceName,
-    /// Weights and KV cache precision.
-    pub dtype: ModelDtype,
-    /// Bytes of KV cache per engine (vLLM sizes it with `gpu_memory_utilization`; here it is
-    /// given directly).
-    pub kv_cache_bytes: u64,
-    /// Running sequences per engine at most (`--max_num_seqs`).
-    pub max_num_seqs: usize,
-    /// libtorch intra-op threads of each engine process (absent: libtorch's default, every
-    /// core).
-    pub threads: Option<i32>,
-}
-
-impl Default for EngineSection {
-    fn default() -> Self {
-        let engine = rtrun_rlhf_engine::EngineConfig::default();
-        Self {
-            device: DeviceName::default(),
-            dtype: ModelDtype::Fp32,
-            kv_cache_bytes: engine.kv_cache_bytes,
-            max_num_seqs: engine.max_num_seqs,
-            threads: None,
         }
     }
 }
@@ -605,65 +493,7 @@ impl TrainConfig {
             positive("data.synthetic.train_size", t.train_size)?;
             positive("data.synthetic.eval_size", t.eval_size)?;
         }
-        if self.policy.pretrain.is_none() && !self.data.prompt_data.is_empty() {
-            return Err(TrainError::config(
-                "policy.pretrain",
-                "expected a Hugging Face checkpoint directory for data.prompt_data (the locally made \
-                 policy knows only the synthetic task's characters), found none",
-            ));
-        }
-        if self.policy.pretrain.is_some() && self.data.synthetic.is_some() {
-            return Err(TrainError::config(
-                "data.synthetic",
-                "expected data.prompt_data with policy.pretrain (the synthetic tasks use the \
-                 character tokenizer of the locally made policy), found data.synthetic",
-            ));
-        }
-        for (key, dir) in [
-            ("policy.pretrain", &self.policy.pretrain),
-            ("reference.pretrain", &self.reference.pretrain),
-            ("critic.pretrain", &self.critic.pretrain),
-        ] {
-            if dir.is_some() && self.policy.pretrain.is_none() {
-                return Err(TrainError::config(
-                    key,
-                    "expected policy.pretrain to be set too (the reference and critic must share \
-                     the policy's tokenizer)",
-                ));
-            }
-            if let Some(dir) = dir {
-                check_model_dir(key, dir)?;
-            }
-        }
-        if self.reward.kind == RewardKind::Model
-            && let Some(dir) = &self.reward.model_dir
-        {
-            check_model_dir("reward.model_dir", dir)?;
-        }
-        if self.policy.pretrain.is_some() && self.rollout.max_new_tokens == 0 {
-            return Err(TrainError::config(
-                "rollout.max_new_tokens",
-                "expected an explicit generation budget for prompt files, found 0 (only the \
-                 synthetic tasks derive it from their answers)",
-            ));
-        }
-        for (key, device) in [
-            ("policy.device", &self.policy.device),
-            ("reference.device", &self.reference.device),
-            ("critic.device", &self.critic.device),
-            ("engine.device", &self.engine.device),
-            ("reward.device", &self.reward.device),
-        ] {
-            device.validate(key)?;
-        }
-        if let Some(threads) = self.engine.threads
-            && threads < 1
-        {
-            return Err(TrainError::config(
-                "engine.threads",
-                format!("expected at least 1, found {threads}"),
-            ));
-        }
+        self.validate_models()?;
         positive("engine.max_num_seqs", self.engine.max_num_seqs)?;
         if self.engine.kv_cache_bytes == 0 {
             return Err(TrainError::config(
@@ -916,23 +746,6 @@ impl TrainConfig {
             .clone()
             .unwrap_or_else(|| crate::trainer::RunPaths::new(&self.run_dir).initial_policy)
     }
-}
-
-/// Checks that `dir` holds a Hugging Face config of a supported architecture.
-fn check_model_dir(key: &str, dir: &Path) -> Result<()> {
-    let file = dir.join("config.json");
-    if !file.is_file() {
-        return Err(TrainError::config(
-            key,
-            format!(
-                "expected a Hugging Face directory with config.json, found no {}",
-                file.display()
-            ),
-        ));
-    }
-    rtrun_rlhf_model::ModelConfig::from_dir(dir)
-        .map(|_| ())
-        .map_err(|e| TrainError::config(key, format!("{}: {e}", file.display())))
 }
 
 /// Sets `a.b.c=value` in the config tree; the value is parsed as YAML (`3`, `true`, `[1, 2]`,

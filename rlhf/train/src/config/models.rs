@@ -1,0 +1,211 @@
+//! The model roles' sections (`policy`, `reference`, `critic`, `engine`): where weights come
+//! from, the device and precision of each role, and the checks that a checkpoint directory
+//! holds a supported architecture and that a CUDA device is really there.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use super::{RewardKind, TrainConfig};
+use crate::error::{Result, TrainError};
+
+/// Where a model role's weights come from and where it runs (sections `policy`, `reference`,
+/// `critic`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RoleModelConfig {
+    /// A Hugging Face directory: `config.json`, one or sharded `*.safetensors`, tokenizer files
+    /// (OpenRLHF's `--pretrain`, `--critic_pretrain`; the reference uses `--pretrain`).
+    pub pretrain: Option<PathBuf>,
+    /// Where the role's tensors live.
+    pub device: DeviceName,
+    /// The parameters' precision.
+    pub dtype: ModelDtype,
+}
+
+/// A device name: `cpu`, `cuda` (the rank's first visible GPU) or `cuda:N`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct DeviceName(pub String);
+
+impl Default for DeviceName {
+    fn default() -> Self {
+        DeviceName("cpu".to_owned())
+    }
+}
+
+impl DeviceName {
+    /// Whether this names a CUDA device.
+    pub fn is_cuda(&self) -> bool {
+        self.0.starts_with("cuda")
+    }
+
+    /// Checks the name, and that CUDA is there when it names a GPU.
+    pub fn validate(&self, key: &str) -> Result<()> {
+        rtrun_rlhf_engine::config::parse_device(&self.0)
+            .map_err(|e| TrainError::config(key, e.to_string()))?;
+        if self.is_cuda() {
+            if !cfg!(feature = "cuda") {
+                return Err(TrainError::config(
+                    key,
+                    format!(
+                        "expected cpu in a build without the `cuda` feature, found `{}` (rebuild with `--features cuda`)",
+                        self.0
+                    ),
+                ));
+            }
+            if !tch::Cuda::is_available() {
+                return Err(TrainError::config(
+                    key,
+                    format!("expected cpu on a machine without a usable GPU, found `{}`", self.0),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Parameter precision of a role.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ModelDtype {
+    /// 32-bit floats.
+    #[default]
+    Fp32,
+    /// bfloat16 (log-probs, losses and optimizer moments still accumulate in fp32).
+    Bf16,
+}
+
+impl ModelDtype {
+    /// The libtorch kind.
+    pub fn kind(self) -> tch::Kind {
+        match self {
+            ModelDtype::Fp32 => tch::Kind::Float,
+            ModelDtype::Bf16 => tch::Kind::BFloat16,
+        }
+    }
+
+    /// The generation engine's name for it.
+    pub fn engine_name(self) -> &'static str {
+        match self {
+            ModelDtype::Fp32 => "f32",
+            ModelDtype::Bf16 => "bf16",
+        }
+    }
+}
+
+/// The generation engines (vLLM's engine arguments).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct EngineSection {
+    /// Where the engines run.
+    pub device: DeviceName,
+    /// Weights and KV cache precision.
+    pub dtype: ModelDtype,
+    /// Bytes of KV cache per engine (vLLM sizes it with `gpu_memory_utilization`; here it is
+    /// given directly).
+    pub kv_cache_bytes: u64,
+    /// Running sequences per engine at most (`--max_num_seqs`).
+    pub max_num_seqs: usize,
+    /// libtorch intra-op threads of each engine process (absent: libtorch's default, every
+    /// core).
+    pub threads: Option<i32>,
+}
+
+impl Default for EngineSection {
+    fn default() -> Self {
+        let engine = rtrun_rlhf_engine::EngineConfig::default();
+        Self {
+            device: DeviceName::default(),
+            dtype: ModelDtype::Fp32,
+            kv_cache_bytes: engine.kv_cache_bytes,
+            max_num_seqs: engine.max_num_seqs,
+            threads: None,
+        }
+    }
+}
+
+impl TrainConfig {
+    /// Checks the model sections: checkpoints present and of a supported architecture, the
+    /// prompt source consistent with the policy, devices usable.
+    pub(super) fn validate_models(&self) -> Result<()> {
+        let config = self;
+        if config.policy.pretrain.is_none() && !config.data.prompt_data.is_empty() {
+            return Err(TrainError::config(
+                "policy.pretrain",
+                "expected a Hugging Face checkpoint directory for data.prompt_data (the locally made \
+                     policy knows only the synthetic task's characters), found none",
+            ));
+        }
+        if config.policy.pretrain.is_some() && config.data.synthetic.is_some() {
+            return Err(TrainError::config(
+                "data.synthetic",
+                "expected data.prompt_data with policy.pretrain (the synthetic tasks use the \
+                     character tokenizer of the locally made policy), found data.synthetic",
+            ));
+        }
+        for (key, dir) in [
+            ("policy.pretrain", &config.policy.pretrain),
+            ("reference.pretrain", &config.reference.pretrain),
+            ("critic.pretrain", &config.critic.pretrain),
+        ] {
+            if dir.is_some() && config.policy.pretrain.is_none() {
+                return Err(TrainError::config(
+                    key,
+                    "expected policy.pretrain to be set too (the reference and critic must share \
+                         the policy's tokenizer)",
+                ));
+            }
+            if let Some(dir) = dir {
+                check_model_dir(key, dir)?;
+            }
+        }
+        if config.reward.kind == RewardKind::Model
+            && let Some(dir) = &config.reward.model_dir
+        {
+            check_model_dir("reward.model_dir", dir)?;
+        }
+        if config.policy.pretrain.is_some() && config.rollout.max_new_tokens == 0 {
+            return Err(TrainError::config(
+                "rollout.max_new_tokens",
+                "expected an explicit generation budget for prompt files, found 0 (only the \
+                     synthetic tasks derive it from their answers)",
+            ));
+        }
+        for (key, device) in [
+            ("policy.device", &config.policy.device),
+            ("reference.device", &config.reference.device),
+            ("critic.device", &config.critic.device),
+            ("engine.device", &config.engine.device),
+            ("reward.device", &config.reward.device),
+        ] {
+            device.validate(key)?;
+        }
+        if let Some(threads) = config.engine.threads
+            && threads < 1
+        {
+            return Err(TrainError::config(
+                "engine.threads",
+                format!("expected at least 1, found {threads}"),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Checks that `dir` holds a Hugging Face config of a supported architecture.
+fn check_model_dir(key: &str, dir: &Path) -> Result<()> {
+    let file = dir.join("config.json");
+    if !file.is_file() {
+        return Err(TrainError::config(
+            key,
+            format!(
+                "expected a Hugging Face directory with config.json, found no {}",
+                file.display()
+            ),
+        ));
+    }
+    rtrun_rlhf_model::ModelConfig::from_dir(dir)
+        .map(|_| ())
+        .map_err(|e| TrainError::config(key, format!("{}: {e}", file.display())))
+}
