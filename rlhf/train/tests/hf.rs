@@ -434,3 +434,44 @@ fn bf16_roles_and_engine_train_on_cpu() {
     trainer.roles.kill();
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn a_reward_model_with_its_own_tokenizer_reads_retokenized_text() {
+    let dir = scratch("rm");
+    let files = walkthrough(&dir);
+    // A reward model over a smaller vocabulary: the policy's ids (up to 400) would index past
+    // its embeddings, so the run only works if prompt and response are re-tokenized for it.
+    let rm_dir = dir.join("rm");
+    std::fs::create_dir_all(&rm_dir).unwrap();
+    let corpus = std::fs::read_to_string(&files.train_data).unwrap();
+    let tokenizer = rtrun_rlhf_model::TextTokenizer::train_byte_level_bpe(
+        corpus.lines(),
+        300,
+        &["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+    )
+    .unwrap();
+    tokenizer.save_to_dir(&rm_dir).unwrap();
+    std::fs::write(rm_dir.join("tokenizer_config.json"), r#"{"eos_token": "<|endoftext|>"}"#)
+        .unwrap();
+    let mut rm_config = rtrun_rlhf_model::ModelConfig::from_dir(&files.model_dir).unwrap();
+    rm_config.vocab_size = tokenizer.vocab_size() as i64;
+    let rm = rtrun_rlhf_model::ScalarHeadModel::new_random(
+        &rm_config,
+        tch::Device::Cpu,
+        tch::Kind::Float,
+        5,
+    )
+    .unwrap();
+    rm.save_pretrained(&rm_dir, &Default::default()).unwrap();
+    let run_dir = dir.join("run");
+    let model_dir = format!("reward.model_dir={}", rm_dir.display());
+    let config =
+        hf_config(&run_dir, &files, &["reward.kind=model", &model_dir, "train.max_steps=1"]);
+    let (trainer, report) = rtrun_rlhf::run::run(&config, &mut NoProgress).unwrap();
+    assert_eq!(report.steps, 1);
+    assert!(trainer.reward_tokenizer.is_some(), "the reward model's tokenizer differs");
+    let last = metrics(&run_dir).pop().unwrap();
+    assert!(last.get("reward").is_some_and(f64::is_finite), "{last:?}");
+    trainer.roles.kill();
+    std::fs::remove_dir_all(&dir).unwrap();
+}
