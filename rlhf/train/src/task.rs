@@ -10,7 +10,7 @@
 //! The tokenizer has one id per character, so an engine needs no `tokenizer.json`: prompts go
 //! out as ids and responses come back as ids.
 
-use std::io::{BufRead, Write};
+use std::io::Write;
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
@@ -214,23 +214,17 @@ pub fn write_jsonl(path: &Path, records: &[PromptRecord]) -> Result<(), TrainErr
 
 /// Reads JSON lines of `{prompt, label}`; a bad line is an error naming its line number.
 pub fn read_jsonl(path: &Path) -> Result<Vec<PromptRecord>, TrainError> {
-    let file = std::fs::File::open(path).map_err(|e| TrainError::io(path, e))?;
-    let mut records = Vec::new();
-    for (index, line) in std::io::BufReader::new(file).lines().enumerate() {
-        let line = line.map_err(|e| TrainError::io(path, e))?;
-        if line.trim().is_empty() {
-            continue;
-        }
-        let record = serde_json::from_str(&line).map_err(|e| {
-            TrainError::Data(format!(
-                "{}:{}: expected a JSON object {{\"prompt\": .., \"label\": ..}}, found {e}",
-                path.display(),
-                index + 1
-            ))
-        })?;
-        records.push(record);
-    }
-    Ok(records)
+    crate::data::read_records(path)?
+        .into_iter()
+        .map(|record| {
+            serde_json::from_value(record.value).map_err(|e| {
+                TrainError::Data(format!(
+                    "{}: expected a JSON object {{\"prompt\": .., \"label\": ..}}, found {e}",
+                    record.location
+                ))
+            })
+        })
+        .collect()
 }
 
 /// An epoch-wise, seeded shuffle over a dataset, with a position that checkpoints record

@@ -80,12 +80,7 @@ impl Trainer {
         }
         std::fs::create_dir_all(&dir).map_err(|e| TrainError::io(&dir, e))?;
         // DP ranks hold identical replicas: rank 0 saves.
-        let actor = self
-            .roles
-            .actor
-            .members()
-            .first()
-            .ok_or_else(|| TrainError::role("actor", "the group is empty"))?;
+        let actor = self.policy_rank0()?;
         let mut saves = vec![actor.save_checkpoint(dir.join("actor"))];
         if let Some(critic) = &self.roles.critic
             && let Some(rank0) = critic.members().first()

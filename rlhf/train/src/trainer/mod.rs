@@ -242,16 +242,20 @@ impl Trainer {
         })
     }
 
+    /// Policy rank 0: the replica that saves, exports and sends weights (DP ranks are equal).
+    fn policy_rank0(&self) -> Result<&crate::roles::lm::LmWorkerRef> {
+        self.roles
+            .actor
+            .members()
+            .first()
+            .ok_or_else(|| TrainError::role("actor", "the group is empty"))
+    }
+
     /// Writes the policy (rank 0's replica) to `dir` as a Hugging Face directory: config,
     /// safetensors, tokenizer files and generation config. Written beside `dir` and renamed, so a
     /// directory at `dir` is always complete.
     pub fn export_policy(&self, dir: &Path) -> Result<PathBuf> {
-        let rank0 = self
-            .roles
-            .actor
-            .members()
-            .first()
-            .ok_or_else(|| TrainError::role("actor", "the group is empty"))?;
+        let rank0 = self.policy_rank0()?;
         let tmp = dir.with_extension("tmp");
         for d in [&tmp, &dir.to_path_buf()] {
             if d.exists() {
@@ -522,12 +526,7 @@ impl Trainer {
         if self.config.rollout.weight_sync_backend == WeightSyncBackend::Nccl {
             return self.sync_weights_collective();
         }
-        let source = self
-            .roles
-            .actor
-            .members()
-            .first()
-            .ok_or_else(|| TrainError::role("actor", "the group is empty"))?;
+        let source = self.policy_rank0()?;
         let buckets = source
             .weight_buckets(self.config.rollout.weight_bucket_bytes)
             .get()?
@@ -558,12 +557,7 @@ impl Trainer {
     /// engine over the weight-sync group (formed on the first call), in place, then the engines
     /// reset their prefix caches (part of `receive_weights`).
     fn sync_weights_collective(&self) -> Result<()> {
-        let source = self
-            .roles
-            .actor
-            .members()
-            .first()
-            .ok_or_else(|| TrainError::role("actor", "the group is empty"))?;
+        let source = self.policy_rank0()?;
         let engines = &self.roles.engines;
         let metas = match self.weight_sync_metas.get() {
             Some(metas) => metas,
