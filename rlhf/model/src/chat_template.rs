@@ -191,33 +191,34 @@ fn python_tojson(value: Value, kwargs: Kwargs) -> std::result::Result<Value, Err
     let indent: Option<usize> = kwargs.get("indent")?;
     let sort_keys: Option<bool> = kwargs.get("sort_keys")?;
     kwargs.assert_all_used()?;
-    let mut out = Vec::new();
     // Keys keep the template data's order (minijinja's `preserve_order`), as Python dicts do;
     // `sort_keys` goes through a sorted map.
-    let written = match (indent, sort_keys.unwrap_or(false)) {
-        (None, false) => serde::Serialize::serialize(
-            &value,
-            &mut serde_json::Serializer::with_formatter(&mut out, PythonFormatter),
-        ),
-        (None, true) => serde::Serialize::serialize(
-            &sorted(&value)?,
-            &mut serde_json::Serializer::with_formatter(&mut out, PythonFormatter),
-        ),
-        (Some(n), sort) => {
+    let text = if sort_keys.unwrap_or(false) {
+        to_json_text(&sorted(&value)?, indent)
+    } else {
+        to_json_text(&value, indent)
+    }
+    .map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
+    Ok(Value::from_safe_string(text))
+}
+
+/// `value` as `json.dumps` writes it: Python's separators, or `indent` spaces per level.
+fn to_json_text<T: serde::Serialize>(
+    value: &T,
+    indent: Option<usize>,
+) -> std::result::Result<String, serde_json::Error> {
+    let mut out = Vec::new();
+    match indent {
+        None => value
+            .serialize(&mut serde_json::Serializer::with_formatter(&mut out, PythonFormatter))?,
+        Some(n) => {
             let spaces = vec![b' '; n];
             let formatter = serde_json::ser::PrettyFormatter::with_indent(&spaces);
-            let mut serializer = serde_json::Serializer::with_formatter(&mut out, formatter);
-            if sort {
-                serde::Serialize::serialize(&sorted(&value)?, &mut serializer)
-            } else {
-                serde::Serialize::serialize(&value, &mut serializer)
-            }
+            value.serialize(&mut serde_json::Serializer::with_formatter(&mut out, formatter))?
         }
-    };
-    written.map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
-    let text = String::from_utf8(out)
-        .map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
-    Ok(Value::from_safe_string(text))
+    }
+    // serde_json writes only valid UTF-8.
+    Ok(String::from_utf8_lossy(&out).into_owned())
 }
 
 /// `value` as JSON with every object's keys sorted (serde_json's map is ordered by key).

@@ -221,11 +221,17 @@ pub fn score_remote(
         "labels": queries.iter().map(|q| q.label.as_str()).collect::<Vec<_>>(),
     })
     .to_string();
+    // One agent for every attempt: it keeps connections to the servers alive between them.
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .timeout_global(Some(client.timeout))
+        .http_status_as_error(false)
+        .build()
+        .into();
     let mut errors = Vec::new();
     let mut pause = Duration::from_millis(200);
     for attempt in 0..=client.retries as usize {
         let url = &client.urls[(client.first + attempt) % client.urls.len()];
-        match post_for_rewards(url, &body, client.timeout, queries.len()) {
+        match post_for_rewards(&agent, url, &body, queries.len()) {
             Ok(rewards) => return Ok(rewards),
             // A well-formed answer with the wrong content will not improve on a retry.
             Err(RemoteError::Answer(e)) => return Err(e),
@@ -251,9 +257,9 @@ enum RemoteError {
 pub const MAX_RESPONSE_BYTES: u64 = 64 << 20;
 
 fn post_for_rewards(
+    agent: &ureq::Agent,
     url: &str,
     body: &str,
-    timeout: Duration,
     expected: usize,
 ) -> Result<Vec<f32>, RemoteError> {
     if !(url.starts_with("http://") || url.starts_with("https://")) {
@@ -261,11 +267,6 @@ fn post_for_rewards(
             "expected an http:// or https:// URL, found `{url}`"
         )));
     }
-    let agent: ureq::Agent = ureq::Agent::config_builder()
-        .timeout_global(Some(timeout))
-        .http_status_as_error(false)
-        .build()
-        .into();
     let mut response = agent
         .post(url)
         .header("Content-Type", "application/json")

@@ -10,7 +10,7 @@ use crate::config::TrainConfig;
 use crate::data::load_prompts;
 use crate::error::{Result, TrainError};
 use crate::placement_map::RolePlacements;
-use crate::task::{read_jsonl, write_jsonl};
+use crate::task::{PromptRecord, read_jsonl, write_jsonl};
 use crate::tokenizer::HfTokenizer;
 use crate::trainer::{FitReport, ProgressObserver, RunPaths, Trainer, checkpoint, telemetry_error};
 use crate::warmup::{WarmupReport, make_initial_policy, policy_config};
@@ -32,11 +32,23 @@ pub struct Prepared {
     /// Where the initial policy came from.
     pub initial: InitialPolicy,
     /// Training prompts.
-    pub train_prompts: usize,
+    pub train: Vec<PromptRecord>,
     /// Held-out prompts.
-    pub eval_prompts: usize,
+    pub eval: Vec<PromptRecord>,
     /// Prompts dropped for `data.max_prompt_len` (train, held-out).
     pub dropped_too_long: (usize, usize),
+}
+
+impl Prepared {
+    /// Number of training prompts.
+    pub fn train_prompts(&self) -> usize {
+        self.train.len()
+    }
+
+    /// Number of held-out prompts.
+    pub fn eval_prompts(&self) -> usize {
+        self.eval.len()
+    }
 }
 
 /// Name of the file recording what a run directory's data and initial policy were made from.
@@ -71,12 +83,14 @@ pub fn prepare(config: &TrainConfig, paths: &RunPaths) -> Result<Prepared> {
     let same = previous.as_ref().and_then(|p| p.get("key")) == Some(&key)
         && paths.train_data.is_file()
         && paths.eval_data.is_file();
-    let mut dropped = previous
-        .as_ref()
-        .and_then(|p| p.get("dropped_too_long"))
-        .and_then(|d| serde_json::from_value::<(usize, usize)>(d.clone()).ok())
-        .unwrap_or((0, 0));
-    if !same {
+    let (train, eval, dropped) = if same {
+        let dropped = previous
+            .as_ref()
+            .and_then(|p| p.get("dropped_too_long"))
+            .and_then(|d| serde_json::from_value::<(usize, usize)>(d.clone()).ok())
+            .unwrap_or((0, 0));
+        (read_jsonl(&paths.train_data)?, read_jsonl(&paths.eval_data)?, dropped)
+    } else {
         if checkpoint::newest(&paths.checkpoints)?.is_some() {
             return Err(TrainError::config(
                 "run_dir",
@@ -87,17 +101,16 @@ pub fn prepare(config: &TrainConfig, paths: &RunPaths) -> Result<Prepared> {
                 ),
             ));
         }
-        let (train, eval) = match (&synthetic, &config.policy.pretrain) {
+        let (train, eval, dropped) = match (&synthetic, &config.policy.pretrain) {
             (Some(task), _) => {
-                dropped = (0, 0);
-                task.generate(config.seed)?
+                let (train, eval) = task.generate(config.seed)?;
+                (train, eval, (0, 0))
             }
             (None, Some(dir)) => {
                 let tokenizer = HfTokenizer::from_dir(dir, config.data.apply_chat_template)
                     .map_err(|e| TrainError::config("policy.pretrain", e.to_string()))?;
                 let loaded = load_prompts(&config.data, &tokenizer, config.seed)?;
-                dropped = loaded.dropped_too_long;
-                (loaded.train, loaded.eval)
+                (loaded.train, loaded.eval, loaded.dropped_too_long)
             }
             (None, None) => {
                 return Err(TrainError::config(
@@ -114,15 +127,10 @@ pub fn prepare(config: &TrainConfig, paths: &RunPaths) -> Result<Prepared> {
         }
         let record = serde_json::json!({"key": key, "dropped_too_long": dropped});
         std::fs::write(&key_path, record.to_string()).map_err(|e| TrainError::io(&key_path, e))?;
-    }
-    let train = read_jsonl(&paths.train_data)?;
-    let eval_prompts = read_jsonl(&paths.eval_data)?.len();
-    let mut prepared = Prepared {
-        initial: InitialPolicy::Reused,
-        train_prompts: train.len(),
-        eval_prompts,
-        dropped_too_long: dropped,
+        (train, eval, dropped)
     };
+    let mut prepared =
+        Prepared { initial: InitialPolicy::Reused, train, eval, dropped_too_long: dropped };
     let Some(task) = synthetic else {
         prepared.initial = InitialPolicy::Pretrained(config.policy_dir());
         return Ok(prepared);
@@ -134,7 +142,8 @@ pub fn prepare(config: &TrainConfig, paths: &RunPaths) -> Result<Prepared> {
     let model_config = policy_config(&config.model, max_positions);
     // Written under a temporary name and renamed, so a killed warm-up is redone, not reused.
     let tmp = paths.initial_policy.with_extension("tmp");
-    let report = make_initial_policy(&tmp, &model_config, &config.warmup, &train, config.seed)?;
+    let report =
+        make_initial_policy(&tmp, &model_config, &config.warmup, &prepared.train, config.seed)?;
     std::fs::rename(&tmp, &paths.initial_policy).map_err(|e| TrainError::io(&tmp, e))?;
     prepared.initial = InitialPolicy::Made(report);
     Ok(prepared)
@@ -173,12 +182,10 @@ pub fn run(
     progress: &mut dyn ProgressObserver,
 ) -> Result<(Trainer, FitReport)> {
     let paths = RunPaths::new(&config.run_dir);
-    prepare(config, &paths)?;
+    let Prepared { train, eval, .. } = prepare(config, &paths)?;
     let mut placements = RolePlacements::from_config(config)?;
     start_runtime(config, &placements)?;
     placements.deploy()?;
-    let train = read_jsonl(&paths.train_data)?;
-    let eval = read_jsonl(&paths.eval_data)?;
     let steps_hint = {
         let per_episode = (train.len() / config.rollout.prompts_per_step).max(1) as u64;
         let total = per_episode * config.train.num_episodes as u64;

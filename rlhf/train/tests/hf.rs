@@ -287,8 +287,8 @@ fn prompt_files_parquet_and_chat_messages_are_read_and_rendered() {
     assert!(err.contains("chat.jsonl:1") && err.contains("`question`"), "{err}");
     config.data.prompt_data = rtrun_rlhf::data::OneOrMany(vec![dir.join("train.parquet")]);
     let prepared = prepare(&config, &RunPaths::new(&dir.join("run"))).unwrap();
-    assert_eq!(prepared.train_prompts + prepared.eval_prompts, 40);
-    assert_eq!(prepared.eval_prompts, 4);
+    assert_eq!(prepared.train_prompts() + prepared.eval_prompts(), 40);
+    assert_eq!(prepared.eval_prompts(), 4);
     let records =
         rtrun_rlhf::task::read_jsonl(&RunPaths::new(&dir.join("run")).train_data).unwrap();
     assert!(records[0].prompt.starts_with(
@@ -300,7 +300,7 @@ fn prompt_files_parquet_and_chat_messages_are_read_and_rendered() {
     config.data.input_key = "messages".into();
     config.run_dir = dir.join("chat-run");
     let prepared = prepare(&config, &RunPaths::new(&dir.join("chat-run"))).unwrap();
-    assert_eq!(prepared.train_prompts + prepared.eval_prompts, 40);
+    assert_eq!(prepared.train_prompts() + prepared.eval_prompts(), 40);
     let records =
         rtrun_rlhf::task::read_jsonl(&RunPaths::new(&dir.join("chat-run")).train_data).unwrap();
     assert!(

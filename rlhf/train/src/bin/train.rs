@@ -88,8 +88,8 @@ fn main() -> anyhow::Result<()> {
     let (dropped_train, dropped_eval) = prepared.dropped_too_long;
     eprintln!(
         "prompts: {} training, {} held-out{}",
-        prepared.train_prompts,
-        prepared.eval_prompts,
+        prepared.train_prompts(),
+        prepared.eval_prompts(),
         if dropped_train + dropped_eval > 0 {
             format!(
                 " ({dropped_train} training and {dropped_eval} held-out dropped: longer than data.max_prompt_len = {})",
@@ -105,7 +105,8 @@ fn main() -> anyhow::Result<()> {
         eprintln!("resuming from {}", dir.display());
     }
     let total = {
-        let per_episode = (prepared.train_prompts / config.rollout.prompts_per_step).max(1) as u64;
+        let per_episode =
+            (prepared.train_prompts() / config.rollout.prompts_per_step).max(1) as u64;
         let total = per_episode * config.train.num_episodes as u64;
         config.train.max_steps.map_or(total, |m| m.min(total))
     };
@@ -137,7 +138,7 @@ fn main() -> anyhow::Result<()> {
         title,
         steps: report.steps,
         wall_time: started.elapsed(),
-        held_out_prompts: prepared.eval_prompts,
+        held_out_prompts: prepared.eval_prompts(),
         held_out: vec![
             EvalRow {
                 metric: "mean reward".into(),

@@ -181,15 +181,15 @@ impl LmWorkerState {
     /// Saves the model (Hugging Face layout, with the tokenizer files of the directory it was
     /// loaded from) and, for a policy rank, the optimizer state.
     pub fn save_checkpoint(&self, dir: PathBuf) -> Result<(), String> {
-        match &self.optimizer {
-            Some(opt) => rtrun_rlhf_model::train::save_training_checkpoint(
-                &dir,
-                &self.model,
-                opt,
-                &Default::default(),
-            ),
-            None => self.model.save_pretrained(&dir, &Default::default()),
-        }
+        let Some(opt) = &self.optimizer else {
+            return self.export(dir);
+        };
+        rtrun_rlhf_model::train::save_training_checkpoint(
+            &dir,
+            &self.model,
+            opt,
+            &Default::default(),
+        )
         .and_then(|()| copy_tokenizer_files(&self.source_dir, &dir, self.model.config()))
         .map_err(|e| format!("saving {}: {e}", dir.display()))
     }
@@ -316,8 +316,8 @@ impl LmWorker {
     }
 }
 
-/// Copies the tokenizer files of `from` into `to` (skipping files `to` already has, and
-/// `from == to`), and writes a `generation_config.json` with the model's EOS / BOS / PAD ids when
+/// Copies the tokenizer files of `from` into `to` (nothing when they are the same directory),
+/// and writes a `generation_config.json` with the model's EOS / BOS / PAD ids when
 /// `from` has none, so the directory generates and stops as the source did.
 fn copy_tokenizer_files(
     from: &std::path::Path,
