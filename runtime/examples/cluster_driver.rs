@@ -1,7 +1,9 @@
 //! The driver of the multi-node test: joins the cluster named by `RTRUN_ADDRESS`, creates a
 //! SPREAD placement group with one bundle per node, calls an actor in each bundle, moves a
 //! 256 MiB object between nodes and checks its checksum on both ends. Prints `nodes ...`,
-//! `checksum ...` and `ok` lines the test reads.
+//! `checksum ...` and `ok` lines the test reads. Arguments: `nodes N` bundles (default 3),
+//! `group NAME` (default `spread`), `bytes N` for the object's size, `hold SECONDS` to keep
+//! everything that long afterwards (the fault tests kill things meanwhile).
 
 use std::io::Write;
 
@@ -63,12 +65,15 @@ impl Probe {
 fn main() -> anyhow::Result<()> {
     rtrun::init()?;
     let mut out = std::io::stdout().lock();
-    let nodes: usize =
-        std::env::var("CLUSTER_NODES").ok().and_then(|n| n.parse().ok()).unwrap_or(3);
+    let nodes: usize = argument("nodes")
+        .or_else(|| std::env::var("CLUSTER_NODES").ok())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(3);
+    let name = argument("group").unwrap_or_else(|| "spread".to_owned());
     let group = rtrun::placement_group(
         PlacementGroupOptions::uniform(nodes, &[("CPU", 1.0)])?
             .strategy(Strategy::Spread)
-            .name("spread"),
+            .name(&name),
     )?;
     group.wait(std::time::Duration::from_secs(60))?;
     let probes = (0..nodes)
@@ -78,8 +83,8 @@ fn main() -> anyhow::Result<()> {
     let names: Vec<&str> = places.iter().map(|(node, _)| node.as_str()).collect();
     writeln!(out, "nodes {}", names.join(" "))?;
     out.flush()?;
-    let len = std::env::var("CLUSTER_OBJECT_BYTES")
-        .ok()
+    let len = argument("bytes")
+        .or_else(|| std::env::var("CLUSTER_OBJECT_BYTES").ok())
         .and_then(|n| n.parse().ok())
         .unwrap_or(256 << 20);
     let made = probes[0].make(len, 0x9e37_79b9_7f4a_7c15);
@@ -187,5 +192,19 @@ fn main() -> anyhow::Result<()> {
         let rate = calls as f64 / start.elapsed().as_secs_f64();
         writeln!(out, "cross-node 1:1 actor calls sync per second {rate:.0}")?;
     }
+    // `hold SECONDS`: keeps its placement group and actors for that long after `ok`, then
+    // exits normally.
+    if let Some(seconds) = argument("hold").and_then(|s| s.parse::<u64>().ok()) {
+        writeln!(out, "holding")?;
+        out.flush()?;
+        std::thread::sleep(std::time::Duration::from_secs(seconds));
+    }
     Ok(())
+}
+
+/// The value after `name` in the arguments (`bytes N`, `hold SECONDS`): arguments rather than
+/// environment variables, so that they reach a driver started by `rtrun submit`.
+fn argument(name: &str) -> Option<String> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    args.windows(2).find(|pair| pair[0] == name).map(|pair| pair[1].clone())
 }

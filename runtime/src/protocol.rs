@@ -353,8 +353,12 @@ pub enum Request {
         /// The process.
         worker: WorkerId,
     },
-    /// Head → node daemon: kill every worker and exit.
-    StopNode,
+    /// Head → node daemon: kill every worker and exit (0 when an operator stopped the cluster,
+    /// non-zero when `declared_dead` says why the head gave this node up).
+    StopNode {
+        /// Why the head declared the node dead (`None`: `rtrun stop`).
+        declared_dead: Option<String>,
+    },
     /// Run a job's driver binary (uploaded before, by digest) on the head's node.
     SubmitJob {
         /// The binary's digest.

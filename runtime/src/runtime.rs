@@ -57,6 +57,10 @@ pub struct Config {
     /// The credentials directory (default: `RTRUN_CREDENTIALS_DIR`, else
     /// `~/.rtrun/credentials`).
     pub credentials_dir: Option<std::path::PathBuf>,
+    /// How long joining a cluster waits for the head to answer, handshakes and retries
+    /// included (default: `RTRUN_CONNECT_TIMEOUT` in seconds, else
+    /// [`crate::cluster::DEFAULT_CONNECT_TIMEOUT`]).
+    pub connect_timeout: Option<Duration>,
 }
 
 static CURRENT: OnceLock<Arc<Runtime>> = OnceLock::new();
@@ -123,6 +127,26 @@ pub(crate) fn failed_ref<T>(error: Error) -> ObjectRef<T> {
 
 type ResponseCallback = Box<dyn FnOnce(Response) + Send>;
 
+/// The exit code of a process that lost its cluster head, or that the head declared dead
+/// (`EX_TEMPFAIL` of sysexits.h: restarting it later may succeed; a restarted `rtrun join`
+/// joins as a new node).
+pub const EXIT_HEAD_LOST: i32 = 75;
+
+/// What this process is in its session; decides what losing the head means for it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ProcessKind {
+    /// The driver of an embedded session: its own control plane.
+    EmbeddedDriver,
+    /// `rtrun head`.
+    ClusterHead,
+    /// `rtrun join`.
+    NodeDaemon,
+    /// A driver or command-line client of a cluster.
+    ClusterDriver,
+    /// A worker process, of an embedded session or of a cluster.
+    Worker,
+}
+
 struct PendingRequest {
     connection: u64,
     /// Behind a mutex only to make the entry `Sync`; it is taken exactly once.
@@ -139,6 +163,9 @@ impl PendingRequest {
 
 /// One process's runtime.
 pub struct Runtime {
+    kind: ProcessKind,
+    /// Set when this process asked the head to exit (`rtrun stop`): its going is no error.
+    head_exit_expected: std::sync::atomic::AtomicBool,
     pub(crate) session: String,
     pub(crate) worker_id: WorkerId,
     pub(crate) node_id: NodeId,
@@ -241,6 +268,7 @@ pub(crate) fn worker_address(session: &str, worker: WorkerId) -> Address {
 impl Runtime {
     #[allow(clippy::too_many_arguments)]
     fn new(
+        kind: ProcessKind,
         session: String,
         worker_id: WorkerId,
         node_id: NodeId,
@@ -256,6 +284,8 @@ impl Runtime {
             .build()
             .map_err(|e| Error::System(format!("cannot start the async runtime: {e}")))?;
         let runtime = Arc::new(Runtime {
+            kind,
+            head_exit_expected: std::sync::atomic::AtomicBool::new(false),
             session,
             worker_id,
             node_id,
@@ -290,7 +320,7 @@ impl Runtime {
     fn start_driver(config: Config) -> Result<Arc<Runtime>> {
         let session = format!("{:016x}", random_u64());
         let address = worker_address(&session, DRIVER_WORKER_ID);
-        Runtime::start_head_process(&config, session, address)
+        Runtime::start_head_process(ProcessKind::EmbeddedDriver, &config, session, address)
     }
 
     /// A cluster head's runtime: an embedded session's, at a cluster address.
@@ -299,7 +329,8 @@ impl Runtime {
         session: String,
         address: Address,
     ) -> Result<Arc<Runtime>> {
-        let runtime = Runtime::start_head_process(config, session, address)?;
+        let runtime =
+            Runtime::start_head_process(ProcessKind::ClusterHead, config, session, address)?;
         let _ = CURRENT.set(runtime.clone());
         Ok(runtime)
     }
@@ -317,6 +348,7 @@ impl Runtime {
     ) -> Result<Arc<Runtime>> {
         let namespace = config.namespace.clone().unwrap_or_else(|| "default".to_owned());
         let runtime = Runtime::new(
+            ProcessKind::NodeDaemon,
             session,
             worker,
             NodeId(node),
@@ -345,6 +377,7 @@ impl Runtime {
     ) -> Result<Arc<Runtime>> {
         let namespace = config.namespace.clone().unwrap_or_else(|| "default".to_owned());
         let runtime = Runtime::new(
+            ProcessKind::ClusterDriver,
             session,
             worker,
             NodeId(node),
@@ -383,12 +416,14 @@ impl Runtime {
     }
 
     fn start_head_process(
+        kind: ProcessKind,
         config: &Config,
         session: String,
         address: Address,
     ) -> Result<Arc<Runtime>> {
         let namespace = config.namespace.clone().unwrap_or_else(|| "default".to_owned());
         let runtime = Runtime::new(
+            kind,
             session.clone(),
             DRIVER_WORKER_ID,
             NodeId(0),
@@ -412,6 +447,7 @@ impl Runtime {
             None => (NodeId(0), None, worker_address(&spec.session, spec.worker)),
         };
         let runtime = Runtime::new(
+            ProcessKind::Worker,
             spec.session.clone(),
             spec.worker,
             node,
@@ -844,7 +880,7 @@ impl Runtime {
             body @ (Request::SpawnWorker { .. }
             | Request::KillProcess { .. }
             | Request::ProcessExited { .. }
-            | Request::StopNode) => match self.node_agent.get() {
+            | Request::StopNode { .. }) => match self.node_agent.get() {
                 Some(agent) => agent.handle(body, Box::new(move |r| responder.respond(r))),
                 None => responder.respond(Response::Error(Error::Invalid(format!(
                     "{} is not a node daemon; cannot answer {body:?}",
@@ -954,9 +990,58 @@ impl Runtime {
         }
         // The head learns of worker deaths from the reaper (waitpid), not from closed sockets.
         if self.head_connection.get().is_some_and(|h| h.id() == conn.id()) {
-            // The control plane (the driver, in an embedded session) is gone: so is this worker.
-            std::process::exit(0);
+            self.on_head_lost(conn, reason);
         }
+    }
+
+    /// Tells this process that the head is about to exit at its request (`rtrun stop`), so
+    /// that the connection closing is not reported as a failure.
+    pub(crate) fn expect_head_exit(&self) {
+        self.head_exit_expected.store(true, std::sync::atomic::Ordering::Release);
+    }
+
+    /// The connection to the control plane closed. A process of a cluster cannot go on
+    /// without it: it says so and exits with [`EXIT_HEAD_LOST`] (schedulers, CI and
+    /// Kubernetes read exit codes), a node daemon after stopping its workers. A worker of an
+    /// embedded session exits quietly: its driver leaving is how a session ends.
+    fn on_head_lost(&self, conn: &Connection, reason: &str) {
+        let expected = self.head_exit_expected.load(std::sync::atomic::Ordering::Acquire);
+        if expected || crate::cluster::exiting() {
+            if self.kind == ProcessKind::Worker {
+                std::process::exit(0);
+            }
+            return;
+        }
+        let peer = conn.peer().unwrap_or_default();
+        let head = match crate::transport::Route::parse(&peer) {
+            Ok(crate::transport::Route::Quic { addr, .. }) => addr.to_string(),
+            _ => peer,
+        };
+        let message = match self.kind {
+            ProcessKind::Worker if crate::cluster::member().is_none() => std::process::exit(0),
+            ProcessKind::EmbeddedDriver | ProcessKind::ClusterHead => return,
+            ProcessKind::Worker => {
+                format!(
+                    "worker {}: lost the connection to the cluster head at {head}: {reason}; exiting",
+                    self.worker_id
+                )
+            }
+            ProcessKind::NodeDaemon => {
+                if let Some(agent) = self.node_agent.get() {
+                    agent.stop();
+                }
+                format!(
+                    "rtrun join: lost the connection to the cluster head at {head}: {reason}; \
+                     stopped this node's workers and exiting (restart `rtrun join` to rejoin)"
+                )
+            }
+            ProcessKind::ClusterDriver => {
+                format!("rtrun: lost the connection to the cluster head at {head}: {reason}")
+            }
+        };
+        // Printed, not only logged: the process ends here, and it may have no log subscriber.
+        eprintln!("{message}");
+        std::process::exit(EXIT_HEAD_LOST);
     }
 
     /// Blocks the calling thread until `deadline` or until `condition` holds, polling.

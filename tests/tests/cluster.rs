@@ -5,109 +5,15 @@
 //! against the live head.
 
 use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use rtrun_tests::rtrun_binary;
 
-/// Processes killed when the test ends, whatever happens.
-struct Cluster {
-    dir: PathBuf,
-    head: Child,
-    nodes: Vec<Child>,
-    address: String,
-    token: String,
-}
+#[path = "common/cluster.rs"]
+mod common;
 
-impl Drop for Cluster {
-    fn drop(&mut self) {
-        for child in self.nodes.iter_mut().chain(std::iter::once(&mut self.head)) {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-fn driver_binary() -> PathBuf {
-    rtrun_tests::cluster_driver_binary()
-}
-
-fn free_udp_port() -> u16 {
-    std::net::UdpSocket::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
-/// Reads lines from `child`'s stdout until one starts with `prefix`.
-fn wait_line(child: &mut Child, prefix: &str, what: &str) -> String {
-    let stdout = child.stdout.take().expect("piped stdout");
-    let (tx, rx) = std::sync::mpsc::channel();
-    let prefix = prefix.to_owned();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if line.starts_with(&prefix) {
-                let _ = tx.send(line);
-                return;
-            }
-        }
-    });
-    rx.recv_timeout(Duration::from_secs(60)).unwrap_or_else(|_| panic!("{what} did not start"))
-}
-
-fn start_cluster(name: &str, heartbeat_timeout: &str) -> Cluster {
-    let dir = std::env::temp_dir().join(format!("rtrun-cluster-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    let port = free_udp_port();
-    let mut head = Command::new(rtrun_binary())
-        .args(["head", "--bind", "127.0.0.1", "--port", &port.to_string(), "--num-cpus", "1"])
-        .args(["--node-name", "head", "--object-store-memory", "700000000"])
-        .args(["--heartbeat-timeout", heartbeat_timeout])
-        .arg("--credentials-dir")
-        .arg(dir.join("head-credentials"))
-        .arg("--data-dir")
-        .arg(dir.join("head-data"))
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("rtrun head starts");
-    let token_line = wait_line(&mut head, "join token: ", "rtrun head");
-    let token = token_line.trim_start_matches("join token: ").to_owned();
-    let address = format!("127.0.0.1:{port}");
-    let mut cluster = Cluster { dir: dir.clone(), head, nodes: Vec::new(), address, token };
-    for node in ["n1", "n2"] {
-        let mut child = Command::new(rtrun_binary())
-            .args(["join", "--address", &cluster.address, "--token", &cluster.token])
-            .args(["--num-cpus", "1", "--num-gpus", "2", "--node-name", node])
-            .args(["--resources", r#"{"slot": 1}"#])
-            .args(["--object-store-memory", "700000000"])
-            .arg("--credentials-dir")
-            .arg(dir.join(format!("{node}-credentials")))
-            .arg("--data-dir")
-            .arg(dir.join(format!("{node}-data")))
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("rtrun join starts");
-        wait_line(&mut child, "node ", "rtrun join");
-        cluster.nodes.push(child);
-    }
-    cluster
-}
-
-fn rtrun(cluster: &Cluster, args: &[&str], credentials: &Path) -> std::process::Output {
-    Command::new(rtrun_binary())
-        .args(args)
-        .args(["--address", &cluster.address])
-        .arg("--credentials-dir")
-        .arg(credentials)
-        .output()
-        .expect("rtrun runs")
-}
-
-fn status(cluster: &Cluster) -> String {
-    let out = rtrun(cluster, &["status"], &cluster.dir.join("head-credentials"));
-    assert!(out.status.success(), "rtrun status failed: {}", String::from_utf8_lossy(&out.stderr));
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
+use common::{driver_binary, rtrun, start_cluster, status, wait_line};
 
 #[test]
 fn a_three_node_cluster_spreads_actors_moves_objects_and_detects_a_killed_node() {

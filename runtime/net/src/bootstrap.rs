@@ -39,20 +39,32 @@ pub async fn bootstrap(
     node_name: &str,
     config: &NetConfig,
 ) -> Result<NodeCredentials> {
+    bootstrap_with_validity(head, token, node_name, None, config).await
+}
+
+/// Like [`bootstrap`], asking for a certificate valid only for `validity` (a short-lived
+/// client's; `None`: a node's, the longest the head issues).
+pub async fn bootstrap_with_validity(
+    head: SocketAddr,
+    token: &JoinToken,
+    node_name: &str,
+    validity: Option<std::time::Duration>,
+    config: &NetConfig,
+) -> Result<NodeCredentials> {
     validate_node_name(node_name)?;
     let timeout = config.handshake_timeout;
-    tokio::time::timeout(timeout, bootstrap_inner(head, token, node_name, config)).await.map_err(
-        |_| NetError::Timeout {
-            during: "bootstrapping with the head",
-            after_ms: timeout.as_millis(),
-        },
-    )?
+    let exchange = bootstrap_inner(head, token, node_name, validity, config);
+    tokio::time::timeout(timeout, exchange).await.map_err(|_| NetError::Timeout {
+        during: "bootstrapping with the head",
+        after_ms: timeout.as_millis(),
+    })?
 }
 
 async fn bootstrap_inner(
     head: SocketAddr,
     token: &JoinToken,
     node_name: &str,
+    validity: Option<std::time::Duration>,
     config: &NetConfig,
 ) -> Result<NodeCredentials> {
     let peer = head.to_string();
@@ -84,6 +96,7 @@ async fn bootstrap_inner(
             token_secret: token.secret().to_vec(),
             node_name: node_name.to_string(),
             csr_der: csr.der().to_vec(),
+            validity_s: validity.map(|v| v.as_secs().max(1)),
         };
         write_frame(&mut send, &frame(FrameKind::Bootstrap, 0, &request), &FrameLimits::HANDSHAKE)
             .await?;
@@ -163,7 +176,11 @@ pub(crate) async fn serve_bootstrap(shared: &Shared, connection: &quinn::Connect
             return Err("wrong join token".to_string());
         }
         let cert = authority
-            .sign_request(&request.csr_der, &request.node_name)
+            .sign_request_valid_for(
+                &request.csr_der,
+                &request.node_name,
+                request.validity_s.map(std::time::Duration::from_secs),
+            )
             .map_err(|e| e.to_string())?;
         Ok((request.node_name, cert))
     }

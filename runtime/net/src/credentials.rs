@@ -226,10 +226,24 @@ impl ClusterAuthority {
     /// Signs the public key of a certificate signing request for `node_name`. Everything the
     /// request asks for besides its key is ignored: the head decides names, usages and validity.
     pub fn sign_request(&self, csr_der: &[u8], node_name: &str) -> Result<CertificateDer<'static>> {
+        self.sign_request_valid_for(csr_der, node_name, None)
+    }
+
+    /// Like [`ClusterAuthority::sign_request`], valid for `validity` when that is shorter
+    /// than a node certificate's (a short-lived client's); never longer.
+    pub fn sign_request_valid_for(
+        &self,
+        csr_der: &[u8],
+        node_name: &str,
+        validity: Option<Duration>,
+    ) -> Result<CertificateDer<'static>> {
         let mut request =
             CertificateSigningRequestParams::from_der(&CertificateSigningRequestDer::from(csr_der))
                 .map_err(|e| NetError::Certificate(format!("certificate signing request: {e}")))?;
         request.params = node_params(node_name)?;
+        if let Some(validity) = validity.filter(|v| *v < NODE_VALIDITY) {
+            set_validity(&mut request.params, validity);
+        }
         let cert = request.signed_by(&self.issuer()?).map_err(cert_error)?;
         Ok(cert.der().clone())
     }
@@ -714,5 +728,24 @@ mod tests {
         assert!(head.authority.sign_request(b"garbage", "worker-1").is_err());
         assert!(head.authority.sign_request(csr.der(), "bad name/").is_err());
         assert!(head.authority.sign_request(csr.der(), "").is_err());
+    }
+
+    #[test]
+    fn short_lived_client_certificates_expire_within_their_validity_and_never_exceed_a_nodes() {
+        let head = HeadCredentials::generate("head").unwrap();
+        let key = KeyPair::generate().unwrap();
+        let csr = CertificateParams::default().serialize_request(&key).unwrap();
+        let not_after = |validity: Option<Duration>| {
+            let cert = head.authority.sign_request_valid_for(csr.der(), "c", validity).unwrap();
+            let (_, parsed) = x509_parser::parse_x509_certificate(cert.as_ref()).unwrap();
+            parsed.validity().not_after.timestamp()
+                - time::OffsetDateTime::now_utc().unix_timestamp()
+        };
+        let hour = not_after(Some(Duration::from_secs(3600)));
+        assert!((3500..=3700).contains(&hour), "a one-hour client certificate: {hour} s left");
+        let node = not_after(None);
+        assert!(node > 300 * 24 * 3600, "a node certificate: {node} s left");
+        let asked_too_much = not_after(Some(NODE_VALIDITY * 10));
+        assert!(asked_too_much <= node + 5, "capped at a node's validity: {asked_too_much} s");
     }
 }

@@ -31,7 +31,7 @@ pub mod pull;
 pub mod store_transfer;
 pub mod tls;
 
-pub use bootstrap::bootstrap;
+pub use bootstrap::{bootstrap, bootstrap_with_validity};
 pub use config::NetConfig;
 pub use connection::{
     Connection, HeartbeatSender, IncomingChannel, IncomingRequest, ObjectSource, Responder,

@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize};
 use crate::frame::{Frame, FrameError, FrameKind};
 
 /// The version of this message set, checked in [`Hello`] and [`BootstrapRequest`].
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// The first frame on a connection from a certified peer.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -37,6 +37,9 @@ pub struct BootstrapRequest {
     pub node_name: String,
     /// A PKCS#10 certificate signing request (DER) for the key the node made for itself.
     pub csr_der: Vec<u8>,
+    /// A validity shorter than a node's, in seconds, for a short-lived client (`None`: a
+    /// node's). The head never issues longer than a node's validity.
+    pub validity_s: Option<u64>,
 }
 
 /// The head's answer to a valid bootstrap request.

@@ -46,12 +46,20 @@ pub fn resolve_address(flag: Option<&str>, credentials_dir: &Path) -> Result<Str
 
 impl Client {
     /// Connects to the head at `address` with the credentials in `credentials_dir` (or a token).
+    /// `connect_timeout` bounds the wait for the head (default: see
+    /// [`Config::connect_timeout`]).
     pub fn connect(
         address: &str,
         token: Option<String>,
         credentials_dir: PathBuf,
+        connect_timeout: Option<std::time::Duration>,
     ) -> Result<Client> {
-        let config = Config { token, credentials_dir: Some(credentials_dir), ..Config::default() };
+        let config = Config {
+            token,
+            credentials_dir: Some(credentials_dir),
+            connect_timeout,
+            ..Config::default()
+        };
         let runtime = super::start_driver(&config, address, false)?;
         Ok(Client { runtime })
     }
@@ -126,8 +134,21 @@ impl Client {
         }
     }
 
+    /// Removes the placement group named `name` (its actors and tasks are stopped, its
+    /// resources freed), whoever created it.
+    pub fn remove_placement_group(&self, name: &str) -> Result<PlacementGroupState> {
+        let group = match self.call(Request::GetPlacementGroupByName { name: name.to_owned() })? {
+            Response::PlacementGroup(group) => *group,
+            other => return Err(unexpected(other)),
+        };
+        self.call(Request::RemovePlacementGroup { group: group.id })?;
+        Ok(group)
+    }
+
     /// Stops every node and the head.
     pub fn stop(&self) -> Result<()> {
+        // The head's connection closing after this is the expected end, not a lost head.
+        self.runtime.expect_head_exit();
         self.call(Request::StopCluster).map(|_| ())
     }
 }

@@ -44,6 +44,49 @@ pub const ADDRESS_ENV: &str = "RTRUN_ADDRESS";
 pub const CREDENTIALS_ENV: &str = "RTRUN_CREDENTIALS_DIR";
 /// Set in workers of a cluster: `<node id>;<node daemon address>;<bind ip>`.
 pub(crate) const NODE_ENV: &str = "RTRUN_NODE";
+/// Seconds a process joining a cluster waits for the head (see [`Config::connect_timeout`]).
+pub const CONNECT_TIMEOUT_ENV: &str = "RTRUN_CONNECT_TIMEOUT";
+/// How long joining a cluster waits for the head by default: a live head on a LAN answers a
+/// QUIC handshake in milliseconds, so a few seconds is a generous bound for a dead one.
+pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long the certificate of a token-only command-line client is valid: it lives for one
+/// command, and is never written to disk.
+const CLIENT_CERTIFICATE_VALIDITY: Duration = Duration::from_secs(3600);
+/// How long the certificate of a token-only driver is valid: one job; a driver that must run
+/// longer uses a credentials directory (a node certificate).
+const DRIVER_CERTIFICATE_VALIDITY: Duration = Duration::from_secs(7 * 24 * 3600);
+
+/// The connect timeout of `config`: its field, else [`CONNECT_TIMEOUT_ENV`], else the default.
+fn connect_timeout(config: &Config) -> Result<Duration> {
+    if let Some(timeout) = config.connect_timeout {
+        return Ok(timeout);
+    }
+    match std::env::var(CONNECT_TIMEOUT_ENV) {
+        Ok(value) if !value.trim().is_empty() => value
+            .trim()
+            .parse::<f64>()
+            .ok()
+            .filter(|s| s.is_finite() && *s > 0.0)
+            .map(Duration::from_secs_f64)
+            .ok_or_else(|| {
+                Error::Invalid(format!(
+                    "{CONNECT_TIMEOUT_ENV}: expected a positive number of seconds, found `{value}`"
+                ))
+            }),
+        _ => Ok(DEFAULT_CONNECT_TIMEOUT),
+    }
+}
+
+/// The error for a head that did not answer within `timeout`.
+fn head_unreachable(head: SocketAddr, timeout: Duration) -> Error {
+    Error::Transport(format!(
+        "cannot reach the cluster head at {head}: no answer within {:.1} s (is `rtrun head` \
+         running there and is UDP port {} reachable? --connect-timeout or {CONNECT_TIMEOUT_ENV} \
+         waits longer)",
+        timeout.as_secs_f64(),
+        head.port()
+    ))
+}
 
 /// The default credentials directory: `$RTRUN_CREDENTIALS_DIR`, else `~/.rtrun/credentials`.
 pub fn default_credentials_dir() -> PathBuf {
@@ -486,12 +529,23 @@ pub struct JoinOptions {
     pub bind_ip: Option<IpAddr>,
 }
 
-/// Loads the credentials in `dir`, or bootstraps them from the head with the token.
+/// How a process without credentials of its own gets them.
+enum Bootstrap {
+    /// A node: a certificate with the node validity, saved in the credentials directory.
+    SaveNode,
+    /// A driver or client: a certificate valid this long, kept in memory only.
+    InMemory(Duration),
+}
+
+/// Loads the credentials in `dir`, or bootstraps them from the head with the token, within
+/// `timeout` in all.
 fn credentials(
     dir: &Path,
     token: Option<&str>,
     node_name: &str,
     head: SocketAddr,
+    bootstrap: Bootstrap,
+    timeout: Duration,
 ) -> Result<rtrun_net::NodeCredentials> {
     let credentials_dir = CredentialsDir::new(dir);
     if dir.join("node.pem").exists() {
@@ -499,25 +553,39 @@ fn credentials(
     }
     let token = JoinToken::resolve(token, Some(&credentials_dir.token_path()))
         .map_err(net_error("the join token"))?;
+    let validity = match bootstrap {
+        Bootstrap::SaveNode => None,
+        Bootstrap::InMemory(validity) => Some(validity),
+    };
     let net = net_runtime()?;
     let name = node_name.to_owned();
-    // Retried on a timeout like every handshake (see `transport::connect_with_retries`); the
-    // head signs a fresh request each time, so a retry after a lost answer is harmless.
+    // Retried on a timeout like every handshake (see `transport::connect_with_retries`), all
+    // within `timeout`; the head signs a fresh request each time, so a retry after a lost
+    // answer is harmless.
     let node = net
         .block_on(async move {
-            let mut attempt = 1;
-            loop {
-                match rtrun_net::bootstrap(head, &token, &name, &net_config()).await {
-                    Err(rtrun_net::NetError::Timeout { .. }) if attempt < 3 => {
-                        tracing::warn!(%head, attempt, "bootstrap timed out; trying again");
-                        attempt += 1;
+            let attempts = async {
+                let mut attempt = 1;
+                loop {
+                    let config = net_config();
+                    match rtrun_net::bootstrap_with_validity(head, &token, &name, validity, &config)
+                        .await
+                    {
+                        Err(rtrun_net::NetError::Timeout { .. }) if attempt < 3 => {
+                            tracing::warn!(%head, attempt, "bootstrap timed out; trying again");
+                            attempt += 1;
+                        }
+                        result => return result,
                     }
-                    result => return result,
                 }
-            }
+            };
+            tokio::time::timeout(timeout, attempts).await
         })
-        .map_err(net_error("bootstrapping credentials with the head"))?;
-    credentials_dir.save_node(&node).map_err(net_error("saving credentials"))?;
+        .map_err(|_| head_unreachable(head, timeout))?
+        .map_err(net_error(&format!("bootstrapping credentials with the head at {head}")))?;
+    if matches!(bootstrap, Bootstrap::SaveNode) {
+        credentials_dir.save_node(&node).map_err(net_error("saving credentials"))?;
+    }
     Ok(node)
 }
 
@@ -535,6 +603,7 @@ fn connect_to_head(
     node: rtrun_net::NodeCredentials,
     bind_ip: Option<IpAddr>,
     object_source: Option<Arc<dyn rtrun_net::ObjectSource>>,
+    timeout: Duration,
 ) -> Result<Joining> {
     let net = net_runtime()?;
     let bind_ip = bind_ip.unwrap_or_else(|| local_ip_towards(head));
@@ -555,10 +624,12 @@ fn connect_to_head(
         requests: OnceLock::new(),
     });
     let connect_link = link.clone();
-    let control =
-        link.wait(async move {
-            crate::transport::connect_with_retries(&connect_link.endpoint, head).await
+    let control = link
+        .wait(async move {
+            let connect = crate::transport::connect_with_retries(&connect_link.endpoint, head);
+            tokio::time::timeout(timeout, connect).await
         })?
+        .map_err(|_| head_unreachable(head, timeout))?
         .map_err(net_error(&format!("connecting to the head at {head}")))?;
     Ok(Joining { link, control, net, bind_ip, endpoint: local })
 }
@@ -566,12 +637,20 @@ fn connect_to_head(
 /// Starts a node daemon in this process and returns once it has joined.
 pub fn start_node(options: JoinOptions) -> Result<Arc<Runtime>> {
     let head = resolve(&options.address)?;
-    let node =
-        credentials(&options.credentials_dir, options.token.as_deref(), &options.node_name, head)?;
+    let timeout = connect_timeout(&options.config)?;
+    let node = credentials(
+        &options.credentials_dir,
+        options.token.as_deref(),
+        &options.node_name,
+        head,
+        Bootstrap::SaveNode,
+        timeout,
+    )?;
     let resources = crate::head::node_resources(&options.config, "joining")?;
     let source: Arc<OnceLock<Arc<dyn rtrun_net::ObjectSource>>> = Arc::new(OnceLock::new());
-    let joining =
-        connect_to_head(head, node, options.bind_ip, Some(Arc::new(LateSource(source.clone()))))?;
+    let source_for_endpoint: Arc<dyn rtrun_net::ObjectSource> =
+        Arc::new(LateSource(source.clone()));
+    let joining = connect_to_head(head, node, options.bind_ip, Some(source_for_endpoint), timeout)?;
     let control = joining.control.clone();
     let request = encode_request(&NetRequest::JoinNode { resources, endpoint: joining.endpoint })?;
     let frame = joining
@@ -616,6 +695,8 @@ pub fn start_node(options: JoinOptions) -> Result<Arc<Runtime>> {
         node::NodeAgentConfig { binaries: cache, log_dir },
     )?;
     let _ = source.set(runtime.store_client()?.object_source()?);
+    // The head hears a stopping node's last answers and its leaving at once.
+    close_connections_at_exit();
     Ok(runtime)
 }
 
@@ -623,21 +704,21 @@ pub fn start_node(options: JoinOptions) -> Result<Arc<Runtime>> {
 /// client (`binary: false`).
 pub(crate) fn start_driver(config: &Config, address: &str, binary: bool) -> Result<Arc<Runtime>> {
     let head = resolve(address)?;
+    let timeout = connect_timeout(config)?;
     let dir = config.credentials_dir.clone().unwrap_or_else(default_credentials_dir);
-    let bootstrap_dir;
-    let node = if dir.join("node.pem").exists() {
-        CredentialsDir::new(&dir).load_node().map_err(net_error("loading credentials"))?
-    } else {
-        // A driver with only a token gets a certificate of its own for this run.
-        bootstrap_dir = std::env::temp_dir().join(format!(
-            "rtrun-driver-{}-{:x}",
-            std::process::id(),
-            crate::runtime::random_u64()
-        ));
-        let name = format!("driver-{}", std::process::id());
-        credentials(&bootstrap_dir, config.token.as_deref(), &name, head)?
-    };
-    let joining = connect_to_head(head, node, None, None)?;
+    // A driver or client with only a token gets a short-lived certificate of its own, kept in
+    // memory: nothing that grants access to the cluster outlives the process.
+    let validity = if binary { DRIVER_CERTIFICATE_VALIDITY } else { CLIENT_CERTIFICATE_VALIDITY };
+    let name = format!("driver-{}", std::process::id());
+    let node = credentials(
+        &dir,
+        config.token.as_deref(),
+        &name,
+        head,
+        Bootstrap::InMemory(validity),
+        timeout,
+    )?;
+    let joining = connect_to_head(head, node, None, None, timeout)?;
     let endpoint = joining.endpoint;
     let member = Arc::new(Member {
         link: joining.link,
@@ -668,15 +749,29 @@ pub(crate) fn start_driver(config: &Config, address: &str, binary: bool) -> Resu
     let _ = MEMBER.set(member);
     // Peers (the head above all, which ends the job's actors) learn of a normal exit at once;
     // a killed driver is noticed through the QUIC idle timeout.
+    close_connections_at_exit();
+    Runtime::start_cluster_driver(config, session, worker, node_id, address, head_address)
+}
+
+/// Set once this process has begun to exit.
+static EXITING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Whether this process is exiting (its connections closing is then no failure).
+pub(crate) fn exiting() -> bool {
+    EXITING.load(std::sync::atomic::Ordering::Acquire)
+}
+
+/// Registers [`close_on_exit`] (a driver, a client, a node daemon).
+fn close_connections_at_exit() {
     // SAFETY: `atexit` registers a plain `extern "C"` function with no preconditions.
     unsafe {
         libc::atexit(close_on_exit);
     }
-    Runtime::start_cluster_driver(config, session, worker, node_id, address, head_address)
 }
 
 /// Closes this process's QUIC connections with a close frame when the process exits normally.
 extern "C" fn close_on_exit() {
+    EXITING.store(true, std::sync::atomic::Ordering::Release);
     let Some(member) = member() else { return };
     let link = member.link.clone();
     let (tx, rx) = std::sync::mpsc::channel();

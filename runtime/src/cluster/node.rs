@@ -79,10 +79,25 @@ impl NodeAgent {
                 }
                 respond(Response::Done)
             }
-            Request::StopNode => {
+            Request::StopNode { declared_dead: None } => {
                 respond(Response::Done);
                 self.stop();
+                // The answer reaches the head (which waits for it) as the exit closes this
+                // process's connections gracefully (`close_on_exit`).
                 std::process::exit(0);
+            }
+            Request::StopNode { declared_dead: Some(reason) } => {
+                respond(Response::Done);
+                self.stop();
+                // The head gave this node up (it was paused or cut off past the heartbeat
+                // timeout) and has already restarted its actors elsewhere: rejoining under the
+                // old id could run them twice, so the node exits and a restarted `rtrun join`
+                // joins as a new node.
+                eprintln!(
+                    "rtrun join: the head declared this node dead ({reason}); stopped its \
+                     workers and exiting (restart `rtrun join` to rejoin as a new node)"
+                );
+                std::process::exit(crate::runtime::EXIT_HEAD_LOST);
             }
             other => respond(Response::Error(Error::Invalid(format!(
                 "a node daemon does not answer {other:?}"

@@ -87,6 +87,7 @@ impl HeadState {
             e => Error::Invalid(e.to_string()),
         })?;
         self.pending_groups.remove(&group);
+        self.group_owners.remove(&group);
         let reason = format!("its placement group `{}` was removed", removed.name);
         for responder in self.group_waiters.remove(&group).unwrap_or_default() {
             effects.push(Effect::Respond(

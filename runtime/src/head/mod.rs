@@ -36,6 +36,9 @@ use crate::worker::WorkerSpec;
 pub(crate) use nodes::{ClusterHead, JoinAs};
 pub(crate) use spawn::{SpawnEvents, SpawnRequest, Spawner, kill_process};
 
+/// How long `rtrun stop` waits for the node daemons to acknowledge before the head exits.
+const STOP_ACK_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// The environment variable that stops the runtime from setting `CUDA_VISIBLE_DEVICES` (and
 /// `CUDA_DEVICE_ORDER`) for workers given GPUs (Ray's
 /// `RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES`). Set it in the driver's environment for every
@@ -224,6 +227,9 @@ struct HeadState {
     group_waiters: HashMap<GroupId, Vec<Responder>>,
     /// How many unnamed groups were created (for their generated names).
     unnamed_groups: u64,
+    /// The driver whose job created each group (groups of the embedded driver are absent):
+    /// they are removed when that driver goes.
+    group_owners: HashMap<GroupId, WorkerId>,
     next_actor: u64,
     workers: HashMap<WorkerId, WorkerEntry>,
     actors: HashMap<ActorId, ActorEntry>,
@@ -265,6 +271,7 @@ impl Head {
                 pending_groups: BTreeSet::new(),
                 group_waiters: HashMap::new(),
                 unnamed_groups: 0,
+                group_owners: HashMap::new(),
                 next_actor: 1,
                 workers: HashMap::new(),
                 actors: HashMap::new(),
@@ -320,7 +327,7 @@ impl Head {
                     std::thread::spawn(move || {
                         // Let the answer go out first.
                         std::thread::sleep(Duration::from_millis(200));
-                        weak.stop_cluster();
+                        weak.stop_cluster(STOP_ACK_TIMEOUT);
                         std::process::exit(0);
                     });
                 }
@@ -549,7 +556,12 @@ impl HeadState {
                 None => Response::Error(Error::Invalid(format!("no node {}", NodeId(node)))),
             },
             Request::CreatePlacementGroup(options) => match self.create_group(*options) {
-                Ok(state) => Response::PlacementGroup(Box::new(state)),
+                Ok(state) => {
+                    if let Some(driver) = self.lineage_of(origin).driver {
+                        self.group_owners.insert(state.id, driver);
+                    }
+                    Response::PlacementGroup(Box::new(state))
+                }
                 Err(e) => Response::Error(e),
             },
             Request::WaitPlacementGroup { group } => {

@@ -5,6 +5,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
 use rtrun_placement::NodeResources;
 
@@ -240,7 +241,7 @@ impl Head {
     /// A node stopped sending heartbeats (or its daemon went away): everything on it is lost.
     pub(crate) fn on_node_dead(&self, name: &str, reason: &str) {
         let mut effects = Vec::new();
-        {
+        let (address, reason) = {
             let mut state = self.state.lock();
             let Some(id) = state
                 .members
@@ -254,18 +255,31 @@ impl Head {
             if id == state.members.head_node {
                 return;
             }
-            state.node_died(
-                self,
-                id,
-                format!("node {} ({name}) died: {reason}", NodeId(id)),
-                &mut effects,
-            );
-        }
+            let reason = format!("node {} ({name}) died: {reason}", NodeId(id));
+            state.node_died(self, id, reason.clone(), &mut effects);
+            let address = state.members.nodes.get(&id).map(|n| n.address.clone());
+            (address, reason)
+        };
         self.apply(effects);
+        // A node that is only paused or cut off would otherwise live on as a zombie: tell it,
+        // so that it stops its workers and exits when (if) it hears this. On a thread: this
+        // runs on the heartbeat monitor's task, and a connection may have to be opened.
+        if let (Some(address), Some(runtime)) = (address, self.runtime()) {
+            std::thread::spawn(move || {
+                match runtime.endpoint().and_then(|e| e.connect(&address)) {
+                    Ok(conn) => runtime.request_on(
+                        &conn,
+                        Request::StopNode { declared_dead: Some(reason) },
+                        Box::new(|_| {}),
+                    ),
+                    Err(e) => tracing::debug!("cannot tell the dead node at {address}: {e}"),
+                }
+            });
+        }
     }
 
-    /// A driver disconnected: its actors and queued tasks go with it (as in Ray, where a job's
-    /// non-detached actors die with its driver).
+    /// A driver disconnected: its actors, queued tasks and placement groups go with it (as in
+    /// Ray, where a job's non-detached actors and placement groups die with its driver).
     pub(crate) fn on_driver_gone(&self, driver: WorkerId) {
         let mut effects = Vec::new();
         {
@@ -283,6 +297,17 @@ impl Head {
                 .collect();
             for actor in actors {
                 let _ = state.kill_actor(actor, true, &mut effects);
+            }
+            let groups: Vec<_> = state
+                .group_owners
+                .iter()
+                .filter(|(_, owner)| **owner == driver)
+                .map(|(group, _)| *group)
+                .collect();
+            for group in groups {
+                if let Err(e) = state.remove_group(self, group, &mut effects) {
+                    tracing::debug!(%group, "removing a group of a driver that left: {e}");
+                }
             }
         }
         self.apply(effects);
@@ -456,14 +481,45 @@ impl Head {
         true
     }
 
-    /// Stops every node daemon (they kill their workers), then this head's workers.
-    pub(crate) fn stop_cluster(&self) {
+    /// Stops every live node daemon (they kill their workers) and waits, up to `timeout`, for
+    /// each to acknowledge, then stops this head's workers.
+    pub(crate) fn stop_cluster(&self, timeout: Duration) {
         let nodes: Vec<u64> = {
             let state = self.state.lock();
-            state.members.nodes.keys().copied().filter(|id| *id != self.local_node).collect()
+            state
+                .members
+                .nodes
+                .iter()
+                .filter(|(id, n)| **id != self.local_node && n.dead.is_none())
+                .map(|(id, _)| *id)
+                .collect()
         };
+        let (acks, acked) = std::sync::mpsc::channel();
+        let mut waiting = 0;
         for node in nodes {
-            self.send_to_node(node, Request::StopNode);
+            let ack = acks.clone();
+            let on_answer = Box::new(move |_: &Head, _: Response| {
+                let _ = ack.send(node);
+            });
+            match self.node_request(
+                node,
+                Request::StopNode { declared_dead: None },
+                Some(on_answer),
+            ) {
+                Ok(()) => waiting += 1,
+                Err(e) => tracing::warn!(node = %NodeId(node), "cannot stop node: {e}"),
+            }
+        }
+        let deadline = std::time::Instant::now() + timeout;
+        while waiting > 0 {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            match acked.recv_timeout(left) {
+                Ok(_) => waiting -= 1,
+                Err(_) => {
+                    tracing::warn!("{waiting} node(s) did not acknowledge the stop in {timeout:?}");
+                    break;
+                }
+            }
         }
         self.shutdown();
     }

@@ -35,6 +35,10 @@ pub struct NodeArgs {
     /// Where job binaries and worker logs go (default: ~/.rtrun/<node name>).
     #[arg(long)]
     data_dir: Option<PathBuf>,
+    /// Where objects spill when the store is full (default: $RTRUN_OBJECT_SPILL_DIR, else a
+    /// per-session directory under the system temp dir, removed at exit).
+    #[arg(long)]
+    object_spill_dir: Option<PathBuf>,
 }
 
 impl NodeArgs {
@@ -50,6 +54,7 @@ impl NodeArgs {
             num_gpus: self.num_gpus,
             resources,
             object_store_memory: self.object_store_memory,
+            object_spill_dir: self.object_spill_dir.clone(),
             ..rtrun::Config::default()
         })
     }
@@ -118,16 +123,18 @@ pub fn join(
     address: String,
     token: Option<String>,
     bind_ip: Option<IpAddr>,
+    connect_timeout: Option<f64>,
     node: NodeArgs,
 ) -> anyhow::Result<()> {
     let name = node.node_name();
+    let config = rtrun::Config { connect_timeout: seconds(connect_timeout)?, ..node.config()? };
     let runtime = cluster::start_node(JoinOptions {
         address: address.clone(),
         token,
         node_name: name.clone(),
         credentials_dir: node.credentials_dir(),
         data_dir: node.data_dir(&name),
-        config: node.config()?,
+        config,
         bind_ip,
     })?;
     println!("node {name} joined the cluster at {address} as {}", runtime.node());
@@ -150,13 +157,26 @@ pub struct ClientArgs {
     /// Credentials directory.
     #[arg(long)]
     credentials_dir: Option<PathBuf>,
+    /// Seconds to wait for the head to answer (default: $RTRUN_CONNECT_TIMEOUT, else 5).
+    #[arg(long)]
+    connect_timeout: Option<f64>,
 }
 
 impl ClientArgs {
     fn connect(&self) -> anyhow::Result<Client> {
         let dir = self.credentials_dir.clone().unwrap_or_else(cluster::default_credentials_dir);
         let address = cluster::client::resolve_address(self.address.as_deref(), &dir)?;
-        Ok(Client::connect(&address, self.token.clone(), dir)?)
+        let timeout = seconds(self.connect_timeout)?;
+        Ok(Client::connect(&address, self.token.clone(), dir, timeout)?)
+    }
+}
+
+/// A `--connect-timeout` value as a duration.
+fn seconds(value: Option<f64>) -> anyhow::Result<Option<Duration>> {
+    match value {
+        None => Ok(None),
+        Some(s) if s.is_finite() && s > 0.0 => Ok(Some(Duration::from_secs_f64(s))),
+        Some(s) => bail!("--connect-timeout: expected a positive number of seconds, found {s}"),
     }
 }
 
@@ -316,6 +336,13 @@ pub fn submit(command: Vec<String>, client: ClientArgs) -> anyhow::Result<i32> {
         }
         JobState::Running => Ok(1),
     }
+}
+
+/// `rtrun remove-placement-group`.
+pub fn remove_placement_group(name: &str, client: ClientArgs) -> anyhow::Result<()> {
+    let group = client.connect()?.remove_placement_group(name)?;
+    println!("removed placement group {} ({})", group.name, group.id);
+    Ok(())
 }
 
 /// `rtrun stop`.

@@ -63,6 +63,9 @@ enum Command {
         /// IP to bind and advertise (default: the one that routes to the head).
         #[arg(long)]
         bind_ip: Option<std::net::IpAddr>,
+        /// Seconds to wait for the head to answer (default: $RTRUN_CONNECT_TIMEOUT, else 5).
+        #[arg(long)]
+        connect_timeout: Option<f64>,
         #[command(flatten)]
         node: cluster::NodeArgs,
     },
@@ -96,6 +99,14 @@ enum Command {
         #[arg(last = true, required = true)]
         command: Vec<String>,
     },
+    /// Removes a placement group by name (its actors and tasks stop, its resources are freed),
+    /// e.g. one left by a driver of an older version.
+    RemovePlacementGroup {
+        /// The group's name (see `rtrun list placement-groups`).
+        name: String,
+        #[command(flatten)]
+        client: cluster::ClientArgs,
+    },
     /// Stops every node and the head.
     Stop {
         #[command(flatten)]
@@ -117,8 +128,8 @@ fn main() -> anyhow::Result<()> {
         Command::Head { port, bind, advertise, heartbeat_timeout, node } => {
             cluster::head(port, bind, advertise, heartbeat_timeout, node)
         }
-        Command::Join { address, token, bind_ip, node } => {
-            cluster::join(address, token, bind_ip, node)
+        Command::Join { address, token, bind_ip, connect_timeout, node } => {
+            cluster::join(address, token, bind_ip, connect_timeout, node)
         }
         Command::Status { client } => cluster::status(client),
         Command::List { what, client } => cluster::list(what, client),
@@ -126,6 +137,9 @@ fn main() -> anyhow::Result<()> {
         Command::Submit { client, command } => {
             let code = cluster::submit(command, client)?;
             std::process::exit(code)
+        }
+        Command::RemovePlacementGroup { name, client } => {
+            cluster::remove_placement_group(&name, client)
         }
         Command::Stop { client } => cluster::stop(client),
     }

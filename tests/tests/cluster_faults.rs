@@ -1,0 +1,287 @@
+//! Faults of a cluster of real processes on loopback, as an operator meets them: a driver's
+//! placement groups outliving its job, the head killed under its drivers, clients and nodes, a
+//! node paused past the heartbeat timeout, credentials of token-only clients left on disk,
+//! `rtrun stop` racing its nodes, and commands against a dead head.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc::Receiver;
+use std::time::{Duration, Instant};
+
+use rtrun_tests::{kill9, rtrun_binary};
+
+#[path = "common/cluster.rs"]
+mod common;
+
+use common::{Cluster, driver_binary, rtrun, start_cluster, status, stderr_of, wait_exit};
+
+/// The exit code of a process that lost its head (`rtrun::EXIT_HEAD_LOST`).
+const HEAD_LOST: i32 = 75;
+
+/// Starts `cluster_driver` with `args` as a driver of `cluster` (the head's credentials).
+fn start_driver(cluster: &Cluster, args: &[&str]) -> (Child, Receiver<String>) {
+    let mut driver = Command::new(driver_binary())
+        .args(args)
+        .env("RTRUN_ADDRESS", &cluster.address)
+        .env("RTRUN_CREDENTIALS_DIR", cluster.dir.join("head-credentials"))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("the driver runs");
+    let lines = read_lines(driver.stdout.take().unwrap());
+    (driver, lines)
+}
+
+/// Every line `stream` produces, as they come.
+fn read_lines(stream: impl std::io::Read + Send + 'static) -> Receiver<String> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stream).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    rx
+}
+
+/// Waits for the line `expected`, failing with what came instead.
+fn expect_line(lines: &Receiver<String>, expected: &str, what: &str) {
+    let mut seen = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while Instant::now() < deadline {
+        match lines.recv_timeout(Duration::from_millis(200)) {
+            Ok(line) if line == expected => return,
+            Ok(line) => seen.push(line),
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+            Err(_) => break,
+        }
+    }
+    panic!("{what}: no `{expected}` line; output: {seen:?}");
+}
+
+fn list_groups(cluster: &Cluster) -> String {
+    let out = rtrun(cluster, &["list", "placement-groups"], &cluster.dir.join("head-credentials"));
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn submit(cluster: &Cluster, args: &[&str]) -> std::process::Output {
+    Command::new(rtrun_binary())
+        .args(["submit", "--address", &cluster.address])
+        .arg("--credentials-dir")
+        .arg(cluster.dir.join("head-credentials"))
+        .arg("--")
+        .arg(driver_binary())
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+/// Sends `signal` to `pid`.
+fn signal(pid: u32, signal: libc::c_int) {
+    // SAFETY: kill(2) has no memory-safety preconditions.
+    unsafe {
+        libc::kill(pid as libc::pid_t, signal);
+    }
+}
+
+#[test]
+fn a_drivers_placement_groups_go_with_it_and_operators_can_remove_one() {
+    let cluster = start_cluster("groups", "5");
+    // A submitted job that ends normally: its group `spread` goes with it, so the same job
+    // can run again (before: "placement group name `spread` is already in use").
+    for attempt in 0..2 {
+        let out = submit(&cluster, &["bytes", "100000"]);
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "submission {attempt}: {stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        // The head hears the driver leave as its process exits: allow it a moment.
+        let gone = rtrun_tests::wait_until(Duration::from_secs(20), || {
+            !list_groups(&cluster).contains("spread")
+        });
+        assert!(gone, "submission {attempt} left its group: {}", list_groups(&cluster));
+    }
+    assert!(status(&cluster).contains("available: CPU: 3"), "every CPU is free again");
+
+    // A driver killed with SIGKILL: its group goes once the head notices (QUIC idle timeout).
+    let (mut driver, lines) = start_driver(&cluster, &["bytes", "100000", "hold", "300"]);
+    expect_line(&lines, "holding", "the holding driver");
+    assert!(list_groups(&cluster).contains("spread"));
+    kill9(driver.id());
+    let _ = driver.wait();
+    let gone = rtrun_tests::wait_until(Duration::from_secs(40), || {
+        !list_groups(&cluster).contains("spread")
+    });
+    assert!(gone, "the killed driver's group is still there: {}", list_groups(&cluster));
+
+    // An operator removes a live driver's group by name: its actors stop, its CPUs are free.
+    let (mut driver, lines) = start_driver(&cluster, &["bytes", "100000", "hold", "300"]);
+    expect_line(&lines, "holding", "the holding driver");
+    let credentials = cluster.dir.join("head-credentials");
+    let out = rtrun(&cluster, &["remove-placement-group", "spread"], &credentials);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("removed placement group spread"));
+    assert!(!list_groups(&cluster).contains("spread"));
+    let freed = rtrun_tests::wait_until(Duration::from_secs(20), || {
+        status(&cluster).contains("available: CPU: 3")
+    });
+    assert!(freed, "the removed group's CPUs: {}", status(&cluster));
+    let out = rtrun(&cluster, &["remove-placement-group", "spread"], &credentials);
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("no placement group named `spread`"), "{stderr}");
+    let _ = driver.kill();
+    let _ = driver.wait();
+}
+
+#[test]
+fn losing_the_head_fails_its_drivers_clients_and_nodes_and_dead_heads_are_reported_fast() {
+    let mut cluster = start_cluster("headloss", "5");
+    // One bundle each, so that both fit.
+    let (mut driver, lines) =
+        start_driver(&cluster, &["nodes", "1", "group", "a", "bytes", "100000", "hold", "300"]);
+    expect_line(&lines, "holding", "the attached driver");
+    let mut submitted = Command::new(rtrun_binary())
+        .args(["submit", "--address", &cluster.address])
+        .arg("--credentials-dir")
+        .arg(cluster.dir.join("head-credentials"))
+        .arg("--")
+        .arg(driver_binary())
+        .args(["nodes", "1", "group", "b", "bytes", "100000", "hold", "300"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let submitted_lines = read_lines(submitted.stdout.take().unwrap());
+    expect_line(&submitted_lines, "holding", "the submitted job");
+
+    kill9(cluster.head.id());
+    let _ = cluster.head.wait();
+    let killed = Instant::now();
+    // Each notices within the QUIC idle timeout (10 s) and exits non-zero, saying why.
+    let head = &cluster.address;
+    let mut processes: Vec<(&str, &mut Child)> =
+        vec![("the attached driver", &mut driver), ("rtrun submit", &mut submitted)];
+    for (i, node) in cluster.nodes.iter_mut().enumerate() {
+        processes.push((if i == 0 { "node n1" } else { "node n2" }, node));
+    }
+    for (what, child) in processes {
+        let status = wait_exit(child, Duration::from_secs(40))
+            .unwrap_or_else(|| panic!("{what} lives on after its head was killed"));
+        let stderr = stderr_of(child);
+        assert_eq!(status.code(), Some(HEAD_LOST), "{what}: {status:?}\n{stderr}");
+        assert!(
+            stderr.contains(&format!("lost the connection to the cluster head at {head}")),
+            "{what}: {stderr}"
+        );
+        eprintln!("{what} exited {status:?} after {:?}", killed.elapsed());
+    }
+
+    // Commands against the dead head fail within the connect timeout and name the address
+    // (before: 30 s, saying "timed out after 10000 ms").
+    let started = Instant::now();
+    let out = rtrun(&cluster, &["status"], &cluster.dir.join("head-credentials"));
+    let took = started.elapsed();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains(&format!("cannot reach the cluster head at {head}"))
+            && stderr.contains("no answer within 5.0 s"),
+        "{stderr}"
+    );
+    assert!(took < Duration::from_secs(15), "rtrun status took {took:?}: {stderr}");
+    let started = Instant::now();
+    let out = Command::new(rtrun_binary())
+        .args(["join", "--address", head, "--token", &cluster.token, "--connect-timeout", "2"])
+        .arg("--credentials-dir")
+        .arg(cluster.dir.join("late-credentials"))
+        .arg("--data-dir")
+        .arg(cluster.dir.join("late-data"))
+        .output()
+        .unwrap();
+    let took = started.elapsed();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains(&format!("cannot reach the cluster head at {head}"))
+            && stderr.contains("no answer within 2.0 s"),
+        "{stderr}"
+    );
+    assert!(took < Duration::from_secs(12), "rtrun join took {took:?}: {stderr}");
+}
+
+#[test]
+fn a_node_paused_past_the_heartbeat_timeout_exits_instead_of_living_on_as_a_zombie() {
+    let mut cluster = start_cluster("paused", "2");
+    let mut node = Guard(cluster.nodes.remove(0));
+    let pid = node.0.id();
+    signal(pid, libc::SIGSTOP);
+    let declared = rtrun_tests::wait_until(Duration::from_secs(30), || {
+        status(&cluster).contains("nodes: 2 alive, 1 dead")
+    });
+    signal(pid, libc::SIGCONT);
+    assert!(declared, "the paused node was never declared dead: {}", status(&cluster));
+    let exited = wait_exit(&mut node.0, Duration::from_secs(30))
+        .expect("the node declared dead lives on after SIGCONT");
+    let stderr = stderr_of(&mut node.0);
+    assert_eq!(exited.code(), Some(HEAD_LOST), "{stderr}");
+    assert!(stderr.contains("the head declared this node dead"), "{stderr}");
+    assert!(stderr.contains("no heartbeat"), "the reason is given: {stderr}");
+    // The cluster goes on with the others.
+    assert!(status(&cluster).contains("nodes: 2 alive, 1 dead"));
+}
+
+/// A child killed when dropped (a test that fails must not leave a stopped process).
+struct Guard(Child);
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        signal(self.0.id(), libc::SIGCONT);
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[test]
+fn token_only_clients_leave_no_credentials_and_stop_waits_for_every_node() {
+    let mut cluster = start_cluster("clients", "5");
+    // A token-only client and a token-only driver, with their own temp dir to inspect.
+    let tmp = cluster.dir.join("tmp");
+    std::fs::create_dir_all(&tmp).unwrap();
+    let unused = cluster.dir.join("client-credentials");
+    let out = Command::new(rtrun_binary())
+        .args(["status", "--address", &cluster.address, "--token", &cluster.token])
+        .arg("--credentials-dir")
+        .arg(&unused)
+        .env("TMPDIR", &tmp)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = Command::new(driver_binary())
+        .args(["bytes", "100000"])
+        .env("RTRUN_ADDRESS", &cluster.address)
+        .env("RTRUN_TOKEN", &cluster.token)
+        .env("RTRUN_CREDENTIALS_DIR", &unused)
+        .env("TMPDIR", &tmp)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let left: Vec<_> = std::fs::read_dir(&tmp).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert!(left.is_empty(), "token-only processes left {left:?} in their temp dir");
+    assert!(!unused.exists(), "a token-only client wrote credentials to {}", unused.display());
+
+    // `rtrun stop`: every node acknowledges and exits (code 0) before the head does.
+    let out = rtrun(&cluster, &["stop"], &cluster.dir.join("head-credentials"));
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let stopped = Instant::now();
+    for (i, node) in cluster.nodes.iter_mut().enumerate() {
+        let status = wait_exit(node, Duration::from_secs(8)).unwrap_or_else(|| {
+            panic!("node {i} lives on {:?} after rtrun stop", stopped.elapsed())
+        });
+        assert_eq!(status.code(), Some(0), "node {i}: {}", stderr_of(node));
+    }
+    let head = wait_exit(&mut cluster.head, Duration::from_secs(20)).expect("the head exits");
+    assert!(head.success(), "{head:?}");
+}

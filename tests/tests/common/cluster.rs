@@ -1,0 +1,136 @@
+//! A cluster of real processes on loopback for the multi-node tests: `rtrun head` and two
+//! `rtrun join` nodes (distinct ports, store and data directories, fake resources), killed
+//! and cleaned up when the test ends, and helpers to run `rtrun` commands against it.
+
+#![allow(dead_code)] // Each test file uses its own subset.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use rtrun_tests::rtrun_binary;
+
+/// Processes killed when the test ends, whatever happens.
+pub struct Cluster {
+    pub dir: PathBuf,
+    pub head: Child,
+    pub nodes: Vec<Child>,
+    pub address: String,
+    pub token: String,
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        for child in self.nodes.iter_mut().chain(std::iter::once(&mut self.head)) {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+pub fn driver_binary() -> PathBuf {
+    rtrun_tests::cluster_driver_binary()
+}
+
+pub fn free_udp_port() -> u16 {
+    std::net::UdpSocket::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// Reads lines from `child`'s stdout until one starts with `prefix`.
+pub fn wait_line(child: &mut Child, prefix: &str, what: &str) -> String {
+    let stdout = child.stdout.take().expect("piped stdout");
+    let (tx, rx) = std::sync::mpsc::channel();
+    let prefix = prefix.to_owned();
+    std::thread::spawn(move || {
+        // Keeps reading after the line (the process may print more; a closed pipe would
+        // fail its writes).
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if line.starts_with(&prefix) {
+                let _ = tx.send(line);
+            }
+        }
+    });
+    rx.recv_timeout(Duration::from_secs(60)).unwrap_or_else(|_| panic!("{what} did not start"))
+}
+
+pub fn start_cluster(name: &str, heartbeat_timeout: &str) -> Cluster {
+    let dir = std::env::temp_dir().join(format!("rtrun-cluster-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let port = free_udp_port();
+    let mut head = Command::new(rtrun_binary())
+        .args(["head", "--bind", "127.0.0.1", "--port", &port.to_string(), "--num-cpus", "1"])
+        .args(["--node-name", "head", "--object-store-memory", "700000000"])
+        .args(["--heartbeat-timeout", heartbeat_timeout])
+        .arg("--credentials-dir")
+        .arg(dir.join("head-credentials"))
+        .arg("--data-dir")
+        .arg(dir.join("head-data"))
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("rtrun head starts");
+    let token_line = wait_line(&mut head, "join token: ", "rtrun head");
+    let token = token_line.trim_start_matches("join token: ").to_owned();
+    let address = format!("127.0.0.1:{port}");
+    let mut cluster = Cluster { dir: dir.clone(), head, nodes: Vec::new(), address, token };
+    for node in ["n1", "n2"] {
+        let mut child = Command::new(rtrun_binary())
+            .args(["join", "--address", &cluster.address, "--token", &cluster.token])
+            .args(["--num-cpus", "1", "--num-gpus", "2", "--node-name", node])
+            .args(["--resources", r#"{"slot": 1}"#])
+            .args(["--object-store-memory", "700000000"])
+            .arg("--credentials-dir")
+            .arg(dir.join(format!("{node}-credentials")))
+            .arg("--data-dir")
+            .arg(dir.join(format!("{node}-data")))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("rtrun join starts");
+        wait_line(&mut child, "node ", "rtrun join");
+        cluster.nodes.push(child);
+    }
+    cluster
+}
+
+pub fn rtrun(cluster: &Cluster, args: &[&str], credentials: &Path) -> std::process::Output {
+    Command::new(rtrun_binary())
+        .args(args)
+        .args(["--address", &cluster.address])
+        .arg("--credentials-dir")
+        .arg(credentials)
+        .output()
+        .expect("rtrun runs")
+}
+
+pub fn status(cluster: &Cluster) -> String {
+    let out = rtrun(cluster, &["status"], &cluster.dir.join("head-credentials"));
+    assert!(out.status.success(), "rtrun status failed: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// What a child wrote to its piped stderr (call once it has exited).
+pub fn stderr_of(child: &mut Child) -> String {
+    use std::io::Read;
+    let mut text = String::new();
+    if let Some(mut stderr) = child.stderr.take() {
+        let _ = stderr.read_to_string(&mut text);
+    }
+    text
+}
+
+/// Waits up to `timeout` for `child` to exit; `None` when it is still running.
+pub fn wait_exit(child: &mut Child, timeout: Duration) -> Option<std::process::ExitStatus> {
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        if let Ok(Some(status)) = child.try_wait() {
+            return Some(status);
+        }
+        if std::time::Instant::now() >= deadline {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
