@@ -263,6 +263,9 @@ fn arena_error(context: &str, source: std::io::Error) -> StoreError {
 /// A fresh file in `dir`, unlinked right away so it disappears with the last fd.
 fn unlinked_disk_file(dir: &Path) -> Result<(File, PathBuf)> {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
+    std::fs::create_dir_all(dir).map_err(|e| {
+        arena_error(&format!("create the fallback arena directory {}", dir.display()), e)
+    })?;
     let path = dir.join(format!(
         "rtrun-arena-{}-{}",
         std::process::id(),

@@ -6,9 +6,11 @@
 //! RAM and the cgroup limit, capped at [`DEFAULT_CAPACITY_CAP`] and never below
 //! [`MIN_CAPACITY`]. When the reservation of that much memory fails, the store halves the
 //! capacity (down to [`MIN_CAPACITY`]) with a warning, and when memfd itself is unavailable it
-//! falls back to an unlinked file in the spill directory, also with a warning.
+//! falls back to an unlinked file in the directory that holds spill directories, also with a
+//! warning.
 
-use std::path::PathBuf;
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
 
 /// Share of memory the store takes by default (Ray uses the same 30 %).
 pub const DEFAULT_MEMORY_FRACTION: f64 = 0.3;
@@ -17,15 +19,22 @@ pub const DEFAULT_CAPACITY_CAP: u64 = 200 << 30;
 /// Smallest capacity the store accepts or falls back to: 64 MiB.
 pub const MIN_CAPACITY: u64 = 64 << 20;
 
+/// Environment variable naming where spill directories go when [`StoreConfig::spill_dir`] is
+/// `None`; unset or empty means the system temp dir.
+pub const SPILL_DIR_ENV: &str = "RTRUN_OBJECT_SPILL_DIR";
+
 /// How the node-side store is set up.
 #[derive(Debug, Clone)]
 pub struct StoreConfig {
     /// Arena capacity in bytes (`--object-store-memory`); `None` applies the default rule
     /// ([`default_capacity`]).
     pub capacity: Option<u64>,
-    /// Directory for spill files. `None` makes a per-store directory under the system temp dir
-    /// that is removed when the store drops; a given directory is used as is and left in place
-    /// (only the store's own files in it are removed).
+    /// Where spill files go: the store makes its own directory `rtrun-spill-<pid>-<n>` in this
+    /// one. `None` reads [`SPILL_DIR_ENV`] (`RTRUN_OBJECT_SPILL_DIR`), else takes the system temp
+    /// dir. The store's directory is created when the first object spills (a store that never
+    /// spills leaves nothing on disk) and removed when the store drops; one left behind by a
+    /// process that exited without dropping its store is removed by the next store opened in
+    /// the same place. The directory given here is created if missing and never removed.
     pub spill_dir: Option<PathBuf>,
     /// Allocate every arena page at creation (fallocate) so that running out of memory is an
     /// error at startup rather than a SIGBUS later. Default: true. Turning it off is only for
@@ -35,7 +44,7 @@ pub struct StoreConfig {
     /// puts run at full memory bandwidth. Default: false (startup cost of about 0.1 s per GiB).
     pub prefault: bool,
     /// When reserving `capacity` fails, halve it (down to [`MIN_CAPACITY`]) with a warning
-    /// instead of failing. Default: true when the capacity was defaulted, see [`StoreConfig::new`].
+    /// instead of failing. Default: true, false from [`StoreConfig::with_capacity`].
     pub shrink_on_reserve_failure: bool,
 }
 
@@ -60,6 +69,21 @@ impl StoreConfig {
             shrink_on_reserve_failure: false,
             ..StoreConfig::default()
         }
+    }
+}
+
+/// The directory in which a store makes its spill directory: the configured one, else the one
+/// named by [`SPILL_DIR_ENV`], else the system temp dir.
+pub fn spill_parent(configured: Option<&Path>) -> PathBuf {
+    spill_parent_from(configured, std::env::var_os(SPILL_DIR_ENV))
+}
+
+/// [`spill_parent`] as a pure function of the configured directory and the environment value.
+pub fn spill_parent_from(configured: Option<&Path>, env_value: Option<OsString>) -> PathBuf {
+    match (configured, env_value) {
+        (Some(dir), _) => dir.to_path_buf(),
+        (None, Some(value)) if !value.is_empty() => PathBuf::from(value),
+        (None, _) => std::env::temp_dir(),
     }
 }
 
@@ -129,6 +153,16 @@ mod tests {
         assert_eq!(default_capacity_from(Some(10_000 * gib), None), DEFAULT_CAPACITY_CAP);
         assert_eq!(default_capacity_from(Some(gib / 16), None), MIN_CAPACITY);
         assert_eq!(default_capacity_from(None, None), MIN_CAPACITY);
+    }
+
+    #[test]
+    fn the_spill_parent_is_the_configured_dir_then_the_environment_then_temp() {
+        let configured = Path::new("/data/configured");
+        let env = || Some(OsString::from("/data/from-env"));
+        assert_eq!(spill_parent_from(Some(configured), env()), configured);
+        assert_eq!(spill_parent_from(None, env()), Path::new("/data/from-env"));
+        assert_eq!(spill_parent_from(None, Some(OsString::new())), std::env::temp_dir());
+        assert_eq!(spill_parent_from(None, None), std::env::temp_dir());
     }
 
     #[test]

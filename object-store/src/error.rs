@@ -88,6 +88,23 @@ pub enum StoreError {
         /// The OS error.
         source: io::Error,
     },
+    /// A spill file's bytes do not match the checksum taken when the object was spilled (the
+    /// file was changed on disk, or the disk returned wrong bytes). The corrupt bytes are never
+    /// handed out: the object stays spilled, and every later read fails the same way.
+    #[error(
+        "object {id} is corrupted on disk: spill file {path} has xxh3 checksum {found:#018x}, \
+         expected {expected:#018x}"
+    )]
+    ObjectCorrupted {
+        /// The object.
+        id: ObjectId,
+        /// Its spill file.
+        path: PathBuf,
+        /// The XXH3-64 checksum of the bytes when they were spilled.
+        expected: u64,
+        /// The XXH3-64 checksum of the bytes read back.
+        found: u64,
+    },
     /// A tensor object's header or data is invalid.
     #[error("tensor object: {0}")]
     Tensor(#[from] TensorError),

@@ -33,7 +33,7 @@ pub mod view;
 
 pub use alloc::{ALIGNMENT, Allocation, Allocator};
 pub use arena::{ARENA_ENV, Arena, ArenaBacking, ArenaOptions, ObjectWriter};
-pub use config::StoreConfig;
+pub use config::{SPILL_DIR_ENV, StoreConfig};
 pub use core::{
     CopyKind, Freed, HolderId, ObjectState, ObjectStats, OwnerStats, PinOutcome, Placement,
     StoreCore, StoreStats, Victim, VictimAction,

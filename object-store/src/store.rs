@@ -4,7 +4,16 @@
 //! Spilling and restoring happen under the store's lock: simple and obviously consistent, at
 //! the price of stalling other store calls during disk I/O. Objects are immutable, so a spill
 //! file is written once and deleted when the object is restored or freed.
+//!
+//! Every spill file is checksummed (XXH3-64) and checked on restore, so a file changed on disk
+//! is an [`StoreError::ObjectCorrupted`] error, never wrong bytes. The checksum is kept in
+//! memory next to the spill file's path rather than in a header of the file: a spill file is
+//! only ever read back by the store that wrote it (no store adopts another's directory), so the
+//! checksum has nowhere else to travel, the file stays the object's exact bytes (its length
+//! check stays exact), and no damage to the file can also damage the checksum it is checked
+//! against.
 
+use std::collections::HashMap;
 use std::fs::File;
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
@@ -12,10 +21,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use parking_lot::Mutex;
+use xxhash_rust::xxh3::xxh3_64;
 
 use crate::alloc::Allocation;
 use crate::arena::{Arena, ArenaOptions};
-use crate::config::{StoreConfig, default_capacity};
+use crate::config::{StoreConfig, default_capacity, spill_parent};
 use crate::core::{
     CopyKind, Freed, HolderId, PinOutcome, Placement, StoreCore, StoreStats, Victim, VictimAction,
 };
@@ -46,15 +56,18 @@ impl std::fmt::Debug for ObjectStore {
 }
 
 impl ObjectStore {
-    /// Creates the arena and the spill directory.
+    /// Creates the arena and chooses the spill directory (created when the first object
+    /// spills).
     pub fn open(config: StoreConfig) -> Result<ObjectStore> {
-        let spill = SpillDir::create(config.spill_dir.as_deref())?;
+        let parent = spill_parent(config.spill_dir.as_deref());
+        let spill = SpillDir::new(&parent);
         let capacity = config.capacity.unwrap_or_else(default_capacity);
         let options = ArenaOptions {
             reserve: config.reserve,
             prefault: config.prefault,
             shrink_on_reserve_failure: config.shrink_on_reserve_failure,
-            fallback_dir: spill.path.clone(),
+            // The fallback arena file is unlinked at once, so it needs no directory of its own.
+            fallback_dir: parent,
             force_disk_file: false,
         };
         let arena = Arc::new(Arena::create_with(capacity, &options)?);
@@ -73,7 +86,7 @@ impl ObjectStore {
         self.shared.arena.capacity()
     }
 
-    /// Where this store's spill files go.
+    /// Where this store's spill files go; the directory exists only once an object spilled.
     pub fn spill_dir(&self) -> &Path {
         &self.shared.spill.path
     }
@@ -239,48 +252,69 @@ impl ObjectStore {
     }
 
     fn write_spill_file(&self, id: ObjectId, allocation: Allocation) -> Result<()> {
-        let path = self.shared.spill.file(id);
+        let spill = &self.shared.spill;
+        spill.create_dir()?;
+        let path = spill.file(id);
         let bytes = self.shared.arena.bytes(allocation)?;
+        let checksum = xxh3_64(bytes);
         let result = File::create(&path).and_then(|mut file| file.write_all(bytes));
         result.map_err(|source| {
             let _ = std::fs::remove_file(&path);
             StoreError::Spill { path, source }
-        })
+        })?;
+        spill.checksums.lock().insert(id, checksum);
+        Ok(())
     }
 
+    /// Reads a spill file back into `allocation`; the core makes the object readable only when
+    /// its bytes check out, so corrupt bytes written into the allocation are never seen.
     fn restore(&self, core: &mut StoreCore, id: ObjectId, allocation: Allocation) -> Result<()> {
         let path = self.shared.spill.file(id);
-        match self.read_spill_file(&path, allocation) {
+        match self.read_spill_file(id, &path, allocation) {
             Ok(()) => {
                 core.restored(id)?;
+                self.shared.spill.checksums.lock().remove(&id);
                 if let Err(error) = std::fs::remove_file(&path) {
                     tracing::warn!(path = %path.display(), %error, "removing a restored spill file failed");
                 }
                 tracing::debug!(object = %id, size = allocation.size, "restored");
                 Ok(())
             }
-            Err(source) => {
+            Err(error) => {
                 core.restore_failed(id)?;
-                Err(StoreError::Spill { path, source })
+                tracing::error!(object = %id, %error, "restoring a spilled object failed");
+                Err(error)
             }
         }
     }
 
-    fn read_spill_file(&self, path: &Path, allocation: Allocation) -> std::io::Result<()> {
-        let mut file = File::open(path)?;
-        let len = file.metadata()?.len();
+    fn read_spill_file(&self, id: ObjectId, path: &Path, allocation: Allocation) -> Result<()> {
+        let spill_error = |source| StoreError::Spill { path: path.to_path_buf(), source };
+        let mut file = File::open(path).map_err(spill_error)?;
+        let len = file.metadata().map_err(spill_error)?.len();
         if len != allocation.size {
-            return Err(std::io::Error::new(
+            return Err(spill_error(std::io::Error::new(
                 std::io::ErrorKind::InvalidData,
                 format!("spill file holds {len} bytes, expected {}", allocation.size),
-            ));
+            )));
         }
-        let mut writer = self.shared.arena.writer(allocation).map_err(std::io::Error::other)?;
-        file.read_exact(&mut writer)
+        let mut writer = self.shared.arena.writer(allocation)?;
+        file.read_exact(&mut writer).map_err(spill_error)?;
+        let found = xxh3_64(&writer[..]);
+        match self.shared.spill.checksums.lock().get(&id) {
+            Some(&expected) if expected == found => Ok(()),
+            Some(&expected) => {
+                Err(StoreError::ObjectCorrupted { id, path: path.to_path_buf(), expected, found })
+            }
+            None => Err(spill_error(std::io::Error::other(
+                "no checksum was recorded when the object spilled, so its bytes cannot be trusted",
+            ))),
+        }
     }
 
     fn delete_spill_files(&self, freed: impl IntoIterator<Item = Freed>) {
         for freed in freed.into_iter().filter(|freed| freed.had_spill_file) {
+            self.shared.spill.checksums.lock().remove(&freed.id);
             let path = self.shared.spill.file(freed.id);
             if let Err(error) = std::fs::remove_file(&path) {
                 tracing::warn!(path = %path.display(), %error, "removing a freed object's spill file failed");
@@ -289,25 +323,35 @@ impl ObjectStore {
     }
 }
 
-/// A per-store directory for spill files, removed with the store.
+/// A per-store directory for spill files, created by the first spill and removed with the
+/// store, and the checksum of each spill file in it.
 struct SpillDir {
     path: PathBuf,
+    /// XXH3-64 of each spill file's bytes as written, by object; an entry lives exactly as long
+    /// as the file.
+    checksums: Mutex<HashMap<ObjectId, u64>>,
 }
 
 impl SpillDir {
-    fn create(parent: Option<&Path>) -> Result<SpillDir> {
+    /// Names this store's directory under `parent` without creating it (most stores never
+    /// spill, and a node process usually exits without dropping its store, so a directory made
+    /// up front would be left behind by every run), and removes dead processes' directories.
+    fn new(parent: &Path) -> SpillDir {
         static COUNTER: AtomicU64 = AtomicU64::new(0);
-        let parent = parent.map_or_else(std::env::temp_dir, Path::to_path_buf);
-        remove_stale_spill_dirs(&parent);
+        remove_stale_spill_dirs(parent);
         let name = format!(
             "rtrun-spill-{}-{}",
             std::process::id(),
             COUNTER.fetch_add(1, Ordering::Relaxed)
         );
-        let path = parent.join(name);
-        std::fs::create_dir_all(&path)
-            .map_err(|source| StoreError::Spill { path: path.clone(), source })?;
-        Ok(SpillDir { path })
+        SpillDir { path: parent.join(name), checksums: Mutex::new(HashMap::new()) }
+    }
+
+    /// Creates the directory (and a missing parent) before a spill; cheap when it exists, and
+    /// it brings back a directory removed from under a running store.
+    fn create_dir(&self) -> Result<()> {
+        std::fs::create_dir_all(&self.path)
+            .map_err(|source| StoreError::Spill { path: self.path.clone(), source })
     }
 
     fn file(&self, id: ObjectId) -> PathBuf {
@@ -316,9 +360,9 @@ impl SpillDir {
 }
 
 /// Removes spill directories whose process is gone. A store's directory is removed when the
-/// store drops, but a node process that is killed (or that exits without dropping its store,
-/// which lives in a process-wide static) leaves its directory behind; the next store on the
-/// machine cleans it up. Directories of live processes are never touched.
+/// store drops, but a node process that spilled and is then killed (or exits without dropping
+/// its store, which lives in a process-wide static) leaves its directory behind; the next store
+/// opened in the same parent directory cleans it up. Directories of live processes are never touched.
 fn remove_stale_spill_dirs(parent: &Path) {
     let Ok(entries) = std::fs::read_dir(parent) else { return };
     for entry in entries.flatten() {
@@ -347,8 +391,13 @@ fn remove_stale_spill_dirs(parent: &Path) {
 
 impl Drop for SpillDir {
     fn drop(&mut self) {
-        if let Err(error) = std::fs::remove_dir_all(&self.path) {
-            tracing::warn!(path = %self.path.display(), %error, "removing the spill directory failed");
+        match std::fs::remove_dir_all(&self.path) {
+            // Never created: nothing spilled.
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
+            Err(error) => {
+                tracing::warn!(path = %self.path.display(), %error, "removing the spill directory failed")
+            }
+            Ok(()) => {}
         }
     }
 }

@@ -41,8 +41,13 @@ pub struct Config {
     /// and 200 GiB (Ray's rule), allocated as objects use it. The store is a memfd, so
     /// /dev/shm's mount size does not limit it.
     pub object_store_memory: Option<u64>,
-    /// Directory for objects spilled when the store is full. Default: a per-session directory
-    /// under the system temp dir, removed at exit.
+    /// Where objects go when the store is full: the node makes its own directory
+    /// `rtrun-spill-<pid>-<n>` in this one when the first object spills (a run that never
+    /// spills leaves nothing on disk). Default: the `RTRUN_OBJECT_SPILL_DIR` environment
+    /// variable, else the system temp dir. A node process exits without closing its store, so
+    /// a spill directory it used outlives it until the next store opened in the same place
+    /// removes the directories of dead processes. Spill files are checksummed: one changed on
+    /// disk makes the read fail with an error naming the object, never return wrong bytes.
     pub object_spill_dir: Option<std::path::PathBuf>,
     /// Values whose encoding is longer than this many bytes go to the object store instead of
     /// travelling inline in frames (default [`DEFAULT_MAX_INLINE_OBJECT_BYTES`], 100 KiB as in
