@@ -284,4 +284,11 @@ fn token_only_clients_leave_no_credentials_and_stop_waits_for_every_node() {
     }
     let head = wait_exit(&mut cluster.head, Duration::from_secs(20)).expect("the head exits");
     assert!(head.success(), "{head:?}");
+    // Nothing spilled, so no process made a spill directory under `--object-spill-dir`
+    // (before: an empty `rtrun-spill-<pid>-0` per process, left at exit).
+    let spill = cluster.dir.join("spill");
+    let left: Vec<_> = std::fs::read_dir(&spill)
+        .map(|dirs| dirs.flatten().map(|e| e.file_name()).collect())
+        .unwrap_or_default();
+    assert!(left.is_empty(), "left in {}: {left:?}", spill.display());
 }

@@ -25,9 +25,27 @@ fn init(store_bytes: u64) {
     rtrun::init_with(Config {
         num_cpus: Some(4.0),
         object_store_memory: Some(store_bytes),
+        object_spill_dir: Some(spill_parent()),
         ..Default::default()
     })
     .expect("runtime starts");
+}
+
+/// Where this test's stores spill (`Config::object_spill_dir`): one parent for every run, in
+/// which each store sweeps the directories of dead processes when it opens.
+fn spill_parent() -> std::path::PathBuf {
+    std::env::temp_dir().join("rtrun-object-store-tests")
+}
+
+/// The spill files of this process's store under [`spill_parent`].
+fn spill_files() -> usize {
+    let Ok(dirs) = std::fs::read_dir(spill_parent()) else { return 0 };
+    let ours = format!("rtrun-spill-{}-", std::process::id());
+    dirs.flatten()
+        .filter(|dir| dir.file_name().to_string_lossy().starts_with(&ours))
+        .filter_map(|dir| std::fs::read_dir(dir.path()).ok())
+        .map(|files| files.count())
+        .sum()
 }
 
 /// Deterministic bytes for `seed` (xorshift words), so any process can check every byte.
@@ -239,6 +257,9 @@ fn a_workload_of_three_times_the_capacity_runs_through_spilling_intact() {
     let spilled = stats();
     assert_eq!(spilled.objects, count, "{spilled}");
     assert!(spilled.bytes_spilled >= count * len as u64 - capacity, "{spilled}");
+    // They spilled where the configuration said.
+    let files = spill_files();
+    assert!(files >= 8, "{files} spill files under {}", spill_parent().display());
     // Every object comes back intact, in the driver and in a worker.
     for (seed, r) in refs.iter().enumerate() {
         let view = r.get_view().expect("restored");

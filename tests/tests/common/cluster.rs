@@ -68,6 +68,8 @@ pub fn start_cluster(name: &str, heartbeat_timeout: &str) -> Cluster {
         .arg(dir.join("head-credentials"))
         .arg("--data-dir")
         .arg(dir.join("head-data"))
+        .arg("--object-spill-dir")
+        .arg(dir.join("spill"))
         .stdout(Stdio::piped())
         .spawn()
         .expect("rtrun head starts");
@@ -85,6 +87,8 @@ pub fn start_cluster(name: &str, heartbeat_timeout: &str) -> Cluster {
             .arg(dir.join(format!("{node}-credentials")))
             .arg("--data-dir")
             .arg(dir.join(format!("{node}-data")))
+            .arg("--object-spill-dir")
+            .arg(dir.join("spill"))
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
