@@ -377,18 +377,21 @@ impl Head {
         Ok(())
     }
 
+    /// The live nodes other than the head's own.
+    fn live_remote_nodes(&self) -> Vec<u64> {
+        let state = self.state.lock();
+        state
+            .members
+            .nodes
+            .iter()
+            .filter(|(id, n)| **id != self.local_node && n.dead.is_none())
+            .map(|(id, _)| *id)
+            .collect()
+    }
+
     /// Every node's daemon releases the store references of an exited process.
     pub(super) fn broadcast_exit(&self, worker: WorkerId) {
-        let nodes: Vec<u64> = {
-            let state = self.state.lock();
-            state
-                .members
-                .nodes
-                .iter()
-                .filter(|(id, n)| **id != self.local_node && n.dead.is_none())
-                .map(|(id, _)| *id)
-                .collect()
-        };
+        let nodes = self.live_remote_nodes();
         for node in nodes {
             self.send_to_node(node, Request::ProcessExited { worker });
         }
@@ -484,16 +487,7 @@ impl Head {
     /// Stops every live node daemon (they kill their workers) and waits, up to `timeout`, for
     /// each to acknowledge, then stops this head's workers.
     pub(crate) fn stop_cluster(&self, timeout: Duration) {
-        let nodes: Vec<u64> = {
-            let state = self.state.lock();
-            state
-                .members
-                .nodes
-                .iter()
-                .filter(|(id, n)| **id != self.local_node && n.dead.is_none())
-                .map(|(id, _)| *id)
-                .collect()
-        };
+        let nodes = self.live_remote_nodes();
         let (acks, acked) = std::sync::mpsc::channel();
         let mut waiting = 0;
         for node in nodes {
