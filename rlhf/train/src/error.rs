@@ -55,6 +55,37 @@ pub enum TrainError {
     /// A placement spec was invalid.
     #[error("placement: {0}")]
     Placement(String),
+    /// A rank's worker process died (killed, crashed, failed constructor).
+    #[error("{rank} died: {reason}")]
+    RankDied {
+        /// The rank, as [`crate::trainer::calls::RankName`] writes it:
+        /// `vllm_engine rank 0 (actor-3)`.
+        rank: String,
+        /// Why, as the runtime reports it (exit status, signal).
+        reason: String,
+    },
+    /// A rank's call failed: the rank's own error, or the runtime's.
+    #[error("{rank}: {message}")]
+    RankFailed {
+        /// The rank, e.g. `actor rank 1 (actor-2)`.
+        rank: String,
+        /// What went wrong.
+        message: String,
+    },
+    /// Ranks did not answer a call within `cluster.call_timeout_s`.
+    #[error(
+        "{ranks} did not answer `{call}` within cluster.call_timeout_s = {timeout_s} s (waited {elapsed_s:.1} s)"
+    )]
+    Stalled {
+        /// The late ranks, e.g. `vllm_engine rank 0 (actor-3)`.
+        ranks: String,
+        /// The call they were given.
+        call: String,
+        /// The deadline.
+        timeout_s: f64,
+        /// How long the trainer waited.
+        elapsed_s: f64,
+    },
 }
 
 impl TrainError {

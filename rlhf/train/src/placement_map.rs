@@ -72,7 +72,15 @@ impl RolePlacements {
     pub fn from_config(config: &TrainConfig) -> Result<Self> {
         match &config.cluster.placement_spec {
             Some(path) => {
-                let text = std::fs::read_to_string(path).map_err(|e| TrainError::io(path, e))?;
+                let text = std::fs::read_to_string(path).map_err(|e| {
+                    TrainError::config(
+                        "cluster.placement_spec",
+                        format!(
+                            "expected a readable placement spec file, found {} ({e})",
+                            path.display()
+                        ),
+                    )
+                })?;
                 let spec = parse_spec(&text, &path.display().to_string())
                     .map_err(|e| TrainError::Placement(e.to_string()))?;
                 Self::from_spec(&spec, path)

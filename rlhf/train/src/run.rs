@@ -1,6 +1,8 @@
-//! One whole run as the `train` driver performs it: prepare the run directory (datasets, the
-//! warmed-up initial policy), start the embedded runtime, create the roles from the placement,
-//! then `fit()` with metrics in the run directory. Tests call [`run`] in-process too.
+//! One whole run as the `train` driver performs it: check what can be checked before any work
+//! ([`preflight`]: the placement spec and the resources it needs, the run directory), prepare
+//! the run directory (datasets, the warmed-up initial policy), start the embedded runtime,
+//! create the roles from the placement, then `fit()` with metrics in the run directory. Tests
+//! call [`run`] in-process too.
 
 use std::collections::BTreeMap;
 
@@ -53,6 +55,141 @@ impl Prepared {
 
 /// Name of the file recording what a run directory's data and initial policy were made from.
 pub const PREPARED_FILE: &str = "prepared.json";
+
+/// Files a run writes as it goes (besides checkpoints and TensorBoard event files): an earlier
+/// run's results, which a new run in the same directory would replace.
+pub const RUN_OUTPUTS: [&str; 4] = ["metrics.jsonl", "summary.md", "reward.png", "final_policy"];
+
+/// Everything that can be checked before any work starts (the warm-up, the runtime): the
+/// placement spec (it exists, parses, names every role) and the GPUs it reserves against
+/// `cluster.num_gpus`, the prompt files, and the run directory ([`check_run_dir`], which with
+/// `overwrite` removes the earlier run). Returns the placements for [`run_prepared`].
+pub fn preflight(config: &TrainConfig, paths: &RunPaths) -> Result<RolePlacements> {
+    let placements = RolePlacements::from_config(config)?;
+    check_resources(config, &placements)?;
+    for (key, files) in
+        [("data.prompt_data", &config.data.prompt_data), ("data.eval_data", &config.data.eval_data)]
+    {
+        if let Some(missing) = files.0.iter().find(|f| !f.is_file()) {
+            return Err(TrainError::config(
+                key,
+                format!("expected an existing file, found no file at {}", missing.display()),
+            ));
+        }
+    }
+    check_run_dir(config, paths)?;
+    Ok(placements)
+}
+
+/// The GPUs the placement spec reserves fit in `cluster.num_gpus`.
+fn check_resources(config: &TrainConfig, placements: &RolePlacements) -> Result<()> {
+    let (_, bundle_gpus) = placements.reserved();
+    if bundle_gpus > config.cluster.num_gpus {
+        return Err(TrainError::config(
+            "cluster.num_gpus",
+            format!(
+                "expected at least the {bundle_gpus} GPUs the placement spec {} reserves, found {}",
+                config
+                    .cluster
+                    .placement_spec
+                    .as_deref()
+                    .map_or_else(String::new, |p| p.display().to_string()),
+                config.cluster.num_gpus
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// What an earlier run left in the run directory: results a new run would replace, and
+/// checkpoints, each described for a message (`metrics.jsonl (5 steps)`).
+pub fn earlier_run(paths: &RunPaths) -> Result<Vec<String>> {
+    let mut found = Vec::new();
+    for name in RUN_OUTPUTS {
+        let path = paths.root.join(name);
+        if name == "metrics.jsonl" && path.is_file() {
+            let text = std::fs::read_to_string(&path).map_err(|e| TrainError::io(&path, e))?;
+            found.push(format!("{name} ({} records)", text.lines().count()));
+        } else if path.is_dir() {
+            found.push(format!("{name}/"));
+        } else if path.exists() {
+            found.push(name.to_owned());
+        }
+    }
+    let events = event_files(paths)?;
+    if !events.is_empty() {
+        found.push(format!("{} TensorBoard event file(s)", events.len()));
+    }
+    if paths.checkpoints.exists() {
+        found.push("checkpoints/".to_owned());
+    }
+    Ok(found)
+}
+
+/// TensorBoard event files in the run directory.
+fn event_files(paths: &RunPaths) -> Result<Vec<std::path::PathBuf>> {
+    let entries = match std::fs::read_dir(&paths.root) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(TrainError::io(&paths.root, e)),
+    };
+    let mut files = Vec::new();
+    for entry in entries {
+        let entry = entry.map_err(|e| TrainError::io(&paths.root, e))?;
+        if entry.file_name().to_string_lossy().starts_with("events.out.tfevents.") {
+            files.push(entry.path());
+        }
+    }
+    Ok(files)
+}
+
+/// A run directory holding an earlier run is refused unless the run resumes from one of its
+/// checkpoints or `overwrite` is set; with `overwrite` the earlier run's results and
+/// checkpoints are removed now (the prepared data and initial policy stay: [`prepare`] reuses
+/// them when the settings match).
+pub fn check_run_dir(config: &TrainConfig, paths: &RunPaths) -> Result<()> {
+    let found = earlier_run(paths)?;
+    if found.is_empty() {
+        return Ok(());
+    }
+    if config.overwrite {
+        let mut doomed: Vec<std::path::PathBuf> =
+            RUN_OUTPUTS.iter().map(|name| paths.root.join(name)).collect();
+        doomed.push(paths.final_policy.with_extension("tmp"));
+        doomed.push(paths.checkpoints.clone());
+        doomed.extend(event_files(paths)?);
+        for path in doomed {
+            let removed = if path.is_dir() {
+                std::fs::remove_dir_all(&path)
+            } else if path.exists() {
+                std::fs::remove_file(&path)
+            } else {
+                Ok(())
+            };
+            removed.map_err(|e| TrainError::io(&path, e))?;
+        }
+        tracing::info!(run_dir = %paths.root.display(), "overwrite: removed {}", found.join(", "));
+        return Ok(());
+    }
+    let checkpoint = checkpoint::newest(&paths.checkpoints)?;
+    if config.checkpoint.resume && checkpoint.is_some() {
+        return Ok(());
+    }
+    let why = match checkpoint {
+        Some(_) => "checkpoint.resume is false",
+        None => "no checkpoint to resume from",
+    };
+    Err(TrainError::config(
+        "run_dir",
+        format!(
+            "expected a new run directory or one with a checkpoint to resume from, found {} \
+             holding an earlier run ({}) and {why}; pass --overwrite (or --set overwrite=true) \
+             to replace it, or choose another run_dir",
+            paths.root.display(),
+            found.join(", ")
+        ),
+    ))
+}
 
 /// Writes the datasets (generated, or read from the prompt files, rendered and filtered) and,
 /// for a synthetic task, the warmed-up initial policy into the run directory; or reuses those a
@@ -153,20 +290,12 @@ pub fn prepare(config: &TrainConfig, paths: &RunPaths) -> Result<Prepared> {
 /// role actors plus the reward tasks).
 pub fn start_runtime(config: &TrainConfig, placements: &RolePlacements) -> Result<()> {
     let machine = std::thread::available_parallelism().map(|n| n.get() as f64).unwrap_or(2.0);
-    let (bundle_cpus, bundle_gpus) = placements.reserved();
+    let (bundle_cpus, _) = placements.reserved();
     // CPUs are accounting here (actors hold none by default); tasks need one each besides what
     // the bundles reserve.
     let needed = bundle_cpus + config.reward.parallel_tasks as f64;
     let num_cpus = config.cluster.num_cpus.unwrap_or(machine).max(needed);
-    if bundle_gpus > config.cluster.num_gpus {
-        return Err(TrainError::config(
-            "cluster.num_gpus",
-            format!(
-                "expected at least the {bundle_gpus} GPUs the placement spec reserves, found {}",
-                config.cluster.num_gpus
-            ),
-        ));
-    }
+    check_resources(config, placements)?;
     rtrun::init_with(rtrun::Config {
         num_cpus: Some(num_cpus),
         num_gpus: Some(config.cluster.num_gpus),
@@ -176,14 +305,26 @@ pub fn start_runtime(config: &TrainConfig, placements: &RolePlacements) -> Resul
     Ok(())
 }
 
-/// Everything after `rtrun::init`: roles, trainer (resumed when possible), fit.
+/// The whole run: [`preflight`], [`prepare`], then [`run_prepared`].
 pub fn run(
     config: &TrainConfig,
     progress: &mut dyn ProgressObserver,
 ) -> Result<(Trainer, FitReport)> {
     let paths = RunPaths::new(&config.run_dir);
-    let Prepared { train, eval, .. } = prepare(config, &paths)?;
-    let mut placements = RolePlacements::from_config(config)?;
+    let placements = preflight(config, &paths)?;
+    let prepared = prepare(config, &paths)?;
+    run_prepared(config, prepared, placements, progress)
+}
+
+/// Everything after [`prepare`]: the runtime, roles, trainer (resumed when possible), fit.
+pub fn run_prepared(
+    config: &TrainConfig,
+    prepared: Prepared,
+    mut placements: RolePlacements,
+    progress: &mut dyn ProgressObserver,
+) -> Result<(Trainer, FitReport)> {
+    let paths = RunPaths::new(&config.run_dir);
+    let Prepared { train, eval, .. } = prepared;
     start_runtime(config, &placements)?;
     placements.deploy()?;
     let steps_hint = {

@@ -1,4 +1,4 @@
-//! The PPO / GRPO driver: `train --config X.yaml [--set key=value]… [--address A]`.
+//! The PPO / GRPO driver: `train --config X.yaml [--set key=value]… [--overwrite] [--address A]`.
 //!
 //! Runs on the embedded single-node runtime; prints a progress bar with live reward, KL and
 //! phase timings; leaves `metrics.jsonl`, TensorBoard event files, `reward.png` and
@@ -31,6 +31,12 @@ struct Args {
     /// Address of a running cluster (multi-node); the default runs on the embedded runtime.
     #[arg(long)]
     address: Option<String>,
+    /// Start afresh in a run directory that holds an earlier run (its metrics, event files,
+    /// summary, plot, final policy and checkpoints are removed first); the same as
+    /// `--set overwrite=true`. Without it such a directory is refused unless it has a
+    /// checkpoint to resume from.
+    #[arg(long)]
+    overwrite: bool,
 }
 
 /// The telemetry progress bar behind the trainer's observer.
@@ -61,7 +67,14 @@ fn main() -> anyhow::Result<()> {
             "--address {address}: multi-node not available yet; run without --address to use the embedded runtime"
         );
     }
-    let config = TrainConfig::load(&args.config, &args.overrides)?;
+    let mut overrides = args.overrides.clone();
+    if args.overwrite {
+        overrides.push("overwrite=true".to_owned());
+    }
+    let (config, mut origin) = TrainConfig::load_with_origin(&args.config, &overrides)?;
+    // `--overwrite` travels as an override; the line counts the user's own.
+    origin.overrides = args.overrides.len();
+    eprintln!("{origin}");
     let started = Instant::now();
     let title = format!(
         "{} ({}, {:?} reward `{}`)",
@@ -72,6 +85,8 @@ fn main() -> anyhow::Result<()> {
     );
     let paths = rtrun_rlhf::trainer::RunPaths::new(&config.run_dir);
     eprintln!("run directory: {}", paths.root.display());
+    // Everything checkable before the warm-up: placement spec, GPUs, files, the run directory.
+    let placements = rtrun_rlhf::run::preflight(&config, &paths)?;
     let prepared = rtrun_rlhf::run::prepare(&config, &paths)?;
     match &prepared.initial {
         rtrun_rlhf::run::InitialPolicy::Made(w) => eprintln!(
@@ -123,7 +138,8 @@ fn main() -> anyhow::Result<()> {
         },
     );
     let mut bar = Bar(progress);
-    let (trainer, report) = rtrun_rlhf::run::run(&config, &mut bar)?;
+    let held_out_prompts = prepared.eval_prompts();
+    let (trainer, report) = rtrun_rlhf::run::run_prepared(&config, prepared, placements, &mut bar)?;
     bar.0.finish();
     if let Some(dir) = &report.exported {
         eprintln!("final policy (Hugging Face format): {}", dir.display());
@@ -138,7 +154,7 @@ fn main() -> anyhow::Result<()> {
         title,
         steps: report.steps,
         wall_time: started.elapsed(),
-        held_out_prompts: prepared.eval_prompts(),
+        held_out_prompts,
         held_out: vec![
             EvalRow {
                 metric: "mean reward".into(),

@@ -12,6 +12,7 @@ use crate::algo::{AdvantageEstimator, KlEstimator};
 use crate::data::{DataConfig, OneOrMany};
 
 mod models;
+mod yaml;
 
 use crate::error::{Result, TrainError};
 pub use models::{DeviceName, EngineSection, ModelDtype, RoleModelConfig};
@@ -24,6 +25,11 @@ pub struct TrainConfig {
     pub seed: u64,
     /// Where datasets, models, checkpoints and metrics go.
     pub run_dir: PathBuf,
+    /// Start afresh in a `run_dir` that holds an earlier run: its metrics, event files,
+    /// summary, plot, final policy and checkpoints are removed first (the driver's
+    /// `--overwrite`). Without it such a directory is refused unless it has a checkpoint to
+    /// resume from.
+    pub overwrite: bool,
     /// Prompts: a synthetic task or JSONL / Parquet files.
     pub data: DataConfig,
     /// The policy: a Hugging Face checkpoint, or (without `pretrain`) the tiny model below.
@@ -60,6 +66,7 @@ impl Default for TrainConfig {
         Self {
             seed: 42,
             run_dir: PathBuf::from("runs/default"),
+            overwrite: false,
             data: DataConfig::default(),
             policy: RoleModelConfig::default(),
             reference: RoleModelConfig::default(),
@@ -150,6 +157,14 @@ pub struct ClusterConfig {
     /// Engines sleep while training and training state is offloaded while generating (the
     /// hybrid engine). Implied by a spec that puts `vllm_engine` in the actor's group.
     pub colocate_all: bool,
+    /// Seconds the trainer waits for a rank's answer to one call (a generation batch, log-probs,
+    /// a training mini-batch, a weight bucket, a checkpoint save) before it fails the step with
+    /// an error naming the late role and rank. Generous: a stopped or hung worker would
+    /// otherwise hang the run forever, but a slow step must not fail.
+    pub call_timeout_s: f64,
+    /// Seconds after which a call still unanswered is logged as a warning naming the late role
+    /// and rank (then again every this many seconds, until the answer or the deadline).
+    pub stall_warn_s: f64,
 }
 
 impl Default for ClusterConfig {
@@ -165,6 +180,8 @@ impl Default for ClusterConfig {
             engine_replicas: 1,
             threads_per_worker: 1,
             colocate_all: false,
+            call_timeout_s: 1800.0,
+            stall_warn_s: 60.0,
         }
     }
 }
@@ -437,37 +454,75 @@ impl Default for CheckpointConfig {
     }
 }
 
+/// Which config a run read, for the driver's first line: `config: grpo.yaml`, with a note
+/// when the file is empty (every key then takes its default) and how many `--set` overrides
+/// were applied.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigOrigin {
+    /// The file as given.
+    pub file: String,
+    /// Whether the file held no settings (empty, or only comments).
+    pub empty: bool,
+    /// `--set` overrides applied on top.
+    pub overrides: usize,
+}
+
+impl std::fmt::Display for ConfigOrigin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "config: {}", self.file)?;
+        if self.empty {
+            write!(f, " (empty: running on defaults)")?;
+        }
+        if self.overrides > 0 {
+            write!(f, " with {} --set override(s)", self.overrides)?;
+        }
+        Ok(())
+    }
+}
+
 impl TrainConfig {
     /// Reads a YAML file and applies `key=value` overrides (dotted keys, YAML values).
     pub fn load(path: &Path, overrides: &[String]) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| TrainError::io(path, e))?;
-        Self::from_yaml(&text, &path.display().to_string(), overrides)
+        Ok(Self::load_with_origin(path, overrides)?.0)
     }
 
-    /// Parses YAML text (`file` names it in errors; positions come with its messages), then
-    /// applies overrides on the parsed config's tree, so an override of an unknown key is an
-    /// error as a typo in the file is.
+    /// [`TrainConfig::load`], also saying which config ran (for the driver to print).
+    pub fn load_with_origin(path: &Path, overrides: &[String]) -> Result<(Self, ConfigOrigin)> {
+        let text = std::fs::read_to_string(path).map_err(|e| TrainError::io(path, e))?;
+        let file = path.display().to_string();
+        let (config, empty) = Self::parse(&text, &file, overrides)?;
+        Ok((config, ConfigOrigin { file, empty, overrides: overrides.len() }))
+    }
+
+    /// Parses YAML text (`file` names it in errors), then applies overrides on the parsed
+    /// tree, so an override of an unknown key is an error as a typo in the file is.
     pub fn from_yaml(text: &str, file: &str, overrides: &[String]) -> Result<Self> {
-        let file_error =
-            |message: String| TrainError::ConfigFile { file: file.to_owned(), message };
-        let mut config: TrainConfig = if text.trim().is_empty() {
-            TrainConfig::default()
-        } else {
-            serde_saphyr::from_str(text).map_err(|e| file_error(e.to_string()))?
-        };
-        if !overrides.is_empty() {
-            let mut root = serde_json::to_value(&config)
-                .map_err(|e| file_error(format!("config does not serialise: {e}")))?;
-            for item in overrides {
-                apply_override(&mut root, item)?;
-            }
-            config = serde_json::from_value(root).map_err(|e| TrainError::ConfigFile {
-                file: format!("{file} with --set {}", overrides.join(" --set ")),
-                message: e.to_string(),
-            })?;
+        Ok(Self::parse(text, file, overrides)?.0)
+    }
+
+    /// The config and whether the file held no settings. The YAML becomes a tree first (syntax
+    /// errors and duplicate keys are reported at their line there), the overrides are applied
+    /// to the tree, and the tree becomes the config with the failing key's path tracked, so a
+    /// wrong type names the key (and its line in the file).
+    fn parse(text: &str, file: &str, overrides: &[String]) -> Result<(Self, bool)> {
+        let tree = yaml::parse_tree(text, file)?;
+        let empty = tree.is_null();
+        let mut root = if empty { serde_json::Value::Object(Default::default()) } else { tree };
+        if !root.is_object() {
+            return Err(TrainError::ConfigFile {
+                file: file.to_owned(),
+                message: format!(
+                    "expected a mapping of sections (`train:`, `rollout:`, ...), found {}",
+                    yaml::kind(&root)
+                ),
+            });
         }
+        for item in overrides {
+            apply_override(&mut root, item)?;
+        }
+        let config = yaml::typed(root, text, file, overrides)?;
         config.validate()?;
-        Ok(config)
+        Ok((config, empty))
     }
 
     /// Checks ranges and cross-key constraints.
@@ -549,6 +604,18 @@ impl TrainConfig {
                 "cluster.threads_per_worker",
                 format!("expected at least 1, found {}", self.cluster.threads_per_worker),
             ));
+        }
+        for (key, value) in [
+            ("cluster.call_timeout_s", self.cluster.call_timeout_s),
+            ("cluster.stall_warn_s", self.cluster.stall_warn_s),
+        ] {
+            // Duration::from_secs_f64 panics past ~5.8e11 years: a year is plenty.
+            if !(value.is_finite() && value > 0.0 && value <= 3.2e7) {
+                return Err(TrainError::config(
+                    key,
+                    format!("expected a number of seconds in (0, 3.2e7], found {value}"),
+                ));
+            }
         }
         let r = &self.rollout;
         positive("rollout.prompts_per_step", r.prompts_per_step)?;
@@ -872,6 +939,74 @@ mod tests {
             .contains("cluster.colocate_all")
         );
         assert!(err("", &["train.pipeline=conveyor"]).contains("conveyor"));
+    }
+
+    #[test]
+    fn wrong_types_name_the_key_the_expected_type_and_the_line() {
+        let err = |yaml: &str, sets: &[&str]| {
+            let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+            TrainConfig::from_yaml(yaml, "bad.yaml", &sets).unwrap_err().to_string()
+        };
+        assert_eq!(
+            err("seed: 1\ntrain:\n  actor_lr: [1, 2]\n", &[]),
+            "config key `train.actor_lr`: expected a number, found a sequence (bad.yaml:3)"
+        );
+        assert_eq!(
+            err("", &["train.actor_lr=[1, 2]"]),
+            "config key `train.actor_lr`: expected a number, found a sequence (--set)"
+        );
+        let message = err("rollout: {n_samples_per_prompt: two}\n", &[]);
+        assert!(
+            message
+                .starts_with("config key `rollout.n_samples_per_prompt`: expected a whole number")
+                && message.ends_with("(bad.yaml:1)"),
+            "{message}"
+        );
+        let message = err("train:\n  actor_lrr: 1\n", &[]);
+        assert!(
+            message.starts_with("config key `train.actor_lrr`: unknown key; expected one of")
+                && message.ends_with("(bad.yaml:2)"),
+            "{message}"
+        );
+        assert!(err("[1, 2]\n", &[]).contains("expected a mapping of sections"));
+    }
+
+    #[test]
+    fn a_duplicate_key_is_named_with_its_line() {
+        let err = TrainConfig::from_yaml(
+            "seed: 1\ntrain:\n  actor_lr: 0.1\n  actor_lr: 0.2\n",
+            "dup.yaml",
+            &[],
+        )
+        .unwrap_err()
+        .to_string();
+        assert_eq!(
+            err,
+            "dup.yaml:4:3: duplicate key `actor_lr` (a key may appear once in its section)"
+        );
+    }
+
+    #[test]
+    fn an_empty_config_file_says_it_runs_on_defaults() {
+        let dir = std::env::temp_dir().join(format!("rtrun-config-empty-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        for (name, text, empty) in [
+            ("empty.yaml", "", true),
+            ("comments.yaml", "# nothing yet\n", true),
+            ("set.yaml", "seed: 3\n", false),
+        ] {
+            let path = dir.join(name);
+            std::fs::write(&path, text).unwrap();
+            let (config, origin) = TrainConfig::load_with_origin(&path, &[]).unwrap();
+            assert_eq!(origin.empty, empty, "{name}");
+            let line = origin.to_string();
+            assert_eq!(line.contains("(empty: running on defaults)"), empty, "{line}");
+            assert!(line.starts_with(&format!("config: {}", path.display())), "{line}");
+            if empty {
+                assert_eq!(config, TrainConfig::default());
+            }
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

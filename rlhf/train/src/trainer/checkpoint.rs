@@ -10,7 +10,7 @@
 use std::path::{Path, PathBuf};
 
 use crate::error::{Result, TrainError};
-use crate::trainer::roles::gather_each;
+use crate::trainer::calls;
 use crate::trainer::{Trainer, TrainerState};
 
 /// Name of the state file (the completion marker of a checkpoint).
@@ -81,13 +81,15 @@ impl Trainer {
         std::fs::create_dir_all(&dir).map_err(|e| TrainError::io(&dir, e))?;
         // DP ranks hold identical replicas: rank 0 saves.
         let actor = self.policy_rank0()?;
-        let mut saves = vec![actor.save_checkpoint(dir.join("actor"))];
+        let mut saves =
+            vec![calls::actor_call("actor", 0, actor, actor.save_checkpoint(dir.join("actor")))];
         if let Some(critic) = &self.roles.critic
             && let Some(rank0) = critic.members().first()
         {
-            saves.push(rank0.save_checkpoint(dir.join("critic")));
+            let save = rank0.save_checkpoint(dir.join("critic"));
+            saves.push(calls::actor_call("critic", 0, rank0, save));
         }
-        gather_each("checkpoint", &saves)?;
+        self.watch.wait("save_checkpoint", saves)?;
         let state =
             serde_json::to_vec_pretty(&self.state).map_err(|e| TrainError::Data(e.to_string()))?;
         let tmp = dir.join(format!("{STATE_FILE}.tmp"));
@@ -115,10 +117,15 @@ impl Trainer {
                 self.state.loader.len
             )));
         }
-        let loads = self.roles.actor.call_all(|a| a.load_checkpoint(dir.join("actor")));
-        gather_each("actor", &loads)?;
+        let actor = dir.join("actor");
+        let loads =
+            calls::each("actor", self.roles.actor.members(), |a| a.load_checkpoint(actor.clone()));
+        self.watch.wait("load_checkpoint", loads)?;
         if let Some(critic) = &self.roles.critic {
-            gather_each("critic", &critic.call_all(|c| c.load_checkpoint(dir.join("critic"))))?;
+            let critic_dir = dir.join("critic");
+            let loads =
+                calls::each("critic", critic.members(), |c| c.load_checkpoint(critic_dir.clone()));
+            self.watch.wait("load_checkpoint", loads)?;
         }
         self.state = state;
         self.sync_weights()?;

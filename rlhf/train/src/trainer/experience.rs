@@ -2,7 +2,6 @@
 //! reference and old log-probs, values and advantages, with the role calls in flight together),
 //! and training the policy and the critic concurrently over mini-batches and epochs.
 
-use rtrun::ObjectRef;
 use tch::{Device, Kind, Tensor};
 
 use crate::algo::{self, AdvantageInputs};
@@ -15,20 +14,17 @@ use crate::roles::critic::CriticTrainStats;
 use crate::roles::lm::PolicyTrainStats;
 use crate::task::PromptRecord;
 use crate::trainer::Trainer;
-use crate::trainer::roles::{dispatch, gather, gather_each};
-
-type Pending<R> = Vec<ObjectRef<std::result::Result<Vec<R>, String>>>;
+use crate::trainer::calls::{self, CallWatch, RankCall, RankName};
 
 /// Rewards being computed (by tasks or by the reward-model group).
 pub struct PendingRewards {
-    role: &'static str,
-    refs: Pending<f32>,
+    calls: Vec<RankCall<Vec<f32>>>,
 }
 
 impl PendingRewards {
     /// Waits for every reward, in sequence order.
-    pub fn get(self) -> Result<Vec<f32>> {
-        gather(self.role, &self.refs)
+    pub fn get(self, watch: &CallWatch) -> Result<Vec<f32>> {
+        watch.gather("rewards", self.calls)
     }
 }
 
@@ -50,8 +46,8 @@ pub fn rewards(
             None => sequences.to_vec(),
             Some(rm) => retokenize(trainer, rm.as_ref(), records, sequences)?,
         };
-        let refs = dispatch(group, sequences, |w, chunk| w.rewards(chunk));
-        return Ok(PendingRewards { role: "reward", refs });
+        let calls = calls::dispatch("reward", group.members(), sequences, |w, c| w.rewards(c));
+        return Ok(PendingRewards { calls });
     }
     let queries: Vec<RewardQuery> = records
         .iter()
@@ -63,24 +59,27 @@ pub fn rewards(
         })
         .collect();
     let chunks = rtrun::split_batch(queries, config.parallel_tasks);
-    let refs = chunks
+    let calls = chunks
         .into_iter()
         .filter(|c| !c.is_empty())
         .enumerate()
-        .map(|(i, chunk)| match config.kind {
-            RewardKind::Remote => score_remote::remote(
-                RemoteRewardClient {
-                    urls: config.url.0.clone(),
-                    first: i,
-                    timeout: std::time::Duration::from_secs_f64(config.timeout_s),
-                    retries: config.max_retries,
-                },
-                chunk,
-            ),
-            _ => score_with_function::remote(config.name.clone(), chunk),
+        .map(|(i, chunk)| RankCall {
+            rank: RankName { role: "reward", rank: i, actor: None },
+            answer: match config.kind {
+                RewardKind::Remote => score_remote::remote(
+                    RemoteRewardClient {
+                        urls: config.url.0.clone(),
+                        first: i,
+                        timeout: std::time::Duration::from_secs_f64(config.timeout_s),
+                        retries: config.max_retries,
+                    },
+                    chunk,
+                ),
+                _ => score_with_function::remote(config.name.clone(), chunk),
+            },
         })
         .collect();
-    Ok(PendingRewards { role: "reward", refs })
+    Ok(PendingRewards { calls })
 }
 
 /// The sequences as the reward model's own tokenizer reads them: prompt text and decoded
@@ -159,19 +158,24 @@ pub fn make_experience(
     let roles = &trainer.roles;
     // Everything in flight at once: the roles run in their own processes.
     let pending_rewards = rewards(trainer, records, &sequences)?;
-    let ref_refs =
-        roles.reference.as_ref().map(|g| dispatch(g, sequences.clone(), |w, c| w.log_probs(c)));
-    let old_refs = dispatch(&roles.actor, sequences.clone(), |w, c| w.log_probs(c));
-    let value_refs =
-        roles.critic.as_ref().map(|g| dispatch(g, sequences.clone(), |w, c| w.values(c)));
-    let scalar_rewards = pending_rewards.get()?;
-    let old_log_probs = gather("actor", &old_refs)?;
-    let ref_log_probs = match ref_refs {
-        Some(refs) => Some(gather("ref", &refs)?),
+    let log_probs = |role, g: &rtrun::ActorGroup<crate::roles::lm::LmWorker>| {
+        calls::dispatch(role, g.members(), sequences.clone(), |w, c| w.log_probs(c))
+    };
+    let ref_calls = roles.reference.as_ref().map(|g| log_probs("ref", g));
+    let old_calls = log_probs("actor", &roles.actor);
+    let value_calls = roles
+        .critic
+        .as_ref()
+        .map(|g| calls::dispatch("critic", g.members(), sequences.clone(), |w, c| w.values(c)));
+    let watch = &trainer.watch;
+    let scalar_rewards = pending_rewards.get(watch)?;
+    let old_log_probs = watch.gather("log_probs", old_calls)?;
+    let ref_log_probs = match ref_calls {
+        Some(calls) => Some(watch.gather("log_probs", calls)?),
         None => None,
     };
-    let values = match value_refs {
-        Some(refs) => Some(gather("critic", &refs)?),
+    let values = match value_calls {
+        Some(calls) => Some(watch.gather("values", calls)?),
         None => None,
     };
     assemble(
@@ -338,31 +342,29 @@ pub fn train(
         for mini_batch in order.chunks(config.train.train_batch_size) {
             let batch: Vec<ExperienceRow> = mini_batch.iter().map(|&i| rows[i].clone()).collect();
             let global_tokens: usize = batch.iter().map(|r| r.sequence.response_ids.len()).sum();
-            let policy_refs = if train_actor {
+            let policy_calls_now = if train_actor {
                 let shares = rtrun::split_batch(batch.clone(), roles.actor.world_size());
-                Some(
-                    roles
-                        .actor
-                        .call_each(shares, |w, rows| w.train(rows, kl_coef, global_tokens))?,
-                )
+                let members = roles.actor.members();
+                Some(calls::each_with("actor", members, shares, |w, rows| {
+                    w.train(rows, kl_coef, global_tokens)
+                }))
             } else {
                 None
             };
-            let critic_refs = match &roles.critic {
-                Some(critic) => {
-                    let shares = rtrun::split_batch(batch, critic.world_size());
-                    Some(critic.call_each(shares, |w, rows| w.train(rows, global_tokens))?)
-                }
-                None => None,
-            };
-            if let Some(refs) = policy_refs {
-                for s in gather_each("actor", &refs)? {
+            let critic_calls_now = roles.critic.as_ref().map(|critic| {
+                let shares = rtrun::split_batch(batch, critic.world_size());
+                calls::each_with("critic", critic.members(), shares, |w, rows| {
+                    w.train(rows, global_tokens)
+                })
+            });
+            if let Some(calls) = policy_calls_now {
+                for s in trainer.watch.wait("train", calls)? {
                     add_policy(&mut stats.policy, &s);
                     policy_calls += 1;
                 }
             }
-            if let Some(refs) = critic_refs {
-                for s in gather_each("critic", &refs)? {
+            if let Some(calls) = critic_calls_now {
+                for s in trainer.watch.wait("train", calls)? {
                     stats.critic.value_loss += s.value_loss;
                     stats.critic.grad_norm += s.grad_norm;
                     stats.critic.lr += s.lr;

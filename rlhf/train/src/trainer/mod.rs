@@ -11,6 +11,7 @@
 //! it owns no tensors that matter, and keeping it in the driver means every role handle, the
 //! metrics files and the progress bar live in one process.
 
+pub mod calls;
 pub mod checkpoint;
 pub mod experience;
 pub mod pipeline;
@@ -33,6 +34,7 @@ use crate::rng::mix_seed;
 use crate::task::{PromptLoader, PromptRecord};
 use crate::tokenizer::{HfTokenizer, PromptTokenizer, run_tokenizer};
 
+pub use calls::CallWatch;
 pub use roles::Roles;
 
 /// Files of a run directory.
@@ -140,6 +142,8 @@ pub struct Trainer {
     pub pipeline_timelines: Vec<StageTimeline>,
     /// `rollout.weight_sync_backend: nccl`: the weight metadata once the group is formed.
     weight_sync_metas: std::sync::OnceLock<Vec<rtrun_rlhf_engine::WeightMeta>>,
+    /// Deadlines of the calls to role ranks and engines.
+    pub watch: CallWatch,
 }
 
 impl Trainer {
@@ -160,6 +164,7 @@ impl Trainer {
         };
         let tokenizer = run_tokenizer(&config)?;
         let reward_tokenizer = reward_tokenizer(&config)?;
+        let watch = CallWatch::from_config(&config.cluster);
         let mut trainer = Trainer {
             config,
             paths,
@@ -172,6 +177,7 @@ impl Trainer {
             timer: PhaseTimer::new(),
             pipeline_timelines: Vec::new(),
             weight_sync_metas: std::sync::OnceLock::new(),
+            watch,
         };
         if trainer.config.checkpoint.resume
             && let Some(dir) = checkpoint::newest(&trainer.paths.checkpoints)?
@@ -262,7 +268,8 @@ impl Trainer {
                 std::fs::remove_dir_all(d).map_err(|e| TrainError::io(d, e))?;
             }
         }
-        rank0.export(tmp.clone()).get()?.map_err(|e| TrainError::role("actor", e))?;
+        self.watch
+            .wait_one("export", calls::actor_call("actor", 0, rank0, rank0.export(tmp.clone())))?;
         std::fs::rename(&tmp, dir).map_err(|e| TrainError::io(dir, e))?;
         Ok(dir.to_path_buf())
     }
@@ -296,8 +303,9 @@ impl Trainer {
             .collect();
         let engines = &self.roles.engines;
         let chunks = rtrun::split_batch(requests, engines.len());
-        let refs: Vec<_> = engines.iter().zip(chunks).map(|(e, c)| e.generate(c)).collect();
-        let outputs = roles::gather("vllm_engine", &refs)?;
+        let outputs = self
+            .watch
+            .gather("generate", calls::each_with(ENGINE, engines, chunks, |e, c| e.generate(c)))?;
         if outputs.len() != prompts.len() {
             return Err(TrainError::role(
                 "vllm_engine",
@@ -350,7 +358,7 @@ impl Trainer {
             });
         }
         let records: Vec<&PromptRecord> = self.eval_data.iter().collect();
-        let rewards = experience::rewards(self, &records, &sequences)?.get()?;
+        let rewards = experience::rewards(self, &records, &sequences)?.get(&self.watch)?;
         let n = rewards.len().max(1) as f64;
         let correct = experience::full_reward_count(&rewards);
         let length = sequences.iter().map(|s| s.response_ids.len()).sum::<usize>();
@@ -368,14 +376,13 @@ impl Trainer {
         if !self.roles.placements.hybrid() {
             return Ok(());
         }
-        let offloads = self.roles.actor.call_all(|a| a.offload());
-        roles::gather_each("actor", &offloads)?;
+        let watch = &self.watch;
+        watch.wait("offload", calls::each("actor", self.roles.actor.members(), |a| a.offload()))?;
         if let Some(critic) = &self.roles.critic {
-            roles::gather_each("critic", &critic.call_all(|c| c.offload()))?;
+            watch.wait("offload", calls::each("critic", critic.members(), |c| c.offload()))?;
         }
-        let wakes: Vec<_> =
-            self.roles.engines.iter().map(|e| e.wake_up(Vec::<String>::new())).collect();
-        roles::gather_each("vllm_engine", &wakes)?;
+        let engines = &self.roles.engines;
+        watch.wait("wake_up", calls::each(ENGINE, engines, |e| e.wake_up(Vec::new())))?;
         Ok(())
     }
 
@@ -384,11 +391,11 @@ impl Trainer {
         if !self.roles.placements.hybrid() {
             return Ok(());
         }
-        let sleeps: Vec<_> = self.roles.engines.iter().map(|e| e.sleep(1)).collect();
-        roles::gather_each("vllm_engine", &sleeps)?;
-        roles::gather_each("actor", &self.roles.actor.call_all(|a| a.onload()))?;
+        let watch = &self.watch;
+        watch.wait("sleep", calls::each(ENGINE, &self.roles.engines, |e| e.sleep(1)))?;
+        watch.wait("onload", calls::each("actor", self.roles.actor.members(), |a| a.onload()))?;
         if let Some(critic) = &self.roles.critic {
-            roles::gather_each("critic", &critic.call_all(|c| c.onload()))?;
+            watch.wait("onload", calls::each("critic", critic.members(), |c| c.onload()))?;
         }
         Ok(())
     }
@@ -527,27 +534,29 @@ impl Trainer {
             return self.sync_weights_collective();
         }
         let source = self.policy_rank0()?;
-        let buckets = source
-            .weight_buckets(self.config.rollout.weight_bucket_bytes)
-            .get()?
-            .map_err(|e| TrainError::role("actor", e))?;
+        let watch = &self.watch;
+        let bucket_bytes = self.config.rollout.weight_bucket_bytes;
+        let buckets = watch.wait_one(
+            "weight_buckets",
+            calls::actor_call("actor", 0, source, source.weight_buckets(bucket_bytes)),
+        )?;
         let engines = &self.roles.engines;
         let hybrid = self.roles.placements.hybrid();
         if hybrid {
             // OpenRLHF's order: weights first, sync, reset, then the KV cache.
-            let wakes: Vec<_> =
-                engines.iter().map(|e| e.wake_up(vec!["weights".to_owned()])).collect();
-            roles::gather_each("vllm_engine", &wakes)?;
+            let wakes = calls::each(ENGINE, engines, |e| e.wake_up(vec!["weights".to_owned()]));
+            watch.wait("wake_up", wakes)?;
         }
         for bucket in &buckets {
-            let updates: Vec<_> = engines.iter().map(|e| e.update_weights(bucket)).collect();
-            roles::gather_each("vllm_engine", &updates)?;
+            watch.wait(
+                "update_weights",
+                calls::each(ENGINE, engines, |e| e.update_weights(bucket)),
+            )?;
         }
-        let resets: Vec<_> = engines.iter().map(|e| e.reset_prefix_cache()).collect();
-        roles::gather_each("vllm_engine", &resets)?;
+        watch
+            .wait("reset_prefix_cache", calls::each(ENGINE, engines, |e| e.reset_prefix_cache()))?;
         if hybrid {
-            let sleeps: Vec<_> = engines.iter().map(|e| e.sleep(1)).collect();
-            roles::gather_each("vllm_engine", &sleeps)?;
+            watch.wait("sleep", calls::each(ENGINE, engines, |e| e.sleep(1)))?;
         }
         rtrun::free(&buckets)?;
         Ok(())
@@ -562,10 +571,10 @@ impl Trainer {
         let metas = match self.weight_sync_metas.get() {
             Some(metas) => metas,
             None => {
-                let (addr, port) = source
-                    .weight_sync_endpoint()
-                    .get()?
-                    .map_err(|e| TrainError::role("actor", e))?;
+                let (addr, port) = self.watch.wait_one(
+                    "weight_sync_endpoint",
+                    calls::actor_call("actor", 0, source, source.weight_sync_endpoint()),
+                )?;
                 let group = |rank| rtrun_rlhf_engine::WeightSyncGroup {
                     group_name: "rlhf-weight-sync".to_owned(),
                     rank,
@@ -574,34 +583,36 @@ impl Trainer {
                     master_port: port,
                     backend: rtrun::collective::Backend::Nccl,
                 };
-                let policy = source.join_weight_sync(group(0));
-                let joins: Vec<_> = engines
-                    .iter()
-                    .enumerate()
-                    .map(|(i, e)| e.join_weight_sync(group(i + 1)))
-                    .collect();
-                policy.get()?.map_err(|e| TrainError::role("actor", e))?;
-                roles::gather_each("vllm_engine", &joins)?;
-                let metas =
-                    source.weight_metadata().get()?.map_err(|e| TrainError::role("actor", e))?;
+                let policy =
+                    calls::actor_call("actor", 0, source, source.join_weight_sync(group(0)));
+                let mut rank = 0;
+                let joins = calls::each(ENGINE, engines, |e| {
+                    rank += 1;
+                    e.join_weight_sync(group(rank))
+                });
+                self.watch.wait_one("join_weight_sync", policy)?;
+                self.watch.wait("join_weight_sync", joins)?;
+                let metas = self.watch.wait_one(
+                    "weight_metadata",
+                    calls::actor_call("actor", 0, source, source.weight_metadata()),
+                )?;
                 self.weight_sync_metas.get_or_init(|| metas)
             }
         };
+        let watch = &self.watch;
         let hybrid = self.roles.placements.hybrid();
         if hybrid {
-            let wakes: Vec<_> =
-                engines.iter().map(|e| e.wake_up(vec!["weights".to_owned()])).collect();
-            roles::gather_each("vllm_engine", &wakes)?;
+            let wakes = calls::each(ENGINE, engines, |e| e.wake_up(vec!["weights".to_owned()]));
+            watch.wait("wake_up", wakes)?;
         }
         let bucket_bytes = self.config.rollout.weight_bucket_bytes;
-        let send = source.broadcast_weights(bucket_bytes);
-        let receives: Vec<_> =
-            engines.iter().map(|e| e.receive_weights(metas.clone(), bucket_bytes)).collect();
-        send.get()?.map_err(|e| TrainError::role("actor", e))?;
-        roles::gather_each("vllm_engine", &receives)?;
+        let send = calls::actor_call("actor", 0, source, source.broadcast_weights(bucket_bytes));
+        let receives =
+            calls::each(ENGINE, engines, |e| e.receive_weights(metas.clone(), bucket_bytes));
+        watch.wait_one("broadcast_weights", send)?;
+        watch.wait("receive_weights", receives)?;
         if hybrid {
-            let sleeps: Vec<_> = engines.iter().map(|e| e.sleep(1)).collect();
-            roles::gather_each("vllm_engine", &sleeps)?;
+            watch.wait("sleep", calls::each(ENGINE, engines, |e| e.sleep(1)))?;
         }
         Ok(())
     }
@@ -630,6 +641,9 @@ fn reward_tokenizer(config: &TrainConfig) -> Result<Option<Arc<dyn PromptTokeniz
         .map_err(|e| TrainError::config("reward.model_dir", e.to_string()))?;
     Ok(Some(Arc::new(tokenizer)))
 }
+
+/// The engines' role name.
+const ENGINE: &str = "vllm_engine";
 
 fn set_eval(metrics: &mut StepMetrics, result: &EvalResult) -> Result<()> {
     metrics.set("eval/reward", result.mean_reward).map_err(telemetry_error)?;

@@ -42,8 +42,9 @@ use crate::experience::{ExperienceRow, Sequence};
 use crate::rng::mix_seed;
 use crate::roles::lm::LmWorker;
 use crate::task::PromptRecord;
+use crate::trainer::calls;
 use crate::trainer::experience::{self, ExperienceStats, RoleResults, TrainStats};
-use crate::trainer::roles::{dispatch, gather, needs_reference};
+use crate::trainer::roles::needs_reference;
 use crate::trainer::{Trainer, telemetry_error};
 
 const PROMPTS: &str = "prompts";
@@ -289,17 +290,19 @@ pub fn run_step(
     for (rank, engine) in trainer.roles.engines.iter().enumerate() {
         let spec =
             spec("rollout", &[PROMPTS], &[RESPONSES, ENGINE_LOG_PROBS], batch_rows).with_rank(rank);
-        let work = move |batch: &PackedBatch| rollout(engine, batch, params, seed_base, n);
+        let work = move |batch: &PackedBatch| {
+            rollout(trainer, (rank, engine), batch, params, seed_base, n)
+        };
         stages.push((spec, Box::new(work)));
     }
     let spec_of = |name, outputs: &[&str]| spec(name, &[PROMPTS, RESPONSES], outputs, batch_rows);
     stages.push((spec_of("reward", &[RM_SCORES]), Box::new(|b: &PackedBatch| shared.reward(b))));
     if has_ref && let Some(reference) = &trainer.roles.reference {
-        let work = move |b: &PackedBatch| log_probs(reference, "ref", REF_LOG_PROB, b);
+        let work = move |b: &PackedBatch| log_probs(trainer, reference, "ref", REF_LOG_PROB, b);
         stages.push((spec_of("ref_log_prob", &[REF_LOG_PROB]), Box::new(work)));
     }
     let actor = &trainer.roles.actor;
-    let work = move |b: &PackedBatch| log_probs(actor, "actor", OLD_LOG_PROB, b);
+    let work = move |b: &PackedBatch| log_probs(trainer, actor, "actor", OLD_LOG_PROB, b);
     stages.push((spec_of("old_log_prob", &[OLD_LOG_PROB]), Box::new(work)));
     let adv_spec = spec("compute_advantage", &adv_inputs, &[ADVANTAGES, RETURNS], batch_rows);
     stages.push((adv_spec, Box::new(|b: &PackedBatch| shared.advantages(b))));
@@ -360,7 +363,8 @@ impl StepContext<'_> {
         let input = SortedBatch::new(batch)?;
         let sequences = input.sequences()?;
         let records = self.records_of(&input.rows)?;
-        let scores = experience::rewards(self.trainer, &records, &sequences)?.get()?;
+        let scores =
+            experience::rewards(self.trainer, &records, &sequences)?.get(&self.trainer.watch)?;
         let scores = ColumnValues::Scalars(input.unsort(scores));
         Ok(vec![PackedNamedColumn::new(RM_SCORES, &scores)])
     }
@@ -428,14 +432,15 @@ impl StepContext<'_> {
 
 /// `ref_log_prob` / `old_log_prob`: per-token log-probs from a role group's DP ranks.
 fn log_probs(
+    trainer: &Trainer,
     group: &rtrun::ActorGroup<LmWorker>,
-    role: &str,
+    role: &'static str,
     column: &str,
     batch: &PackedBatch,
 ) -> Result<Vec<PackedNamedColumn>> {
     let input = SortedBatch::new(batch)?;
-    let refs = dispatch(group, input.sequences()?, |w, c| w.log_probs(c));
-    Ok(vec![input.floats_out(column, gather(role, &refs)?)])
+    let calls = calls::dispatch(role, group.members(), input.sequences()?, |w, c| w.log_probs(c));
+    Ok(vec![input.floats_out(column, trainer.watch.gather("log_probs", calls)?)])
 }
 
 /// Runs every stage rank on its own thread until all return; a failing one flips the stop
@@ -482,7 +487,8 @@ fn root_error(errors: Vec<String>) -> TrainError {
 /// Generates a batch's prompt groups on one engine: one request of `n` samples per prompt,
 /// seeded by the prompt's index in the step as the sequential mode seeds it.
 fn rollout(
-    engine: &EngineActorRef,
+    trainer: &Trainer,
+    (rank, engine): (usize, &EngineActorRef),
     batch: &PackedBatch,
     params: &SamplingParams,
     seed_base: u64,
@@ -504,7 +510,8 @@ fn rollout(
             },
         })
         .collect();
-    let outputs = gather("vllm_engine", &[engine.generate(requests)])?;
+    let call = calls::actor_call("vllm_engine", rank, engine, engine.generate(requests));
+    let outputs = trainer.watch.gather("generate", vec![call])?;
     if outputs.len() != groups.len() {
         return Err(TrainError::role(
             "vllm_engine",

@@ -1,9 +1,9 @@
-//! Creating the role groups and engines of a run, and the calls that fan work out to their ranks
-//! and gather it back (verl's `DP_COMPUTE_PROTO` for calls whose results are `Result`s).
+//! Creating the role groups and engines of a run (the calls to their ranks are in
+//! [`crate::trainer::calls`]).
 
 use std::path::Path;
 
-use rtrun::{ActorGroup, ObjectRef};
+use rtrun::ActorGroup;
 use rtrun_rlhf_engine::{EngineActor, EngineActorConfig, EngineActorRef, EngineConfig};
 use rtrun_rlhf_model::train::{OptimizerConfig, ScheduleConfig};
 
@@ -242,34 +242,4 @@ fn placed(
     options: rtrun::ActorOptions,
 ) -> rtrun::Result<rtrun::ActorOptions> {
     p.options(role, rank, options).map_err(|e| rtrun::Error::Invalid(e.to_string()))
-}
-
-/// Splits `batch` across the group's ranks and calls each with its share.
-pub fn dispatch<A: rtrun::Actor, T, R>(
-    group: &ActorGroup<A>,
-    batch: Vec<T>,
-    call: impl Fn(&A::Ref, Vec<T>) -> ObjectRef<std::result::Result<Vec<R>, String>>,
-) -> Vec<ObjectRef<std::result::Result<Vec<R>, String>>> {
-    let chunks = rtrun::split_batch(batch, group.world_size());
-    group.members().iter().zip(chunks).map(|(m, c)| call(m, c)).collect()
-}
-
-/// Waits for per-rank results and concatenates them in rank order.
-pub fn gather<R: serde::de::DeserializeOwned>(
-    role: &str,
-    refs: &[ObjectRef<std::result::Result<Vec<R>, String>>],
-) -> Result<Vec<R>> {
-    let mut out = Vec::new();
-    for r in rtrun::get_all(refs)? {
-        out.extend(r.map_err(|e| TrainError::role(role, e))?);
-    }
-    Ok(out)
-}
-
-/// Waits for one result per rank.
-pub fn gather_each<R: serde::de::DeserializeOwned>(
-    role: &str,
-    refs: &[ObjectRef<std::result::Result<R, String>>],
-) -> Result<Vec<R>> {
-    rtrun::get_all(refs)?.into_iter().map(|r| r.map_err(|e| TrainError::role(role, e))).collect()
 }
