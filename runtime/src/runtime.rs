@@ -648,7 +648,16 @@ impl Runtime {
     /// Sends a request to the control plane and blocks for the response. Never call this from a
     /// connection's reader thread.
     pub(crate) fn head_call(self: &Arc<Self>, body: Request) -> Result<Response> {
-        wait_response("the control plane", |callback| self.head_request(body, callback))
+        let result =
+            wait_response("the control plane", |callback| self.head_request(body, callback));
+        // A request that failed because the head's connection closed (before its reader
+        // thread got to say so) ends the process the same way.
+        if let Err(e) = &result
+            && let Some(conn) = self.head_connection.get().filter(|c| c.is_closed())
+        {
+            self.on_head_lost(conn, &e.to_string());
+        }
+        result
     }
 
     /// Sends a request on `conn` and blocks for the response.
@@ -976,6 +985,11 @@ impl Runtime {
     }
 
     fn on_close(self: &Arc<Self>, conn: &Arc<Connection>, reason: &str) {
+        // First, so that no caller that would see its request fail can exit with another code.
+        // The head learns of worker deaths from the reaper (waitpid), not from closed sockets.
+        if self.head_connection.get().is_some_and(|h| h.id() == conn.id()) {
+            self.on_head_lost(conn, reason);
+        }
         let failed: Vec<u64> =
             self.requests.iter().filter(|r| r.connection == conn.id()).map(|r| *r.key()).collect();
         for req_id in failed {
@@ -992,10 +1006,6 @@ impl Runtime {
             && let Some(holder) = conn.peer().as_deref().and_then(crate::store::holder_of_address)
         {
             head.on_driver_gone(WorkerId(holder.0));
-        }
-        // The head learns of worker deaths from the reaper (waitpid), not from closed sockets.
-        if self.head_connection.get().is_some_and(|h| h.id() == conn.id()) {
-            self.on_head_lost(conn, reason);
         }
     }
 
