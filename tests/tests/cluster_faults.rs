@@ -64,16 +64,21 @@ fn list_groups(cluster: &Cluster) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
-fn submit(cluster: &Cluster, args: &[&str]) -> std::process::Output {
-    Command::new(rtrun_binary())
+/// `rtrun submit` of `cluster_driver` with `args` (the head's credentials).
+fn submit_command(cluster: &Cluster, args: &[&str]) -> Command {
+    let mut command = Command::new(rtrun_binary());
+    command
         .args(["submit", "--address", &cluster.address])
         .arg("--credentials-dir")
         .arg(cluster.dir.join("head-credentials"))
         .arg("--")
         .arg(driver_binary())
-        .args(args)
-        .output()
-        .unwrap()
+        .args(args);
+    command
+}
+
+fn submit(cluster: &Cluster, args: &[&str]) -> std::process::Output {
+    submit_command(cluster, args).output().unwrap()
 }
 
 /// Sends `signal` to `pid`.
@@ -143,17 +148,12 @@ fn losing_the_head_fails_its_drivers_clients_and_nodes_and_dead_heads_are_report
     let (mut driver, lines) =
         start_driver(&cluster, &["nodes", "1", "group", "a", "bytes", "100000", "hold", "300"]);
     expect_line(&lines, "holding", "the attached driver");
-    let mut submitted = Command::new(rtrun_binary())
-        .args(["submit", "--address", &cluster.address])
-        .arg("--credentials-dir")
-        .arg(cluster.dir.join("head-credentials"))
-        .arg("--")
-        .arg(driver_binary())
-        .args(["nodes", "1", "group", "b", "bytes", "100000", "hold", "300"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut submitted =
+        submit_command(&cluster, &["nodes", "1", "group", "b", "bytes", "100000", "hold", "300"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
     let submitted_lines = read_lines(submitted.stdout.take().unwrap());
     expect_line(&submitted_lines, "holding", "the submitted job");
 

@@ -62,7 +62,7 @@ pub const RUN_OUTPUTS: [&str; 4] = ["metrics.jsonl", "summary.md", "reward.png",
 
 /// Everything that can be checked before any work starts (the warm-up, the runtime): the
 /// placement spec (it exists, parses, names every role) and the GPUs it reserves against
-/// `cluster.num_gpus`, the prompt files, and the run directory ([`check_run_dir`], which with
+/// `cluster.num_gpus`, the prompt files, and the run directory (`check_run_dir`, which with
 /// `overwrite` removes the earlier run). Returns the placements for [`run_prepared`].
 pub fn preflight(config: &TrainConfig, paths: &RunPaths) -> Result<RolePlacements> {
     let placements = RolePlacements::from_config(config)?;
@@ -103,7 +103,7 @@ fn check_resources(config: &TrainConfig, placements: &RolePlacements) -> Result<
 
 /// What an earlier run left in the run directory: results a new run would replace, and
 /// checkpoints, each described for a message (`metrics.jsonl (5 steps)`).
-pub fn earlier_run(paths: &RunPaths) -> Result<Vec<String>> {
+fn earlier_run(paths: &RunPaths) -> Result<Vec<String>> {
     let mut found = Vec::new();
     for name in RUN_OUTPUTS {
         let path = paths.root.join(name);
@@ -147,7 +147,7 @@ fn event_files(paths: &RunPaths) -> Result<Vec<std::path::PathBuf>> {
 /// checkpoints or `overwrite` is set; with `overwrite` the earlier run's results and
 /// checkpoints are removed now (the prepared data and initial policy stay: [`prepare`] reuses
 /// them when the settings match).
-pub fn check_run_dir(config: &TrainConfig, paths: &RunPaths) -> Result<()> {
+fn check_run_dir(config: &TrainConfig, paths: &RunPaths) -> Result<()> {
     let found = earlier_run(paths)?;
     if found.is_empty() {
         return Ok(());
@@ -288,14 +288,13 @@ pub fn prepare(config: &TrainConfig, paths: &RunPaths) -> Result<Prepared> {
 
 /// Starts the embedded runtime sized for the placement (declared GPUs, enough CPUs for the
 /// role actors plus the reward tasks).
-pub fn start_runtime(config: &TrainConfig, placements: &RolePlacements) -> Result<()> {
+fn start_runtime(config: &TrainConfig, placements: &RolePlacements) -> Result<()> {
     let machine = std::thread::available_parallelism().map(|n| n.get() as f64).unwrap_or(2.0);
     let (bundle_cpus, _) = placements.reserved();
     // CPUs are accounting here (actors hold none by default); tasks need one each besides what
     // the bundles reserve.
     let needed = bundle_cpus + config.reward.parallel_tasks as f64;
     let num_cpus = config.cluster.num_cpus.unwrap_or(machine).max(needed);
-    check_resources(config, placements)?;
     rtrun::init_with(rtrun::Config {
         num_cpus: Some(num_cpus),
         num_gpus: Some(config.cluster.num_gpus),
@@ -317,6 +316,7 @@ pub fn run(
 }
 
 /// Everything after [`prepare`]: the runtime, roles, trainer (resumed when possible), fit.
+/// `placements` are the ones [`preflight`] checked (the spec against the GPUs).
 pub fn run_prepared(
     config: &TrainConfig,
     prepared: Prepared,
