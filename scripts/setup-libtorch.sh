@@ -22,7 +22,8 @@
 # Runs in a subshell-safe way whether sourced or executed: all work happens in a function whose
 # failures are reported with `return`, never `exit`, so sourcing never kills the caller's shell.
 _rtrun_setup_libtorch() {
-    local torch_version="2.13.0"
+    # RTRUN_TORCH_VERSION=2.11.0 installs the torch of the lent GPU machine (scripts/build-gpu.sh).
+    local torch_version="${RTRUN_TORCH_VERSION:-2.13.0}"
     local cudart_version="13.0.96"
     local cupti_version="13.0.85"
     local cache_root="${RTRUN_CACHE:-$HOME/.cache/rtrun}"

@@ -31,6 +31,7 @@ pub mod codec;
 pub mod collective;
 pub mod colocation;
 pub mod context;
+pub mod cuda_ipc;
 pub mod error;
 pub mod gpus;
 pub mod group;

@@ -206,6 +206,29 @@ impl EngineActor {
             .map_err(|e| e.to_string())
     }
 
+    /// Copies a weight bucket the policy exported by CUDA IPC into the model in place (the
+    /// policy keeps the bucket's buffer until every engine has returned).
+    pub fn receive_ipc_bucket(&mut self, bucket: crate::IpcWeightBucket) -> Result<u64, String> {
+        self.state().engine.receive_ipc_bucket(&bucket).map_err(|e| e.to_string())
+    }
+
+    /// The CUDA caching allocator's statistics of this engine's device (`None` on the CPU);
+    /// `reset_peak` starts a new peak after reading.
+    pub fn cuda_memory(
+        &self,
+        reset_peak: bool,
+    ) -> Result<Option<rtrun_rlhf_model::cuda::CudaMemory>, String> {
+        let device = match self.shared_state().engine.model().params.device() {
+            tch::Device::Cuda(index) => index,
+            _ => return Ok(None),
+        };
+        let memory = rtrun_rlhf_model::cuda::memory(device);
+        if reset_peak {
+            rtrun_rlhf_model::cuda::reset_peak(device);
+        }
+        Ok(memory)
+    }
+
     /// Forgets every cached prefix.
     pub fn reset_prefix_cache(&mut self) -> Result<(), String> {
         self.state().engine.reset_prefix_cache();

@@ -32,7 +32,8 @@
 //! assert_eq!(outputs[0].samples.len(), 4);
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
-#![forbid(unsafe_code)]
+// Denied, not forbidden: the CUDA IPC receive (`weight_ipc`) wraps mapped device memory.
+#![deny(unsafe_code)]
 
 pub mod actor;
 pub mod api;
@@ -47,6 +48,7 @@ pub mod routing;
 pub mod runner;
 pub mod sampling;
 pub mod scheduler;
+pub mod weight_ipc;
 pub mod weight_sync;
 
 pub use actor::{EngineActor, EngineActorConfig, EngineActorRef};
@@ -55,6 +57,7 @@ pub use config::EngineConfig;
 pub use engine::{EngineStats, LlmEngine, WakeTarget, WeightState};
 pub use error::EngineError;
 pub use reference::reference_generate;
+pub use weight_ipc::IpcWeightBucket;
 pub use weight_sync::{WeightMeta, WeightSyncGroup};
 
 pub use block::{

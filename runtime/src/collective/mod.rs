@@ -500,8 +500,37 @@ impl Communicator {
     }
 }
 
+/// The first two ranks whose GPU UUIDs (as all-gathered before NCCL starts) are equal.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn shared_gpu(uuids: &[Vec<u8>]) -> Option<(usize, usize)> {
+    (0..uuids.len()).find_map(|b| (0..b).find(|&a| uuids[a] == uuids[b]).map(|a| (a, b)))
+}
+
+/// The error for two ranks of an NCCL group on one GPU.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn shared_gpu_message(group: &str, a: usize, b: usize, uuid: &[u8]) -> String {
+    let name = <[u8; 16]>::try_from(uuid)
+        .map(|u| crate::cuda_ipc::format_uuid(&u))
+        .unwrap_or_else(|_| "the same GPU".to_owned());
+    format!(
+        "ranks {a} and {b} of NCCL group `{group}` are both on {name}; NCCL needs one GPU per \
+         rank. Give each rank its own GPU, or use the CPU backend; for weight sync to engines \
+         on the policy's GPU use `rollout.weight_sync_backend: cuda_ipc`"
+    )
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn two_ranks_on_one_gpu_are_named() {
+        let uuids = vec![vec![1u8; 16], vec![2u8; 16], vec![1u8; 16]];
+        assert_eq!(super::shared_gpu(&uuids), Some((0, 2)));
+        assert_eq!(super::shared_gpu(&uuids[..2]), None);
+        let message = super::shared_gpu_message("g", 0, 2, &uuids[0]);
+        assert!(message.contains("ranks 0 and 2") && message.contains("GPU-01010101"), "{message}");
+        assert!(message.contains("cuda_ipc"), "{message}");
+    }
+
     use super::*;
     use proptest::prelude::*;
 

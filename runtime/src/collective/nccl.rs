@@ -106,8 +106,18 @@ impl NcclComm {
         for (c, byte) in id.internal.iter_mut().zip(id_bytes) {
             *c = byte as c_char;
         }
-        // Everyone is alive right before the (unbounded) NCCL initialisation.
-        ring.all_gather(&[])?;
+        // Everyone is alive right before the (unbounded) NCCL initialisation, and no two ranks
+        // are on one GPU: NCCL refuses that (or, in some versions, hangs), so say it first.
+        let uuid = context.uuid().map_err(|e| cuda_error("cannot read the GPU's UUID", e))?;
+        let uuids = ring.all_gather(&uuid.bytes.map(|b| b as u8))?;
+        if let Some((a, b)) = super::shared_gpu(&uuids) {
+            return Err(CollectiveError::InvalidConfig(super::shared_gpu_message(
+                &config.group_name,
+                a,
+                b,
+                &uuids[a],
+            )));
+        }
         context.bind_to_thread().map_err(|e| cuda_error("cannot bind the CUDA context", e))?;
         let mut comm = MaybeUninit::uninit();
         // SAFETY: `comm` is a valid place for the handle; `id` came from rank 0's

@@ -29,7 +29,7 @@ use crate::error::EngineError;
 use crate::rng::token_uniform;
 use crate::runner::batch::{ChunkView, StepBatch};
 use crate::runner::{ModelRunner, ShardSpec};
-use crate::sampling::Sampler;
+use crate::sampling::{SampledToken, Sampler};
 use crate::scheduler::{RequestOutput, Scheduler, SchedulerConfig};
 use crate::{RequestId, SequenceId};
 use weights::WeightResidency;
@@ -267,6 +267,9 @@ impl LlmEngine {
         self.scheduler.reset_prefix_cache();
         let residency = std::mem::replace(&mut self.weights, WeightResidency::Resident);
         self.weights = weights::put_to_sleep(self.runner.model(), residency, level)?;
+        // Freed tensors go back to libtorch's cache, not to the GPU: give them back so the
+        // training roles colocated on this GPU can use the memory.
+        rtrun_rlhf_model::cuda::empty_cache()?;
         self.counters.sleeps += 1;
         tracing::debug!(level, "engine asleep");
         Ok(())
@@ -314,6 +317,23 @@ impl LlmEngine {
         self.require_idle("receive_weights")?;
         let bytes =
             crate::weight_sync::receive_weights(comm, self.runner.model(), metas, bucket_bytes)?;
+        self.scheduler.reset_prefix_cache();
+        self.counters.weight_updates += 1;
+        Ok(bytes)
+    }
+
+    /// Copies a bucket the policy exported by CUDA IPC into the model in place, then resets
+    /// the prefix cache; the conditions of [`LlmEngine::update_weights`] apply. Returns the
+    /// bytes copied.
+    pub fn receive_ipc_bucket(
+        &mut self,
+        bucket: &crate::weight_ipc::IpcWeightBucket,
+    ) -> Result<u64, EngineError> {
+        if !matches!(self.weights, WeightResidency::Resident) {
+            return Err(EngineError::Asleep { operation: "receive_ipc_bucket", part: "weights" });
+        }
+        self.require_idle("receive_ipc_bucket")?;
+        let bytes = crate::weight_ipc::receive_bucket(self.runner.model(), bucket)?;
         self.scheduler.reset_prefix_cache();
         self.counters.weight_updates += 1;
         Ok(bytes)
@@ -374,6 +394,19 @@ impl LlmEngine {
             }
             StepBatch::build(block_size, self.config.max_prefill_group_area, &views)?
         };
+        // On a GPU, a step whose rows are all greedy picks its tokens on the device (the
+        // host sampler would first copy `[rows, vocab]` logits over PCIe). On the CPU the host
+        // sampler stays the one path: it is exact in f64 and the tests' oracle.
+        let all_greedy = batch.sampled.iter().all(|&s| {
+            self.scheduler.sampling_context(s).is_some_and(|c| c.params.is_greedy())
+        });
+        if self.runner.device().is_cuda() && all_greedy {
+            let picked = self.runner.execute_greedy(&batch)?;
+            for (&sequence, (token, logprob)) in batch.sampled.iter().zip(picked) {
+                self.record(sequence, SampledToken { token, logprob })?;
+            }
+            return Ok(());
+        }
         let logits = self.runner.execute(&batch)?;
         let vocab = logits.len().checked_div(batch.sampled.len()).unwrap_or(0);
         for (row, &sequence) in batch.sampled.iter().enumerate() {
@@ -388,13 +421,21 @@ impl LlmEngine {
         logits: &[f32],
     ) -> Result<(), EngineError> {
         let unknown = crate::scheduler::SchedulerError::UnknownSequence(sequence);
-        let (sampled, stop) = {
+        let sampled = {
             let context = self.scheduler.sampling_context(sequence).ok_or(unknown)?;
             let uniform =
                 token_uniform(context.seed, context.sample_index, context.output_position);
-            let sampled = self.sampler.sample(logits, context.params, uniform)?;
-            let stop = (!context.params.stop.is_empty()).then(|| context.params.stop.clone());
-            (sampled, stop)
+            self.sampler.sample(logits, context.params, uniform)?
+        };
+        self.record(sequence, sampled)
+    }
+
+    /// Appends a sampled token to its sequence (and applies the request's stop strings).
+    fn record(&mut self, sequence: SequenceId, sampled: SampledToken) -> Result<(), EngineError> {
+        let unknown = crate::scheduler::SchedulerError::UnknownSequence(sequence);
+        let stop = {
+            let context = self.scheduler.sampling_context(sequence).ok_or(unknown)?;
+            (!context.params.stop.is_empty()).then(|| context.params.stop.clone())
         };
         let tokenizer = self.tokenizer.as_ref();
         self.scheduler.on_step_output_with(sequence, sampled.token, sampled.logprob, |output| {

@@ -132,10 +132,36 @@ impl ModelRunner {
         if batch.num_tokens() == 0 {
             return Ok(Vec::new());
         }
-        tch::no_grad(|| self.execute_inner(batch, cache))
+        let logits = tch::no_grad(|| self.execute_inner(batch, cache))?;
+        let logits = logits.f_to_kind(Kind::Float)?.f_to_device(Device::Cpu)?.f_contiguous()?;
+        Ok(Vec::<f32>::try_from(logits.f_view(-1)?)?)
     }
 
-    fn execute_inner(&self, batch: &StepBatch, cache: &KvCache) -> Result<Vec<f32>, EngineError> {
+    /// Runs one step and picks every sampled row's most likely token on the device, with its
+    /// log-prob (of the unscaled distribution): greedy decoding without copying `[rows,
+    /// vocab]` logits to the host, which on a GPU costs more than the step itself at large
+    /// vocabularies. Ties go to the lowest token id, as the host sampler's.
+    pub fn execute_greedy(&self, batch: &StepBatch) -> Result<Vec<(u32, f32)>, EngineError> {
+        let cache = self
+            .cache
+            .as_ref()
+            .ok_or(EngineError::Asleep { operation: "a forward step", part: "kv cache" })?;
+        if batch.num_tokens() == 0 {
+            return Ok(Vec::new());
+        }
+        let (tokens, logprobs) = tch::no_grad(|| -> Result<(Tensor, Tensor), EngineError> {
+            let logits = self.execute_inner(batch, cache)?.f_to_kind(Kind::Float)?;
+            let tokens = logits.f_argmax(-1, true)?;
+            let logprobs = logits.f_log_softmax(-1, Kind::Float)?.f_gather(-1, &tokens, false)?;
+            Ok((tokens.f_to_device(Device::Cpu)?, logprobs.f_to_device(Device::Cpu)?))
+        })?;
+        let tokens = Vec::<i64>::try_from(tokens.f_view(-1)?)?;
+        let logprobs = Vec::<f32>::try_from(logprobs.f_view(-1)?)?;
+        Ok(tokens.into_iter().map(|t| t as u32).zip(logprobs).collect())
+    }
+
+    /// The forward step; logits of the sampled rows on the device, `[rows, vocab]`.
+    fn execute_inner(&self, batch: &StepBatch, cache: &KvCache) -> Result<Tensor, EngineError> {
         let device = self.device();
         let index = |values: &[i64]| -> Result<Tensor, EngineError> {
             Ok(Tensor::f_from_slice(values)?.f_to_device(device)?)
@@ -170,9 +196,7 @@ impl ModelRunner {
             hidden = hidden.f_add(&mlp)?;
         }
         let rows = hidden.f_squeeze_dim(0)?.f_index_select(0, &index(&batch.sample_rows)?)?;
-        let logits = self.model.lm_logits(&backbone.norm.forward(&rows)?)?;
-        let logits = logits.f_to_kind(Kind::Float)?.f_to_device(Device::Cpu)?.f_contiguous()?;
-        Ok(Vec::<f32>::try_from(logits.f_view(-1)?)?)
+        Ok(self.model.lm_logits(&backbone.norm.forward(&rows)?)?)
     }
 }
 

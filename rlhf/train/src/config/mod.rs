@@ -217,8 +217,13 @@ pub enum WeightSyncBackend {
     #[default]
     ObjectStore,
     /// An NCCL broadcast from policy rank 0 to every engine in one collective group; needs a
-    /// build with the `cuda` feature and the models on CUDA.
+    /// build with the `cuda` feature and the models on CUDA, each rank on its own GPU (NCCL
+    /// refuses two ranks of one group on one GPU).
     Nccl,
+    /// CUDA IPC: policy rank 0 exports packed buckets of its weights and every engine maps
+    /// and copies them, GPU to GPU without host staging. The path for engines colocated on
+    /// the policy's GPU (a hybrid spec on one GPU), where NCCL cannot be used.
+    CudaIpc,
 }
 
 impl Default for RolloutConfig {
@@ -621,12 +626,31 @@ impl TrainConfig {
         positive("rollout.prompts_per_step", r.prompts_per_step)?;
         positive("rollout.n_samples_per_prompt", r.n_samples_per_prompt)?;
         positive("rollout.weight_bucket_bytes", r.weight_bucket_bytes)?;
-        if r.weight_sync_backend == WeightSyncBackend::Nccl && !cfg!(feature = "cuda") {
-            return Err(TrainError::config(
-                "rollout.weight_sync_backend",
-                "expected object_store in a build without the `cuda` feature, found nccl \
-                 (rebuild with `--features cuda`)",
-            ));
+        let gpu_sync = match r.weight_sync_backend {
+            WeightSyncBackend::ObjectStore => None,
+            WeightSyncBackend::Nccl => Some("nccl"),
+            WeightSyncBackend::CudaIpc => Some("cuda_ipc"),
+        };
+        if let Some(name) = gpu_sync {
+            if !cfg!(feature = "cuda") {
+                return Err(TrainError::config(
+                    "rollout.weight_sync_backend",
+                    format!(
+                        "expected object_store in a build without the `cuda` feature, found \
+                         {name} (rebuild with `--features cuda`)"
+                    ),
+                ));
+            }
+            if !(self.policy.device.is_cuda() && self.engine.device.is_cuda()) {
+                return Err(TrainError::config(
+                    "rollout.weight_sync_backend",
+                    format!(
+                        "{name} moves weights GPU to GPU: expected policy.device and \
+                         engine.device on cuda, found {} and {}",
+                        self.policy.device.0, self.engine.device.0
+                    ),
+                ));
+            }
         }
         if !(r.temperature.is_finite() && r.temperature >= 0.0) {
             return Err(TrainError::config(

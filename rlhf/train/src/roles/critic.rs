@@ -145,7 +145,8 @@ impl CriticWorkerState {
     /// (see [`crate::roles::lm::LmWorker::offload`]); a no-op on a CPU rank.
     pub fn offload(&mut self) -> Result<(), String> {
         self.setup.offloaded = true;
-        self.move_to(Device::Cpu)
+        self.move_to(Device::Cpu)?;
+        rtrun_rlhf_model::cuda::empty_cache().map_err(to_string_error)
     }
 
     /// Brings training state back to the training device.
@@ -156,7 +157,8 @@ impl CriticWorkerState {
     }
 
     fn move_to(&mut self, device: Device) -> Result<(), String> {
-        if self.model.params.device() == Device::Cpu {
+        // As the policy's: a CPU rank has nothing to move.
+        if self.setup.device() == Device::Cpu {
             return Ok(());
         }
         self.optimizer.move_to(device).map_err(to_string_error)

@@ -81,6 +81,10 @@ struct LmWorkerState {
     comm: DpComm,
     /// The weight-sync group with the engines (policy rank 0 only), once joined.
     weight_sync: Option<rtrun::collective::Communicator>,
+    /// CUDA IPC weight sync: the bucket plan of the sync in progress and the exported buffer
+    /// of its current bucket (kept until the engines have copied it).
+    ipc_plans: Vec<rtrun_rlhf_engine::weight_ipc::IpcBucketPlan>,
+    ipc_buffer: Option<tch::Tensor>,
 }
 
 fn to_string_error(e: impl std::fmt::Display) -> String {
@@ -111,6 +115,8 @@ impl LmWorkerState {
             loss: config.loss,
             comm: DpComm::default(),
             weight_sync: None,
+            ipc_plans: Vec::new(),
+            ipc_buffer: None,
         })
     }
 
@@ -178,6 +184,51 @@ impl LmWorkerState {
             .map_err(to_string_error)
     }
 
+    /// Starts a CUDA IPC weight sync: plans the parameters into buckets of about
+    /// `bucket_bytes` and returns how many there are.
+    pub fn plan_ipc_weights(&mut self, bucket_bytes: usize) -> Result<usize, String> {
+        let metas = WeightMeta::of_model(&self.model).map_err(to_string_error)?;
+        self.ipc_buffer = None;
+        self.ipc_plans = rtrun_rlhf_engine::weight_ipc::plan_buckets(&metas, bucket_bytes)
+            .map_err(to_string_error)?;
+        Ok(self.ipc_plans.len())
+    }
+
+    /// Packs and exports bucket `index` of the planned sync (the previous bucket's buffer is
+    /// released: the engines have copied it).
+    pub fn export_ipc_bucket(
+        &mut self,
+        index: usize,
+    ) -> Result<rtrun_rlhf_engine::IpcWeightBucket, String> {
+        self.ipc_buffer = None;
+        let plan = self.ipc_plans.get(index).ok_or_else(|| {
+            format!("bucket {index} of a {}-bucket IPC weight sync", self.ipc_plans.len())
+        })?;
+        let (buffer, bucket) = rtrun_rlhf_engine::weight_ipc::export_bucket(&self.model, plan)
+            .map_err(to_string_error)?;
+        self.ipc_buffer = Some(buffer);
+        Ok(bucket)
+    }
+
+    /// Ends the CUDA IPC weight sync: releases the last buffer and gives its memory back.
+    pub fn finish_ipc_weights(&mut self) -> Result<(), String> {
+        self.ipc_buffer = None;
+        self.ipc_plans.clear();
+        rtrun_rlhf_model::cuda::empty_cache().map_err(to_string_error)
+    }
+
+    /// The CUDA caching allocator's statistics of this rank's device (`None` on the CPU).
+    pub fn cuda_memory(&self, reset_peak: bool) -> Option<rtrun_rlhf_model::cuda::CudaMemory> {
+        let Device::Cuda(device) = self.setup.device() else {
+            return None;
+        };
+        let memory = rtrun_rlhf_model::cuda::memory(device);
+        if reset_peak {
+            rtrun_rlhf_model::cuda::reset_peak(device);
+        }
+        memory
+    }
+
     /// Saves the model (Hugging Face layout, with the tokenizer files of the directory it was
     /// loaded from) and, for a policy rank, the optimizer state.
     pub fn save_checkpoint(&self, dir: PathBuf) -> Result<(), String> {
@@ -219,7 +270,9 @@ impl LmWorkerState {
     /// generate). On a CPU-only run the tensors already live in host memory and stay put.
     pub fn offload(&mut self) -> Result<(), String> {
         self.setup.offloaded = true;
-        self.move_to(Device::Cpu).map_err(to_string_error)
+        self.move_to(Device::Cpu).map_err(to_string_error)?;
+        // The moved tensors' GPU memory is in libtorch's cache until given back.
+        rtrun_rlhf_model::cuda::empty_cache().map_err(to_string_error)
     }
 
     /// Brings parameters and optimizer state back to the training device.
@@ -283,6 +336,32 @@ impl LmWorker {
     /// Broadcasts the weights to the engines of the weight-sync group.
     pub fn broadcast_weights(&mut self, bucket_bytes: usize) -> Result<usize, String> {
         self.state().broadcast_weights(bucket_bytes)
+    }
+
+    /// Starts a CUDA IPC weight sync; returns the number of buckets.
+    pub fn plan_ipc_weights(&mut self, bucket_bytes: usize) -> Result<usize, String> {
+        self.state().plan_ipc_weights(bucket_bytes)
+    }
+
+    /// Exports bucket `index` of the CUDA IPC weight sync for the engines to copy.
+    pub fn export_ipc_bucket(
+        &mut self,
+        index: usize,
+    ) -> Result<rtrun_rlhf_engine::IpcWeightBucket, String> {
+        self.state().export_ipc_bucket(index)
+    }
+
+    /// Ends the CUDA IPC weight sync.
+    pub fn finish_ipc_weights(&mut self) -> Result<(), String> {
+        self.state().finish_ipc_weights()
+    }
+
+    /// The CUDA caching allocator's statistics of this rank's device (`None` on the CPU).
+    pub fn cuda_memory(
+        &self,
+        reset_peak: bool,
+    ) -> Result<Option<rtrun_rlhf_model::cuda::CudaMemory>, String> {
+        Ok(self.state().cuda_memory(reset_peak))
     }
 
     /// Saves the model and, for a policy rank, the optimizer state.
@@ -362,7 +441,8 @@ impl LmWorkerState {
     /// Moves parameters, gradients and optimizer state to `device`; a no-op on a CPU rank,
     /// whose home device already is host memory.
     fn move_to(&mut self, device: Device) -> crate::Result<()> {
-        if self.model.params.device() == Device::Cpu {
+        // A CPU rank has nothing to move (its state already lives in host memory).
+        if self.setup.device() == Device::Cpu {
             return Ok(());
         }
         match &mut self.optimizer {

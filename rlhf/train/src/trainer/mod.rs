@@ -142,6 +142,8 @@ pub struct Trainer {
     pub pipeline_timelines: Vec<StageTimeline>,
     /// `rollout.weight_sync_backend: nccl`: the weight metadata once the group is formed.
     weight_sync_metas: std::sync::OnceLock<Vec<rtrun_rlhf_engine::WeightMeta>>,
+    /// GPU runs: the memory figures of this step's phases (`record_gpu_memory`).
+    gpu_metrics: std::sync::Mutex<Vec<(String, f64)>>,
     /// Deadlines of the calls to role ranks and engines.
     pub watch: CallWatch,
 }
@@ -177,6 +179,7 @@ impl Trainer {
             timer: PhaseTimer::new(),
             pipeline_timelines: Vec::new(),
             weight_sync_metas: std::sync::OnceLock::new(),
+            gpu_metrics: std::sync::Mutex::new(Vec::new()),
             watch,
         };
         if trainer.config.checkpoint.resume
@@ -469,6 +472,9 @@ impl Trainer {
         metrics
             .set("consumed_prompts", self.state.loader.consumed as f64)
             .map_err(telemetry_error)?;
+        for (name, value) in self.gpu_metrics.lock().map(|mut m| std::mem::take(&mut *m)).unwrap_or_default() {
+            metrics.set(&name, value).map_err(telemetry_error)?;
+        }
         if self.config.train.pipeline == PipelineMode::Dock {
             pipeline::record_summary(step, &self.pipeline_timelines, &mut metrics)?;
         }
@@ -492,6 +498,7 @@ impl Trainer {
         let outputs = self.timed("generate", |t| -> Result<_> {
             t.wake_engines()?;
             let outputs = t.generate(prompt_ids, params, seed_base)?;
+            t.record_gpu_memory("generate")?;
             t.sleep_engines_if_hybrid()?;
             Ok(outputs)
         })?;
@@ -524,14 +531,48 @@ impl Trainer {
         progress.phase("train");
         let train_stats =
             self.timed("train", |t| experience::train(t, &batch.rows, step, kl_coef))?;
+        self.record_gpu_memory("train")?;
         Ok((batch.stats, batch.rows.len(), train_stats))
+    }
+
+    /// On a GPU run, the CUDA memory of policy rank 0 and engine 0 at the end of `phase`:
+    /// `gpu/<phase>_<role>_peak_mib` (most allocated during the phase) and
+    /// `gpu/<phase>_<role>_reserved_mib` (held from the driver now: near zero for a role that
+    /// sleeps or is offloaded during the phase), added to the step's metrics.
+    fn record_gpu_memory(&self, phase: &str) -> Result<()> {
+        if !(self.config.policy.device.is_cuda() || self.config.engine.device.is_cuda()) {
+            return Ok(());
+        }
+        let mib = |b: u64| b as f64 / f64::from(1u32 << 20);
+        let mut found = Vec::new();
+        let policy = self.policy_rank0()?;
+        let memory =
+            self.watch.wait_one("cuda_memory", calls::actor_call("actor", 0, policy, policy.cuda_memory(true)))?;
+        found.push(("actor", memory));
+        if let Some(engine) = self.roles.engines.first() {
+            let memory = self
+                .watch
+                .wait_one("cuda_memory", calls::actor_call(ENGINE, 0, engine, engine.cuda_memory(true)))?;
+            found.push(("engine", memory));
+        }
+        if let Ok(mut metrics) = self.gpu_metrics.lock() {
+            for (role, memory) in found {
+                if let Some(m) = memory {
+                    metrics.push((format!("gpu/{phase}_{role}_peak_mib"), mib(m.peak_allocated)));
+                    metrics.push((format!("gpu/{phase}_{role}_reserved_mib"), mib(m.reserved)));
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Sends the policy's weights to every engine in buckets (straight from policy rank 0 to
     /// the engines, through the object store), then resets the engines' prefix caches.
     pub fn sync_weights(&self) -> Result<()> {
-        if self.config.rollout.weight_sync_backend == WeightSyncBackend::Nccl {
-            return self.sync_weights_collective();
+        match self.config.rollout.weight_sync_backend {
+            WeightSyncBackend::Nccl => return self.sync_weights_collective(),
+            WeightSyncBackend::CudaIpc => return self.sync_weights_ipc(),
+            WeightSyncBackend::ObjectStore => {}
         }
         let source = self.policy_rank0()?;
         let watch = &self.watch;
@@ -559,6 +600,41 @@ impl Trainer {
             watch.wait("sleep", calls::each(ENGINE, engines, |e| e.sleep(1)))?;
         }
         rtrun::free(&buckets)?;
+        Ok(())
+    }
+
+    /// `rollout.weight_sync_backend: cuda_ipc`: policy rank 0 exports one packed bucket at a
+    /// time and every engine maps and copies it in place; the next export releases the bucket
+    /// before, so the sync holds at most one bucket of extra GPU memory.
+    fn sync_weights_ipc(&self) -> Result<()> {
+        let source = self.policy_rank0()?;
+        let watch = &self.watch;
+        let engines = &self.roles.engines;
+        let bucket_bytes = self.config.rollout.weight_bucket_bytes;
+        let hybrid = self.roles.placements.hybrid();
+        if hybrid {
+            let wakes = calls::each(ENGINE, engines, |e| e.wake_up(vec!["weights".to_owned()]));
+            watch.wait("wake_up", wakes)?;
+        }
+        let buckets = watch.wait_one(
+            "plan_ipc_weights",
+            calls::actor_call("actor", 0, source, source.plan_ipc_weights(bucket_bytes)),
+        )?;
+        for index in 0..buckets {
+            let bucket = watch.wait_one(
+                "export_ipc_bucket",
+                calls::actor_call("actor", 0, source, source.export_ipc_bucket(index)),
+            )?;
+            let receives = calls::each(ENGINE, engines, |e| e.receive_ipc_bucket(bucket.clone()));
+            watch.wait("receive_ipc_bucket", receives)?;
+        }
+        watch.wait_one(
+            "finish_ipc_weights",
+            calls::actor_call("actor", 0, source, source.finish_ipc_weights()),
+        )?;
+        if hybrid {
+            watch.wait("sleep", calls::each(ENGINE, engines, |e| e.sleep(1)))?;
+        }
         Ok(())
     }
 

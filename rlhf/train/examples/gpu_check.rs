@@ -1,0 +1,332 @@
+//! The GPU checks `scripts/gpu-check.sh` runs on a lent GPU machine (built by
+//! `scripts/build-gpu.sh` with the `cuda` feature). Each subcommand prints one JSON line with
+//! its figures and `"ok"`; the script collects them into its report.
+//!
+//! ```text
+//! gpu_check forward CKPT                      CUDA fp32 vs CPU fp32 logits; bf16 vs fp32
+//! gpu_check engine CKPT PROMPTS OUT DTYPE BATCHES NEW   engine on CUDA, greedy; tokens/s per batch
+//! gpu_check sleep CKPT                        engine sleep/wake: memory freed vs claimed
+//! gpu_check ipc CKPT BUCKET_BYTES             weight sync by CUDA IPC to a second process
+//! gpu_check nccl-same-gpu                     2 NCCL ranks on one GPU: refused, not a hang
+//! ```
+//! Built without `cuda` (as the workspace tests build it) every subcommand that needs a GPU
+//! says so and exits 2.
+
+use std::io::{BufRead, Write};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use rtrun_rlhf_engine::weight_ipc::{self, IpcWeightBucket};
+use rtrun_rlhf_engine::{EngineConfig, GenerationRequest, LlmEngine, SamplingParams, WeightMeta};
+use rtrun_rlhf_model::CausalLm;
+use rtrun_rlhf_model::tch::{self, Device, Kind, Tensor};
+use serde_json::json;
+
+fn main() {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if let Err(e) = run(&args) {
+        eprintln!("gpu_check: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn run(args: &[String]) -> Result<()> {
+    let arg = |i: usize| -> Result<&str> {
+        args.get(i).map(String::as_str).with_context(|| format!("argument {i} missing (see --help)"))
+    };
+    let sub = arg(0)?;
+    if sub == "--help" {
+        println!("usage: gpu_check forward|engine|sleep|ipc|nccl-same-gpu ... (see the source)");
+        return Ok(());
+    }
+    if !tch::Cuda::is_available() {
+        eprintln!("gpu_check: no usable CUDA device (this build: cuda feature {})", cfg!(feature = "cuda"));
+        std::process::exit(2);
+    }
+    match sub {
+        "forward" => forward(Path::new(arg(1)?)),
+        "engine" => engine(
+            Path::new(arg(1)?),
+            Path::new(arg(2)?),
+            Path::new(arg(3)?),
+            arg(4)?,
+            arg(5)?,
+            arg(6)?.parse()?,
+        ),
+        "sleep" => sleep(Path::new(arg(1)?)),
+        "ipc" => ipc_send(Path::new(arg(1)?), arg(2)?.parse()?),
+        "ipc-receive" => ipc_receive(Path::new(arg(1)?)),
+        "nccl-same-gpu" => nccl_same_gpu(),
+        "nccl-rank" => nccl_rank(arg(1)?.parse()?, arg(2)?.parse()?).map_err(anyhow::Error::msg),
+        other => bail!("unknown subcommand `{other}`"),
+    }
+}
+
+fn emit(value: serde_json::Value) {
+    println!("{value}");
+    let _ = std::io::stdout().flush();
+}
+
+fn ids(vocab: i64, batch: i64, seq: i64) -> Tensor {
+    tch::manual_seed(7);
+    Tensor::randint(vocab, [batch, seq], (Kind::Int64, Device::Cpu))
+}
+
+fn logits(model: &CausalLm, ids: &Tensor, device: Device) -> Result<Tensor> {
+    let ids = ids.to_device(device);
+    let mask = ids.ones_like();
+    Ok(tch::no_grad(|| model.forward(&ids, &mask, None))?.to_device(Device::Cpu).to_kind(Kind::Float))
+}
+
+/// Model forward: CUDA fp32 against CPU fp32 (limit 1e-4), bf16 against fp32 reported.
+fn forward(dir: &Path) -> Result<()> {
+    let cpu = CausalLm::from_pretrained(dir, Device::Cpu, Kind::Float)?;
+    let vocab = cpu.config().vocab_size as i64;
+    let input = ids(vocab, 4, 64);
+    let reference = logits(&cpu, &input, Device::Cpu)?;
+    drop(cpu);
+    let gpu = CausalLm::from_pretrained(dir, Device::Cuda(0), Kind::Float)?;
+    let fp32 = logits(&gpu, &input, Device::Cuda(0))?;
+    drop(gpu);
+    let bf16_model = CausalLm::from_pretrained(dir, Device::Cuda(0), Kind::BFloat16)?;
+    let bf16 = logits(&bf16_model, &input, Device::Cuda(0))?;
+    let max_abs = |a: &Tensor, b: &Tensor| (a - b).abs().max().double_value(&[]);
+    let cuda_vs_cpu = max_abs(&fp32, &reference);
+    let bf16_vs_fp32 = max_abs(&bf16, &fp32);
+    let bf16_mean = (&bf16 - &fp32).abs().mean(Kind::Float).double_value(&[]);
+    let argmax_agree = bf16
+        .argmax(-1, false)
+        .eq_tensor(&fp32.argmax(-1, false))
+        .to_kind(Kind::Float)
+        .mean(Kind::Float)
+        .double_value(&[]);
+    emit(json!({
+        "check": "forward",
+        "tokens": 4 * 64,
+        "logit_scale": reference.abs().max().double_value(&[]),
+        "cuda_fp32_vs_cpu_fp32_max_abs": cuda_vs_cpu,
+        "bf16_vs_fp32_max_abs": bf16_vs_fp32,
+        "bf16_vs_fp32_mean_abs": bf16_mean,
+        "bf16_argmax_agreement": argmax_agree,
+        "ok": cuda_vs_cpu <= 1e-4,
+    }));
+    Ok(())
+}
+
+fn kind_of(dtype: &str) -> Result<Kind> {
+    Ok(match dtype {
+        "f32" => Kind::Float,
+        "bf16" => Kind::BFloat16,
+        other => bail!("dtype `{other}`: expected f32 or bf16"),
+    })
+}
+
+/// The engine on CUDA: greedy generation of `new` tokens for the first `b` prompts, for each
+/// `b` in `batches`; tokens/s per batch after a warm-up; the largest batch's outputs written.
+fn engine(dir: &Path, prompts: &Path, out: &Path, dtype: &str, batches: &str, new: u32) -> Result<()> {
+    let prompts: Vec<Vec<u32>> = serde_json::from_str(&std::fs::read_to_string(prompts)?)?;
+    let batches: Vec<usize> =
+        batches.split(',').map(|b| b.parse()).collect::<std::result::Result<_, _>>()?;
+    let max_batch = *batches.iter().max().context("no batch sizes")?;
+    let prompt_len = prompts.iter().map(Vec::len).max().unwrap_or(0);
+    let model = CausalLm::from_pretrained(dir, Device::Cuda(0), kind_of(dtype)?)?;
+    let block_size = 16;
+    let blocks_per_seq = (prompt_len + new as usize).div_ceil(block_size) + 1;
+    let config = EngineConfig {
+        num_gpu_blocks: Some(blocks_per_seq * max_batch + 8),
+        max_num_seqs: max_batch,
+        max_num_batched_tokens: (max_batch * prompt_len).max(2048),
+        device: "cuda".into(),
+        dtype: dtype.into(),
+        block_size,
+        ..EngineConfig::default()
+    };
+    let mut engine = LlmEngine::new(model, None, config)?;
+    let params = SamplingParams {
+        temperature: 0.0,
+        max_tokens: new,
+        min_tokens: new,
+        logprobs: false,
+        ..SamplingParams::default()
+    };
+    let requests = |b: usize| -> Vec<GenerationRequest> {
+        prompts[..b].iter().map(|p| GenerationRequest::new(p.clone(), params.clone())).collect()
+    };
+    engine.generate(requests(batches[0].min(8)))?; // warm-up: kernels, allocator
+    let mut rows = Vec::new();
+    let mut last = Vec::new();
+    for &b in &batches {
+        let start = Instant::now();
+        let outputs = engine.generate(requests(b))?;
+        tch::Cuda::synchronize(0);
+        let seconds = start.elapsed().as_secs_f64();
+        let tokens: usize = outputs.iter().map(|o| o.samples[0].token_ids.len()).sum();
+        rows.push(json!({"batch": b, "seconds": seconds, "tokens_per_s": tokens as f64 / seconds}));
+        if b == max_batch {
+            last = outputs.into_iter().map(|o| o.samples[0].token_ids.clone()).collect();
+        }
+    }
+    std::fs::write(out, serde_json::to_string(&last)?)?;
+    emit(json!({"check": "engine", "dtype": dtype, "new_tokens": new, "rows": rows, "ok": true}));
+    Ok(())
+}
+
+fn device_used() -> Result<u64> {
+    let (free, total) = rtrun::cuda_ipc::device_memory(0).map_err(anyhow::Error::msg)?;
+    Ok(total - free)
+}
+
+/// Sleep level 1 frees the KV cache and moves the weights to host memory: the device's used
+/// memory must drop by about what the engine holds (KV cache + weights).
+fn sleep(dir: &Path) -> Result<()> {
+    let model = CausalLm::from_pretrained(dir, Device::Cuda(0), Kind::BFloat16)?;
+    let weight_bytes = model.params.numel() as u64 * 2;
+    let config = EngineConfig {
+        kv_cache_bytes: 4 << 30,
+        device: "cuda".into(),
+        dtype: "bf16".into(),
+        ..EngineConfig::default()
+    };
+    let mut engine = LlmEngine::new(model, None, config)?;
+    let params = SamplingParams { temperature: 0.0, max_tokens: 16, ..SamplingParams::default() };
+    engine.generate(vec![GenerationRequest::new(vec![1, 2, 3, 4], params.clone())])?;
+    let claimed = (4u64 << 30) + weight_bytes;
+    let awake = device_used()?;
+    engine.sleep(1)?;
+    let asleep = device_used()?;
+    engine.wake_up(&[])?;
+    let woken = device_used()?;
+    let out = engine.generate(vec![GenerationRequest::new(vec![1, 2, 3, 4], params)])?;
+    let freed = awake.saturating_sub(asleep);
+    let mib = |b: u64| b as f64 / (1 << 20) as f64;
+    emit(json!({
+        "check": "sleep",
+        "device_used_mib": {"awake": mib(awake), "asleep": mib(asleep), "woken": mib(woken)},
+        "freed_mib": mib(freed),
+        "claimed_mib": mib(claimed),
+        "freed_over_claimed": freed as f64 / claimed as f64,
+        "generates_after_wake": out[0].samples[0].token_ids.len() == 16,
+        "ok": freed as f64 >= 0.9 * claimed as f64,
+    }));
+    Ok(())
+}
+
+/// A per-parameter fingerprint: (sum, sum of |x|) in f64.
+fn fingerprint(model: &CausalLm) -> Vec<(String, f64, f64)> {
+    model
+        .named_parameters()
+        .map(|(name, t)| {
+            let t = t.to_kind(Kind::Double);
+            (name.to_owned(), t.sum(Kind::Double).double_value(&[]), t.abs().sum(Kind::Double).double_value(&[]))
+        })
+        .collect()
+}
+
+/// Exports the checkpoint's weights bucket by bucket to a child process (this binary's
+/// `ipc-receive`), which loads the same architecture with zeroed weights, copies every bucket
+/// through CUDA IPC, and answers with its fingerprint; the two must be equal.
+fn ipc_send(dir: &Path, bucket_bytes: usize) -> Result<()> {
+    let model = CausalLm::from_pretrained(dir, Device::Cuda(0), Kind::BFloat16)?;
+    let metas = WeightMeta::of_model(&model)?;
+    let plans = weight_ipc::plan_buckets(&metas, bucket_bytes)?;
+    let mut child = std::process::Command::new(std::env::current_exe()?)
+        .args(["ipc-receive", &dir.display().to_string()])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()?;
+    let mut to_child = child.stdin.take().context("child stdin")?;
+    let mut from_child = std::io::BufReader::new(child.stdout.take().context("child stdout")?);
+    let mut line = String::new();
+    from_child.read_line(&mut line)?; // "ready": the child loaded its model
+    let start = Instant::now();
+    let mut bytes = 0u64;
+    for plan in &plans {
+        let (buffer, bucket) = weight_ipc::export_bucket(&model, plan)?;
+        writeln!(to_child, "{}", serde_json::to_string(&bucket)?)?;
+        line.clear();
+        from_child.read_line(&mut line)?;
+        if line.trim() != "copied" {
+            bail!("the receiver answered `{}`", line.trim());
+        }
+        bytes += plan.len;
+        drop(buffer);
+    }
+    let seconds = start.elapsed().as_secs_f64();
+    writeln!(to_child, "done")?;
+    line.clear();
+    from_child.read_line(&mut line)?;
+    let received: Vec<(String, f64, f64)> = serde_json::from_str(line.trim())?;
+    let _ = child.wait();
+    let sent = fingerprint(&model);
+    let equal = received == sent;
+    emit(json!({
+        "check": "ipc",
+        "buckets": plans.len(),
+        "bytes": bytes,
+        "seconds": seconds,
+        "gb_per_s": bytes as f64 / seconds / 1e9,
+        "receiver_weights_equal_sender": equal,
+        "ok": equal,
+    }));
+    Ok(())
+}
+
+fn ipc_receive(dir: &Path) -> Result<()> {
+    let model = CausalLm::from_pretrained(dir, Device::Cuda(0), Kind::BFloat16)?;
+    tch::no_grad(|| {
+        for (_, t) in model.named_parameters() {
+            let _ = t.shallow_clone().zero_();
+        }
+    });
+    println!("ready");
+    let stdin = std::io::stdin();
+    for line in stdin.lock().lines() {
+        let line = line?;
+        if line == "done" {
+            break;
+        }
+        let bucket: IpcWeightBucket = serde_json::from_str(&line)?;
+        weight_ipc::receive_bucket(&model, &bucket)?;
+        println!("copied");
+    }
+    println!("{}", serde_json::to_string(&fingerprint(&model))?);
+    Ok(())
+}
+
+/// Two processes on GPU 0 form one NCCL group: the collective must refuse with an error that
+/// says so, within seconds, on both ranks.
+fn nccl_same_gpu() -> Result<()> {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    let mut child = std::process::Command::new(std::env::current_exe()?)
+        .args(["nccl-rank", "1", &port.to_string()])
+        .stdout(std::process::Stdio::piped())
+        .spawn()?;
+    let start = Instant::now();
+    let mine = nccl_rank(0, port);
+    let mut child_out = String::new();
+    std::io::Read::read_to_string(&mut child.stdout.take().context("child stdout")?, &mut child_out)?;
+    let _ = child.wait();
+    let seconds = start.elapsed().as_secs_f64();
+    let refused = matches!(&mine, Err(e) if e.contains("NCCL needs one GPU per rank"));
+    emit(json!({
+        "check": "nccl_same_gpu",
+        "seconds": seconds,
+        "rank0": match &mine { Ok(()) => "joined".to_owned(), Err(e) => e.clone() },
+        "rank1": child_out.trim(),
+        "ok": refused && child_out.contains("NCCL needs one GPU per rank"),
+    }));
+    Ok(())
+}
+
+fn nccl_rank(rank: usize, port: u16) -> Result<(), String> {
+    use rtrun::collective::{Backend, CollectiveConfig, Communicator};
+    let mut config = CollectiveConfig::new("same-gpu", rank, 2, "127.0.0.1", port).with_backend(Backend::Nccl);
+    config.cuda_device = 0;
+    config.timeout = Duration::from_secs(30);
+    let result = Communicator::init(config).map(|_| ()).map_err(|e| e.to_string());
+    if rank == 1 {
+        println!("{}", match &result { Ok(()) => "joined".to_owned(), Err(e) => e.clone() });
+    }
+    result
+}
