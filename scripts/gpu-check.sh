@@ -16,7 +16,8 @@
 #   ipc       weight sync by CUDA IPC into another process: weights equal, GB/s
 #   nccl      two NCCL ranks on one GPU are refused with a clear error, not a hang
 #   grpo      the GRPO main job with every role on the GPU in bf16, hybrid (engine sleeps
-#             while training, training state offloaded while generating), weights by CUDA IPC
+#             while training, training state offloaded while generating); asked for `nccl`,
+#             the one-GPU hybrid spec syncs weights by CUDA IPC (the log says so)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-/tmp/rtrun-gpu-check}"
@@ -62,7 +63,8 @@ for dtype in f32 bf16; do
         "$work/hf-$dtype.json" "$dtype" 1,64,256 64
 done
 step greedy-f32 "$py" scripts/gpu/hf_anchor.py compare "$work/ours-f32.json" "$work/hf-f32.json"
-step greedy-bf16 "$py" scripts/gpu/hf_anchor.py compare "$work/ours-bf16.json" "$work/hf-bf16.json"
+step greedy-bf16 "$py" scripts/gpu/hf_anchor.py compare "$work/ours-bf16.json" "$work/hf-bf16.json" \
+    report
 step sleep "$bin/gpu_check" sleep "$ckpt"
 step ipc "$bin/gpu_check" ipc "$ckpt" $((64 << 20))
 step nccl timeout 120 "$bin/gpu_check" nccl-same-gpu
@@ -80,7 +82,7 @@ start=$SECONDS
     --set policy.device=cuda --set policy.dtype=bf16 \
     --set reference.device=cuda --set reference.dtype=bf16 \
     --set engine.device=cuda --set engine.dtype=bf16 \
-    --set rollout.weight_sync_backend=cuda_ipc \
+    --set rollout.weight_sync_backend=nccl \
     "$@" > "$out/grpo.log" 2>&1
 grpo_rc=$?
 kill "$smi" 2>/dev/null
@@ -111,5 +113,5 @@ print(json.dumps(result))
 EOF
 "$py" scripts/gpu/hf_anchor.py report "$report" > "$out/report.md"
 cat "$out/report.md"
-grep -h "held-out\|baseline" "$out/grpo.log" | tail -5
+grep -h "CUDA IPC\|held-out\|baseline\|reward " "$out/grpo.log" | tail -8
 exit $failed

@@ -156,24 +156,28 @@ mod driver {
     fn bind(device: usize) -> Result<std::sync::Arc<CudaContext>, CudaIpcError> {
         // SAFETY: only tries to load the shared library.
         if !unsafe { cuda_sys::is_culib_present() } {
-            return Err(CudaIpcError::Unavailable("the CUDA driver (libcuda) is not installed".into()));
+            return Err(CudaIpcError::Unavailable(
+                "the CUDA driver (libcuda) is not installed".into(),
+            ));
         }
         let context = CudaContext::new(device).map_err(|e| CudaIpcError::Driver {
             call: "cuDevicePrimaryCtxRetain",
             message: e.to_string(),
         })?;
-        context
-            .bind_to_thread()
-            .map_err(|e| CudaIpcError::Driver { call: "cuCtxSetCurrent", message: e.to_string() })?;
+        context.bind_to_thread().map_err(|e| CudaIpcError::Driver {
+            call: "cuCtxSetCurrent",
+            message: e.to_string(),
+        })?;
         Ok(context)
     }
 
     /// The UUID of CUDA device `device` (an ordinal among the visible devices).
     pub fn device_uuid(device: usize) -> Result<[u8; 16], CudaIpcError> {
         let context = bind(device)?;
-        let uuid = context
-            .uuid()
-            .map_err(|e| CudaIpcError::Driver { call: "cuDeviceGetUuid", message: e.to_string() })?;
+        let uuid = context.uuid().map_err(|e| CudaIpcError::Driver {
+            call: "cuDeviceGetUuid",
+            message: e.to_string(),
+        })?;
         Ok(uuid.bytes.map(|b| b as u8))
     }
 
@@ -200,7 +204,9 @@ mod driver {
         })?;
         let mut handle = MaybeUninit::<cuda_sys::CUipcMemHandle>::uninit();
         // SAFETY: `handle` is a valid place for the result; `base` starts an allocation.
-        check("cuIpcGetMemHandle", unsafe { cuda_sys::cuIpcGetMemHandle(handle.as_mut_ptr(), base) })?;
+        check("cuIpcGetMemHandle", unsafe {
+            cuda_sys::cuIpcGetMemHandle(handle.as_mut_ptr(), base)
+        })?;
         // SAFETY: the call succeeded, so it wrote the handle.
         let handle = unsafe { handle.assume_init() };
         let exported = IpcMemHandle {

@@ -91,7 +91,10 @@ pub fn plan_buckets(
         let bytes = entry_bytes(meta)?;
         let offset = align(current.len);
         if !current.entries.is_empty() && offset + bytes > limit {
-            plans.push(std::mem::replace(&mut current, IpcBucketPlan { entries: Vec::new(), len: 0 }));
+            plans.push(std::mem::replace(
+                &mut current,
+                IpcBucketPlan { entries: Vec::new(), len: 0 },
+            ));
         }
         let offset = align(current.len);
         current.entries.push(IpcEntry { meta: meta.clone(), offset, bytes });
@@ -187,12 +190,11 @@ pub fn pack_bucket(model: &CausalLm, plan: &IpcBucketPlan) -> Result<Tensor, Eng
     let buffer = Tensor::f_zeros([len], (Kind::Uint8, device))?;
     tch::no_grad(|| -> Result<(), EngineError> {
         for entry in &plan.entries {
-            let param = model.params.get(&entry.meta.name).ok_or_else(|| {
-                EngineError::InvalidWeight {
+            let param =
+                model.params.get(&entry.meta.name).ok_or_else(|| EngineError::InvalidWeight {
                     name: entry.meta.name.clone(),
                     message: "the policy's model has no parameter of this name".into(),
-                }
-            })?;
+                })?;
             let source = byte_view(&param.f_contiguous()?)?;
             buffer.f_narrow(0, entry.offset as i64, entry.bytes as i64)?.f_copy_(&source)?;
         }
@@ -268,7 +270,13 @@ fn receive_mapped(
     // SAFETY: `address` is `len` bytes of mapped device memory on `device`, alive while
     // `mapping` is; the view is dropped (and the copies synchronised) before the mapping.
     let source = unsafe {
-        Tensor::f_from_blob(address as *const u8, &[len], &[1], Kind::Uint8, tch::Device::Cuda(device))
+        Tensor::f_from_blob(
+            address as *const u8,
+            &[len],
+            &[1],
+            Kind::Uint8,
+            tch::Device::Cuda(device),
+        )
     }?;
     let result = unpack_bucket(&bucket.entries, targets, &source);
     tch::Cuda::synchronize(device as i64);

@@ -69,8 +69,10 @@ pub fn memory(device: usize) -> Option<CudaMemory> {
         let mut out = [0i64; 4];
         let device = i32::try_from(device).ok()?;
         // SAFETY: `out` has the four slots the shim writes; `err` as above.
-        call(|err, len| unsafe { ffi::rtrun_cuda_memory_stats(device, out.as_mut_ptr(), err, len) })
-            .ok()?;
+        call(|err, len| unsafe {
+            ffi::rtrun_cuda_memory_stats(device, out.as_mut_ptr(), err, len)
+        })
+        .ok()?;
         let [allocated, peak_allocated, reserved, peak_reserved] = out.map(|v| v.max(0) as u64);
         Some(CudaMemory { allocated, peak_allocated, reserved, peak_reserved })
     }
@@ -85,11 +87,10 @@ pub fn memory(device: usize) -> Option<CudaMemory> {
 pub fn reset_peak(device: usize) {
     #[cfg(not(feature = "cuda"))]
     let _ = device;
-    if !usable() {
-        return;
-    }
     #[cfg(feature = "cuda")]
-    if let Ok(device) = i32::try_from(device) {
+    if usable()
+        && let Ok(device) = i32::try_from(device)
+    {
         // SAFETY: as above.
         if let Err(e) = call(|err, len| unsafe { ffi::rtrun_cuda_reset_peak(device, err, len) }) {
             tracing::warn!("resetting the CUDA memory peak: {e}");

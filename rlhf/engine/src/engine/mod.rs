@@ -397,9 +397,10 @@ impl LlmEngine {
         // On a GPU, a step whose rows are all greedy picks its tokens on the device (the
         // host sampler would first copy `[rows, vocab]` logits over PCIe). On the CPU the host
         // sampler stays the one path: it is exact in f64 and the tests' oracle.
-        let all_greedy = batch.sampled.iter().all(|&s| {
-            self.scheduler.sampling_context(s).is_some_and(|c| c.params.is_greedy())
-        });
+        let all_greedy = batch
+            .sampled
+            .iter()
+            .all(|&s| self.scheduler.sampling_context(s).is_some_and(|c| c.params.is_greedy()));
         if self.runner.device().is_cuda() && all_greedy {
             let picked = self.runner.execute_greedy(&batch)?;
             for (&sequence, (token, logprob)) in batch.sampled.iter().zip(picked) {

@@ -226,6 +226,19 @@ pub enum WeightSyncBackend {
     CudaIpc,
 }
 
+impl WeightSyncBackend {
+    /// The transport a sync really uses. `nccl` in a hybrid placement with one policy rank and
+    /// one engine (both in the same bundle, so on one GPU) becomes `cuda_ipc`: NCCL refuses two
+    /// ranks on one GPU, and OpenRLHF syncs colocated engines by CUDA IPC for the same reason.
+    pub fn effective(self, hybrid: bool, actor_ranks: usize, engines: usize) -> WeightSyncBackend {
+        if self == WeightSyncBackend::Nccl && hybrid && actor_ranks == 1 && engines == 1 {
+            WeightSyncBackend::CudaIpc
+        } else {
+            self
+        }
+    }
+}
+
 impl Default for RolloutConfig {
     fn default() -> Self {
         Self {
@@ -641,12 +654,13 @@ impl TrainConfig {
                     ),
                 ));
             }
-            if !(self.policy.device.is_cuda() && self.engine.device.is_cuda()) {
+            let ipc = r.weight_sync_backend == WeightSyncBackend::CudaIpc;
+            if ipc && !(self.policy.device.is_cuda() && self.engine.device.is_cuda()) {
                 return Err(TrainError::config(
                     "rollout.weight_sync_backend",
                     format!(
-                        "{name} moves weights GPU to GPU: expected policy.device and \
-                         engine.device on cuda, found {} and {}",
+                        "{name} maps GPU memory: expected policy.device and engine.device \
+                         on cuda, found {} and {}",
                         self.policy.device.0, self.engine.device.0
                     ),
                 ));
@@ -903,6 +917,26 @@ mod tests {
         assert_eq!(c.train.actor_lr, 0.002);
         assert_eq!(c.algo.advantage_estimator, AdvantageEstimator::GroupNorm);
         assert_eq!(c.algo.kl_target, Some(0.1));
+    }
+
+    #[test]
+    fn nccl_on_one_gpu_becomes_cuda_ipc_and_nothing_else_changes() {
+        use WeightSyncBackend::*;
+        assert_eq!(Nccl.effective(true, 1, 1), CudaIpc);
+        assert_eq!(Nccl.effective(false, 1, 1), Nccl);
+        assert_eq!(Nccl.effective(true, 8, 8), Nccl);
+        assert_eq!(ObjectStore.effective(true, 1, 1), ObjectStore);
+        assert_eq!(CudaIpc.effective(false, 2, 2), CudaIpc);
+        let ipc =
+            TrainConfig::from_yaml("rollout:\n  weight_sync_backend: cuda_ipc\n", "x.yaml", &[]);
+        if cfg!(feature = "cuda") {
+            // A CPU policy cannot export GPU memory.
+            let message = ipc.unwrap_err().to_string();
+            assert!(message.contains("policy.device"), "{message}");
+        } else {
+            let message = ipc.unwrap_err().to_string();
+            assert!(message.contains("found cuda_ipc"), "{message}");
+        }
     }
 
     #[test]

@@ -144,6 +144,8 @@ pub struct Trainer {
     weight_sync_metas: std::sync::OnceLock<Vec<rtrun_rlhf_engine::WeightMeta>>,
     /// GPU runs: the memory figures of this step's phases (`record_gpu_memory`).
     gpu_metrics: std::sync::Mutex<Vec<(String, f64)>>,
+    /// Whether the switch from `nccl` to CUDA IPC on one GPU was reported.
+    ipc_noted: std::sync::atomic::AtomicBool,
     /// Deadlines of the calls to role ranks and engines.
     pub watch: CallWatch,
 }
@@ -180,6 +182,7 @@ impl Trainer {
             pipeline_timelines: Vec::new(),
             weight_sync_metas: std::sync::OnceLock::new(),
             gpu_metrics: std::sync::Mutex::new(Vec::new()),
+            ipc_noted: std::sync::atomic::AtomicBool::new(false),
             watch,
         };
         if trainer.config.checkpoint.resume
@@ -472,7 +475,9 @@ impl Trainer {
         metrics
             .set("consumed_prompts", self.state.loader.consumed as f64)
             .map_err(telemetry_error)?;
-        for (name, value) in self.gpu_metrics.lock().map(|mut m| std::mem::take(&mut *m)).unwrap_or_default() {
+        for (name, value) in
+            self.gpu_metrics.lock().map(|mut m| std::mem::take(&mut *m)).unwrap_or_default()
+        {
             metrics.set(&name, value).map_err(telemetry_error)?;
         }
         if self.config.train.pipeline == PipelineMode::Dock {
@@ -546,13 +551,16 @@ impl Trainer {
         let mib = |b: u64| b as f64 / f64::from(1u32 << 20);
         let mut found = Vec::new();
         let policy = self.policy_rank0()?;
-        let memory =
-            self.watch.wait_one("cuda_memory", calls::actor_call("actor", 0, policy, policy.cuda_memory(true)))?;
+        let memory = self.watch.wait_one(
+            "cuda_memory",
+            calls::actor_call("actor", 0, policy, policy.cuda_memory(true)),
+        )?;
         found.push(("actor", memory));
         if let Some(engine) = self.roles.engines.first() {
-            let memory = self
-                .watch
-                .wait_one("cuda_memory", calls::actor_call(ENGINE, 0, engine, engine.cuda_memory(true)))?;
+            let memory = self.watch.wait_one(
+                "cuda_memory",
+                calls::actor_call(ENGINE, 0, engine, engine.cuda_memory(true)),
+            )?;
             found.push(("engine", memory));
         }
         if let Ok(mut metrics) = self.gpu_metrics.lock() {
@@ -569,7 +577,21 @@ impl Trainer {
     /// Sends the policy's weights to every engine in buckets (straight from policy rank 0 to
     /// the engines, through the object store), then resets the engines' prefix caches.
     pub fn sync_weights(&self) -> Result<()> {
-        match self.config.rollout.weight_sync_backend {
+        let backend = self.config.rollout.weight_sync_backend.effective(
+            self.roles.placements.hybrid(),
+            self.roles.actor.members().len(),
+            self.roles.engines.len(),
+        );
+        if backend != self.config.rollout.weight_sync_backend
+            && !self.ipc_noted.swap(true, std::sync::atomic::Ordering::Relaxed)
+        {
+            eprintln!(
+                "rollout.weight_sync_backend: nccl with the policy and its engine on one GPU \
+                 (hybrid placement): syncing weights by CUDA IPC, since NCCL cannot put two \
+                 ranks on one GPU"
+            );
+        }
+        match backend {
             WeightSyncBackend::Nccl => return self.sync_weights_collective(),
             WeightSyncBackend::CudaIpc => return self.sync_weights_ipc(),
             WeightSyncBackend::ObjectStore => {}
