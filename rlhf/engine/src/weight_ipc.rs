@@ -123,19 +123,7 @@ pub fn check_bucket(
         if !seen.insert(meta.name.as_str()) {
             return Err(invalid("appears twice in one bucket".into()));
         }
-        let param = model
-            .params
-            .get(&meta.name)
-            .ok_or_else(|| invalid("the engine's model has no parameter of this name".into()))?;
-        let dtype = format!("{:?}", param.f_kind()?);
-        if param.size() != meta.shape || dtype != meta.dtype {
-            return Err(invalid(format!(
-                "expected {:?} {} as sent, found {:?} {dtype} in the engine",
-                meta.shape,
-                meta.dtype,
-                param.size()
-            )));
-        }
+        let param = crate::weight_sync::matching_param(model, meta)?;
         let bytes = entry_bytes(meta)?;
         if entry.bytes != bytes {
             return Err(invalid(format!(
@@ -162,7 +150,7 @@ pub fn check_bucket(
         if !param.is_contiguous() {
             return Err(invalid("the engine's parameter is not contiguous".into()));
         }
-        targets.push(param.shallow_clone());
+        targets.push(param);
     }
     ranges.sort();
     for pair in ranges.windows(2) {

@@ -102,26 +102,28 @@ pub fn receive_weights(
     metas: &[WeightMeta],
     bucket_bytes: usize,
 ) -> Result<usize, EngineError> {
-    let mut targets = Vec::with_capacity(metas.len());
-    for meta in metas {
-        let invalid =
-            |message: String| EngineError::InvalidWeight { name: meta.name.clone(), message };
-        let param = model
-            .params
-            .get(&meta.name)
-            .ok_or_else(|| invalid("the engine's model has no parameter of this name".into()))?;
-        let dtype = format!("{:?}", param.f_kind()?);
-        if param.size() != meta.shape || dtype != meta.dtype {
-            return Err(invalid(format!(
-                "expected {:?} {} as sent, found {:?} {dtype} in the engine",
-                meta.shape,
-                meta.dtype,
-                param.size()
-            )));
-        }
-        targets.push(param.shallow_clone());
-    }
+    let targets =
+        metas.iter().map(|meta| matching_param(model, meta)).collect::<Result<Vec<_>, _>>()?;
     broadcast(comm, &targets, bucket_bytes)
+}
+
+/// The engine's parameter `meta` names, after checking it has the sender's shape and dtype.
+pub(crate) fn matching_param(model: &CausalLm, meta: &WeightMeta) -> Result<Tensor, EngineError> {
+    let invalid = |message: String| EngineError::InvalidWeight { name: meta.name.clone(), message };
+    let param = model
+        .params
+        .get(&meta.name)
+        .ok_or_else(|| invalid("the engine's model has no parameter of this name".into()))?;
+    let dtype = format!("{:?}", param.f_kind()?);
+    if param.size() != meta.shape || dtype != meta.dtype {
+        return Err(invalid(format!(
+            "expected {:?} {} as sent, found {:?} {dtype} in the engine",
+            meta.shape,
+            meta.dtype,
+            param.size()
+        )));
+    }
+    Ok(param.shallow_clone())
 }
 
 fn broadcast(

@@ -125,13 +125,9 @@ impl ModelRunner {
     /// Runs one step and returns the logits of the sampled rows as `[rows, vocab]` float32,
     /// row-major, in `batch.sample_rows` order.
     pub fn execute(&self, batch: &StepBatch) -> Result<Vec<f32>, EngineError> {
-        let cache = self
-            .cache
-            .as_ref()
-            .ok_or(EngineError::Asleep { operation: "a forward step", part: "kv cache" })?;
-        if batch.num_tokens() == 0 {
+        let Some(cache) = self.cache_for(batch)? else {
             return Ok(Vec::new());
-        }
+        };
         let logits = tch::no_grad(|| self.execute_inner(batch, cache))?;
         let logits = logits.f_to_kind(Kind::Float)?.f_to_device(Device::Cpu)?.f_contiguous()?;
         Ok(Vec::<f32>::try_from(logits.f_view(-1)?)?)
@@ -142,13 +138,9 @@ impl ModelRunner {
     /// vocab]` logits to the host, which on a GPU costs more than the step itself at large
     /// vocabularies. Ties go to the lowest token id, as the host sampler's.
     pub fn execute_greedy(&self, batch: &StepBatch) -> Result<Vec<(u32, f32)>, EngineError> {
-        let cache = self
-            .cache
-            .as_ref()
-            .ok_or(EngineError::Asleep { operation: "a forward step", part: "kv cache" })?;
-        if batch.num_tokens() == 0 {
+        let Some(cache) = self.cache_for(batch)? else {
             return Ok(Vec::new());
-        }
+        };
         let (tokens, logprobs) = tch::no_grad(|| -> Result<(Tensor, Tensor), EngineError> {
             let logits = self.execute_inner(batch, cache)?.f_to_kind(Kind::Float)?;
             let tokens = logits.f_argmax(-1, true)?;
@@ -158,6 +150,15 @@ impl ModelRunner {
         let tokens = Vec::<i64>::try_from(tokens.f_view(-1)?)?;
         let logprobs = Vec::<f32>::try_from(logprobs.f_view(-1)?)?;
         Ok(tokens.into_iter().map(|t| t as u32).zip(logprobs).collect())
+    }
+
+    /// The cache a step runs with (an error while it is asleep), or `None` for an empty step.
+    fn cache_for(&self, batch: &StepBatch) -> Result<Option<&KvCache>, EngineError> {
+        let cache = self
+            .cache
+            .as_ref()
+            .ok_or(EngineError::Asleep { operation: "a forward step", part: "kv cache" })?;
+        Ok((batch.num_tokens() > 0).then_some(cache))
     }
 
     /// The forward step; logits of the sampled rows on the device, `[rows, vocab]`.
