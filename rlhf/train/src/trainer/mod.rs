@@ -585,7 +585,7 @@ impl Trainer {
         if backend != self.config.rollout.weight_sync_backend
             && !self.ipc_noted.swap(true, std::sync::atomic::Ordering::Relaxed)
         {
-            eprintln!(
+            tracing::warn!(
                 "rollout.weight_sync_backend: nccl with the policy and its engine on one GPU \
                  (hybrid placement): syncing weights by CUDA IPC, since NCCL cannot put two \
                  ranks on one GPU"
