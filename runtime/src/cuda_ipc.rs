@@ -105,7 +105,7 @@ pub fn format_uuid(uuid: &[u8; 16]) -> String {
 }
 
 #[cfg(feature = "cuda")]
-pub use driver::{IpcMapping, copy_device_to_device, device_memory, device_uuid, export};
+pub use driver::{IpcMapping, device_memory, device_uuid, export};
 
 #[cfg(not(feature = "cuda"))]
 mod driver_stub {
@@ -173,7 +173,10 @@ mod driver {
 
     /// The UUID of CUDA device `device` (an ordinal among the visible devices).
     pub fn device_uuid(device: usize) -> Result<[u8; 16], CudaIpcError> {
-        let context = bind(device)?;
+        uuid_of(&*bind(device)?)
+    }
+
+    fn uuid_of(context: &CudaContext) -> Result<[u8; 16], CudaIpcError> {
         let uuid = context.uuid().map_err(|e| CudaIpcError::Driver {
             call: "cuDeviceGetUuid",
             message: e.to_string(),
@@ -194,8 +197,8 @@ mod driver {
     /// Exports `len` bytes at device pointer `ptr` on `device`. The memory must stay allocated
     /// until every process that maps it has closed its mapping.
     pub fn export(device: usize, ptr: u64, len: u64) -> Result<IpcMemHandle, CudaIpcError> {
-        let _context = bind(device)?;
-        let device_uuid = device_uuid(device)?;
+        let context = bind(device)?;
+        let device_uuid = uuid_of(&context)?;
         let mut base: cuda_sys::CUdeviceptr = 0;
         let mut size: usize = 0;
         // SAFETY: out-pointers to locals; the driver validates `ptr`.
@@ -236,7 +239,7 @@ mod driver {
         pub fn open(device: usize, handle: &IpcMemHandle) -> Result<IpcMapping, CudaIpcError> {
             handle.validate()?;
             let context = bind(device)?;
-            handle.check_device(&device_uuid(device)?)?;
+            handle.check_device(&uuid_of(&context)?)?;
             let mut raw = cuda_sys::CUipcMemHandle { reserved: [0; IPC_HANDLE_BYTES] };
             for (c, &b) in raw.reserved.iter_mut().zip(&handle.handle) {
                 *c = b as _;
@@ -281,20 +284,6 @@ mod driver {
                 tracing::warn!(?result, "cuIpcCloseMemHandle failed");
             }
         }
-    }
-
-    /// Copies `len` bytes between device addresses on `device` and waits for the copy.
-    pub fn copy_device_to_device(
-        device: usize,
-        dst: u64,
-        src: u64,
-        len: u64,
-    ) -> Result<(), CudaIpcError> {
-        let _context = bind(device)?;
-        // SAFETY: the caller guarantees both ranges are live device memory of `len` bytes.
-        check("cuMemcpyDtoD", unsafe { cuda_sys::cuMemcpyDtoD_v2(dst, src, len as usize) })?;
-        // SAFETY: plain synchronisation of the current context.
-        check("cuCtxSynchronize", unsafe { cuda_sys::cuCtxSynchronize() })
     }
 }
 

@@ -218,15 +218,8 @@ impl EngineActor {
         &self,
         reset_peak: bool,
     ) -> Result<Option<rtrun_rlhf_model::cuda::CudaMemory>, String> {
-        let device = match self.shared_state().engine.model().params.device() {
-            tch::Device::Cuda(index) => index,
-            _ => return Ok(None),
-        };
-        let memory = rtrun_rlhf_model::cuda::memory(device);
-        if reset_peak {
-            rtrun_rlhf_model::cuda::reset_peak(device);
-        }
-        Ok(memory)
+        let device = self.shared_state().engine.model().params.device();
+        Ok(rtrun_rlhf_model::cuda::memory_on(device, reset_peak))
     }
 
     /// Forgets every cached prefix.

@@ -51,14 +51,13 @@ pub struct IpcWeightBucket {
     pub entries: Vec<IpcEntry>,
 }
 
-/// Bytes of one element of a dtype named as [`WeightMeta::dtype`] names it.
+/// Bytes of one element of a float dtype named as [`WeightMeta::dtype`] names it (libtorch's
+/// kind name).
 pub fn element_bytes(dtype: &str) -> Option<u64> {
-    match dtype {
-        "Float" => Some(4),
-        "Double" => Some(8),
-        "BFloat16" | "Half" => Some(2),
-        _ => None,
-    }
+    [Kind::Float, Kind::Double, Kind::BFloat16, Kind::Half]
+        .into_iter()
+        .find(|kind| format!("{kind:?}") == dtype)
+        .map(|kind| kind.elt_size_in_bytes() as u64)
 }
 
 fn numel(shape: &[i64]) -> Option<u64> {
@@ -89,14 +88,14 @@ pub fn plan_buckets(
     let mut current = IpcBucketPlan { entries: Vec::new(), len: 0 };
     for meta in metas {
         let bytes = entry_bytes(meta)?;
-        let offset = align(current.len);
+        let mut offset = align(current.len);
         if !current.entries.is_empty() && offset + bytes > limit {
             plans.push(std::mem::replace(
                 &mut current,
                 IpcBucketPlan { entries: Vec::new(), len: 0 },
             ));
+            offset = 0;
         }
-        let offset = align(current.len);
         current.entries.push(IpcEntry { meta: meta.clone(), offset, bytes });
         current.len = offset + bytes;
     }

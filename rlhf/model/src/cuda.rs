@@ -83,6 +83,19 @@ pub fn memory(device: usize) -> Option<CudaMemory> {
     }
 }
 
+/// [`memory`] of the CUDA device `device` (`None` for the CPU), then, with `reset_peak`, a new
+/// peak: what a role reports at the end of each phase.
+pub fn memory_on(device: tch::Device, reset_peak_after: bool) -> Option<CudaMemory> {
+    let tch::Device::Cuda(index) = device else {
+        return None;
+    };
+    let read = memory(index);
+    if reset_peak_after {
+        reset_peak(index);
+    }
+    read
+}
+
 /// Starts a new peak for [`memory`]'s `peak_*` fields. Does nothing without CUDA.
 pub fn reset_peak(device: usize) {
     #[cfg(not(feature = "cuda"))]

@@ -292,14 +292,25 @@ impl LlmEngine {
     /// prefix cache, whose K/V the old weights computed. Needs resident weights and no running
     /// sequence. Returns the number of tensors updated.
     pub fn update_weights(&mut self, bucket: &WeightBucket) -> Result<usize, EngineError> {
+        self.update_in_place("update_weights", |model| weights::apply_bucket(model, bucket))
+    }
+
+    /// A weight update of any transport: needs resident weights and no running sequence, runs
+    /// `update` on the model, then resets the prefix cache (whose K/V the old weights computed)
+    /// and counts the update.
+    fn update_in_place<T>(
+        &mut self,
+        operation: &'static str,
+        update: impl FnOnce(&CausalLm) -> Result<T, EngineError>,
+    ) -> Result<T, EngineError> {
         if !matches!(self.weights, WeightResidency::Resident) {
-            return Err(EngineError::Asleep { operation: "update_weights", part: "weights" });
+            return Err(EngineError::Asleep { operation, part: "weights" });
         }
-        self.require_idle("update_weights")?;
-        let updated = weights::apply_bucket(self.runner.model(), bucket)?;
+        self.require_idle(operation)?;
+        let out = update(self.runner.model())?;
         self.scheduler.reset_prefix_cache();
         self.counters.weight_updates += 1;
-        Ok(updated)
+        Ok(out)
     }
 
     /// Receives the weights `metas` describes from rank 0 of the weight-sync group `comm` into
@@ -311,15 +322,9 @@ impl LlmEngine {
         metas: &[crate::weight_sync::WeightMeta],
         bucket_bytes: usize,
     ) -> Result<usize, EngineError> {
-        if !matches!(self.weights, WeightResidency::Resident) {
-            return Err(EngineError::Asleep { operation: "receive_weights", part: "weights" });
-        }
-        self.require_idle("receive_weights")?;
-        let bytes =
-            crate::weight_sync::receive_weights(comm, self.runner.model(), metas, bucket_bytes)?;
-        self.scheduler.reset_prefix_cache();
-        self.counters.weight_updates += 1;
-        Ok(bytes)
+        self.update_in_place("receive_weights", |model| {
+            crate::weight_sync::receive_weights(comm, model, metas, bucket_bytes)
+        })
     }
 
     /// Copies a bucket the policy exported by CUDA IPC into the model in place, then resets
@@ -329,14 +334,9 @@ impl LlmEngine {
         &mut self,
         bucket: &crate::weight_ipc::IpcWeightBucket,
     ) -> Result<u64, EngineError> {
-        if !matches!(self.weights, WeightResidency::Resident) {
-            return Err(EngineError::Asleep { operation: "receive_ipc_bucket", part: "weights" });
-        }
-        self.require_idle("receive_ipc_bucket")?;
-        let bytes = crate::weight_ipc::receive_bucket(self.runner.model(), bucket)?;
-        self.scheduler.reset_prefix_cache();
-        self.counters.weight_updates += 1;
-        Ok(bytes)
+        self.update_in_place("receive_ipc_bucket", |model| {
+            crate::weight_ipc::receive_bucket(model, bucket)
+        })
     }
 
     /// Forgets every cached prefix block (K/V computed by earlier weights).

@@ -219,14 +219,7 @@ impl LmWorkerState {
 
     /// The CUDA caching allocator's statistics of this rank's device (`None` on the CPU).
     pub fn cuda_memory(&self, reset_peak: bool) -> Option<rtrun_rlhf_model::cuda::CudaMemory> {
-        let Device::Cuda(device) = self.setup.device() else {
-            return None;
-        };
-        let memory = rtrun_rlhf_model::cuda::memory(device);
-        if reset_peak {
-            rtrun_rlhf_model::cuda::reset_peak(device);
-        }
-        memory
+        rtrun_rlhf_model::cuda::memory_on(self.setup.device(), reset_peak)
     }
 
     /// Saves the model (Hugging Face layout, with the tokenizer files of the directory it was

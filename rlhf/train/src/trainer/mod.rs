@@ -574,11 +574,15 @@ impl Trainer {
         Ok(())
     }
 
-    /// Sends the policy's weights to every engine in buckets (straight from policy rank 0 to
-    /// the engines, through the object store), then resets the engines' prefix caches.
+    /// Sends the policy's weights to every engine over `rollout.weight_sync_backend` (the
+    /// transport it really takes, see [`WeightSyncBackend::effective`]); each transport resets
+    /// the engines' prefix caches. With the hybrid engine the engines' weights are woken
+    /// first and the engines put back to sleep after (OpenRLHF's order: weights, sync, reset,
+    /// then the KV cache at the next generation).
     pub fn sync_weights(&self) -> Result<()> {
+        let hybrid = self.roles.placements.hybrid();
         let backend = self.config.rollout.weight_sync_backend.effective(
-            self.roles.placements.hybrid(),
+            hybrid,
             self.roles.actor.members().len(),
             self.roles.engines.len(),
         );
@@ -591,25 +595,32 @@ impl Trainer {
                  ranks on one GPU"
             );
         }
-        match backend {
-            WeightSyncBackend::Nccl => return self.sync_weights_collective(),
-            WeightSyncBackend::CudaIpc => return self.sync_weights_ipc(),
-            WeightSyncBackend::ObjectStore => {}
+        let (watch, engines) = (&self.watch, &self.roles.engines);
+        if hybrid {
+            let wakes = calls::each(ENGINE, engines, |e| e.wake_up(vec!["weights".to_owned()]));
+            watch.wait("wake_up", wakes)?;
         }
+        match backend {
+            WeightSyncBackend::ObjectStore => self.send_weights_object_store()?,
+            WeightSyncBackend::Nccl => self.send_weights_collective()?,
+            WeightSyncBackend::CudaIpc => self.send_weights_ipc()?,
+        }
+        if hybrid {
+            watch.wait("sleep", calls::each(ENGINE, engines, |e| e.sleep(1)))?;
+        }
+        Ok(())
+    }
+
+    /// `rollout.weight_sync_backend: object_store`: policy rank 0 puts buckets into the object
+    /// store, every engine copies them in, then the engines reset their prefix caches.
+    fn send_weights_object_store(&self) -> Result<()> {
         let source = self.policy_rank0()?;
-        let watch = &self.watch;
+        let (watch, engines) = (&self.watch, &self.roles.engines);
         let bucket_bytes = self.config.rollout.weight_bucket_bytes;
         let buckets = watch.wait_one(
             "weight_buckets",
             calls::actor_call("actor", 0, source, source.weight_buckets(bucket_bytes)),
         )?;
-        let engines = &self.roles.engines;
-        let hybrid = self.roles.placements.hybrid();
-        if hybrid {
-            // OpenRLHF's order: weights first, sync, reset, then the KV cache.
-            let wakes = calls::each(ENGINE, engines, |e| e.wake_up(vec!["weights".to_owned()]));
-            watch.wait("wake_up", wakes)?;
-        }
         for bucket in &buckets {
             watch.wait(
                 "update_weights",
@@ -618,26 +629,18 @@ impl Trainer {
         }
         watch
             .wait("reset_prefix_cache", calls::each(ENGINE, engines, |e| e.reset_prefix_cache()))?;
-        if hybrid {
-            watch.wait("sleep", calls::each(ENGINE, engines, |e| e.sleep(1)))?;
-        }
         rtrun::free(&buckets)?;
         Ok(())
     }
 
     /// `rollout.weight_sync_backend: cuda_ipc`: policy rank 0 exports one packed bucket at a
-    /// time and every engine maps and copies it in place; the next export releases the bucket
-    /// before, so the sync holds at most one bucket of extra GPU memory.
-    fn sync_weights_ipc(&self) -> Result<()> {
+    /// time and every engine maps and copies it in place (and resets its prefix cache); the
+    /// next export releases the bucket before, so the sync holds at most one bucket of extra
+    /// GPU memory.
+    fn send_weights_ipc(&self) -> Result<()> {
         let source = self.policy_rank0()?;
-        let watch = &self.watch;
-        let engines = &self.roles.engines;
+        let (watch, engines) = (&self.watch, &self.roles.engines);
         let bucket_bytes = self.config.rollout.weight_bucket_bytes;
-        let hybrid = self.roles.placements.hybrid();
-        if hybrid {
-            let wakes = calls::each(ENGINE, engines, |e| e.wake_up(vec!["weights".to_owned()]));
-            watch.wait("wake_up", wakes)?;
-        }
         let buckets = watch.wait_one(
             "plan_ipc_weights",
             calls::actor_call("actor", 0, source, source.plan_ipc_weights(bucket_bytes)),
@@ -654,16 +657,13 @@ impl Trainer {
             "finish_ipc_weights",
             calls::actor_call("actor", 0, source, source.finish_ipc_weights()),
         )?;
-        if hybrid {
-            watch.wait("sleep", calls::each(ENGINE, engines, |e| e.sleep(1)))?;
-        }
         Ok(())
     }
 
     /// `rollout.weight_sync_backend: nccl`: policy rank 0 broadcasts its weights to every
     /// engine over the weight-sync group (formed on the first call), in place, then the engines
     /// reset their prefix caches (part of `receive_weights`).
-    fn sync_weights_collective(&self) -> Result<()> {
+    fn send_weights_collective(&self) -> Result<()> {
         let source = self.policy_rank0()?;
         let engines = &self.roles.engines;
         let metas = match self.weight_sync_metas.get() {
@@ -698,20 +698,12 @@ impl Trainer {
             }
         };
         let watch = &self.watch;
-        let hybrid = self.roles.placements.hybrid();
-        if hybrid {
-            let wakes = calls::each(ENGINE, engines, |e| e.wake_up(vec!["weights".to_owned()]));
-            watch.wait("wake_up", wakes)?;
-        }
         let bucket_bytes = self.config.rollout.weight_bucket_bytes;
         let send = calls::actor_call("actor", 0, source, source.broadcast_weights(bucket_bytes));
         let receives =
             calls::each(ENGINE, engines, |e| e.receive_weights(metas.clone(), bucket_bytes));
         watch.wait_one("broadcast_weights", send)?;
         watch.wait("receive_weights", receives)?;
-        if hybrid {
-            watch.wait("sleep", calls::each(ENGINE, engines, |e| e.sleep(1)))?;
-        }
         Ok(())
     }
 }
