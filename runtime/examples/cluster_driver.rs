@@ -123,6 +123,7 @@ fn main() -> anyhow::Result<()> {
     writeln!(out, "checksum {local_sum:x} {remote_sum:x} {}", local.len())?;
     anyhow::ensure!(local.len() == len, "expected {len} bytes, found {}", local.len());
     anyhow::ensure!(local_sum == remote_sum, "checksums differ across nodes");
+    shared_reads(&probes[0], &group, nodes - 1, &mut out)?;
     writeln!(out, "ok")?;
     out.flush()?;
     // `CLUSTER_FAILOVER=1`: names a joined node whose actor and object it keeps, waits for a
@@ -204,6 +205,43 @@ fn main() -> anyhow::Result<()> {
 
 /// The value after `name` in the arguments (`bytes N`, `hold SECONDS`): arguments rather than
 /// environment variables, so that they reach a driver started by `rtrun submit`.
+/// Rounds of [`shared_reads`].
+const SHARED_READ_ROUNDS: u64 = 100;
+
+/// Two readers on one node resolve the same object, made on another node, at the same time:
+/// both pulls copy it into their node's store once between them (a weight bucket read by two
+/// engines). Each round is a fresh object, so every round races the two pulls again; each
+/// reader's checksum must match the maker's. Prints `shared reads ok N`.
+fn shared_reads(
+    maker: &ProbeRef,
+    group: &rtrun::PlacementGroup,
+    bundle: usize,
+    out: &mut impl Write,
+) -> anyhow::Result<()> {
+    let readers = [
+        Probe::remote_with(ActorOptions::default().bundle(group, bundle))?,
+        Probe::remote_with(ActorOptions::default().bundle(group, bundle))?,
+    ];
+    let len = 300_000;
+    let start = std::time::Instant::now();
+    for seed in 0..SHARED_READ_ROUNDS {
+        let made = maker.make(len, seed + 1);
+        let expected = checksum(&made.get()?);
+        let sums = readers.iter().map(|r| r.checksum(&made)).collect::<Vec<_>>();
+        for (reader, sum) in sums.into_iter().enumerate() {
+            let sum =
+                sum.get().map_err(|e| anyhow::anyhow!("round {seed}, reader {reader}: {e}"))?;
+            anyhow::ensure!(sum == expected, "round {seed}, reader {reader}: checksum differs");
+        }
+    }
+    writeln!(
+        out,
+        "shared reads ok {SHARED_READ_ROUNDS} in {:.1} s",
+        start.elapsed().as_secs_f64()
+    )?;
+    Ok(())
+}
+
 fn argument(name: &str) -> Option<String> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     args.windows(2).find(|pair| pair[0] == name).map(|pair| pair[1].clone())

@@ -48,7 +48,15 @@ enum BytesRepr {
     Inline(Arc<Vec<u8>>),
     /// Inline bytes with the stored values of the references serialized in them.
     Nested(Arc<Vec<u8>>, Arc<Vec<StoredValue>>),
-    Mapped(Arc<ObjectView>),
+    Mapped(Arc<Mapping>),
+}
+
+/// A pinned view of a stored object, and for a copy pulled from another node the count that
+/// keeps the copy. The count drops after the view unpins (field order), so the copy is never
+/// left freed but pinned, which another reader's pull could neither share nor replace.
+struct Mapping {
+    view: ObjectView,
+    _count: Option<Arc<Hold>>,
 }
 
 impl ObjectBytes {
@@ -59,7 +67,13 @@ impl ObjectBytes {
 
     /// A pinned mapping of an object in this node's store.
     pub(crate) fn mapped(view: ObjectView) -> ObjectBytes {
-        ObjectBytes(BytesRepr::Mapped(Arc::new(view)))
+        ObjectBytes(BytesRepr::Mapped(Arc::new(Mapping { view, _count: None })))
+    }
+
+    /// A pinned mapping of a copy this process pulled from another node, with its count on
+    /// the copy (released after the unpin).
+    pub(crate) fn mapped_copy(view: ObjectView, count: Arc<Hold>) -> ObjectBytes {
+        ObjectBytes(BytesRepr::Mapped(Arc::new(Mapping { view, _count: Some(count) })))
     }
 
     /// Whether these bytes are mapped from the node's object store (rather than copied here).
@@ -71,7 +85,7 @@ impl ObjectBytes {
     pub fn as_bytes(&self) -> &[u8] {
         match &self.0 {
             BytesRepr::Inline(bytes) | BytesRepr::Nested(bytes, _) => bytes,
-            BytesRepr::Mapped(view) => view,
+            BytesRepr::Mapped(mapping) => &mapping.view,
         }
     }
 
@@ -172,7 +186,7 @@ impl Value {
                     return runtime.fetch_foreign(stored);
                 }
                 let client = runtime.store_client()?;
-                Ok(ObjectBytes(BytesRepr::Mapped(Arc::new(client.view(stored.id)?))))
+                Ok(ObjectBytes::mapped(client.view(stored.id)?))
             }
         }
     }

@@ -974,10 +974,9 @@ impl Runtime {
             let op = crate::protocol::StoreOp::Pull { id: stored.id, from: home.clone() };
             self.node_call(Request::Store { holder: crate::store::holder_of(self.worker_id), op })
                 .map_err(|e| lost(format!("copying it from {home}: {e}")))?;
-            let view = store.view(stored.id);
-            // The pin of the view keeps the copy; the count the pull gave us is not needed.
-            store.release_count(stored.id);
-            return Ok(crate::object::ObjectBytes::mapped(view?));
+            // The pull gave this process a count on the copy; it goes with the view.
+            let count = crate::store::Hold::adopt(store, stored.id);
+            return Ok(crate::object::ObjectBytes::mapped_copy(store.view(stored.id)?, count));
         }
         let bytes =
             crate::cluster::pull_to_memory(&home, stored.id).map_err(|e| lost(e.to_string()))?;

@@ -217,12 +217,6 @@ impl StoreClient {
         }
     }
 
-    /// Drops one of this process's counts.
-    /// Drops one of this process's counts on `id`.
-    pub(crate) fn release_count(&self, id: ObjectId) {
-        self.release(id)
-    }
-
     /// The node's store itself (node processes only).
     pub(crate) fn node_store(&self) -> Option<&ObjectStore> {
         self.node.as_ref().map(|node| &node.store)
@@ -341,6 +335,7 @@ impl NodeStore {
             )));
         }
         let store = &self.store;
+        tracing::trace!(%holder, ?op, "store op");
         let result = match op {
             StoreOp::Create { id, size } => {
                 store.create(id, size, holder).map(Response::Allocation)

@@ -64,6 +64,8 @@ fn a_three_node_cluster_spreads_actors_moves_objects_and_detects_a_killed_node()
     assert!(seen.iter().any(|l| l == "ok"), "{output}");
     let checksum = seen.iter().find(|l| l.starts_with("checksum ")).unwrap();
     assert!(checksum.ends_with(&format!(" {}", 256u64 << 20)), "{checksum}");
+    let shared = seen.iter().find(|l| l.starts_with("shared reads ok ")).expect(&output);
+    eprintln!("{shared}");
 
     // `rtrun list` sees the nodes and the actors.
     let listing = rtrun(&cluster, &["list", "nodes"], &cluster.dir.join("head-credentials"));

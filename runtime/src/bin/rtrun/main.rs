@@ -117,6 +117,13 @@ enum Command {
 fn main() -> anyhow::Result<()> {
     // Worker processes are this binary re-run; they serve here and never parse arguments.
     rtrun::run_worker_if_requested();
+    // Daemons and clients log to stderr: warnings by default, `RUST_LOG` for more.
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
     let cli = Cli::parse();
     match cli.command {
         Command::Microbenchmark { pattern, round_seconds } => {
