@@ -109,7 +109,7 @@ fn main() -> anyhow::Result<()> {
             GradWorker::remote_with(opts)
         })?;
     let ranks = rtrun::get_all(&group.call_all(|w| w.rank()))?;
-    println!("dp group `{}`: ranks {ranks:?}, master {:?}", group.name(), group.master());
+    println!("dp group `{}`: ranks {ranks:?}", group.name());
 
     let eval = |params: [f64; 4]| -> anyhow::Result<f64> {
         let chunks: Vec<ObjectRef<f64>> =

@@ -18,8 +18,13 @@ pub struct GroupMembership {
     pub world_size: usize,
     /// Address of rank 0's collective endpoint.
     pub master_addr: String,
-    /// Port of rank 0's collective endpoint.
+    /// Port of rank 0's collective endpoint; 0 when rank 0 picks it and publishes its
+    /// address under `rendezvous_key`.
     pub master_port: u16,
+    /// The key of the head's key-value store ([`crate::kv`]) where rank 0 publishes the
+    /// address it listens on, for a group whose master port is not known in advance (every
+    /// [`crate::ActorGroup`]: rank 0 may land on any node).
+    pub rendezvous_key: Option<String>,
 }
 
 /// What the current process is.
@@ -49,6 +54,9 @@ pub struct RuntimeContext {
     pub resources: ResourceSet,
     /// The placement-group bundle it lives in, if any.
     pub bundle: Option<BundleRef>,
+    /// The IP other nodes reach this process's node at (Ray's `get_node_ip_address()`);
+    /// loopback in an embedded session.
+    pub node_ip: std::net::IpAddr,
 }
 
 impl RuntimeContext {

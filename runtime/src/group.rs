@@ -13,20 +13,12 @@ use crate::object::{ObjectRef, get_all};
 pub struct ActorGroup<A: Actor> {
     name: String,
     members: Vec<A::Ref>,
-    master_addr: String,
-    master_port: u16,
 }
 
 impl<A: Actor> std::fmt::Debug for ActorGroup<A> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "ActorGroup({} × {} {})", self.name, self.members.len(), A::TYPE_NAME)
     }
-}
-
-/// Picks a free TCP port on the loopback interface for the group's collective rendezvous.
-fn free_port() -> Result<u16> {
-    let listener = std::net::TcpListener::bind(("127.0.0.1", 0))?;
-    Ok(listener.local_addr()?.port())
 }
 
 impl<A: Actor> ActorGroup<A> {
@@ -41,8 +33,12 @@ impl<A: Actor> ActorGroup<A> {
         if world_size == 0 {
             return Err(Error::Invalid(format!("actor group `{name}` needs at least one member")));
         }
-        let master_addr = "127.0.0.1".to_owned();
-        let master_port = free_port()?;
+        // Rank 0 may land on any node: it listens where it runs, on a port of its choosing,
+        // and publishes the address under a key unique to this group.
+        let master_addr = String::new();
+        let master_port = 0;
+        let rendezvous_key =
+            Some(format!("rtrun/collective/{name}/{:016x}", crate::runtime::random_u64()));
         let mut members = Vec::with_capacity(world_size);
         for rank in 0..world_size {
             let mut member_options = options.clone();
@@ -52,10 +48,11 @@ impl<A: Actor> ActorGroup<A> {
                 world_size,
                 master_addr: master_addr.clone(),
                 master_port,
+                rendezvous_key: rendezvous_key.clone(),
             });
             members.push(spawn(rank, member_options)?);
         }
-        Ok(ActorGroup { name: name.to_owned(), members, master_addr, master_port })
+        Ok(ActorGroup { name: name.to_owned(), members })
     }
 
     /// The group's name.
@@ -71,11 +68,6 @@ impl<A: Actor> ActorGroup<A> {
     /// The members, by rank.
     pub fn members(&self) -> &[A::Ref] {
         &self.members
-    }
-
-    /// Rank 0's collective rendezvous address and port.
-    pub fn master(&self) -> (&str, u16) {
-        (&self.master_addr, self.master_port)
     }
 
     /// Calls every member the same way (a broadcast); one reference per rank.

@@ -37,6 +37,7 @@ pub mod gpus;
 pub mod group;
 mod head;
 pub mod ids;
+pub mod kv;
 pub mod object;
 pub mod placement_group;
 pub mod protocol;

@@ -234,6 +234,25 @@ pub enum Request {
         /// Its process id.
         pid: u32,
     },
+    /// Sets a key of the head's key-value store (Ray's internal KV).
+    KvPut {
+        /// The key.
+        key: String,
+        /// The value.
+        #[serde(with = "serde_bytes")]
+        value: Vec<u8>,
+    },
+    /// Reads a key of the head's key-value store; answered with [`Response::KvValue`].
+    KvGet {
+        /// The key.
+        key: String,
+    },
+    /// Removes a key of the head's key-value store; answered with [`Response::KvValue`] (the
+    /// value it had).
+    KvDelete {
+        /// The key.
+        key: String,
+    },
     /// A worker finished constructing its actor (or failed to).
     ActorStarted {
         /// The actor.
@@ -474,6 +493,8 @@ pub enum Response {
     Actors(Vec<ActorSummary>),
     /// Jobs.
     Jobs(Vec<JobInfo>),
+    /// A key's value in the head's key-value store (`None`: no such key).
+    KvValue(Option<serde_bytes::ByteBuf>),
     /// Part of a job's output.
     Logs {
         /// The bytes.

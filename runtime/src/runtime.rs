@@ -526,6 +526,10 @@ impl Runtime {
             gpus: allocation.map(|a| a.gpus.clone()).unwrap_or_default(),
             resources: allocation.map(|a| a.resources.clone()).unwrap_or_default(),
             bundle: allocation.and_then(|a| a.bundle),
+            node_ip: crate::cluster::member()
+                .map_or(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST), |member| {
+                    member.bind_ip
+                }),
         }
     }
 

@@ -510,7 +510,14 @@ impl Endpoint {
                         }
                     }
                     Ok(None) => break "peer closed the connection".to_owned(),
-                    Err(e) => {
+                    // A peer process that exits (or is killed) cannot close its QUIC
+                    // connection cleanly: like a Unix socket's end of file, that is news for
+                    // the liveness checks, not a warning.
+                    Err(ReadEnd::Lost(reason)) => {
+                        tracing::debug!(connection = reader_conn.id, "connection lost: {reason}");
+                        break format!("connection lost: {reason}");
+                    }
+                    Err(ReadEnd::Failed(e)) => {
                         tracing::warn!(connection = reader_conn.id, "closing connection: {e}");
                         break e.to_string();
                     }
@@ -558,27 +565,38 @@ fn read_loop(
 }
 
 /// Reads one frame from a QUIC stream; `Ok(None)` on a clean end of stream between frames.
+/// Why a QUIC stream's reader stopped.
+enum ReadEnd {
+    /// The connection went away between frames (the peer exited, or this process is closing).
+    Lost(String),
+    /// A broken or oversized frame, or a loss in the middle of one.
+    Failed(Error),
+}
+
 async fn read_frame_async(
     recv: &mut quinn::RecvStream,
     max_frame_bytes: usize,
-) -> Result<Option<Frame>> {
+) -> std::result::Result<Option<Frame>, ReadEnd> {
     let mut header = [0u8; 4];
     match recv.read_exact(&mut header).await {
         Ok(()) => {}
         Err(quinn::ReadExactError::FinishedEarly(0)) => return Ok(None),
-        Err(e) => return Err(Error::Transport(format!("read failed: {e}"))),
+        Err(quinn::ReadExactError::ReadError(
+            e @ (quinn::ReadError::ConnectionLost(_) | quinn::ReadError::Reset(_)),
+        )) => return Err(ReadEnd::Lost(e.to_string())),
+        Err(e) => return Err(ReadEnd::Failed(Error::Transport(format!("read failed: {e}")))),
     }
     let len = u32::from_le_bytes(header) as usize;
     if len > max_frame_bytes {
-        return Err(Error::Transport(format!(
+        return Err(ReadEnd::Failed(Error::Transport(format!(
             "frame length {len} exceeds the {max_frame_bytes} byte limit"
-        )));
+        ))));
     }
     let mut body = vec![0u8; len];
-    recv.read_exact(&mut body)
-        .await
-        .map_err(|e| Error::Transport(format!("truncated frame of {len} bytes: {e}")))?;
-    codec::decode(&body).map(Some)
+    recv.read_exact(&mut body).await.map_err(|e| {
+        ReadEnd::Failed(Error::Transport(format!("truncated frame of {len} bytes: {e}")))
+    })?;
+    codec::decode(&body).map(Some).map_err(ReadEnd::Failed)
 }
 
 /// Reads one frame; `Ok(None)` on a clean end of stream between frames.

@@ -2,6 +2,8 @@
 
 use std::time::{Duration, Instant};
 
+pub mod cluster;
+
 /// Whether a process with this pid exists and is not a zombie.
 pub fn process_alive(pid: u32) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {

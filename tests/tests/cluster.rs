@@ -10,8 +10,7 @@ use std::time::{Duration, Instant};
 
 use rtrun_tests::rtrun_binary;
 
-#[path = "common/cluster.rs"]
-mod common;
+use rtrun_tests::cluster as common;
 
 use common::{driver_binary, rtrun, start_cluster, status, wait_line};
 

@@ -10,8 +10,7 @@ use std::time::{Duration, Instant};
 
 use rtrun_tests::{kill9, rtrun_binary};
 
-#[path = "common/cluster.rs"]
-mod common;
+use rtrun_tests::cluster as common;
 
 use common::{Cluster, driver_binary, rtrun, start_cluster, status, stderr_of, wait_exit};
 

@@ -184,6 +184,33 @@ impl RolePlacements {
         }
     }
 
+    /// Where the deployed spec put each role, one line per role: every rank's node (named by
+    /// `node_name`, from the placement tables' node ids) and GPU indices, e.g.
+    /// `vllm_engine: 0 → n2 GPU [0], 1 → n2 GPU [1]`. Empty without a deployed spec.
+    pub fn describe(&self, node_name: impl Fn(&str) -> String) -> Vec<String> {
+        let Some(deployment) = &self.deployment else { return Vec::new() };
+        deployment
+            .roles()
+            .iter()
+            .map(|role| {
+                let ranks: Vec<String> = role
+                    .replicas
+                    .iter()
+                    .map(|replica| match &replica.bundle {
+                        Some(bundle) => format!(
+                            "{} → {} GPU {:?}",
+                            replica.rank,
+                            node_name(&bundle.node.to_string()),
+                            bundle.gpu_indices()
+                        ),
+                        None => format!("{} → anywhere", replica.rank),
+                    })
+                    .collect();
+                format!("{}: {}", role.name, ranks.join(", "))
+            })
+            .collect()
+    }
+
     /// Removes the spec's placement groups (stopping the actors in them).
     pub fn remove(&self) -> Result<()> {
         match &self.deployment {

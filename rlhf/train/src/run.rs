@@ -66,7 +66,10 @@ pub const RUN_OUTPUTS: [&str; 4] = ["metrics.jsonl", "summary.md", "reward.png",
 /// `overwrite` removes the earlier run). Returns the placements for [`run_prepared`].
 pub fn preflight(config: &TrainConfig, paths: &RunPaths) -> Result<RolePlacements> {
     let placements = RolePlacements::from_config(config)?;
-    check_resources(config, &placements)?;
+    // A cluster's resources are its nodes'; they are checked once connected.
+    if cluster_address(config).is_none() {
+        check_resources(config, &placements)?;
+    }
     for (key, files) in
         [("data.prompt_data", &config.data.prompt_data), ("data.eval_data", &config.data.eval_data)]
     {
@@ -79,6 +82,14 @@ pub fn preflight(config: &TrainConfig, paths: &RunPaths) -> Result<RolePlacement
     }
     check_run_dir(config, paths)?;
     Ok(placements)
+}
+
+/// The cluster the run uses: `cluster.address`, else `RTRUN_ADDRESS`; `None` for the
+/// embedded single-node runtime.
+pub fn cluster_address(config: &TrainConfig) -> Option<String> {
+    config.cluster.address.clone().or_else(|| {
+        std::env::var(rtrun::cluster::ADDRESS_ENV).ok().filter(|a| !a.trim().is_empty())
+    })
 }
 
 /// The GPUs the placement spec reserves fit in `cluster.num_gpus`.
@@ -287,8 +298,12 @@ pub fn prepare(config: &TrainConfig, paths: &RunPaths) -> Result<Prepared> {
 }
 
 /// Starts the embedded runtime sized for the placement (declared GPUs, enough CPUs for the
-/// role actors plus the reward tasks).
+/// role actors plus the reward tasks), or joins the cluster at `cluster.address` and checks
+/// that its nodes hold what the placement reserves.
 fn start_runtime(config: &TrainConfig, placements: &RolePlacements) -> Result<()> {
+    if let Some(address) = cluster_address(config) {
+        return join_cluster(&address, placements);
+    }
     let machine = std::thread::available_parallelism().map(|n| n.get() as f64).unwrap_or(2.0);
     let (bundle_cpus, _) = placements.reserved();
     // CPUs are accounting here (actors hold none by default); tasks need one each besides what
@@ -301,6 +316,45 @@ fn start_runtime(config: &TrainConfig, placements: &RolePlacements) -> Result<()
         resources: BTreeMap::new(),
         ..Default::default()
     })?;
+    Ok(())
+}
+
+/// Connects to the cluster at `address` as a driver; the CPUs and GPUs the placement
+/// reserves must fit in its live nodes' totals (whether they fit node by node is the placement
+/// groups' answer, which names the group that cannot be placed).
+fn join_cluster(address: &str, placements: &RolePlacements) -> Result<()> {
+    let key = "cluster.address";
+    rtrun::init_with(rtrun::Config { address: Some(address.to_owned()), ..Default::default() })
+        .map_err(|e| {
+            TrainError::config(key, format!("cannot join the cluster at {address}: {e}"))
+        })?;
+    let info = rtrun::current()
+        .and_then(|runtime| runtime.cluster_info())
+        .map_err(|e| TrainError::config(key, format!("cluster at {address}: {e}")))?;
+    let (cpus, gpus) = placements.reserved();
+    let nodes: Vec<String> = info
+        .nodes
+        .iter()
+        .filter(|node| node.alive)
+        .map(|node| {
+            let of = |name: &str| node.total.get(name).copied().unwrap_or(0.0);
+            format!("{} ({} CPU, {} GPU)", node.name, of("CPU"), of("GPU"))
+        })
+        .collect();
+    for (name, needed) in [("GPU", gpus), ("CPU", cpus)] {
+        let total = info.total.get(name).copied().unwrap_or(0.0);
+        if needed > total {
+            return Err(TrainError::config(
+                "cluster.placement_spec",
+                format!(
+                    "expected the cluster at {address} to hold the {needed} {name}s the \
+                     placement spec reserves, found {total} on its live nodes: {}",
+                    nodes.join(", ")
+                ),
+            ));
+        }
+    }
+    tracing::info!(%address, nodes = %nodes.join(", "), "joined the cluster");
     Ok(())
 }
 
@@ -327,6 +381,12 @@ pub fn run_prepared(
     let Prepared { train, eval, .. } = prepared;
     start_runtime(config, &placements)?;
     placements.deploy()?;
+    let names: BTreeMap<String, String> = rtrun::current()
+        .and_then(|runtime| runtime.cluster_info())
+        .map(|info| info.nodes.iter().map(|n| (n.node.to_string(), n.name.clone())).collect())
+        .unwrap_or_default();
+    progress
+        .placed(&placements.describe(|id| names.get(id).cloned().unwrap_or_else(|| id.to_owned())));
     let steps_hint = {
         let per_episode = (train.len() / config.rollout.prompts_per_step).max(1) as u64;
         let total = per_episode * config.train.num_episodes as u64;

@@ -78,6 +78,10 @@ pub struct CollectiveConfig {
     pub master_addr: String,
     /// The port rank 0 listens on for the rendezvous.
     pub master_port: u16,
+    /// With `master_port` 0: rank 0 listens on a port of its own choosing (on `master_addr`,
+    /// or when that is empty on its node's IP) and publishes the address under this key of the
+    /// head's key-value store, where the other ranks read it ([`GroupMembership`]).
+    pub rendezvous_key: Option<String>,
     /// The backend.
     pub backend: Backend,
     /// The longest the rendezvous may take, and the longest any collective waits for a peer
@@ -106,6 +110,7 @@ impl CollectiveConfig {
             world_size,
             master_addr: master_addr.into(),
             master_port,
+            rendezvous_key: None,
             backend: Backend::Cpu,
             timeout: DEFAULT_TIMEOUT,
             segment_bytes: DEFAULT_SEGMENT_BYTES,
@@ -115,13 +120,16 @@ impl CollectiveConfig {
 
     /// The configuration of an actor group member (defaults as [`CollectiveConfig::new`]).
     pub fn from_membership(membership: &GroupMembership) -> CollectiveConfig {
-        CollectiveConfig::new(
-            membership.group.clone(),
-            membership.rank,
-            membership.world_size,
-            membership.master_addr.clone(),
-            membership.master_port,
-        )
+        CollectiveConfig {
+            rendezvous_key: membership.rendezvous_key.clone(),
+            ..CollectiveConfig::new(
+                membership.group.clone(),
+                membership.rank,
+                membership.world_size,
+                membership.master_addr.clone(),
+                membership.master_port,
+            )
+        }
     }
 
     /// The configuration of the calling actor, from its actor-group membership.

@@ -82,15 +82,40 @@ pub(crate) fn connect_ring(config: &CollectiveConfig) -> Result<Links, Collectiv
 
 type Joined = (TcpListener, u64, Vec<String>);
 
-/// Rank 0: collects every rank's hello, then sends out the table.
+/// The key of the head's key-value store rank 0 publishes its address under, when the
+/// group has one and no fixed master port.
+fn published_key(config: &CollectiveConfig) -> Option<&str> {
+    config.rendezvous_key.as_deref().filter(|_| config.master_port == 0)
+}
+
+/// Rank 0: collects every rank's hello, then sends out the table. With a rendezvous key, it
+/// listens on a port of its own and publishes the address first, and removes it once the
+/// rendezvous is over either way.
 fn master(config: &CollectiveConfig, deadline: Instant) -> Result<Joined, String> {
-    let addr = (config.master_addr.as_str(), config.master_port);
-    let listener = TcpListener::bind(addr).map_err(|e| {
-        format!(
-            "cannot listen on master address {}:{}: {e}",
-            config.master_addr, config.master_port
-        )
+    let host = match config.master_addr.as_str() {
+        "" => crate::context().map_err(|e| format!("finding this node's IP: {e}"))?.node_ip,
+        addr => addr.parse().map_err(|e| format!("master address `{addr}`: {e}"))?,
+    };
+    let listener = TcpListener::bind((host, config.master_port)).map_err(|e| {
+        format!("cannot listen on master address {host}:{}: {e}", config.master_port)
     })?;
+    let Some(key) = published_key(config) else { return accept_ranks(config, deadline, listener) };
+    let published = listener.local_addr().map_err(|e| e.to_string())?.to_string();
+    crate::kv::put(key, published.as_bytes())
+        .map_err(|e| format!("publishing the master address under `{key}`: {e}"))?;
+    let joined = accept_ranks(config, deadline, listener);
+    if let Err(e) = crate::kv::delete(key) {
+        tracing::debug!(%e, key, "removing a rendezvous address failed");
+    }
+    joined
+}
+
+/// Rank 0's side once it listens.
+fn accept_ranks(
+    config: &CollectiveConfig,
+    deadline: Instant,
+    listener: TcpListener,
+) -> Result<Joined, String> {
     let local_ip = listener.local_addr().map_err(|e| e.to_string())?.ip();
     let ring_listener = TcpListener::bind((local_ip, 0))
         .map_err(|e| format!("cannot bind a ring listener on {local_ip}: {e}"))?;
@@ -161,11 +186,14 @@ fn master(config: &CollectiveConfig, deadline: Instant) -> Result<Joined, String
 
 /// Ranks other than 0: announce themselves to the master and wait for the table.
 fn join(config: &CollectiveConfig, deadline: Instant) -> Result<Joined, String> {
-    let master_addr = (config.master_addr.as_str(), config.master_port)
-        .to_socket_addrs()
-        .map_err(|e| format!("cannot resolve master address {}: {e}", config.master_addr))?
-        .next()
-        .ok_or_else(|| format!("master address {} resolves to nothing", config.master_addr))?;
+    let master_addr = match published_key(config) {
+        Some(key) => published_address(key, deadline, config.timeout)?,
+        None => (config.master_addr.as_str(), config.master_port)
+            .to_socket_addrs()
+            .map_err(|e| format!("cannot resolve master address {}: {e}", config.master_addr))?
+            .next()
+            .ok_or_else(|| format!("master address {} resolves to nothing", config.master_addr))?,
+    };
     let stream = connect_before(master_addr, deadline)
         .map_err(|e| format!("cannot reach the master (rank 0) at {master_addr}: {e}"))?;
     let local_ip = stream.local_addr().map_err(|e| e.to_string())?.ip();
@@ -194,6 +222,30 @@ fn join(config: &CollectiveConfig, deadline: Instant) -> Result<Joined, String> 
             Err(format!("the master rejected the group: {reason}"))
         }
         Err(e) => Err(format!("no table from the master within {:?} ({e})", config.timeout)),
+    }
+}
+
+/// The address rank 0 published under `key`, waited for until `deadline`.
+fn published_address(
+    key: &str,
+    deadline: Instant,
+    timeout: Duration,
+) -> Result<SocketAddr, String> {
+    let mut pause = CONNECT_RETRY_FIRST;
+    loop {
+        let value = crate::kv::get(key)
+            .map_err(|e| format!("reading the master address under `{key}`: {e}"))?;
+        if let Some(value) = value {
+            let text = String::from_utf8_lossy(&value);
+            return text
+                .parse()
+                .map_err(|e| format!("the master published `{text}` under `{key}`: {e}"));
+        }
+        if Instant::now() >= deadline {
+            return Err(format!("rank 0 did not publish its address within {timeout:?}"));
+        }
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(CONNECT_RETRY_MAX);
     }
 }
 

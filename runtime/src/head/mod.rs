@@ -234,6 +234,8 @@ struct HeadState {
     workers: HashMap<WorkerId, WorkerEntry>,
     actors: HashMap<ActorId, ActorEntry>,
     names: HashMap<(String, String), ActorId>,
+    /// The key-value store ([`crate::kv`]).
+    kv: HashMap<String, Vec<u8>>,
     pending_actors: VecDeque<ActorId>,
     task_queue: VecDeque<QueuedTask>,
     idle_task_workers: Vec<WorkerId>,
@@ -276,6 +278,7 @@ impl Head {
                 workers: HashMap::new(),
                 actors: HashMap::new(),
                 names: HashMap::new(),
+                kv: HashMap::new(),
                 pending_actors: VecDeque::new(),
                 task_queue: VecDeque::new(),
                 idle_task_workers: Vec::new(),
@@ -585,6 +588,16 @@ impl HeadState {
                 Err(e) => Response::Error(e),
             },
             Request::ListPlacementGroups => Response::PlacementGroups(self.list_groups()),
+            Request::KvPut { key, value } => {
+                self.kv.insert(key, value);
+                Response::Done
+            }
+            Request::KvGet { key } => {
+                Response::KvValue(self.kv.get(&key).cloned().map(serde_bytes::ByteBuf::from))
+            }
+            Request::KvDelete { key } => {
+                Response::KvValue(self.kv.remove(&key).map(serde_bytes::ByteBuf::from))
+            }
             other => {
                 Response::Error(Error::Invalid(format!("not a control-plane request: {other:?}")))
             }

@@ -1,6 +1,6 @@
 //! The PPO / GRPO driver: `train --config X.yaml [--set key=value]… [--overwrite] [--address A]`.
 //!
-//! Runs on the embedded single-node runtime; prints a progress bar with live reward, KL and
+//! Runs on the embedded single-node runtime, or on a cluster with `--address`; prints a progress bar with live reward, KL and
 //! phase timings; leaves `metrics.jsonl`, TensorBoard event files, `reward.png` and
 //! `summary.md` in the run directory; prints the summary (baseline vs final held-out reward and
 //! per-phase timings) at the end.
@@ -28,7 +28,9 @@ struct Args {
     /// Overrides, `key=value` with dotted keys (repeatable).
     #[arg(long = "set", value_name = "KEY=VALUE")]
     overrides: Vec<String>,
-    /// Address of a running cluster (multi-node); the default runs on the embedded runtime.
+    /// A running cluster's head, `host:port` (`rtrun head`); the roles are placed on its
+    /// nodes. The same as `--set cluster.address=A`; `RTRUN_ADDRESS` when neither is given.
+    /// Without any, the run starts an embedded single-node runtime.
     #[arg(long)]
     address: Option<String>,
     /// Start afresh in a run directory that holds an earlier run (its metrics, event files,
@@ -50,6 +52,10 @@ impl ProgressObserver for Bar {
     fn step_done(&mut self, metrics: &StepMetrics, phases: &StepPhases) {
         self.0.step_done(metrics, phases);
     }
+
+    fn placed(&mut self, roles: &[String]) {
+        self.0.println(&format!("placement:\n  {}", roles.join("\n  ")));
+    }
 }
 
 fn main() -> anyhow::Result<()> {
@@ -62,12 +68,10 @@ fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let args = Args::parse();
-    if let Some(address) = &args.address {
-        anyhow::bail!(
-            "--address {address}: multi-node not available yet; run without --address to use the embedded runtime"
-        );
-    }
     let mut overrides = args.overrides.clone();
+    if let Some(address) = &args.address {
+        overrides.push(format!("cluster.address={address}"));
+    }
     if args.overwrite {
         overrides.push("overwrite=true".to_owned());
     }

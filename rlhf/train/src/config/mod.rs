@@ -135,6 +135,12 @@ impl Default for WarmupConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct ClusterConfig {
+    /// A running cluster's head, `host:port` (`train --address`; the `RTRUN_ADDRESS`
+    /// environment variable when unset): the roles are placed on its nodes. Without it the
+    /// run starts an embedded single-node runtime. On a cluster, `num_cpus` and `num_gpus`
+    /// are the nodes' own (`rtrun join --num-gpus`), and every path of the config (`run_dir`,
+    /// models, data) must be one every node sees at the same place (a shared filesystem).
+    pub address: Option<String>,
     /// CPUs the embedded node offers (default: the machine's).
     pub num_cpus: Option<f64>,
     /// GPUs the embedded node declares (fake ones are accounted on a CPU-only machine).
@@ -170,6 +176,7 @@ pub struct ClusterConfig {
 impl Default for ClusterConfig {
     fn default() -> Self {
         Self {
+            address: None,
             num_cpus: None,
             num_gpus: 8.0,
             placement_spec: None,

@@ -152,12 +152,9 @@ impl LmWorkerState {
     }
 
     /// An address and a free port for the weight-sync rendezvous, which this rank hosts as
-    /// rank 0: the address its actor group's rendezvous uses (this node's), else loopback.
+    /// rank 0: its node's IP (the engines may be on other nodes).
     pub fn weight_sync_endpoint(&self) -> Result<(String, u16), String> {
-        let addr = rtrun::context()
-            .map_err(to_string_error)?
-            .group
-            .map_or_else(|| "127.0.0.1".to_owned(), |g| g.master_addr);
+        let addr = rtrun::context().map_err(to_string_error)?.node_ip.to_string();
         let listener = std::net::TcpListener::bind((addr.as_str(), 0))
             .map_err(|e| format!("finding a free port on {addr}: {e}"))?;
         let port = listener.local_addr().map_err(to_string_error)?.port();

@@ -98,6 +98,8 @@ pub trait ProgressObserver {
     fn phase(&mut self, _name: &str) {}
     /// A step finished.
     fn step_done(&mut self, _metrics: &StepMetrics, _phases: &StepPhases) {}
+    /// The roles were placed: one line per role, each rank's node and GPUs.
+    fn placed(&mut self, _roles: &[String]) {}
 }
 
 /// Progress nobody watches.

@@ -2,14 +2,12 @@
 //! `rtrun join` nodes (distinct ports, store and data directories, fake resources), killed
 //! and cleaned up when the test ends, and helpers to run `rtrun` commands against it.
 
-#![allow(dead_code)] // Each test file uses its own subset.
-
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use rtrun_tests::rtrun_binary;
+use crate::rtrun_binary;
 
 /// Processes killed when the test ends, whatever happens.
 pub struct Cluster {
@@ -31,7 +29,7 @@ impl Drop for Cluster {
 }
 
 pub fn driver_binary() -> PathBuf {
-    rtrun_tests::cluster_driver_binary()
+    crate::cluster_driver_binary()
 }
 
 pub fn free_udp_port() -> u16 {
@@ -55,14 +53,48 @@ pub fn wait_line(child: &mut Child, prefix: &str, what: &str) -> String {
     rx.recv_timeout(Duration::from_secs(60)).unwrap_or_else(|_| panic!("{what} did not start"))
 }
 
+/// What one node of a test cluster offers.
+#[derive(Debug, Clone)]
+pub struct NodeSpec {
+    /// Its name (`--node-name`).
+    pub name: &'static str,
+    /// `--num-cpus`.
+    pub cpus: u32,
+    /// `--num-gpus` (fake ones on a machine without GPUs).
+    pub gpus: u32,
+    /// `--resources` JSON, if any.
+    pub resources: Option<&'static str>,
+}
+
+/// The head (1 CPU, no GPU) and two joined nodes `n1`, `n2` with 1 CPU, 2 fake GPUs and one
+/// `slot` each: the runtime tests' cluster.
 pub fn start_cluster(name: &str, heartbeat_timeout: &str) -> Cluster {
+    let node = |name| NodeSpec { name, cpus: 1, gpus: 2, resources: Some(r#"{"slot": 1}"#) };
+    start_cluster_with(
+        name,
+        heartbeat_timeout,
+        &NodeSpec { name: "head", cpus: 1, gpus: 0, resources: None },
+        &[node("n1"), node("n2")],
+    )
+}
+
+/// A head and joined nodes as given, on loopback, each with its own credentials, data
+/// directory and a 700 MB store.
+pub fn start_cluster_with(
+    name: &str,
+    heartbeat_timeout: &str,
+    head_spec: &NodeSpec,
+    nodes: &[NodeSpec],
+) -> Cluster {
     let dir = std::env::temp_dir().join(format!("rtrun-cluster-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let port = free_udp_port();
     let mut head = Command::new(rtrun_binary())
-        .args(["head", "--bind", "127.0.0.1", "--port", &port.to_string(), "--num-cpus", "1"])
-        .args(["--node-name", "head", "--object-store-memory", "700000000"])
+        .args(["head", "--bind", "127.0.0.1", "--port", &port.to_string()])
+        .args(["--num-cpus", &head_spec.cpus.to_string()])
+        .args(["--num-gpus", &head_spec.gpus.to_string()])
+        .args(["--node-name", head_spec.name, "--object-store-memory", "700000000"])
         .args(["--heartbeat-timeout", heartbeat_timeout])
         .arg("--credentials-dir")
         .arg(dir.join("head-credentials"))
@@ -77,22 +109,25 @@ pub fn start_cluster(name: &str, heartbeat_timeout: &str) -> Cluster {
     let token = token_line.trim_start_matches("join token: ").to_owned();
     let address = format!("127.0.0.1:{port}");
     let mut cluster = Cluster { dir: dir.clone(), head, nodes: Vec::new(), address, token };
-    for node in ["n1", "n2"] {
-        let mut child = Command::new(rtrun_binary())
+    for node in nodes {
+        let mut command = Command::new(rtrun_binary());
+        command
             .args(["join", "--address", &cluster.address, "--token", &cluster.token])
-            .args(["--num-cpus", "1", "--num-gpus", "2", "--node-name", node])
-            .args(["--resources", r#"{"slot": 1}"#])
+            .args(["--num-cpus", &node.cpus.to_string(), "--num-gpus", &node.gpus.to_string()])
+            .args(["--node-name", node.name])
             .args(["--object-store-memory", "700000000"])
             .arg("--credentials-dir")
-            .arg(dir.join(format!("{node}-credentials")))
+            .arg(dir.join(format!("{}-credentials", node.name)))
             .arg("--data-dir")
-            .arg(dir.join(format!("{node}-data")))
+            .arg(dir.join(format!("{}-data", node.name)))
             .arg("--object-spill-dir")
             .arg(dir.join("spill"))
             .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("rtrun join starts");
+            .stderr(Stdio::piped());
+        if let Some(resources) = node.resources {
+            command.args(["--resources", resources]);
+        }
+        let mut child = command.spawn().expect("rtrun join starts");
         wait_line(&mut child, "node ", "rtrun join");
         cluster.nodes.push(child);
     }

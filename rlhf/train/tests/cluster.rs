@@ -1,0 +1,131 @@
+//! GRPO on a real three-node cluster on loopback (`rtrun head` and two `rtrun join` processes
+//! with fake GPUs): the placement spec puts the policy and reference on one node and the
+//! engines on the other (custom node resources make that certain), weights cross nodes every
+//! step through the object store, the held-out reward rises, and a run whose driver is killed
+//! resumes from its last checkpoint on the cluster.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use rtrun_tests::cluster::{Cluster, NodeSpec, start_cluster_with};
+
+/// The head holds no GPU; `train` and `rollout` each have 2 fake GPUs and a resource naming
+/// them, which the spec's bundles ask for.
+fn start() -> Cluster {
+    let node = |name, resources| NodeSpec { name, cpus: 4, gpus: 2, resources: Some(resources) };
+    start_cluster_with(
+        "grpo",
+        "3",
+        &NodeSpec { name: "head", cpus: 1, gpus: 0, resources: None },
+        &[node("train", r#"{"train_node": 1}"#), node("rollout", r#"{"rollout_node": 1}"#)],
+    )
+}
+
+const SPEC: &str = "version: 1
+placement_groups:
+  train:
+    bundles: [{count: 2, resources: {GPU: 1, CPU: 1, train_node: 0.5}}]
+  rollout:
+    bundles: [{count: 2, resources: {GPU: 1, CPU: 1, rollout_node: 0.5}}]
+roles:
+  actor: {replicas: 2, resources: {GPU: 0.5, CPU: 0.5}, placement_group: train}
+  ref: {replicas: 2, resources: {GPU: 0.5, CPU: 0.5}, placement_group: train}
+  critic: {replicas: 1, resources: {GPU: 0.5}, placement_group: rollout, bundles: 0..1}
+  reward: {replicas: 1, resources: {GPU: 0.5}, placement_group: rollout, bundles: 1..2}
+  vllm_engine: {replicas: 2, resources: {GPU: 0.5, CPU: 0.5}, placement_group: rollout}
+";
+
+/// The main job's task, model and data, shortened to 150 steps of 16 prompts × 8 samples, with
+/// two policy ranks (DP all-reduce across their processes) and two engines.
+fn write_config(dir: &Path) -> PathBuf {
+    let spec = dir.join("spec.yaml");
+    std::fs::write(&spec, SPEC).unwrap();
+    let path = dir.join("grpo.yaml");
+    let yaml = format!(
+        "seed: 42\n\
+         run_dir: {run}\n\
+         data: {{synthetic: {{kind: reverse_digits, min_digits: 3, max_digits: 5, train_size: 4096, eval_size: 64}}}}\n\
+         model: {{hidden_size: 64, num_layers: 2, num_heads: 4, num_kv_heads: 2, intermediate_size: 128}}\n\
+         warmup: {{steps: 80, batch_size: 64, lr: 0.003}}\n\
+         cluster: {{placement_spec: {spec}, threads_per_worker: 1}}\n\
+         rollout: {{prompts_per_step: 16, n_samples_per_prompt: 8}}\n\
+         algo: {{advantage_estimator: group_norm, use_kl_loss: true, kl_estimator: k3, init_kl_coef: 0.001}}\n\
+         train: {{max_steps: 150, train_batch_size: 64, micro_batch_size: 64, max_epochs: 2, actor_lr: 0.0003}}\n\
+         reward: {{kind: rule, name: char_match}}\n\
+         eval: {{every_steps: 50}}\n\
+         checkpoint: {{every_steps: 50, keep_last: 2}}\n",
+        run = dir.join("run").display(),
+        spec = spec.display(),
+    );
+    std::fs::write(&path, yaml).unwrap();
+    path
+}
+
+/// `train --address` against the cluster, with the head's credentials; stderr to a file (a
+/// pipe nobody reads could fill and block it).
+fn train(cluster: &Cluster, config: &Path, stderr: &Path) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_train"));
+    cmd.arg("--config").arg(config).args(["--address", &cluster.address]);
+    cmd.env("RTRUN_CREDENTIALS_DIR", cluster.dir.join("head-credentials"));
+    cmd.stdout(Stdio::null()).stderr(std::fs::File::create(stderr).unwrap());
+    cmd
+}
+
+/// `(step, eval/reward)` of every record of `metrics.jsonl` that has a held-out reward.
+fn held_out(run: &Path) -> Vec<(u64, f64)> {
+    let text = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap_or_default();
+    text.lines()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .filter_map(|r| Some((r.get("step")?.as_u64()?, r.get("eval/reward")?.as_f64()?)))
+        .collect()
+}
+
+fn steps_done(run: &Path) -> usize {
+    std::fs::read_to_string(run.join("metrics.jsonl")).map_or(0, |text| text.lines().count())
+}
+
+#[test]
+fn grpo_places_roles_across_nodes_learns_and_resumes_after_its_driver_is_killed() {
+    let cluster = start();
+    let dir = cluster.dir.join("job");
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = write_config(&dir);
+    let run = dir.join("run");
+
+    // First attempt: killed (SIGKILL) once it is past its first checkpoint (step 50).
+    let first_log = dir.join("first.log");
+    let mut first = train(&cluster, &config, &first_log).spawn().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(240);
+    while steps_done(&run) < 60 {
+        let log = std::fs::read_to_string(&first_log).unwrap_or_default();
+        if let Ok(Some(status)) = first.try_wait() {
+            panic!("the first run ended early ({status}):\n{log}");
+        }
+        assert!(Instant::now() < deadline, "60 steps within 240 s:\n{log}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    first.kill().unwrap();
+    first.wait().unwrap();
+    let log = std::fs::read_to_string(&first_log).unwrap();
+    for line in [
+        "actor: 0 → train GPU [0], 1 → train GPU [1]",
+        "ref: 0 → train GPU [0], 1 → train GPU [1]",
+        "vllm_engine: 0 → rollout GPU [0], 1 → rollout GPU [1]",
+    ] {
+        assert!(log.contains(line), "placement line `{line}` in:\n{log}");
+    }
+
+    // The rerun resumes from the newest checkpoint (once the killed driver's placement groups
+    // are freed) and finishes.
+    let second_log = dir.join("second.log");
+    let status = train(&cluster, &config, &second_log).status().unwrap();
+    let log = std::fs::read_to_string(&second_log).unwrap();
+    assert!(status.success(), "the resumed run failed:\n{log}");
+    assert!(log.contains("resuming from ") && log.contains("step_000050"), "{log}");
+    let evals = held_out(&run);
+    let (first_eval, last_eval) = (evals.first().unwrap(), evals.last().unwrap());
+    assert_eq!(last_eval.0, 150, "held-out rewards {evals:?}");
+    eprintln!("held-out reward {evals:?}");
+    assert!(last_eval.1 > first_eval.1 + 0.05, "held-out reward did not rise: {evals:?}");
+}
