@@ -21,6 +21,10 @@ pub struct Cluster {
 impl Drop for Cluster {
     fn drop(&mut self) {
         for child in self.nodes.iter_mut().chain(std::iter::once(&mut self.head)) {
+            // Workers too: a daemon killed first would leave them to their own devices.
+            for worker in crate::descendants(child.id()) {
+                crate::kill9(worker);
+            }
             let _ = child.kill();
             let _ = child.wait();
         }
@@ -108,11 +112,20 @@ pub fn start_cluster_with(
     let token_line = wait_line(&mut head, "join token: ", "rtrun head");
     let token = token_line.trim_start_matches("join token: ").to_owned();
     let address = format!("127.0.0.1:{port}");
-    let mut cluster = Cluster { dir: dir.clone(), head, nodes: Vec::new(), address, token };
+    let mut cluster = Cluster { dir, head, nodes: Vec::new(), address, token };
     for node in nodes {
+        cluster.join(node);
+    }
+    cluster
+}
+
+impl Cluster {
+    /// Starts a node that joins this cluster (appended to `nodes`) and waits until it has.
+    pub fn join(&mut self, node: &NodeSpec) {
+        let dir = &self.dir;
         let mut command = Command::new(rtrun_binary());
         command
-            .args(["join", "--address", &cluster.address, "--token", &cluster.token])
+            .args(["join", "--address", &self.address, "--token", &self.token])
             .args(["--num-cpus", &node.cpus.to_string(), "--num-gpus", &node.gpus.to_string()])
             .args(["--node-name", node.name])
             .args(["--object-store-memory", "700000000"])
@@ -129,9 +142,18 @@ pub fn start_cluster_with(
         }
         let mut child = command.spawn().expect("rtrun join starts");
         wait_line(&mut child, "node ", "rtrun join");
-        cluster.nodes.push(child);
+        self.nodes.push(child);
     }
-    cluster
+
+    /// Kills node `index`'s daemon and every process it started (SIGKILL): the machine is
+    /// gone, its workers with it.
+    pub fn kill_node_tree(&mut self, index: usize) {
+        let pid = self.nodes[index].id();
+        for victim in crate::descendants(pid).into_iter().chain([pid]) {
+            crate::kill9(victim);
+        }
+        let _ = self.nodes[index].wait();
+    }
 }
 
 pub fn rtrun(cluster: &Cluster, args: &[&str], credentials: &Path) -> std::process::Output {

@@ -38,6 +38,31 @@ pub fn kill9(pid: u32) {
     }
 }
 
+/// Every process descended from `pid` (children first found, then theirs), from `/proc`.
+pub fn descendants(pid: u32) -> Vec<u32> {
+    let parents: Vec<(u32, u32)> = std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|entry| entry.file_name().to_str()?.parse::<u32>().ok())
+        .filter_map(|child| {
+            let stat = std::fs::read_to_string(format!("/proc/{child}/stat")).ok()?;
+            // The parent is the second field after the parenthesised command name.
+            let parent = stat.rsplit(')').next()?.split_whitespace().nth(1)?.parse().ok()?;
+            Some((child, parent))
+        })
+        .collect();
+    let mut found = Vec::new();
+    let mut frontier = vec![pid];
+    while let Some(parent) = frontier.pop() {
+        for &(child, _) in parents.iter().filter(|(_, p)| *p == parent) {
+            found.push(child);
+            frontier.push(child);
+        }
+    }
+    found
+}
+
 /// The `rtrun` binary of this build, built first when it is missing (the workspace test run
 /// builds it, because `runtime/tests/cli.rs` uses it). Test binaries live in
 /// `<target>/<profile>/deps/`, the `rtrun` binary in `<target>/<profile>/`; Cargo gives other

@@ -81,6 +81,11 @@ pub fn preflight(config: &TrainConfig, paths: &RunPaths) -> Result<RolePlacement
         }
     }
     check_run_dir(config, paths)?;
+    // A cluster is joined now, so that an unreachable or too small one is an error before any
+    // work rather than after the warm-up.
+    if let Some(address) = cluster_address(config) {
+        join_cluster(&address, &placements)?;
+    }
     Ok(placements)
 }
 
@@ -319,7 +324,8 @@ fn start_runtime(config: &TrainConfig, placements: &RolePlacements) -> Result<()
     Ok(())
 }
 
-/// Connects to the cluster at `address` as a driver; the CPUs and GPUs the placement
+/// Connects to the cluster at `address` as a driver (once per process: later calls only
+/// check again); the CPUs and GPUs the placement
 /// reserves must fit in its live nodes' totals (whether they fit node by node is the placement
 /// groups' answer, which names the group that cannot be placed).
 fn join_cluster(address: &str, placements: &RolePlacements) -> Result<()> {

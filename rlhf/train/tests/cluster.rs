@@ -2,7 +2,9 @@
 //! with fake GPUs): the placement spec puts the policy and reference on one node and the
 //! engines on the other (custom node resources make that certain), weights cross nodes every
 //! step through the object store, the held-out reward rises, and a run whose driver is killed
-//! resumes from its last checkpoint on the cluster.
+//! resumes from its last checkpoint on the cluster. A node lost mid-run (its daemon and every
+//! worker on it killed, as when a machine dies) fails the run with an error naming the role
+//! and the node, and a rerun on a replacement node resumes from the last checkpoint.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -12,14 +14,18 @@ use rtrun_tests::cluster::{Cluster, NodeSpec, start_cluster_with};
 
 /// The head holds no GPU; `train` and `rollout` each have 2 fake GPUs and a resource naming
 /// them, which the spec's bundles ask for.
-fn start() -> Cluster {
-    let node = |name, resources| NodeSpec { name, cpus: 4, gpus: 2, resources: Some(resources) };
+fn start(name: &str) -> Cluster {
     start_cluster_with(
-        "grpo",
+        name,
         "3",
         &NodeSpec { name: "head", cpus: 1, gpus: 0, resources: None },
         &[node("train", r#"{"train_node": 1}"#), node("rollout", r#"{"rollout_node": 1}"#)],
     )
+}
+
+/// A joined node with 4 CPUs, 2 fake GPUs and `resources`.
+fn node(name: &'static str, resources: &'static str) -> NodeSpec {
+    NodeSpec { name, cpus: 4, gpus: 2, resources: Some(resources) }
 }
 
 const SPEC: &str = "version: 1
@@ -81,13 +87,26 @@ fn held_out(run: &Path) -> Vec<(u64, f64)> {
         .collect()
 }
 
+/// Waits until the run at `run` has done 60 steps (past its step-50 checkpoint).
+fn wait_for_steps(child: &mut std::process::Child, run: &Path, log: &Path) {
+    let deadline = Instant::now() + Duration::from_secs(240);
+    while steps_done(run) < 60 {
+        let text = std::fs::read_to_string(log).unwrap_or_default();
+        if let Ok(Some(status)) = child.try_wait() {
+            panic!("the run ended early ({status}):\n{text}");
+        }
+        assert!(Instant::now() < deadline, "60 steps within 240 s:\n{text}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 fn steps_done(run: &Path) -> usize {
     std::fs::read_to_string(run.join("metrics.jsonl")).map_or(0, |text| text.lines().count())
 }
 
 #[test]
 fn grpo_places_roles_across_nodes_learns_and_resumes_after_its_driver_is_killed() {
-    let cluster = start();
+    let cluster = start("grpo");
     let dir = cluster.dir.join("job");
     std::fs::create_dir_all(&dir).unwrap();
     let config = write_config(&dir);
@@ -96,15 +115,7 @@ fn grpo_places_roles_across_nodes_learns_and_resumes_after_its_driver_is_killed(
     // First attempt: killed (SIGKILL) once it is past its first checkpoint (step 50).
     let first_log = dir.join("first.log");
     let mut first = train(&cluster, &config, &first_log).spawn().unwrap();
-    let deadline = Instant::now() + Duration::from_secs(240);
-    while steps_done(&run) < 60 {
-        let log = std::fs::read_to_string(&first_log).unwrap_or_default();
-        if let Ok(Some(status)) = first.try_wait() {
-            panic!("the first run ended early ({status}):\n{log}");
-        }
-        assert!(Instant::now() < deadline, "60 steps within 240 s:\n{log}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_for_steps(&mut first, &run, &first_log);
     first.kill().unwrap();
     first.wait().unwrap();
     let log = std::fs::read_to_string(&first_log).unwrap();
@@ -128,4 +139,59 @@ fn grpo_places_roles_across_nodes_learns_and_resumes_after_its_driver_is_killed(
     assert_eq!(last_eval.0, 150, "held-out rewards {evals:?}");
     eprintln!("held-out reward {evals:?}");
     assert!(last_eval.1 > first_eval.1 + 0.05, "held-out reward did not rise: {evals:?}");
+}
+
+/// Kills node `victim` (`train`: the policy's ranks, rank 0 among them; `rollout`: the
+/// engines) with all its workers after step 60, checks the run's error, then joins a
+/// replacement node with the same resources and reruns: the rerun resumes from step 50 and
+/// finishes.
+fn node_lost_mid_run(victim: &'static str, resources: &'static str, roles: &[&str]) {
+    let mut cluster = start(&format!("loss-{victim}"));
+    let dir = cluster.dir.join("job");
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = write_config(&dir);
+    let run = dir.join("run");
+    let log = dir.join("first.log");
+    let mut first = train(&cluster, &config, &log).spawn().unwrap();
+    wait_for_steps(&mut first, &run, &log);
+    let index = if victim == "train" { 0 } else { 1 };
+    cluster.kill_node_tree(index);
+    let killed = Instant::now();
+    let status = loop {
+        if let Some(status) = first.try_wait().unwrap() {
+            break status;
+        }
+        if killed.elapsed() > Duration::from_secs(60) {
+            let _ = first.kill();
+            panic!(
+                "the run outlived its {victim} node by 60 s:\n{}",
+                std::fs::read_to_string(&log).unwrap()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let text = std::fs::read_to_string(&log).unwrap();
+    let error = text.lines().find(|l| l.starts_with("Error: ")).unwrap_or_else(|| panic!("{text}"));
+    eprintln!("{victim} node killed; the run ended after {:?}: {error}", killed.elapsed());
+    assert!(!status.success(), "{text}");
+    assert!(roles.iter().any(|role| error.contains(role)), "a role of {roles:?}: {error}");
+    assert!(error.contains(&format!("({victim})")), "the node's name: {error}");
+
+    cluster.join(&node(if victim == "train" { "train2" } else { "rollout2" }, resources));
+    let rerun_log = dir.join("rerun.log");
+    let status = train(&cluster, &config, &rerun_log).status().unwrap();
+    let text = std::fs::read_to_string(&rerun_log).unwrap();
+    assert!(status.success(), "the rerun failed:\n{text}");
+    assert!(text.contains("resuming from ") && text.contains("step_000050"), "{text}");
+    assert_eq!(held_out(&run).last().map(|(step, _)| *step), Some(150), "{text}");
+}
+
+#[test]
+fn losing_the_engines_node_fails_the_run_naming_it_and_a_rerun_on_a_new_node_resumes() {
+    node_lost_mid_run("rollout", r#"{"rollout_node": 1}"#, &["vllm_engine"]);
+}
+
+#[test]
+fn losing_the_policy_node_fails_the_run_naming_it_and_a_rerun_on_a_new_node_resumes() {
+    node_lost_mid_run("train", r#"{"train_node": 1}"#, &["actor", "ref"]);
 }

@@ -339,6 +339,7 @@ fn the_driver_rejects_bad_configs_and_addresses_with_clear_errors() {
             .arg("--config")
             .arg(&config)
             .args(extra)
+            .env("RTRUN_CONNECT_TIMEOUT", "1")
             .output()
             .unwrap();
         assert!(!out.status.success());
@@ -346,7 +347,14 @@ fn the_driver_rejects_bad_configs_and_addresses_with_clear_errors() {
     };
     assert!(run(&["--set", "rollout.top_p=2"]).contains("config key `rollout.top_p`"));
     assert!(run(&["--set", "train.actor_lrr=1"]).contains("actor_lrr"));
-    assert!(run(&["--address", "10.0.0.1:6379"]).contains("multi-node not available yet"));
+    // No cluster there: refused before any work (no warm-up), naming the key and address.
+    let no_cluster = run(&["--address", "127.0.0.1:1"]);
+    assert!(
+        no_cluster.contains("config key `cluster.address`")
+            && no_cluster.contains("cannot join the cluster at 127.0.0.1:1")
+            && !no_cluster.contains("warm-up"),
+        "{no_cluster}"
+    );
     let missing = std::process::Command::new(env!("CARGO_BIN_EXE_train"))
         .args(["--config", "/nonexistent/x.yaml"])
         .output()
