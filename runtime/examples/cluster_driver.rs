@@ -56,6 +56,11 @@ impl Probe {
         refs.first().and_then(|r| r.get_view().ok()).map_or(0, |bytes| bytes.len())
     }
 
+    /// The value of an environment variable in this actor's process.
+    pub fn env(&self, name: String) -> Option<String> {
+        std::env::var(name).ok()
+    }
+
     /// The checksum of bytes produced elsewhere.
     pub fn checksum(&self, bytes: Vec<u8>) -> u64 {
         checksum(&bytes)
@@ -124,6 +129,14 @@ fn main() -> anyhow::Result<()> {
     anyhow::ensure!(local.len() == len, "expected {len} bytes, found {}", local.len());
     anyhow::ensure!(local_sum == remote_sum, "checksums differ across nodes");
     shared_reads(&probes[0], &group, nodes - 1, &mut out)?;
+    // `CLUSTER_ECHO_ENV=NAME`: the variable NAME as the driver and a worker see it (a job's
+    // `--env` reaches both).
+    if let Ok(name) = std::env::var("CLUSTER_ECHO_ENV") {
+        let driver = std::env::var(&name).unwrap_or_default();
+        let worker = probes[nodes - 1].env(name.clone()).get()?.unwrap_or_default();
+        writeln!(out, "driver env {name}={driver}")?;
+        writeln!(out, "worker env {name}={worker}")?;
+    }
     writeln!(out, "ok")?;
     out.flush()?;
     // `CLUSTER_FAILOVER=1`: names a joined node whose actor and object it keeps, waits for a

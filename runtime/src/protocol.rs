@@ -384,8 +384,16 @@ pub enum Request {
         binary: String,
         /// Its arguments.
         args: Vec<String>,
-        /// Extra environment.
+        /// Extra environment, for the driver and every worker of the job.
         env: Vec<(String, String)>,
+        /// The job's name, unique in the cluster (default: generated).
+        submission_id: Option<String>,
+    },
+    /// Stops a running job: its driver is killed, and with it its workers on every node and
+    /// its placement groups. Answered with the job's [`JobInfo`].
+    StopJob {
+        /// The job.
+        job: u64,
     },
     /// A job's output from a byte offset, and its state.
     JobLogs {
@@ -584,6 +592,8 @@ pub struct JobInfo {
     pub state: JobState,
     /// Its log file on the head's host.
     pub log: String,
+    /// Its name (`--submission-id`, or generated).
+    pub submission_id: String,
 }
 
 /// Where a job is.
@@ -601,6 +611,20 @@ pub enum JobState {
         /// Why.
         reason: String,
     },
+    /// Stopped on request (`rtrun job stop`).
+    Stopped,
+}
+
+impl std::fmt::Display for JobState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            JobState::Running => write!(f, "RUNNING"),
+            JobState::Exited { code: 0 } => write!(f, "SUCCEEDED"),
+            JobState::Exited { code } => write!(f, "FAILED (exit code {code})"),
+            JobState::Failed { reason } => write!(f, "FAILED ({reason})"),
+            JobState::Stopped => write!(f, "STOPPED"),
+        }
+    }
 }
 
 /// What `rtrun memory` shows for one node.

@@ -149,19 +149,19 @@ fn clients_without_credentials_are_refused_and_jobs_run_through_submit() {
 
     // `rtrun submit` ships the driver, streams its output and returns its exit code.
     let out = Command::new(rtrun_binary())
-        .args(["submit", "--address", &cluster.address])
+        .args(["submit", "--address", &cluster.address, "--env", "CLUSTER_OBJECT_BYTES=1000000"])
         .arg("--credentials-dir")
         .arg(cluster.dir.join("head-credentials"))
         .arg("--")
         .arg(driver_binary())
-        .env("CLUSTER_OBJECT_BYTES", "1000000")
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
     assert!(stdout.lines().any(|l| l == "ok"), "{stdout}");
+    assert!(stdout.contains("node to node") && stdout.contains("(1000000 bytes)"), "{stdout}");
     let jobs = rtrun(&cluster, &["list", "jobs"], &cluster.dir.join("head-credentials"));
-    assert!(String::from_utf8_lossy(&jobs.stdout).contains("Exited { code: 0 }"));
+    assert!(String::from_utf8_lossy(&jobs.stdout).contains("SUCCEEDED"));
 
     // Garbage datagrams at the head's port: it keeps serving.
     let socket = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
@@ -362,4 +362,95 @@ fn malformed_frames_from_an_authenticated_peer_leave_the_head_serving() {
     assert!(refused > 0, "malformed requests get error answers");
     let now = status(&cluster);
     assert!(now.contains("nodes: 3 alive"), "{now}");
+}
+
+/// `rtrun` against the cluster with the head's credentials; stdout, stderr and success.
+fn head_rtrun(cluster: &common::Cluster, args: &[&str]) -> (String, String, bool) {
+    let out = rtrun(cluster, args, &cluster.dir.join("head-credentials"));
+    let text = |bytes: &[u8]| String::from_utf8_lossy(bytes).into_owned();
+    (text(&out.stdout), text(&out.stderr), out.status.success())
+}
+
+#[test]
+fn jobs_carry_env_to_their_workers_run_detached_and_stop_by_name() {
+    let cluster = start_cluster("jobs", "5");
+    let submit = |extra: &[&str]| {
+        Command::new(rtrun_binary())
+            .args(["submit", "--address", &cluster.address])
+            .arg("--credentials-dir")
+            .arg(cluster.dir.join("head-credentials"))
+            .args(extra)
+            .arg("--")
+            .arg(driver_binary())
+            .args(["bytes", "100000", "hold", "120"])
+            .output()
+            .unwrap()
+    };
+    let job = [
+        "--no-wait",
+        "--submission-id",
+        "echo-1",
+        "--env",
+        "CLUSTER_ECHO_ENV=JOB_MARK",
+        "--env",
+        "JOB_MARK=42",
+    ];
+    // --no-wait returns at once with the job's name.
+    let out = submit(&job);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "echo-1");
+    // The name is unique; a malformed --env or name is refused before anything runs.
+    let again = submit(&job);
+    assert!(!again.status.success());
+    assert!(String::from_utf8_lossy(&again.stderr).contains("echo-1` exists already"));
+    let bad = submit(&["--env", "NOVALUE"]);
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("--env NOVALUE: expected KEY=VALUE"));
+    let bad = submit(&["--submission-id", "12"]);
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("not a number"));
+
+    // The job runs detached: its log (read by name) shows the variables in driver and worker.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let log = loop {
+        let (log, _, _) = head_rtrun(&cluster, &["job", "logs", "echo-1"]);
+        if log.contains("holding") {
+            break log;
+        }
+        assert!(Instant::now() < deadline, "the job did not reach `holding`: {log}");
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert!(log.contains("driver env JOB_MARK=42"), "{log}");
+    assert!(log.contains("worker env JOB_MARK=42"), "{log}");
+    let (state, _, ok) = head_rtrun(&cluster, &["job", "status", "echo-1"]);
+    assert!(ok && state.contains("(echo-1): RUNNING"), "{state}");
+    let number = state.split_whitespace().nth(1).unwrap().to_owned();
+    let (groups, _, _) = head_rtrun(&cluster, &["list", "placement-groups"]);
+    assert!(groups.contains("spread"), "{groups}");
+
+    // Stop by name: the driver goes, and with it its actors on every node and its group.
+    let stopped = Instant::now();
+    let (out, err, ok) = head_rtrun(&cluster, &["job", "stop", "echo-1"]);
+    assert!(ok && out.contains("STOPPED"), "{out}{err}");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let now = status(&cluster);
+        let (groups, _, _) = head_rtrun(&cluster, &["list", "placement-groups"]);
+        if now.contains("alive actors: 0") && !groups.contains("spread") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the stopped job's actors or group remain: {now}{groups}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    eprintln!("job stopped, actors and group gone after {:?}", stopped.elapsed());
+    // A finished job's log stays readable; the listing shows it stopped.
+    let (log, _, ok) = head_rtrun(&cluster, &["job", "logs", &number]);
+    assert!(ok && log.contains("holding"), "{log}");
+    let (list, _, _) = head_rtrun(&cluster, &["job", "list"]);
+    assert!(list.lines().any(|l| l.contains("echo-1") && l.contains("STOPPED")), "{list}");
+    let (out, _, ok) = head_rtrun(&cluster, &["job", "stop", "echo-1"]);
+    assert!(ok && out.contains("has ended: STOPPED"), "{out}");
+    let (_, err, ok) = head_rtrun(&cluster, &["job", "status", "nope"]);
+    assert!(!ok && err.contains("no job `nope`"), "{err}");
 }

@@ -115,15 +115,34 @@ impl Client {
         Ok(nodes)
     }
 
-    /// Uploads `binary` (unless the head has it) and runs it with `args` on the head's node.
-    pub fn submit(&self, binary: &Path, args: Vec<String>) -> Result<JobInfo> {
+    /// Uploads `binary` (unless the head has it) and runs it with `args` on the head's node,
+    /// with `env` for the driver and every worker of the job, named `submission_id` (default:
+    /// a generated name).
+    pub fn submit(
+        &self,
+        binary: &Path,
+        args: Vec<String>,
+        env: Vec<(String, String)>,
+        submission_id: Option<String>,
+    ) -> Result<JobInfo> {
         let digest = super::binaries::digest_file(binary)?;
         let member = super::member().ok_or(Error::NotInitialised)?;
         super::upload_binary(member, binary, &digest)?;
-        match self.call(Request::SubmitJob { binary: digest, args, env: Vec::new() })? {
-            Response::Jobs(mut jobs) if jobs.len() == 1 => Ok(jobs.remove(0)),
-            other => Err(unexpected(other)),
-        }
+        single_job(self.call(Request::SubmitJob { binary: digest, args, env, submission_id })?)
+    }
+
+    /// The job named `name`: its number or its submission id.
+    pub fn job(&self, name: &str) -> Result<JobInfo> {
+        let jobs = self.jobs()?;
+        let number = name.parse::<u64>().ok();
+        jobs.into_iter()
+            .find(|j| Some(j.job) == number || j.submission_id == name)
+            .ok_or_else(|| Error::Invalid(format!("no job `{name}` (see `rtrun job list`)")))
+    }
+
+    /// Stops job `job` (its driver, its workers on every node, its placement groups).
+    pub fn stop_job(&self, job: u64) -> Result<JobInfo> {
+        single_job(self.call(Request::StopJob { job })?)
     }
 
     /// A job's output from `offset`, and its state.
@@ -150,6 +169,13 @@ impl Client {
         // The head's connection closing after this is the expected end, not a lost head.
         self.runtime.expect_head_exit();
         self.call(Request::StopCluster).map(|_| ())
+    }
+}
+
+fn single_job(response: Response) -> Result<JobInfo> {
+    match response {
+        Response::Jobs(mut jobs) if jobs.len() == 1 => Ok(jobs.remove(0)),
+        other => Err(unexpected(other)),
     }
 }
 

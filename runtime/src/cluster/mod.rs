@@ -40,6 +40,8 @@ use binaries::BinaryCache;
 /// The head address a driver connects to (`host:port`); `init()` joins that cluster instead of
 /// starting an embedded one.
 pub const ADDRESS_ENV: &str = "RTRUN_ADDRESS";
+/// Environment variable the head sets for a submitted job's driver: the job's number.
+pub const JOB_ENV: &str = "RTRUN_JOB_ID";
 /// The credentials directory of a cluster process.
 pub const CREDENTIALS_ENV: &str = "RTRUN_CREDENTIALS_DIR";
 /// Set in workers of a cluster: `<node id>;<node daemon address>;<bind ip>`.
@@ -114,6 +116,8 @@ pub(crate) enum NetRequest {
         binary: Option<String>,
         /// Its QUIC endpoint.
         endpoint: SocketAddr,
+        /// The submitted job it is the driver of ([`JOB_ENV`]), if any.
+        job: Option<u64>,
     },
     /// Whether the head has a job binary.
     HasBinary {
@@ -450,7 +454,7 @@ impl NetService for HeadService {
                     Vec::new(),
                 ))
             }
-            NetRequest::JoinDriver { binary, .. } => {
+            NetRequest::JoinDriver { binary, job, .. } => {
                 if let Some(digest) = &binary
                     && !self.binaries.contains(digest)
                 {
@@ -458,7 +462,7 @@ impl NetService for HeadService {
                         "driver binary {digest} must be uploaded before joining"
                     )));
                 }
-                let joined = head.join(&self.session, JoinAs::Driver { binary })?;
+                let joined = head.join(&self.session, JoinAs::Driver { binary, job })?;
                 Ok((
                     NetReply::Joined {
                         session: joined.session,
@@ -739,8 +743,13 @@ pub(crate) fn start_driver(config: &Config, address: &str, binary: bool) -> Resu
     } else {
         None
     };
-    let (reply, _) =
-        control_request(&member, NetRequest::JoinDriver { binary: digest, endpoint }, Vec::new())?;
+    // A driver the head started for `rtrun submit` says which job it is.
+    let job = std::env::var(JOB_ENV).ok().and_then(|job| job.parse().ok()).filter(|_| binary);
+    let (reply, _) = control_request(
+        &member,
+        NetRequest::JoinDriver { binary: digest, endpoint, job },
+        Vec::new(),
+    )?;
     let NetReply::Joined { session, worker, node: node_id, head: head_address } = reply else {
         return Err(Error::Transport("unexpected answer to a join".into()));
     };

@@ -311,8 +311,16 @@ impl Head {
                 self.on_worker_exit(worker, status);
                 return responder.respond(Response::Done);
             }
-            Request::SubmitJob { binary, args, env } => {
-                return responder.respond(match self.submit_job(binary, args, env) {
+            Request::SubmitJob { binary, args, env, submission_id } => {
+                return responder.respond(
+                    match self.submit_job(binary, args, env, submission_id) {
+                        Ok(info) => Response::Jobs(vec![info]),
+                        Err(e) => Response::Error(e),
+                    },
+                );
+            }
+            Request::StopJob { job } => {
+                return responder.respond(match self.stop_job(job) {
                     Ok(info) => Response::Jobs(vec![info]),
                     Err(e) => Response::Error(e),
                 });
@@ -370,6 +378,9 @@ impl Head {
     }
 
     pub(crate) fn on_spawned(&self, worker: WorkerId, pid: u32) {
+        if self.job_spawned(worker, pid) {
+            return;
+        }
         let kill = {
             let mut state = self.state.lock();
             let shutting_down = state.shutting_down;
@@ -634,7 +645,13 @@ impl HeadState {
     ) -> WorkerId {
         let worker = WorkerId(self.members.next_id());
         let job = lineage.job.clone();
-        let env = self.worker_env(worker, extra_env);
+        // A submitted job's environment reaches its workers; the actor's own settings win.
+        let mut env: Vec<(String, String)> = lineage
+            .driver
+            .and_then(|driver| self.members.jobs.values().find(|j| j.driver == Some(driver)))
+            .map(|j| j.env.clone())
+            .unwrap_or_default();
+        env.extend(self.worker_env(worker, extra_env));
         self.workers.insert(
             worker,
             WorkerEntry {

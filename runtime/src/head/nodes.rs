@@ -38,6 +38,15 @@ pub(super) struct JobEntry {
     pub(super) args: Vec<String>,
     pub(super) log: PathBuf,
     pub(super) state: JobState,
+    pub(super) submission_id: String,
+    /// The environment given at submission, which every worker of the job gets too.
+    pub(super) env: Vec<(String, String)>,
+    /// The driver's process, once started.
+    pub(super) pid: Option<u32>,
+    /// The driver's id once it has joined (its workers' lineage names it).
+    pub(super) driver: Option<WorkerId>,
+    /// `rtrun job stop` asked for it.
+    pub(super) stop_requested: bool,
 }
 
 /// What a cluster head needs besides the embedded control plane.
@@ -158,8 +167,9 @@ pub(super) fn floats(set: &rtrun_placement::ResourceSet) -> BTreeMap<String, f64
 pub(crate) enum JoinAs {
     /// A node daemon with its resources, reachable at `endpoint`.
     Node { name: String, resources: NodeResources, endpoint: std::net::SocketAddr },
-    /// A driver running `binary` (its digest; `None` for command-line clients).
-    Driver { binary: Option<String> },
+    /// A driver running `binary` (its digest; `None` for command-line clients), the driver of
+    /// submitted job `job` if that is set.
+    Driver { binary: Option<String>, job: Option<u64> },
 }
 
 /// What a joining process learns.
@@ -227,9 +237,14 @@ impl Head {
                     state.reschedule(self, &mut effects);
                     Joined { session: session.to_owned(), worker, node: id, head }
                 }
-                JoinAs::Driver { binary, .. } => {
+                JoinAs::Driver { binary, job } => {
                     let worker = WorkerId(id);
                     state.members.drivers.insert(worker, binary);
+                    if let Some(entry) = job.and_then(|job| state.members.jobs.get_mut(&job))
+                        && entry.driver.is_none()
+                    {
+                        entry.driver = Some(worker);
+                    }
                     Joined { session: session.to_owned(), worker, node: id, head }
                 }
             }
@@ -403,9 +418,23 @@ impl Head {
         binary: String,
         args: Vec<String>,
         env: Vec<(String, String)>,
+        submission_id: Option<String>,
     ) -> Result<JobInfo> {
         let (request, info) = {
             let mut state = self.state.lock();
+            let submission_id = match submission_id {
+                Some(name) => {
+                    check_submission_id(&name)?;
+                    if state.members.jobs.values().any(|j| j.submission_id == name) {
+                        return Err(Error::Invalid(format!(
+                            "a job with submission id `{name}` exists already (`rtrun job \
+                             status {name}`); choose another"
+                        )));
+                    }
+                    name
+                }
+                None => format!("rtrunsubmit_{:016x}", crate::runtime::random_u64()),
+            };
             let cluster = state
                 .members
                 .cluster
@@ -418,6 +447,7 @@ impl Head {
             let id = state.members.next_id();
             let worker = WorkerId(id);
             let log = cluster.log_dir.join(format!("job-{id}.log"));
+            let job_env = env.clone();
             let mut env = env;
             let head = match crate::transport::Route::parse(&cluster.address)? {
                 crate::transport::Route::Quic { addr, .. } => addr.to_string(),
@@ -426,6 +456,7 @@ impl Head {
                 }
             };
             env.push((crate::cluster::ADDRESS_ENV.into(), head));
+            env.push((crate::cluster::JOB_ENV.into(), id.to_string()));
             env.extend(crate::cluster::node_env(state.members.head_node, &cluster.address));
             let entry = JobEntry {
                 worker,
@@ -433,6 +464,11 @@ impl Head {
                 args: args.clone(),
                 log: log.clone(),
                 state: JobState::Running,
+                submission_id,
+                env: job_env,
+                pid: None,
+                driver: None,
+                stop_requested: false,
             };
             let info = job_info(id, &entry);
             state.members.jobs.insert(id, entry);
@@ -465,22 +501,71 @@ impl Head {
         Ok((bytes, info))
     }
 
+    /// Stops job `job`: kills its driver (now, or as soon as it has started), whose leaving
+    /// takes its workers and placement groups; the job ends `Stopped`. A job that has ended
+    /// is left as it is.
+    pub(crate) fn stop_job(&self, job: u64) -> Result<JobInfo> {
+        let (pid, info) = {
+            let mut state = self.state.lock();
+            let entry = state
+                .members
+                .jobs
+                .get_mut(&job)
+                .ok_or_else(|| Error::Invalid(format!("no job {job}")))?;
+            if entry.state != JobState::Running {
+                return Ok(job_info(job, entry));
+            }
+            entry.stop_requested = true;
+            (entry.pid, job_info(job, entry))
+        };
+        if let Some(pid) = pid {
+            super::spawn::kill_process(pid);
+        }
+        Ok(info)
+    }
+
+    /// Records a job driver's process id (false when `worker` is not a job); kills it at
+    /// once when the job was stopped before it started.
+    pub(super) fn job_spawned(&self, worker: WorkerId, pid: u32) -> bool {
+        let stop = {
+            let mut state = self.state.lock();
+            let Some(entry) = state.members.jobs.values_mut().find(|j| j.worker == worker) else {
+                return false;
+            };
+            entry.pid = Some(pid);
+            entry.stop_requested
+        };
+        if stop {
+            super::spawn::kill_process(pid);
+        }
+        true
+    }
+
     /// Every job.
     pub(crate) fn jobs(&self) -> Vec<JobInfo> {
         let state = self.state.lock();
         state.members.jobs.iter().map(|(id, entry)| job_info(*id, entry)).collect()
     }
 
-    /// Records a job driver's exit (false when `worker` is not a job).
+    /// Records a job driver's exit (false when `worker` is not a job). Its process has been
+    /// reaped, so the driver is gone now: its actors and groups go at once rather than when
+    /// its connection times out (a killed or stopped driver cannot close it).
     pub(super) fn job_exited(&self, worker: WorkerId, status: &str, code: Option<i32>) -> bool {
-        let mut state = self.state.lock();
-        let Some(entry) = state.members.jobs.values_mut().find(|j| j.worker == worker) else {
-            return false;
+        let driver = {
+            let mut state = self.state.lock();
+            let Some(entry) = state.members.jobs.values_mut().find(|j| j.worker == worker) else {
+                return false;
+            };
+            entry.state = match code {
+                _ if entry.stop_requested => JobState::Stopped,
+                Some(code) => JobState::Exited { code },
+                None => JobState::Failed { reason: status.to_owned() },
+            };
+            entry.driver
         };
-        entry.state = match code {
-            Some(code) => JobState::Exited { code },
-            None => JobState::Failed { reason: status.to_owned() },
-        };
+        if let Some(driver) = driver {
+            self.on_driver_gone(driver);
+        }
         true
     }
 
@@ -526,7 +611,26 @@ fn job_info(id: u64, entry: &JobEntry) -> JobInfo {
         args: entry.args.clone(),
         state: entry.state.clone(),
         log: entry.log.display().to_string(),
+        submission_id: entry.submission_id.clone(),
     }
+}
+
+/// A submission id names a job on the command line beside its number: letters, digits, `-`,
+/// `_` and `.`, at most 128, not all digits.
+fn check_submission_id(name: &str) -> Result<()> {
+    let allowed = |c: char| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.');
+    if name.is_empty() || name.len() > 128 || !name.chars().all(allowed) {
+        return Err(Error::Invalid(format!(
+            "submission id `{name}`: expected 1 to 128 letters, digits, `-`, `_` or `.`"
+        )));
+    }
+    if name.chars().all(|c| c.is_ascii_digit()) {
+        return Err(Error::Invalid(format!(
+            "submission id `{name}`: expected a name that is not a number (job numbers are \
+             names already)"
+        )));
+    }
+    Ok(())
 }
 
 /// Up to `max` bytes of a file from `offset` (nothing when it does not exist yet).

@@ -1,4 +1,4 @@
-//! `rtrun head`, `join`, `status`, `list`, `logs`, `submit`, `stop`.
+//! `rtrun head`, `join`, `status`, `list`, `logs`, `submit`, `job`, `stop`.
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -282,11 +282,7 @@ pub fn list(what: Listing, client: ClientArgs) -> anyhow::Result<()> {
                 );
             }
         }
-        Listing::Jobs => {
-            for j in client.jobs()? {
-                println!("job {} {:?} {} {}", j.job, j.state, j.binary, j.args.join(" "));
-            }
-        }
+        Listing::Jobs => print_jobs(&client.jobs()?),
     }
     Ok(())
 }
@@ -316,8 +312,55 @@ pub fn logs(job: u64, follow: bool, client: ClientArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `rtrun submit`: returns the job's exit code.
-pub fn submit(command: Vec<String>, client: ClientArgs) -> anyhow::Result<i32> {
+/// One line per job: number, submission id, state, binary digest and arguments.
+fn print_jobs(jobs: &[rtrun::protocol::JobInfo]) {
+    println!("{:<5} {:<32} {:<28} COMMAND", "JOB", "SUBMISSION ID", "STATE");
+    for j in jobs {
+        let digest = j.binary.get(..12).unwrap_or(&j.binary);
+        let state = j.state.to_string();
+        println!(
+            "{:<5} {:<32} {:<28} {digest}… {}",
+            j.job,
+            j.submission_id,
+            state,
+            j.args.join(" ")
+        );
+    }
+}
+
+/// What `rtrun submit` does besides running the driver.
+#[derive(Args, Debug, Clone)]
+pub struct SubmitArgs {
+    /// `KEY=VALUE` for the driver and every worker of the job (repeatable).
+    #[arg(long = "env", value_name = "KEY=VALUE")]
+    env: Vec<String>,
+    /// Print the job's number and submission id and return at once (then `rtrun job logs`).
+    #[arg(long)]
+    no_wait: bool,
+    /// The job's name, unique in the cluster (default: generated).
+    #[arg(long)]
+    submission_id: Option<String>,
+}
+
+/// `--env` values as pairs, each checked.
+fn env_pairs(values: &[String]) -> anyhow::Result<Vec<(String, String)>> {
+    values
+        .iter()
+        .map(|value| match value.split_once('=') {
+            Some((key, val)) if !key.is_empty() && !key.contains('\0') && !val.contains('\0') => {
+                Ok((key.to_owned(), val.to_owned()))
+            }
+            _ => bail!("--env {value}: expected KEY=VALUE with a non-empty KEY"),
+        })
+        .collect()
+}
+
+/// `rtrun submit`: returns the job's exit code (0 with `--no-wait` once it is submitted).
+pub fn submit(
+    command: Vec<String>,
+    options: SubmitArgs,
+    client: ClientArgs,
+) -> anyhow::Result<i32> {
     let Some((binary, args)) = command.split_first() else {
         bail!("expected a driver binary after `--`");
     };
@@ -325,16 +368,108 @@ pub fn submit(command: Vec<String>, client: ClientArgs) -> anyhow::Result<i32> {
     if !path.is_file() {
         bail!("driver binary {} does not exist", path.display());
     }
+    let env = env_pairs(&options.env)?;
     let client = client.connect()?;
-    let job = client.submit(&path, args.to_vec())?;
-    eprintln!("submitted job {} ({})", job.job, job.binary);
-    match stream_logs(&client, job.job, true)? {
+    let job = client.submit(&path, args.to_vec(), env, options.submission_id)?;
+    eprintln!("submitted job {} ({}, binary {})", job.job, job.submission_id, job.binary);
+    if options.no_wait {
+        println!("{}", job.submission_id);
+        return Ok(0);
+    }
+    job_exit_code(&job, stream_logs(&client, job.job, true)?)
+}
+
+/// The exit code `rtrun submit` (and `rtrun job logs -f`) end with for a job that ended so.
+fn job_exit_code(job: &rtrun::protocol::JobInfo, state: JobState) -> anyhow::Result<i32> {
+    match state {
         JobState::Exited { code } => Ok(code),
         JobState::Failed { reason } => {
             eprintln!("job {} failed: {reason}", job.job);
             Ok(1)
         }
+        JobState::Stopped => {
+            eprintln!("job {} was stopped", job.job);
+            Ok(1)
+        }
         JobState::Running => Ok(1),
+    }
+}
+
+/// `rtrun job ...`.
+#[derive(clap::Subcommand, Debug)]
+pub enum JobCommand {
+    /// Shows one job's state.
+    Status {
+        /// Its number or submission id.
+        job: String,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// Stops a running job: its driver, its workers on every node, its placement groups.
+    Stop {
+        /// Its number or submission id.
+        job: String,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// Prints a job's output (kept after it ends).
+    Logs {
+        /// Its number or submission id.
+        job: String,
+        /// Keep printing until the job ends.
+        #[arg(long, short)]
+        follow: bool,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+    /// Lists every job.
+    List {
+        #[command(flatten)]
+        client: ClientArgs,
+    },
+}
+
+/// `rtrun job`: returns the exit code (for `logs -f`, the job's).
+pub fn job(command: JobCommand) -> anyhow::Result<i32> {
+    match command {
+        JobCommand::Status { job, client } => {
+            let client = client.connect()?;
+            let info = client.job(&job)?;
+            println!("job {} ({}): {}", info.job, info.submission_id, info.state);
+            Ok(0)
+        }
+        JobCommand::Stop { job, client } => {
+            let client = client.connect()?;
+            let info = client.job(&job)?;
+            let info = client.stop_job(info.job)?;
+            if info.state != JobState::Running {
+                println!("job {} ({}) has ended: {}", info.job, info.submission_id, info.state);
+                return Ok(0);
+            }
+            // Wait for the driver to go, up to 30 s.
+            let deadline = std::time::Instant::now() + Duration::from_secs(30);
+            loop {
+                let now = client.job(&info.job.to_string())?;
+                if now.state != JobState::Running {
+                    println!("job {} ({}): {}", now.job, now.submission_id, now.state);
+                    return Ok(0);
+                }
+                if std::time::Instant::now() > deadline {
+                    bail!("job {} ({}) did not stop within 30 s", now.job, now.submission_id);
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+        JobCommand::Logs { job, follow, client } => {
+            let client = client.connect()?;
+            let info = client.job(&job)?;
+            let state = stream_logs(&client, info.job, follow)?;
+            if follow { job_exit_code(&info, state) } else { Ok(0) }
+        }
+        JobCommand::List { client } => {
+            print_jobs(&client.connect()?.jobs()?);
+            Ok(0)
+        }
     }
 }
 

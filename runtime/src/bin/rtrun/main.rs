@@ -95,9 +95,16 @@ enum Command {
     Submit {
         #[command(flatten)]
         client: cluster::ClientArgs,
+        #[command(flatten)]
+        options: cluster::SubmitArgs,
         /// The driver binary and its arguments (after `--`).
         #[arg(last = true, required = true)]
         command: Vec<String>,
+    },
+    /// Jobs: `status`, `stop`, `logs`, `list` (a job is its number or submission id).
+    Job {
+        #[command(subcommand)]
+        command: cluster::JobCommand,
     },
     /// Removes a placement group by name (its actors and tasks stop, its resources are freed),
     /// e.g. one left by a driver of an older version.
@@ -141,8 +148,12 @@ fn main() -> anyhow::Result<()> {
         Command::Status { client } => cluster::status(client),
         Command::List { what, client } => cluster::list(what, client),
         Command::Logs { job, follow, client } => cluster::logs(job, follow, client),
-        Command::Submit { client, command } => {
-            let code = cluster::submit(command, client)?;
+        Command::Submit { client, options, command } => {
+            let code = cluster::submit(command, options, client)?;
+            std::process::exit(code)
+        }
+        Command::Job { command } => {
+            let code = cluster::job(command)?;
             std::process::exit(code)
         }
         Command::RemovePlacementGroup { name, client } => {
