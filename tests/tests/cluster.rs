@@ -159,7 +159,9 @@ fn clients_without_credentials_are_refused_and_jobs_run_through_submit() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
     assert!(stdout.lines().any(|l| l == "ok"), "{stdout}");
-    assert!(stdout.contains("node to node") && stdout.contains("(1000000 bytes)"), "{stdout}");
+    // The `--env` reached the driver: its object is 1 MB, not the default 256 MiB.
+    let sizes = stdout.lines().find(|l| l.starts_with("checksum ")).unwrap_or_default();
+    assert!(sizes.ends_with(" 1000000"), "{stdout}");
     let jobs = rtrun(&cluster, &["list", "jobs"], &cluster.dir.join("head-credentials"));
     assert!(String::from_utf8_lossy(&jobs.stdout).contains("SUCCEEDED"));
 
