@@ -104,13 +104,19 @@ fn steps_done(run: &Path) -> usize {
     std::fs::read_to_string(run.join("metrics.jsonl")).map_or(0, |text| text.lines().count())
 }
 
-#[test]
-fn grpo_places_roles_across_nodes_learns_and_resumes_after_its_driver_is_killed() {
-    let cluster = start("grpo");
+/// A fresh cluster named `name` and the job's directory in it: its config and run directory.
+fn job_on(name: &str) -> (Cluster, PathBuf, PathBuf, PathBuf) {
+    let cluster = start(name);
     let dir = cluster.dir.join("job");
     std::fs::create_dir_all(&dir).unwrap();
     let config = write_config(&dir);
     let run = dir.join("run");
+    (cluster, dir, config, run)
+}
+
+#[test]
+fn grpo_places_roles_across_nodes_learns_and_resumes_after_its_driver_is_killed() {
+    let (cluster, dir, config, run) = job_on("grpo");
 
     // First attempt: killed (SIGKILL) once it is past its first checkpoint (step 50).
     let first_log = dir.join("first.log");
@@ -146,11 +152,7 @@ fn grpo_places_roles_across_nodes_learns_and_resumes_after_its_driver_is_killed(
 /// replacement node with the same resources and reruns: the rerun resumes from step 50 and
 /// finishes.
 fn node_lost_mid_run(victim: &'static str, resources: &'static str, roles: &[&str]) {
-    let mut cluster = start(&format!("loss-{victim}"));
-    let dir = cluster.dir.join("job");
-    std::fs::create_dir_all(&dir).unwrap();
-    let config = write_config(&dir);
-    let run = dir.join("run");
+    let (mut cluster, dir, config, run) = job_on(&format!("loss-{victim}"));
     let log = dir.join("first.log");
     let mut first = train(&cluster, &config, &log).spawn().unwrap();
     wait_for_steps(&mut first, &run, &log);

@@ -92,11 +92,15 @@ fn published_key(config: &CollectiveConfig) -> Option<&str> {
 /// listens on a port of its own and publishes the address first, and removes it once the
 /// rendezvous is over either way.
 fn master(config: &CollectiveConfig, deadline: Instant) -> Result<Joined, String> {
+    // A given address may be a host name; an empty one is this node's IP.
     let host = match config.master_addr.as_str() {
-        "" => crate::context().map_err(|e| format!("finding this node's IP: {e}"))?.node_ip,
-        addr => addr.parse().map_err(|e| format!("master address `{addr}`: {e}"))?,
+        "" => crate::context()
+            .map_err(|e| format!("finding this node's IP: {e}"))?
+            .node_ip
+            .to_string(),
+        addr => addr.to_owned(),
     };
-    let listener = TcpListener::bind((host, config.master_port)).map_err(|e| {
+    let listener = TcpListener::bind((host.as_str(), config.master_port)).map_err(|e| {
         format!("cannot listen on master address {host}:{}: {e}", config.master_port)
     })?;
     let Some(key) = published_key(config) else { return accept_ranks(config, deadline, listener) };
