@@ -109,7 +109,7 @@ fn a_drivers_placement_groups_go_with_it_and_operators_can_remove_one() {
     }
     assert!(status(&cluster).contains("available: CPU: 3"), "every CPU is free again");
 
-    // A driver killed with SIGKILL: its group goes once the head notices (QUIC idle timeout).
+    // A driver killed with SIGKILL: its group goes once the head notices (its heartbeats stop).
     let (mut driver, lines) = start_driver(&cluster, &["bytes", "100000", "hold", "300"]);
     expect_line(&lines, "holding", "the holding driver");
     assert!(list_groups(&cluster).contains("spread"));
@@ -138,6 +138,72 @@ fn a_drivers_placement_groups_go_with_it_and_operators_can_remove_one() {
     assert!(stderr.contains("no placement group named `spread`"), "{stderr}");
     let _ = driver.kill();
     let _ = driver.wait();
+}
+
+/// The worker pids of the cluster's live actors (`rtrun list actors`).
+fn live_actor_pids(cluster: &Cluster) -> Vec<u32> {
+    let out = rtrun(cluster, &["list", "actors"], &cluster.dir.join("head-credentials"));
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    // The name column may be empty: count from the end (… PID RESTARTS STATE).
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .skip(1)
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let state = *fields.last()?;
+            let pid = fields.get(fields.len().checked_sub(3)?)?;
+            (state == "ALIVE").then(|| pid.parse().ok()).flatten()
+        })
+        .collect()
+}
+
+/// Whether `pid` is a running process (not gone, not a zombie).
+fn running(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+        stat.rsplit_once(')').is_some_and(|(_, rest)| !rest.trim_start().starts_with('Z'))
+    })
+}
+
+/// How long after `t0` every process in `pids` stopped running (at most `limit`).
+fn all_gone_after(pids: &[u32], t0: Instant, limit: Duration) -> Duration {
+    let gone = rtrun_tests::wait_until(limit, || pids.iter().all(|&pid| !running(pid)));
+    let alive: Vec<_> = pids.iter().filter(|&&pid| running(pid)).collect();
+    assert!(gone, "workers {alive:?} outlived their driver by {limit:?}");
+    t0.elapsed()
+}
+
+/// A driver that dies without a word (SIGKILL) or stops answering (SIGSTOP) is declared gone
+/// by its heartbeats: its actors' worker processes on every node die within the heartbeat
+/// timeout (2 s here) plus a beat, not after the 10 s QUIC idle timeout, and its groups go.
+#[test]
+fn a_killed_or_paused_driver_loses_its_workers_on_every_node_within_the_heartbeat_timeout() {
+    let cluster = start_cluster("driver-heartbeats", "2");
+    let quic_idle = Duration::from_secs(10);
+    for (how, sig) in [("SIGKILL", libc::SIGKILL), ("SIGSTOP", libc::SIGSTOP)] {
+        let (mut driver, lines) = start_driver(&cluster, &["bytes", "100000", "hold", "300"]);
+        expect_line(&lines, "holding", "the holding driver");
+        let pids = live_actor_pids(&cluster);
+        // One actor per node of the SPREAD group, at least.
+        assert!(pids.len() >= 3, "{how}: the driver's actors: {pids:?}");
+        assert!(pids.iter().all(|&pid| running(pid)));
+        signal(driver.id(), sig);
+        let t0 = Instant::now();
+        let after = all_gone_after(&pids, t0, Duration::from_secs(30));
+        eprintln!("{how}: the driver's {} workers were gone {after:?} after it", pids.len());
+        assert!(
+            after < quic_idle,
+            "{how}: workers died {after:?} after their driver, not within the 2 s heartbeat \
+             timeout (the QUIC idle timeout is {quic_idle:?})"
+        );
+        let gone = rtrun_tests::wait_until(Duration::from_secs(10), || {
+            !list_groups(&cluster).contains("spread")
+        });
+        assert!(gone, "{how}: the driver's group is still there: {}", list_groups(&cluster));
+        signal(driver.id(), libc::SIGCONT);
+        let _ = driver.kill();
+        let _ = driver.wait();
+    }
+    assert!(status(&cluster).contains("nodes: 3 alive"), "{}", status(&cluster));
 }
 
 #[test]

@@ -9,8 +9,9 @@
 //!
 //! Joining is one `rtrun-net` request to the head ([`NetRequest::Join`]) answered with the
 //! session, the process's id and its node id; then the process opens its runtime connection to
-//! the head like any worker. Node daemons also send heartbeats on that first connection; the
-//! head's monitor declares a node dead after `heartbeat_timeout` of silence. Job binaries move
+//! the head like any worker. Node daemons and drivers also send heartbeats on that first
+//! connection; the head's monitor declares a node dead (or a driver gone, with its actors and
+//! groups) after `heartbeat_timeout` of silence. Job binaries move
 //! as `rtrun-net` requests too, content-addressed ([`binaries`]).
 
 pub mod binaries;
@@ -19,6 +20,7 @@ pub(crate) mod node;
 
 pub use client::Client;
 
+use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
@@ -366,19 +368,29 @@ pub fn start_head(options: HeadOptions) -> Result<HeadHandle> {
         options.node_name.clone(),
     );
     // The network service: joins and job binaries.
+    let drivers: Arc<parking_lot::Mutex<HashMap<String, WorkerId>>> = Arc::default();
     let service = Arc::new(HeadService {
         head: Arc::downgrade(&head),
         session,
         binaries,
         monitor: monitor.clone(),
+        drivers: drivers.clone(),
     });
     let _ = link.requests.set(service);
     let dead_head = Arc::downgrade(&head);
     let timeout = options.heartbeat_timeout;
     net.spawn(async move {
         while let Some(name) = dead.recv().await {
-            if let Some(head) = dead_head.upgrade() {
-                head.on_node_dead(&name, &format!("no heartbeat for {timeout:?}"));
+            let Some(head) = dead_head.upgrade() else { continue };
+            // A silent driver (killed, paused, cut off) takes its actors and groups with it
+            // now, not when its connection times out.
+            let driver = drivers.lock().remove(&name);
+            match driver {
+                Some(driver) => {
+                    tracing::warn!(%name, "driver declared dead: no heartbeat for {timeout:?}");
+                    head.on_driver_gone(driver);
+                }
+                None => head.on_node_dead(&name, &format!("no heartbeat for {timeout:?}")),
             }
         }
     });
@@ -417,6 +429,8 @@ struct HeadService {
     session: String,
     binaries: Arc<BinaryCache>,
     monitor: rtrun_net::HeartbeatMonitor,
+    /// Drivers watched by the heartbeat monitor, by peer name.
+    drivers: Arc<parking_lot::Mutex<HashMap<String, WorkerId>>>,
 }
 
 /// What a [`NetLink`] does with requests peers send it.
@@ -462,7 +476,14 @@ impl NetService for HeadService {
                         "driver binary {digest} must be uploaded before joining"
                     )));
                 }
+                let watch = binary.is_some();
                 let joined = head.join(&self.session, JoinAs::Driver { binary, job })?;
+                // A driver (not a command-line client) sends heartbeats; it is watched like
+                // a node.
+                if watch {
+                    self.drivers.lock().insert(peer.clone(), joined.worker);
+                    self.monitor.watch(&peer);
+                }
                 Ok((
                     NetReply::Joined {
                         session: joined.session,
@@ -713,7 +734,8 @@ pub(crate) fn start_driver(config: &Config, address: &str, binary: bool) -> Resu
     // A driver or client with only a token gets a short-lived certificate of its own, kept in
     // memory: nothing that grants access to the cluster outlives the process.
     let validity = if binary { DRIVER_CERTIFICATE_VALIDITY } else { CLIENT_CERTIFICATE_VALIDITY };
-    let name = format!("driver-{}", std::process::id());
+    // Unique in the cluster: the head watches drivers' heartbeats by this name.
+    let name = format!("driver-{}-{:08x}", std::process::id(), crate::runtime::random_u64() as u32);
     let node = credentials(
         &dir,
         config.token.as_deref(),
@@ -724,10 +746,15 @@ pub(crate) fn start_driver(config: &Config, address: &str, binary: bool) -> Resu
     )?;
     let joining = connect_to_head(head, node, None, None, timeout)?;
     let endpoint = joining.endpoint;
+    // A driver's heartbeats let the head notice it died within the heartbeat timeout.
+    let heartbeats = binary.then(|| {
+        let _guard = joining.net.enter();
+        joining.control.start_heartbeats()
+    });
     let member = Arc::new(Member {
         link: joining.link,
         control: Some(joining.control),
-        _heartbeats: None,
+        _heartbeats: heartbeats,
         bind_ip: joining.bind_ip,
         node_address: None,
         credentials_dir: dir,
@@ -757,7 +784,7 @@ pub(crate) fn start_driver(config: &Config, address: &str, binary: bool) -> Resu
     let address = Route::quic(endpoint, node_id, &crate::runtime::socket_name(&session, worker));
     let _ = MEMBER.set(member);
     // Peers (the head above all, which ends the job's actors) learn of a normal exit at once;
-    // a killed driver is noticed through the QUIC idle timeout.
+    // a killed driver is noticed when its heartbeats stop.
     close_connections_at_exit();
     Runtime::start_cluster_driver(config, session, worker, node_id, address, head_address)
 }
