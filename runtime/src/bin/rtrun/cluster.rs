@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
-use clap::{Args, ValueEnum};
+use clap::{Args, Subcommand, ValueEnum};
 use rtrun::cluster::{self, Client, HeadOptions, JoinOptions};
 use rtrun::protocol::JobState;
 
@@ -184,8 +184,8 @@ fn resources(map: &BTreeMap<String, f64>) -> String {
     map.iter().map(|(k, v)| format!("{k}: {v}")).collect::<Vec<_>>().join(", ")
 }
 
-/// `rtrun status`.
-pub fn status(client: ClientArgs) -> anyhow::Result<()> {
+/// `rtrun status`; with `node`, fails unless that node is alive.
+pub fn status(node: Option<&str>, client: ClientArgs) -> anyhow::Result<()> {
     let info = client.connect()?.status()?;
     println!(
         "nodes: {} alive, {} dead",
@@ -209,6 +209,51 @@ pub fn status(client: ClientArgs) -> anyhow::Result<()> {
             node.address
         );
     }
+    let Some(name) = node else { return Ok(()) };
+    match info.nodes.iter().rev().find(|n| n.name == name) {
+        Some(n) if n.alive => Ok(()),
+        Some(n) => bail!(
+            "node `{name}` is dead ({})",
+            n.death_reason.as_deref().unwrap_or("no reason given")
+        ),
+        None => {
+            let names: Vec<&str> = info.nodes.iter().map(|n| n.name.as_str()).collect();
+            bail!("node `{name}` is not in the cluster (its nodes: {})", names.join(", "))
+        }
+    }
+}
+
+/// `rtrun credentials …`.
+#[derive(Subcommand, Debug)]
+pub enum CredentialsCommand {
+    /// Creates a new cluster's credentials in DIR (CA, CA key, the head's certificate, join
+    /// token) and prints the token; `rtrun head --credentials-dir` with a copy of DIR serves
+    /// that cluster. Refuses a directory that already holds credentials.
+    Init {
+        /// The directory to create (mode 0700, files 0600).
+        dir: PathBuf,
+        /// The head's node name, in its certificate.
+        #[arg(long, default_value = "rtrun-head")]
+        node_name: String,
+    },
+}
+
+/// `rtrun credentials`.
+pub fn credentials(command: CredentialsCommand) -> anyhow::Result<()> {
+    let CredentialsCommand::Init { dir, node_name } = command;
+    let credentials = rtrun_net::CredentialsDir::new(&dir);
+    if dir.read_dir().is_ok_and(|mut entries| entries.next().is_some()) {
+        bail!(
+            "`{}` is not empty: credentials init never replaces a cluster's credentials \
+             (a new CA would lock every node out); choose a new directory",
+            dir.display()
+        );
+    }
+    let (head, _) = credentials
+        .load_or_create_head(&node_name)
+        .with_context(|| format!("creating credentials in `{}`", dir.display()))?;
+    println!("created cluster credentials in {} for head node {node_name}", dir.display());
+    println!("join token: {}", head.node.token);
     Ok(())
 }
 
@@ -396,7 +441,7 @@ fn job_exit_code(job: &rtrun::protocol::JobInfo, state: JobState) -> anyhow::Res
 }
 
 /// `rtrun job ...`.
-#[derive(clap::Subcommand, Debug)]
+#[derive(Subcommand, Debug)]
 pub enum JobCommand {
     /// Shows one job's state.
     Status {

@@ -71,8 +71,17 @@ enum Command {
     },
     /// Shows the cluster's nodes and resources.
     Status {
+        /// Fails (exit code 1) unless the node of this name is in the cluster and alive: a
+        /// readiness check for a head or a joined node.
+        #[arg(long)]
+        node: Option<String>,
         #[command(flatten)]
         client: cluster::ClientArgs,
+    },
+    /// Cluster credentials made ahead of `rtrun head`, e.g. for a Kubernetes Secret.
+    Credentials {
+        #[command(subcommand)]
+        command: cluster::CredentialsCommand,
     },
     /// Lists actors, nodes, placement groups, objects or jobs.
     List {
@@ -145,7 +154,8 @@ fn main() -> anyhow::Result<()> {
         Command::Join { address, token, bind_ip, connect_timeout, node } => {
             cluster::join(address, token, bind_ip, connect_timeout, node)
         }
-        Command::Status { client } => cluster::status(client),
+        Command::Status { node, client } => cluster::status(node.as_deref(), client),
+        Command::Credentials { command } => cluster::credentials(command),
         Command::List { what, client } => cluster::list(what, client),
         Command::Logs { job, follow, client } => cluster::logs(job, follow, client),
         Command::Submit { client, options, command } => {
