@@ -2,7 +2,8 @@
 //! SPREAD placement group with one bundle per node, calls an actor in each bundle, moves a
 //! 256 MiB object between nodes and checks its checksum on both ends. Prints `nodes ...`,
 //! `checksum ...` and `ok` lines the test reads. Arguments: `nodes N` bundles (default 3),
-//! `group NAME` (default `spread`), `bytes N` for the object's size, `hold SECONDS` to keep
+//! `group NAME` (default `spread`), `bytes N` for the object's size, `read FILE` to print a
+//! file's first line, `hold SECONDS` to keep
 //! everything that long afterwards (the fault tests kill things meanwhile).
 
 use std::io::Write;
@@ -136,6 +137,13 @@ fn main() -> anyhow::Result<()> {
         let worker = probes[nodes - 1].env(name.clone()).get()?.unwrap_or_default();
         writeln!(out, "driver env {name}={driver}")?;
         writeln!(out, "worker env {name}={worker}")?;
+    }
+    // `read FILE`: the first line of FILE, relative to the current directory (a submitted
+    // job's working directory).
+    if let Some(file) = argument("read") {
+        let text = std::fs::read_to_string(&file)?;
+        let cwd = std::env::current_dir()?;
+        writeln!(out, "read {file}: {} (in {})", text.lines().next().unwrap_or(""), cwd.display())?;
     }
     writeln!(out, "ok")?;
     out.flush()?;

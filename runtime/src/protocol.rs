@@ -388,6 +388,9 @@ pub enum Request {
         env: Vec<(String, String)>,
         /// The job's name, unique in the cluster (default: generated).
         submission_id: Option<String>,
+        /// The digest of its working-directory package (uploaded before), unpacked for this
+        /// job where its driver runs, which starts there.
+        working_dir: Option<String>,
     },
     /// Stops a running job: its driver is killed, and with it its workers on every node and
     /// its placement groups. Answered with the job's [`JobInfo`].

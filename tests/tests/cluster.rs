@@ -374,7 +374,7 @@ fn head_rtrun(cluster: &common::Cluster, args: &[&str]) -> (String, String, bool
 }
 
 #[test]
-fn jobs_carry_env_to_their_workers_run_detached_and_stop_by_name() {
+fn jobs_carry_env_and_working_dirs_run_detached_and_stop_by_name() {
     let cluster = start_cluster("jobs", "5");
     let submit = |extra: &[&str]| {
         Command::new(rtrun_binary())
@@ -455,4 +455,50 @@ fn jobs_carry_env_to_their_workers_run_detached_and_stop_by_name() {
     assert!(ok && out.contains("has ended: STOPPED"), "{out}");
     let (_, err, ok) = head_rtrun(&cluster, &["job", "status", "nope"]);
     assert!(!ok && err.contains("no job `nope`"), "{err}");
+
+    // --working-dir: the job starts in a copy of the directory, made on the head's node from
+    // a package uploaded once by content (a second submission of the same files adds nothing
+    // to the head's cache); a missing directory is refused before anything is uploaded.
+    let files = cluster.dir.join("job-files");
+    std::fs::create_dir_all(files.join("data")).unwrap();
+    std::fs::write(files.join("data/prompts.txt"), "reverse 4071\nreverse 123\n").unwrap();
+    let cache = cluster.dir.join("head-data").join("binaries");
+    let cached = || std::fs::read_dir(&cache).unwrap().count();
+    let run_in_dir = || {
+        Command::new(rtrun_binary())
+            .args(["submit", "--address", &cluster.address])
+            .arg("--credentials-dir")
+            .arg(cluster.dir.join("head-credentials"))
+            .arg("--working-dir")
+            .arg(&files)
+            .arg("--")
+            .arg(driver_binary())
+            .args(["bytes", "1000", "read", "data/prompts.txt"])
+            .output()
+            .unwrap()
+    };
+    let mut seen = Vec::new();
+    for attempt in 0..2 {
+        let out = run_in_dir();
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+        let line = stdout.lines().find(|l| l.starts_with("read ")).expect("a read line");
+        assert!(line.starts_with("read data/prompts.txt: reverse 4071 (in "), "{line}");
+        let dir = line.rsplit_once("(in ").unwrap().1.trim_end_matches(')').to_owned();
+        assert!(dir.starts_with(&*cluster.dir.join("head-data").join("jobs").to_string_lossy()));
+        seen.push((dir, cached()));
+        eprintln!("working-dir submission {attempt}: {line}");
+    }
+    assert_ne!(seen[0].0, seen[1].0, "each job has its own copy");
+    assert_eq!(seen[0].1, seen[1].1, "the same files are uploaded once");
+    let out = Command::new(rtrun_binary())
+        .args(["submit", "--address", &cluster.address])
+        .arg("--credentials-dir")
+        .arg(cluster.dir.join("head-credentials"))
+        .args(["--working-dir", "/nonexistent/job-files", "--"])
+        .arg(driver_binary())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("--working-dir /nonexistent/job-files"), "{err}");
 }

@@ -117,18 +117,35 @@ impl Client {
 
     /// Uploads `binary` (unless the head has it) and runs it with `args` on the head's node,
     /// with `env` for the driver and every worker of the job, named `submission_id` (default:
-    /// a generated name).
+    /// a generated name), in a copy of `working_dir` (packed and uploaded unless the head has
+    /// the same files already; see [`super::working_dir`]).
     pub fn submit(
         &self,
         binary: &Path,
         args: Vec<String>,
         env: Vec<(String, String)>,
         submission_id: Option<String>,
+        working_dir: Option<&Path>,
     ) -> Result<JobInfo> {
-        let digest = super::binaries::digest_file(binary)?;
         let member = super::member().ok_or(Error::NotInitialised)?;
+        let working_dir = match working_dir {
+            Some(dir) => {
+                let package = super::working_dir::pack(dir)?;
+                let digest = super::binaries::digest_of(&package);
+                super::upload_bytes(member, &digest, || Ok(package))?;
+                Some(digest)
+            }
+            None => None,
+        };
+        let digest = super::binaries::digest_file(binary)?;
         super::upload_binary(member, binary, &digest)?;
-        single_job(self.call(Request::SubmitJob { binary: digest, args, env, submission_id })?)
+        single_job(self.call(Request::SubmitJob {
+            binary: digest,
+            args,
+            env,
+            submission_id,
+            working_dir,
+        })?)
     }
 
     /// The job named `name`: its number or its submission id.

@@ -17,6 +17,7 @@
 pub mod binaries;
 pub mod client;
 pub(crate) mod node;
+pub mod working_dir;
 
 pub use client::Client;
 
@@ -44,6 +45,9 @@ use binaries::BinaryCache;
 pub const ADDRESS_ENV: &str = "RTRUN_ADDRESS";
 /// Environment variable the head sets for a submitted job's driver: the job's number.
 pub const JOB_ENV: &str = "RTRUN_JOB_ID";
+/// Environment variable the head sets for a submitted job's driver that has a working
+/// directory: where it was unpacked (the driver's current directory).
+pub const WORKING_DIR_ENV: &str = "RTRUN_WORKING_DIR";
 /// The credentials directory of a cluster process.
 pub const CREDENTIALS_ENV: &str = "RTRUN_CREDENTIALS_DIR";
 /// Set in workers of a cluster: `<node id>;<node daemon address>;<bind ip>`.
@@ -362,9 +366,15 @@ pub fn start_head(options: HeadOptions) -> Result<HeadHandle> {
     let log_dir = options.data_dir.join("logs");
     std::fs::create_dir_all(&log_dir)
         .map_err(|e| Error::System(format!("cannot create {}: {e}", log_dir.display())))?;
+    let jobs_dir = options.data_dir.join("jobs");
     let head = runtime.head.get().cloned().ok_or(Error::NotInitialised)?;
     head.enable_cluster(
-        Arc::new(ClusterHead { address: address.clone(), binaries: binaries.clone(), log_dir }),
+        Arc::new(ClusterHead {
+            address: address.clone(),
+            binaries: binaries.clone(),
+            log_dir,
+            jobs_dir,
+        }),
         options.node_name.clone(),
     );
     // The network service: joins and job binaries.
@@ -881,13 +891,25 @@ pub(crate) fn pull_into_node(
 
 /// Uploads a job binary unless the head has it.
 pub(crate) fn upload_binary(member: &Member, path: &Path, digest: &str) -> Result<()> {
+    upload_bytes(member, digest, || {
+        std::fs::read(path)
+            .map_err(|e| Error::System(format!("cannot read {}: {e}", path.display())))
+    })
+}
+
+/// Uploads the content `digest` to the head's content-addressed cache unless it is there;
+/// `bytes` reads it only when needed.
+pub(crate) fn upload_bytes(
+    member: &Member,
+    digest: &str,
+    bytes: impl FnOnce() -> Result<Vec<u8>>,
+) -> Result<()> {
     let (reply, _) =
         control_request(member, NetRequest::HasBinary { digest: digest.to_owned() }, Vec::new())?;
     if matches!(reply, NetReply::Present(true)) {
         return Ok(());
     }
-    let bytes = std::fs::read(path)
-        .map_err(|e| Error::System(format!("cannot read {}: {e}", path.display())))?;
+    let bytes = bytes()?;
     control_request(
         member,
         NetRequest::UploadBinary { digest: digest.to_owned() },

@@ -126,6 +126,7 @@ impl NodeAgent {
             log: Some(self.config.log_dir.join(format!("worker-{}.log", worker.0))),
             job: Some(digest),
             args: Vec::new(),
+            cwd: None,
         })
     }
 

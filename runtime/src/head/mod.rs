@@ -311,9 +311,9 @@ impl Head {
                 self.on_worker_exit(worker, status);
                 return responder.respond(Response::Done);
             }
-            Request::SubmitJob { binary, args, env, submission_id } => {
+            Request::SubmitJob { binary, args, env, submission_id, working_dir } => {
                 return responder.respond(
-                    match self.submit_job(binary, args, env, submission_id) {
+                    match self.submit_job(binary, args, env, submission_id, working_dir) {
                         Ok(info) => Response::Jobs(vec![info]),
                         Err(e) => Response::Error(e),
                     },

@@ -57,6 +57,8 @@ pub(crate) struct ClusterHead {
     pub(crate) binaries: Arc<BinaryCache>,
     /// Where job and worker logs of the head node go.
     pub(crate) log_dir: PathBuf,
+    /// Where submitted jobs' working directories are unpacked, one per job.
+    pub(crate) jobs_dir: PathBuf,
 }
 
 /// Nodes, drivers and jobs.
@@ -140,7 +142,15 @@ impl Members {
         if local && let Some(cluster) = cluster {
             env.extend(crate::cluster::node_env(self.head_node, &cluster.address));
         }
-        SpawnRequest { worker, env, binary, log, job: job.map(str::to_owned), args: Vec::new() }
+        SpawnRequest {
+            worker,
+            env,
+            binary,
+            log,
+            job: job.map(str::to_owned),
+            args: Vec::new(),
+            cwd: None,
+        }
     }
 
     pub(super) fn info(&self) -> Vec<NodeInfo> {
@@ -419,8 +429,9 @@ impl Head {
         args: Vec<String>,
         env: Vec<(String, String)>,
         submission_id: Option<String>,
+        working_dir: Option<String>,
     ) -> Result<JobInfo> {
-        let (request, info) = {
+        let (id, request, info, package) = {
             let mut state = self.state.lock();
             let submission_id = match submission_id {
                 Some(name) => {
@@ -444,6 +455,13 @@ impl Head {
             if !path.exists() {
                 return Err(Error::Invalid(format!("job binary {binary} was not uploaded")));
             }
+            if let Some(digest) = &working_dir
+                && !cluster.binaries.contains(digest)
+            {
+                return Err(Error::Invalid(format!(
+                    "the working directory package {digest} was not uploaded"
+                )));
+            }
             let id = state.members.next_id();
             let worker = WorkerId(id);
             let log = cluster.log_dir.join(format!("job-{id}.log"));
@@ -458,6 +476,11 @@ impl Head {
             env.push((crate::cluster::ADDRESS_ENV.into(), head));
             env.push((crate::cluster::JOB_ENV.into(), id.to_string()));
             env.extend(crate::cluster::node_env(state.members.head_node, &cluster.address));
+            let package = working_dir.as_ref().map(|digest| cluster.binaries.path(digest));
+            let cwd = package.as_ref().map(|_| cluster.jobs_dir.join(format!("job-{id}")));
+            if let Some(dir) = &cwd {
+                env.push((crate::cluster::WORKING_DIR_ENV.into(), dir.display().to_string()));
+            }
             let entry = JobEntry {
                 worker,
                 binary: binary.clone(),
@@ -479,9 +502,20 @@ impl Head {
                 log: Some(log),
                 job: Some(binary),
                 args: Vec::new(),
+                cwd,
             };
-            (request.with_args(args), info)
+            (id, request.with_args(args), info, package)
         };
+        // Unpacked outside the lock (it may take a while); a job whose files cannot be laid
+        // out fails before its driver starts.
+        if let (Some(dir), Some(package)) = (&request.cwd, &package) {
+            if let Err(e) = crate::cluster::working_dir::unpack(package, dir) {
+                if let Some(entry) = self.state.lock().members.jobs.get_mut(&id) {
+                    entry.state = JobState::Failed { reason: e.to_string() };
+                }
+                return Err(e);
+            }
+        }
         self.spawner.spawn(request)?;
         Ok(info)
     }

@@ -37,6 +37,8 @@ pub(crate) struct SpawnRequest {
     pub(crate) job: Option<String>,
     /// Arguments for `binary` (a submitted job's driver; workers need none).
     pub(crate) args: Vec<String>,
+    /// The directory it starts in (a submitted job's working directory; else inherited).
+    pub(crate) cwd: Option<std::path::PathBuf>,
 }
 
 impl SpawnRequest {
@@ -105,6 +107,9 @@ impl SpawnerInbox {
                         }
                     };
                     command.envs(request.env.iter().cloned()).stdin(Stdio::null());
+                    if let Some(dir) = &request.cwd {
+                        command.current_dir(dir);
+                    }
                     if let Some(path) = &request.log {
                         match std::fs::OpenOptions::new().create(true).append(true).open(path) {
                             Ok(file) => {

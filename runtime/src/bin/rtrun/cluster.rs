@@ -385,6 +385,11 @@ pub struct SubmitArgs {
     /// The job's name, unique in the cluster (default: generated).
     #[arg(long)]
     submission_id: Option<String>,
+    /// A directory of files the job needs (configs, small datasets, scripts): packed,
+    /// uploaded once by content and unpacked for the job where its driver runs, which starts
+    /// in it (as Ray's `working_dir`; at most 500 MiB).
+    #[arg(long)]
+    working_dir: Option<PathBuf>,
 }
 
 /// `--env` values as pairs, each checked.
@@ -415,7 +420,13 @@ pub fn submit(
     }
     let env = env_pairs(&options.env)?;
     let client = client.connect()?;
-    let job = client.submit(&path, args.to_vec(), env, options.submission_id)?;
+    let job = client.submit(
+        &path,
+        args.to_vec(),
+        env,
+        options.submission_id,
+        options.working_dir.as_deref(),
+    )?;
     eprintln!("submitted job {} ({}, binary {})", job.job, job.submission_id, job.binary);
     if options.no_wait {
         println!("{}", job.submission_id);
