@@ -508,13 +508,13 @@ impl Head {
         };
         // Unpacked outside the lock (it may take a while); a job whose files cannot be laid
         // out fails before its driver starts.
-        if let (Some(dir), Some(package)) = (&request.cwd, &package) {
-            if let Err(e) = crate::cluster::working_dir::unpack(package, dir) {
-                if let Some(entry) = self.state.lock().members.jobs.get_mut(&id) {
-                    entry.state = JobState::Failed { reason: e.to_string() };
-                }
-                return Err(e);
+        if let (Some(dir), Some(package)) = (&request.cwd, &package)
+            && let Err(e) = crate::cluster::working_dir::unpack(package, dir)
+        {
+            if let Some(entry) = self.state.lock().members.jobs.get_mut(&id) {
+                entry.state = JobState::Failed { reason: e.to_string() };
             }
+            return Err(e);
         }
         self.spawner.spawn(request)?;
         Ok(info)
