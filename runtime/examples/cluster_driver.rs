@@ -3,7 +3,7 @@
 //! 256 MiB object between nodes and checks its checksum on both ends. Prints `nodes ...`,
 //! `checksum ...` and `ok` lines the test reads. Arguments: `nodes N` bundles (default 3),
 //! `group NAME` (default `spread`), `bytes N` for the object's size, `read FILE` to print a
-//! file's first line, `hold SECONDS` to keep
+//! file's first line, `say N` to have every actor print N lines, `hold SECONDS` to keep
 //! everything that long afterwards (the fault tests kill things meanwhile).
 
 use std::io::Write;
@@ -60,6 +60,16 @@ impl Probe {
     /// The value of an environment variable in this actor's process.
     pub fn env(&self, name: String) -> Option<String> {
         std::env::var(name).ok()
+    }
+
+    /// Prints `lines` lines on stdout (`probe says I on NODE`) and one on stderr.
+    pub fn say(&self, lines: u32) -> u32 {
+        let node = rtrun::context().map(|c| c.node_id.to_string()).unwrap_or_default();
+        for i in 0..lines {
+            println!("probe says {i} on {node}");
+        }
+        eprintln!("probe warns on {node}");
+        lines
     }
 
     /// The checksum of bytes produced elsewhere.
@@ -137,6 +147,13 @@ fn main() -> anyhow::Result<()> {
         let worker = probes[nodes - 1].env(name.clone()).get()?.unwrap_or_default();
         writeln!(out, "driver env {name}={driver}")?;
         writeln!(out, "worker env {name}={worker}")?;
+    }
+    // `say N`: every probe prints N lines (its output reaches this driver's stderr, prefixed).
+    if let Some(lines) = argument("say").and_then(|n| n.parse::<u32>().ok()) {
+        for probe in &probes {
+            probe.say(lines).get()?;
+        }
+        writeln!(out, "said")?;
     }
     // `read FILE`: the first line of FILE, relative to the current directory (a submitted
     // job's working directory).

@@ -38,6 +38,7 @@ pub mod group;
 mod head;
 pub mod ids;
 pub mod kv;
+pub mod logs;
 pub mod object;
 pub mod placement_group;
 pub mod protocol;

@@ -407,6 +407,16 @@ pub enum Request {
     },
     /// Every submitted job.
     ListJobs,
+    /// One of a node's log files (`worker-N.log`, `job-N.log`, rotated `….K`) from a byte
+    /// offset; answered by the node's daemon (the head for its own node).
+    ReadLog {
+        /// The file's name in the node's log directory.
+        file: String,
+        /// Bytes already read.
+        offset: u64,
+    },
+    /// A node's log files and their sizes.
+    ListLogs,
     /// Answered with `Done` while the node is alive, with the reason once it died.
     NodeAlive {
         /// The node.
@@ -514,6 +524,18 @@ pub enum Response {
         /// The job's state.
         job: JobInfo,
     },
+    /// Part of a node's log file.
+    LogChunk {
+        /// The bytes (at most 1 MiB).
+        #[serde(with = "serde_bytes")]
+        bytes: Vec<u8>,
+        /// The file's size now.
+        size: u64,
+        /// The file's inode: it changes when the name is rotated to a new file.
+        inode: u64,
+    },
+    /// A node's log files with their sizes.
+    LogFiles(Vec<(String, u64)>),
     /// The request failed.
     Error(Error),
 }
@@ -580,6 +602,12 @@ pub struct ActorSummary {
     pub pid: Option<u32>,
     /// How many times it was restarted.
     pub restarts: u64,
+    /// Its worker now, or its last one once dead: whose log (`worker-N.log`) holds its output.
+    pub worker: Option<crate::ids::WorkerId>,
+    /// The node of that worker.
+    pub log_node: Option<crate::ids::NodeId>,
+    /// The driver that created it (its job's driver process).
+    pub driver: Option<crate::ids::WorkerId>,
 }
 
 /// A submitted job.

@@ -905,6 +905,12 @@ impl Runtime {
                     self.worker_id
                 )))),
             },
+            // A node's logs: its daemon's; the head serves its own node's.
+            body @ (Request::ReadLog { .. } | Request::ListLogs)
+                if let Some(agent) = self.node_agent.get() =>
+            {
+                agent.handle(body, Box::new(move |r| responder.respond(r)))
+            }
             body => match self.head.get() {
                 Some(head) => head.handle(Some(conn), body, responder),
                 None => responder.respond(Response::Error(Error::Invalid(format!(

@@ -502,3 +502,101 @@ fn jobs_carry_env_and_working_dirs_run_detached_and_stop_by_name() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("--working-dir /nonexistent/job-files"), "{err}");
 }
+
+/// Worker output, as an operator reads it: a cluster driver's actors print on every node and
+/// their lines reach the driver's stderr prefixed `(Probe pid=…, node=…)`; `rtrun logs` reads an
+/// actor's, a worker's and a whole node's output through the head; worker logs rotate by size
+/// (`RTRUN_LOG_ROTATION_MAX_BYTES`, set small here for the node daemons).
+#[test]
+fn worker_output_reaches_its_driver_prefixed_and_rtrun_logs_reads_any_node() {
+    // SAFETY: this test's process has no other threads yet (nextest runs one test per process).
+    unsafe {
+        std::env::set_var("RTRUN_LOG_ROTATION_MAX_BYTES", "3000");
+    }
+    let cluster = start_cluster("logs", "5");
+    let mut driver = Command::new(driver_binary())
+        .args(["bytes", "1000", "say", "400", "hold", "120"])
+        .env("RTRUN_ADDRESS", &cluster.address)
+        .env("RTRUN_CREDENTIALS_DIR", cluster.dir.join("head-credentials"))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_line(&mut driver, "holding", "the driver");
+    let (tx, rx) = std::sync::mpsc::channel();
+    let stderr = driver.stderr.take().unwrap();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    // Every node's last line and its stderr line arrive, prefixed with type, pid and node.
+    let mut seen: Vec<String> = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let complete = |seen: &[String], node: &str| {
+        let says = format!(", node={node}) probe says 399 on ");
+        let warns = format!(", node={node}) probe warns on ");
+        let prefixed = |l: &&String| l.starts_with("(Probe pid=");
+        seen.iter().filter(prefixed).any(|l| l.contains(&says))
+            && seen.iter().filter(prefixed).any(|l| l.contains(&warns))
+    };
+    while !["head", "n1", "n2"].iter().all(|n| complete(&seen, n)) {
+        assert!(Instant::now() < deadline, "prefixed actor output on the driver: {seen:#?}");
+        if let Ok(line) = rx.recv_timeout(Duration::from_millis(200)) {
+            seen.push(line);
+            seen.extend(rx.try_iter());
+        }
+    }
+    let says = seen.iter().filter(|l| l.contains(") probe says ")).count();
+    assert_eq!(says, 3 * 400, "every line once, across rotations");
+
+    // `rtrun logs --actor`: the first live actor's whole output (its file was rotated, so the
+    // current file holds the newest lines).
+    let (actors, _, ok) = head_rtrun(&cluster, &["list", "actors"]);
+    assert!(ok, "{actors}");
+    let actor = actors.lines().nth(1).and_then(|l| l.split_whitespace().next()).unwrap().to_owned();
+    let (out, err, ok) = head_rtrun(&cluster, &["logs", "--actor", &actor]);
+    assert!(ok && out.contains("probe says 399 on ") && out.contains("probe warns"), "{out}{err}");
+    // `--node n1`: every file's lines, prefixed with the file; `--worker` one of them.
+    let (out, err, ok) = head_rtrun(&cluster, &["logs", "--node", "n1"]);
+    assert!(ok, "{err}");
+    let line =
+        out.lines().find(|l| l.contains("probe says 399")).unwrap_or_else(|| panic!("{out}"));
+    let worker = line.trim_start_matches('(').split(')').next().unwrap().to_owned();
+    assert!(worker.starts_with("worker-"), "{line}");
+    let (out, err, ok) = head_rtrun(&cluster, &["logs", "--worker", &worker]);
+    assert!(ok && out.contains("probe says 399 on "), "{out}{err}");
+    // The log rotated on the node: the newest file stays under the limit, backups beside it.
+    let logs = cluster.dir.join("n1-data").join("logs");
+    let file = logs.join(format!("{worker}.log"));
+    assert!(std::fs::metadata(&file).unwrap().len() <= 3000);
+    assert!(logs.join(format!("{worker}.log.1")).exists(), "a rotated backup");
+    // Bad names are refused with what was wrong.
+    let (_, err, ok) = head_rtrun(&cluster, &["logs", "--node", "nope"]);
+    assert!(!ok && err.contains("no node `nope`"), "{err}");
+    let (_, err, ok) = head_rtrun(&cluster, &["logs", "--actor", "actor-999999"]);
+    assert!(!ok && err.contains("no actor `actor-999999`"), "{err}");
+    let _ = driver.kill();
+    let _ = driver.wait();
+}
+
+/// An embedded session (no cluster) prints its workers' output on the driver's own stdout and
+/// stderr, each line prefixed with the actor's type and pid, including the lines written just
+/// before the driver exits (and while its main thread holds the stdout lock).
+#[test]
+fn embedded_workers_print_on_the_drivers_terminal_prefixed() {
+    let out = Command::new(driver_binary())
+        .args(["nodes", "1", "bytes", "1000", "say", "3"])
+        .env_remove("RTRUN_ADDRESS")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stdout}{stderr}");
+    let said: Vec<&str> = stdout.lines().filter(|l| l.contains("probe says")).collect();
+    assert_eq!(said.len(), 3, "{stdout}");
+    let pid = said[0].strip_prefix("(Probe pid=").and_then(|r| r.split(')').next()).unwrap();
+    assert!(pid.parse::<u32>().is_ok(), "{}", said[0]);
+    assert_eq!(said[2], format!("(Probe pid={pid}) probe says 2 on node-0"));
+    assert!(stderr.contains(&format!("(Probe pid={pid}) probe warns on node-0")), "{stderr}");
+}

@@ -6,7 +6,9 @@ use std::sync::Arc;
 
 use crate::error::{Error, Result};
 use crate::placement_group::PlacementGroupState;
-use crate::protocol::{ActorSummary, ClusterInfo, JobInfo, NodeMemory, Request, Response, StoreOp};
+use crate::protocol::{
+    ActorSummary, ClusterInfo, JobInfo, NodeInfo, NodeMemory, Request, Response, StoreOp,
+};
 use crate::runtime::{Config, Runtime};
 
 /// The file in the credentials directory where `rtrun head` records its address.
@@ -181,6 +183,26 @@ impl Client {
         Ok(group)
     }
 
+    /// Up to 1 MiB of the log `file` on `node` from `offset`, and the file's inode (see
+    /// [`LogCursor`], which follows a log through its rotations).
+    pub fn read_log(&self, node: &NodeInfo, file: &str, offset: u64) -> Result<(Vec<u8>, u64)> {
+        let conn = self.runtime.endpoint()?.connect(&node.address)?;
+        let request = Request::ReadLog { file: file.to_owned(), offset };
+        match self.runtime.call_on(&conn, request)? {
+            Response::LogChunk { bytes, inode, .. } => Ok((bytes, inode)),
+            other => Err(unexpected(other)),
+        }
+    }
+
+    /// The log files on `node` with their sizes.
+    pub fn list_logs(&self, node: &NodeInfo) -> Result<Vec<(String, u64)>> {
+        let conn = self.runtime.endpoint()?.connect(&node.address)?;
+        match self.runtime.call_on(&conn, Request::ListLogs)? {
+            Response::LogFiles(files) => Ok(files),
+            other => Err(unexpected(other)),
+        }
+    }
+
     /// Stops every node and the head.
     pub fn stop(&self) -> Result<()> {
         // The head's connection closing after this is the expected end, not a lost head.
@@ -198,4 +220,181 @@ fn single_job(response: Response) -> Result<JobInfo> {
 
 fn unexpected(response: Response) -> Error {
     Error::Transport(format!("unexpected answer from the head: {response:?}"))
+}
+
+/// A reader of one log on one node that loses nothing to rotation (while the log is rotated
+/// at most as many times between two reads as it keeps backups): it remembers the inode it
+/// reads, finds that file among the rotated copies when the name has moved on, finishes it,
+/// reads any newer copies, then the current file.
+#[derive(Debug)]
+pub struct LogCursor {
+    file: String,
+    inode: Option<u64>,
+    offset: u64,
+}
+
+impl LogCursor {
+    /// A cursor at the start of `file`'s history (its oldest rotated copy).
+    pub fn new(file: &str) -> LogCursor {
+        LogCursor { file: file.to_owned(), inode: None, offset: 0 }
+    }
+
+    /// Everything written to the log since the last call.
+    pub fn read_new(&mut self, client: &Client, node: &NodeInfo) -> Result<Vec<u8>> {
+        let mut out = Vec::new();
+        let (bytes, inode) = client.read_log(node, &self.file, self.offset)?;
+        if self.inode == Some(inode) {
+            out.extend_from_slice(&bytes);
+            self.offset += bytes.len() as u64;
+            self.drain(client, node, &self.file.clone(), &mut out)?;
+            return Ok(out);
+        }
+        // First read, or the name was rotated since: the older copies come first.
+        let backups: Vec<u32> = {
+            let prefix = format!("{}.", self.file);
+            let mut ks: Vec<u32> = client
+                .list_logs(node)?
+                .into_iter()
+                .filter_map(|(name, _)| name.strip_prefix(&prefix)?.parse().ok())
+                .collect();
+            ks.sort_unstable_by(|a, b| b.cmp(a));
+            ks
+        };
+        let mut found = self.inode.is_none();
+        for k in backups {
+            let name = format!("{}.{k}", self.file);
+            if found {
+                self.offset = 0;
+                self.drain(client, node, &name, &mut out)?;
+            } else if let Ok((_, inode)) = client.read_log(node, &name, u64::MAX)
+                && Some(inode) == self.inode
+            {
+                found = true;
+                self.drain(client, node, &name, &mut out)?;
+            }
+        }
+        if !found {
+            out.extend_from_slice(b"[rtrun: lines lost to log rotation]\n");
+        }
+        self.offset = 0;
+        let (bytes, inode) = client.read_log(node, &self.file, 0)?;
+        self.inode = Some(inode);
+        out.extend_from_slice(&bytes);
+        self.offset = bytes.len() as u64;
+        self.drain(client, node, &self.file.clone(), &mut out)?;
+        Ok(out)
+    }
+
+    /// Reads `name` from the cursor's offset to its end.
+    fn drain(
+        &mut self,
+        client: &Client,
+        node: &NodeInfo,
+        name: &str,
+        out: &mut Vec<u8>,
+    ) -> Result<()> {
+        loop {
+            let (bytes, _) = client.read_log(node, name, self.offset)?;
+            if bytes.is_empty() {
+                return Ok(());
+            }
+            self.offset += bytes.len() as u64;
+            out.extend_from_slice(&bytes);
+        }
+    }
+}
+
+/// Set to `0` to keep a cluster driver's actors' output off its terminal (Ray's
+/// `log_to_driver=False`).
+pub const LOG_TO_DRIVER_ENV: &str = "RTRUN_LOG_TO_DRIVER";
+
+/// How often a driver looks for new output of its actors.
+const LOG_POLL: std::time::Duration = std::time::Duration::from_millis(300);
+
+/// Prints the output of this cluster driver's actors, wherever they run, on its stderr, each
+/// line prefixed `(ActorType pid=…, node=…)` as Ray does: a thread reads the actors' worker
+/// logs from their nodes (each from where it left off; a restarted actor's new worker from
+/// its start).
+pub(crate) fn stream_actor_output(runtime: Arc<Runtime>) {
+    if std::env::var(LOG_TO_DRIVER_ENV).is_ok_and(|v| v.trim() == "0") {
+        return;
+    }
+    let me = runtime.worker_id;
+    let client = Client { runtime };
+    let spawned = std::thread::Builder::new().name("rtrun-log-stream".into()).spawn(move || {
+        let mut streams: std::collections::HashMap<(u64, u64), LogStream> = Default::default();
+        let mut nodes: Vec<NodeInfo> = Vec::new();
+        loop {
+            std::thread::sleep(LOG_POLL);
+            let Ok(actors) = client.actors() else { continue };
+            for actor in actors.iter().filter(|a| a.driver == Some(me)) {
+                let (Some(worker), Some(node)) = (actor.worker, actor.log_node) else { continue };
+                if !nodes.iter().any(|n| n.node == node) {
+                    match client.status() {
+                        Ok(info) => nodes = info.nodes,
+                        Err(_) => continue,
+                    }
+                }
+                let Some(info) = nodes.iter().find(|n| n.node == node) else { continue };
+                let stream = streams
+                    .entry((node.0, worker.0))
+                    .or_insert_with(|| LogStream::new(&format!("worker-{}.log", worker.0)));
+                if stream.done || !info.alive {
+                    continue;
+                }
+                if let Some(pid) = actor.pid {
+                    stream.pid = Some(pid);
+                }
+                let label = format!(
+                    "{} pid={}, node={}",
+                    short_type(&actor.type_name),
+                    stream.pid.map_or("?".to_owned(), |p| p.to_string()),
+                    info.name
+                );
+                if let Ok(bytes) = stream.cursor.read_new(&client, info) {
+                    stream.print(&label, &bytes);
+                }
+                // A dead actor's log is complete once read to its end.
+                stream.done = actor.state.starts_with("DEAD");
+            }
+        }
+    });
+    if let Err(e) = spawned {
+        tracing::warn!("cannot stream actor output to the driver: {e}");
+    }
+}
+
+/// Where the driver is in one worker's log.
+struct LogStream {
+    cursor: LogCursor,
+    pid: Option<u32>,
+    /// A line not yet ended.
+    partial: Vec<u8>,
+    done: bool,
+}
+
+impl LogStream {
+    fn new(file: &str) -> LogStream {
+        LogStream { cursor: LogCursor::new(file), pid: None, partial: Vec::new(), done: false }
+    }
+
+    fn print(&mut self, label: &str, bytes: &[u8]) {
+        use std::io::Write;
+        self.partial.extend_from_slice(bytes);
+        let Some(end) = self.partial.iter().rposition(|b| *b == b'\n') else { return };
+        let mut out = Vec::with_capacity(end + 64);
+        for line in self.partial[..end].split(|b| *b == b'\n') {
+            out.extend_from_slice(format!("({label}) ").as_bytes());
+            out.extend_from_slice(line);
+            out.push(b'\n');
+        }
+        self.partial.drain(..=end);
+        let _ = std::io::stderr().lock().write_all(&out);
+    }
+}
+
+/// A type's name without its module path (`Probe` for `cluster_driver::Probe`), as Ray prints
+/// a class name.
+pub(crate) fn short_type(type_name: &str) -> &str {
+    type_name.rsplit("::").next().unwrap_or(type_name)
 }

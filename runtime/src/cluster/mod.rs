@@ -796,7 +796,12 @@ pub(crate) fn start_driver(config: &Config, address: &str, binary: bool) -> Resu
     // Peers (the head above all, which ends the job's actors) learn of a normal exit at once;
     // a killed driver is noticed when its heartbeats stop.
     close_connections_at_exit();
-    Runtime::start_cluster_driver(config, session, worker, node_id, address, head_address)
+    let runtime =
+        Runtime::start_cluster_driver(config, session, worker, node_id, address, head_address)?;
+    if binary {
+        client::stream_actor_output(runtime.clone());
+    }
+    Ok(runtime)
 }
 
 /// Set once this process has begun to exit.

@@ -79,6 +79,24 @@ impl SpawnEvents for Head {
     fn runtime(&self) -> Option<Arc<Runtime>> {
         self.runtime.upgrade()
     }
+
+    fn echoes_output(&self) -> bool {
+        // An embedded session's workers print on its driver's terminal; a cluster head's go
+        // to log files (served to `rtrun logs` and streamed to their drivers).
+        self.state.lock().members.cluster.is_none()
+    }
+
+    fn worker_label(&self, worker: WorkerId) -> Option<String> {
+        let state = self.state.lock();
+        state.actors.values().find_map(|actor| match actor.state {
+            ActorState::Starting { worker: w } | ActorState::Alive { worker: w, .. }
+                if w == worker =>
+            {
+                Some(crate::cluster::client::short_type(&actor.spec.type_name).to_owned())
+            }
+            _ => None,
+        })
+    }
 }
 
 impl HeadConfig {
@@ -200,6 +218,8 @@ struct ActorEntry {
     /// Why the actor must die when its worker exits (a failed constructor).
     death_reason: Option<String>,
     waiters: Vec<(Option<u64>, Responder)>,
+    /// Its latest worker and that worker's node (whose log holds its output, also once dead).
+    last_worker: Option<(WorkerId, u64)>,
 }
 
 struct QueuedTask {
@@ -323,6 +343,28 @@ impl Head {
                 return responder.respond(match self.stop_job(job) {
                     Ok(info) => Response::Jobs(vec![info]),
                     Err(e) => Response::Error(e),
+                });
+            }
+            Request::ReadLog { file, offset } => {
+                let dir = self.state.lock().members.cluster.as_ref().map(|c| c.log_dir.clone());
+                return responder.respond(match dir {
+                    Some(dir) => match crate::logs::read_chunk(&dir, &file, offset) {
+                        Ok((bytes, size, inode)) => Response::LogChunk { bytes, size, inode },
+                        Err(e) => Response::Error(e),
+                    },
+                    None => Response::Error(Error::Invalid(
+                        "an embedded session keeps no log files (its workers print on the \
+                         driver's terminal)"
+                            .into(),
+                    )),
+                });
+            }
+            Request::ListLogs => {
+                let dir = self.state.lock().members.cluster.as_ref().map(|c| c.log_dir.clone());
+                return responder.respond(match dir.map(|dir| crate::logs::list(&dir)) {
+                    Some(Ok(files)) => Response::LogFiles(files),
+                    Some(Err(e)) => Response::Error(e),
+                    None => Response::LogFiles(Vec::new()),
                 });
             }
             Request::JobLogs { job, offset } => {
@@ -830,6 +872,7 @@ impl HeadState {
                 allocation: None,
                 death_reason: None,
                 waiters: Vec::new(),
+                last_worker: None,
             },
         );
         self.pending_actors.push_back(id);
@@ -871,6 +914,7 @@ impl HeadState {
             let worker = self.new_worker(role, node, lineage, &env, effects);
             if let Some(entry) = self.actors.get_mut(&id) {
                 entry.state = ActorState::Starting { worker };
+                entry.last_worker = Some((worker, node));
             }
         }
         self.pending_actors = still_pending;
@@ -984,6 +1028,7 @@ impl HeadState {
                             let new_worker = self.new_worker(role, node, lineage, &env, effects);
                             if let Some(actor_entry) = self.actors.get_mut(&actor) {
                                 actor_entry.state = ActorState::Starting { worker: new_worker };
+                                actor_entry.last_worker = Some((new_worker, node));
                             }
                         }
                         // Its node died: it is placed anew.
@@ -1250,6 +1295,9 @@ impl HeadState {
                     node,
                     pid: worker.and_then(|w| self.workers.get(&w)).and_then(|w| w.pid),
                     restarts: entry.incarnation,
+                    worker: entry.last_worker.map(|(worker, _)| worker),
+                    log_node: entry.last_worker.map(|(_, node)| crate::ids::NodeId(node)),
+                    driver: entry.lineage.driver,
                 }
             })
             .collect();

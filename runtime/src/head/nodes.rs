@@ -67,7 +67,7 @@ pub(super) struct Members {
     pub(super) head_node: u64,
     /// The control plane's address as workers reach it (cluster only).
     pub(super) head_address: Option<Address>,
-    cluster: Option<Arc<ClusterHead>>,
+    pub(super) cluster: Option<Arc<ClusterHead>>,
     /// Ids of workers, drivers and nodes come from one counter, so none collide.
     next: u64,
     pub(super) nodes: BTreeMap<u64, NodeEntry>,

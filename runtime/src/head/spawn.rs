@@ -22,6 +22,16 @@ pub(crate) trait SpawnEvents: Send + Sync + 'static {
     fn on_worker_exit(&self, worker: WorkerId, status: String);
     /// The runtime whose node store the children inherit.
     fn runtime(&self) -> Option<Arc<Runtime>>;
+    /// Whether workers without a log file print on this process's stdout/stderr, each line
+    /// prefixed with [`SpawnEvents::worker_label`] (an embedded session's driver); else they
+    /// inherit them.
+    fn echoes_output(&self) -> bool {
+        false
+    }
+    /// What a worker's output lines are prefixed with: its actor's type, once it hosts one.
+    fn worker_label(&self, _worker: WorkerId) -> Option<String> {
+        None
+    }
 }
 
 /// A worker to start.
@@ -88,6 +98,7 @@ impl SpawnerInbox {
         let image = std::path::PathBuf::from(SELF_EXE);
         let image = if image.exists() { image } else { exe.clone() };
         let args: Vec<_> = std::env::args_os().skip(1).collect();
+        let rotation = crate::logs::Rotation::from_env();
         std::thread::Builder::new()
             .name("rtrun-spawner".into())
             .spawn(move || {
@@ -110,18 +121,22 @@ impl SpawnerInbox {
                     if let Some(dir) = &request.cwd {
                         command.current_dir(dir);
                     }
-                    if let Some(path) = &request.log {
-                        match std::fs::OpenOptions::new().create(true).append(true).open(path) {
-                            Ok(file) => {
-                                let err = file.try_clone().map(Stdio::from);
-                                command.stdout(Stdio::from(file));
-                                if let Ok(err) = err {
-                                    command.stderr(err);
-                                }
+                    // Output goes through pipes to a rotating log file or, in an embedded
+                    // session, to this process's terminal with a prefix.
+                    let sinks = output_sinks(&head, &request, rotation);
+                    let readers = match &sinks {
+                        Some(_) => match (std::io::pipe(), std::io::pipe()) {
+                            (Ok((out_r, out_w)), Ok((err_r, err_w))) => {
+                                command.stdout(out_w).stderr(err_w);
+                                Some((out_r, err_r))
                             }
-                            Err(e) => tracing::warn!("cannot open log {}: {e}", path.display()),
-                        }
-                    }
+                            (Err(e), _) | (_, Err(e)) => {
+                                tracing::warn!("no pipes for worker output: {e}");
+                                None
+                            }
+                        },
+                        None => None,
+                    };
                     // The node's object arena: the worker inherits its fd (close-on-exec is
                     // cleared in the child only) and learns of it from the environment.
                     let arena = head.runtime().and_then(|runtime| runtime.store_inheritance());
@@ -151,7 +166,20 @@ impl SpawnerInbox {
                             Ok(())
                         });
                     }
-                    match command.spawn() {
+                    let spawned = command.spawn();
+                    // The pipes' write ends live in `command`: closed here, so that the
+                    // readers see the end of output when the child exits.
+                    drop(command);
+                    if let (Ok(child), Some((out, err)), Some((out_sink, err_sink))) =
+                        (&spawned, readers, sinks)
+                    {
+                        let pid = child.id();
+                        let label = |sink| with_pid(sink, pid);
+                        let name = |kind| format!("rtrun-{kind}-{}", request.worker.0);
+                        crate::logs::pump(name("out"), out, label(out_sink));
+                        crate::logs::pump(name("err"), err, label(err_sink));
+                    }
+                    match spawned {
                         Ok(child) => {
                             head.on_spawned(request.worker, child.id());
                             start_reaper(&head, request.worker, child);
@@ -164,6 +192,59 @@ impl SpawnerInbox {
             })
             .map_err(|e| Error::System(format!("cannot start the spawner thread: {e}")))?;
         Ok(())
+    }
+}
+
+/// Where a spawned worker's stdout and stderr go: its log file (rotating) when it has one, this
+/// process's stdout/stderr when the head echoes output, else nowhere special (inherited).
+fn output_sinks<H: SpawnEvents>(
+    head: &Arc<H>,
+    request: &SpawnRequest,
+    rotation: crate::logs::Rotation,
+) -> Option<(PendingSink, PendingSink)> {
+    if let Some(path) = &request.log {
+        return match crate::logs::RotatingLog::open(path, rotation) {
+            Ok(log) => {
+                let log = Arc::new(parking_lot::Mutex::new(log));
+                Some((PendingSink::File(log.clone()), PendingSink::File(log)))
+            }
+            Err(e) => {
+                tracing::warn!("{e}");
+                None
+            }
+        };
+    }
+    if !head.echoes_output() {
+        return None;
+    }
+    let weak = Arc::downgrade(head);
+    let worker = request.worker;
+    let label: Arc<dyn Fn() -> Option<String> + Send + Sync> =
+        Arc::new(move || weak.upgrade().and_then(|head| head.worker_label(worker)));
+    Some((
+        PendingSink::Echo { stderr: false, label: label.clone() },
+        PendingSink::Echo { stderr: true, label },
+    ))
+}
+
+/// A sink before the child's pid is known.
+enum PendingSink {
+    File(Arc<parking_lot::Mutex<crate::logs::RotatingLog>>),
+    Echo { stderr: bool, label: Arc<dyn Fn() -> Option<String> + Send + Sync> },
+}
+
+/// The sink, with the pid in echoed prefixes (`Counter pid=42`, or `pid=42` before the worker
+/// hosts an actor).
+fn with_pid(sink: PendingSink, pid: u32) -> crate::logs::Sink {
+    match sink {
+        PendingSink::File(log) => crate::logs::Sink::File(log),
+        PendingSink::Echo { stderr, label } => crate::logs::Sink::Echo {
+            stderr,
+            label: Arc::new(move || match label() {
+                Some(actor) => format!("{actor} pid={pid}"),
+                None => format!("pid={pid}"),
+            }),
+        },
     }
 }
 

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use clap::{Args, Subcommand, ValueEnum};
+use rtrun::cluster::client::LogCursor;
 use rtrun::cluster::{self, Client, HeadOptions, JoinOptions};
 use rtrun::protocol::JobState;
 
@@ -350,11 +351,158 @@ fn stream_logs(client: &Client, job: u64, follow: bool) -> anyhow::Result<JobSta
     }
 }
 
+/// Whose output `rtrun logs` prints.
+#[derive(Debug)]
+pub enum LogSource {
+    Job(String),
+    Actor(String),
+    Worker(String),
+    Node(String),
+}
+
 /// `rtrun logs`.
-pub fn logs(job: u64, follow: bool, client: ClientArgs) -> anyhow::Result<()> {
+pub fn logs(what: LogSource, follow: bool, client: ClientArgs) -> anyhow::Result<()> {
     let client = client.connect()?;
-    stream_logs(&client, job, follow)?;
+    match what {
+        LogSource::Job(name) => {
+            let job = client.job(&name)?;
+            stream_logs(&client, job.job, follow)?;
+        }
+        LogSource::Actor(name) => actor_logs(&client, &name, follow)?,
+        LogSource::Worker(name) => {
+            let number = id_number(&name, "worker-")
+                .with_context(|| format!("--worker {name}: expected worker-N or N"))?;
+            let file = format!("worker-{number}.log");
+            let nodes = client.status()?.nodes;
+            let node = nodes
+                .iter()
+                .filter(|n| n.alive)
+                .find(|n| {
+                    client.list_logs(n).is_ok_and(|files| files.iter().any(|(f, _)| *f == file))
+                })
+                .with_context(|| {
+                    format!("no live node has the log of worker-{number} (see `rtrun list actors`)")
+                })?;
+            let mut cursor = LogCursor::new(&file);
+            loop {
+                let read = follow_file(&client, node, &mut cursor, None)?;
+                if !follow {
+                    break;
+                }
+                if read == 0 {
+                    std::thread::sleep(Duration::from_millis(250));
+                }
+            }
+        }
+        LogSource::Node(name) => node_logs(&client, &name, follow)?,
+    }
     Ok(())
+}
+
+/// N from `prefixN` or `N`.
+fn id_number(text: &str, prefix: &str) -> Option<u64> {
+    text.strip_prefix(prefix).unwrap_or(text).parse().ok()
+}
+
+/// Prints what the log under `cursor` on `node` has that was not printed yet, older rotated
+/// copies first (each line prefixed with `prefix`, if any); returns the bytes read.
+fn follow_file(
+    client: &Client,
+    node: &rtrun::protocol::NodeInfo,
+    cursor: &mut LogCursor,
+    prefix: Option<&str>,
+) -> anyhow::Result<usize> {
+    let bytes = cursor.read_new(client, node)?;
+    let mut out = std::io::stdout().lock();
+    match prefix {
+        None => out.write_all(&bytes)?,
+        Some(prefix) => {
+            for line in String::from_utf8_lossy(&bytes).lines() {
+                writeln!(out, "({prefix}) {line}")?;
+            }
+        }
+    }
+    out.flush()?;
+    Ok(bytes.len())
+}
+
+/// `rtrun logs --actor`: the actor's worker log, then its next worker's after a restart.
+fn actor_logs(client: &Client, name: &str, follow: bool) -> anyhow::Result<()> {
+    let find = || -> anyhow::Result<rtrun::protocol::ActorSummary> {
+        let number = id_number(name, "actor-");
+        client
+            .actors()?
+            .into_iter()
+            .find(|a| Some(a.actor.0) == number || a.name.as_deref() == Some(name))
+            .with_context(|| format!("no actor `{name}` (see `rtrun list actors`)"))
+    };
+    let mut current: Option<(u64, u64)> = None;
+    let mut cursor = LogCursor::new("");
+    loop {
+        let actor = find()?;
+        let (Some(worker), Some(node_id)) = (actor.worker, actor.log_node) else {
+            if !follow {
+                bail!("actor `{name}` has not started a worker yet ({})", actor.state);
+            }
+            std::thread::sleep(Duration::from_millis(250));
+            continue;
+        };
+        if current != Some((node_id.0, worker.0)) {
+            if current.is_some() {
+                eprintln!("rtrun logs: actor {} restarted as {worker} on {node_id}", actor.actor);
+            }
+            current = Some((node_id.0, worker.0));
+            cursor = LogCursor::new(&format!("worker-{}.log", worker.0));
+        }
+        let nodes = client.status()?.nodes;
+        let node = nodes.iter().find(|n| n.node == node_id).context("the actor's node")?;
+        if !node.alive {
+            bail!("the log of actor `{name}` was on {node_id} ({}), which is dead", node.name);
+        }
+        let read = follow_file(client, node, &mut cursor, None)?;
+        if !follow || (read == 0 && actor.state.starts_with("DEAD")) {
+            return Ok(());
+        }
+        if read == 0 {
+            std::thread::sleep(Duration::from_millis(250));
+        }
+    }
+}
+
+/// `rtrun logs --node`: every log file on the node (not the rotated copies), each line
+/// prefixed with its file's name; with `follow`, new lines and new files as they come.
+fn node_logs(client: &Client, name: &str, follow: bool) -> anyhow::Result<()> {
+    let nodes = client.status()?.nodes;
+    let number = id_number(name, "node-");
+    let node =
+        nodes.iter().rev().find(|n| Some(n.node.0) == number || n.name == name).with_context(
+            || {
+                let names: Vec<String> =
+                    nodes.iter().map(|n| format!("{} {}", n.node, n.name)).collect();
+                format!("no node `{name}` (nodes: {})", names.join(", "))
+            },
+        )?;
+    if !node.alive {
+        bail!("node `{name}` is dead: its logs cannot be read through the head");
+    }
+    let mut cursors: BTreeMap<String, LogCursor> = BTreeMap::new();
+    loop {
+        let mut read = 0;
+        for (file, _) in client.list_logs(node)? {
+            if file.rsplit_once(".log.").is_some() {
+                continue;
+            }
+            let prefix = file.trim_end_matches(".log").to_owned();
+            let cursor = cursors.entry(file.clone()).or_insert_with(|| LogCursor::new(&file));
+            read += follow_file(client, node, cursor, Some(&prefix))?;
+        }
+        if !follow {
+            return Ok(());
+        }
+        if read == 0 {
+            std::thread::sleep(Duration::from_millis(250));
+        }
+    }
 }
 
 /// One line per job: number, submission id, state, binary digest and arguments.

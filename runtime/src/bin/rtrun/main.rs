@@ -90,11 +90,24 @@ enum Command {
         #[command(flatten)]
         client: cluster::ClientArgs,
     },
-    /// Prints a job's output.
+    /// Prints a job's output, or a worker's, an actor's or every worker's on a node, read
+    /// through the head from the node that holds it.
     Logs {
-        /// The job id.
-        job: u64,
-        /// Keep printing until the job ends.
+        /// The job (its number or submission id): its driver's output.
+        #[arg(required_unless_present_any = ["actor", "worker", "node"])]
+        job: Option<String>,
+        /// An actor (`actor-N`, N, or its name): its worker's output, following restarts.
+        #[arg(long, conflicts_with_all = ["job", "worker", "node"])]
+        actor: Option<String>,
+        /// A worker (`worker-N` or N): its output.
+        #[arg(long, conflicts_with_all = ["job", "node"])]
+        worker: Option<String>,
+        /// A node (`node-N`, N, or its name): every worker's output there, each line prefixed
+        /// with its file.
+        #[arg(long, conflicts_with = "job")]
+        node: Option<String>,
+        /// Keep printing: until the job ends or the actor is dead; for a worker or node, until
+        /// interrupted.
         #[arg(long, short)]
         follow: bool,
         #[command(flatten)]
@@ -157,7 +170,16 @@ fn main() -> anyhow::Result<()> {
         Command::Status { node, client } => cluster::status(node.as_deref(), client),
         Command::Credentials { command } => cluster::credentials(command),
         Command::List { what, client } => cluster::list(what, client),
-        Command::Logs { job, follow, client } => cluster::logs(job, follow, client),
+        Command::Logs { job, actor, worker, node, follow, client } => {
+            let what = match (job, actor, worker, node) {
+                (Some(job), ..) => cluster::LogSource::Job(job),
+                (_, Some(actor), ..) => cluster::LogSource::Actor(actor),
+                (_, _, Some(worker), _) => cluster::LogSource::Worker(worker),
+                (_, _, _, Some(node)) => cluster::LogSource::Node(node),
+                _ => anyhow::bail!("name a job, --actor, --worker or --node"),
+            };
+            cluster::logs(what, follow, client)
+        }
         Command::Submit { client, options, command } => {
             let code = cluster::submit(command, options, client)?;
             std::process::exit(code)
