@@ -5,4 +5,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup.sh
 cargo nextest run --workspace --profile ci
+bash scripts/check-deploy.sh
 cargo test --workspace --doc

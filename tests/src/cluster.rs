@@ -195,3 +195,74 @@ pub fn wait_exit(child: &mut Child, timeout: Duration) -> Option<std::process::E
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+/// Runs `ip` with `args`; false when it fails.
+fn ip(args: &[&str]) -> bool {
+    Command::new("ip").args(args).status().map(|s| s.success()).unwrap_or(false)
+}
+
+/// Network namespaces joined by a bridge, removed on drop (with their `/etc/netns` files).
+pub struct Namespaces(Vec<String>);
+
+impl Namespaces {
+    /// Gives `ip netns exec NS` processes a hosts file (`ip netns exec` mounts
+    /// `/etc/netns/NS/hosts` over `/etc/hosts`), so they resolve `names` as a cluster's DNS
+    /// would.
+    pub fn hosts(&self, ns: &str, names: &[(&str, &str)]) {
+        let dir = Path::new("/etc/netns").join(ns);
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut text = String::from("127.0.0.1 localhost\n");
+        for (address, name) in names {
+            text.push_str(&format!("{address} {name}\n"));
+        }
+        std::fs::write(dir.join("hosts"), text).unwrap();
+    }
+}
+
+impl Drop for Namespaces {
+    fn drop(&mut self) {
+        for ns in &self.0 {
+            ip(&["netns", "del", ns]);
+            let _ = std::fs::remove_dir_all(Path::new("/etc/netns").join(ns));
+        }
+    }
+}
+
+/// `count` namespaces with one address each (10.77.<n>.1..) behind a bridge in another one, or
+/// `None` where the sandbox does not allow creating them. Returns the guard, the namespaces'
+/// names and their addresses.
+pub fn namespaces(count: usize) -> Option<(Namespaces, Vec<String>, Vec<String>)> {
+    let tag = format!("{:x}", std::process::id() % 0xffff);
+    let bridge = format!("rtb{tag}");
+    let nodes: Vec<String> = (0..count).map(|i| format!("rtn{tag}{i}")).collect();
+    let mut all = vec![bridge.clone()];
+    all.extend(nodes.iter().cloned());
+    if !ip(&["netns", "add", &bridge]) {
+        return None;
+    }
+    let guard = Namespaces(all);
+    let subnet = std::process::id() % 200 + 20;
+    let ok = ip(&["-n", &bridge, "link", "add", "br0", "type", "bridge"])
+        && ip(&["-n", &bridge, "link", "set", "br0", "up"]);
+    if !ok {
+        return None;
+    }
+    let mut addresses = Vec::new();
+    for (i, ns) in nodes.iter().enumerate() {
+        let address = format!("10.77.{subnet}.{}", i + 1);
+        let peer = format!("p{i}");
+        let ok = ip(&["netns", "add", ns])
+            && ip(&["-n", ns, "link", "add", "eth0", "type", "veth", "peer", "name", &peer])
+            && ip(&["-n", ns, "link", "set", &peer, "netns", &bridge])
+            && ip(&["-n", &bridge, "link", "set", &peer, "master", "br0"])
+            && ip(&["-n", &bridge, "link", "set", &peer, "up"])
+            && ip(&["-n", ns, "addr", "add", &format!("{address}/24"), "dev", "eth0"])
+            && ip(&["-n", ns, "link", "set", "eth0", "up"])
+            && ip(&["-n", ns, "link", "set", "lo", "up"]);
+        if !ok {
+            return None;
+        }
+        addresses.push(address);
+    }
+    Some((guard, nodes, addresses))
+}

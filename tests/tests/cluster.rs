@@ -179,74 +179,9 @@ fn clients_without_credentials_are_refused_and_jobs_run_through_submit() {
     assert!(status(&cluster).contains("nodes: 3 alive"));
 }
 
-/// Runs `ip` with `args`; false when it fails.
-fn ip(args: &[&str]) -> bool {
-    Command::new("ip").args(args).status().map(|s| s.success()).unwrap_or(false)
-}
-
-/// Network namespaces joined by a bridge, removed on drop.
-struct Namespaces(Vec<String>);
-
-impl Drop for Namespaces {
-    fn drop(&mut self) {
-        for ns in &self.0 {
-            ip(&["netns", "del", ns]);
-        }
-    }
-}
-
-/// Three namespaces with one address each (10.77.<n>.1..3/24) behind a bridge in a fourth, or
-/// `None` where the sandbox does not allow creating them.
-fn namespaces() -> Option<(Namespaces, Vec<String>, Vec<String>)> {
-    let tag = format!("{:x}", std::process::id() % 0xffff);
-    let bridge = format!("rtb{tag}");
-    let nodes: Vec<String> = (0..3).map(|i| format!("rtn{tag}{i}")).collect();
-    let mut all = vec![bridge.clone()];
-    all.extend(nodes.iter().cloned());
-    if !ip(&["netns", "add", &bridge]) {
-        return None;
-    }
-    let guard = Namespaces(all);
-    let subnet = std::process::id() % 200 + 20;
-    let ok = ip(&["-n", &bridge, "link", "add", "br0", "type", "bridge"])
-        && ip(&["-n", &bridge, "link", "set", "br0", "up"]);
-    if !ok {
-        return None;
-    }
-    let mut addresses = Vec::new();
-    for (i, ns) in nodes.iter().enumerate() {
-        let address = format!("10.77.{subnet}.{}", i + 1);
-        let ok = ip(&["netns", "add", ns])
-            && ip(&[
-                "-n",
-                ns,
-                "link",
-                "add",
-                "eth0",
-                "type",
-                "veth",
-                "peer",
-                "name",
-                &format!("p{i}"),
-                "netns",
-                &bridge,
-            ])
-            && ip(&["-n", &bridge, "link", "set", &format!("p{i}"), "master", "br0"])
-            && ip(&["-n", &bridge, "link", "set", &format!("p{i}"), "up"])
-            && ip(&["-n", ns, "addr", "add", &format!("{address}/24"), "dev", "eth0"])
-            && ip(&["-n", ns, "link", "set", "eth0", "up"])
-            && ip(&["-n", ns, "link", "set", "lo", "up"]);
-        if !ok {
-            return None;
-        }
-        addresses.push(address);
-    }
-    Some((guard, nodes, addresses))
-}
-
 #[test]
 fn nodes_on_distinct_addresses_in_network_namespaces() {
-    let Some((_guard, nodes, addresses)) = namespaces() else {
+    let Some((_guard, nodes, addresses)) = common::namespaces(3) else {
         eprintln!("skipped: network namespaces cannot be created here (needs root and ip netns)");
         return;
     };
