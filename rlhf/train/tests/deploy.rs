@@ -13,7 +13,7 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
@@ -331,8 +331,7 @@ fn the_manifests_and_units_start_a_cluster_in_network_namespaces_and_the_job_tra
     drop(processes);
     let units = |unit: &str| {
         let text = std::fs::read_to_string(repo().join("deploy/systemd").join(unit)).unwrap();
-        let line = text.lines().find_map(|l| l.strip_prefix("ExecStart=")).unwrap().to_owned();
-        line
+        text.lines().find_map(|l| l.strip_prefix("ExecStart=")).unwrap().to_owned()
     };
     let expand = |line: &str, vars: &[(&str, &str)]| -> Vec<String> {
         let mut line = line.to_owned();
@@ -370,12 +369,12 @@ fn the_manifests_and_units_start_a_cluster_in_network_namespaces_and_the_job_tra
         .unwrap()
         .trim()
         .to_owned();
-    for i in 1..3 {
+    for (i, ip) in ips.iter().enumerate().take(3).skip(1) {
         let mut pod = host(i);
         pod.env.insert("RTRUN_TOKEN".into(), token.clone());
         let command = expand(
             &units("rtrun-join.service"),
-            &[("RTRUN_HEAD", &head_address), ("RTRUN_BIND_IP", &ips[i])],
+            &[("RTRUN_HEAD", &head_address), ("RTRUN_BIND_IP", ip)],
         );
         processes
             .0
