@@ -513,6 +513,20 @@ fn worker_output_reaches_its_driver_prefixed_and_rtrun_logs_reads_any_node() {
     assert!(!ok && err.contains("no actor `actor-999999`"), "{err}");
     let _ = driver.kill();
     let _ = driver.wait();
+
+    // A driver that exits right after its actors printed still shows their last lines.
+    let out = Command::new(driver_binary())
+        .args(["bytes", "1000", "say", "5", "group", "last-lines"])
+        .env("RTRUN_ADDRESS", &cluster.address)
+        .env("RTRUN_CREDENTIALS_DIR", cluster.dir.join("head-credentials"))
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    for node in ["head", "n1", "n2"] {
+        let last = format!(", node={node}) probe says 4 on ");
+        assert!(stderr.lines().any(|l| l.contains(&last)), "{node}'s last line in:\n{stderr}");
+    }
 }
 
 /// An embedded session (no cluster) prints its workers' output on the driver's own stdout and

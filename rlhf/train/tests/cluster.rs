@@ -197,3 +197,33 @@ fn losing_the_engines_node_fails_the_run_naming_it_and_a_rerun_on_a_new_node_res
 fn losing_the_policy_node_fails_the_run_naming_it_and_a_rerun_on_a_new_node_resumes() {
     node_lost_mid_run("train", r#"{"train_node": 1}"#, &["actor", "ref"]);
 }
+
+/// `train.pipeline: dock` on the cluster: the step's stages (rollout on the engines' node,
+/// reward, reference and old log-probs on the policy's node, advantages, training) stream
+/// prompt groups through the TransferDock actor, whose rows cross nodes; the run finishes with
+/// every stage's timeline in its metrics.
+#[test]
+fn grpo_in_dock_mode_streams_its_stages_across_nodes() {
+    let (cluster, dir, config, run) = job_on("dock");
+    let log = dir.join("dock.log");
+    let status = train(&cluster, &config, &log)
+        .args(["--set", "train.pipeline=dock", "--set", "train.max_steps=12"])
+        .args(["--set", "eval.every_steps=12", "--set", "checkpoint.every_steps=12"])
+        .status()
+        .unwrap();
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(status.success(), "the dock-mode run failed:\n{text}");
+    let metrics = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+    let last: serde_json::Value = serde_json::from_str(metrics.lines().last().unwrap()).unwrap();
+    assert_eq!(last["step"], 12, "{metrics}");
+    for stage in ["rollout", "reward", "ref_log_prob", "old_log_prob", "actor_train"] {
+        let key = last
+            .as_object()
+            .unwrap()
+            .keys()
+            .find(|k| k.starts_with("pipeline/") && k.contains(stage))
+            .cloned();
+        assert!(key.is_some(), "no pipeline metric for {stage}: {last}");
+    }
+    assert!(last["eval/reward"].as_f64().is_some_and(f64::is_finite), "{last}");
+}

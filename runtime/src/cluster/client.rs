@@ -321,11 +321,21 @@ pub(crate) fn stream_actor_output(runtime: Arc<Runtime>) {
     }
     let me = runtime.worker_id;
     let client = Client { runtime };
+    let (flushes, requests) = std::sync::mpsc::channel::<std::sync::mpsc::Sender<()>>();
+    let _ = FLUSH.set(flushes);
     let spawned = std::thread::Builder::new().name("rtrun-log-stream".into()).spawn(move || {
         let mut streams: std::collections::HashMap<(u64, u64), LogStream> = Default::default();
         let mut nodes: Vec<NodeInfo> = Vec::new();
+        let mut flushed: Option<std::sync::mpsc::Sender<()>> = None;
         loop {
-            std::thread::sleep(LOG_POLL);
+            if let Some(ack) = flushed.take() {
+                let _ = ack.send(());
+            }
+            match requests.recv_timeout(LOG_POLL) {
+                Ok(ack) => flushed = Some(ack),
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return,
+            }
             let Ok(actors) = client.actors() else { continue };
             for actor in actors.iter().filter(|a| a.driver == Some(me)) {
                 let (Some(worker), Some(node)) = (actor.worker, actor.log_node) else { continue };
@@ -361,6 +371,20 @@ pub(crate) fn stream_actor_output(runtime: Arc<Runtime>) {
     });
     if let Err(e) = spawned {
         tracing::warn!("cannot stream actor output to the driver: {e}");
+    }
+}
+
+/// Asks the streaming thread for one more round, now.
+static FLUSH: std::sync::OnceLock<std::sync::mpsc::Sender<std::sync::mpsc::Sender<()>>> =
+    std::sync::OnceLock::new();
+
+/// At a cluster driver's exit: prints what its actors wrote since the last round (waiting at
+/// most `timeout`), so that their last lines are not lost with the driver.
+pub(crate) fn flush_actor_output(timeout: std::time::Duration) {
+    let Some(requests) = FLUSH.get() else { return };
+    let (ack, done) = std::sync::mpsc::channel();
+    if requests.send(ack).is_ok() {
+        let _ = done.recv_timeout(timeout);
     }
 }
 

@@ -822,6 +822,8 @@ fn close_connections_at_exit() {
 
 /// Closes this process's QUIC connections with a close frame when the process exits normally.
 extern "C" fn close_on_exit() {
+    // A driver's actors are still alive here (its connections close below): their last lines.
+    client::flush_actor_output(Duration::from_millis(500));
     EXITING.store(true, std::sync::atomic::Ordering::Release);
     let Some(member) = member() else { return };
     let link = member.link.clone();
