@@ -116,7 +116,7 @@ impl fmt::Display for Quantity {
 
 /// A set of named resource amounts (`{CPU: 1, GPU: 0.2, custom: 0.001}`). Zero entries are
 /// never stored, so two sets with the same non-zero amounts compare equal.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct ResourceSet {
     amounts: BTreeMap<String, Quantity>,
 }
