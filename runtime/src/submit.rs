@@ -166,7 +166,12 @@ impl Submitter {
             Box::new(move |response| match response {
                 Response::ActorAlive { address, incarnation } => {
                     match rt.endpoint().and_then(|e| e.connect(&address)) {
-                        Ok(conn) => this.on_alive(&rt, conn, incarnation),
+                        Ok(conn) => {
+                            let connection = conn.id();
+                            this.on_alive(&rt, conn, incarnation);
+                            // Not under the state lock: an answer at once would take it.
+                            this.watch(&rt, connection, incarnation);
+                        }
                         Err(e) => this.on_dead(
                             &rt,
                             Error::ActorDied {
@@ -202,6 +207,18 @@ impl Submitter {
                 return;
             }
         }
+    }
+
+    /// Asks the head to say when this incarnation ends (the actor restarted or died): the
+    /// head learns of a dead worker or node (heartbeats) well before this process's connection
+    /// to it times out (QUIC's idle timeout), so calls in flight fail or retry that much sooner.
+    fn watch(self: &Arc<Self>, runtime: &Arc<Runtime>, connection: u64, incarnation: u64) {
+        let this = self.clone();
+        let rt = runtime.clone();
+        runtime.head_request(
+            Request::WaitActorAlive { actor: self.info.id, after: Some(incarnation) },
+            Box::new(move |_| this.on_disconnect(&rt, connection)),
+        );
     }
 
     /// The error of a call lost with a worker when the actor itself lives on (restarted).

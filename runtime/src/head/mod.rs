@@ -137,23 +137,34 @@ impl HeadConfig {
 }
 
 /// Answers a request: locally (a callback in this process) or on a connection.
-pub(crate) struct Responder(Box<dyn FnOnce(Response) + Send>);
+pub(crate) struct Responder {
+    answer: Box<dyn FnOnce(Response) + Send>,
+    /// The connection the answer goes to (none for a local callback).
+    conn: Option<Arc<Connection>>,
+}
 
 impl Responder {
     pub(crate) fn local(callback: Box<dyn FnOnce(Response) + Send>) -> Responder {
-        Responder(callback)
+        Responder { answer: callback, conn: None }
     }
 
     pub(crate) fn remote(conn: Arc<Connection>, req_id: u64) -> Responder {
-        Responder(Box::new(move |body| {
-            if let Err(e) = conn.send(&Frame::Response { req_id, body }) {
+        let to = conn.clone();
+        let answer = Box::new(move |body| {
+            if let Err(e) = to.send(&Frame::Response { req_id, body }) {
                 tracing::debug!("could not deliver a response: {e}");
             }
-        }))
+        });
+        Responder { answer, conn: Some(conn) }
     }
 
     pub(crate) fn respond(self, response: Response) {
-        (self.0)(response)
+        (self.answer)(response)
+    }
+
+    /// Whether nobody can hear the answer any more (its connection closed).
+    fn abandoned(&self) -> bool {
+        self.conn.as_ref().is_some_and(|c| c.is_closed())
     }
 }
 
@@ -582,6 +593,9 @@ impl HeadState {
                         Response::Error(Error::ActorDied { actor, reason: reason.clone() })
                     }
                     _ => {
+                        // Callers watch the actors they call (below); a watcher that went
+                        // away stops being kept.
+                        entry.waiters.retain(|(_, r)| !r.abandoned());
                         entry.waiters.push((after, responder));
                         return;
                     }
