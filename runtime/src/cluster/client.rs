@@ -362,7 +362,9 @@ pub(crate) fn stream_actor_output(runtime: Arc<Runtime>) {
                     info.name
                 );
                 if let Ok(bytes) = stream.cursor.read_new(&client, info) {
-                    stream.print(&label, &bytes);
+                    use std::io::Write;
+                    let _ =
+                        std::io::stderr().lock().write_all(&stream.lines.prefix(&label, &bytes));
                 }
                 // A dead actor's log is complete once read to its end.
                 stream.done = actor.state.starts_with("DEAD");
@@ -392,20 +394,34 @@ pub(crate) fn flush_actor_output(timeout: std::time::Duration) {
 struct LogStream {
     cursor: LogCursor,
     pid: Option<u32>,
-    /// A line not yet ended.
-    partial: Vec<u8>,
+    lines: LinePrefixer,
     done: bool,
 }
 
 impl LogStream {
     fn new(file: &str) -> LogStream {
-        LogStream { cursor: LogCursor::new(file), pid: None, partial: Vec::new(), done: false }
+        LogStream {
+            cursor: LogCursor::new(file),
+            pid: None,
+            lines: Default::default(),
+            done: false,
+        }
     }
+}
 
-    fn print(&mut self, label: &str, bytes: &[u8]) {
-        use std::io::Write;
+/// Prefixes whole lines of a byte stream read in chunks: a line cut by a chunk's end waits for
+/// the rest.
+#[derive(Debug, Default)]
+pub struct LinePrefixer {
+    /// A line not yet ended.
+    partial: Vec<u8>,
+}
+
+impl LinePrefixer {
+    /// The complete lines of what came so far plus `bytes`, each as `(label) line`.
+    pub fn prefix(&mut self, label: &str, bytes: &[u8]) -> Vec<u8> {
         self.partial.extend_from_slice(bytes);
-        let Some(end) = self.partial.iter().rposition(|b| *b == b'\n') else { return };
+        let Some(end) = self.partial.iter().rposition(|b| *b == b'\n') else { return Vec::new() };
         let mut out = Vec::with_capacity(end + 64);
         for line in self.partial[..end].split(|b| *b == b'\n') {
             out.extend_from_slice(format!("({label}) ").as_bytes());
@@ -413,7 +429,7 @@ impl LogStream {
             out.push(b'\n');
         }
         self.partial.drain(..=end);
-        let _ = std::io::stderr().lock().write_all(&out);
+        out
     }
 }
 

@@ -99,16 +99,9 @@ impl NodeAgent {
                 );
                 std::process::exit(crate::runtime::EXIT_HEAD_LOST);
             }
-            Request::ReadLog { file, offset } => {
-                respond(match crate::logs::read_chunk(&self.config.log_dir, &file, offset) {
-                    Ok((bytes, size, inode)) => Response::LogChunk { bytes, size, inode },
-                    Err(e) => Response::Error(e),
-                })
+            request @ (Request::ReadLog { .. } | Request::ListLogs) => {
+                respond(crate::logs::answer(&self.config.log_dir, &request))
             }
-            Request::ListLogs => respond(match crate::logs::list(&self.config.log_dir) {
-                Ok(files) => Response::LogFiles(files),
-                Err(e) => Response::Error(e),
-            }),
             other => respond(Response::Error(Error::Invalid(format!(
                 "a node daemon does not answer {other:?}"
             )))),

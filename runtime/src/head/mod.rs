@@ -365,26 +365,16 @@ impl Head {
                     Err(e) => Response::Error(e),
                 });
             }
-            Request::ReadLog { file, offset } => {
+            request @ (Request::ReadLog { .. } | Request::ListLogs) => {
                 let dir = self.state.lock().members.cluster.as_ref().map(|c| c.log_dir.clone());
-                return responder.respond(match dir {
-                    Some(dir) => match crate::logs::read_chunk(&dir, &file, offset) {
-                        Ok((bytes, size, inode)) => Response::LogChunk { bytes, size, inode },
-                        Err(e) => Response::Error(e),
-                    },
-                    None => Response::Error(Error::Invalid(
+                return responder.respond(match (dir, &request) {
+                    (Some(dir), _) => crate::logs::answer(&dir, &request),
+                    (None, Request::ListLogs) => Response::LogFiles(Vec::new()),
+                    (None, _) => Response::Error(Error::Invalid(
                         "an embedded session keeps no log files (its workers print on the \
                          driver's terminal)"
                             .into(),
                     )),
-                });
-            }
-            Request::ListLogs => {
-                let dir = self.state.lock().members.cluster.as_ref().map(|c| c.log_dir.clone());
-                return responder.respond(match dir.map(|dir| crate::logs::list(&dir)) {
-                    Some(Ok(files)) => Response::LogFiles(files),
-                    Some(Err(e)) => Response::Error(e),
-                    None => Response::LogFiles(Vec::new()),
                 });
             }
             Request::JobLogs { job, offset } => {

@@ -219,8 +219,15 @@ fn output_sinks<H: SpawnEvents>(
     }
     let weak = Arc::downgrade(head);
     let worker = request.worker;
-    let label: Arc<dyn Fn() -> Option<String> + Send + Sync> =
-        Arc::new(move || weak.upgrade().and_then(|head| head.worker_label(worker)));
+    // A worker hosts at most one actor: once known, its type is not looked up again.
+    let known = std::sync::OnceLock::new();
+    let label: Arc<dyn Fn() -> Option<String> + Send + Sync> = Arc::new(move || {
+        if let Some(label) = known.get() {
+            return Some(String::clone(label));
+        }
+        let label = weak.upgrade().and_then(|head| head.worker_label(worker))?;
+        Some(known.get_or_init(|| label).clone())
+    });
     Some((
         PendingSink::Echo { stderr: false, label: label.clone() },
         PendingSink::Echo { stderr: true, label },

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 use clap::{Args, Subcommand, ValueEnum};
-use rtrun::cluster::client::LogCursor;
+use rtrun::cluster::client::{LinePrefixer, LogCursor};
 use rtrun::cluster::{self, Client, HeadOptions, JoinOptions};
 use rtrun::protocol::JobState;
 
@@ -410,17 +410,13 @@ fn follow_file(
     client: &Client,
     node: &rtrun::protocol::NodeInfo,
     cursor: &mut LogCursor,
-    prefix: Option<&str>,
+    prefix: Option<(&str, &mut LinePrefixer)>,
 ) -> anyhow::Result<usize> {
     let bytes = cursor.read_new(client, node)?;
     let mut out = std::io::stdout().lock();
     match prefix {
         None => out.write_all(&bytes)?,
-        Some(prefix) => {
-            for line in String::from_utf8_lossy(&bytes).lines() {
-                writeln!(out, "({prefix}) {line}")?;
-            }
-        }
+        Some((label, lines)) => out.write_all(&lines.prefix(label, &bytes))?,
     }
     out.flush()?;
     Ok(bytes.len())
@@ -485,7 +481,7 @@ fn node_logs(client: &Client, name: &str, follow: bool) -> anyhow::Result<()> {
     if !node.alive {
         bail!("node `{name}` is dead: its logs cannot be read through the head");
     }
-    let mut cursors: BTreeMap<String, LogCursor> = BTreeMap::new();
+    let mut cursors: BTreeMap<String, (LogCursor, LinePrefixer)> = BTreeMap::new();
     loop {
         let mut read = 0;
         for (file, _) in client.list_logs(node)? {
@@ -493,8 +489,10 @@ fn node_logs(client: &Client, name: &str, follow: bool) -> anyhow::Result<()> {
                 continue;
             }
             let prefix = file.trim_end_matches(".log").to_owned();
-            let cursor = cursors.entry(file.clone()).or_insert_with(|| LogCursor::new(&file));
-            read += follow_file(client, node, cursor, Some(&prefix))?;
+            let (cursor, lines) = cursors
+                .entry(file.clone())
+                .or_insert_with(|| (LogCursor::new(&file), LinePrefixer::default()));
+            read += follow_file(client, node, cursor, Some((&prefix, lines)))?;
         }
         if !follow {
             return Ok(());
