@@ -6,6 +6,11 @@
 //! Run: `cargo run --release -p rtrun-rlhf-engine --example engine_bench -- [--threads N]
 //! [--prompt-len P] [--max-tokens T] [--models tiny,25m] [--batches 1,16,64] [--prefix-len L]
 //! [--repeats R]`
+//!
+//! With `--hf DIR` it instead runs the engine on the Hugging Face checkpoints and prompts that
+//! `scripts/bench/hf_generate.py make DIR` wrote (`--models` then names `DIR/<model>`), checks
+//! its greedy tokens against the `DIR/hf-<model>-b<batch>.json` that `generate` left, and prints
+//! one JSON line per batch size: the engine's side of `scripts/bench-rlhf.sh`.
 
 use std::time::Instant;
 
@@ -26,6 +31,7 @@ struct Options {
     batches: Vec<usize>,
     prefix_len: usize,
     repeats: usize,
+    hf: Option<std::path::PathBuf>,
 }
 
 fn parse_options() -> Result<Options> {
@@ -37,6 +43,7 @@ fn parse_options() -> Result<Options> {
         batches: vec![1, 16, 64],
         prefix_len: 512,
         repeats: 1,
+        hf: None,
     };
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
@@ -48,6 +55,7 @@ fn parse_options() -> Result<Options> {
             "--max-tokens" => options.max_tokens = value.parse()?,
             "--prefix-len" => options.prefix_len = value.parse()?,
             "--repeats" => options.repeats = value.parse::<usize>()?.max(1),
+            "--hf" => options.hf = Some(value.into()),
             "--models" => options.models = value.split(',').map(str::to_owned).collect(),
             "--batches" => {
                 options.batches = value.split(',').map(str::parse).collect::<Result<_, _>>()?
@@ -185,9 +193,71 @@ fn prefix_caching(options: &Options, name: &str) -> Result<()> {
     Ok(())
 }
 
+/// The engine on `dir/<name>` (a Hugging Face checkpoint) and `dir/prompts-<name>.json`, greedy
+/// with `min_tokens = max_tokens` as HF's `min_new_tokens`, best of `repeats` rounds per batch
+/// size after a warm-up round, its tokens compared with HF `generate`'s where they were saved.
+fn against_hf(options: &Options, dir: &std::path::Path, name: &str) -> Result<()> {
+    let read_json = |path: std::path::PathBuf| -> Result<Vec<Vec<u32>>> {
+        let text = std::fs::read_to_string(&path)
+            .with_context(|| format!("reading {}", path.display()))?;
+        serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))
+    };
+    let model = CausalLm::from_pretrained(&dir.join(name), Device::Cpu, Kind::Float)?;
+    let prompts = read_json(dir.join(format!("prompts-{name}.json")))?;
+    let max_batch = options.batches.iter().copied().max().unwrap_or(1);
+    let prompt_len = prompts.first().map_or(0, Vec::len);
+    let blocks_per_seq = (prompt_len + options.max_tokens as usize).div_ceil(16);
+    let mut engine =
+        LlmEngine::new(model, None, engine_config(blocks_per_seq * max_batch + 8, false))?;
+    let params = SamplingParams {
+        min_tokens: options.max_tokens,
+        ..SamplingParams::greedy(options.max_tokens)
+    };
+    for &batch in &options.batches {
+        if batch > prompts.len() {
+            bail!("batch {batch} needs more than the {} prompts of {name}", prompts.len());
+        }
+        let requests: Vec<GenerationRequest> = prompts[..batch]
+            .iter()
+            .map(|p| GenerationRequest::new(p.clone(), params.clone()))
+            .collect();
+        engine.generate(requests.clone())?;
+        let mut best = f64::INFINITY;
+        let mut outputs = Vec::new();
+        for _ in 0..options.repeats {
+            let start = Instant::now();
+            outputs = engine.generate(requests.clone())?;
+            best = best.min(start.elapsed().as_secs_f64());
+        }
+        let hf_path = dir.join(format!("hf-{name}-b{batch}.json"));
+        let identical = match hf_path.exists() {
+            true => {
+                let theirs = read_json(hf_path)?;
+                Some(tokens(&outputs).into_iter().eq(theirs.iter()))
+            }
+            false => None,
+        };
+        println!(
+            "{}",
+            serde_json::json!({
+                "engine": name, "batch": batch, "seconds": best,
+                "tokens_per_s": generated(&outputs) as f64 / best,
+                "threads": options.threads, "identical_to_hf": identical,
+            })
+        );
+    }
+    Ok(())
+}
+
 fn main() -> Result<()> {
     let options = parse_options()?;
     rtrun_rlhf_model::tch::set_num_threads(options.threads);
+    if let Some(dir) = &options.hf {
+        for name in &options.models {
+            against_hf(&options, dir, name)?;
+        }
+        return Ok(());
+    }
     println!("engine_bench: cpu, {} intra-op thread(s), f32", options.threads);
     for name in &options.models {
         throughput(&options, name)?;

@@ -516,3 +516,40 @@ fn a_bf16_engine_generates_and_a_mismatched_dtype_is_refused() {
         assert!(sample.log_probs.iter().all(|l| l.is_finite() && *l <= 0.0));
     }
 }
+
+/// Greedy outputs equal Hugging Face `generate`'s (with its KV cache) on the parity checkpoints,
+/// all prompts batched in one engine run: `tests/hf/hf_greedy.json` holds transformers' tokens
+/// (`tests/hf/make_hf_greedy.py` wrote them).
+#[test]
+fn greedy_outputs_equal_hugging_face_generate_on_the_parity_checkpoints() {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let golden: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(root.join("tests/hf/hf_greedy.json")).unwrap(),
+    )
+    .unwrap();
+    let new_tokens = golden["transformers_new_tokens"].as_u64().unwrap() as u32;
+    let params = SamplingParams { min_tokens: new_tokens, ..SamplingParams::greedy(new_tokens) };
+    let ids = |value: &serde_json::Value| -> Vec<u32> {
+        value.as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect()
+    };
+    for (name, cases) in golden["models"].as_object().unwrap() {
+        let dir = root.join("../model/parity").join(name);
+        let model =
+            CausalLm::from_pretrained(&dir, rtrun_rlhf_model::tch::Device::Cpu, Kind::Float)
+                .unwrap();
+        let cases = cases.as_array().unwrap();
+        let batch: Vec<GenerationRequest> = cases
+            .iter()
+            .map(|c| GenerationRequest::new(ids(&c["prompt"]), params.clone()))
+            .collect();
+        let outputs = engine(model, config(64, 4)).generate(batch).unwrap();
+        for (case, output) in cases.iter().zip(&outputs) {
+            assert_eq!(
+                output.samples[0].token_ids,
+                ids(&case["tokens"]),
+                "{name}: prompt {:?}",
+                ids(&case["prompt"])
+            );
+        }
+    }
+}

@@ -12,8 +12,13 @@ fn fixtures() -> PathBuf {
 }
 
 /// A checkpoint-like directory: the shared `tokenizer.json` plus one template's configs.
+/// A directory of its own per call: `cargo test` runs these tests on threads of one process,
+/// and one test removing a directory another is reading made the suite flaky.
 fn tokenizer_dir(template: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("rtrun-chat-{template}-{}", std::process::id()));
+    static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let dir =
+        std::env::temp_dir().join(format!("rtrun-chat-{template}-{}-{call}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::copy(fixtures().join("tokenizer.json"), dir.join("tokenizer.json")).unwrap();
     for name in ["tokenizer_config.json", "generation_config.json"] {

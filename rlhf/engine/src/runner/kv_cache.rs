@@ -47,13 +47,10 @@ pub struct LayerCache {
 }
 
 impl LayerCache {
-    /// Writes `k, v: [1, kv_heads, T, head_dim]` (one packed row of `T` tokens) into `slots: [T]`.
+    /// Writes `k, v: [T, kv_heads, head_dim]` (the rows of one packed step) into `slots: [T]`.
     pub fn write(&self, slots: &Tensor, k: &Tensor, v: &Tensor) -> Result<(), EngineError> {
-        let rows = |t: &Tensor| -> Result<Tensor, EngineError> {
-            Ok(t.f_squeeze_dim(0)?.f_transpose(0, 1)?)
-        };
-        let _ = self.keys.shallow_clone().f_index_copy_(0, slots, &rows(k)?)?;
-        let _ = self.values.shallow_clone().f_index_copy_(0, slots, &rows(v)?)?;
+        let _ = self.keys.shallow_clone().f_index_copy_(0, slots, k)?;
+        let _ = self.values.shallow_clone().f_index_copy_(0, slots, v)?;
         Ok(())
     }
 

@@ -15,7 +15,8 @@ pub mod batch;
 pub mod kv_cache;
 
 use rtrun_rlhf_model::CausalLm;
-use rtrun_rlhf_model::layers::Attention;
+use rtrun_rlhf_model::layers::{Attention, Linear};
+use rtrun_rlhf_model::rope::apply_rotary;
 use tch::{Device, Kind, Tensor};
 
 use crate::error::EngineError;
@@ -43,6 +44,9 @@ pub struct ModelRunner {
     shard: ShardSpec,
     cache_shape: KvCacheShape,
     cache: Option<KvCache>,
+    /// Projections computed with the weight as the left operand (on the CPU, see
+    /// [`ModelRunner::linear`]).
+    weight_left: bool,
 }
 
 /// The index tensors of one attention group, on the model's device.
@@ -82,7 +86,8 @@ impl ModelRunner {
             block_size,
             kind: model.params.kind(),
         };
-        Ok(Self { model, shard, cache_shape, cache: None })
+        let weight_left = model.backbone.device() == Device::Cpu;
+        Ok(Self { model, shard, cache_shape, cache: None, weight_left })
     }
 
     /// The model.
@@ -178,26 +183,71 @@ impl ModelRunner {
             .collect::<Result<Vec<_>, _>>()?;
 
         let backbone = &self.model.backbone;
-        let mut hidden = Tensor::f_embedding(&backbone.embed_tokens, &input_ids, -1, false, false)?;
+        let (heads, kv_heads, head_dim) = {
+            let attn = &backbone.layers[0].self_attn;
+            (attn.num_heads, attn.num_kv_heads, attn.head_dim)
+        };
+        // `[T, hidden]`: the step's tokens are one packed row, so the runner works on 2-D rows.
+        let mut hidden = Tensor::f_embedding(&backbone.embed_tokens, &input_ids, -1, false, false)?
+            .f_squeeze_dim(0)?;
         let (cos, sin) = backbone.rotary.cos_sin(&positions, hidden.f_kind()?)?;
+        // `[T, 1, head_dim]`, broadcast over the heads of `[T, heads, head_dim]` rows.
+        let (cos, sin) = (cos.f_view([total, 1, head_dim])?, sin.f_view([total, 1, head_dim])?);
         for (layer, layer_cache) in backbone.layers.iter().zip(&cache.layers) {
             let attn = &layer.self_attn;
             let normed = layer.input_layernorm.forward(&hidden)?;
-            let (q, k, v) = attn.project_qkv(&normed)?;
-            let (q, k) = attn.rotate(&q, &k, &cos, &sin)?;
+            let rows = |t: Tensor, n: i64| t.f_view([total, n, head_dim]);
+            let q = rows(self.linear(&attn.q_proj, &normed)?, heads)?;
+            let k = rows(self.linear(&attn.k_proj, &normed)?, kv_heads)?;
+            let v = rows(self.linear(&attn.v_proj, &normed)?, kv_heads)?;
+            let (q, k) = (apply_rotary(&q, &cos, &sin)?, apply_rotary(&k, &cos, &sin)?);
             // Every new K/V of this layer lands in the cache before any query reads it, which
             // lets a chunk read prefix blocks another chunk of the same step computes.
             layer_cache.write(&slots, &k, &v)?;
             let attended = paged_attention(attn, &q, layer_cache, &groups, total)?;
-            let out = attn.project_output(&attended)?;
+            let out = self.linear(&attn.o_proj, &attended)?;
             // Tensor-parallel seam: all-reduce `out` across shards here.
             hidden = hidden.f_add(&out)?;
-            let mlp = layer.mlp.forward(&layer.post_attention_layernorm.forward(&hidden)?)?;
+            let normed = layer.post_attention_layernorm.forward(&hidden)?;
+            let gate = self.linear(&layer.mlp.gate_proj, &normed)?.f_silu()?;
+            let up = self.linear(&layer.mlp.up_proj, &normed)?;
+            let mlp = self.linear(&layer.mlp.down_proj, &gate.f_mul(&up)?)?;
             // Tensor-parallel seam: all-reduce `mlp` across shards here.
             hidden = hidden.f_add(&mlp)?;
         }
-        let rows = hidden.f_squeeze_dim(0)?.f_index_select(0, &index(&batch.sample_rows)?)?;
-        Ok(self.model.lm_logits(&backbone.norm.forward(&rows)?)?)
+        let rows =
+            backbone.norm.forward(&hidden.f_index_select(0, &index(&batch.sample_rows)?)?)?;
+        match &self.model.lm_head {
+            Some(head) => self.linear(head, &rows),
+            None => self.linear_weight(&backbone.embed_tokens, None, &rows),
+        }
+    }
+
+    /// `x W^T + b` for rows `x: [T, in]`, the same projection as [`Linear::forward`]. On the
+    /// CPU it is computed as `(W x^T)^T`: MKL packs the right-hand operand of every product
+    /// into its own layout first, and with the weight on the left that operand is the small
+    /// activation instead of the whole weight matrix (the decode step at batch 64 spent a
+    /// fifth of its time copying weights). The result is a transposed view of a contiguous
+    /// `[out, T]` tensor, so the next projection's `x^T` is contiguous again.
+    fn linear(&self, layer: &Linear, x: &Tensor) -> Result<Tensor, EngineError> {
+        self.linear_weight(&layer.weight, layer.bias.as_ref(), x)
+    }
+
+    fn linear_weight(
+        &self,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+        x: &Tensor,
+    ) -> Result<Tensor, EngineError> {
+        if !self.weight_left {
+            return Ok(x.f_linear(weight, bias)?);
+        }
+        let x_t = x.f_transpose(0, 1)?;
+        let out = match bias {
+            Some(bias) => bias.f_unsqueeze(1)?.f_addmm(weight, &x_t)?,
+            None => weight.f_matmul(&x_t)?,
+        };
+        Ok(out.f_transpose(0, 1)?)
     }
 }
 
@@ -228,18 +278,16 @@ fn group_tensors(
     })
 }
 
-/// Attention of the packed queries `q: [1, heads, T, head_dim]` over the cache, group by group;
-/// returns `[1, T, heads * head_dim]`.
+/// Attention of the packed queries `q_rows: [T, heads, head_dim]` over the cache, group by
+/// group; returns `[T, heads * head_dim]`.
 fn paged_attention(
     attn: &Attention,
-    q: &Tensor,
+    q_rows: &Tensor,
     cache: &kv_cache::LayerCache,
     groups: &[GroupTensors],
     total: i64,
 ) -> Result<Tensor, EngineError> {
     let width = attn.num_heads * attn.head_dim;
-    // [T, heads, head_dim]
-    let q_rows = q.f_squeeze_dim(0)?.f_transpose(0, 1)?;
     let attend_group = |g: &GroupTensors| -> Result<Tensor, EngineError> {
         let qg = q_rows
             .f_index_select(0, &g.q_index)?
@@ -252,13 +300,13 @@ fn paged_attention(
         && only.identity
     {
         // A pure decode step: the group's rows already are the packed rows, in order.
-        return Ok(attend_group(only)?.f_unsqueeze(0)?);
+        return attend_group(only);
     }
-    let mut attended = Tensor::f_zeros([total, width], (q.f_kind()?, q.device()))?;
+    let mut attended = Tensor::f_zeros([total, width], (q_rows.f_kind()?, q_rows.device()))?;
     for g in groups {
         let out = attend_group(g)?;
         let _ =
             attended.f_index_copy_(0, &g.valid_rows, &out.f_index_select(0, &g.valid_slots)?)?;
     }
-    Ok(attended.f_unsqueeze(0)?)
+    Ok(attended)
 }
