@@ -236,6 +236,36 @@ def load_prompts(path: str) -> Dataset:
     return Dataset.from_list(rows)
 
 
+def held_out_reward(model, tokenizer, path: str, max_new_tokens: int) -> float:
+    """Mean `math_answer` reward of greedy answers to every prompt of `path`: what our trainer's
+    `evaluate` reports as `eval/reward` (greedy, the chat template, stop at eos)."""
+    records = [json.loads(line) for line in open(path, encoding="utf-8") if line.strip()]
+    side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    scores = []
+    model.eval()
+    for start in range(0, len(records), 64):
+        chunk = records[start : start + 64]
+        texts = [
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": r["question"]}], tokenize=False,
+                add_generation_prompt=True,
+            )
+            for r in chunk
+        ]
+        batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        with torch.no_grad():
+            out = model.generate(
+                **batch, max_new_tokens=max_new_tokens, do_sample=False,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        answers = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
+        scores += [math_answer_score(a, r["answer"]) for a, r in zip(answers, chunk, strict=True)]
+    tokenizer.padding_side = side
+    model.train()
+    return sum(scores) / max(len(scores), 1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
@@ -245,6 +275,9 @@ def main() -> None:
     )
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument(
+        "--eval-data", help="held-out JSONL: greedy reward before and after training"
+    )
     args = parser.parse_args()
     if args.steps < 2:
         parser.error("--steps must be at least 2 (the first rollout is warm-up)")
@@ -320,7 +353,16 @@ def main() -> None:
     shape["pad_token_id"] = trainer.processing_class.pad_token_id
     shape["torch_threads"] = torch.get_num_threads()
     print("config " + json.dumps(shape), flush=True)
+    evals = {}
+    if args.eval_data:
+        evals["heldout_reward_start"] = held_out_reward(
+            trainer.model, trainer.processing_class, args.eval_data, config.max_completion_length
+        )
     trainer.train()
+    if args.eval_data:
+        evals["heldout_reward_end"] = held_out_reward(
+            trainer.model, trainer.processing_class, args.eval_data, config.max_completion_length
+        )
 
     seconds, cpu_seconds = timer.rollout_seconds()
     if len(reward.rollout_rewards) != len(seconds):
@@ -342,6 +384,7 @@ def main() -> None:
         "cpu_seconds_per_rollout_mean": statistics.mean(cpu_seconds[1:]),
         "reward_first5": statistics.mean(rewards[:5]),
         "reward_last5": statistics.mean(rewards[-5:]),
+        **evals,
     }
     print(json.dumps(result), flush=True)
 

@@ -41,9 +41,14 @@ fn small_config(run_dir: &Path, extra: &str) -> TrainConfig {
          eval: {{every_steps: 0}}\n{extra}",
         run_dir.display()
     );
-    // Enough CPUs for every spec's bundles, whichever test of a process starts the runtime.
-    TrainConfig::from_yaml(&yaml, "test.yaml", &["cluster.num_cpus=16".into()])
-        .expect("test config parses")
+    // Enough CPUs for every spec's bundles, whichever test of a process starts the runtime; one
+    // thread per worker, since tests run side by side (`auto` assumes the run has the machine).
+    TrainConfig::from_yaml(
+        &yaml,
+        "test.yaml",
+        &["cluster.num_cpus=16".into(), "cluster.threads_per_worker=1".into()],
+    )
+    .expect("test config parses")
 }
 
 /// A reward model (fresh scalar head on the policy's shape) for `reward.kind: model`.

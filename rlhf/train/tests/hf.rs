@@ -57,7 +57,12 @@ fn hf_config(run_dir: &Path, files: &WalkthroughFiles, sets: &[&str]) -> TrainCo
         files.train_data.display(),
         files.test_data.display(),
     );
-    let mut overrides = vec!["cluster.num_cpus=16".to_owned(), "engine.threads=1".to_owned()];
+    // One thread per process: tests run side by side (`auto` assumes the run has the machine).
+    let mut overrides = vec![
+        "cluster.num_cpus=16".to_owned(),
+        "engine.threads=1".to_owned(),
+        "cluster.threads_per_worker=1".to_owned(),
+    ];
     overrides.extend(sets.iter().map(|s| s.to_string()));
     TrainConfig::from_yaml(&yaml, "hf.yaml", &overrides)
         .unwrap_or_else(|e| panic!("test config: {e}"))

@@ -158,8 +158,10 @@ pub struct ClusterConfig {
     pub reward_replicas: usize,
     /// Engine actors when there is no spec.
     pub engine_replicas: usize,
-    /// libtorch intra-op threads in each worker process.
-    pub threads_per_worker: i32,
+    /// libtorch intra-op threads of each policy, reference, critic and reward-model worker:
+    /// `auto` (the default) shares the machine's cores, phase by phase, among the workers
+    /// computing in that phase; a number fixes it for every phase. Engines: `engine.threads`.
+    pub threads_per_worker: WorkerThreads,
     /// Engines sleep while training and training state is offloaded while generating (the
     /// hybrid engine). Implied by a spec that puts `vllm_engine` in the actor's group.
     pub colocate_all: bool,
@@ -171,6 +173,52 @@ pub struct ClusterConfig {
     /// Seconds after which a call still unanswered is logged as a warning naming the late role
     /// and rank (then again every this many seconds, until the answer or the deadline).
     pub stall_warn_s: f64,
+}
+
+/// `cluster.threads_per_worker`: `auto` or a thread count.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum WorkerThreads {
+    /// The cores shared, phase by phase, among the workers computing in that phase.
+    #[default]
+    Auto,
+    /// This many threads in every phase.
+    Fixed(i32),
+}
+
+impl Serialize for WorkerThreads {
+    fn serialize<S: serde::Serializer>(
+        &self,
+        serializer: S,
+    ) -> std::result::Result<S::Ok, S::Error> {
+        match self {
+            WorkerThreads::Auto => serializer.serialize_str("auto"),
+            WorkerThreads::Fixed(n) => serializer.serialize_i32(*n),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for WorkerThreads {
+    fn deserialize<D: serde::Deserializer<'de>>(
+        deserializer: D,
+    ) -> std::result::Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Count(i64),
+            Word(String),
+        }
+        match Raw::deserialize(deserializer)
+            .map_err(|_| serde::de::Error::custom("expected `auto` or a thread count"))?
+        {
+            Raw::Count(n) => i32::try_from(n)
+                .map(WorkerThreads::Fixed)
+                .map_err(|_| serde::de::Error::custom(format!("{n} threads is out of range"))),
+            Raw::Word(word) if word == "auto" => Ok(WorkerThreads::Auto),
+            Raw::Word(word) => Err(serde::de::Error::custom(format!(
+                "expected `auto` or a thread count, found `{word}`"
+            ))),
+        }
+    }
 }
 
 impl Default for ClusterConfig {
@@ -185,7 +233,7 @@ impl Default for ClusterConfig {
             critic_replicas: 1,
             reward_replicas: 1,
             engine_replicas: 1,
-            threads_per_worker: 1,
+            threads_per_worker: WorkerThreads::Auto,
             colocate_all: false,
             call_timeout_s: 1800.0,
             stall_warn_s: 60.0,
@@ -624,10 +672,12 @@ impl TrainConfig {
         positive("cluster.critic_replicas", self.cluster.critic_replicas)?;
         positive("cluster.reward_replicas", self.cluster.reward_replicas)?;
         positive("cluster.engine_replicas", self.cluster.engine_replicas)?;
-        if self.cluster.threads_per_worker < 1 {
+        if let WorkerThreads::Fixed(n) = self.cluster.threads_per_worker
+            && n < 1
+        {
             return Err(TrainError::config(
                 "cluster.threads_per_worker",
-                format!("expected at least 1, found {}", self.cluster.threads_per_worker),
+                format!("expected `auto` or at least 1, found {n}"),
             ));
         }
         for (key, value) in [
@@ -907,6 +957,22 @@ mod tests {
         assert_eq!(c.algo.advantage_estimator, AdvantageEstimator::Gae);
         assert_eq!(c.train.actor_lr, 1e-6);
         assert_eq!(c.train.critic_lr, 9e-6);
+    }
+
+    #[test]
+    fn threads_per_worker_is_auto_or_a_positive_count_and_errors_name_the_key() {
+        let parse = |value: &str| {
+            TrainConfig::from_yaml("", "x.yaml", &[format!("cluster.threads_per_worker={value}")])
+        };
+        assert_eq!(TrainConfig::default().cluster.threads_per_worker, WorkerThreads::Auto);
+        assert_eq!(parse("auto").unwrap().cluster.threads_per_worker, WorkerThreads::Auto);
+        assert_eq!(parse("3").unwrap().cluster.threads_per_worker, WorkerThreads::Fixed(3));
+        for bad in ["0", "many"] {
+            let err = parse(bad).unwrap_err().to_string();
+            assert!(err.contains("threads_per_worker") || err.contains("thread count"), "{err}");
+        }
+        let err = parse("many").unwrap_err().to_string();
+        assert!(err.contains("`many`"), "{err}");
     }
 
     #[test]

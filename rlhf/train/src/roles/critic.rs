@@ -11,7 +11,7 @@ use rtrun_rlhf_model::train::{AdamW, OptimizerConfig};
 
 use crate::algo::{self, LossAggregation};
 use crate::experience::{ExperienceRow, Sequence, pad_rows, response_batch, unpad_rows};
-use crate::roles::{DpComm, WorkerSetup};
+use crate::roles::{DpComm, Phase, WorkerSetup};
 
 /// Constructor argument of [`CriticWorker`].
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -85,6 +85,7 @@ impl CriticWorkerState {
 
     /// Values of the states before each response token.
     pub fn values(&self, sequences: Vec<Sequence>) -> Result<Vec<Vec<f32>>, String> {
+        self.setup.enter(Phase::Experience);
         let run = || -> crate::Result<Vec<Vec<f32>>> {
             let mut out = Vec::with_capacity(sequences.len());
             tch::no_grad(|| -> crate::Result<()> {
@@ -108,6 +109,7 @@ impl CriticWorkerState {
         rows: Vec<ExperienceRow>,
         global_tokens: usize,
     ) -> Result<CriticTrainStats, String> {
+        self.setup.enter(Phase::Train);
         self.train_impl(&rows, global_tokens).map_err(to_string_error)
     }
 

@@ -15,7 +15,7 @@ use rtrun_rlhf_model::train::{AdamW, OptimizerConfig};
 
 use crate::algo::{self, ClipConfig, KlEstimator, LossAggregation};
 use crate::experience::{ExperienceRow, Sequence, pad_rows, response_batch, unpad_rows};
-use crate::roles::{DpComm, WorkerSetup};
+use crate::roles::{DpComm, Phase, WorkerSetup};
 use rtrun_rlhf_engine::{WeightBucket, WeightMeta, WeightSyncGroup};
 
 /// How a policy rank computes its loss.
@@ -122,6 +122,7 @@ impl LmWorkerState {
 
     /// Log-probs of every response token, one vector per sequence (no gradients).
     pub fn log_probs(&self, sequences: Vec<Sequence>) -> Result<Vec<Vec<f32>>, String> {
+        self.setup.enter(Phase::Experience);
         self.log_probs_impl(&sequences).map_err(to_string_error)
     }
 
@@ -134,6 +135,7 @@ impl LmWorkerState {
         kl_coef: f64,
         global_tokens: usize,
     ) -> Result<PolicyTrainStats, String> {
+        self.setup.enter(Phase::Train);
         self.train_impl(&rows, kl_coef, global_tokens).map_err(to_string_error)
     }
 

@@ -9,14 +9,14 @@ use rtrun_rlhf_model::train::{OptimizerConfig, ScheduleConfig};
 
 use rtrun_rlhf_dock::RemoteDock;
 
-use crate::config::{AlgoConfig, PipelineMode, RewardKind, TrainConfig};
+use crate::config::{AlgoConfig, PipelineMode, RewardKind, TrainConfig, WorkerThreads};
 use crate::error::{Result, TrainError};
 use crate::placement_map::RolePlacements;
-use crate::roles::WorkerSetup;
 use crate::roles::critic::{
     CriticWorker, CriticWorkerConfig, RewardModelConfig, RewardModelWorker,
 };
 use crate::roles::lm::{LmWorker, LmWorkerConfig, PolicyLossConfig};
+use crate::roles::{ThreadPlan, WorkerSetup};
 
 /// Every role of a run.
 pub struct Roles {
@@ -34,6 +34,26 @@ pub struct Roles {
     pub placements: RolePlacements,
     /// The TransferDock actor of `train.pipeline: dock`.
     pub dock: Option<RemoteDock>,
+}
+
+/// The thread plan of every role worker: a fixed count, or with `auto` the workers that compute
+/// at once in each phase (all of them counted, wherever they are placed, so co-located ranks
+/// never oversubscribe a machine; on a cluster that errs towards too few threads, never too many).
+/// Experience: policy (old log-probs), reference, critic and reward-model ranks in parallel;
+/// training: policy and critic ranks.
+fn thread_plan(config: &TrainConfig, p: &RolePlacements, reward_model: bool) -> ThreadPlan {
+    match config.cluster.threads_per_worker {
+        WorkerThreads::Fixed(n) => ThreadPlan::Fixed(n),
+        WorkerThreads::Auto => {
+            let count = |yes: bool, replicas: usize| if yes { replicas as u32 } else { 0 };
+            let critic = count(needs_critic(&config.algo), p.critic.replicas);
+            let experience = p.actor.replicas as u32
+                + count(needs_reference(&config.algo), p.reference.replicas)
+                + critic
+                + count(reward_model && config.reward.kind == RewardKind::Model, p.reward.replicas);
+            ThreadPlan::Shared { experience, train: p.actor.replicas as u32 + critic }
+        }
+    }
 }
 
 /// Whether the run needs reference log-probs.
@@ -71,7 +91,7 @@ impl Roles {
         reward_dir: Option<&Path>,
         total_optimizer_steps: u64,
     ) -> Result<Roles> {
-        let threads = config.cluster.threads_per_worker;
+        let threads = thread_plan(config, &placements, reward_dir.is_some());
         let loss = PolicyLossConfig {
             clip: config.algo.clip_config(),
             entropy_coef: config.algo.entropy_coef,

@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# rtrun's RLHF application against the tools its users would pick instead, back to back on this
+# machine, printed as one table of ratios (issue 15's benchmark):
+#
+#   1. the generation engine vs Hugging Face `generate` (with its KV cache): the same random-weight
+#      HF checkpoints (a ~0.5M and a ~27M Qwen2) and prompts, greedy, 64 new tokens, batch 1/16/64,
+#      the same intra-op thread count, best of ROUNDS rounds each, the two sides alternating; the
+#      engine's tokens are checked identical to HF's;
+#   2. the main job's GRPO step vs TRL's GRPOTrainer, from the same initial checkpoint (the
+#      no-download walkthrough policy) on the same data, reward and hyper-parameters, for SEEDS
+#      seeds: wall seconds per rollout step (median, warm-up excluded) and the held-out greedy
+#      reward before and after.
+#
+# Usage: scripts/bench-rlhf.sh [--quick]
+#   --quick: 1 round, 1 seed, 12 rollout steps (a smoke run of the script; not a measurement).
+# Environment: BENCH_DIR (default ~/.cache/rtrun/bench-rlhf), THREADS (default: every core),
+#   ROUNDS (3), SEEDS ("1 2 3"), STEPS (40 rollout steps per run).
+# Python side: transformers, TRL and torch 2.13 (CPU) in ~/.cache/rtrun/bench-venv, installed on
+# first use. Nothing is downloaded at run time besides those packages.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+
+ROUNDS=${ROUNDS:-3}
+SEEDS=${SEEDS:-"1 2 3"}
+STEPS=${STEPS:-40}
+if [[ "${1:-}" == "--quick" ]]; then
+    ROUNDS=1 SEEDS=1 STEPS=12
+fi
+THREADS=${THREADS:-$(nproc)}
+BENCH_DIR=${BENCH_DIR:-$HOME/.cache/rtrun/bench-rlhf}
+VENV=$HOME/.cache/rtrun/bench-venv
+mkdir -p "$BENCH_DIR"
+REPORT=$BENCH_DIR/report.jsonl
+: >"$REPORT"
+
+# --- set-up ----------------------------------------------------------------------------------
+# shellcheck source=scripts/setup.sh
+source scripts/setup.sh
+if ! "$VENV/bin/python" -c "import transformers, trl, datasets" 2>/dev/null; then
+    echo "bench: installing transformers and TRL into $VENV" >&2
+    python3 -m venv "$VENV"
+    "$VENV/bin/pip" install --quiet --upgrade pip
+    "$VENV/bin/pip" install --quiet torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu \
+        || "$VENV/bin/pip" install --quiet torch==2.13.0
+    "$VENV/bin/pip" install --quiet "transformers==5.23.0" "trl==1.16.0" datasets accelerate safetensors
+fi
+PY=$VENV/bin/python
+cargo build --release --quiet -p rtrun-rlhf-engine --example engine_bench
+cargo build --release --quiet -p rtrun-rlhf --bin train --example make_walkthrough
+ENGINE_BENCH=$ROOT/target/release/examples/engine_bench
+TRAIN=$ROOT/target/release/train
+echo "bench: $(nproc) cores, $THREADS threads per side, $ROUNDS rounds, seeds: $SEEDS" >&2
+
+# --- 1. engine vs HF generate -------------------------------------------------------------------
+GEN=$BENCH_DIR/generate
+mkdir -p "$GEN"
+"$PY" scripts/bench/hf_generate.py make "$GEN" >&2
+for model in tiny 27m; do
+    for _ in $(seq "$ROUNDS"); do
+        # One round = one HF run and one engine run per batch size (the best of 2 inside each);
+        # the engine run reads the tokens HF just wrote and checks its own against them.
+        "$PY" scripts/bench/hf_generate.py generate "$GEN" "$model" 1,16,64 64 "$THREADS" 2 \
+            2>/dev/null | grep '^{' >>"$REPORT"
+        "$ENGINE_BENCH" --hf "$GEN" --models "$model" --batches 1,16,64 --max-tokens 64 \
+            --threads "$THREADS" --repeats 2 >>"$REPORT"
+    done
+done
+
+# --- 2. GRPO step vs TRL GRPOTrainer ------------------------------------------------------------
+WT=$BENCH_DIR/walkthrough
+if [[ ! -f $WT/model/config.json ]]; then
+    "$ROOT/target/release/examples/make_walkthrough" "$WT" >&2
+fi
+for seed in $SEEDS; do
+    run=$BENCH_DIR/runs/grpo-seed$seed
+    rm -rf "$run"
+    (cd "$BENCH_DIR" && "$TRAIN" --config "$ROOT/deploy/examples/rlhf/grpo-hf.yaml" \
+        --set seed="$seed" --set run_dir="$run" \
+        --set policy.pretrain="$WT/model" --set data.prompt_data="$WT/data/train.jsonl" \
+        --set data.eval_data="$WT/data/test.jsonl" --set train.actor_lr=0.0003 \
+        --set train.max_steps="$STEPS" --set eval.every_steps=0 --set checkpoint.every_steps=0 \
+        >"$run.log" 2>&1) || { tail -20 "$run.log" >&2; exit 1; }
+    "$PY" scripts/bench/summarize_run.py "$run" "$seed" >>"$REPORT"
+    "$PY" scripts/trl_grpo_anchor.py --model "$WT/model" --data "$WT/data/train.jsonl" \
+        --eval-data "$WT/data/test.jsonl" --steps "$STEPS" --threads "$THREADS" --seed "$seed" \
+        2>"$BENCH_DIR/trl-seed$seed.log" | tail -1 | "$PY" -c \
+        "import json,sys; r=json.load(sys.stdin); r['trl_seed']=$seed; print(json.dumps(r))" >>"$REPORT"
+done
+
+"$PY" scripts/bench/report.py "$REPORT"

@@ -1,0 +1,48 @@
+"""The table of scripts/bench-rlhf.sh from its JSONL report: engine vs HF `generate` per model
+and batch size (best tokens/s over the rounds, tokens identical in every round), and GRPO vs
+TRL per seed (median seconds per rollout step, held-out reward gain). Usage: report.py REPORT"""
+
+import json
+import statistics
+import sys
+
+rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
+print("\n## Engine vs Hugging Face `generate` (greedy, 64 new tokens, tokens/s, best round)\n")
+print("| model | batch | HF generate | rtrun engine | ratio | identical |")
+print("|---|---:|---:|---:|---:|:---:|")
+for model in ["tiny", "27m"]:
+    for batch in [1, 16, 64]:
+        hf = [r["tokens_per_s"] for r in rows if r.get("hf") == model and r["batch"] == batch]
+        ours = [r for r in rows if r.get("engine") == model and r["batch"] == batch]
+        if not hf or not ours:
+            continue
+        same = all(r["identical_to_hf"] for r in ours)
+        best = max(r["tokens_per_s"] for r in ours)
+        print(f"| {model} | {batch} | {max(hf):.0f} | {best:.0f} | {best / max(hf):.2f}x | "
+              f"{'yes' if same else 'NO'} |")
+
+ours = {r["rtrun_seed"]: r for r in rows if "rtrun_seed" in r}
+trl = {r["trl_seed"]: r for r in rows if "trl_seed" in r}
+if ours:
+    print("\n## GRPO rollout step vs TRL GRPOTrainer (16 prompts x 8 samples, 4 optimizer steps)\n")
+    print("| seed | TRL s/step | rtrun s/step | ratio | TRL held-out | rtrun held-out |")
+    print("|---:|---:|---:|---:|---|---|")
+    ratios, gains = [], ([], [])
+    for seed in sorted(ours):
+        o, t = ours[seed], trl.get(seed)
+        if t is None:
+            continue
+        ratio = t["seconds_per_rollout_median"] / o["seconds_per_rollout_median"]
+        ratios.append(ratio)
+        gains[0].append(t["heldout_reward_end"] - t["heldout_reward_start"])
+        gains[1].append(o["heldout_reward_end"] - o["heldout_reward_start"])
+        print(f"| {seed} | {t['seconds_per_rollout_median']:.3f} | "
+              f"{o['seconds_per_rollout_median']:.3f} | {ratio:.2f}x | "
+              f"{t['heldout_reward_start']:.3f} -> {t['heldout_reward_end']:.3f} | "
+              f"{o['heldout_reward_start']:.3f} -> {o['heldout_reward_end']:.3f} |")
+    if ratios:
+        print(f"\nmean over seeds: step ratio {statistics.mean(ratios):.2f}x; held-out gain "
+              f"TRL {statistics.mean(gains[0]):+.3f}, rtrun {statistics.mean(gains[1]):+.3f}")
+        phases = {k: statistics.mean(ours[s]["phase_seconds_median"][k] for s in ours)
+                  for k in next(iter(ours.values()))["phase_seconds_median"]}
+        print("rtrun phase medians (s): " + ", ".join(f"{k} {v:.3f}" for k, v in phases.items()))
