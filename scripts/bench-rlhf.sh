@@ -14,9 +14,11 @@
 # Usage: scripts/bench-rlhf.sh [--quick]
 #   --quick: 1 round, 1 seed, 12 rollout steps (a smoke run of the script; not a measurement).
 # Environment: BENCH_DIR (default ~/.cache/rtrun/bench-rlhf), THREADS (default: every core),
-#   ROUNDS (3), SEEDS ("1 2 3"), STEPS (40 rollout steps per run).
-# Python side: transformers, TRL and torch 2.13 (CPU) in ~/.cache/rtrun/bench-venv, installed on
-# first use. Nothing is downloaded at run time besides those packages.
+#   ROUNDS (3), SEEDS ("1 2 3"), STEPS (40 rollout steps per run), PARTS ("engine grpo": which
+#   halves to run; the report then covers those), BENCH_VENV (a venv that
+#   already has them, e.g. the parity venv of rlhf/model/parity).
+# Python side: transformers 5.23, TRL 1.16 and torch 2.13 from PyPI in ~/.cache/rtrun/bench-venv,
+# installed on first use. Nothing else is downloaded.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -29,8 +31,9 @@ if [[ "${1:-}" == "--quick" ]]; then
 fi
 THREADS=${THREADS:-$(nproc)}
 BENCH_DIR=${BENCH_DIR:-$HOME/.cache/rtrun/bench-rlhf}
-VENV=$HOME/.cache/rtrun/bench-venv
-mkdir -p "$BENCH_DIR"
+VENV=${BENCH_VENV:-$HOME/.cache/rtrun/bench-venv}
+PARTS=${PARTS:-"engine grpo"}
+mkdir -p "$BENCH_DIR/runs"
 REPORT=$BENCH_DIR/report.jsonl
 : >"$REPORT"
 
@@ -41,8 +44,7 @@ if ! "$VENV/bin/python" -c "import transformers, trl, datasets" 2>/dev/null; the
     echo "bench: installing transformers and TRL into $VENV" >&2
     python3 -m venv "$VENV"
     "$VENV/bin/pip" install --quiet --upgrade pip
-    "$VENV/bin/pip" install --quiet torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu \
-        || "$VENV/bin/pip" install --quiet torch==2.13.0
+    "$VENV/bin/pip" install --quiet torch==2.13.0
     "$VENV/bin/pip" install --quiet "transformers==5.23.0" "trl==1.16.0" datasets accelerate safetensors
 fi
 PY=$VENV/bin/python
@@ -53,6 +55,7 @@ TRAIN=$ROOT/target/release/train
 echo "bench: $(nproc) cores, $THREADS threads per side, $ROUNDS rounds, seeds: $SEEDS" >&2
 
 # --- 1. engine vs HF generate -------------------------------------------------------------------
+if [[ " $PARTS " == *" engine "* ]]; then
 GEN=$BENCH_DIR/generate
 mkdir -p "$GEN"
 "$PY" scripts/bench/hf_generate.py make "$GEN" >&2
@@ -66,8 +69,10 @@ for model in tiny 27m; do
             --threads "$THREADS" --repeats 2 >>"$REPORT"
     done
 done
+fi
 
 # --- 2. GRPO step vs TRL GRPOTrainer ------------------------------------------------------------
+if [[ " $PARTS " == *" grpo "* ]]; then
 WT=$BENCH_DIR/walkthrough
 if [[ ! -f $WT/model/config.json ]]; then
     "$ROOT/target/release/examples/make_walkthrough" "$WT" >&2
@@ -87,5 +92,6 @@ for seed in $SEEDS; do
         2>"$BENCH_DIR/trl-seed$seed.log" | tail -1 | "$PY" -c \
         "import json,sys; r=json.load(sys.stdin); r['trl_seed']=$seed; print(json.dumps(r))" >>"$REPORT"
 done
+fi
 
 "$PY" scripts/bench/report.py "$REPORT"

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use rtrun_rlhf::TrainConfig;
-use rtrun_rlhf::config::PipelineMode;
+use rtrun_rlhf::config::{OldLogprobs, PipelineMode};
 use rtrun_rlhf::placement_map::ColocationMode;
 use rtrun_rlhf::trainer::{NoProgress, pipeline};
 use rtrun_rlhf_model::ScalarHeadModel;
@@ -42,11 +42,17 @@ fn small_config(run_dir: &Path, extra: &str) -> TrainConfig {
         run_dir.display()
     );
     // Enough CPUs for every spec's bundles, whichever test of a process starts the runtime; one
-    // thread per worker, since tests run side by side (`auto` assumes the run has the machine).
+    // thread per worker, since tests run side by side (`auto` assumes the run has the machine);
+    // the policy recomputes the old log-probs every step, so `assert_trained` sees the
+    // engine/policy gap (weight sync at work) on every step.
     TrainConfig::from_yaml(
         &yaml,
         "test.yaml",
-        &["cluster.num_cpus=16".into(), "cluster.threads_per_worker=1".into()],
+        &[
+            "cluster.num_cpus=16".into(),
+            "cluster.threads_per_worker=1".into(),
+            "algo.old_logprobs=policy".into(),
+        ],
     )
     .expect("test config parses")
 }
@@ -434,10 +440,12 @@ fn grpo_dock_pipeline_streams_every_row_and_matches_the_sequential_mode() {
     assert!(sink.is_empty(), "no metrics for the failed step: {sink:?}");
     trainer.roles.kill();
 
-    // The same seed without the dock: the same samples, rewards, losses and evaluations.
+    // The same seed without the dock: the same samples, rewards, losses and evaluations (the
+    // dock always has the policy recompute the old log-probs; so does this run).
     let mut sequential = config.clone();
     sequential.run_dir = dir.join("sequential");
     sequential.train.pipeline = PipelineMode::Sequential;
+    sequential.algo.old_logprobs = OldLogprobs::Policy;
     let (trainer, _) = rtrun_rlhf::run::run(&sequential, &mut NoProgress).unwrap();
     trainer.roles.kill();
     let piped = mode_independent(&dir.join("dock"));
@@ -450,5 +458,48 @@ fn grpo_dock_pipeline_streams_every_row_and_matches_the_sequential_mode() {
             assert!((x - y).abs() <= 1e-4 * (1.0 + y.abs()), "step {step} `{name}`: {x} vs {y}");
         }
     }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The engine's sampling log-probs as the old log-probs (`algo.old_logprobs: engine`, what
+/// `auto` picks when everything is fp32) skip the policy's forward pass over each rollout and
+/// change no metric: the same seed with `policy` gives the same samples and rewards and, within
+/// 1e-4, the same losses; the engine/policy gap is still measured on steps 1 and 2 (the first
+/// after a weight sync) and every 10th step.
+#[test]
+fn old_log_probs_from_the_engine_change_no_metric() {
+    let extra = "algo: {advantage_estimator: group_norm, use_kl_loss: true, kl_estimator: k3, init_kl_coef: 0.01}\n";
+    let dir = scratch("old-logprobs");
+    let mut engine = small_config(&dir.join("engine"), extra);
+    engine.train.max_steps = Some(11);
+    engine.algo.old_logprobs = OldLogprobs::Auto;
+    assert!(engine.old_logprobs_from_engine(), "auto uses the engine's log-probs in fp32");
+    let mut policy = engine.clone();
+    policy.run_dir = dir.join("policy");
+    policy.algo.old_logprobs = OldLogprobs::Policy;
+    assert!(!policy.old_logprobs_from_engine());
+    for config in [&engine, &policy] {
+        let (trainer, report) = rtrun_rlhf::run::run(config, &mut NoProgress).unwrap();
+        assert_eq!(report.steps, 11);
+        trainer.roles.kill();
+    }
+    let (skipped, recomputed) = (comparable(&dir.join("engine")), comparable(&dir.join("policy")));
+    assert_eq!(skipped.len(), recomputed.len());
+    let mut checked = 0;
+    for ((step, a), (_, b)) in skipped.iter().zip(&recomputed) {
+        for (name, y) in b {
+            let x = a.iter().find(|(n, _)| n == name).map(|(_, x)| *x);
+            if name == "engine_logprob_gap" {
+                let measured = *step <= 2 || *step == 10;
+                assert_eq!(x.is_some(), measured, "step {step}: gap measured only on checks");
+                assert!(x.is_none_or(|g| g < 1e-5), "step {step}: gap {x:?}");
+                continue;
+            }
+            let x = x.unwrap_or_else(|| panic!("step {step}: `{name}` missing"));
+            assert!((x - y).abs() <= 1e-4 * (1.0 + y.abs()), "step {step} `{name}`: {x} vs {y}");
+            checked += 1;
+        }
+    }
+    assert!(checked > 100, "compared {checked} values");
     std::fs::remove_dir_all(&dir).unwrap();
 }

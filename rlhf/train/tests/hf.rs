@@ -104,8 +104,15 @@ fn grpo_trains_a_local_hf_checkpoint_and_exports_it() {
     assert_eq!(trainer.tokenizer.eos_token_ids(), vec![2, 0]);
     let records = metrics(&run_dir);
     for r in records.iter().filter(|r| r.step() > 0) {
-        let gap = r.get("engine_logprob_gap").unwrap();
-        assert!(gap < 1e-4, "step {}: engine and policy differ by {gap}", r.step());
+        // fp32: `algo.old_logprobs: auto` takes the engine's log-probs as the old ones and has
+        // the policy check them on steps 1 and 2 and every 10th step.
+        let gap = r.get("engine_logprob_gap");
+        assert_eq!(gap.is_some(), r.step() <= 2 || r.step() % 10 == 0, "step {}", r.step());
+        assert!(
+            gap.is_none_or(|g| g < 1e-4),
+            "step {}: engine and policy differ by {gap:?}",
+            r.step()
+        );
         assert!(r.get("response_length").unwrap() <= 16.0);
     }
     // The reward rises: the last third of the steps beats the first third.

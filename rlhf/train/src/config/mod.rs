@@ -175,6 +175,41 @@ pub struct ClusterConfig {
     pub stall_warn_s: f64,
 }
 
+/// `algo.old_logprobs`: see [`AlgoConfig::old_logprobs`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OldLogprobs {
+    /// `engine` when policy and engines both run in fp32, else `policy`.
+    #[default]
+    Auto,
+    /// A policy forward pass over every rollout.
+    Policy,
+    /// The engine's sampling log-probs, checked against the policy's now and then.
+    Engine,
+}
+
+/// With `algo.old_logprobs: engine`, the policy still recomputes the old log-probs on the first
+/// step and every this many steps, to measure their gap to the engine's.
+pub const OLD_LOGPROB_CHECK_EVERY: u64 = 10;
+
+/// The largest mean absolute gap per token between engine and policy log-probs at which the
+/// engine's are used as old log-probs (fp32 on both sides measures ~1e-7; bf16 ~1e-2).
+pub const OLD_LOGPROB_MAX_GAP: f64 = 1e-4;
+
+impl TrainConfig {
+    /// Whether the engine's sampling log-probs serve as old log-probs (`algo.old_logprobs`
+    /// resolved; the dock pipeline always recomputes).
+    pub fn old_logprobs_from_engine(&self) -> bool {
+        let fp32 = self.policy.dtype == ModelDtype::Fp32 && self.engine.dtype == ModelDtype::Fp32;
+        self.train.pipeline == PipelineMode::Sequential
+            && match self.algo.old_logprobs {
+                OldLogprobs::Auto => fp32,
+                OldLogprobs::Engine => true,
+                OldLogprobs::Policy => false,
+            }
+    }
+}
+
 /// `cluster.threads_per_worker`: `auto` or a thread count.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum WorkerThreads {
@@ -335,6 +370,15 @@ pub struct AlgoConfig {
     pub use_kl_loss: bool,
     /// Target KL of the adaptive controller; absent: fixed coefficient.
     pub kl_target: Option<f64>,
+    /// Where the old (behaviour-policy) log-probs of the clipped ratio come from: `policy`
+    /// recomputes them with a policy forward pass over the rollout (OpenRLHF); `engine` takes
+    /// the engine's sampling log-probs, computed with the weights just synced, and skips that
+    /// pass (verl's rollout log-probs), checking on steps 1 and 2 (the first after a weight
+    /// sync) and every [`OLD_LOGPROB_CHECK_EVERY`] steps that they match the policy's (mean absolute gap below
+    /// [`OLD_LOGPROB_MAX_GAP`], else the run warns and recomputes from then on); `auto` (the
+    /// default) is `engine` when the policy and the engines both compute in fp32, where the gap
+    /// is ~1e-7, and `policy` otherwise.
+    pub old_logprobs: OldLogprobs,
     /// Horizon of the adaptive controller.
     pub kl_horizon: f64,
     /// Rewards are clipped to ±this.
@@ -355,6 +399,7 @@ impl Default for AlgoConfig {
             kl_estimator: KlEstimator::K1,
             use_kl_loss: false,
             kl_target: None,
+            old_logprobs: OldLogprobs::Auto,
             kl_horizon: 10_000.0,
             reward_clip: 10.0,
         }

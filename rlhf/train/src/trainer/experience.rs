@@ -147,13 +147,16 @@ pub struct ExperienceBatch {
     pub stats: ExperienceStats,
 }
 
-/// Rewards, reference log-probs, old log-probs and values in parallel, then advantages.
+/// Rewards, reference log-probs, old log-probs and values in parallel, then advantages. With
+/// `recompute_old` false the engine's sampling log-probs are the old log-probs (no policy
+/// forward pass; the gap in the stats is then 0 and means nothing).
 pub fn make_experience(
     trainer: &Trainer,
     records: &[&PromptRecord],
     sequences: Vec<Sequence>,
     engine_log_probs: &[Vec<f32>],
     kl_coef: f64,
+    recompute_old: bool,
 ) -> Result<ExperienceBatch> {
     let roles = &trainer.roles;
     // Everything in flight at once: the roles run in their own processes.
@@ -162,14 +165,17 @@ pub fn make_experience(
         calls::dispatch(role, g.members(), sequences.clone(), |w, c| w.log_probs(c))
     };
     let ref_calls = roles.reference.as_ref().map(|g| log_probs("ref", g));
-    let old_calls = log_probs("actor", &roles.actor);
+    let old_calls = recompute_old.then(|| log_probs("actor", &roles.actor));
     let value_calls = roles
         .critic
         .as_ref()
         .map(|g| calls::dispatch("critic", g.members(), sequences.clone(), |w, c| w.values(c)));
     let watch = &trainer.watch;
     let scalar_rewards = pending_rewards.get(watch)?;
-    let old_log_probs = watch.gather("log_probs", old_calls)?;
+    let old_log_probs = match old_calls {
+        Some(calls) => watch.gather("log_probs", calls)?,
+        None => engine_log_probs.to_vec(),
+    };
     let ref_log_probs = match ref_calls {
         Some(calls) => Some(watch.gather("log_probs", calls)?),
         None => None,

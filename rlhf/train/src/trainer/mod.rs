@@ -27,7 +27,9 @@ use rtrun_rlhf_engine::{GenerationOutput, GenerationRequest, SamplingParams};
 use rtrun_rlhf_telemetry::{MetricsSink, PhaseTimer, StepMetrics, StepPhases};
 
 use crate::algo::KlController;
-use crate::config::{PipelineMode, TrainConfig, WeightSyncBackend};
+use crate::config::{
+    OLD_LOGPROB_CHECK_EVERY, OLD_LOGPROB_MAX_GAP, PipelineMode, TrainConfig, WeightSyncBackend,
+};
 use crate::error::{Result, TrainError};
 use crate::experience::Sequence;
 use crate::rng::mix_seed;
@@ -150,6 +152,12 @@ pub struct Trainer {
     ipc_noted: std::sync::atomic::AtomicBool,
     /// Deadlines of the calls to role ranks and engines.
     pub watch: CallWatch,
+    /// `algo.old_logprobs` resolved: the engine's log-probs are the old log-probs (until a
+    /// check finds them too far from the policy's).
+    old_logprobs_from_engine: bool,
+    /// Whether this step measured `engine_logprob_gap` (it does unless the engine's log-probs
+    /// were used unchecked).
+    gap_measured: bool,
 }
 
 impl Trainer {
@@ -171,6 +179,7 @@ impl Trainer {
         let tokenizer = run_tokenizer(&config)?;
         let reward_tokenizer = reward_tokenizer(&config)?;
         let watch = CallWatch::from_config(&config.cluster);
+        let old_logprobs_from_engine = config.old_logprobs_from_engine();
         let mut trainer = Trainer {
             config,
             paths,
@@ -185,6 +194,8 @@ impl Trainer {
             weight_sync_metas: std::sync::OnceLock::new(),
             gpu_metrics: std::sync::Mutex::new(Vec::new()),
             ipc_noted: std::sync::atomic::AtomicBool::new(false),
+            old_logprobs_from_engine,
+            gap_measured: true,
             watch,
         };
         if trainer.config.checkpoint.resume
@@ -459,7 +470,6 @@ impl Trainer {
             ("accuracy", s.accuracy),
             ("kl", s.kl),
             ("kl_coef", kl_coef),
-            ("engine_logprob_gap", s.engine_logprob_gap),
             ("response_length", s.response_length),
             ("return", s.token_return),
             ("advantage_abs", s.advantage_abs),
@@ -473,6 +483,9 @@ impl Trainer {
             ("critic_grad_norm", t.critic.grad_norm),
         ] {
             metrics.set(name, value).map_err(telemetry_error)?;
+        }
+        if self.gap_measured {
+            metrics.set("engine_logprob_gap", s.engine_logprob_gap).map_err(telemetry_error)?;
         }
         metrics
             .set("consumed_prompts", self.state.loader.consumed as f64)
@@ -531,9 +544,35 @@ impl Trainer {
         }
 
         progress.phase("experience");
+        // The policy recomputes the old log-probs unless the engine's serve; then it still does
+        // on steps 1 and 2 (the first after a weight sync) and every OLD_LOGPROB_CHECK_EVERY
+        // steps, to check the two agree (a schedule of the step alone, so a resumed run does
+        // what an uninterrupted one does).
+        let recompute =
+            !self.old_logprobs_from_engine || step <= 2 || step % OLD_LOGPROB_CHECK_EVERY == 0;
         let batch = self.timed("experience", |t| {
-            experience::make_experience(t, &sample_records, sequences, &engine_log_probs, kl_coef)
+            experience::make_experience(
+                t,
+                &sample_records,
+                sequences,
+                &engine_log_probs,
+                kl_coef,
+                recompute,
+            )
         })?;
+        self.gap_measured = recompute;
+        if self.old_logprobs_from_engine && recompute {
+            let gap = batch.stats.engine_logprob_gap;
+            if !(gap <= OLD_LOGPROB_MAX_GAP) {
+                tracing::warn!(
+                    step,
+                    gap,
+                    "algo.old_logprobs: the engine's log-probs differ from the policy's by {gap:.3e} \
+                     per token (more than {OLD_LOGPROB_MAX_GAP:e}); the policy recomputes them from now on"
+                );
+                self.old_logprobs_from_engine = false;
+            }
+        }
 
         progress.phase("train");
         let train_stats =

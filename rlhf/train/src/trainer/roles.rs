@@ -39,15 +39,15 @@ pub struct Roles {
 /// The thread plan of every role worker: a fixed count, or with `auto` the workers that compute
 /// at once in each phase (all of them counted, wherever they are placed, so co-located ranks
 /// never oversubscribe a machine; on a cluster that errs towards too few threads, never too many).
-/// Experience: policy (old log-probs), reference, critic and reward-model ranks in parallel;
-/// training: policy and critic ranks.
+/// Experience: policy (old log-probs, unless the engine's serve), reference, critic and
+/// reward-model ranks in parallel; training: policy and critic ranks.
 fn thread_plan(config: &TrainConfig, p: &RolePlacements, reward_model: bool) -> ThreadPlan {
     match config.cluster.threads_per_worker {
         WorkerThreads::Fixed(n) => ThreadPlan::Fixed(n),
         WorkerThreads::Auto => {
             let count = |yes: bool, replicas: usize| if yes { replicas as u32 } else { 0 };
             let critic = count(needs_critic(&config.algo), p.critic.replicas);
-            let experience = p.actor.replicas as u32
+            let experience = count(!config.old_logprobs_from_engine(), p.actor.replicas)
                 + count(needs_reference(&config.algo), p.reference.replicas)
                 + critic
                 + count(reward_model && config.reward.kind == RewardKind::Model, p.reward.replicas);
