@@ -548,8 +548,9 @@ impl Trainer {
         // on steps 1 and 2 (the first after a weight sync) and every OLD_LOGPROB_CHECK_EVERY
         // steps, to check the two agree (a schedule of the step alone, so a resumed run does
         // what an uninterrupted one does).
-        let recompute =
-            !self.old_logprobs_from_engine || step <= 2 || step % OLD_LOGPROB_CHECK_EVERY == 0;
+        let recompute = !self.old_logprobs_from_engine
+            || step <= 2
+            || step.is_multiple_of(OLD_LOGPROB_CHECK_EVERY);
         let batch = self.timed("experience", |t| {
             experience::make_experience(
                 t,
@@ -563,7 +564,7 @@ impl Trainer {
         self.gap_measured = recompute;
         if self.old_logprobs_from_engine && recompute {
             let gap = batch.stats.engine_logprob_gap;
-            if !(gap <= OLD_LOGPROB_MAX_GAP) {
+            if gap.is_nan() || gap > OLD_LOGPROB_MAX_GAP {
                 tracing::warn!(
                     step,
                     gap,
