@@ -63,7 +63,7 @@ import time
 import torch
 import trl
 from datasets import Dataset
-from transformers import TrainerCallback
+from transformers import PreTrainedTokenizerFast, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 PROMPTS_PER_ROLLOUT = 16
@@ -331,8 +331,14 @@ def main() -> None:
         disable_tqdm=True,
         dataloader_num_workers=0,
     )
+    # The checkpoint's own tokenizer.json, as rtrun reads it. transformers 5 would otherwise
+    # build its code-defined `Qwen2Tokenizer` for a `qwen2` config, whose digit splitting differs
+    # from the walkthrough tokenizer's pre-tokenizer (" 2" becomes two ids instead of one), so
+    # TRL would train and be evaluated on prompts tokenized unlike the warm-up's.
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(args.model)
     trainer = GRPOTrainer(
         model=args.model,
+        processing_class=tokenizer,
         reward_funcs=reward,
         args=config,
         train_dataset=load_prompts(args.data),
