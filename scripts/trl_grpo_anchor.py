@@ -63,7 +63,7 @@ import time
 import torch
 import trl
 from datasets import Dataset
-from transformers import PreTrainedTokenizerFast, TrainerCallback
+from transformers import AutoTokenizer, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
 PROMPTS_PER_ROLLOUT = 16
@@ -331,11 +331,10 @@ def main() -> None:
         disable_tqdm=True,
         dataloader_num_workers=0,
     )
-    # The checkpoint's own tokenizer.json, as rtrun reads it. transformers 5 would otherwise
-    # build its code-defined `Qwen2Tokenizer` for a `qwen2` config, whose digit splitting differs
-    # from the walkthrough tokenizer's pre-tokenizer (" 2" becomes two ids instead of one), so
-    # TRL would train and be evaluated on prompts tokenized unlike the warm-up's.
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(args.model)
+    # What a user calls. For a `qwen2` config transformers 5 builds its code-defined
+    # `Qwen2Tokenizer`; the walkthrough's tokenizer.json uses Qwen2's own pre-tokenizer, so it
+    # tokenizes exactly as rtrun does (rlhf/train/tests/hf/walkthrough_tokens.json holds that).
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
     trainer = GRPOTrainer(
         model=args.model,
         processing_class=tokenizer,

@@ -6,9 +6,13 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
+use tokenizers::SplitDelimiterBehavior;
 use tokenizers::models::bpe::{BPE, BpeTrainerBuilder};
-use tokenizers::normalizers::NormalizerWrapper;
+use tokenizers::normalizers::{NFC, NormalizerWrapper};
+use tokenizers::pre_tokenizers::PreTokenizerWrapper;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::pre_tokenizers::sequence::Sequence as PreTokenizerSequence;
+use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::{AddedToken, Tokenizer, TokenizerBuilder, TokenizerImpl};
 
 use crate::chat_template::{ChatMessage, ChatTemplate};
@@ -16,6 +20,10 @@ use crate::error::{ModelError, Result};
 
 /// File name of a Hugging Face fast tokenizer.
 pub const TOKENIZER_FILE: &str = "tokenizer.json";
+
+/// Qwen2's pre-tokenization regex: contractions, letter runs, **single digits**, punctuation runs,
+/// newlines and spaces (GPT-2's byte-level regex keeps digit runs together instead).
+pub const QWEN2_PRETOKENIZE_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 /// A loaded tokenizer.
 #[derive(Debug)]
@@ -39,8 +47,11 @@ impl TextTokenizer {
         Ok(Self { inner })
     }
 
-    /// Trains a byte-level BPE (GPT-2 / Qwen style, no prefix space) on `lines`, with the
-    /// `special_tokens` getting the first ids in order.
+    /// Trains a byte-level BPE on `lines`, with the `special_tokens` getting the first ids in
+    /// order. The normalizer and pre-tokenizer are Qwen2's (NFC, then [`QWEN2_PRETOKENIZE_REGEX`]
+    /// isolating each digit, then byte-level without its own regex), the ones transformers'
+    /// `Qwen2Tokenizer` rebuilds in code whatever `tokenizer.json` says: a checkpoint with this
+    /// tokenizer tokenizes the same in rtrun and in transformers, whichever class loads it.
     pub fn train_byte_level_bpe<'a>(
         lines: impl Iterator<Item = &'a str> + Send,
         vocab_size: usize,
@@ -55,16 +66,31 @@ impl TextTokenizer {
             )
             .initial_alphabet(ByteLevel::alphabet().into_iter().collect())
             .build();
-        let byte_level = ByteLevel::new(false, true, true);
-        let mut tokenizer: TokenizerImpl<BPE, NormalizerWrapper, ByteLevel, ByteLevel, ByteLevel> =
-            TokenizerBuilder::new()
-                .with_model(BPE::default())
-                .with_normalizer(None)
-                .with_pre_tokenizer(Some(byte_level))
-                .with_post_processor(Some(byte_level))
-                .with_decoder(Some(byte_level))
-                .build()
-                .map_err(tokenizer_error)?;
+        let split = Split::new(
+            SplitPattern::Regex(QWEN2_PRETOKENIZE_REGEX.to_owned()),
+            SplitDelimiterBehavior::Isolated,
+            false,
+        )
+        .map_err(tokenizer_error)?;
+        let byte_level = ByteLevel::new(false, false, false);
+        let pre_tokenizer = PreTokenizerWrapper::Sequence(PreTokenizerSequence::new(vec![
+            PreTokenizerWrapper::Split(split),
+            PreTokenizerWrapper::ByteLevel(byte_level),
+        ]));
+        let mut tokenizer: TokenizerImpl<
+            BPE,
+            NormalizerWrapper,
+            PreTokenizerWrapper,
+            ByteLevel,
+            ByteLevel,
+        > = TokenizerBuilder::new()
+            .with_model(BPE::default())
+            .with_normalizer(Some(NormalizerWrapper::NFC(NFC)))
+            .with_pre_tokenizer(Some(pre_tokenizer))
+            .with_post_processor(Some(byte_level))
+            .with_decoder(Some(byte_level))
+            .build()
+            .map_err(tokenizer_error)?;
         tokenizer.train(&mut trainer, lines).map_err(tokenizer_error)?;
         Ok(Self { inner: Tokenizer::from(tokenizer) })
     }

@@ -121,54 +121,14 @@ pub fn write_walkthrough(out: &Path, config: &WalkthroughConfig) -> Result<Walkt
     for dir in [&data_dir, &model_dir] {
         std::fs::create_dir_all(dir).map_err(|e| TrainError::io(dir, e))?;
     }
-    let mut rng = SplitMix64::new(config.seed);
-    let mut seen = std::collections::HashSet::new();
-    let wanted = config.train_problems + config.test_problems;
-    let mut problems = Vec::with_capacity(wanted);
-    for _ in 0..wanted.saturating_mul(50) {
-        if problems.len() == wanted {
-            break;
-        }
-        let p = problem(&mut rng, config.max_operand);
-        if seen.insert(p.question.clone()) {
-            problems.push(p);
-        }
-    }
-    if problems.len() < wanted {
-        return Err(TrainError::Data(format!(
-            "walkthrough: only {} distinct problems with operands up to {}, asked for {wanted}",
-            problems.len(),
-            config.max_operand
-        )));
-    }
+    let mut problems = walkthrough_problems(config)?;
     let test = problems.split_off(config.train_problems);
     let train_data = data_dir.join("train.jsonl");
     let test_data = data_dir.join("test.jsonl");
     write_problems(&train_data, &problems)?;
     write_problems(&test_data, &test)?;
 
-    // The tokenizer learns the chat markup's words too, so rendered prompts tokenize compactly.
-    let chat_words = "system user assistant You are a helpful assistant.";
-    let corpus: Vec<String> = problems
-        .iter()
-        .flat_map(|p| [p.question.clone(), p.answer.clone()])
-        .chain(std::iter::once(chat_words.to_owned()))
-        .collect();
-    let tokenizer = TextTokenizer::train_byte_level_bpe(
-        corpus.iter().map(String::as_str),
-        config.vocab_size,
-        &SPECIAL_TOKENS,
-    )?;
-    tokenizer.save_to_dir(&model_dir)?;
-    let tokenizer_config = serde_json::json!({
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": null,
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
-        "model_max_length": 512,
-        "chat_template": CHATML_TEMPLATE,
-    });
-    write_json(&model_dir.join("tokenizer_config.json"), &tokenizer_config)?;
+    let tokenizer = write_tokenizer_files(&model_dir, &problems, config.vocab_size)?;
     let (end_of_text, im_end) = (0i64, 2i64);
     write_json(
         &model_dir.join("generation_config.json"),
@@ -210,6 +170,63 @@ pub fn write_walkthrough(out: &Path, config: &WalkthroughConfig) -> Result<Walkt
     Ok(WalkthroughFiles { model_dir, train_data, test_data, warmup })
 }
 
+/// The walkthrough's distinct problems, training ones first then held-out ones.
+fn walkthrough_problems(config: &WalkthroughConfig) -> Result<Vec<MathProblem>> {
+    let mut rng = SplitMix64::new(config.seed);
+    let mut seen = std::collections::HashSet::new();
+    let wanted = config.train_problems + config.test_problems;
+    let mut problems = Vec::with_capacity(wanted);
+    for _ in 0..wanted.saturating_mul(50) {
+        if problems.len() == wanted {
+            break;
+        }
+        let p = problem(&mut rng, config.max_operand);
+        if seen.insert(p.question.clone()) {
+            problems.push(p);
+        }
+    }
+    if problems.len() < wanted {
+        return Err(TrainError::Data(format!(
+            "walkthrough: only {} distinct problems with operands up to {}, asked for {wanted}",
+            problems.len(),
+            config.max_operand
+        )));
+    }
+    Ok(problems)
+}
+
+/// Trains the walkthrough tokenizer on `problems` and writes `tokenizer.json` and
+/// `tokenizer_config.json` (special tokens, the ChatML template) into `model_dir`.
+fn write_tokenizer_files(
+    model_dir: &Path,
+    problems: &[MathProblem],
+    vocab_size: usize,
+) -> Result<TextTokenizer> {
+    // The tokenizer learns the chat markup's words too, so rendered prompts tokenize compactly.
+    let chat_words = "system user assistant You are a helpful assistant.";
+    let corpus: Vec<String> = problems
+        .iter()
+        .flat_map(|p| [p.question.clone(), p.answer.clone()])
+        .chain(std::iter::once(chat_words.to_owned()))
+        .collect();
+    let tokenizer = TextTokenizer::train_byte_level_bpe(
+        corpus.iter().map(String::as_str),
+        vocab_size,
+        &SPECIAL_TOKENS,
+    )?;
+    tokenizer.save_to_dir(model_dir)?;
+    let tokenizer_config = serde_json::json!({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": null,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "model_max_length": 512,
+        "chat_template": CHATML_TEMPLATE,
+    });
+    write_json(&model_dir.join("tokenizer_config.json"), &tokenizer_config)?;
+    Ok(tokenizer)
+}
+
 fn write_problems(path: &Path, problems: &[MathProblem]) -> Result<()> {
     let mut text = String::new();
     for p in problems {
@@ -238,6 +255,43 @@ mod tests {
             let worked = p.answer.lines().next().unwrap();
             assert_eq!(score(&p.question, &p.answer, &p.answer), 1.0);
             assert_eq!(score(&p.question, worked, &p.answer), 1.0);
+        }
+    }
+
+    /// The walkthrough checkpoint tokenizes and renders chats as transformers does when a user
+    /// loads it with `AutoTokenizer` (which builds `Qwen2Tokenizer` for a qwen2 config): the
+    /// golden is `tests/hf/make_walkthrough_tokens.py`'s output on the default walkthrough.
+    #[test]
+    fn the_default_walkthrough_tokenizer_matches_transformers_auto_tokenizer() {
+        let golden: serde_json::Value =
+            serde_json::from_str(include_str!("../tests/hf/walkthrough_tokens.json")).unwrap();
+        assert_eq!(golden["transformers_class"], "Qwen2Tokenizer");
+        let config = WalkthroughConfig::default();
+        let problems = walkthrough_problems(&config).unwrap();
+        let dir = std::env::temp_dir().join(format!("rtrun-wt-tokens-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        write_tokenizer_files(&dir, &problems[..config.train_problems], config.vocab_size).unwrap();
+        let pretrained = PretrainedTokenizer::from_dir(&dir).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        let texts = golden["texts"].as_array().unwrap();
+        assert!(texts.len() >= 8);
+        for case in texts {
+            let text = case["text"].as_str().unwrap();
+            let want: Vec<u32> = serde_json::from_value(case["ids"].clone()).unwrap();
+            assert_eq!(pretrained.tokenizer.encode(text, false).unwrap(), want, "{text:?}");
+            assert_eq!(pretrained.tokenizer.decode(&want, false).unwrap(), text);
+        }
+        for chat in golden["chats"].as_array().unwrap() {
+            let messages: Vec<ChatMessage> = chat["messages"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|m| {
+                    ChatMessage::new(m["role"].as_str().unwrap(), m["content"].as_str().unwrap())
+                })
+                .collect();
+            let rendered = pretrained.apply_chat_template(&messages, true).unwrap();
+            assert_eq!(rendered, chat["rendered"].as_str().unwrap());
         }
     }
 }
