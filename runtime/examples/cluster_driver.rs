@@ -5,6 +5,11 @@
 //! `group NAME` (default `spread`), `bytes N` for the object's size, `read FILE` to print a
 //! file's first line, `say N` to have every actor print N lines, `hold SECONDS` to keep
 //! everything that long afterwards (the fault tests kill things meanwhile).
+//!
+//! Service modes, for actor lifetimes (each prints one `count N pid P` line, then the live named
+//! actors as `named NAMESPACE/NAME TYPE [detached]` lines, and exits): `shared NAME` gets or
+//! creates a detached [`Counter`] named NAME and bumps it; `owned NAME` creates a counter named
+//! NAME that dies with this driver and bumps it; `lookup NAME` bumps an existing one.
 
 use std::io::Write;
 
@@ -78,9 +83,50 @@ impl Probe {
     }
 }
 
+/// A shared service's state: the number of calls it has served.
+struct Counter {
+    calls: u64,
+}
+
+#[rtrun::actor]
+impl Counter {
+    pub fn new() -> Self {
+        Counter { calls: 0 }
+    }
+
+    /// Counts a call; returns the count and this process's id.
+    pub fn bump(&mut self) -> (u64, u32) {
+        self.calls += 1;
+        (self.calls, std::process::id())
+    }
+}
+
+/// The service modes (see the module's documentation); `None` when no mode was asked for.
+fn service(out: &mut impl Write) -> anyhow::Result<Option<()>> {
+    let counter = if let Some(name) = argument("shared") {
+        Counter::remote_with(ActorOptions::default().name(&name).detached().get_if_exists())?
+    } else if let Some(name) = argument("owned") {
+        Counter::remote_with(ActorOptions::default().name(&name))?
+    } else if let Some(name) = argument("lookup") {
+        rtrun::get_actor::<Counter>(&name, None)?
+    } else {
+        return Ok(None);
+    };
+    let (count, pid) = counter.bump().get()?;
+    writeln!(out, "count {count} pid {pid}")?;
+    for named in rtrun::list_named_actors(true)? {
+        let lifetime = if named.detached { " detached" } else { "" };
+        writeln!(out, "named {}/{} {}{lifetime}", named.namespace, named.name, named.type_name)?;
+    }
+    Ok(Some(()))
+}
+
 fn main() -> anyhow::Result<()> {
     rtrun::init()?;
     let mut out = std::io::stdout().lock();
+    if service(&mut out)?.is_some() {
+        return Ok(());
+    }
     let nodes: usize = argument("nodes")
         .or_else(|| std::env::var("CLUSTER_NODES").ok())
         .and_then(|n| n.parse().ok())

@@ -65,6 +65,14 @@ pub struct ActorOptions {
     pub name: Option<String>,
     /// The name's namespace (default: the runtime's namespace).
     pub namespace: Option<String>,
+    /// Ray's `lifetime="detached"`: the actor outlives the driver that created it and is
+    /// stopped only by [`ActorRef::kill`] or `rtrun kill` (or its cluster stopping). Without it
+    /// an actor dies with its driver.
+    pub detached: bool,
+    /// Ray's `get_if_exists=True`: when a live actor of this name and type exists in the
+    /// namespace, creating returns it instead of failing (the head decides, so two drivers
+    /// asking at once get one actor). Needs a name.
+    pub get_if_exists: bool,
     /// How often the actor is restarted after its process dies (-1: forever).
     pub max_restarts: i32,
     /// How often a call in flight when the actor died is retried on the restarted actor
@@ -105,6 +113,17 @@ impl ActorOptions {
     /// Sets the namespace of the name.
     pub fn namespace(mut self, namespace: &str) -> Self {
         self.namespace = Some(namespace.to_owned());
+        self
+    }
+    /// Makes the actor detached: it survives its driver (see [`ActorOptions::detached`]).
+    pub fn detached(mut self) -> Self {
+        self.detached = true;
+        self
+    }
+    /// Gets the live actor of this name instead of failing when one exists (see
+    /// [`ActorOptions::get_if_exists`]).
+    pub fn get_if_exists(mut self) -> Self {
+        self.get_if_exists = true;
         self
     }
     /// Sets `max_restarts`.
@@ -270,6 +289,41 @@ pub fn get_actor<A: Actor>(name: &str, namespace: Option<&str>) -> Result<A::Ref
         )));
     }
     Ok(ActorRef::from_info(info).into())
+}
+
+/// A live named actor, as [`list_named_actors`] lists it.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct NamedActor {
+    /// Its name.
+    pub name: String,
+    /// The namespace of the name.
+    pub namespace: String,
+    /// Its type.
+    pub type_name: String,
+    /// It outlives its driver.
+    pub detached: bool,
+}
+
+/// The live named actors of this runtime's namespace (`all_namespaces`: of every namespace),
+/// sorted by namespace then name (Ray's `ray.util.list_named_actors`).
+pub fn list_named_actors(all_namespaces: bool) -> Result<Vec<NamedActor>> {
+    let runtime = runtime::current()?;
+    let mut named: Vec<NamedActor> = runtime
+        .list_actors()?
+        .into_iter()
+        .filter(|a| !a.state.starts_with("DEAD"))
+        .filter_map(|a| {
+            let (name, namespace) = (a.name?, a.namespace?);
+            (all_namespaces || namespace == runtime.namespace()).then(|| NamedActor {
+                name,
+                namespace,
+                type_name: a.type_name,
+                detached: a.detached,
+            })
+        })
+        .collect();
+    named.sort_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
+    Ok(named)
 }
 
 /// Converts a call argument: a value is encoded; an [`ObjectRef`] is passed by reference and

@@ -51,7 +51,9 @@ pub mod task;
 pub mod transport;
 pub mod worker;
 
-pub use actor::{Actor, ActorInfo, ActorOptions, ActorRef, IntoArg, get_actor};
+pub use actor::{
+    Actor, ActorInfo, ActorOptions, ActorRef, IntoArg, NamedActor, get_actor, list_named_actors,
+};
 pub use collective::{Backend, CollectiveConfig, CollectiveError, Communicator, ReduceOp};
 pub use context::{GroupMembership, RuntimeContext, context};
 pub use error::{Error, Result};

@@ -608,6 +608,10 @@ pub struct ActorSummary {
     pub log_node: Option<crate::ids::NodeId>,
     /// The driver that created it (its job's driver process).
     pub driver: Option<crate::ids::WorkerId>,
+    /// The namespace of its name (named actors only).
+    pub namespace: Option<String>,
+    /// It outlives its driver.
+    pub detached: bool,
 }
 
 /// A submitted job.

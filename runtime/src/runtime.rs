@@ -762,6 +762,19 @@ impl Runtime {
         }
     }
 
+    /// Every actor the control plane knows, dead ones included.
+    pub(crate) fn list_actors(self: &Arc<Self>) -> Result<Vec<crate::protocol::ActorSummary>> {
+        match self.head_call(Request::ListActors)? {
+            Response::Actors(actors) => Ok(actors),
+            other => Err(Error::Transport(format!("unexpected response {other:?}"))),
+        }
+    }
+
+    /// The namespace names default to.
+    pub(crate) fn namespace(&self) -> &str {
+        &self.namespace
+    }
+
     pub(crate) fn kill_actor(self: &Arc<Self>, actor: ActorId, no_restart: bool) -> Result<()> {
         self.head_call(Request::KillActor { actor, no_restart }).map(|_| ())
     }

@@ -549,3 +549,85 @@ fn embedded_workers_print_on_the_drivers_terminal_prefixed() {
     assert_eq!(said[2], format!("(Probe pid={pid}) probe says 2 on node-0"));
     assert!(stderr.contains(&format!("(Probe pid={pid}) probe warns on node-0")), "{stderr}");
 }
+
+/// Ray's `lifetime="detached"` and `get_if_exists=True`: a detached named service outlives the
+/// driver that made it (the next driver finds the same process with its state), two drivers
+/// getting-or-creating at once get one actor, an ordinary named actor dies with its driver and
+/// frees its name, and `rtrun kill` stops a detached one.
+#[test]
+fn detached_actors_outlive_their_driver_and_get_if_exists_makes_one() {
+    let head = common::NodeSpec { name: "head", cpus: 2, gpus: 0, resources: None };
+    let cluster = common::start_cluster_with("lifetimes", "5", &head, &[]);
+    let driver = |args: &[&str]| {
+        Command::new(driver_binary())
+            .env("RTRUN_ADDRESS", &cluster.address)
+            .env("RTRUN_CREDENTIALS_DIR", cluster.dir.join("head-credentials"))
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("the driver runs")
+    };
+    // `count N pid P` of a driver that must succeed, and its whole output.
+    let finish = |child: std::process::Child| -> (u64, u32, String) {
+        let out = child.wait_with_output().unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+        let line = stdout.lines().find(|l| l.starts_with("count ")).expect("a count line");
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        (fields[1].parse().unwrap(), fields[3].parse().unwrap(), stdout)
+    };
+    let run = |args: &[&str]| finish(driver(args));
+
+    let (count, service_pid, out) = run(&["shared", "svc"]);
+    assert_eq!(count, 1, "{out}");
+    assert!(
+        out.lines().any(|l| l == "named default/svc cluster_driver::Counter detached"),
+        "{out}"
+    );
+    // Its driver exited; the next driver gets the same actor, state included.
+    let (count, pid, out) = run(&["shared", "svc"]);
+    assert_eq!((count, pid), (2, service_pid), "{out}");
+    let (count, pid, _) = run(&["lookup", "svc"]);
+    assert_eq!((count, pid), (3, service_pid));
+
+    // Two drivers at once: one actor, whatever the interleaving.
+    let (a, b) = (driver(&["shared", "race"]), driver(&["shared", "race"]));
+    let ((count_a, pid_a, out_a), (count_b, pid_b, out_b)) = (finish(a), finish(b));
+    let mut counts = [count_a, count_b];
+    counts.sort_unstable();
+    assert_eq!(counts, [1, 2], "{out_a}{out_b}");
+    assert_eq!(pid_a, pid_b);
+
+    // An ordinary named actor dies with its driver, and its name is free again.
+    let (count, owned_pid, out) = run(&["owned", "tmp"]);
+    assert_eq!(count, 1);
+    assert!(out.lines().any(|l| l == "named default/tmp cluster_driver::Counter"), "{out}");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let out = driver(&["lookup", "tmp"]).wait_with_output().unwrap();
+        if !out.status.success() {
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert!(stderr.contains("tmp"), "{stderr}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "the owned actor outlived its driver");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let (count, pid, _) = run(&["owned", "tmp"]);
+    assert_eq!(count, 1);
+    assert_ne!(pid, owned_pid);
+
+    // `rtrun list actors` shows the lifetime; `rtrun kill` stops the detached service.
+    let (actors, _, ok) = head_rtrun(&cluster, &["list", "actors"]);
+    assert!(ok, "{actors}");
+    let svc = actors.lines().find(|l| l.contains(" svc ")).unwrap_or_else(|| panic!("{actors}"));
+    assert!(svc.contains("detached") && svc.ends_with("ALIVE"), "{svc}");
+    let (out, err, ok) = head_rtrun(&cluster, &["kill", "svc"]);
+    assert!(ok && out.contains("killed actor svc"), "{out}{err}");
+    let (_, err, ok) = head_rtrun(&cluster, &["kill", "svc"]);
+    assert!(!ok && err.contains("svc"), "killing it twice: {err}");
+    let (count, pid, _) = run(&["shared", "svc"]);
+    assert_eq!(count, 1, "a new service after the kill");
+    assert_ne!(pid, service_pid);
+}

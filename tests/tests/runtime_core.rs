@@ -343,6 +343,36 @@ fn named_actors_env_and_namespaces() {
     assert!(wait_until(LONG, || rtrun::get_actor::<Counter>("keeper", None).is_err()));
 }
 
+/// `get_if_exists` (Ray's get-or-create) in the embedded session: the second create returns the
+/// live actor (its constructor arguments unused), `list_named_actors` lists it by namespace, a
+/// dead actor's name is taken by the next create; a different type or no name is an error.
+#[test]
+fn get_if_exists_returns_the_live_actor_and_named_actors_are_listed() {
+    init();
+    let opts = ActorOptions::default().name("registry").namespace("services").get_if_exists();
+    let first = Counter::remote_with(opts.clone(), 10u64).unwrap();
+    let second = Counter::remote_with(opts.clone(), 99u64).unwrap();
+    assert_eq!(second.add(1).get().unwrap(), 11);
+    assert_eq!(first.pid().get().unwrap(), second.pid().get().unwrap());
+    let everywhere = rtrun::list_named_actors(true).unwrap();
+    let listed = everywhere.iter().find(|a| a.name == "registry").expect("listed");
+    assert_eq!(listed.namespace, "services");
+    assert!(listed.type_name.ends_with("Counter") && !listed.detached, "{listed:?}");
+    let here = rtrun::list_named_actors(false).unwrap();
+    assert!(here.iter().all(|a| a.namespace == "default"), "{here:?}");
+
+    let err = Gate::remote_with(opts.clone()).unwrap_err();
+    assert!(err.to_string().contains("has type") && err.to_string().contains("Gate"), "{err}");
+    let err = Counter::remote_with(ActorOptions::default().get_if_exists(), 0u64).unwrap_err();
+    assert!(err.to_string().contains("get_if_exists needs a name"), "{err}");
+
+    first.kill().unwrap();
+    assert!(wait_until(LONG, || rtrun::get_actor::<Counter>("registry", Some("services")).is_err()));
+    let fresh = Counter::remote_with(opts, 7u64).unwrap();
+    assert_eq!(fresh.value().get().unwrap(), 7);
+    assert!(rtrun::list_named_actors(true).unwrap().iter().any(|a| a.name == "registry"));
+}
+
 #[test]
 fn a_worker_killed_mid_call_gives_actor_died_for_pending_and_later_calls() {
     init();

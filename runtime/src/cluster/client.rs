@@ -4,6 +4,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use crate::actor::ActorInfo;
 use crate::error::{Error, Result};
 use crate::placement_group::PlacementGroupState;
 use crate::protocol::{
@@ -84,6 +85,19 @@ impl Client {
             Response::Actors(actors) => Ok(actors),
             other => Err(unexpected(other)),
         }
+    }
+
+    /// Kills the live actor named `name` in `namespace` (without restarting it, unless
+    /// `restart`).
+    pub fn kill_actor(&self, name: &str, namespace: &str, restart: bool) -> Result<ActorInfo> {
+        let request =
+            Request::GetActorByName { name: name.to_owned(), namespace: namespace.to_owned() };
+        let info = match self.call(request)? {
+            Response::Actor(info) => info,
+            other => return Err(unexpected(other)),
+        };
+        self.call(Request::KillActor { actor: info.id, no_restart: !restart })?;
+        Ok(info)
     }
 
     /// Every live placement group.

@@ -190,6 +190,8 @@ struct Lineage {
     job: Option<String>,
     /// The driver (`None`: the embedded driver, which outlives everything).
     driver: Option<WorkerId>,
+    /// Created detached, or by a detached actor: outlives its driver.
+    detached: bool,
 }
 
 struct WorkerEntry {
@@ -834,7 +836,7 @@ impl HeadState {
             return Lineage::default();
         };
         if let Some(job) = self.members.drivers.get(&worker) {
-            return Lineage { job: job.clone(), driver: Some(worker) };
+            return Lineage { job: job.clone(), driver: Some(worker), detached: false };
         }
         self.workers.get(&worker).map(|w| w.lineage.clone()).unwrap_or_default()
     }
@@ -860,16 +862,35 @@ impl HeadState {
             Some(name) => {
                 let key =
                     (options.namespace.clone().unwrap_or_else(|| "default".into()), name.clone());
-                if self.names.contains_key(&key) {
-                    return Err(Error::Invalid(format!(
-                        "an actor named `{}` already exists in namespace `{}`",
-                        key.1, key.0
-                    )));
+                if let Some(existing) = self.names.get(&key).and_then(|id| self.actors.get(id)) {
+                    let id = self.names[&key];
+                    if !options.get_if_exists {
+                        return Err(Error::Invalid(format!(
+                            "an actor named `{}` already exists in namespace `{}`",
+                            key.1, key.0
+                        )));
+                    }
+                    if existing.spec.type_name != spec.type_name {
+                        return Err(Error::Invalid(format!(
+                            "get_if_exists: the actor named `{}` in namespace `{}` has type {}, \
+                             asked for {}",
+                            key.1, key.0, existing.spec.type_name, spec.type_name
+                        )));
+                    }
+                    return Ok(info_of(id, &existing.spec));
                 }
                 Some(key)
             }
+            None if options.get_if_exists => {
+                return Err(Error::Invalid(format!(
+                    "actor {}: get_if_exists needs a name",
+                    spec.type_name
+                )));
+            }
             None => None,
         };
+        let mut lineage = lineage;
+        lineage.detached |= options.detached;
         let id = ActorId(self.next_actor);
         self.next_actor += 1;
         if let Some(key) = name_key {
@@ -1327,6 +1348,10 @@ impl HeadState {
                     worker: entry.last_worker.map(|(worker, _)| worker),
                     log_node: entry.last_worker.map(|(_, node)| crate::ids::NodeId(node)),
                     driver: entry.lineage.driver,
+                    namespace: entry.spec.options.name.as_ref().map(|_| {
+                        entry.spec.options.namespace.clone().unwrap_or_else(|| "default".into())
+                    }),
+                    detached: entry.lineage.detached,
                 }
             })
             .collect();

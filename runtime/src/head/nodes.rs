@@ -303,8 +303,9 @@ impl Head {
         }
     }
 
-    /// A driver disconnected: its actors, queued tasks and placement groups go with it (as in
-    /// Ray, where a job's non-detached actors and placement groups die with its driver).
+    /// A driver disconnected: its actors (but detached ones), queued tasks and placement groups
+    /// go with it (as in Ray, where a job's non-detached actors and placement groups die with
+    /// its driver).
     pub(crate) fn on_driver_gone(&self, driver: WorkerId) {
         let mut effects = Vec::new();
         {
@@ -316,7 +317,9 @@ impl Head {
                 .actors
                 .iter()
                 .filter(|(_, a)| {
-                    a.lineage.driver == Some(driver) && !matches!(a.state, ActorState::Dead { .. })
+                    a.lineage.driver == Some(driver)
+                        && !a.lineage.detached
+                        && !matches!(a.state, ActorState::Dead { .. })
                 })
                 .map(|(id, _)| *id)
                 .collect();

@@ -274,15 +274,16 @@ pub fn list(what: Listing, client: ClientArgs) -> anyhow::Result<()> {
     match what {
         Listing::Actors => {
             println!(
-                "{:<10} {:<24} {:<16} {:<10} {:>8} {:>8}  STATE",
-                "ACTOR", "TYPE", "NAME", "NODE", "PID", "RESTARTS"
+                "{:<10} {:<24} {:<16} {:<9} {:<10} {:>8} {:>8}  STATE",
+                "ACTOR", "TYPE", "NAME", "LIFETIME", "NODE", "PID", "RESTARTS"
             );
             for a in client.actors()? {
                 println!(
-                    "{:<10} {:<24} {:<16} {:<10} {:>8} {:>8}  {}",
+                    "{:<10} {:<24} {:<16} {:<9} {:<10} {:>8} {:>8}  {}",
                     a.actor.to_string(),
                     a.type_name,
                     a.name.unwrap_or_default(),
+                    if a.detached { "detached" } else { "" },
                     a.node.map(|n| n.to_string()).unwrap_or_default(),
                     a.pid.map(|p| p.to_string()).unwrap_or_default(),
                     a.restarts,
@@ -679,6 +680,15 @@ pub fn job(command: JobCommand) -> anyhow::Result<i32> {
 pub fn remove_placement_group(name: &str, client: ClientArgs) -> anyhow::Result<()> {
     let group = client.connect()?.remove_placement_group(name)?;
     println!("removed placement group {} ({})", group.name, group.id);
+    Ok(())
+}
+
+/// `rtrun kill`: kills the named actor (detached ones included); `restart` lets it restart as
+/// after a crash, within its `max_restarts`.
+pub fn kill(name: &str, namespace: &str, restart: bool, client: ClientArgs) -> anyhow::Result<()> {
+    let info = client.connect()?.kill_actor(name, namespace, restart)?;
+    let what = if restart { "restarting" } else { "killed" };
+    println!("{what} actor {name} ({}, {}) in namespace {namespace}", info.id, info.type_name);
     Ok(())
 }
 

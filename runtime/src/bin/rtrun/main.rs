@@ -136,6 +136,19 @@ enum Command {
         #[command(flatten)]
         client: cluster::ClientArgs,
     },
+    /// Kills a named actor (a detached one included): it is not restarted unless --restart.
+    Kill {
+        /// The actor's name (see `rtrun list actors`).
+        name: String,
+        /// The namespace of the name.
+        #[arg(long, default_value = "default")]
+        namespace: String,
+        /// Kill its process as a crash would: it restarts if its `max_restarts` allows.
+        #[arg(long)]
+        restart: bool,
+        #[command(flatten)]
+        client: cluster::ClientArgs,
+    },
     /// Stops every node and the head.
     Stop {
         #[command(flatten)]
@@ -190,6 +203,9 @@ fn main() -> anyhow::Result<()> {
         }
         Command::RemovePlacementGroup { name, client } => {
             cluster::remove_placement_group(&name, client)
+        }
+        Command::Kill { name, namespace, restart, client } => {
+            cluster::kill(&name, &namespace, restart, client)
         }
         Command::Stop { client } => cluster::stop(client),
     }
