@@ -314,7 +314,8 @@ pub fn list_named_actors(all_namespaces: bool) -> Result<Vec<NamedActor>> {
         .filter(|a| !a.state.starts_with("DEAD"))
         .filter_map(|a| {
             let (name, namespace) = (a.name?, a.namespace?);
-            (all_namespaces || namespace == runtime.namespace()).then(|| NamedActor {
+            let wanted = all_namespaces || namespace == runtime.namespace();
+            wanted.then_some(NamedActor {
                 name,
                 namespace,
                 type_name: a.type_name,
