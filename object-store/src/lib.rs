@@ -36,7 +36,7 @@ pub use arena::{ARENA_ENV, Arena, ArenaBacking, ArenaOptions, ObjectWriter};
 pub use config::{SPILL_DIR_ENV, StoreConfig};
 pub use core::{
     CopyKind, Freed, HolderId, ObjectState, ObjectStats, OwnerStats, PinOutcome, Placement,
-    StoreCore, StoreStats, Victim, VictimAction,
+    SpillCounters, StoreCore, StoreStats, Victim, VictimAction,
 };
 pub use error::{Result, StoreError};
 pub use id::ObjectId;

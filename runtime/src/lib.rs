@@ -39,6 +39,7 @@ mod head;
 pub mod ids;
 pub mod kv;
 pub mod logs;
+pub mod metrics;
 pub mod object;
 pub mod placement_group;
 pub mod protocol;

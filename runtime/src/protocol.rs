@@ -564,6 +564,21 @@ pub struct ClusterInfo {
     pub worker_pids: Vec<u32>,
     /// The nodes (one in an embedded session).
     pub nodes: Vec<NodeInfo>,
+    /// Tasks now and since the head started.
+    pub tasks: TaskCounts,
+}
+
+/// Tasks by state: waiting or running now, answered since the head started.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TaskCounts {
+    /// Waiting for resources or a worker.
+    pub queued: u64,
+    /// Running in a worker.
+    pub running: u64,
+    /// Answered with a value.
+    pub finished: u64,
+    /// Answered with an error (failed after its retries, cancelled, unplaceable).
+    pub failed: u64,
 }
 
 /// One node of the cluster.

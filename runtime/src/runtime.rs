@@ -770,6 +770,35 @@ impl Runtime {
         }
     }
 
+    /// Every live placement group.
+    pub(crate) fn list_placement_groups(
+        self: &Arc<Self>,
+    ) -> Result<Vec<crate::placement_group::PlacementGroupState>> {
+        match self.head_call(Request::ListPlacementGroups)? {
+            Response::PlacementGroups(groups) => Ok(groups),
+            other => Err(Error::Transport(format!("unexpected response {other:?}"))),
+        }
+    }
+
+    /// Every submitted job.
+    pub(crate) fn list_jobs(self: &Arc<Self>) -> Result<Vec<crate::protocol::JobInfo>> {
+        match self.head_call(Request::ListJobs)? {
+            Response::Jobs(jobs) => Ok(jobs),
+            other => Err(Error::Transport(format!("unexpected response {other:?}"))),
+        }
+    }
+
+    /// Whether this process holds the control plane (a cluster head or an embedded driver).
+    pub(crate) fn holds_control_plane(&self) -> bool {
+        self.head.get().is_some()
+    }
+
+    /// The object store's snapshot when this process is a node (its store lives here).
+    pub(crate) fn node_store_stats(&self) -> Result<Option<rtrun_object_store::StoreStats>> {
+        let Ok(client) = self.store_client() else { return Ok(None) };
+        Ok(client.node_store().map(|store| store.stats()))
+    }
+
     /// The namespace names default to.
     pub(crate) fn namespace(&self) -> &str {
         &self.namespace

@@ -90,6 +90,17 @@ pub fn start_cluster_with(
     head_spec: &NodeSpec,
     nodes: &[NodeSpec],
 ) -> Cluster {
+    start_cluster_with_args(name, heartbeat_timeout, head_spec, &[], nodes)
+}
+
+/// [`start_cluster_with`], with extra `rtrun head` arguments.
+pub fn start_cluster_with_args(
+    name: &str,
+    heartbeat_timeout: &str,
+    head_spec: &NodeSpec,
+    head_args: &[&str],
+    nodes: &[NodeSpec],
+) -> Cluster {
     let dir = std::env::temp_dir().join(format!("rtrun-cluster-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
@@ -106,6 +117,7 @@ pub fn start_cluster_with(
         .arg(dir.join("head-data"))
         .arg("--object-spill-dir")
         .arg(dir.join("spill"))
+        .args(head_args)
         .stdout(Stdio::piped())
         .spawn()
         .expect("rtrun head starts");
@@ -122,6 +134,11 @@ pub fn start_cluster_with(
 impl Cluster {
     /// Starts a node that joins this cluster (appended to `nodes`) and waits until it has.
     pub fn join(&mut self, node: &NodeSpec) {
+        self.join_with_args(node, &[]);
+    }
+
+    /// [`Cluster::join`], with extra `rtrun join` arguments.
+    pub fn join_with_args(&mut self, node: &NodeSpec, args: &[&str]) {
         let dir = &self.dir;
         let mut command = Command::new(rtrun_binary());
         command
@@ -140,6 +157,7 @@ impl Cluster {
         if let Some(resources) = node.resources {
             command.args(["--resources", resources]);
         }
+        command.args(args);
         let mut child = command.spawn().expect("rtrun join starts");
         wait_line(&mut child, "node ", "rtrun join");
         self.nodes.push(child);

@@ -631,3 +631,132 @@ fn detached_actors_outlive_their_driver_and_get_if_exists_makes_one() {
     assert_eq!(count, 1, "a new service after the kill");
     assert_ne!(pid, service_pid);
 }
+
+/// `GET http://address/metrics`: the samples by `name{labels}`.
+fn scrape(address: &str) -> std::collections::BTreeMap<String, f64> {
+    let url = format!("http://{address}/metrics");
+    let mut response = ureq::get(&url).call().unwrap_or_else(|e| panic!("{url}: {e}"));
+    let text = response.body_mut().read_to_string().unwrap();
+    assert!(text.ends_with("# EOF\n"), "{text}");
+    text.lines()
+        .filter(|line| !line.starts_with('#'))
+        .map(|line| {
+            let (key, value) = line.rsplit_once(' ').unwrap_or_else(|| panic!("{line}"));
+            (key.to_owned(), value.parse().unwrap_or_else(|_| panic!("{line}")))
+        })
+        .collect()
+}
+
+/// Sum of the samples of metric `name` whose labels contain `label` (`""`: all).
+fn sum_of(samples: &std::collections::BTreeMap<String, f64>, name: &str, label: &str) -> f64 {
+    samples
+        .iter()
+        .filter(|(key, _)| {
+            let metric = key.split('{').next().unwrap_or_default();
+            metric == name && key.contains(label)
+        })
+        .map(|(_, value)| value)
+        .sum()
+}
+
+/// The head's and a node's Prometheus endpoints: the values `rtrun status` shows (nodes,
+/// resources per resource, workers, alive actors), object stores and pulls between nodes; a
+/// scrape while a node dies still answers and then counts it dead; a port in use is refused.
+#[test]
+fn metrics_endpoints_agree_with_rtrun_status() {
+    let (head_port, node_port) = (common::free_udp_port(), common::free_udp_port());
+    let head_metrics = format!("127.0.0.1:{head_port}");
+    let head = common::NodeSpec { name: "head", cpus: 2, gpus: 0, resources: None };
+    let mut cluster = common::start_cluster_with_args(
+        "metrics",
+        "3",
+        &head,
+        &["--metrics-port", &head_port.to_string()],
+        &[],
+    );
+    let node = common::NodeSpec { name: "n1", cpus: 1, gpus: 2, resources: Some(r#"{"slot": 1}"#) };
+    cluster.join_with_args(&node, &["--metrics-port", &node_port.to_string()]);
+    let node_metrics = format!("127.0.0.1:{node_port}");
+    let driver = |args: &[&str]| {
+        let out = Command::new(driver_binary())
+            .env("RTRUN_ADDRESS", &cluster.address)
+            .env("RTRUN_CREDENTIALS_DIR", cluster.dir.join("head-credentials"))
+            .args(args)
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    };
+    // An object moves between the two nodes; a detached actor stays alive afterwards.
+    driver(&["nodes", "2", "bytes", "3000000"]);
+    driver(&["shared", "svc"]);
+
+    let samples = scrape(&head_metrics);
+    let status = status(&cluster);
+    assert!(status.contains("nodes: 2 alive, 0 dead"), "{status}");
+    assert_eq!(sum_of(&samples, "rtrun_nodes", r#"state="alive""#), 2.0);
+    assert_eq!(sum_of(&samples, "rtrun_nodes", r#"state="dead""#), 0.0);
+    let resources = status.lines().find_map(|l| l.strip_prefix("resources: ")).unwrap();
+    for pair in resources.split(", ") {
+        let (resource, amount) = pair.split_once(": ").unwrap();
+        let label = format!(r#"resource="{resource}""#);
+        let served = sum_of(&samples, "rtrun_node_resource_total", &label);
+        assert_eq!(served, amount.parse::<f64>().unwrap(), "{resource}: {status}");
+    }
+    let (workers, actors) = status
+        .lines()
+        .find_map(|l| l.strip_prefix("workers: "))
+        .and_then(|l| l.split_once(", alive actors: "))
+        .unwrap();
+    assert_eq!(sum_of(&samples, "rtrun_worker_processes", ""), workers.parse::<f64>().unwrap());
+    assert_eq!(
+        sum_of(&samples, "rtrun_actors", r#"state="alive""#),
+        actors.parse::<f64>().unwrap()
+    );
+    assert_eq!(sum_of(&samples, "rtrun_actors", r#"state="alive""#), 1.0, "the detached service");
+    assert!(sum_of(&samples, "rtrun_actors", r#"state="dead""#) >= 2.0, "the probes");
+    assert_eq!(sum_of(&samples, "rtrun_placement_groups", ""), 0.0, "removed with the driver");
+
+    // Each node serves its own store; the 3 MB object crossed once (into whichever node pulled).
+    let on_node = scrape(&node_metrics);
+    for served in [&samples, &on_node] {
+        assert_eq!(sum_of(served, "rtrun_object_store_capacity_bytes", ""), 700_000_000.0);
+    }
+    let pulled = sum_of(&samples, "rtrun_object_pulled_bytes_total", "")
+        + sum_of(&on_node, "rtrun_object_pulled_bytes_total", "");
+    assert!(pulled >= 3_000_000.0, "pulled {pulled} bytes");
+    assert!(on_node.keys().all(|k| !k.starts_with("rtrun_nodes")), "a node has no cluster view");
+
+    // The node dies: every scrape meanwhile answers, and the head soon counts it dead.
+    cluster.kill_node_tree(0);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let samples = scrape(&head_metrics);
+        if sum_of(&samples, "rtrun_nodes", r#"state="dead""#) == 1.0 {
+            assert_eq!(sum_of(&samples, "rtrun_nodes", r#"state="alive""#), 1.0);
+            assert_eq!(sum_of(&samples, "rtrun_node_resource_total", r#"resource="GPU""#), 0.0);
+            break;
+        }
+        assert!(Instant::now() < deadline, "the dead node was never counted");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+
+    // A second head on the same metrics port: refused, naming the flag and the address.
+    let out = Command::new(rtrun_binary())
+        .args(["head", "--bind", "127.0.0.1", "--port", &common::free_udp_port().to_string()])
+        .args(["--node-name", "other", "--metrics-port", &head_port.to_string()])
+        .arg("--credentials-dir")
+        .arg(cluster.dir.join("other-credentials"))
+        .arg("--data-dir")
+        .arg(cluster.dir.join("other-data"))
+        .env("RUST_BACKTRACE", "0")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains(&format!("--metrics-port {head_port}"))
+            && stderr.contains(&format!("cannot listen on {head_metrics}")),
+        "{stderr}"
+    );
+}

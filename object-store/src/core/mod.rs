@@ -28,7 +28,7 @@ use crate::alloc::{Allocation, Allocator, reserved_len};
 use crate::error::{Result, StoreError};
 use crate::id::ObjectId;
 
-pub use stats::{ObjectState, ObjectStats, OwnerStats, StoreStats};
+pub use stats::{ObjectState, ObjectStats, OwnerStats, SpillCounters, StoreStats};
 
 /// A process (worker, driver or node) that holds references to or pins on objects.
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -147,6 +147,8 @@ pub struct StoreCore {
     lru: BTreeMap<u64, ObjectId>,
     clock: u64,
     bytes_spilled: u64,
+    /// Since the store started: spills and restores, and their bytes.
+    transfers: SpillCounters,
 }
 
 impl StoreCore {
@@ -158,6 +160,7 @@ impl StoreCore {
             lru: BTreeMap::new(),
             clock: 0,
             bytes_spilled: 0,
+            transfers: SpillCounters::default(),
         }
     }
 
@@ -313,6 +316,8 @@ impl StoreCore {
         entry.residency = Residency::Spilled;
         let size = entry.size;
         self.bytes_spilled += size;
+        self.transfers.spills += 1;
+        self.transfers.spilled_bytes += size;
         Ok(())
     }
 
@@ -350,6 +355,8 @@ impl StoreCore {
         entry.residency = Residency::InMemory(allocation);
         let size = entry.size;
         self.bytes_spilled -= size;
+        self.transfers.restores += 1;
+        self.transfers.restored_bytes += size;
         self.touch(id);
         Ok(())
     }

@@ -63,6 +63,19 @@ pub struct OwnerStats {
     pub bytes: u64,
 }
 
+/// Cumulative spill traffic of a store (counters for metrics).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SpillCounters {
+    /// Objects written to spill files.
+    pub spills: u64,
+    /// Their bytes.
+    pub spilled_bytes: u64,
+    /// Objects read back from spill files.
+    pub restores: u64,
+    /// Their bytes.
+    pub restored_bytes: u64,
+}
+
 /// The whole store at one moment.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StoreStats {
@@ -80,6 +93,8 @@ pub struct StoreStats {
     pub spilled_objects: u64,
     /// Sum of the sizes of objects on disk only.
     pub bytes_spilled: u64,
+    /// Spills and restores since the store started.
+    pub transfers: SpillCounters,
     /// Objects with at least one pin.
     pub pinned_objects: u64,
     /// Per owner.
@@ -131,6 +146,7 @@ pub(super) fn collect(core: &StoreCore) -> StoreStats {
         largest_free: core.allocator.largest_free(),
         objects: core.objects.len() as u64,
         bytes_spilled: core.bytes_spilled,
+        transfers: core.transfers,
         ..StoreStats::default()
     };
     for (&id, entry) in &core.objects {

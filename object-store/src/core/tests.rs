@@ -53,6 +53,8 @@ fn victims_are_the_least_recently_used_unpinned_objects() {
     assert_eq!(core.pin(id(2), READER).unwrap(), PinOutcome::RestoreFirst);
     let stats = core.stats();
     assert_eq!((stats.spilled_objects, stats.bytes_spilled), (1, 1024));
+    assert_eq!((stats.transfers.spills, stats.transfers.spilled_bytes), (1, 1024));
+    assert_eq!(stats.transfers.restores, 0);
     let text = stats.to_string();
     assert!(text.contains("5 objects"), "{text}");
     assert!(text.contains(&format!("{} 1024 B spilled owner 1 holders 1 pins 0", id(2))), "{text}");
@@ -305,6 +307,10 @@ impl Model {
         );
         prop_assert_eq!(reserved, stats.used_bytes);
         prop_assert_eq!(spilled, stats.bytes_spilled);
+        // What is on disk now was spilled and neither restored nor freed since.
+        let t = stats.transfers;
+        prop_assert!(t.restores <= t.spills && t.restored_bytes <= t.spilled_bytes);
+        prop_assert!(stats.bytes_spilled <= t.spilled_bytes - t.restored_bytes);
         prop_assert!(stats.used_bytes <= stats.capacity);
         for ((object, reader), count) in &self.pins {
             let entry = &self.core.objects[object];

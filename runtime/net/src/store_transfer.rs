@@ -120,14 +120,15 @@ impl AsRef<[u8]> for PinnedRange {
 /// stream is resumed once on a fresh one with only the missing chunks. On failure (or when the
 /// returned future is dropped) the partial object is freed, so nothing is left in the store;
 /// the error names the object and the peer. Concurrent calls for the same object and store
-/// wait for the first transfer and share it (see the module docs).
+/// wait for the first transfer and share it (see the module docs). Returns the bytes that
+/// crossed the network (0 when the store had the object).
 pub async fn pull_into_store(
     conn: &Connection,
     store: &ObjectStore,
     id: ObjectId,
     owner: HolderId,
     config: PullConfig,
-) -> Result<()> {
+) -> Result<u64> {
     let wrap = |source: NetError| NetError::ObjectPull {
         object: id,
         peer: conn.peer_name().to_string(),
@@ -143,7 +144,7 @@ pub async fn pull_into_store(
         }
     };
     match blocking(|| store.add_holder(id, owner)) {
-        Ok(_) => return Ok(()),
+        Ok(_) => return Ok(0),
         // Not here (or evicted just now): pull it. A freed object still pinned by readers
         // cannot be created again, and `create_copy` says so.
         Err(StoreError::ObjectNotFound(_)) => {}
@@ -160,7 +161,7 @@ async fn transfer(
     owner: HolderId,
     config: PullConfig,
     turn: PullTurn,
-) -> Result<()> {
+) -> Result<u64> {
     let mut pull = conn.open_pull(id, config.chunk_size).await?;
     let size = pull.size();
     let mut state = PullState::new(id, size, config)?;
@@ -180,7 +181,7 @@ async fn transfer(
     }
     blocking(|| store.seal(id))?;
     partial.sealed = true;
-    Ok(())
+    Ok(size)
 }
 
 /// A fresh pull stream for the same object, which must still have the same size.

@@ -881,7 +881,8 @@ pub(crate) fn pull_into_node(
         .cloned()
         .ok_or_else(|| Error::ObjectStore("only a node process pulls into its store".into()))?;
     let link = pull_link(member, home)?;
-    member
+    let start = std::time::Instant::now();
+    let bytes = member
         .link
         .wait(async move {
             rtrun_net::pull_into_store(
@@ -893,7 +894,11 @@ pub(crate) fn pull_into_node(
             )
             .await
         })?
-        .map_err(net_error(&format!("copying {id} from {home}")))
+        .map_err(net_error(&format!("copying {id} from {home}")))?;
+    if bytes > 0 {
+        crate::metrics::record_pull(bytes, start.elapsed());
+    }
+    Ok(())
 }
 
 /// Uploads a job binary unless the head has it.

@@ -149,10 +149,7 @@ impl HeadState {
                 target: run.task.spec.function.clone(),
                 reason: reason.clone(),
             };
-            effects.push(Effect::Respond(
-                run.task.responder,
-                Response::Outcome(Outcome::Error(error)),
-            ));
+            self.answer_task(run.task.responder, Outcome::Error(error), effects);
         }
         let mut index = 0;
         while index < self.task_queue.len() {
@@ -163,10 +160,7 @@ impl HeadState {
                     "task {} cannot run: {reason}",
                     task.spec.function.clone()
                 ));
-                effects.push(Effect::Respond(
-                    task.responder,
-                    Response::Outcome(Outcome::Error(error)),
-                ));
+                self.answer_task(task.responder, Outcome::Error(error), effects);
                 continue;
             }
             index += 1;

@@ -282,6 +282,9 @@ struct HeadState {
     idle_task_workers: Vec<WorkerId>,
     starting_task_workers: usize,
     running_tasks: HashMap<u64, RunningTask>,
+    /// Tasks answered since the head started: with a value, with an error.
+    tasks_finished: u64,
+    tasks_failed: u64,
     shutting_down: bool,
     /// Nodes, drivers and jobs of a cluster (the embedded session has only its own node).
     members: nodes::Members,
@@ -326,6 +329,8 @@ impl Head {
                 idle_task_workers: Vec::new(),
                 starting_task_workers: 0,
                 running_tasks: HashMap::new(),
+                tasks_finished: 0,
+                tasks_failed: 0,
                 shutting_down: false,
                 members: nodes::Members::new(runtime.node_id.0),
             }),
@@ -482,7 +487,7 @@ impl Head {
                     entry.role = WorkerRole::Tasks { running: None };
                     state.idle_task_workers.push(running.worker);
                 }
-                effects.push(Effect::Respond(running.task.responder, Response::Outcome(outcome)));
+                state.answer_task(running.task.responder, outcome, &mut effects);
                 state.reschedule(self, &mut effects);
             }
         }
@@ -1096,13 +1101,11 @@ impl HeadState {
                             self.task_queue.push_front(task);
                         } else {
                             let target = task.spec.function.clone();
-                            effects.push(Effect::Respond(
+                            self.answer_task(
                                 task.responder,
-                                Response::Outcome(Outcome::Error(Error::WorkerDied {
-                                    target,
-                                    reason: status,
-                                })),
-                            ));
+                                Outcome::Error(Error::WorkerDied { target, reason: status }),
+                                effects,
+                            );
                         }
                     }
                 }
@@ -1167,10 +1170,7 @@ impl HeadState {
                             "task {} cannot be placed: {e}",
                             task.spec.function
                         ));
-                        effects.push(Effect::Respond(
-                            task.responder,
-                            Response::Outcome(Outcome::Error(error)),
-                        ));
+                        self.answer_task(task.responder, Outcome::Error(error), effects);
                     }
                     continue;
                 }
@@ -1252,10 +1252,7 @@ impl HeadState {
     fn cancel_task(&mut self, task: ObjectId, force: bool, effects: &mut Vec<Effect>) {
         if let Some(index) = self.task_queue.iter().position(|t| t.spec.task == task) {
             if let Some(queued) = self.task_queue.remove(index) {
-                effects.push(Effect::Respond(
-                    queued.responder,
-                    Response::Outcome(Outcome::Error(Error::Cancelled)),
-                ));
+                self.answer_task(queued.responder, Outcome::Error(Error::Cancelled), effects);
             }
             return;
         }
@@ -1271,10 +1268,7 @@ impl HeadState {
             if let Some(mut run) = self.running_tasks.remove(&call_id) {
                 self.release(run.allocation);
                 run.task.spec.options.max_retries = 0;
-                effects.push(Effect::Respond(
-                    run.task.responder,
-                    Response::Outcome(Outcome::Error(Error::Cancelled)),
-                ));
+                self.answer_task(run.task.responder, Outcome::Error(Error::Cancelled), effects);
             }
             if let Some(w) = self.workers.get_mut(&worker) {
                 w.role = WorkerRole::Tasks { running: None };
@@ -1285,6 +1279,15 @@ impl HeadState {
         } else if let Some(conn) = self.workers.get(&worker).and_then(|w| w.conn.clone()) {
             effects.push(Effect::Send(conn, Frame::Cancel { call_id }));
         }
+    }
+
+    /// Answers a submitted task (its value or its error), counting it for metrics.
+    fn answer_task(&mut self, responder: Responder, outcome: Outcome, effects: &mut Vec<Effect>) {
+        match outcome {
+            Outcome::Error(_) => self.tasks_failed += 1,
+            _ => self.tasks_finished += 1,
+        }
+        effects.push(Effect::Respond(responder, Response::Outcome(outcome)));
     }
 
     fn cluster_info(&self) -> ClusterInfo {
@@ -1316,6 +1319,12 @@ impl HeadState {
                 .count(),
             worker_pids: self.workers.values().filter_map(|w| w.pid).collect(),
             nodes: node_infos,
+            tasks: crate::protocol::TaskCounts {
+                queued: self.task_queue.len() as u64,
+                running: self.running_tasks.len() as u64,
+                finished: self.tasks_finished,
+                failed: self.tasks_failed,
+            },
         }
     }
 

@@ -733,13 +733,15 @@ impl HeadState {
                         effects.push(Effect::Kill(w.node, pid));
                     }
                 }
-                effects.push(Effect::Respond(
+                let error = Error::WorkerDied {
+                    target: run.task.spec.function.clone(),
+                    reason: reason.clone(),
+                };
+                self.answer_task(
                     run.task.responder,
-                    Response::Outcome(crate::protocol::Outcome::Error(Error::WorkerDied {
-                        target: run.task.spec.function.clone(),
-                        reason: reason.clone(),
-                    })),
-                ));
+                    crate::protocol::Outcome::Error(error),
+                    effects,
+                );
             }
         }
         // Actors still alive elsewhere whose allocation was in a requeued group are stopped and

@@ -40,9 +40,26 @@ pub struct NodeArgs {
     /// per-session directory under the system temp dir, removed at exit).
     #[arg(long)]
     object_spill_dir: Option<PathBuf>,
+    /// Serves Prometheus metrics at http://<bind IP>:<port>/metrics (the head: the cluster's
+    /// nodes, resources, actors, tasks, groups and jobs; every node: its object store).
+    #[arg(long)]
+    metrics_port: Option<u16>,
 }
 
 impl NodeArgs {
+    /// Starts the metrics endpoint when `--metrics-port` asks for one, on `ip`.
+    fn serve_metrics(
+        &self,
+        runtime: &std::sync::Arc<rtrun::runtime::Runtime>,
+        ip: IpAddr,
+    ) -> anyhow::Result<Option<rtrun::metrics::MetricsServer>> {
+        let Some(port) = self.metrics_port else { return Ok(None) };
+        let server = rtrun::metrics::serve(runtime.clone(), SocketAddr::new(ip, port), Vec::new())
+            .with_context(|| format!("--metrics-port {port}"))?;
+        println!("metrics: http://{}/metrics", server.address());
+        Ok(Some(server))
+    }
+
     fn config(&self) -> anyhow::Result<rtrun::Config> {
         let resources: BTreeMap<String, f64> = match &self.resources {
             Some(json) => serde_json::from_str(json).with_context(|| {
@@ -113,6 +130,7 @@ pub fn head(
     );
     println!("join token: {}", handle.token);
     println!("to add a node: rtrun join --address {} --token <token>", handle.address);
+    let _metrics = node.serve_metrics(rtrun::runtime::current()?, bind)?;
     std::io::stdout().flush()?;
     loop {
         std::thread::park();
@@ -139,6 +157,8 @@ pub fn join(
         bind_ip,
     })?;
     println!("node {name} joined the cluster at {address} as {}", runtime.node());
+    let ip = bind_ip.unwrap_or(IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED));
+    let _metrics = node.serve_metrics(&runtime, ip)?;
     std::io::stdout().flush()?;
     // The daemon exits when the head's connection closes or the head stops it.
     loop {
