@@ -143,6 +143,9 @@ fn cluster_metrics(runtime: &Arc<Runtime>, registry: &mut Registry) -> Result<()
         groups.get_or_create(&labels(&[("state", &state)])).inc();
     }
     let jobs = gauge_family(registry, "rtrun_jobs", "Submitted jobs by state");
+    for state in ["running", "succeeded", "failed", "stopped"] {
+        jobs.get_or_create(&labels(&[("state", state)])).set(0.0);
+    }
     for job in runtime.list_jobs()? {
         let state = job.state.to_string();
         let state = state.split([' ', '(']).next().unwrap_or_default().to_lowercase();
@@ -217,13 +220,15 @@ fn node_metrics(runtime: &Arc<Runtime>, registry: &mut Registry) -> Result<()> {
     Ok(())
 }
 
-/// The metrics text of this process now.
-pub fn render(runtime: &Arc<Runtime>, sources: &[MetricsSource]) -> Result<String> {
+/// The metrics text of this process now (without the runtime's part before it is started).
+pub fn render(sources: &[MetricsSource]) -> Result<String> {
     let mut registry = Registry::default();
-    if runtime.holds_control_plane() {
-        cluster_metrics(runtime, &mut registry)?;
+    if let Ok(runtime) = crate::runtime::current() {
+        if runtime.holds_control_plane() {
+            cluster_metrics(runtime, &mut registry)?;
+        }
+        node_metrics(runtime, &mut registry)?;
     }
-    node_metrics(runtime, &mut registry)?;
     for source in sources {
         source(&mut registry);
     }
@@ -254,13 +259,9 @@ impl Drop for MetricsServer {
     }
 }
 
-/// Serves `GET /metrics` for `runtime` (plus `sources`) on `bind`. A port in use is an error
-/// naming it, returned before anything is served.
-pub fn serve(
-    runtime: Arc<Runtime>,
-    bind: SocketAddr,
-    sources: Vec<MetricsSource>,
-) -> Result<MetricsServer> {
+/// Serves `GET /metrics` on `bind`: this process's runtime (once started) plus `sources`. A
+/// port in use is an error naming it, returned before anything is served.
+pub fn serve(bind: SocketAddr, sources: Vec<MetricsSource>) -> Result<MetricsServer> {
     let listener = std::net::TcpListener::bind(bind)
         .map_err(|e| Error::Invalid(format!("metrics endpoint: cannot listen on {bind}: {e}")))?;
     let address = listener.local_addr().map_err(|e| Error::System(e.to_string()))?;
@@ -280,10 +281,8 @@ pub fn serve(
                     Ok(listener) => listener,
                     Err(e) => return tracing::error!("metrics endpoint on {address}: {e}"),
                 };
-                let app = axum::Router::new().route(
-                    "/metrics",
-                    axum::routing::get(move || scrape(runtime.clone(), sources.clone())),
-                );
+                let app = axum::Router::new()
+                    .route("/metrics", axum::routing::get(move || scrape(sources.clone())));
                 let served = axum::serve(listener, app)
                     .with_graceful_shutdown(async move {
                         let _ = stopped.await;
@@ -299,12 +298,11 @@ pub fn serve(
 }
 
 async fn scrape(
-    runtime: Arc<Runtime>,
     sources: Arc<Vec<MetricsSource>>,
 ) -> (axum::http::StatusCode, [(axum::http::header::HeaderName, &'static str); 1], String) {
     use axum::http::{StatusCode, header};
     // The snapshot asks the control plane and blocks: off the server's thread.
-    let text = tokio::task::spawn_blocking(move || render(&runtime, &sources)).await;
+    let text = tokio::task::spawn_blocking(move || render(&sources)).await;
     match text {
         Ok(Ok(text)) => (
             StatusCode::OK,

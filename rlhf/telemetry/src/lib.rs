@@ -67,6 +67,7 @@
 
 mod error;
 pub mod jsonl;
+pub mod live;
 mod metrics;
 pub mod phase;
 pub mod plot;

@@ -503,3 +503,68 @@ fn old_log_probs_from_the_engine_change_no_metric() {
     assert!(checked > 100, "compared {checked} values");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `train --metrics-port`: while the run goes, its endpoint serves the newest step's metrics
+/// (the same values metrics.jsonl records for that step), its phase times and tokens/s, and
+/// the embedded session's runtime (its node, the role actors alive).
+#[test]
+fn a_running_train_serves_its_step_metrics_and_its_session_on_the_metrics_port() {
+    let dir = scratch("metrics-port");
+    let config_path = dir.join("grpo.yaml");
+    let base = small_config(&dir.join("unused"), "");
+    std::fs::write(&config_path, serde_json::to_string(&base).unwrap()).unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let run_dir = dir.join("run");
+    let mut cmd = train_command(&config_path, &run_dir, &["train.max_steps=12"]);
+    let mut child = cmd.arg("--metrics-port").arg(port.to_string()).spawn().unwrap();
+    let url = format!("http://127.0.0.1:{port}/metrics");
+    let sample = |text: &str, key: &str| -> Option<f64> {
+        text.lines().find_map(|l| l.strip_prefix(key)?.strip_prefix(' ')?.parse().ok())
+    };
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let (step, reward, text) = loop {
+        assert!(child.try_wait().unwrap().is_none(), "the run ended before a scrape saw a step");
+        assert!(Instant::now() < deadline, "no step on the metrics port within 120 s");
+        if let Ok(mut response) = ureq::get(&url).call() {
+            let text = response.body_mut().read_to_string().unwrap();
+            let step = sample(&text, "rtrun_train_step");
+            let reward = sample(&text, r#"rtrun_train_metric{name="reward"}"#);
+            if let (Some(step), Some(reward)) = (step, reward) {
+                break (step as u64, reward, text);
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(sample(&text, "rtrun_train_total_steps"), Some(12.0), "{text}");
+    assert!(sample(&text, "rtrun_train_tokens_per_second").is_some_and(|t| t > 0.0), "{text}");
+    assert!(sample(&text, r#"rtrun_train_phase_seconds{phase="generate"}"#).is_some(), "{text}");
+    assert_eq!(sample(&text, r#"rtrun_nodes{state="alive"}"#), Some(1.0), "{text}");
+    assert!(sample(&text, r#"rtrun_actors{state="alive"}"#).is_some_and(|n| n >= 2.0), "{text}");
+    // Every metric the Grafana dashboard in deploy/ plots is one this scrape declares.
+    let served: Vec<&str> =
+        text.lines().filter_map(|l| l.strip_prefix("# TYPE ")?.split(' ').next()).collect();
+    let dashboard = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy/grafana/rtrun.json"),
+    )
+    .unwrap();
+    let mut plotted = 0;
+    for (at, _) in dashboard.match_indices("rtrun_") {
+        let name: String =
+            dashboard[at..].chars().take_while(|c| c.is_ascii_lowercase() || *c == '_').collect();
+        if name == "rtrun_" || name.starts_with("rtrun_overview") {
+            continue;
+        }
+        let family = ["_bucket", "_total"].iter().find_map(|suffix| name.strip_suffix(suffix));
+        assert!(
+            served.contains(&name.as_str()) || family.is_some_and(|f| served.contains(&f)),
+            "the dashboard plots {name}, not served: {served:?}"
+        );
+        plotted += 1;
+    }
+    assert!(plotted >= 20, "{plotted} metric references in the dashboard");
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let recorded = metrics(&run_dir);
+    let at_step = recorded.iter().find(|m| m.step() == step).expect("the scraped step recorded");
+    assert_eq!(at_step.get("reward"), Some(reward), "the scrape serves metrics.jsonl's value");
+}

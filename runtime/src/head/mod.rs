@@ -626,7 +626,7 @@ impl HeadState {
                 self.cancel_task(task, force, effects);
                 Response::Done
             }
-            Request::ClusterInfo => Response::ClusterInfo(self.cluster_info()),
+            Request::ClusterInfo => Response::ClusterInfo(self.cluster_info(head.local_node)),
             Request::ListActors => Response::Actors(self.actor_summaries()),
             Request::NodeAlive { node } => match self.members.nodes.get(&node) {
                 Some(entry) => match &entry.dead {
@@ -1290,7 +1290,9 @@ impl HeadState {
         effects.push(Effect::Respond(responder, Response::Outcome(outcome)));
     }
 
-    fn cluster_info(&self) -> ClusterInfo {
+    /// The cluster's resources, workers, nodes and tasks; `local` is the head's own node, listed
+    /// even in an embedded session (which has no member nodes).
+    fn cluster_info(&self, local: u64) -> ClusterInfo {
         let mut total: BTreeMap<String, f64> = BTreeMap::new();
         let mut available: BTreeMap<String, f64> = BTreeMap::new();
         for node in self.cluster.nodes() {
@@ -1302,6 +1304,21 @@ impl HeadState {
             }
         }
         let mut node_infos = self.members.info();
+        if !node_infos.iter().any(|n| n.node.0 == local) {
+            let id = crate::ids::NodeId(local);
+            if let Some(node) = self.cluster.node(&rtrun_placement::NodeId::new(id.to_string())) {
+                node_infos.insert(
+                    0,
+                    crate::protocol::NodeInfo {
+                        node: id,
+                        name: "embedded".into(),
+                        alive: true,
+                        total: nodes::floats(node.total()),
+                        ..Default::default()
+                    },
+                );
+            }
+        }
         for info in &mut node_infos {
             let placement = rtrun_placement::NodeId::new(info.node.to_string());
             if let Some(node) = self.cluster.node(&placement) {

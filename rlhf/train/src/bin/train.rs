@@ -6,6 +6,7 @@
 //! per-phase timings) at the end.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::Context;
@@ -13,6 +14,7 @@ use clap::Parser;
 
 use rtrun_rlhf::TrainConfig;
 use rtrun_rlhf::trainer::ProgressObserver;
+use rtrun_rlhf_telemetry::live::LiveMetrics;
 use rtrun_rlhf_telemetry::{
     EvalRow, ProgressField, ProgressOptions, RunProgress, RunSummary, StepMetrics, StepPhases,
     jsonl, reward_curve,
@@ -39,10 +41,15 @@ struct Args {
     /// checkpoint to resume from.
     #[arg(long)]
     overwrite: bool,
+    /// Serves Prometheus metrics at http://0.0.0.0:PORT/metrics while the run goes: the
+    /// newest step's metrics, phase times and tokens/s, and the session's runtime (nodes,
+    /// resources, actors, tasks, object store).
+    #[arg(long)]
+    metrics_port: Option<u16>,
 }
 
-/// The telemetry progress bar behind the trainer's observer.
-struct Bar(RunProgress);
+/// The telemetry progress bar behind the trainer's observer, and the live metrics beside it.
+struct Bar(RunProgress, Arc<LiveMetrics>);
 
 impl ProgressObserver for Bar {
     fn phase(&mut self, name: &str) {
@@ -51,6 +58,7 @@ impl ProgressObserver for Bar {
 
     fn step_done(&mut self, metrics: &StepMetrics, phases: &StepPhases) {
         self.0.step_done(metrics, phases);
+        self.1.record(metrics, phases);
     }
 
     fn placed(&mut self, roles: &[String]) {
@@ -89,6 +97,18 @@ fn main() -> anyhow::Result<()> {
     );
     let paths = rtrun_rlhf::trainer::RunPaths::new(&config.run_dir);
     eprintln!("run directory: {}", paths.root.display());
+    let live = Arc::new(LiveMetrics::default());
+    let _metrics = match args.metrics_port {
+        Some(port) => {
+            let bind = std::net::SocketAddr::from(([0, 0, 0, 0], port));
+            let source = live.clone();
+            let server = rtrun::metrics::serve(bind, vec![Arc::new(move |r| source.register(r))])
+                .with_context(|| format!("--metrics-port {port}"))?;
+            eprintln!("metrics: http://{}/metrics", server.address());
+            Some(server)
+        }
+        None => None,
+    };
     // Everything checkable before the warm-up: placement spec, GPUs, files, the run directory.
     let placements = rtrun_rlhf::run::preflight(&config, &paths)?;
     let prepared = rtrun_rlhf::run::prepare(&config, &paths)?;
@@ -141,7 +161,8 @@ fn main() -> anyhow::Result<()> {
             ..ProgressOptions::default()
         },
     );
-    let mut bar = Bar(progress);
+    live.set_total_steps(total);
+    let mut bar = Bar(progress, live);
     let held_out_prompts = prepared.eval_prompts();
     let (trainer, report) = rtrun_rlhf::run::run_prepared(&config, prepared, placements, &mut bar)?;
     bar.0.finish();

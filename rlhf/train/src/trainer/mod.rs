@@ -490,6 +490,10 @@ impl Trainer {
         metrics
             .set("consumed_prompts", self.state.loader.consumed as f64)
             .map_err(telemetry_error)?;
+        let generated = rows as f64 * s.response_length;
+        metrics
+            .set(rtrun_rlhf_telemetry::live::GENERATED_TOKENS, generated)
+            .map_err(telemetry_error)?;
         for (name, value) in
             self.gpu_metrics.lock().map(|mut m| std::mem::take(&mut *m)).unwrap_or_default()
         {

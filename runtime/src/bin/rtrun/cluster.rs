@@ -48,13 +48,9 @@ pub struct NodeArgs {
 
 impl NodeArgs {
     /// Starts the metrics endpoint when `--metrics-port` asks for one, on `ip`.
-    fn serve_metrics(
-        &self,
-        runtime: &std::sync::Arc<rtrun::runtime::Runtime>,
-        ip: IpAddr,
-    ) -> anyhow::Result<Option<rtrun::metrics::MetricsServer>> {
+    fn serve_metrics(&self, ip: IpAddr) -> anyhow::Result<Option<rtrun::metrics::MetricsServer>> {
         let Some(port) = self.metrics_port else { return Ok(None) };
-        let server = rtrun::metrics::serve(runtime.clone(), SocketAddr::new(ip, port), Vec::new())
+        let server = rtrun::metrics::serve(SocketAddr::new(ip, port), Vec::new())
             .with_context(|| format!("--metrics-port {port}"))?;
         println!("metrics: http://{}/metrics", server.address());
         Ok(Some(server))
@@ -130,7 +126,7 @@ pub fn head(
     );
     println!("join token: {}", handle.token);
     println!("to add a node: rtrun join --address {} --token <token>", handle.address);
-    let _metrics = node.serve_metrics(rtrun::runtime::current()?, bind)?;
+    let _metrics = node.serve_metrics(bind)?;
     std::io::stdout().flush()?;
     loop {
         std::thread::park();
@@ -158,7 +154,7 @@ pub fn join(
     })?;
     println!("node {name} joined the cluster at {address} as {}", runtime.node());
     let ip = bind_ip.unwrap_or(IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED));
-    let _metrics = node.serve_metrics(&runtime, ip)?;
+    let _metrics = node.serve_metrics(ip)?;
     std::io::stdout().flush()?;
     // The daemon exits when the head's connection closes or the head stops it.
     loop {

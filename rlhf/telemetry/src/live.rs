@@ -1,0 +1,146 @@
+//! The newest step of a running `train`, exported as Prometheus gauges beside the runtime's
+//! metrics (`train --metrics-port`): the step, every scalar of the step's metrics (reward, KL,
+//! losses, eval results when the step evaluated), the step's phase times, its wall time and its
+//! generated tokens per second.
+
+use std::sync::Mutex;
+
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+
+use crate::metrics::StepMetrics;
+use crate::phase::StepPhases;
+
+type FloatGauge = Gauge<f64, std::sync::atomic::AtomicU64>;
+type Labels = Vec<(String, String)>;
+
+/// The scalar that holds a step's generated tokens (responses summed over the rollout).
+pub const GENERATED_TOKENS: &str = "generated_tokens";
+
+#[derive(Debug, Default)]
+struct Live {
+    total_steps: u64,
+    last: Option<(StepMetrics, StepPhases)>,
+    /// The latest value of every scalar seen (eval results persist between evaluations).
+    latest: Vec<(String, f64)>,
+}
+
+/// Shared between the trainer's progress observer (writes) and the metrics endpoint (reads).
+#[derive(Debug, Default)]
+pub struct LiveMetrics {
+    live: Mutex<Live>,
+}
+
+impl LiveMetrics {
+    /// The run's planned number of steps.
+    pub fn set_total_steps(&self, total: u64) {
+        if let Ok(mut live) = self.live.lock() {
+            live.total_steps = total;
+        }
+    }
+
+    /// A finished step.
+    pub fn record(&self, metrics: &StepMetrics, phases: &StepPhases) {
+        let Ok(mut live) = self.live.lock() else { return };
+        for (name, value) in metrics.scalars() {
+            match live.latest.iter_mut().find(|(n, _)| n == name) {
+                Some(slot) => slot.1 = *value,
+                None => live.latest.push((name.clone(), *value)),
+            }
+        }
+        live.last = Some((metrics.clone(), phases.clone()));
+    }
+
+    /// Registers the gauges of the newest step into a scrape's `registry`.
+    pub fn register(&self, registry: &mut Registry) {
+        let Ok(live) = self.live.lock() else { return };
+        let gauge = |registry: &mut Registry, name: &str, help: &str, value: f64| {
+            let gauge = FloatGauge::default();
+            gauge.set(value);
+            registry.register(name, help, gauge);
+        };
+        gauge(registry, "rtrun_train_total_steps", "Steps the run plans", live.total_steps as f64);
+        let Some((metrics, phases)) = &live.last else { return };
+        gauge(registry, "rtrun_train_step", "The newest finished step", metrics.step() as f64);
+        let scalars = Family::<Labels, FloatGauge>::default();
+        registry.register(
+            "rtrun_train_metric",
+            "The newest value of each step metric (metrics.jsonl's keys as `name`)",
+            scalars.clone(),
+        );
+        for (name, value) in &live.latest {
+            scalars.get_or_create(&vec![("name".to_owned(), name.clone())]).set(*value);
+        }
+        let phase_seconds = Family::<Labels, FloatGauge>::default();
+        registry.register(
+            "rtrun_train_phase_seconds",
+            "Time of each phase in the newest step",
+            phase_seconds.clone(),
+        );
+        let mut step_seconds = 0.0;
+        for (phase, took) in &phases.phases {
+            phase_seconds
+                .get_or_create(&vec![("phase".to_owned(), phase.clone())])
+                .set(took.as_secs_f64());
+            step_seconds += took.as_secs_f64();
+        }
+        gauge(registry, "rtrun_train_step_seconds", "Wall time of the newest step", step_seconds);
+        if let Some(tokens) = metrics.get(GENERATED_TOKENS)
+            && step_seconds > 0.0
+        {
+            gauge(
+                registry,
+                "rtrun_train_tokens_per_second",
+                "Generated tokens per second of wall time in the newest step",
+                tokens / step_seconds,
+            );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn encoded(live: &LiveMetrics) -> String {
+        let mut registry = Registry::default();
+        live.register(&mut registry);
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+        text
+    }
+
+    #[test]
+    fn the_newest_step_and_the_latest_eval_are_exported() {
+        let live = LiveMetrics::default();
+        live.set_total_steps(10);
+        assert!(!encoded(&live).contains("rtrun_train_step "), "no step yet");
+        let mut first = StepMetrics::with_wall_time(1, 0.0);
+        first.set("reward", 0.25).unwrap().set("eval/reward", 0.5).unwrap();
+        first.set(GENERATED_TOKENS, 300.0).unwrap();
+        let phases = StepPhases {
+            phases: vec![
+                ("generate".into(), Duration::from_millis(500)),
+                ("train".into(), Duration::from_millis(1000)),
+            ],
+        };
+        live.record(&first, &phases);
+        let mut second = StepMetrics::with_wall_time(2, 0.0);
+        second.set("reward", 0.75).unwrap().set(GENERATED_TOKENS, 600.0).unwrap();
+        live.record(&second, &phases);
+        let text = encoded(&live);
+        for line in [
+            "rtrun_train_total_steps 10.0",
+            "rtrun_train_step 2.0",
+            "rtrun_train_metric{name=\"reward\"} 0.75",
+            "rtrun_train_metric{name=\"eval/reward\"} 0.5",
+            "rtrun_train_phase_seconds{phase=\"train\"} 1.0",
+            "rtrun_train_step_seconds 1.5",
+            "rtrun_train_tokens_per_second 400.0",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} in\n{text}");
+        }
+    }
+}
