@@ -1,4 +1,6 @@
-//! Finding and querying running sessions from outside them (for `rtrun memory`).
+//! Finding and querying running sessions from outside them (`rtrun memory`, and `rtrun status`
+//! and `rtrun list` against an embedded session: its driver holds the control plane and answers
+//! the same state queries a cluster head does).
 //!
 //! An embedded session has no published address, but every process of it listens on an abstract
 //! Unix socket named `@rtrun-<session>-<worker>`, and the node process is worker 0. The kernel
@@ -62,24 +64,32 @@ fn describe(sessions: &[String]) -> String {
     if sessions.is_empty() { "none".to_owned() } else { sessions.join(", ") }
 }
 
-/// Asks the node process of `session` for its object-store snapshot.
-pub fn node_memory(session: &str) -> Result<NodeMemory> {
+/// Sends `request` to the node process of `session` (in an embedded session, the driver, which
+/// holds the control plane) and returns its answer; an error answer is an `Err`.
+pub fn query(session: &str, request: Request) -> Result<Response> {
     let (tx, rx) = crossbeam_channel::bounded(1);
     let address =
         format!("unix:@rtrun-cli-{}-{:016x}", std::process::id(), crate::runtime::random_u64());
     let endpoint = Endpoint::bind(address, Arc::new(Answer(tx)), TransportConfig::default())?;
     let node = crate::runtime::worker_address(session, DRIVER_WORKER_ID);
     let conn = endpoint.connect(&node)?;
-    let request =
-        Request::Store { holder: rtrun_object_store::HolderId(u64::MAX), op: StoreOp::Stats };
     conn.send(&Frame::Request { req_id: 1, body: request })?;
     let answer = rx.recv_timeout(QUERY_TIMEOUT).map_err(|_| {
         Error::Transport(format!("session {session} did not answer within {QUERY_TIMEOUT:?}"))
-    })?;
+    });
     conn.shutdown();
-    match answer {
-        Response::StoreStats(memory) => Ok(*memory),
+    match answer? {
         Response::Error(error) => Err(error),
+        answer => Ok(answer),
+    }
+}
+
+/// Asks the node process of `session` for its object-store snapshot.
+pub fn node_memory(session: &str) -> Result<NodeMemory> {
+    let request =
+        Request::Store { holder: rtrun_object_store::HolderId(u64::MAX), op: StoreOp::Stats };
+    match query(session, request)? {
+        Response::StoreStats(memory) => Ok(*memory),
         other => Err(Error::Transport(format!("unexpected answer {other:?}"))),
     }
 }

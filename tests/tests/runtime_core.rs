@@ -373,6 +373,41 @@ fn get_if_exists_returns_the_live_actor_and_named_actors_are_listed() {
     assert!(rtrun::list_named_actors(true).unwrap().iter().any(|a| a.name == "registry"));
 }
 
+/// The embedded session answers `rtrun status`, `rtrun list` and `rtrun kill` from outside
+/// (through its driver's Unix socket), as a cluster's head does.
+#[test]
+fn rtrun_status_list_and_kill_inspect_the_embedded_session() {
+    init();
+    let counter = Counter::remote_with(ActorOptions::default().name("inspected"), 5u64).unwrap();
+    let pid = counter.pid().get().unwrap();
+    let session = rtrun::context().unwrap().session;
+    let rtrun = |args: &[&str]| {
+        let out = std::process::Command::new(rtrun_tests::rtrun_binary())
+            .args(args)
+            .args(["--session", &session])
+            .env_remove("RTRUN_ADDRESS")
+            .output()
+            .unwrap();
+        let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+        (text(&out.stdout), text(&out.stderr), out.status.success())
+    };
+    let (status, err, ok) = rtrun(&["status"]);
+    assert!(ok, "{err}");
+    assert!(status.contains("nodes: 1 alive, 0 dead") && status.contains("embedded"), "{status}");
+    let (actors, err, ok) = rtrun(&["list", "actors"]);
+    assert!(ok, "{err}");
+    let line =
+        actors.lines().find(|l| l.contains(" inspected ")).unwrap_or_else(|| panic!("{actors}"));
+    assert!(line.contains(&pid.to_string()) && line.ends_with("ALIVE"), "{line}");
+    let (objects, err, ok) = rtrun(&["list", "objects"]);
+    assert!(ok && objects.contains("objects"), "{objects}{err}");
+    let (out, err, ok) = rtrun(&["kill", "inspected"]);
+    assert!(ok && out.contains("killed actor inspected"), "{out}{err}");
+    assert!(wait_until(LONG, || rtrun::get_actor::<Counter>("inspected", None).is_err()));
+    let (_, err, ok) = rtrun(&["kill", "nobody"]);
+    assert!(!ok && err.contains("no actor named `nobody`"), "{err}");
+}
+
 #[test]
 fn a_worker_killed_mid_call_gives_actor_died_for_pending_and_later_calls() {
     init();

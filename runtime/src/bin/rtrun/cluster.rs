@@ -12,6 +12,8 @@ use rtrun::cluster::client::{LinePrefixer, LogCursor};
 use rtrun::cluster::{self, Client, HeadOptions, JoinOptions};
 use rtrun::protocol::JobState;
 
+use crate::inspect::Inspect;
+
 /// Resources a node offers (as `ray start`).
 #[derive(Args, Debug, Clone)]
 pub struct NodeArgs {
@@ -177,9 +179,31 @@ pub struct ClientArgs {
     /// Seconds to wait for the head to answer (default: $RTRUN_CONNECT_TIMEOUT, else 5).
     #[arg(long)]
     connect_timeout: Option<f64>,
+    /// An embedded session on this machine (the hex name `rtrun memory` prints) instead of a
+    /// cluster; `status`, `list` and `kill` also pick the only running one when no cluster
+    /// address is known.
+    #[arg(long)]
+    session: Option<String>,
 }
 
 impl ClientArgs {
+    /// The control plane that `status`, `list` and `kill` ask: `--session`, else the cluster
+    /// (`--address`, `RTRUN_ADDRESS`, the recorded head address), else the only embedded
+    /// session running on this machine.
+    fn inspect(&self) -> anyhow::Result<Inspect> {
+        if let Some(session) = &self.session {
+            return Ok(Inspect::Session(rtrun::session::pick_session(Some(session))?));
+        }
+        let dir = self.credentials_dir.clone().unwrap_or_else(cluster::default_credentials_dir);
+        match cluster::client::resolve_address(self.address.as_deref(), &dir) {
+            Ok(_) => Ok(Inspect::Cluster(self.connect()?)),
+            Err(no_cluster) => match rtrun::session::pick_session(None) {
+                Ok(session) => Ok(Inspect::Session(session)),
+                Err(no_session) => bail!("{no_cluster}; and {no_session}"),
+            },
+        }
+    }
+
     fn connect(&self) -> anyhow::Result<Client> {
         let dir = self.credentials_dir.clone().unwrap_or_else(cluster::default_credentials_dir);
         let address = cluster::client::resolve_address(self.address.as_deref(), &dir)?;
@@ -203,7 +227,7 @@ fn resources(map: &BTreeMap<String, f64>) -> String {
 
 /// `rtrun status`; with `node`, fails unless that node is alive.
 pub fn status(node: Option<&str>, client: ClientArgs) -> anyhow::Result<()> {
-    let info = client.connect()?.status()?;
+    let info = client.inspect()?.status()?;
     println!(
         "nodes: {} alive, {} dead",
         info.nodes.iter().filter(|n| n.alive).count(),
@@ -286,7 +310,7 @@ pub enum Listing {
 
 /// `rtrun list`.
 pub fn list(what: Listing, client: ClientArgs) -> anyhow::Result<()> {
-    let client = client.connect()?;
+    let client = client.inspect()?;
     match what {
         Listing::Actors => {
             println!(
@@ -702,7 +726,7 @@ pub fn remove_placement_group(name: &str, client: ClientArgs) -> anyhow::Result<
 /// `rtrun kill`: kills the named actor (detached ones included); `restart` lets it restart as
 /// after a crash, within its `max_restarts`.
 pub fn kill(name: &str, namespace: &str, restart: bool, client: ClientArgs) -> anyhow::Result<()> {
-    let info = client.connect()?.kill_actor(name, namespace, restart)?;
+    let info = client.inspect()?.kill_actor(name, namespace, restart)?;
     let what = if restart { "restarting" } else { "killed" };
     println!("{what} actor {name} ({}, {}) in namespace {namespace}", info.id, info.type_name);
     Ok(())

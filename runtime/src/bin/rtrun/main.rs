@@ -2,6 +2,7 @@
 //! and the microbenchmark that compares rtrun with `ray microbenchmark`.
 
 mod cluster;
+mod inspect;
 mod memory;
 mod microbenchmark;
 

@@ -1,0 +1,99 @@
+//! What `rtrun status`, `rtrun list` and `rtrun kill` ask: a cluster's head, or an embedded
+//! session on this machine (whose driver holds the control plane and answers the same state
+//! queries over its Unix socket).
+
+use rtrun::ActorInfo;
+use rtrun::cluster::Client;
+use rtrun::placement_group::PlacementGroupState;
+use rtrun::protocol::{ActorSummary, ClusterInfo, JobInfo, NodeMemory, Request, Response};
+
+/// The control plane a state query goes to.
+pub enum Inspect {
+    /// A cluster, through its head.
+    Cluster(Client),
+    /// An embedded session on this machine, by name.
+    Session(String),
+}
+
+fn unexpected(response: Response) -> anyhow::Error {
+    anyhow::anyhow!("unexpected answer from the session: {response:?}")
+}
+
+impl Inspect {
+    fn ask(session: &str, request: Request) -> anyhow::Result<Response> {
+        Ok(rtrun::session::query(session, request)?)
+    }
+
+    /// Nodes, resources and counts.
+    pub fn status(&self) -> anyhow::Result<ClusterInfo> {
+        match self {
+            Inspect::Cluster(client) => Ok(client.status()?),
+            Inspect::Session(s) => match Self::ask(s, Request::ClusterInfo)? {
+                Response::ClusterInfo(info) => Ok(info),
+                other => Err(unexpected(other)),
+            },
+        }
+    }
+
+    /// Every actor.
+    pub fn actors(&self) -> anyhow::Result<Vec<ActorSummary>> {
+        match self {
+            Inspect::Cluster(client) => Ok(client.actors()?),
+            Inspect::Session(s) => match Self::ask(s, Request::ListActors)? {
+                Response::Actors(actors) => Ok(actors),
+                other => Err(unexpected(other)),
+            },
+        }
+    }
+
+    /// Every live placement group.
+    pub fn placement_groups(&self) -> anyhow::Result<Vec<PlacementGroupState>> {
+        match self {
+            Inspect::Cluster(client) => Ok(client.placement_groups()?),
+            Inspect::Session(s) => match Self::ask(s, Request::ListPlacementGroups)? {
+                Response::PlacementGroups(groups) => Ok(groups),
+                other => Err(unexpected(other)),
+            },
+        }
+    }
+
+    /// Every submitted job (an embedded session has none).
+    pub fn jobs(&self) -> anyhow::Result<Vec<JobInfo>> {
+        match self {
+            Inspect::Cluster(client) => Ok(client.jobs()?),
+            Inspect::Session(_) => Ok(Vec::new()),
+        }
+    }
+
+    /// The object store of every live node.
+    pub fn objects(&self) -> anyhow::Result<Vec<NodeMemory>> {
+        match self {
+            Inspect::Cluster(client) => Ok(client.objects()?),
+            Inspect::Session(s) => Ok(vec![rtrun::session::node_memory(s)?]),
+        }
+    }
+
+    /// Kills the live actor named `name` in `namespace` (restarting it if `restart`).
+    pub fn kill_actor(
+        &self,
+        name: &str,
+        namespace: &str,
+        restart: bool,
+    ) -> anyhow::Result<ActorInfo> {
+        match self {
+            Inspect::Cluster(client) => Ok(client.kill_actor(name, namespace, restart)?),
+            Inspect::Session(s) => {
+                let lookup = Request::GetActorByName {
+                    name: name.to_owned(),
+                    namespace: namespace.to_owned(),
+                };
+                let info = match Self::ask(s, lookup)? {
+                    Response::Actor(info) => info,
+                    other => return Err(unexpected(other)),
+                };
+                Self::ask(s, Request::KillActor { actor: info.id, no_restart: !restart })?;
+                Ok(info)
+            }
+        }
+    }
+}
