@@ -32,6 +32,7 @@ pub mod collective;
 pub mod colocation;
 pub mod context;
 pub mod cuda_ipc;
+pub mod dashboard;
 pub mod error;
 pub mod gpus;
 pub mod group;

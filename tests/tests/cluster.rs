@@ -760,3 +760,125 @@ fn metrics_endpoints_agree_with_rtrun_status() {
         "{stderr}"
     );
 }
+
+/// Loads `url` in headless Chromium: its DOM after load, and a screenshot into `png`.
+fn browse(url: &str, png: &std::path::Path) -> String {
+    let chromium = std::env::var("RTRUN_CHROMIUM").unwrap_or_else(|_| "chromium".to_owned());
+    let run = |extra: &[&str]| {
+        let out = Command::new(&chromium)
+            .args(["--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars"])
+            .arg("--window-size=1280,860")
+            .arg(format!("--user-data-dir={}", png.with_extension("profile").display()))
+            .args(extra)
+            .arg(url)
+            .output()
+            .unwrap_or_else(|e| {
+                panic!("`{chromium}` does not run ({e}): the dashboard test needs Chromium (scripts/test.sh installs it)")
+            });
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let dom = run(&["--dump-dom"]);
+    run(&[&format!("--screenshot={}", png.display())]);
+    let size = std::fs::metadata(png).map(|m| m.len()).unwrap_or(0);
+    assert!(size > 5_000, "{} is {size} bytes", png.display());
+    dom
+}
+
+/// The head's web dashboard in a real browser: a cluster with a job (its placement group spread
+/// over two nodes, its actors, its live log) and a detached service; every page shows them, a
+/// request without the token gets 401, and the screenshots go to `target/tmp/dashboard/`.
+#[test]
+fn the_dashboard_shows_nodes_actors_groups_jobs_and_logs_in_chromium() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let head = common::NodeSpec { name: "head", cpus: 2, gpus: 0, resources: None };
+    let args = ["--dashboard-port", &port.to_string(), "--dashboard-token", "s3cret-token"];
+    let mut cluster = common::start_cluster_with_args("dashboard", "5", &head, &args, &[]);
+    let node = common::NodeSpec { name: "n1", cpus: 1, gpus: 2, resources: Some(r#"{"slot": 1}"#) };
+    cluster.join(&node);
+    let shots = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("dashboard");
+    let _ = std::fs::remove_dir_all(&shots);
+    std::fs::create_dir_all(&shots).unwrap();
+
+    let submit = Command::new(rtrun_binary())
+        .args(["submit", "--address", &cluster.address, "--no-wait", "--submission-id", "dash-job"])
+        .arg("--credentials-dir")
+        .arg(cluster.dir.join("head-credentials"))
+        .arg("--")
+        .arg(driver_binary())
+        .args(["nodes", "2", "bytes", "100000", "say", "3", "hold", "120"])
+        .output()
+        .unwrap();
+    assert!(submit.status.success(), "{}", String::from_utf8_lossy(&submit.stderr));
+    let service = Command::new(driver_binary())
+        .env("RTRUN_ADDRESS", &cluster.address)
+        .env("RTRUN_CREDENTIALS_DIR", cluster.dir.join("head-credentials"))
+        .args(["shared", "svc"])
+        .output()
+        .unwrap();
+    assert!(service.status.success(), "{}", String::from_utf8_lossy(&service.stderr));
+    let base = format!("http://127.0.0.1:{port}");
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        let (logs, _, _) = head_rtrun(&cluster, &["job", "logs", "dash-job"]);
+        if logs.lines().any(|l| l == "ok") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the job did not get going: {logs}");
+        std::thread::sleep(Duration::from_millis(300));
+    }
+
+    // Without the token: 401 and a sentence; with it (bearer), the page.
+    match ureq::get(&format!("{base}/actors")).call() {
+        Err(ureq::Error::StatusCode(401)) => {}
+        other => panic!("expected 401 without the token, got {other:?}"),
+    }
+    let mut bearer = ureq::get(&format!("{base}/nodes"))
+        .header("Authorization", "Bearer s3cret-token")
+        .call()
+        .unwrap();
+    assert!(bearer.body_mut().read_to_string().unwrap().contains("n1"));
+
+    let page = |path: &str, name: &str| {
+        let sep = if path.contains('?') { '&' } else { '?' };
+        browse(&format!("{base}{path}{sep}token=s3cret-token"), &shots.join(format!("{name}.png")))
+    };
+    let overview = page("/", "overview");
+    assert!(overview.contains("2 alive") && overview.contains("Cluster overview"), "{overview}");
+    let nodes = page("/nodes", "nodes");
+    assert!(
+        nodes.contains(">n1<") && nodes.contains(">head<") && nodes.contains("GPU: 2"),
+        "{nodes}"
+    );
+    let actors = page("/actors", "actors");
+    assert!(actors.matches(">Probe<").count() >= 2, "{actors}");
+    assert!(actors.contains(">svc<") && actors.contains(">detached<"), "{actors}");
+    let groups = page("/placement-groups", "placement-groups");
+    assert!(groups.contains("spread") && groups.contains("Spread"), "{groups}");
+    let info = status(&cluster);
+    for line in info.lines().filter(|l| l.trim_start().starts_with("node-")) {
+        let id = line.split_whitespace().next().unwrap();
+        assert!(groups.contains(&format!("<td>{id}</td>")), "bundle on {id}: {groups}");
+    }
+    let jobs = page("/jobs", "jobs");
+    assert!(jobs.contains("dash-job") && jobs.contains("RUNNING"), "{jobs}");
+    let job = page("/jobs/dash-job", "job-log");
+    assert!(job.contains("nodes node-") && job.contains("checksum"), "{job}");
+    let objects = page("/objects", "objects");
+    assert!(objects.matches(" objects: ").count() == 2, "one section per node: {objects}");
+    let probe = actors
+        .split("<tr>")
+        .find(|row| row.contains(">Probe<") && row.contains("/log\""))
+        .and_then(|row| row.split("href=\"").nth(1))
+        .and_then(|rest| rest.split('"').next())
+        .unwrap_or_else(|| panic!("a Probe log link in {actors}"))
+        .to_owned();
+    let log = page(&probe, "actor-log");
+    assert!(log.contains("probe says 2 on ") && log.contains("probe warns"), "{log}");
+    let missing = ureq::get(&format!("{base}/jobs/nope"))
+        .header("Authorization", "Bearer s3cret-token")
+        .call();
+    assert!(matches!(missing, Err(ureq::Error::StatusCode(404))), "{missing:?}");
+    let (_, _, stopped) = head_rtrun(&cluster, &["job", "stop", "dash-job"]);
+    assert!(stopped);
+}

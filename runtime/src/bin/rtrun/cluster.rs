@@ -104,6 +104,7 @@ pub fn head(
     bind: IpAddr,
     advertise: Option<IpAddr>,
     heartbeat_timeout: f64,
+    dashboard: DashboardArgs,
     node: NodeArgs,
 ) -> anyhow::Result<()> {
     let name = node.node_name();
@@ -129,9 +130,43 @@ pub fn head(
     println!("join token: {}", handle.token);
     println!("to add a node: rtrun join --address {} --token <token>", handle.address);
     let _metrics = node.serve_metrics(bind)?;
+    let _dashboard = dashboard.serve()?;
     std::io::stdout().flush()?;
     loop {
         std::thread::park();
+    }
+}
+
+/// The web dashboard of a head.
+#[derive(Args, Debug, Clone)]
+pub struct DashboardArgs {
+    /// Serves the web dashboard on this TCP port (Ray's is 8265).
+    #[arg(long)]
+    dashboard_port: Option<u16>,
+    /// The IP the dashboard listens on; any but loopback needs a token.
+    #[arg(long, default_value = "127.0.0.1")]
+    dashboard_host: IpAddr,
+    /// The dashboard's token (else $RTRUN_DASHBOARD_TOKEN; off loopback by default generated
+    /// and printed with the URL).
+    #[arg(long)]
+    dashboard_token: Option<String>,
+}
+
+impl DashboardArgs {
+    /// Starts the dashboard when `--dashboard-port` asks for one and prints its URL.
+    pub fn serve(&self) -> anyhow::Result<Option<rtrun::dashboard::Dashboard>> {
+        let Some(port) = self.dashboard_port else { return Ok(None) };
+        let dashboard = rtrun::dashboard::serve(rtrun::dashboard::DashboardOptions {
+            bind: Some(SocketAddr::new(self.dashboard_host, port)),
+            token: self
+                .dashboard_token
+                .clone()
+                .or_else(|| std::env::var("RTRUN_DASHBOARD_TOKEN").ok()),
+            panels: Vec::new(),
+        })
+        .with_context(|| format!("--dashboard-port {port}"))?;
+        println!("dashboard: {}", dashboard.url());
+        Ok(Some(dashboard))
     }
 }
 

@@ -51,6 +51,8 @@ enum Command {
         #[arg(long, default_value_t = 5.0)]
         heartbeat_timeout: f64,
         #[command(flatten)]
+        dashboard: cluster::DashboardArgs,
+        #[command(flatten)]
         node: cluster::NodeArgs,
     },
     /// Starts a node daemon that joins the cluster at --address.
@@ -175,8 +177,8 @@ fn main() -> anyhow::Result<()> {
             microbenchmark::run(&pattern, round_seconds)
         }
         Command::Memory { session } => memory::run(session.as_deref()),
-        Command::Head { port, bind, advertise, heartbeat_timeout, node } => {
-            cluster::head(port, bind, advertise, heartbeat_timeout, node)
+        Command::Head { port, bind, advertise, heartbeat_timeout, dashboard, node } => {
+            cluster::head(port, bind, advertise, heartbeat_timeout, dashboard, node)
         }
         Command::Join { address, token, bind_ip, connect_timeout, node } => {
             cluster::join(address, token, bind_ip, connect_timeout, node)
