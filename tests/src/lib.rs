@@ -100,3 +100,28 @@ fn runtime_artifact(kind: &str, name: &str, subdir: &str) -> std::path::PathBuf 
     }
     binary
 }
+
+/// Loads `url` in headless Chromium (`$RTRUN_CHROMIUM`, else `chromium`): returns its DOM after
+/// load and writes a 1280×860 screenshot to `png` (the dashboard tests).
+pub fn browse(url: &str, png: &std::path::Path) -> String {
+    let chromium = std::env::var("RTRUN_CHROMIUM").unwrap_or_else(|_| "chromium".to_owned());
+    let run = |extra: &[&str]| {
+        let out = std::process::Command::new(&chromium)
+            .args(["--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars"])
+            .arg("--window-size=1280,860")
+            .arg(format!("--user-data-dir={}", png.with_extension("profile").display()))
+            .args(extra)
+            .arg(url)
+            .output()
+            .unwrap_or_else(|e| {
+                panic!("`{chromium}` does not run ({e}): the dashboard test needs Chromium (scripts/test.sh installs it)")
+            });
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let dom = run(&["--dump-dom"]);
+    run(&[&format!("--screenshot={}", png.display())]);
+    let size = std::fs::metadata(png).map(|m| m.len()).unwrap_or(0);
+    assert!(size > 5_000, "{} is {size} bytes", png.display());
+    dom
+}

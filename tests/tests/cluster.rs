@@ -761,30 +761,6 @@ fn metrics_endpoints_agree_with_rtrun_status() {
     );
 }
 
-/// Loads `url` in headless Chromium: its DOM after load, and a screenshot into `png`.
-fn browse(url: &str, png: &std::path::Path) -> String {
-    let chromium = std::env::var("RTRUN_CHROMIUM").unwrap_or_else(|_| "chromium".to_owned());
-    let run = |extra: &[&str]| {
-        let out = Command::new(&chromium)
-            .args(["--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars"])
-            .arg("--window-size=1280,860")
-            .arg(format!("--user-data-dir={}", png.with_extension("profile").display()))
-            .args(extra)
-            .arg(url)
-            .output()
-            .unwrap_or_else(|e| {
-                panic!("`{chromium}` does not run ({e}): the dashboard test needs Chromium (scripts/test.sh installs it)")
-            });
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    };
-    let dom = run(&["--dump-dom"]);
-    run(&[&format!("--screenshot={}", png.display())]);
-    let size = std::fs::metadata(png).map(|m| m.len()).unwrap_or(0);
-    assert!(size > 5_000, "{} is {size} bytes", png.display());
-    dom
-}
-
 /// The head's web dashboard in a real browser: a cluster with a job (its placement group spread
 /// over two nodes, its actors, its live log) and a detached service; every page shows them, a
 /// request without the token gets 401, and the screenshots go to `target/tmp/dashboard/`.
@@ -841,7 +817,10 @@ fn the_dashboard_shows_nodes_actors_groups_jobs_and_logs_in_chromium() {
 
     let page = |path: &str, name: &str| {
         let sep = if path.contains('?') { '&' } else { '?' };
-        browse(&format!("{base}{path}{sep}token=s3cret-token"), &shots.join(format!("{name}.png")))
+        rtrun_tests::browse(
+            &format!("{base}{path}{sep}token=s3cret-token"),
+            &shots.join(format!("{name}.png")),
+        )
     };
     let overview = page("/", "overview");
     assert!(overview.contains("2 alive") && overview.contains("Cluster overview"), "{overview}");

@@ -1,7 +1,8 @@
 //! The newest step of a running `train`, exported as Prometheus gauges beside the runtime's
 //! metrics (`train --metrics-port`): the step, every scalar of the step's metrics (reward, KL,
 //! losses, eval results when the step evaluated), the step's phase times, its wall time and its
-//! generated tokens per second.
+//! generated tokens per second; and for the dashboard (`train --dashboard-port`) a page with
+//! the reward and KL curves so far.
 
 use std::sync::Mutex;
 
@@ -24,7 +25,12 @@ struct Live {
     last: Option<(StepMetrics, StepPhases)>,
     /// The latest value of every scalar seen (eval results persist between evaluations).
     latest: Vec<(String, f64)>,
+    /// Every step so far (for the curves; the newest [`MAX_RECORDS`]).
+    records: Vec<StepMetrics>,
 }
+
+/// Steps kept for the dashboard's curves.
+pub const MAX_RECORDS: usize = 20_000;
 
 /// Shared between the trainer's progress observer (writes) and the metrics endpoint (reads).
 #[derive(Debug, Default)]
@@ -50,6 +56,54 @@ impl LiveMetrics {
             }
         }
         live.last = Some((metrics.clone(), phases.clone()));
+        if live.records.len() == MAX_RECORDS {
+            live.records.remove(0);
+        }
+        live.records.push(metrics.clone());
+    }
+
+    /// The dashboard page: progress, the newest metrics, and the reward and KL curves (PNG
+    /// data URIs drawn like `reward.png`).
+    pub fn dashboard_html(&self) -> String {
+        use base64::Engine as _;
+        let Ok(live) = self.live.lock() else { return "<p>metrics unavailable</p>".into() };
+        let Some((last, phases)) = &live.last else {
+            return format!("<p>Warming up: no step finished yet (of {}).</p>", live.total_steps);
+        };
+        let mut html = format!(
+            "<p>step <b>{}</b> of {}; last step {:.2} s</p>\n",
+            last.step(),
+            live.total_steps,
+            phases.phases.iter().map(|(_, d)| d.as_secs_f64()).sum::<f64>()
+        );
+        let charts = [
+            crate::reward_curve(
+                &live.records,
+                &[("train reward", "reward"), ("held-out reward", "eval/reward")],
+            ),
+            {
+                let mut kl = crate::reward_curve(&live.records, &[("KL", "kl")]);
+                kl.title = "KL to the reference".into();
+                kl.y_label = "KL".into();
+                kl
+            },
+        ];
+        for chart in charts {
+            match chart.to_png() {
+                Ok(png) => html.push_str(&format!(
+                    "<img alt=\"{}\" src=\"data:image/png;base64,{}\" width=\"600\">\n",
+                    escape(&chart.title),
+                    base64::engine::general_purpose::STANDARD.encode(png)
+                )),
+                Err(e) => html.push_str(&format!("<p>chart: {}</p>", escape(&e.to_string()))),
+            }
+        }
+        html.push_str("<table><tr><th>metric</th><th>newest value</th></tr>\n");
+        for (name, value) in &live.latest {
+            html.push_str(&format!("<tr><td>{}</td><td>{value:.6}</td></tr>\n", escape(name)));
+        }
+        html.push_str("</table>\n");
+        html
     }
 
     /// Registers the gauges of the newest step into a scrape's `registry`.
@@ -99,6 +153,11 @@ impl LiveMetrics {
     }
 }
 
+/// Text for HTML.
+fn escape(text: &str) -> String {
+    text.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;").replace('"', "&quot;")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -131,6 +190,10 @@ mod tests {
         second.set("reward", 0.75).unwrap().set(GENERATED_TOKENS, 600.0).unwrap();
         live.record(&second, &phases);
         let text = encoded(&live);
+        let page = live.dashboard_html();
+        assert!(page.contains("step <b>2</b> of 10"), "{page}");
+        assert_eq!(page.matches("src=\"data:image/png;base64,").count(), 2, "{page}");
+        assert!(page.contains("<td>eval/reward</td><td>0.500000</td>"), "{page}");
         for line in [
             "rtrun_train_total_steps 10.0",
             "rtrun_train_step 2.0",

@@ -504,9 +504,10 @@ fn old_log_probs_from_the_engine_change_no_metric() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// `train --metrics-port`: while the run goes, its endpoint serves the newest step's metrics
-/// (the same values metrics.jsonl records for that step), its phase times and tokens/s, and
-/// the embedded session's runtime (its node, the role actors alive).
+/// `train --metrics-port --dashboard-port`: while the run goes, its metrics endpoint serves the
+/// newest step's metrics (the same values metrics.jsonl records for that step), its phase times
+/// and tokens/s, and the embedded session's runtime (its node, the role actors alive); its
+/// dashboard shows the roles and the live reward and KL curves in Chromium.
 #[test]
 fn a_running_train_serves_its_step_metrics_and_its_session_on_the_metrics_port() {
     let dir = scratch("metrics-port");
@@ -515,8 +516,12 @@ fn a_running_train_serves_its_step_metrics_and_its_session_on_the_metrics_port()
     std::fs::write(&config_path, serde_json::to_string(&base).unwrap()).unwrap();
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let run_dir = dir.join("run");
-    let mut cmd = train_command(&config_path, &run_dir, &["train.max_steps=12"]);
-    let mut child = cmd.arg("--metrics-port").arg(port.to_string()).spawn().unwrap();
+    let mut cmd =
+        train_command(&config_path, &run_dir, &["train.max_steps=150", "train.num_episodes=10"]);
+    let dashboard =
+        std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    cmd.arg("--metrics-port").arg(port.to_string());
+    let mut child = cmd.arg("--dashboard-port").arg(dashboard.to_string()).spawn().unwrap();
     let url = format!("http://127.0.0.1:{port}/metrics");
     let sample = |text: &str, key: &str| -> Option<f64> {
         text.lines().find_map(|l| l.strip_prefix(key)?.strip_prefix(' ')?.parse().ok())
@@ -535,7 +540,16 @@ fn a_running_train_serves_its_step_metrics_and_its_session_on_the_metrics_port()
         }
         std::thread::sleep(Duration::from_millis(20));
     };
-    assert_eq!(sample(&text, "rtrun_train_total_steps"), Some(12.0), "{text}");
+    assert_eq!(sample(&text, "rtrun_train_total_steps"), Some(150.0), "{text}");
+    // The dashboard, in a browser, while the run goes: the roles, then the run's own page.
+    let shots = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("train-dashboard");
+    std::fs::create_dir_all(&shots).unwrap();
+    let url = |path: &str| format!("http://127.0.0.1:{dashboard}{path}");
+    let actors = rtrun_tests::browse(&url("/actors"), &shots.join("actors.png"));
+    assert!(actors.contains(">LmWorker<") && actors.contains(">EngineActor<"), "{actors}");
+    let run_page = rtrun_tests::browse(&url("/panels/0"), &shots.join("training.png"));
+    assert!(run_page.contains("Training") && run_page.contains(" of 150"), "{run_page}");
+    assert_eq!(run_page.matches("data:image/png;base64,").count(), 2, "{run_page}");
     assert!(sample(&text, "rtrun_train_tokens_per_second").is_some_and(|t| t > 0.0), "{text}");
     assert!(sample(&text, r#"rtrun_train_phase_seconds{phase="generate"}"#).is_some(), "{text}");
     assert_eq!(sample(&text, r#"rtrun_nodes{state="alive"}"#), Some(1.0), "{text}");

@@ -46,6 +46,28 @@ struct Args {
     /// resources, actors, tasks, object store).
     #[arg(long)]
     metrics_port: Option<u16>,
+    /// Serves the web dashboard on this port while the run goes: the session's nodes, actors
+    /// (the roles and engines), placement groups and objects, and a page with the live reward
+    /// and KL curves.
+    #[arg(long)]
+    dashboard_port: Option<u16>,
+    /// The IP the dashboard listens on; any but loopback needs a token ($RTRUN_DASHBOARD_TOKEN,
+    /// else generated and printed with the URL).
+    #[arg(long, default_value = "127.0.0.1")]
+    dashboard_host: std::net::IpAddr,
+}
+
+/// The dashboard page of the run: its live curves and newest metrics.
+struct TrainPanel(Arc<LiveMetrics>);
+
+impl rtrun::dashboard::Panel for TrainPanel {
+    fn title(&self) -> String {
+        "Training".into()
+    }
+
+    fn body_html(&self) -> String {
+        self.0.dashboard_html()
+    }
 }
 
 /// The telemetry progress bar behind the trainer's observer, and the live metrics beside it.
@@ -106,6 +128,21 @@ fn main() -> anyhow::Result<()> {
                 .with_context(|| format!("--metrics-port {port}"))?;
             eprintln!("metrics: http://{}/metrics", server.address());
             Some(server)
+        }
+        None => None,
+    };
+    let _dashboard = match args.dashboard_port {
+        Some(port) => {
+            let dashboard = rtrun::dashboard::serve(rtrun::dashboard::DashboardOptions {
+                bind: Some(std::net::SocketAddr::new(args.dashboard_host, port)),
+                token: std::env::var("RTRUN_DASHBOARD_TOKEN").ok(),
+                panels: vec![Arc::new(TrainPanel(live.clone()))],
+            })
+            .with_context(|| format!("--dashboard-port {port}"))?;
+            let url = dashboard.url();
+            let base = url.split('?').next().unwrap_or(&url);
+            eprintln!("dashboard: {url} (the run's curves: {base}panels/0)");
+            Some(dashboard)
         }
         None => None,
     };
