@@ -8,6 +8,7 @@
 //! - in a node process (head, node daemon, embedded driver): its object store (capacity, used,
 //!   in memory, spilled, objects, spills and restores since start) and the objects it pulled
 //!   from other nodes (count, bytes, a latency histogram);
+//! - in every process: the latency of the actor calls it made, by actor type (a histogram);
 //! - whatever the embedding program adds ([`MetricsSource`], e.g. `train`'s step metrics).
 //!
 //! The encoding is `prometheus-client`'s (OpenMetrics text, which Prometheus scrapes); the
@@ -37,11 +38,15 @@ pub type Labels = Vec<(String, String)>;
 /// A float gauge (prometheus-client's default gauge holds integers).
 pub type FloatGauge = Gauge<f64, AtomicU64>;
 
+/// A family of histograms by label set (its constructor gives each the buckets).
+type Histograms = Family<Labels, Histogram, fn() -> Histogram>;
+
 /// Counters that live as long as the process (cumulative, unlike the snapshot gauges).
 struct ProcessMetrics {
     pulls: Counter,
     pulled_bytes: Counter,
     pull_seconds: Histogram,
+    actor_calls: Histograms,
 }
 
 static PROCESS: LazyLock<ProcessMetrics> = LazyLock::new(|| ProcessMetrics {
@@ -49,7 +54,18 @@ static PROCESS: LazyLock<ProcessMetrics> = LazyLock::new(|| ProcessMetrics {
     pulled_bytes: Counter::default(),
     // 1 ms .. ~33 s.
     pull_seconds: Histogram::new(exponential_buckets(0.001, 2.0, 16)),
+    // 50 µs .. ~26 s.
+    actor_calls: Family::new_with_constructor(|| {
+        Histogram::new(exponential_buckets(5e-5, 2.0, 20))
+    }),
 });
+
+/// The call-latency histogram of actors of `type_name` called from this process (a submitter
+/// resolves it once; each reply observes it).
+pub(crate) fn actor_call_histogram(type_name: &str) -> Histogram {
+    let short = type_name.rsplit("::").next().unwrap_or(type_name);
+    PROCESS.actor_calls.get_or_create(&labels(&[("type", short)])).clone()
+}
 
 /// Records an object copied from another node into this node's store.
 pub(crate) fn record_pull(bytes: u64, took: Duration) {
@@ -223,6 +239,11 @@ fn node_metrics(runtime: &Arc<Runtime>, registry: &mut Registry) -> Result<()> {
 /// The metrics text of this process now (without the runtime's part before it is started).
 pub fn render(sources: &[MetricsSource]) -> Result<String> {
     let mut registry = Registry::default();
+    registry.register(
+        "rtrun_actor_call_seconds",
+        "Actor method calls made by this process, submission to reply, by actor type",
+        PROCESS.actor_calls.clone(),
+    );
     if let Ok(runtime) = crate::runtime::current() {
         if runtime.holds_control_plane() {
             cluster_metrics(runtime, &mut registry)?;

@@ -884,7 +884,10 @@ impl Runtime {
 
     fn on_reply(self: &Arc<Self>, call_id: u64, outcome: Outcome) {
         match self.calls.remove(&call_id) {
-            Some((_, PendingCall::Actor(call))) => call.slot.complete(outcome_to_result(outcome)),
+            Some((_, PendingCall::Actor(call))) => {
+                call.latency.observe(call.started.elapsed().as_secs_f64());
+                call.slot.complete(outcome_to_result(outcome))
+            }
             Some((_, PendingCall::HeadTask)) => {
                 if let Some(head) = self.head.get() {
                     head.on_task_reply(call_id, outcome);

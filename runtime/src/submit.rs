@@ -32,6 +32,10 @@ pub(crate) struct ActorCall {
     frame: Option<CallFrame>,
     retries_left: i32,
     connection: Option<u64>,
+    /// When it was submitted, and the latency histogram of its actor's type (observed when the
+    /// reply arrives).
+    pub(crate) started: std::time::Instant,
+    pub(crate) latency: prometheus_client::metrics::histogram::Histogram,
 }
 
 enum State {
@@ -49,6 +53,8 @@ enum State {
 pub(crate) struct Submitter {
     info: ActorInfo,
     state: Mutex<State>,
+    /// `rtrun_actor_call_seconds` of this actor's type, resolved once.
+    latency: prometheus_client::metrics::histogram::Histogram,
 }
 
 /// This process's submitters, by actor.
@@ -85,6 +91,8 @@ impl Runtime {
                 frame: Some(frame),
                 retries_left: info.max_task_retries,
                 connection: None,
+                started: std::time::Instant::now(),
+                latency: submitter.latency.clone(),
             }),
         );
         submitter.submit(self, call_id);
@@ -101,6 +109,7 @@ impl Submitters {
             .entry(info.id)
             .or_insert_with(|| {
                 Arc::new(Submitter {
+                    latency: crate::metrics::actor_call_histogram(&info.type_name),
                     info: info.clone(),
                     state: Mutex::new(State::Resolving {
                         queue: VecDeque::new(),

@@ -554,6 +554,8 @@ fn a_running_train_serves_its_step_metrics_and_its_session_on_the_metrics_port()
     assert!(sample(&text, r#"rtrun_train_phase_seconds{phase="generate"}"#).is_some(), "{text}");
     assert_eq!(sample(&text, r#"rtrun_nodes{state="alive"}"#), Some(1.0), "{text}");
     assert!(sample(&text, r#"rtrun_actors{state="alive"}"#).is_some_and(|n| n >= 2.0), "{text}");
+    let calls = sample(&text, r#"rtrun_actor_call_seconds_count{type="LmWorker"}"#);
+    assert!(calls.is_some_and(|n| n >= 1.0), "the driver's calls to its roles: {text}");
     // Every metric the Grafana dashboard in deploy/ plots is one this scrape declares.
     let served: Vec<&str> =
         text.lines().filter_map(|l| l.strip_prefix("# TYPE ")?.split(' ').next()).collect();
