@@ -37,6 +37,7 @@ pub mod error;
 pub mod gpus;
 pub mod group;
 mod head;
+mod http;
 pub mod ids;
 pub mod kv;
 pub mod logs;

@@ -283,38 +283,11 @@ impl Drop for MetricsServer {
 /// Serves `GET /metrics` on `bind`: this process's runtime (once started) plus `sources`. A
 /// port in use is an error naming it, returned before anything is served.
 pub fn serve(bind: SocketAddr, sources: Vec<MetricsSource>) -> Result<MetricsServer> {
-    let listener = std::net::TcpListener::bind(bind)
-        .map_err(|e| Error::Invalid(format!("metrics endpoint: cannot listen on {bind}: {e}")))?;
-    let address = listener.local_addr().map_err(|e| Error::System(e.to_string()))?;
-    listener.set_nonblocking(true).map_err(|e| Error::System(e.to_string()))?;
-    let (shutdown, stopped) = tokio::sync::oneshot::channel::<()>();
+    let listener = crate::http::listen("metrics endpoint", bind)?;
     let sources = Arc::new(sources);
-    std::thread::Builder::new()
-        .name("rtrun-metrics".into())
-        .spawn(move || {
-            let server = tokio::runtime::Builder::new_current_thread().enable_all().build();
-            let server = match server {
-                Ok(server) => server,
-                Err(e) => return tracing::error!("metrics endpoint: no runtime: {e}"),
-            };
-            server.block_on(async move {
-                let listener = match tokio::net::TcpListener::from_std(listener) {
-                    Ok(listener) => listener,
-                    Err(e) => return tracing::error!("metrics endpoint on {address}: {e}"),
-                };
-                let app = axum::Router::new()
-                    .route("/metrics", axum::routing::get(move || scrape(sources.clone())));
-                let served = axum::serve(listener, app)
-                    .with_graceful_shutdown(async move {
-                        let _ = stopped.await;
-                    })
-                    .await;
-                if let Err(e) = served {
-                    tracing::error!("metrics endpoint on {address}: {e}");
-                }
-            });
-        })
-        .map_err(|e| Error::System(format!("metrics endpoint thread: {e}")))?;
+    let app =
+        axum::Router::new().route("/metrics", axum::routing::get(move || scrape(sources.clone())));
+    let (address, shutdown) = crate::http::serve("metrics endpoint", listener, app)?;
     Ok(MetricsServer { address, shutdown: Some(shutdown) })
 }
 

@@ -106,39 +106,13 @@ pub fn serve(options: DashboardOptions) -> Result<Dashboard> {
         None if bind.ip().is_loopback() => None,
         None => Some(format!("{:016x}{:016x}", crate::runtime::random_u64(), random_u64())),
     };
-    let listener = std::net::TcpListener::bind(bind)
-        .map_err(|e| Error::Invalid(format!("dashboard: cannot listen on {bind}: {e}")))?;
-    let address = listener.local_addr().map_err(|e| Error::System(e.to_string()))?;
-    listener.set_nonblocking(true).map_err(|e| Error::System(e.to_string()))?;
+    let listener = crate::http::listen("dashboard", bind)?;
     let state = Arc::new(AppState {
         token: token.clone(),
         panels: options.panels,
         templates: pages::templates()?,
     });
-    let (shutdown, stopped) = tokio::sync::oneshot::channel::<()>();
-    std::thread::Builder::new()
-        .name("rtrun-dashboard".into())
-        .spawn(move || {
-            let server = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
-                Ok(server) => server,
-                Err(e) => return tracing::error!("dashboard: no runtime: {e}"),
-            };
-            server.block_on(async move {
-                let listener = match tokio::net::TcpListener::from_std(listener) {
-                    Ok(listener) => listener,
-                    Err(e) => return tracing::error!("dashboard on {address}: {e}"),
-                };
-                let served = axum::serve(listener, router(state))
-                    .with_graceful_shutdown(async move {
-                        let _ = stopped.await;
-                    })
-                    .await;
-                if let Err(e) = served {
-                    tracing::error!("dashboard on {address}: {e}");
-                }
-            });
-        })
-        .map_err(|e| Error::System(format!("dashboard thread: {e}")))?;
+    let (address, shutdown) = crate::http::serve("dashboard", listener, router(state))?;
     Ok(Dashboard { address, token, shutdown: Some(shutdown) })
 }
 
