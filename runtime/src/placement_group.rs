@@ -220,10 +220,7 @@ pub fn get_placement_group(name: &str) -> Result<PlacementGroup> {
 
 /// Every live placement group, oldest first (Ray's `placement_group_table()`).
 pub fn list_placement_groups() -> Result<Vec<PlacementGroupState>> {
-    match runtime::current()?.head_call(Request::ListPlacementGroups)? {
-        Response::PlacementGroups(states) => Ok(states),
-        other => Err(Error::Transport(format!("unexpected response {other:?}"))),
-    }
+    runtime::current()?.list_placement_groups()
 }
 
 impl PlacementGroupState {

@@ -73,47 +73,30 @@ impl Client {
 
     /// Nodes, resources and counts.
     pub fn status(&self) -> Result<ClusterInfo> {
-        match self.call(Request::ClusterInfo)? {
-            Response::ClusterInfo(info) => Ok(info),
-            other => Err(unexpected(other)),
-        }
+        self.runtime.cluster_info()
     }
 
     /// Every actor.
     pub fn actors(&self) -> Result<Vec<ActorSummary>> {
-        match self.call(Request::ListActors)? {
-            Response::Actors(actors) => Ok(actors),
-            other => Err(unexpected(other)),
-        }
+        self.runtime.list_actors()
     }
 
     /// Kills the live actor named `name` in `namespace` (without restarting it, unless
     /// `restart`).
     pub fn kill_actor(&self, name: &str, namespace: &str, restart: bool) -> Result<ActorInfo> {
-        let request =
-            Request::GetActorByName { name: name.to_owned(), namespace: namespace.to_owned() };
-        let info = match self.call(request)? {
-            Response::Actor(info) => info,
-            other => return Err(unexpected(other)),
-        };
-        self.call(Request::KillActor { actor: info.id, no_restart: !restart })?;
+        let info = self.runtime.get_actor_by_name(name, Some(namespace))?;
+        self.runtime.kill_actor(info.id, !restart)?;
         Ok(info)
     }
 
     /// Every live placement group.
     pub fn placement_groups(&self) -> Result<Vec<PlacementGroupState>> {
-        match self.call(Request::ListPlacementGroups)? {
-            Response::PlacementGroups(groups) => Ok(groups),
-            other => Err(unexpected(other)),
-        }
+        self.runtime.list_placement_groups()
     }
 
     /// Every submitted job.
     pub fn jobs(&self) -> Result<Vec<JobInfo>> {
-        match self.call(Request::ListJobs)? {
-            Response::Jobs(jobs) => Ok(jobs),
-            other => Err(unexpected(other)),
-        }
+        self.runtime.list_jobs()
     }
 
     /// The object store of every live node.

@@ -867,8 +867,8 @@ impl HeadState {
             Some(name) => {
                 let key =
                     (options.namespace.clone().unwrap_or_else(|| "default".into()), name.clone());
-                if let Some(existing) = self.names.get(&key).and_then(|id| self.actors.get(id)) {
-                    let id = self.names[&key];
+                let live = self.names.get(&key).and_then(|&id| Some((id, self.actors.get(&id)?)));
+                if let Some((id, existing)) = live {
                     if !options.get_if_exists {
                         return Err(Error::Invalid(format!(
                             "an actor named `{}` already exists in namespace `{}`",
