@@ -141,6 +141,69 @@ impl Backbone {
     }
 }
 
+impl Backbone {
+    /// Runs the trunk over *packed* rows: `segment_ids: [batch, seq]` numbers the samples
+    /// packed into each row (1, 2, ...; 0 is padding). A token attends only earlier tokens of
+    /// its own sample and its position counts from that sample's first token, so every sample
+    /// gets exactly the hidden states it would get alone (what flash-attention's varlen
+    /// packing gives OpenRLHF and TRL), while the row pays for one forward.
+    pub fn forward_packed(&self, input_ids: &Tensor, segment_ids: &Tensor) -> Result<Tensor> {
+        check_integer("segment_ids", segment_ids)?;
+        if segment_ids.size() != input_ids.size() {
+            return Err(ModelError::Shape {
+                name: "segment_ids".into(),
+                expected: input_ids.size(),
+                found: segment_ids.size(),
+            });
+        }
+        let device = self.device();
+        let segments = segment_ids.f_to_device(device)?.f_to_kind(Kind::Int64)?;
+        let positions = packed_position_ids(&segments)?;
+        let inputs = self.check_inputs(input_ids, &segments.f_ne(0)?, Some(&positions))?;
+        let mut hidden =
+            Tensor::f_embedding(&self.embed_tokens, &inputs.input_ids, -1, false, false)?;
+        let (cos, sin) = self.rotary.cos_sin(&inputs.position_ids, hidden.f_kind()?)?;
+        let mask = packed_attention_mask(&segments)?;
+        for layer in &self.layers {
+            hidden = layer.forward(&hidden, &cos, &sin, Some(&mask))?;
+        }
+        self.norm.forward(&hidden)
+    }
+}
+
+/// Positions of packed rows: each token's index within its own segment (padding: 0).
+pub fn packed_position_ids(segments: &Tensor) -> Result<Tensor> {
+    let seq = segments.size()[1];
+    let index = Tensor::f_arange(seq, (Kind::Int64, segments.device()))?
+        .f_unsqueeze(0)?
+        .f_expand_as(segments)?;
+    // A segment starts where the id differs from the previous column's (column 0 always).
+    let before = Tensor::f_full([segments.size()[0], 1], -1, (Kind::Int64, segments.device()))?;
+    let previous = Tensor::f_cat(&[before, segments.f_narrow(1, 0, (seq - 1).max(0))?], 1)?;
+    let starts = segments.f_ne_tensor(&previous)?;
+    // The start column of each token's segment: a running maximum of the start indices.
+    let start_index = index.f_mul(&starts.f_to_kind(Kind::Int64)?)?.f_cummax(1)?.0;
+    let positions = index.f_sub(&start_index)?;
+    Ok(positions.f_mul(&segments.f_ne(0)?.f_to_kind(Kind::Int64)?)?)
+}
+
+/// The boolean attention mask `[batch, 1, seq, seq]` of packed rows: query `i` attends key
+/// `j` when `j <= i` and both belong to the same (non-padding) segment; every query attends
+/// itself (so padding rows are never empty).
+pub fn packed_attention_mask(segments: &Tensor) -> Result<Tensor> {
+    let seq = segments.size()[1];
+    let device = segments.device();
+    let causal = Tensor::f_ones([seq, seq], (Kind::Bool, device))?.f_tril(0)?;
+    let same = segments.f_unsqueeze(2)?.f_eq_tensor(&segments.f_unsqueeze(1)?)?;
+    let real = segments.f_ne(0)?.f_unsqueeze(1)?;
+    let diagonal = Tensor::f_eye(seq, (Kind::Bool, device))?;
+    Ok(same
+        .f_logical_and(&real)?
+        .f_logical_and(&causal)?
+        .f_logical_or(&diagonal)?
+        .f_unsqueeze(1)?)
+}
+
 /// Positions counting real tokens only: `cumsum(mask) - 1`, with padding clamped to 0.
 pub fn position_ids_from_mask(mask: &Tensor) -> Result<Tensor> {
     let counts = mask.f_to_kind(Kind::Int64)?.f_cumsum(-1, Kind::Int64)?;
@@ -191,6 +254,34 @@ mod tests {
         }
         let masked = backbone.norm.forward(&hidden).unwrap();
         assert!(fused.allclose(&masked, 1e-5, 1e-5, false));
+    }
+
+    /// Two samples packed into one row (plus padding) get exactly the hidden states each gets
+    /// alone: no attention crosses a sample boundary and positions restart per sample.
+    #[test]
+    fn packed_rows_isolate_their_samples() {
+        let config = crate::tiny::tiny_config(crate::ModelFamily::Qwen2);
+        let model = crate::tiny::tiny_model(&config, 4).unwrap();
+        let backbone = &model.backbone;
+        let a = [3i64, 17, 9, 40, 2];
+        let b = [8i64, 8, 21];
+        let alone = |ids: &[i64]| {
+            let t = Tensor::from_slice(ids).view([1, ids.len() as i64]);
+            backbone.forward(&t, &t.ones_like(), None).unwrap()
+        };
+        let row: Vec<i64> = a.iter().chain(&b).copied().chain([0, 0]).collect();
+        let segments: Vec<i64> = [1; 5].iter().chain(&[2; 3]).copied().chain([0, 0]).collect();
+        let packed = backbone
+            .forward_packed(
+                &Tensor::from_slice(&row).view([1, 10]),
+                &Tensor::from_slice(&segments).view([1, 10]),
+            )
+            .unwrap();
+        assert!(packed.narrow(1, 0, 5).allclose(&alone(&a), 1e-5, 1e-5, false));
+        assert!(packed.narrow(1, 5, 3).allclose(&alone(&b), 1e-5, 1e-5, false));
+        let positions = packed_position_ids(&Tensor::from_slice(&segments).view([1, 10])).unwrap();
+        let expected = Tensor::from_slice(&[0i64, 1, 2, 3, 4, 0, 1, 2, 0, 0]).view([1, 10]);
+        assert!(positions.equal(&expected), "{positions}");
     }
 
     #[test]

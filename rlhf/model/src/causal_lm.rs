@@ -95,6 +95,13 @@ impl CausalLm {
         self.lm_logits(&hidden)
     }
 
+    /// Logits `[batch, seq, vocab]` of packed rows (see [`crate::Backbone::forward_packed`]:
+    /// `segment_ids` numbers each row's samples from 1, 0 is padding).
+    pub fn forward_packed(&self, input_ids: &Tensor, segment_ids: &Tensor) -> Result<Tensor> {
+        let hidden = self.backbone.forward_packed(input_ids, segment_ids)?;
+        self.lm_logits(&hidden)
+    }
+
     /// Logits predicting the response tokens, `[batch, R, vocab]` (only those columns are
     /// projected to the vocabulary, which saves memory on long prompts).
     pub fn response_logits(&self, batch: &ResponseBatch) -> Result<Tensor> {

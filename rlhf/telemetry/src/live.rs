@@ -2,7 +2,7 @@
 //! metrics (`train --metrics-port`): the step, every scalar of the step's metrics (reward, KL,
 //! losses, eval results when the step evaluated), the step's phase times, its wall time and its
 //! generated tokens per second; and for the dashboard (`train --dashboard-port`) a page with
-//! the reward and KL curves so far.
+//! the run's curves so far (reward and KL for RL, losses for SFT).
 
 use std::sync::Mutex;
 
@@ -32,13 +32,55 @@ struct Live {
 /// Steps kept for the dashboard's curves.
 pub const MAX_RECORDS: usize = 20_000;
 
+/// One curve chart of the dashboard page: its title, y-axis label and `(legend, metric)` series.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ChartSpec {
+    /// The chart's title.
+    pub title: String,
+    /// The y-axis label.
+    pub y_label: String,
+    /// `(legend, metric name)` of each line.
+    pub series: Vec<(String, String)>,
+}
+
+impl ChartSpec {
+    /// A chart of `series` (`(legend, metric)`).
+    pub fn new(title: &str, y_label: &str, series: &[(&str, &str)]) -> Self {
+        Self {
+            title: title.to_owned(),
+            y_label: y_label.to_owned(),
+            series: series.iter().map(|(l, m)| ((*l).to_owned(), (*m).to_owned())).collect(),
+        }
+    }
+}
+
 /// Shared between the trainer's progress observer (writes) and the metrics endpoint (reads).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct LiveMetrics {
     live: Mutex<Live>,
+    charts: Vec<ChartSpec>,
+}
+
+impl Default for LiveMetrics {
+    /// The RL run's charts: reward (train and held-out) and KL.
+    fn default() -> Self {
+        Self::with_charts(vec![
+            ChartSpec::new(
+                "Reward",
+                "reward",
+                &[("train reward", "reward"), ("held-out reward", "eval/reward")],
+            ),
+            ChartSpec::new("KL to the reference", "KL", &[("KL", "kl")]),
+        ])
+    }
 }
 
 impl LiveMetrics {
+    /// Live metrics whose dashboard page draws `charts`.
+    pub fn with_charts(charts: Vec<ChartSpec>) -> Self {
+        Self { live: Mutex::default(), charts }
+    }
+
     /// The run's planned number of steps.
     pub fn set_total_steps(&self, total: u64) {
         if let Ok(mut live) = self.live.lock() {
@@ -76,19 +118,12 @@ impl LiveMetrics {
             live.total_steps,
             phases.phases.iter().map(|(_, d)| d.as_secs_f64()).sum::<f64>()
         );
-        let charts = [
-            crate::reward_curve(
-                &live.records,
-                &[("train reward", "reward"), ("held-out reward", "eval/reward")],
-            ),
-            {
-                let mut kl = crate::reward_curve(&live.records, &[("KL", "kl")]);
-                kl.title = "KL to the reference".into();
-                kl.y_label = "KL".into();
-                kl
-            },
-        ];
-        for chart in charts {
+        for spec in &self.charts {
+            let series: Vec<(&str, &str)> =
+                spec.series.iter().map(|(l, m)| (l.as_str(), m.as_str())).collect();
+            let mut chart = crate::reward_curve(&live.records, &series);
+            chart.title = spec.title.clone();
+            chart.y_label = spec.y_label.clone();
             match chart.to_png() {
                 Ok(png) => html.push_str(&format!(
                     "<img alt=\"{}\" src=\"data:image/png;base64,{}\" width=\"600\">\n",

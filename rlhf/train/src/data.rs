@@ -214,7 +214,7 @@ fn read_parquet_records(path: &Path) -> Result<Vec<RawRecord>> {
     Ok(records)
 }
 
-fn json_kind(value: &serde_json::Value) -> &'static str {
+pub(crate) fn json_kind(value: &serde_json::Value) -> &'static str {
     match value {
         serde_json::Value::Null => "null",
         serde_json::Value::Bool(_) => "a boolean",
@@ -258,19 +258,7 @@ pub fn to_prompt_record(
                     config.input_key
                 )));
             }
-            let messages = items
-                .iter()
-                .enumerate()
-                .map(|(i, m)| {
-                    serde_json::from_value::<ChatMessage>(m.clone()).map_err(|e| {
-                        TrainError::Data(format!(
-                            "{at}: message {i} of `{}`: expected {{\"role\": .., \"content\": ..}} with strings, found {m} ({e})",
-                            config.input_key
-                        ))
-                    })
-                })
-                .collect::<Result<Vec<_>>>()?;
-            render(at, tokenizer, &messages)?
+            render(at, tokenizer, &chat_messages(at, &config.input_key, items)?)?
         }
         other => {
             return Err(TrainError::Data(format!(
@@ -302,11 +290,62 @@ pub fn to_prompt_record(
     Ok(PromptRecord { prompt, label })
 }
 
+/// The chat messages of the list `items` under `key` of the record at `at`.
+pub(crate) fn chat_messages(
+    at: &str,
+    key: &str,
+    items: &[serde_json::Value],
+) -> Result<Vec<ChatMessage>> {
+    items
+        .iter()
+        .enumerate()
+        .map(|(i, m)| {
+            serde_json::from_value::<ChatMessage>(m.clone()).map_err(|e| {
+                TrainError::Data(format!(
+                    "{at}: message {i} of `{key}`: expected {{\"role\": .., \"content\": ..}} with strings, found {m} ({e})"
+                ))
+            })
+        })
+        .collect()
+}
+
 fn render(at: &str, tokenizer: &HfTokenizer, messages: &[ChatMessage]) -> Result<String> {
+    render_chat(at, tokenizer, messages, true)
+}
+
+/// `messages` through the tokenizer's chat template (with the assistant's turn opened when
+/// `add_generation_prompt`), an error naming the record at `at` on failure.
+pub(crate) fn render_chat(
+    at: &str,
+    tokenizer: &HfTokenizer,
+    messages: &[ChatMessage],
+    add_generation_prompt: bool,
+) -> Result<String> {
     tokenizer
         .pretrained()
-        .apply_chat_template(messages, true)
+        .apply_chat_template(messages, add_generation_prompt)
         .map_err(|e| TrainError::Data(format!("{at}: {e}")))
+}
+
+/// A seeded draw of `fraction` of `records` (at least one, and at least one left): (kept,
+/// held out), each in the original order.
+pub(crate) fn hold_out<T>(records: Vec<T>, fraction: f64, seed: u64) -> (Vec<T>, Vec<T>) {
+    let held_out = ((records.len() as f64 * fraction).ceil() as usize)
+        .clamp(1, records.len().saturating_sub(1).max(1));
+    let mut order: Vec<usize> = (0..records.len()).collect();
+    let mut rng = SplitMix64::new(seed ^ 0xE7A1);
+    for i in (1..order.len()).rev() {
+        order.swap(i, rng.below(i as u64 + 1) as usize);
+    }
+    let mut is_eval = vec![false; records.len()];
+    for &i in &order[..held_out] {
+        is_eval[i] = true;
+    }
+    let (mut kept, mut eval) = (Vec::new(), Vec::new());
+    for (record, held) in records.into_iter().zip(is_eval) {
+        if held { eval.push(record) } else { kept.push(record) }
+    }
+    (kept, eval)
 }
 
 /// The prompts of a run from files, and what was left out.
@@ -344,21 +383,7 @@ pub fn load_prompts(
         )));
     }
     let mut eval = if config.eval_data.is_empty() {
-        let held_out = ((train.len() as f64 * config.eval_fraction).ceil() as usize)
-            .clamp(1, train.len().saturating_sub(1).max(1));
-        let mut order: Vec<usize> = (0..train.len()).collect();
-        let mut rng = SplitMix64::new(seed ^ 0xE7A1);
-        for i in (1..order.len()).rev() {
-            order.swap(i, rng.below(i as u64 + 1) as usize);
-        }
-        let mut is_eval = vec![false; train.len()];
-        for &i in &order[..held_out] {
-            is_eval[i] = true;
-        }
-        let (mut kept, mut eval) = (Vec::new(), Vec::new());
-        for (record, held) in train.into_iter().zip(is_eval) {
-            if held { eval.push(record) } else { kept.push(record) }
-        }
+        let (kept, eval) = hold_out(train, config.eval_fraction, seed);
         train = kept;
         eval
     } else {

@@ -13,6 +13,8 @@
 //! - [`placement_map`]: placement spec → actor options and colocation mode.
 //! - [`trainer`]: `fit()`, experience making, PPO training, checkpoints.
 //! - [`run`]: a whole run as the `train` binary performs it.
+//! - [`stage`]: the supervised trainers beside RL (`train --mode sft`): config, datasets,
+//!   packing, the SFT loop.
 //! - [`walkthrough`]: a local HF checkpoint and GSM8K-format data for the no-download walkthrough.
 //!
 //! This crate uses only the public runtime API (`rtrun`), never its internals.
@@ -30,6 +32,7 @@ pub mod reward;
 pub mod rng;
 pub mod roles;
 pub mod run;
+pub mod stage;
 pub mod task;
 pub mod tokenizer;
 pub mod trainer;

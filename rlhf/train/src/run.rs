@@ -58,7 +58,8 @@ pub const PREPARED_FILE: &str = "prepared.json";
 
 /// Files a run writes as it goes (besides checkpoints and TensorBoard event files): an earlier
 /// run's results, which a new run in the same directory would replace.
-pub const RUN_OUTPUTS: [&str; 4] = ["metrics.jsonl", "summary.md", "reward.png", "final_policy"];
+pub const RUN_OUTPUTS: [&str; 5] =
+    ["metrics.jsonl", "summary.md", "reward.png", "loss.png", "final_policy"];
 
 /// Everything that can be checked before any work starts (the warm-up, the runtime): the
 /// placement spec (it exists, parses, names every role) and the GPUs it reserves against
@@ -164,11 +165,16 @@ fn event_files(paths: &RunPaths) -> Result<Vec<std::path::PathBuf>> {
 /// checkpoints are removed now (the prepared data and initial policy stay: [`prepare`] reuses
 /// them when the settings match).
 fn check_run_dir(config: &TrainConfig, paths: &RunPaths) -> Result<()> {
+    check_run_dir_with(config.overwrite, config.checkpoint.resume, paths)
+}
+
+/// [`check_run_dir`] for any trainer: `overwrite` and `checkpoint.resume` as given.
+pub(crate) fn check_run_dir_with(overwrite: bool, resume: bool, paths: &RunPaths) -> Result<()> {
     let found = earlier_run(paths)?;
     if found.is_empty() {
         return Ok(());
     }
-    if config.overwrite {
+    if overwrite {
         let mut doomed: Vec<std::path::PathBuf> =
             RUN_OUTPUTS.iter().map(|name| paths.root.join(name)).collect();
         doomed.push(paths.final_policy.with_extension("tmp"));
@@ -188,7 +194,7 @@ fn check_run_dir(config: &TrainConfig, paths: &RunPaths) -> Result<()> {
         return Ok(());
     }
     let checkpoint = checkpoint::newest(&paths.checkpoints)?;
-    if config.checkpoint.resume && checkpoint.is_some() {
+    if resume && checkpoint.is_some() {
         return Ok(());
     }
     let why = match checkpoint {

@@ -1,9 +1,12 @@
-//! The PPO / GRPO driver: `train --config X.yaml [--set key=value]… [--overwrite] [--address A]`.
+//! The training driver: `train --config X.yaml [--mode rl|sft] [--set key=value]…
+//! [--overwrite] [--address A]`. The config's `mode:` (or `--mode`) picks the trainer: PPO /
+//! GRPO (`rl`, the default) or supervised fine-tuning (`sft`).
 //!
-//! Runs on the embedded single-node runtime, or on a cluster with `--address`; prints a progress bar with live reward, KL and
-//! phase timings; leaves `metrics.jsonl`, TensorBoard event files, `reward.png` and
-//! `summary.md` in the run directory; prints the summary (baseline vs final held-out reward and
-//! per-phase timings) at the end.
+//! Runs on the embedded single-node runtime, or on a cluster with `--address`; prints a
+//! progress bar with the live metrics (reward and KL, or loss) and phase timings; leaves
+//! `metrics.jsonl`, TensorBoard event files, a curve PNG (`reward.png` / `loss.png`) and
+//! `summary.md` in the run directory, and the trained model in `final_policy/`; prints the
+//! summary (baseline vs final held-out results and per-phase timings) at the end.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -13,8 +16,9 @@ use anyhow::Context;
 use clap::Parser;
 
 use rtrun_rlhf::TrainConfig;
+use rtrun_rlhf::config::{ConfigTree, Mode};
 use rtrun_rlhf::trainer::ProgressObserver;
-use rtrun_rlhf_telemetry::live::LiveMetrics;
+use rtrun_rlhf_telemetry::live::{ChartSpec, LiveMetrics};
 use rtrun_rlhf_telemetry::{
     EvalRow, ProgressField, ProgressOptions, RunProgress, RunSummary, StepMetrics, StepPhases,
     jsonl, reward_curve,
@@ -22,11 +26,15 @@ use rtrun_rlhf_telemetry::{
 
 /// Command line of the driver.
 #[derive(Debug, Parser)]
-#[command(name = "train", about = "PPO / GRPO on rtrun")]
+#[command(name = "train", about = "PPO / GRPO and supervised fine-tuning on rtrun")]
 struct Args {
     /// The YAML config.
     #[arg(long)]
     config: PathBuf,
+    /// The trainer: `rl` (PPO / GRPO) or `sft`; the same as `--set mode=M` (the config's
+    /// `mode:` when absent, else `rl`).
+    #[arg(long)]
+    mode: Option<String>,
     /// Overrides, `key=value` with dotted keys (repeatable).
     #[arg(long = "set", value_name = "KEY=VALUE")]
     overrides: Vec<String>,
@@ -105,22 +113,22 @@ fn main() -> anyhow::Result<()> {
     if args.overwrite {
         overrides.push("overwrite=true".to_owned());
     }
-    let (config, mut origin) = TrainConfig::load_with_origin(&args.config, &overrides)?;
-    // `--overwrite` travels as an override; the line counts the user's own.
-    origin.overrides = args.overrides.len();
-    eprintln!("{origin}");
-    let started = Instant::now();
-    let title = format!(
-        "{} ({}, {:?} reward `{}`)",
-        args.config.display(),
-        config.algo.advantage_estimator,
-        config.reward.kind,
-        config.reward.name
-    );
-    let paths = rtrun_rlhf::trainer::RunPaths::new(&config.run_dir);
-    eprintln!("run directory: {}", paths.root.display());
-    let live = Arc::new(LiveMetrics::default());
-    let _metrics = match args.metrics_port {
+    if let Some(mode) = &args.mode {
+        overrides.push(format!("mode={mode}"));
+    }
+    match ConfigTree::read(&args.config, &overrides)?.mode {
+        Mode::Rl => run_rl(&args, &overrides),
+        Mode::Sft => run_sft(&args, &overrides),
+    }
+}
+
+/// The metrics endpoint and the dashboard a run serves while it goes (`--metrics-port`,
+/// `--dashboard-port`); dropping them stops them.
+fn serve_live(
+    args: &Args,
+    live: &Arc<LiveMetrics>,
+) -> anyhow::Result<(Option<rtrun::metrics::MetricsServer>, Option<rtrun::dashboard::Dashboard>)> {
+    let metrics = match args.metrics_port {
         Some(port) => {
             let bind = std::net::SocketAddr::from(([0, 0, 0, 0], port));
             let source = live.clone();
@@ -131,7 +139,7 @@ fn main() -> anyhow::Result<()> {
         }
         None => None,
     };
-    let _dashboard = match args.dashboard_port {
+    let dashboard = match args.dashboard_port {
         Some(port) => {
             let dashboard = rtrun::dashboard::serve(rtrun::dashboard::DashboardOptions {
                 bind: Some(std::net::SocketAddr::new(args.dashboard_host, port)),
@@ -146,6 +154,116 @@ fn main() -> anyhow::Result<()> {
         }
         None => None,
     };
+    Ok((metrics, dashboard))
+}
+
+/// Supervised fine-tuning (`mode: sft`).
+fn run_sft(args: &Args, overrides: &[String]) -> anyhow::Result<()> {
+    use rtrun_rlhf::stage::{StageConfig, sft};
+    let (config, origin) =
+        StageConfig::load_with_origin(&args.config, overrides, args.overrides.len())?;
+    eprintln!("{origin}");
+    let started = Instant::now();
+    let paths = rtrun_rlhf::trainer::RunPaths::new(&config.run_dir);
+    eprintln!("run directory: {}", paths.root.display());
+    let live = Arc::new(LiveMetrics::with_charts(vec![ChartSpec::new(
+        "Loss",
+        "loss",
+        &[("train loss", "loss"), ("held-out loss", "eval/loss")],
+    )]));
+    let _servers = serve_live(args, &live)?;
+    let samples = sft::prepare(&config)?;
+    let (dropped_train, dropped_eval) = samples.dropped_too_long;
+    eprintln!(
+        "model: {}\nsamples: {} training, {} held-out{}",
+        config.model.pretrain.as_deref().unwrap_or(std::path::Path::new("")).display(),
+        samples.train.len(),
+        samples.eval.len(),
+        if dropped_train + dropped_eval > 0 {
+            format!(
+                " ({dropped_train} training and {dropped_eval} held-out dropped: longer than data.max_len = {})",
+                config.data.max_len
+            )
+        } else {
+            String::new()
+        }
+    );
+    let total = sft::total_steps(&config, samples.train.len());
+    let progress = RunProgress::new(
+        total,
+        ProgressOptions {
+            fields: vec![
+                ProgressField::new("loss", "loss"),
+                ProgressField::new("eval", "eval/loss"),
+                ProgressField::new("tok/s", "tokens_per_s"),
+            ],
+            ..ProgressOptions::default()
+        },
+    );
+    live.set_total_steps(total);
+    let mut bar = Bar(progress, live);
+    let (trainer, report) = sft::run_prepared(&config, samples, &mut bar)?;
+    bar.0.finish();
+    eprintln!("final model (Hugging Face format): {}", report.exported.display());
+    let records =
+        jsonl::read_jsonl(&paths.root.join("metrics.jsonl")).context("reading metrics.jsonl")?;
+    let mut chart =
+        reward_curve(&records, &[("train loss", "loss"), ("held-out loss", "eval/loss")]);
+    chart.title = "SFT loss".into();
+    chart.y_label = "loss (nats / token)".into();
+    chart.write_png(&paths.root.join("loss.png")).context("writing loss.png")?;
+    let tokens: f64 = records.iter().filter_map(|r| r.get("tokens")).sum();
+    let train_seconds: f64 = records.iter().filter_map(|r| r.get("time/train")).sum();
+    let summary = RunSummary {
+        title: format!("{} (sft, {} rank(s))", args.config.display(), config.cluster.replicas),
+        steps: report.steps,
+        wall_time: started.elapsed(),
+        held_out_prompts: report.samples.1,
+        held_out: vec![
+            EvalRow {
+                metric: "loss (nats per response token)".into(),
+                baseline: Some(report.baseline_eval_loss),
+                final_value: Some(report.final_eval_loss),
+            },
+            EvalRow {
+                metric: "training tokens per second".into(),
+                baseline: None,
+                final_value: Some(tokens / train_seconds.max(1e-9)),
+            },
+        ],
+        phases: trainer.timer.totals().to_vec(),
+    };
+    std::fs::write(paths.root.join("summary.md"), summary.to_markdown())
+        .context("writing summary.md")?;
+    println!("{}", summary.to_text());
+    println!(
+        "metrics: {} (TensorBoard event files beside it), plot: {}",
+        paths.root.join("metrics.jsonl").display(),
+        paths.root.join("loss.png").display()
+    );
+    trainer.kill();
+    rtrun::shutdown();
+    Ok(())
+}
+
+/// PPO / GRPO (`mode: rl`).
+fn run_rl(args: &Args, overrides: &[String]) -> anyhow::Result<()> {
+    let (config, mut origin) = TrainConfig::load_with_origin(&args.config, overrides)?;
+    // `--overwrite` travels as an override; the line counts the user's own.
+    origin.overrides = args.overrides.len();
+    eprintln!("{origin}");
+    let started = Instant::now();
+    let title = format!(
+        "{} ({}, {:?} reward `{}`)",
+        args.config.display(),
+        config.algo.advantage_estimator,
+        config.reward.kind,
+        config.reward.name
+    );
+    let paths = rtrun_rlhf::trainer::RunPaths::new(&config.run_dir);
+    eprintln!("run directory: {}", paths.root.display());
+    let live = Arc::new(LiveMetrics::default());
+    let _servers = serve_live(args, &live)?;
     // Everything checkable before the warm-up: placement spec, GPUs, files, the run directory.
     let placements = rtrun_rlhf::run::preflight(&config, &paths)?;
     let prepared = rtrun_rlhf::run::prepare(&config, &paths)?;

@@ -598,6 +598,125 @@ impl std::fmt::Display for ConfigOrigin {
     }
 }
 
+/// Which trainer a config is for: the YAML's top-level `mode:` (`train --mode`), `rl` when
+/// absent. One driver, one config style, one run-directory layout for every trainer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Mode {
+    /// PPO / GRPO with generation engines ([`TrainConfig`]).
+    #[default]
+    Rl,
+    /// Supervised fine-tuning on prompt/response data ([`crate::stage::StageConfig`]).
+    Sft,
+}
+
+impl Mode {
+    /// Every mode, as the YAML spells them.
+    pub const NAMES: &'static str = "`rl`, `sft`";
+
+    /// The YAML name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Rl => "rl",
+            Mode::Sft => "sft",
+        }
+    }
+}
+
+/// A config file read into a tree with its overrides applied and its `mode` taken out: the
+/// YAML becomes a tree first (syntax errors and duplicate keys are reported at their line
+/// there), the overrides are applied to the tree (so an override of an unknown key is an error
+/// as a typo in the file is), and [`ConfigTree::typed`] turns it into a config with the failing
+/// key's path tracked, so a wrong type names the key (and its line in the file).
+#[derive(Debug, Clone)]
+pub struct ConfigTree {
+    root: serde_json::Value,
+    text: String,
+    file: String,
+    overrides: Vec<String>,
+    /// Whether the file held no settings (empty, or only comments).
+    pub empty: bool,
+    /// The trainer the config is for.
+    pub mode: Mode,
+}
+
+impl ConfigTree {
+    /// Reads `path` and applies `overrides`.
+    pub fn read(path: &Path, overrides: &[String]) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| TrainError::io(path, e))?;
+        Self::parse(&text, &path.display().to_string(), overrides)
+    }
+
+    /// Parses YAML `text` (`file` names it in errors) and applies `overrides`.
+    pub fn parse(text: &str, file: &str, overrides: &[String]) -> Result<Self> {
+        let tree = yaml::parse_tree(text, file)?;
+        let empty = tree.is_null();
+        let mut root = if empty { serde_json::Value::Object(Default::default()) } else { tree };
+        if !root.is_object() {
+            return Err(TrainError::ConfigFile {
+                file: file.to_owned(),
+                message: format!(
+                    "expected a mapping of sections (`train:`, `data:`, ...), found {}",
+                    yaml::kind(&root)
+                ),
+            });
+        }
+        for item in overrides {
+            apply_override(&mut root, item)?;
+        }
+        let mode = match root.as_object_mut().and_then(|m| m.remove("mode")) {
+            None => Mode::default(),
+            Some(value) => serde_json::from_value::<Mode>(value.clone()).map_err(|_| {
+                let at = if overrides.iter().any(|o| o.trim_start().starts_with("mode=")) {
+                    "--set or --mode".to_owned()
+                } else {
+                    yaml::key_line(text, "mode")
+                        .map_or_else(|| file.to_owned(), |line| format!("{file}:{line}"))
+                };
+                TrainError::config(
+                    "mode",
+                    format!("expected one of {}, found {value} ({at})", Mode::NAMES),
+                )
+            })?,
+        };
+        Ok(Self {
+            root,
+            text: text.to_owned(),
+            file: file.to_owned(),
+            overrides: overrides.to_vec(),
+            empty,
+            mode,
+        })
+    }
+
+    /// An error unless the config is for `mode` (a driver handed the wrong kind of config).
+    pub fn expect_mode(&self, mode: Mode) -> Result<()> {
+        if self.mode == mode {
+            return Ok(());
+        }
+        Err(TrainError::config(
+            "mode",
+            format!(
+                "expected a `{}` config here, found `mode: {}` ({})",
+                mode.name(),
+                self.mode.name(),
+                self.file
+            ),
+        ))
+    }
+
+    /// The tree as a config section struct.
+    pub fn typed<T: serde::de::DeserializeOwned>(self) -> Result<T> {
+        yaml::typed(self.root, &self.text, &self.file, &self.overrides)
+    }
+
+    /// What the driver prints first (`config: sft.yaml with 2 --set override(s)`); `user` is
+    /// the number of overrides the user gave (the driver adds some of its own).
+    pub fn origin(&self, user: usize) -> ConfigOrigin {
+        ConfigOrigin { file: self.file.clone(), empty: self.empty, overrides: user }
+    }
+}
+
 impl TrainConfig {
     /// Reads a YAML file and applies `key=value` overrides (dotted keys, YAML values).
     pub fn load(path: &Path, overrides: &[String]) -> Result<Self> {
@@ -618,27 +737,12 @@ impl TrainConfig {
         Ok(Self::parse(text, file, overrides)?.0)
     }
 
-    /// The config and whether the file held no settings. The YAML becomes a tree first (syntax
-    /// errors and duplicate keys are reported at their line there), the overrides are applied
-    /// to the tree, and the tree becomes the config with the failing key's path tracked, so a
-    /// wrong type names the key (and its line in the file).
+    /// The config and whether the file held no settings (see [`ConfigTree`]).
     fn parse(text: &str, file: &str, overrides: &[String]) -> Result<(Self, bool)> {
-        let tree = yaml::parse_tree(text, file)?;
-        let empty = tree.is_null();
-        let mut root = if empty { serde_json::Value::Object(Default::default()) } else { tree };
-        if !root.is_object() {
-            return Err(TrainError::ConfigFile {
-                file: file.to_owned(),
-                message: format!(
-                    "expected a mapping of sections (`train:`, `rollout:`, ...), found {}",
-                    yaml::kind(&root)
-                ),
-            });
-        }
-        for item in overrides {
-            apply_override(&mut root, item)?;
-        }
-        let config = yaml::typed(root, text, file, overrides)?;
+        let tree = ConfigTree::parse(text, file, overrides)?;
+        tree.expect_mode(Mode::Rl)?;
+        let empty = tree.empty;
+        let config: Self = tree.typed()?;
         config.validate()?;
         Ok((config, empty))
     }

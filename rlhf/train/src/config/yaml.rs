@@ -5,7 +5,6 @@
 
 use serde_json::Value;
 
-use crate::config::TrainConfig;
 use crate::error::{Result, TrainError};
 
 /// The YAML as a tree (`Null` for a file without settings: empty or only comments).
@@ -63,12 +62,12 @@ pub(super) fn kind(value: &Value) -> &'static str {
 
 /// The tree as the config; an error names the key (with its line in the file when the file,
 /// not an override, set it).
-pub(super) fn typed(
+pub(crate) fn typed<T: serde::de::DeserializeOwned>(
     root: Value,
     text: &str,
     file: &str,
     overrides: &[String],
-) -> Result<TrainConfig> {
+) -> Result<T> {
     serde_path_to_error::deserialize(root).map_err(|e| {
         let path = e.path().to_string();
         let message = e.inner().to_string();
@@ -141,7 +140,7 @@ fn plain_type_error(message: &str) -> String {
 /// The line (1-based) of dotted `key` in block-style YAML `text`: a line `name:` whose
 /// enclosing keys (by indentation) are the key's sections. A key inside a flow mapping
 /// (`train: {actor_lr: 1}`) gives the line of its innermost section found that way.
-fn key_line(text: &str, key: &str) -> Option<usize> {
+pub(crate) fn key_line(text: &str, key: &str) -> Option<usize> {
     let path: Vec<&str> = key.split('.').collect();
     let mut stack: Vec<(usize, &str)> = Vec::new();
     let mut best: Option<(usize, usize)> = None;

@@ -18,6 +18,11 @@ use crate::experience::{ExperienceRow, Sequence, pad_rows, response_batch, unpad
 use crate::roles::{DpComm, Phase, WorkerSetup};
 use rtrun_rlhf_engine::{WeightBucket, WeightMeta, WeightSyncGroup};
 
+mod supervised;
+pub use supervised::SupervisedStats;
+
+use crate::stage::pack::PackedRow;
+
 /// How a policy rank computes its loss.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PolicyLossConfig {
@@ -289,6 +294,22 @@ impl LmWorker {
     /// Log-probs of every response token, one vector per sequence (no gradients).
     pub fn log_probs(&self, sequences: Vec<Sequence>) -> Result<Vec<Vec<f32>>, String> {
         self.state().log_probs(sequences)
+    }
+
+    /// One supervised (SFT) optimizer step on this rank's micro-batches of packed rows, of a
+    /// global batch of `global_tokens` response tokens (every rank of the group is called with
+    /// its share: gradients are all-reduced).
+    pub fn supervised_step(
+        &mut self,
+        batches: Vec<Vec<PackedRow>>,
+        global_tokens: usize,
+    ) -> Result<SupervisedStats, String> {
+        self.state().supervised_step(&batches, global_tokens).map_err(to_string_error)
+    }
+
+    /// The summed NLL and count of the response tokens of `batches` (held-out loss).
+    pub fn supervised_eval(&self, batches: Vec<Vec<PackedRow>>) -> Result<(f64, usize), String> {
+        self.state().supervised_eval(&batches).map_err(to_string_error)
     }
 
     /// One optimizer step on this rank's share of a global mini-batch of `global_tokens` response

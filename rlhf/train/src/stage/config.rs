@@ -1,0 +1,389 @@
+//! The config of the supervised trainers (`mode: sft`): the same YAML + `--set` style, key
+//! checks and file:line errors as the RL config, with OpenRLHF's `train_sft` defaults.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::config::{
+    CheckpointConfig, ClusterConfig, ConfigOrigin, ConfigTree, EvalConfig, Mode, RoleModelConfig,
+    WorkerThreads,
+};
+use crate::data::PathList;
+use crate::error::{Result, TrainError};
+
+/// A supervised run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct StageConfig {
+    /// Seed of everything random in the run (the held-out split, the order of every epoch).
+    pub seed: u64,
+    /// Where metrics, checkpoints and the trained model go.
+    pub run_dir: PathBuf,
+    /// Start afresh in a `run_dir` holding an earlier run (its results and checkpoints are
+    /// removed first; the driver's `--overwrite`).
+    pub overwrite: bool,
+    /// The model to train: a Hugging Face directory (`pretrain`, required), device, dtype.
+    pub model: RoleModelConfig,
+    /// The dataset.
+    pub data: StageDataConfig,
+    /// Optimisation.
+    pub train: StageTrainConfig,
+    /// The runtime and the DP ranks.
+    pub cluster: StageClusterConfig,
+    /// Held-out loss.
+    pub eval: EvalConfig,
+    /// Checkpoints and resume.
+    pub checkpoint: CheckpointConfig,
+}
+
+impl Default for StageConfig {
+    fn default() -> Self {
+        Self {
+            seed: 42,
+            run_dir: PathBuf::from("runs/sft"),
+            overwrite: false,
+            model: RoleModelConfig::default(),
+            data: StageDataConfig::default(),
+            train: StageTrainConfig::default(),
+            cluster: StageClusterConfig::default(),
+            eval: EvalConfig::default(),
+            checkpoint: CheckpointConfig::default(),
+        }
+    }
+}
+
+/// The dataset of a supervised run (OpenRLHF's flag in each doc).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct StageDataConfig {
+    /// JSONL (`.jsonl`, `.json`) or Parquet (`.parquet`) files (`--dataset`).
+    pub train_data: PathList,
+    /// Held-out files (`--eval_dataset`); without them `eval_fraction` of `train_data` is held
+    /// out.
+    pub eval_data: PathList,
+    /// Fraction of `train_data` held out when `eval_data` is empty.
+    pub eval_fraction: f64,
+    /// The record key of the prompt: a string, or a list of `{role, content}` messages
+    /// (`--input_key`).
+    pub input_key: String,
+    /// The record key of the response, a string (`--output_key`). Absent: `input_key` holds a
+    /// whole conversation and its last message, the assistant's, is the response.
+    pub output_key: Option<String>,
+    /// Render with the model tokenizer's chat template (`--apply_chat_template`); a string
+    /// prompt becomes one user message.
+    pub apply_chat_template: bool,
+    /// Samples longer than this many tokens (prompt + response) are dropped and counted
+    /// (`--max_len`); packed rows hold at most this many tokens.
+    pub max_len: usize,
+    /// Use at most this many training records, the first ones (`--max_samples`).
+    pub max_samples: Option<usize>,
+}
+
+impl Default for StageDataConfig {
+    fn default() -> Self {
+        Self {
+            train_data: PathList::default(),
+            eval_data: PathList::default(),
+            eval_fraction: 0.05,
+            input_key: "input".to_owned(),
+            output_key: Some("output".to_owned()),
+            apply_chat_template: false,
+            max_len: 2048,
+            max_samples: None,
+        }
+    }
+}
+
+/// Optimisation of a supervised run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct StageTrainConfig {
+    /// Passes over the training set (`--max_epochs`).
+    pub epochs: usize,
+    /// Stop after this many optimizer steps (absent: all epochs).
+    pub max_steps: Option<u64>,
+    /// Samples per optimizer step over all ranks (`--train_batch_size`); an epoch's last
+    /// samples that do not fill a batch are left out (`drop_last`).
+    pub batch_size: usize,
+    /// Rows per forward pass on each rank (`--micro_train_batch_size`).
+    pub micro_batch_size: usize,
+    /// Pack several samples into each row of up to `data.max_len` tokens, each attending only
+    /// itself (`--packing_samples`).
+    pub packing: bool,
+    /// Peak learning rate (`--learning_rate`).
+    pub lr: f64,
+    /// Warm-up as a fraction of the run's steps (`--lr_warmup_ratio`).
+    pub lr_warmup_ratio: f64,
+    /// The cosine schedule's floor as a fraction of `lr` (OpenRLHF: 0.1).
+    pub min_lr_ratio: f64,
+    /// AdamW weight decay (`--l2`).
+    pub weight_decay: f64,
+    /// Gradient clipping (`--max_norm`; 0: off).
+    pub max_grad_norm: f64,
+}
+
+impl Default for StageTrainConfig {
+    fn default() -> Self {
+        Self {
+            epochs: 1,
+            max_steps: None,
+            batch_size: 32,
+            micro_batch_size: 8,
+            packing: false,
+            lr: 5e-6,
+            lr_warmup_ratio: 0.03,
+            min_lr_ratio: 0.1,
+            weight_decay: 0.0,
+            max_grad_norm: 1.0,
+        }
+    }
+}
+
+/// The runtime and the DP ranks of a supervised run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct StageClusterConfig {
+    /// A running cluster's head, `host:port` (`train --address`, `RTRUN_ADDRESS`); without
+    /// it the run starts an embedded single-node runtime.
+    pub address: Option<String>,
+    /// CPUs the embedded node offers (default: the machine's).
+    pub num_cpus: Option<f64>,
+    /// GPUs the embedded node declares.
+    pub num_gpus: f64,
+    /// Data-parallel ranks (each a worker process holding a replica).
+    pub replicas: usize,
+    /// libtorch intra-op threads per rank: `auto` (the machine's cores shared among the ranks)
+    /// or a number.
+    pub threads_per_worker: WorkerThreads,
+    /// Seconds a rank may take to answer one call before the step fails naming it.
+    pub call_timeout_s: f64,
+    /// Seconds after which a late rank is logged as a warning.
+    pub stall_warn_s: f64,
+}
+
+impl Default for StageClusterConfig {
+    fn default() -> Self {
+        let rl = ClusterConfig::default();
+        Self {
+            address: None,
+            num_cpus: None,
+            num_gpus: 0.0,
+            replicas: 1,
+            threads_per_worker: WorkerThreads::Auto,
+            call_timeout_s: rl.call_timeout_s,
+            stall_warn_s: rl.stall_warn_s,
+        }
+    }
+}
+
+impl StageClusterConfig {
+    /// The same settings in the RL config's shape (what the call watch and the runtime start
+    /// read).
+    pub fn as_cluster(&self) -> ClusterConfig {
+        ClusterConfig {
+            address: self.address.clone(),
+            num_cpus: self.num_cpus,
+            num_gpus: self.num_gpus,
+            actor_replicas: self.replicas,
+            threads_per_worker: self.threads_per_worker,
+            call_timeout_s: self.call_timeout_s,
+            stall_warn_s: self.stall_warn_s,
+            ..ClusterConfig::default()
+        }
+    }
+}
+
+impl StageConfig {
+    /// Reads a YAML file with `key=value` overrides; `user_overrides` of them are the user's
+    /// (for the driver's first line).
+    pub fn load_with_origin(
+        path: &Path,
+        overrides: &[String],
+        user_overrides: usize,
+    ) -> Result<(Self, ConfigOrigin)> {
+        let tree = ConfigTree::read(path, overrides)?;
+        let origin = tree.origin(user_overrides);
+        Ok((Self::from_tree(tree)?, origin))
+    }
+
+    /// Parses YAML text (`file` names it in errors) with overrides.
+    pub fn from_yaml(text: &str, file: &str, overrides: &[String]) -> Result<Self> {
+        Self::from_tree(ConfigTree::parse(text, file, overrides)?)
+    }
+
+    fn from_tree(tree: ConfigTree) -> Result<Self> {
+        tree.expect_mode(Mode::Sft)?;
+        let config: Self = tree.typed()?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Checks ranges and cross-key constraints.
+    pub fn validate(&self) -> Result<()> {
+        let at_least_one = |key: &str, value: usize| {
+            if value == 0 {
+                Err(TrainError::config(key, "expected at least 1, found 0"))
+            } else {
+                Ok(())
+            }
+        };
+        match &self.model.pretrain {
+            None => {
+                return Err(TrainError::config(
+                    "model.pretrain",
+                    "expected the Hugging Face directory of the model to fine-tune, found none",
+                ));
+            }
+            Some(dir) if !dir.join("config.json").is_file() => {
+                return Err(TrainError::config(
+                    "model.pretrain",
+                    format!(
+                        "expected a Hugging Face directory with config.json, found {}",
+                        if dir.is_dir() { "a directory without it" } else { "no directory" }
+                    ) + &format!(" at {}", dir.display()),
+                ));
+            }
+            Some(_) => {}
+        }
+        self.model.device.validate("model.device")?;
+        if self.data.train_data.is_empty() {
+            return Err(TrainError::config(
+                "data.train_data",
+                "expected one or more JSONL / Parquet files, found none",
+            ));
+        }
+        for (key, files) in
+            [("data.train_data", &self.data.train_data), ("data.eval_data", &self.data.eval_data)]
+        {
+            if let Some(missing) = files.0.iter().find(|f| !f.is_file()) {
+                return Err(TrainError::config(
+                    key,
+                    format!("expected an existing file, found no file at {}", missing.display()),
+                ));
+            }
+        }
+        if !(self.data.eval_fraction > 0.0 && self.data.eval_fraction < 1.0) {
+            return Err(TrainError::config(
+                "data.eval_fraction",
+                format!("expected a number in (0, 1), found {}", self.data.eval_fraction),
+            ));
+        }
+        if self.data.input_key.is_empty() {
+            return Err(TrainError::config("data.input_key", "expected a key name, found ``"));
+        }
+        at_least_one("data.max_len", self.data.max_len)?;
+        if self.data.max_samples == Some(0) {
+            return Err(TrainError::config("data.max_samples", "expected at least 1, found 0"));
+        }
+        at_least_one("train.epochs", self.train.epochs)?;
+        at_least_one("train.batch_size", self.train.batch_size)?;
+        at_least_one("train.micro_batch_size", self.train.micro_batch_size)?;
+        at_least_one("cluster.replicas", self.cluster.replicas)?;
+        if self.train.batch_size < self.cluster.replicas {
+            return Err(TrainError::config(
+                "train.batch_size",
+                format!(
+                    "expected at least one sample per rank: {} or more for cluster.replicas = \
+                     {}, found {}",
+                    self.cluster.replicas, self.cluster.replicas, self.train.batch_size
+                ),
+            ));
+        }
+        if self.train.max_steps == Some(0) {
+            return Err(TrainError::config("train.max_steps", "expected at least 1, found 0"));
+        }
+        if !(self.train.lr > 0.0 && self.train.lr.is_finite()) {
+            return Err(TrainError::config(
+                "train.lr",
+                format!("expected a positive number, found {}", self.train.lr),
+            ));
+        }
+        for (key, value) in [
+            ("train.lr_warmup_ratio", self.train.lr_warmup_ratio),
+            ("train.min_lr_ratio", self.train.min_lr_ratio),
+        ] {
+            if !(0.0..=1.0).contains(&value) {
+                return Err(TrainError::config(
+                    key,
+                    format!("expected a number in [0, 1], found {value}"),
+                ));
+            }
+        }
+        for (key, value) in [
+            ("train.weight_decay", self.train.weight_decay),
+            ("train.max_grad_norm", self.train.max_grad_norm),
+        ] {
+            if !(value >= 0.0 && value.is_finite()) {
+                return Err(TrainError::config(
+                    key,
+                    format!("expected a non-negative number, found {value}"),
+                ));
+            }
+        }
+        for (key, value) in [
+            ("cluster.call_timeout_s", self.cluster.call_timeout_s),
+            ("cluster.stall_warn_s", self.cluster.stall_warn_s),
+        ] {
+            if !(value > 0.0 && value.is_finite()) {
+                return Err(TrainError::config(
+                    key,
+                    format!("expected a positive number of seconds, found {value}"),
+                ));
+            }
+        }
+        if let WorkerThreads::Fixed(n) = self.cluster.threads_per_worker
+            && n < 1
+        {
+            return Err(TrainError::config(
+                "cluster.threads_per_worker",
+                format!("expected `auto` or at least 1, found {n}"),
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn checkpoint_dir() -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("rtrun-stage-config-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("config.json"), "{}").unwrap();
+        std::fs::write(dir.join("train.jsonl"), "{}\n").unwrap();
+        dir
+    }
+
+    #[test]
+    fn errors_name_the_key_and_line() {
+        let dir = checkpoint_dir();
+        let yaml = format!(
+            "mode: sft\nmodel:\n  pretrain: {d}\ndata:\n  train_data: {d}/train.jsonl\ntrain:\n  batch_sise: 4\n",
+            d = dir.display()
+        );
+        let err = StageConfig::from_yaml(&yaml, "sft.yaml", &[]).unwrap_err().to_string();
+        assert!(err.contains("train.batch_sise") && err.contains("sft.yaml:7"), "{err}");
+        let err = StageConfig::from_yaml(&yaml.replace("mode: sft", "mode: sf"), "sft.yaml", &[])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("`mode`") && err.contains("sft.yaml:1"), "{err}");
+        let ok = yaml.replace("batch_sise: 4", "batch_size: 4");
+        let config =
+            StageConfig::from_yaml(&ok, "sft.yaml", &["cluster.replicas=2".into()]).unwrap();
+        assert_eq!((config.train.batch_size, config.cluster.replicas), (4, 2));
+        let err = StageConfig::from_yaml(&ok, "sft.yaml", &["cluster.replicas=8".into()])
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("train.batch_size") && err.contains("one sample per rank"), "{err}");
+        // An RL config handed to the SFT trainer, and the other way round.
+        let err = StageConfig::from_yaml("seed: 3\n", "grpo.yaml", &[]).unwrap_err().to_string();
+        assert!(err.contains("expected a `sft` config"), "{err}");
+        let err = crate::TrainConfig::from_yaml(&ok, "sft.yaml", &[]).unwrap_err().to_string();
+        assert!(err.contains("expected a `rl` config"), "{err}");
+        let err = StageConfig::from_yaml("mode: sft\n", "sft.yaml", &[]).unwrap_err().to_string();
+        assert!(err.contains("model.pretrain"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

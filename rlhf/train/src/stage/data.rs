@@ -1,0 +1,192 @@
+//! SFT datasets: JSONL / Parquet records as OpenRLHF's `SFTDataset` reads them, tokenized into
+//! [`Sample`]s (prompt ids, then response ids ending in EOS; the loss covers the response).
+//!
+//! A record is `{input_key: prompt, output_key: response}` with a string prompt or a list of chat
+//! messages, or (without `output_key`) `{input_key: [messages…]}` whose last message is the
+//! assistant's response. With `apply_chat_template` the prompt is the template's rendering of the
+//! prompt messages with the assistant's turn opened, and the response is what the template adds
+//! for the assistant's message (its end-of-turn tokens included). Every bad record is an error
+//! naming its file and line (row, for Parquet).
+
+use rtrun_rlhf_model::ChatMessage;
+
+use crate::data::{
+    PathList, RawRecord, chat_messages, hold_out, json_kind, read_records, render_chat,
+};
+use crate::error::{Result, TrainError};
+use crate::stage::config::StageDataConfig;
+use crate::stage::pack::Sample;
+use crate::tokenizer::{HfTokenizer, PromptTokenizer};
+
+/// The samples of a run.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct LoadedSamples {
+    /// Training samples, in file order.
+    pub train: Vec<Sample>,
+    /// Held-out samples.
+    pub eval: Vec<Sample>,
+    /// Samples dropped for being longer than `data.max_len` (train, held-out).
+    pub dropped_too_long: (usize, usize),
+}
+
+/// The prompt and response text of one record.
+pub fn prompt_and_response(
+    record: &RawRecord,
+    config: &StageDataConfig,
+    tokenizer: &HfTokenizer,
+) -> Result<(String, String)> {
+    let at = &record.location;
+    let keys = || -> String {
+        record
+            .value
+            .as_object()
+            .map(|m| m.keys().map(|k| format!("`{k}`")).collect::<Vec<_>>().join(", "))
+            .unwrap_or_default()
+    };
+    let get = |key: &str, setting: &str| {
+        record.value.get(key).ok_or_else(|| {
+            TrainError::Data(format!(
+                "{at}: expected the key `{key}` ({setting}), found only {}",
+                keys()
+            ))
+        })
+    };
+    let input = get(&config.input_key, "data.input_key")?;
+    let template = config.apply_chat_template;
+    let needs_template = || {
+        TrainError::Data(format!(
+            "{at}: `{}` holds chat messages, which need data.apply_chat_template: true",
+            config.input_key
+        ))
+    };
+    let mut messages = match input {
+        serde_json::Value::String(text) => vec![ChatMessage::new("user", text)],
+        serde_json::Value::Array(items) if template => chat_messages(at, &config.input_key, items)?,
+        serde_json::Value::Array(_) => return Err(needs_template()),
+        other => {
+            return Err(TrainError::Data(format!(
+                "{at}: expected `{}` to be a string or a list of chat messages, found {}",
+                config.input_key,
+                json_kind(other)
+            )));
+        }
+    };
+    let response = match &config.output_key {
+        Some(key) => match get(key, "data.output_key")? {
+            serde_json::Value::String(text) => text.clone(),
+            other => {
+                return Err(TrainError::Data(format!(
+                    "{at}: expected the response `{key}` to be a string, found {}",
+                    json_kind(other)
+                )));
+            }
+        },
+        None => {
+            let last = match input {
+                serde_json::Value::Array(_) => messages.pop(),
+                _ => None,
+            };
+            match last {
+                Some(m) if m.role == "assistant" && !messages.is_empty() => m.content,
+                _ => {
+                    return Err(TrainError::Data(format!(
+                        "{at}: without data.output_key, `{}` must be a conversation whose last \
+                         message is the assistant's response (after at least one other)",
+                        config.input_key
+                    )));
+                }
+            }
+        }
+    };
+    if !template {
+        let serde_json::Value::String(prompt) = input else {
+            return Err(needs_template());
+        };
+        return Ok((prompt.clone(), response));
+    }
+    let prompt = render_chat(at, tokenizer, &messages, true)?;
+    messages.push(ChatMessage::new("assistant", &response));
+    let whole = render_chat(at, tokenizer, &messages, false)?;
+    match whole.strip_prefix(&prompt) {
+        Some(rest) => Ok((prompt, rest.to_owned())),
+        None => Err(TrainError::Data(format!(
+            "{at}: the chat template renders the conversation with a different beginning than the \
+             prompt alone, so the response cannot be told apart"
+        ))),
+    }
+}
+
+/// The tokenized sample of a prompt and response: the response ends in the first EOS id (added
+/// when the text does not end with one).
+pub fn tokenize(at: &str, tokenizer: &HfTokenizer, prompt: &str, response: &str) -> Result<Sample> {
+    let mut ids = tokenizer.encode_prompt(prompt)?;
+    let prompt_len = ids.len();
+    let mut response_ids = tokenizer.encode_response(response)?;
+    let eos = tokenizer.eos_token_ids();
+    if !response_ids.last().is_some_and(|id| eos.contains(id))
+        && let Some(&first) = eos.first()
+    {
+        response_ids.push(first);
+    }
+    if prompt_len == 0 {
+        return Err(TrainError::Data(format!("{at}: the prompt tokenizes to no tokens")));
+    }
+    ids.extend(response_ids);
+    Ok(Sample { ids, prompt_len })
+}
+
+/// Reads, tokenizes and filters the dataset of `config`; without `eval_data` a seeded
+/// `eval_fraction` of `train_data` is held out.
+pub fn load_samples(
+    config: &StageDataConfig,
+    tokenizer: &HfTokenizer,
+    seed: u64,
+) -> Result<LoadedSamples> {
+    let read_all = |paths: &PathList| -> Result<Vec<Sample>> {
+        let mut out = Vec::new();
+        for path in &paths.0 {
+            for record in read_records(path)? {
+                let (prompt, response) = prompt_and_response(&record, config, tokenizer)?;
+                out.push(tokenize(&record.location, tokenizer, &prompt, &response)?);
+            }
+        }
+        Ok(out)
+    };
+    let mut train = read_all(&config.train_data)?;
+    if train.len() < 2 && config.eval_data.is_empty() {
+        return Err(TrainError::Data(format!(
+            "data.train_data {:?} holds {} record(s): at least 2 are needed to hold one out \
+             (or give data.eval_data)",
+            config.train_data.0,
+            train.len()
+        )));
+    }
+    let mut eval = if config.eval_data.is_empty() {
+        let (kept, eval) = hold_out(train, config.eval_fraction, seed);
+        train = kept;
+        eval
+    } else {
+        read_all(&config.eval_data)?
+    };
+    if let Some(max) = config.max_samples {
+        train.truncate(max);
+    }
+    let filter = |samples: &mut Vec<Sample>, split: &str| -> Result<usize> {
+        let before = samples.len();
+        let longest = samples.iter().map(|s| s.ids.len()).max().unwrap_or(0);
+        samples.retain(|s| s.ids.len() <= config.max_len);
+        if samples.is_empty() && before > 0 {
+            return Err(TrainError::config(
+                "data.max_len",
+                format!(
+                    "every one of the {before} {split} samples is longer than {} tokens (the \
+                     longest has {longest}); raise data.max_len",
+                    config.max_len
+                ),
+            ));
+        }
+        Ok(before - samples.len())
+    };
+    let dropped = (filter(&mut train, "training")?, filter(&mut eval, "held-out")?);
+    Ok(LoadedSamples { train, eval, dropped_too_long: dropped })
+}
