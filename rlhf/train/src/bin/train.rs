@@ -188,6 +188,11 @@ fn run_sft(args: &Args, overrides: &[String]) -> anyhow::Result<()> {
             String::new()
         }
     );
+    if config.checkpoint.resume
+        && let Some(dir) = rtrun_rlhf::trainer::checkpoint::newest(&paths.checkpoints)?
+    {
+        eprintln!("resuming from {}", dir.display());
+    }
     let total = sft::total_steps(&config, samples.train.len());
     let progress = RunProgress::new(
         total,

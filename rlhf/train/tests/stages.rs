@@ -1,0 +1,258 @@
+//! The supervised trainer (`train --mode sft`) as a user runs it: the real `train` driver and
+//! its DP worker processes on a Hugging Face checkpoint written locally (an untrained walkthrough
+//! model) and GSM8K-format JSONL. The loss falls and the exported model holds what was trained;
+//! packing and the number of DP ranks change no number; a killed run resumes identically; bad
+//! records are errors naming their file and line.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use rtrun_rlhf::stage::StageConfig;
+use rtrun_rlhf::stage::pack::{Sample, row_tensors};
+use rtrun_rlhf::walkthrough::{WalkthroughConfig, WalkthroughFiles, write_walkthrough};
+use rtrun_rlhf_model::CausalLm;
+use rtrun_rlhf_telemetry::StepMetrics;
+use tch::Kind;
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("rtrun-stages-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// An untrained walkthrough checkpoint (no warm-up) and 240 + 24 problems.
+fn walkthrough(dir: &Path) -> WalkthroughFiles {
+    tch::set_num_threads(1);
+    let config = WalkthroughConfig {
+        train_problems: 240,
+        test_problems: 24,
+        vocab_size: 400,
+        warmup: rtrun_rlhf::config::WarmupConfig { steps: 0, batch_size: 1, lr: 1e-3 },
+        ..WalkthroughConfig::default()
+    };
+    write_walkthrough(&dir.join("walkthrough"), &config).unwrap()
+}
+
+/// An SFT config file over the walkthrough's files (`mode: sft` unless `with_mode` is false,
+/// when the driver's `--mode sft` must say it).
+fn write_config(dir: &Path, files: &WalkthroughFiles, with_mode: bool) -> PathBuf {
+    let path = dir.join("sft.yaml");
+    let yaml = format!(
+        "{}seed: 5\n\
+         model: {{pretrain: {}}}\n\
+         data: {{train_data: {}, eval_data: {}, input_key: question, output_key: answer, apply_chat_template: true, max_len: 160}}\n\
+         cluster: {{replicas: 2, threads_per_worker: 1}}\n\
+         train: {{epochs: 1, batch_size: 16, micro_batch_size: 4, packing: true, lr: 0.003, lr_warmup_ratio: 0.1}}\n\
+         eval: {{every_steps: 5}}\n",
+        if with_mode { "mode: sft\n" } else { "" },
+        files.model_dir.display(),
+        files.train_data.display(),
+        files.test_data.display(),
+    );
+    std::fs::write(&path, yaml).unwrap();
+    path
+}
+
+fn train(config: &Path, run_dir: &Path, sets: &[&str]) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_train"));
+    cmd.arg("--config").arg(config).arg("--set").arg(format!("run_dir={}", run_dir.display()));
+    for s in sets {
+        cmd.arg("--set").arg(s);
+    }
+    cmd.stdout(Stdio::null()).stderr(Stdio::piped());
+    cmd
+}
+
+/// Runs the driver to its end; returns its stderr.
+fn run_to_end(cmd: &mut Command) -> String {
+    let out = cmd.output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "train failed: {stderr}");
+    stderr
+}
+
+fn metrics(run_dir: &Path) -> Vec<StepMetrics> {
+    rtrun_rlhf_telemetry::jsonl::read_jsonl(&run_dir.join("metrics.jsonl")).unwrap()
+}
+
+/// Every step's metrics but timings and throughput.
+fn comparable(run_dir: &Path) -> Vec<(u64, Vec<(String, f64)>)> {
+    metrics(run_dir)
+        .into_iter()
+        .map(|m| {
+            let values = m
+                .scalars()
+                .iter()
+                .filter(|(name, _)| {
+                    !name.starts_with("time/") && name != "wall_time" && name != "tokens_per_s"
+                })
+                .cloned()
+                .collect();
+            (m.step(), values)
+        })
+        .collect()
+}
+
+/// Mean NLL per response token of `samples` under the model in `dir`, computed here from the
+/// exported files (not by the trainer).
+fn held_out_loss(dir: &Path, samples: &[Sample]) -> f64 {
+    let model = CausalLm::from_pretrained(dir, tch::Device::Cpu, Kind::Float).unwrap();
+    let (mut nll, mut tokens) = (0.0, 0);
+    tch::no_grad(|| {
+        for sample in samples {
+            let row = rtrun_rlhf::stage::pack::PackedRow { samples: vec![sample.clone()] };
+            let t = row_tensors(&[row], tch::Device::Cpu).unwrap();
+            let logits = model.forward_packed(&t.input_ids, &t.segment_ids).unwrap();
+            let lp = rtrun_rlhf_model::logprobs::token_log_probs(&logits, &t.targets).unwrap();
+            let masked = lp * t.loss_mask.to_kind(Kind::Float);
+            nll -= masked.sum(Kind::Float).double_value(&[]);
+            tokens += t.loss_tokens;
+        }
+    });
+    nll / tokens as f64
+}
+
+#[test]
+fn sft_over_two_dp_ranks_lowers_the_held_out_loss_and_exports_what_it_trained() {
+    let dir = scratch("fit");
+    let files = walkthrough(&dir);
+    let config = write_config(&dir, &files, false);
+    let run_dir = dir.join("run");
+    // The config has no `mode:`: `--mode sft` picks the trainer.
+    let mut cmd = train(&config, &run_dir, &["train.max_steps=12"]);
+    cmd.args(["--mode", "sft"]);
+    let stderr = run_to_end(&mut cmd);
+    assert!(stderr.contains("sft: 2 rank(s)"), "{stderr}");
+    let records = metrics(&run_dir);
+    let eval: Vec<f64> = records.iter().filter_map(|m| m.get("eval/loss")).collect();
+    assert_eq!(records.iter().map(|m| m.step()).max(), Some(12));
+    assert!(eval.len() >= 3, "baseline, step 5, step 10 and the last: {eval:?}");
+    let (baseline, last) = (eval[0], *eval.last().unwrap());
+    assert!(last < 0.6 * baseline, "held-out loss {baseline} -> {last}: it must fall");
+    let train_loss: Vec<f64> = records.iter().filter_map(|m| m.get("loss")).collect();
+    assert!(train_loss[train_loss.len() - 1] < train_loss[0]);
+    for file in
+        ["loss.png", "summary.md", "final_policy/config.json", "final_policy/tokenizer.json"]
+    {
+        assert!(run_dir.join(file).exists(), "{file} missing");
+    }
+    // The exported model is the trained one: its held-out loss, computed here from the files,
+    // is the trainer's last.
+    let stage = StageConfig::load_with_origin(&config, &["mode=sft".into()], 0).unwrap().0;
+    let tokenizer = rtrun_rlhf::tokenizer::HfTokenizer::from_dir(&files.model_dir, true).unwrap();
+    let samples = rtrun_rlhf::stage::data::load_samples(&stage.data, &tokenizer, 5).unwrap();
+    let exported = held_out_loss(&run_dir.join("final_policy"), &samples.eval);
+    assert!((exported - last).abs() < 1e-4, "exported model {exported} vs trainer {last}");
+    let initial = held_out_loss(&files.model_dir, &samples.eval);
+    assert!((initial - baseline).abs() < 1e-4, "initial model {initial} vs baseline {baseline}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn packing_and_the_number_of_ranks_change_no_number() {
+    let dir = scratch("layout");
+    let files = walkthrough(&dir);
+    let config = write_config(&dir, &files, true);
+    let steps = ["train.max_steps=3", "eval.every_steps=0"];
+    let one = dir.join("one-rank-unpacked");
+    let mut sets = steps.to_vec();
+    sets.extend(["cluster.replicas=1", "train.packing=false"]);
+    run_to_end(&mut train(&config, &one, &sets));
+    let two = dir.join("two-ranks-packed");
+    run_to_end(&mut train(&config, &two, &steps));
+    let (a, b) = (comparable(&one), comparable(&two));
+    assert_eq!(a.len(), b.len());
+    for ((step, x), (_, y)) in a.iter().zip(&b) {
+        for ((name, u), (other, v)) in x.iter().zip(y) {
+            assert_eq!(name, other);
+            let tolerance = 1e-4 * u.abs().max(1.0);
+            assert!(
+                (u - v).abs() < tolerance,
+                "step {step} {name}: {u} (1 rank) vs {v} (2, packed)"
+            );
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_killed_sft_run_resumes_identically() {
+    let dir = scratch("resume");
+    let files = walkthrough(&dir);
+    let config = write_config(&dir, &files, true);
+    let sets = ["train.max_steps=10", "checkpoint.every_steps=1", "eval.every_steps=2"];
+    let straight = dir.join("straight");
+    run_to_end(&mut train(&config, &straight, &sets));
+
+    let resumed = dir.join("resumed");
+    let mut child = train(&config, &resumed, &sets).stderr(Stdio::null()).spawn().unwrap();
+    let marker = resumed.join("checkpoints/step_000002/trainer_state.json");
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !marker.is_file() {
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("the run ended ({status}) before its step-2 checkpoint");
+        }
+        assert!(Instant::now() < deadline, "no step-2 checkpoint within 120 s");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(child.try_wait().unwrap().is_none(), "the run must still be going when it is killed");
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let stderr = run_to_end(&mut train(&config, &resumed, &sets));
+    let resumed_from = stderr
+        .lines()
+        .find_map(|l| l.strip_prefix("resuming from "))
+        .and_then(|dir| dir.rsplit("step_").next())
+        .and_then(|step| step.parse::<u64>().ok())
+        .unwrap_or_else(|| panic!("the second run did not resume: {stderr}"));
+    assert!((2..10).contains(&resumed_from), "resumed from step {resumed_from}, expected 2..9");
+    let (a, b) = (comparable(&straight), comparable(&resumed));
+    assert_eq!(a.iter().map(|(s, _)| *s).collect::<Vec<_>>(), (0..=10).collect::<Vec<u64>>());
+    assert_eq!(a, b, "a resumed run must reproduce the uninterrupted run's metrics");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn bad_sft_data_and_configs_are_errors_naming_where() {
+    let dir = scratch("bad");
+    let files = walkthrough(&dir);
+    let config = write_config(&dir, &files, true);
+    let fails = |sets: &[&str]| -> String {
+        let out = train(&config, &dir.join("run"), sets).output().unwrap();
+        assert!(!out.status.success(), "{sets:?} must fail");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let bad = dir.join("bad.jsonl");
+    std::fs::write(
+        &bad,
+        "{\"question\": \"a\", \"answer\": \"b\"}\n{\"question\": \"c\", \"answer\": \"d\"}\n\
+         {\"question\": \"e\", \"reply\": \"f\"}\n",
+    )
+    .unwrap();
+    let train_data = format!("data.train_data={}", bad.display());
+    let err = fails(&[&train_data]);
+    assert!(err.contains("bad.jsonl:3") && err.contains("`answer`"), "{err}");
+    std::fs::write(&bad, "{\"question\": \"a\", \"answer\": \"b\"}\nnot json\n").unwrap();
+    let err = fails(&[&train_data]);
+    assert!(err.contains("bad.jsonl:2") && err.contains("JSON"), "{err}");
+    // A conversation without output_key must end with the assistant's message.
+    std::fs::write(
+        &bad,
+        "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}, {\"role\": \"assistant\", \"content\": \"yo\"}]}\n\
+         {\"messages\": [{\"role\": \"assistant\", \"content\": \"yo\"}, {\"role\": \"user\", \"content\": \"hi\"}]}\n",
+    )
+    .unwrap();
+    let err = fails(&[&train_data, "data.input_key=messages", "data.output_key=null"]);
+    assert!(err.contains("bad.jsonl:2") && err.contains("assistant"), "{err}");
+    let err = fails(&["data.max_len=4"]);
+    assert!(err.contains("data.max_len") && err.contains("raise"), "{err}");
+    let err = fails(&["train.batch_size=4000"]);
+    assert!(err.contains("train.batch_size"), "{err}");
+    let err = fails(&["mode=dpo"]);
+    assert!(err.contains("`mode`") && err.contains("`sft`"), "{err}");
+    let err = fails(&["train.lr=-1"]);
+    assert!(err.contains("train.lr"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
