@@ -9,12 +9,16 @@
 #   2. the main job's GRPO step vs TRL's GRPOTrainer, from the same initial checkpoint (the
 #      no-download walkthrough policy) on the same data, reward and hyper-parameters, for SEEDS
 #      seeds: wall seconds per rollout step (median, warm-up excluded) and the held-out greedy
-#      reward before and after.
+#      reward before and after;
+#   3. `train --mode sft` vs TRL's SFTTrainer, from the same untrained walkthrough checkpoint on
+#      the same prompt/completion data (chat template, loss on the completion), 32 samples per
+#      optimizer step in micro-batches of 8, for SEEDS seeds: training tokens per second, rtrun
+#      as one rank unpacked (TRL's shape), one rank packed, and two DP ranks packed.
 #
 # Usage: scripts/bench-rlhf.sh [--quick]
 #   --quick: 1 round, 1 seed, 12 rollout steps (a smoke run of the script; not a measurement).
 # Environment: BENCH_DIR (default ~/.cache/rtrun/bench-rlhf), THREADS (default: every core),
-#   ROUNDS (3), SEEDS ("1 2 3"), STEPS (40 rollout steps per run), PARTS ("engine grpo": which
+#   ROUNDS (3), SEEDS ("1 2 3"), STEPS (40 rollout / SFT steps per run), PARTS ("engine grpo sft": which
 #   halves to run; the report then covers those), BENCH_VENV (a venv that
 #   already has them, e.g. the parity venv of rlhf/model/parity).
 # Python side: transformers 5.23, TRL 1.16 and torch 2.13 from PyPI in ~/.cache/rtrun/bench-venv,
@@ -32,7 +36,7 @@ fi
 THREADS=${THREADS:-$(nproc)}
 BENCH_DIR=${BENCH_DIR:-$HOME/.cache/rtrun/bench-rlhf}
 VENV=${BENCH_VENV:-$HOME/.cache/rtrun/bench-venv}
-PARTS=${PARTS:-"engine grpo"}
+PARTS=${PARTS:-"engine grpo sft"}
 mkdir -p "$BENCH_DIR/runs"
 REPORT=$BENCH_DIR/report.jsonl
 : >"$REPORT"
@@ -91,6 +95,34 @@ for seed in $SEEDS; do
         --eval-data "$WT/data/test.jsonl" --steps "$STEPS" --threads "$THREADS" --seed "$seed" \
         2>"$BENCH_DIR/trl-seed$seed.log" | tail -1 | "$PY" -c \
         "import json,sys; r=json.load(sys.stdin); r['trl_seed']=$seed; print(json.dumps(r))" >>"$REPORT"
+done
+fi
+
+# --- 3. SFT vs TRL SFTTrainer --------------------------------------------------------------------
+if [[ " $PARTS " == *" sft "* ]]; then
+SW=$BENCH_DIR/walkthrough-untrained
+if [[ ! -f $SW/model/config.json ]]; then
+    "$ROOT/target/release/examples/make_walkthrough" "$SW" --warmup-steps 0 >&2
+fi
+for seed in $SEEDS; do
+    "$PY" scripts/bench/trl_sft_anchor.py --model "$SW/model" --data "$SW/data/train.jsonl" \
+        --steps "$STEPS" --threads "$THREADS" --seed "$seed" \
+        2>"$BENCH_DIR/trl-sft-seed$seed.log" | tail -1 | "$PY" -c \
+        "import json,sys; r=json.load(sys.stdin); r['trl_sft_seed']=$seed; print(json.dumps(r))" >>"$REPORT"
+    for layout in "1 false" "1 true" "2 true"; do
+        read -r ranks packing <<<"$layout"
+        run=$BENCH_DIR/runs/sft-seed$seed-r$ranks-$packing
+        rm -rf "$run"
+        threads=$(( THREADS / ranks )); (( threads > 0 )) || threads=1
+        (cd "$BENCH_DIR" && "$TRAIN" --config "$ROOT/deploy/examples/sft/sft-hf.yaml" \
+            --set seed="$seed" --set run_dir="$run" --set model.pretrain="$SW/model" \
+            --set data.train_data="$SW/data/train.jsonl" --set data.eval_data="$SW/data/test.jsonl" \
+            --set cluster.replicas="$ranks" --set cluster.threads_per_worker="$threads" \
+            --set train.packing="$packing" --set train.max_steps="$STEPS" \
+            --set eval.every_steps=0 --set checkpoint.every_steps=0 \
+            >"$run.log" 2>&1) || { tail -20 "$run.log" >&2; exit 1; }
+        "$PY" scripts/bench/summarize_sft.py "$run" "$seed" "$ranks rank(s), packing $packing" >>"$REPORT"
+    done
 done
 fi
 

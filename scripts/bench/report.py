@@ -1,15 +1,17 @@
 """The table of scripts/bench-rlhf.sh from its JSONL report: engine vs HF `generate` per model
-and batch size (best tokens/s over the rounds, tokens identical in every round), and GRPO vs
-TRL per seed (median seconds per rollout step, held-out reward gain). Usage: report.py REPORT"""
+and batch size (best tokens/s over the rounds, tokens identical in every round), GRPO vs
+TRL per seed (median seconds per rollout step, held-out reward gain), and SFT vs TRL's
+SFTTrainer per seed and layout (training tokens/s). Usage: report.py REPORT"""
 
 import json
 import statistics
 import sys
 
 rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
-print("\n## Engine vs Hugging Face `generate` (greedy, 64 new tokens, tokens/s, best round)\n")
-print("| model | batch | HF generate | rtrun engine | ratio | identical |")
-print("|---|---:|---:|---:|---:|:---:|")
+if any("hf" in r for r in rows):
+    print("\n## Engine vs Hugging Face `generate` (greedy, 64 new tokens, tokens/s, best round)\n")
+    print("| model | batch | HF generate | rtrun engine | ratio | identical |")
+    print("|---|---:|---:|---:|---:|:---:|")
 for model in ["tiny", "27m"]:
     for batch in [1, 16, 64]:
         hf = [r["tokens_per_s"] for r in rows if r.get("hf") == model and r["batch"] == batch]
@@ -46,3 +48,23 @@ if ours:
         phases = {k: statistics.mean(ours[s]["phase_seconds_median"][k] for s in ours)
                   for k in next(iter(ours.values()))["phase_seconds_median"]}
         print("rtrun phase medians (s): " + ", ".join(f"{k} {v:.3f}" for k, v in phases.items()))
+
+sft = [r for r in rows if "rtrun_sft_seed" in r]
+trl_sft = {r["trl_sft_seed"]: r for r in rows if "trl_sft_seed" in r}
+if sft:
+    print("\n## SFT vs TRL SFTTrainer (32 samples per step, micro-batches of 8, tokens/s)\n")
+    print("| seed | rtrun layout | TRL tokens/s | rtrun tokens/s | ratio | TRL loss | rtrun loss |")
+    print("|---:|---|---:|---:|---:|---|---|")
+    by_layout = {}
+    for r in sft:
+        t = trl_sft.get(r["rtrun_sft_seed"])
+        if t is None:
+            continue
+        ratio = r["tokens_per_s"] / t["tokens_per_s"]
+        by_layout.setdefault(r["layout"], []).append(ratio)
+        print(f"| {r['rtrun_sft_seed']} | {r['layout']} | {t['tokens_per_s']:.0f} | "
+              f"{r['tokens_per_s']:.0f} | {ratio:.2f}x | {t['loss_first']:.3f} -> "
+              f"{t['loss_last']:.3f} | {r['loss_first']:.3f} -> {r['loss_last']:.3f} |")
+    for layout, ratios in by_layout.items():
+        print(f"\nmean over seeds, {layout}: {statistics.mean(ratios):.2f}x TRL's tokens/s", end="")
+    print()

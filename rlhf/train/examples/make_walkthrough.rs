@@ -27,13 +27,17 @@ fn main() -> anyhow::Result<()> {
         }
     }
     let files = write_walkthrough(&out, &config)?;
-    println!(
-        "checkpoint: {} (warm-up: {} steps, token loss {:.3} -> {:.3})",
-        files.model_dir.display(),
-        files.warmup.steps,
-        files.warmup.first_loss,
-        files.warmup.last_loss
-    );
+    if files.warmup.steps == 0 {
+        println!("checkpoint: {} (untrained: no warm-up)", files.model_dir.display());
+    } else {
+        println!(
+            "checkpoint: {} (warm-up: {} steps, token loss {:.3} -> {:.3})",
+            files.model_dir.display(),
+            files.warmup.steps,
+            files.warmup.first_loss,
+            files.warmup.last_loss
+        );
+    }
     println!("prompts:    {} and {}", files.train_data.display(), files.test_data.display());
     Ok(())
 }
