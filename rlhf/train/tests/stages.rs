@@ -256,3 +256,39 @@ fn bad_sft_data_and_configs_are_errors_naming_where() {
     assert!(err.contains("train.lr"), "{err}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// The example chain as the README runs it, on the example configs themselves: SFT of an
+/// untrained walkthrough checkpoint, then GRPO from the SFT model, which already answers some
+/// held-out problems (the untrained one answers none).
+#[test]
+fn the_example_chain_fine_tunes_then_runs_grpo_from_the_sft_model() {
+    let dir = scratch("chain");
+    walkthrough(&dir);
+    let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy/examples/sft");
+    let run = |config: &str, sets: &[&str]| -> String {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_train"));
+        cmd.current_dir(&dir).arg("--config").arg(examples.join(config));
+        for s in sets {
+            cmd.arg("--set").arg(s);
+        }
+        run_to_end(cmd.stdout(Stdio::null()).stderr(Stdio::piped()))
+    };
+    run("sft-hf.yaml", &["train.epochs=16", "cluster.threads_per_worker=1"]);
+    let sft = metrics(&dir.join("runs/sft-hf"));
+    assert!(sft.iter().filter_map(|m| m.get("loss")).last().unwrap() < 1.5);
+    let stderr = run(
+        "grpo-from-sft.yaml",
+        &[
+            "train.max_steps=1",
+            "rollout.prompts_per_step=8",
+            "eval.every_steps=0",
+            "cluster.threads_per_worker=1",
+        ],
+    );
+    assert!(stderr.contains("policy: runs/sft-hf/final_policy"), "{stderr}");
+    let grpo = metrics(&dir.join("runs/grpo-from-sft"));
+    let baseline = grpo[0].get("eval/reward").unwrap();
+    eprintln!("held-out reward of the SFT model: {baseline}");
+    assert!(baseline > 0.0, "the SFT model answers no held-out problem: {baseline}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
