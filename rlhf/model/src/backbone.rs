@@ -163,12 +163,35 @@ impl Backbone {
         let mut hidden =
             Tensor::f_embedding(&self.embed_tokens, &inputs.input_ids, -1, false, false)?;
         let (cos, sin) = self.rotary.cos_sin(&inputs.position_ids, hidden.f_kind()?)?;
-        let mask = packed_attention_mask(&segments)?;
+        // Rows of one right-padded sample each need no mask beyond causality: a real token only
+        // sees earlier, real tokens, and padding outputs are never read. Leaving the mask
+        // implicit lets libtorch use its fused attention kernel.
+        let mask = if one_sample_per_row(&segments)? {
+            None
+        } else {
+            Some(packed_attention_mask(&segments)?)
+        };
         for layer in &self.layers {
-            hidden = layer.forward(&hidden, &cos, &sin, Some(&mask))?;
+            hidden = layer.forward(&hidden, &cos, &sin, mask.as_ref())?;
         }
         self.norm.forward(&hidden)
     }
+}
+
+/// Whether every row holds one sample starting at column 0 and padding only after it.
+fn one_sample_per_row(segments: &Tensor) -> Result<bool> {
+    let seq = segments.size()[1];
+    if segments.f_max()?.f_int64_value(&[])? > 1 || segments.f_min()?.f_int64_value(&[])? < 0 {
+        return Ok(false);
+    }
+    let first_real = segments.f_narrow(1, 0, 1)?.f_eq(1)?.f_all()?.f_int64_value(&[])? != 0;
+    if !first_real || seq < 2 {
+        return Ok(first_real);
+    }
+    // No real token after a padding one: the ids never rise along a row.
+    let rises =
+        segments.f_narrow(1, 1, seq - 1)?.f_gt_tensor(&segments.f_narrow(1, 0, seq - 1)?)?;
+    Ok(rises.f_any()?.f_int64_value(&[])? == 0)
 }
 
 /// Positions of packed rows: each token's index within its own segment (padding: 0).
@@ -282,6 +305,20 @@ mod tests {
         let positions = packed_position_ids(&Tensor::from_slice(&segments).view([1, 10])).unwrap();
         let expected = Tensor::from_slice(&[0i64, 1, 2, 3, 4, 0, 1, 2, 0, 0]).view([1, 10]);
         assert!(positions.equal(&expected), "{positions}");
+        // One right-padded sample per row takes the implicit causal path: the same states.
+        let row: Vec<i64> = a.iter().copied().chain([0, 0]).collect();
+        let one = backbone
+            .forward_packed(
+                &Tensor::from_slice(&row).view([1, 7]),
+                &Tensor::from_slice(&[1i64, 1, 1, 1, 1, 0, 0]).view([1, 7]),
+            )
+            .unwrap();
+        assert!(one.narrow(1, 0, 5).allclose(&alone(&a), 1e-5, 1e-5, false));
+        let segs = |v: &[i64]| Tensor::from_slice(v).view([1, v.len() as i64]);
+        assert!(one_sample_per_row(&segs(&[1, 1, 0])).unwrap());
+        assert!(!one_sample_per_row(&segs(&[0, 1, 1])).unwrap());
+        assert!(!one_sample_per_row(&segs(&[1, 0, 1])).unwrap());
+        assert!(!one_sample_per_row(&segs(&[1, 2, 0])).unwrap());
     }
 
     #[test]
