@@ -114,7 +114,7 @@ for seed in $SEEDS; do
         run=$BENCH_DIR/runs/sft-seed$seed-r$ranks-$packing
         rm -rf "$run"
         threads=$(( THREADS / ranks )); (( threads > 0 )) || threads=1
-        (cd "$BENCH_DIR" && "$TRAIN" --config "$ROOT/deploy/examples/sft/sft-hf.yaml" \
+        (cd "$BENCH_DIR" && "$TRAIN" --config "$ROOT/deploy/examples/pipeline/sft-hf.yaml" \
             --set seed="$seed" --set run_dir="$run" --set model.pretrain="$SW/model" \
             --set data.train_data="$SW/data/train.jsonl" --set data.eval_data="$SW/data/test.jsonl" \
             --set cluster.replicas="$ranks" --set cluster.threads_per_worker="$threads" \

@@ -3,7 +3,7 @@
 
 It fine-tunes a Hugging Face checkpoint on a GSM8K-format JSONL file (`{"question", "answer"}`
 per line) as conversational prompt/completion records, the loss on the completion only, the
-batch shape of `deploy/examples/sft/sft-hf.yaml` as scripts/bench-rlhf.sh runs it (32 samples
+batch shape of `deploy/examples/pipeline/sft-hf.yaml` as scripts/bench-rlhf.sh runs it (32 samples
 per optimizer step as 4 micro-batches of 8, max_length 256, no packing: TRL's packing isolates
 samples only under flash-attention, which a CPU does not have), fp32, no gradient checkpointing
 (TRL turns it on by default), AdamW betas (0.9, 0.95), grad-norm clip 1.0. It times every

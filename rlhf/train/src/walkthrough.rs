@@ -85,6 +85,11 @@ pub struct WalkthroughFiles {
     pub train_data: PathBuf,
     /// `test.jsonl`.
     pub test_data: PathBuf,
+    /// `preference_train.jsonl`: the training problems as `{question, chosen, rejected}` pairs
+    /// (the worked answer, and one with a wrong result) for the reward-model and DPO trainers.
+    pub preference_train: PathBuf,
+    /// `preference_test.jsonl`: the held-out problems as pairs.
+    pub preference_test: PathBuf,
     /// The checkpoint's warm-up.
     pub warmup: WarmupReport,
 }
@@ -127,6 +132,13 @@ pub fn write_walkthrough(out: &Path, config: &WalkthroughConfig) -> Result<Walkt
     let test_data = data_dir.join("test.jsonl");
     write_problems(&train_data, &problems)?;
     write_problems(&test_data, &test)?;
+    let preference_train = data_dir.join("preference_train.jsonl");
+    let preference_test = data_dir.join("preference_test.jsonl");
+    let mut rng = SplitMix64::new(config.seed ^ 0x9AE5);
+    for (path, set) in [(&preference_train, &problems), (&preference_test, &test)] {
+        let pairs: Vec<PreferencePair> = set.iter().map(|p| preference_pair(p, &mut rng)).collect();
+        write_lines(path, &pairs)?;
+    }
 
     let tokenizer = write_tokenizer_files(&model_dir, &problems, config.vocab_size)?;
     let (end_of_text, im_end) = (0i64, 2i64);
@@ -167,7 +179,14 @@ pub fn write_walkthrough(out: &Path, config: &WalkthroughConfig) -> Result<Walkt
         std::fs::rename(entry.path(), &target).map_err(|e| TrainError::io(&target, e))?;
     }
     std::fs::remove_dir(&tmp).map_err(|e| TrainError::io(&tmp, e))?;
-    Ok(WalkthroughFiles { model_dir, train_data, test_data, warmup })
+    Ok(WalkthroughFiles {
+        model_dir,
+        train_data,
+        test_data,
+        preference_train,
+        preference_test,
+        warmup,
+    })
 }
 
 /// The walkthrough's distinct problems, training ones first then held-out ones.
@@ -227,7 +246,37 @@ fn write_tokenizer_files(
     Ok(tokenizer)
 }
 
+/// One preference record: a problem, its worked answer and an answer with a wrong result.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PreferencePair {
+    /// The word problem.
+    pub question: String,
+    /// The worked answer, ending in `#### N`.
+    pub chosen: String,
+    /// The same working with a final answer off by 1 or 2.
+    pub rejected: String,
+}
+
+/// `problem` with a rejected answer whose final answer (after `####`) is off by 1 or 2 (never
+/// below 0) while the working still shows the right result: a careless answer, which
+/// `math_answer` scores 0 and a reward model learns to spot by comparing the two numbers.
+pub fn preference_pair(problem: &MathProblem, rng: &mut SplitMix64) -> PreferencePair {
+    let (working, result) = problem.answer.rsplit_once("\n#### ").unwrap_or(("", "0"));
+    let right: i64 = result.trim().parse().unwrap_or(0);
+    let delta = 1 + rng.below(2) as i64;
+    let wrong = if right >= delta && rng.below(2) == 0 { right - delta } else { right + delta };
+    PreferencePair {
+        question: problem.question.clone(),
+        chosen: problem.answer.clone(),
+        rejected: format!("{working}\n#### {wrong}"),
+    }
+}
+
 fn write_problems(path: &Path, problems: &[MathProblem]) -> Result<()> {
+    write_lines(path, problems)
+}
+
+fn write_lines<T: Serialize>(path: &Path, problems: &[T]) -> Result<()> {
     let mut text = String::new();
     for p in problems {
         text.push_str(&serde_json::to_string(p).map_err(|e| TrainError::Data(e.to_string()))?);
@@ -244,6 +293,20 @@ fn write_json(path: &Path, value: &serde_json::Value) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn rejected_answers_are_wrong_only_in_their_result() {
+        let mut rng = SplitMix64::new(5);
+        let score = crate::reward::find_reward_function("math_answer").unwrap().score;
+        for _ in 0..50 {
+            let p = problem(&mut rng, 9);
+            let pair = preference_pair(&p, &mut rng);
+            let (c, r) = (pair.chosen.split("####").next(), pair.rejected.split("####").next());
+            assert_eq!(c, r, "{pair:?}");
+            assert_eq!(score("", &pair.chosen, &p.answer), 1.0);
+            assert_eq!(score("", &pair.rejected, &p.answer), 0.0, "{pair:?}");
+        }
+    }
 
     #[test]
     fn problems_are_gsm8k_shaped_and_answered_by_math_answer() {

@@ -264,7 +264,7 @@ fn bad_sft_data_and_configs_are_errors_naming_where() {
 fn the_example_chain_fine_tunes_then_runs_grpo_from_the_sft_model() {
     let dir = scratch("chain");
     walkthrough(&dir);
-    let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy/examples/sft");
+    let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy/examples/pipeline");
     let run = |config: &str, sets: &[&str]| -> String {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_train"));
         cmd.current_dir(&dir).arg("--config").arg(examples.join(config));

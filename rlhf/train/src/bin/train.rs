@@ -1,6 +1,7 @@
 //! The training driver: `train --config X.yaml [--mode rl|sft] [--set key=value]…
 //! [--overwrite] [--address A]`. The config's `mode:` (or `--mode`) picks the trainer: PPO /
-//! GRPO (`rl`, the default) or supervised fine-tuning (`sft`).
+//! GRPO (`rl`, the default), supervised fine-tuning (`sft`), a reward model (`rm`) or DPO
+//! (`dpo`).
 //!
 //! Runs on the embedded single-node runtime, or on a cluster with `--address`; prints a
 //! progress bar with the live metrics (reward and KL, or loss) and phase timings; leaves
@@ -31,8 +32,8 @@ struct Args {
     /// The YAML config.
     #[arg(long)]
     config: PathBuf,
-    /// The trainer: `rl` (PPO / GRPO) or `sft`; the same as `--set mode=M` (the config's
-    /// `mode:` when absent, else `rl`).
+    /// The trainer: `rl` (PPO / GRPO), `sft`, `rm` (a reward model on preference pairs) or
+    /// `dpo`; the same as `--set mode=M` (the config's `mode:` when absent, else `rl`).
     #[arg(long)]
     mode: Option<String>,
     /// Overrides, `key=value` with dotted keys (repeatable).
@@ -118,7 +119,7 @@ fn main() -> anyhow::Result<()> {
     }
     match ConfigTree::read(&args.config, &overrides)?.mode {
         Mode::Rl => run_rl(&args, &overrides),
-        Mode::Sft => run_sft(&args, &overrides),
+        Mode::Sft | Mode::Rm | Mode::Dpo => run_stage(&args, &overrides),
     }
 }
 
@@ -157,26 +158,37 @@ fn serve_live(
     Ok((metrics, dashboard))
 }
 
-/// Supervised fine-tuning (`mode: sft`).
-fn run_sft(args: &Args, overrides: &[String]) -> anyhow::Result<()> {
-    use rtrun_rlhf::stage::{StageConfig, sft};
+/// The trainers beside RL (`mode: sft | rm | dpo`).
+fn run_stage(args: &Args, overrides: &[String]) -> anyhow::Result<()> {
+    use rtrun_rlhf::stage::{StageConfig, trainer};
     let (config, origin) =
         StageConfig::load_with_origin(&args.config, overrides, args.overrides.len())?;
     eprintln!("{origin}");
     let started = Instant::now();
+    let mode = config.mode;
+    let pairs = mode != Mode::Sft;
     let paths = rtrun_rlhf::trainer::RunPaths::new(&config.run_dir);
     eprintln!("run directory: {}", paths.root.display());
-    let live = Arc::new(LiveMetrics::with_charts(vec![ChartSpec::new(
+    let mut charts = vec![ChartSpec::new(
         "Loss",
         "loss",
         &[("train loss", "loss"), ("held-out loss", "eval/loss")],
-    )]));
+    )];
+    if pairs {
+        charts.push(ChartSpec::new(
+            "Preference accuracy",
+            "accuracy",
+            &[("train", "accuracy"), ("held-out", "eval/accuracy")],
+        ));
+    }
+    let live = Arc::new(LiveMetrics::with_charts(charts));
     let _servers = serve_live(args, &live)?;
-    let samples = sft::prepare(&config)?;
+    let samples = trainer::prepare(&config)?;
     let (dropped_train, dropped_eval) = samples.dropped_too_long;
     eprintln!(
-        "model: {}\nsamples: {} training, {} held-out{}",
+        "model: {}\n{}: {} training, {} held-out{}",
         config.model.pretrain.as_deref().unwrap_or(std::path::Path::new("")).display(),
+        if pairs { "preference pairs" } else { "samples" },
         samples.train.len(),
         samples.eval.len(),
         if dropped_train + dropped_eval > 0 {
@@ -193,49 +205,67 @@ fn run_sft(args: &Args, overrides: &[String]) -> anyhow::Result<()> {
     {
         eprintln!("resuming from {}", dir.display());
     }
-    let total = sft::total_steps(&config, samples.train.len());
-    let progress = RunProgress::new(
-        total,
-        ProgressOptions {
-            fields: vec![
-                ProgressField::new("loss", "loss"),
-                ProgressField::new("eval", "eval/loss"),
-                ProgressField::new("tok/s", "tokens_per_s"),
-            ],
-            ..ProgressOptions::default()
-        },
-    );
+    let total = trainer::total_steps(&config, samples.train.len());
+    let mut fields = vec![ProgressField::new("loss", "loss")];
+    if pairs {
+        fields.push(ProgressField::new("acc", "accuracy"));
+        fields.push(ProgressField::new("margin", "reward/margin"));
+        fields.push(ProgressField::new("eval acc", "eval/accuracy"));
+    } else {
+        fields.push(ProgressField::new("eval", "eval/loss"));
+    }
+    fields.push(ProgressField::new("tok/s", "tokens_per_s"));
+    let progress =
+        RunProgress::new(total, ProgressOptions { fields, ..ProgressOptions::default() });
     live.set_total_steps(total);
     let mut bar = Bar(progress, live);
-    let (trainer, report) = sft::run_prepared(&config, samples, &mut bar)?;
+    let (trainer, report) = trainer::run_prepared(&config, samples, &mut bar)?;
     bar.0.finish();
     eprintln!("final model (Hugging Face format): {}", report.exported.display());
     let records =
         jsonl::read_jsonl(&paths.root.join("metrics.jsonl")).context("reading metrics.jsonl")?;
     let mut chart =
         reward_curve(&records, &[("train loss", "loss"), ("held-out loss", "eval/loss")]);
-    chart.title = "SFT loss".into();
-    chart.y_label = "loss (nats / token)".into();
+    chart.title = format!("{} loss", mode.name().to_uppercase());
+    chart.y_label = if pairs { "loss".into() } else { "loss (nats / token)".into() };
     chart.write_png(&paths.root.join("loss.png")).context("writing loss.png")?;
     let tokens: f64 = records.iter().filter_map(|r| r.get("tokens")).sum();
     let train_seconds: f64 = records.iter().filter_map(|r| r.get("time/train")).sum();
+    let value =
+        |eval: &[(String, f64)], key: &str| eval.iter().find(|(k, _)| k == key).map(|(_, v)| *v);
+    let shown: &[(&str, &str)] = if pairs {
+        &[
+            ("accuracy", "accuracy (chosen above rejected)"),
+            ("reward/margin", "reward margin (chosen - rejected)"),
+            ("loss", "loss"),
+        ]
+    } else {
+        &[("loss", "loss (nats per response token)")]
+    };
+    let mut held_out: Vec<EvalRow> = shown
+        .iter()
+        .map(|(key, label)| EvalRow {
+            metric: (*label).into(),
+            baseline: value(&report.baseline, key),
+            final_value: value(&report.final_eval, key),
+        })
+        .collect();
+    held_out.push(EvalRow {
+        metric: "training tokens per second".into(),
+        baseline: None,
+        final_value: Some(tokens / train_seconds.max(1e-9)),
+    });
     let summary = RunSummary {
-        title: format!("{} (sft, {} rank(s))", args.config.display(), config.cluster.replicas),
+        title: format!(
+            "{} ({}, {} rank(s))",
+            args.config.display(),
+            mode.name(),
+            config.cluster.replicas
+        ),
         steps: report.steps,
         wall_time: started.elapsed(),
         held_out_prompts: report.samples.1,
-        held_out: vec![
-            EvalRow {
-                metric: "loss (nats per response token)".into(),
-                baseline: Some(report.baseline_eval_loss),
-                final_value: Some(report.final_eval_loss),
-            },
-            EvalRow {
-                metric: "training tokens per second".into(),
-                baseline: None,
-                final_value: Some(tokens / train_seconds.max(1e-9)),
-            },
-        ],
+        held_out,
         phases: trainer.timer.totals().to_vec(),
     };
     std::fs::write(paths.root.join("summary.md"), summary.to_markdown())

@@ -608,17 +608,23 @@ pub enum Mode {
     Rl,
     /// Supervised fine-tuning on prompt/response data ([`crate::stage::StageConfig`]).
     Sft,
+    /// A reward model trained on (chosen, rejected) pairs (Bradley–Terry).
+    Rm,
+    /// DPO on (chosen, rejected) pairs against a frozen reference.
+    Dpo,
 }
 
 impl Mode {
     /// Every mode, as the YAML spells them.
-    pub const NAMES: &'static str = "`rl`, `sft`";
+    pub const NAMES: &'static str = "`rl`, `sft`, `rm`, `dpo`";
 
     /// The YAML name.
     pub fn name(self) -> &'static str {
         match self {
             Mode::Rl => "rl",
             Mode::Sft => "sft",
+            Mode::Rm => "rm",
+            Mode::Dpo => "dpo",
         }
     }
 }

@@ -12,6 +12,8 @@ use rtrun_rlhf_model::train::{AdamW, OptimizerConfig};
 use crate::algo::{self, LossAggregation};
 use crate::experience::{ExperienceRow, Sequence, pad_rows, response_batch, unpad_rows};
 use crate::roles::{DpComm, Phase, WorkerSetup};
+use crate::stage::losses::{PairStats, PreferenceLoss, pair_sums, preference_losses};
+use crate::stage::pack::{PackedRow, row_tensors};
 
 /// Constructor argument of [`CriticWorker`].
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -49,6 +51,8 @@ pub struct CriticWorker {
 /// The tensors and settings of a [`CriticWorker`].
 struct CriticWorkerState {
     setup: WorkerSetup,
+    /// The directory the model was loaded from (its tokenizer files go with an export).
+    source_dir: PathBuf,
     model: ScalarHeadModel,
     optimizer: AdamW,
     value_clip: f64,
@@ -75,6 +79,7 @@ impl CriticWorkerState {
             AdamW::new(model.named_parameters(), config.optimizer).map_err(to_string_error)?;
         Ok(CriticWorkerState {
             setup: config.setup,
+            source_dir: config.model_dir,
             model,
             optimizer,
             value_clip: config.value_clip,
@@ -174,6 +179,35 @@ impl CriticWorker {
             .map(|state| CriticWorker { state: std::sync::Mutex::new(state) })
     }
 
+    /// One reward-model optimizer step (Bradley–Terry) on this rank's micro-batches of
+    /// (chosen, rejected) rows, of a global batch of `global_pairs` pairs (every rank is called
+    /// with its share: gradients are all-reduced).
+    pub fn preference_step(
+        &mut self,
+        batches: Vec<Vec<PackedRow>>,
+        global_pairs: usize,
+        loss: PreferenceLoss,
+    ) -> Result<PairStats, String> {
+        bradley_terry(loss)?;
+        self.state().preference_step(&batches, global_pairs).map_err(to_string_error)
+    }
+
+    /// Reward-model sums over held-out pairs.
+    pub fn preference_eval(
+        &self,
+        batches: Vec<Vec<PackedRow>>,
+        loss: PreferenceLoss,
+    ) -> Result<PairStats, String> {
+        bradley_terry(loss)?;
+        self.state().preference_eval(&batches).map_err(to_string_error)
+    }
+
+    /// Saves the model as a Hugging Face `*ForSequenceClassification` directory with the
+    /// tokenizer files of the directory it was loaded from.
+    pub fn export(&self, dir: PathBuf) -> Result<(), String> {
+        self.state().export(dir)
+    }
+
     /// Values of the states before each response token.
     pub fn values(&self, sequences: Vec<Sequence>) -> Result<Vec<Vec<f32>>, String> {
         self.state().values(sequences)
@@ -220,7 +254,74 @@ impl CriticWorker {
     }
 }
 
+/// A scalar-head rank trains a reward model with the Bradley–Terry loss only.
+fn bradley_terry(loss: PreferenceLoss) -> Result<(), String> {
+    match loss {
+        PreferenceLoss::BradleyTerry => Ok(()),
+        other => Err(format!("a reward-model rank trains with Bradley–Terry, asked for {other:?}")),
+    }
+}
+
 impl CriticWorkerState {
+    /// Bradley–Terry on the pairs of `rows`: the score at each sample's last token (its EOS),
+    /// per-pair losses (with the graph) and the micro-batch's sums.
+    fn pair_losses(&self, rows: &[PackedRow]) -> crate::Result<(tch::Tensor, PairStats)> {
+        let t = row_tensors(rows, self.model.params.device())?;
+        let hidden = self.model.backbone.forward_packed(&t.input_ids, &t.segment_ids)?;
+        let last = t.at_last_tokens(&hidden)?;
+        let scores = self.model.score.forward(&last)?.f_squeeze_dim(-1)?.f_to_kind(Kind::Float)?;
+        let pairs = scores.f_view([-1, 2])?;
+        let (chosen, rejected) = (pairs.f_select(1, 0)?, pairs.f_select(1, 1)?);
+        let (losses, c, r) = preference_losses(&chosen, &rejected, PreferenceLoss::BradleyTerry)?;
+        let mut sums = pair_sums(&losses.f_detach()?, &c, &r)?;
+        sums.tokens = rows.iter().map(PackedRow::len).sum();
+        Ok((losses, sums))
+    }
+
+    fn preference_step(
+        &mut self,
+        batches: &[Vec<PackedRow>],
+        global_pairs: usize,
+    ) -> crate::Result<PairStats> {
+        self.setup.enter(Phase::Train);
+        let dp_size = rtrun::context()?.group.map(|g| g.world_size).unwrap_or(1);
+        self.optimizer.zero_grad();
+        let scale = dp_size as f64 / global_pairs.max(1) as f64;
+        let mut stats = PairStats::default();
+        for rows in batches {
+            let (losses, sums) = self.pair_losses(rows)?;
+            stats = stats.add(&sums);
+            losses.f_sum(Kind::Float)?.f_mul_scalar(scale)?.f_backward()?;
+        }
+        let params: Vec<tch::Tensor> =
+            self.model.named_parameters().map(|(_, t)| t.shallow_clone()).collect();
+        self.comm.all_reduce(&params, &self.setup.role)?;
+        let step = self.optimizer.step()?;
+        stats.grad_norm = step.grad_norm;
+        stats.lr = step.lr;
+        Ok(stats)
+    }
+
+    fn preference_eval(&self, batches: &[Vec<PackedRow>]) -> crate::Result<PairStats> {
+        self.setup.enter(Phase::Experience);
+        tch::no_grad(|| {
+            let mut stats = PairStats::default();
+            for rows in batches {
+                stats = stats.add(&self.pair_losses(rows)?.1);
+            }
+            Ok(stats)
+        })
+    }
+
+    fn export(&self, dir: PathBuf) -> Result<(), String> {
+        self.model
+            .save_pretrained(&dir, &Default::default())
+            .and_then(|()| {
+                crate::roles::lm::copy_tokenizer_files(&self.source_dir, &dir, self.model.config())
+            })
+            .map_err(|e| format!("saving {}: {e}", dir.display()))
+    }
+
     fn train_impl(
         &mut self,
         rows: &[ExperienceRow],

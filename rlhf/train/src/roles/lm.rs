@@ -21,6 +21,7 @@ use rtrun_rlhf_engine::{WeightBucket, WeightMeta, WeightSyncGroup};
 mod supervised;
 pub use supervised::SupervisedStats;
 
+use crate::stage::losses::{PairStats, PreferenceLoss};
 use crate::stage::pack::PackedRow;
 
 /// How a policy rank computes its loss.
@@ -49,6 +50,8 @@ pub struct LmWorkerConfig {
     pub optimizer: Option<OptimizerConfig>,
     /// Loss settings (policy ranks).
     pub loss: PolicyLossConfig,
+    /// Also hold a frozen copy of the model as the reference (DPO ranks).
+    pub with_reference: bool,
 }
 
 /// What one policy training call did (means over micro-batches, this rank).
@@ -81,6 +84,8 @@ struct LmWorkerState {
     /// The directory the model was loaded from (its tokenizer files go with every save).
     source_dir: PathBuf,
     model: CausalLm,
+    /// The frozen reference of a DPO rank.
+    reference: Option<CausalLm>,
     optimizer: Option<AdamW>,
     loss: PolicyLossConfig,
     comm: DpComm,
@@ -112,10 +117,21 @@ impl LmWorkerState {
                 None
             }
         };
+        let reference = if config.with_reference {
+            let frozen = CausalLm::from_pretrained(&config.model_dir, device, config.setup.kind())
+                .map_err(|e| {
+                    format!("loading the reference {}: {e}", config.model_dir.display())
+                })?;
+            frozen.params.set_requires_grad(false).map_err(to_string_error)?;
+            Some(frozen)
+        } else {
+            None
+        };
         Ok(LmWorkerState {
             setup: config.setup,
             source_dir: config.model_dir,
             model,
+            reference,
             optimizer,
             loss: config.loss,
             comm: DpComm::default(),
@@ -312,6 +328,26 @@ impl LmWorker {
         self.state().supervised_eval(&batches).map_err(to_string_error)
     }
 
+    /// One DPO optimizer step on this rank's micro-batches of (chosen, rejected) rows, of a
+    /// global batch of `global_pairs` pairs (every rank is called with its share).
+    pub fn preference_step(
+        &mut self,
+        batches: Vec<Vec<PackedRow>>,
+        global_pairs: usize,
+        loss: PreferenceLoss,
+    ) -> Result<PairStats, String> {
+        self.state().preference_step(&batches, global_pairs, loss).map_err(to_string_error)
+    }
+
+    /// DPO sums over held-out pairs.
+    pub fn preference_eval(
+        &self,
+        batches: Vec<Vec<PackedRow>>,
+        loss: PreferenceLoss,
+    ) -> Result<PairStats, String> {
+        self.state().preference_eval(&batches, loss).map_err(to_string_error)
+    }
+
     /// One optimizer step on this rank's share of a global mini-batch of `global_tokens` response
     /// tokens (every rank of the group must be called with its share: gradients are all-reduced).
     pub fn train(
@@ -411,7 +447,7 @@ impl LmWorker {
 /// Copies the tokenizer files of `from` into `to` (nothing when they are the same directory),
 /// and writes a `generation_config.json` with the model's EOS / BOS / PAD ids when
 /// `from` has none, so the directory generates and stops as the source did.
-fn copy_tokenizer_files(
+pub(crate) fn copy_tokenizer_files(
     from: &std::path::Path,
     to: &std::path::Path,
     config: &rtrun_rlhf_model::ModelConfig,

@@ -1,5 +1,6 @@
-//! The config of the supervised trainers (`mode: sft`): the same YAML + `--set` style, key
-//! checks and file:line errors as the RL config, with OpenRLHF's `train_sft` defaults.
+//! The config of the trainers beside RL (`mode: sft | rm | dpo`): the same YAML + `--set`
+//! style, key checks and file:line errors as the RL config, with OpenRLHF's `train_sft` /
+//! `train_rm` / `train_dpo` defaults.
 
 use std::path::{Path, PathBuf};
 
@@ -12,10 +13,13 @@ use crate::config::{
 use crate::data::PathList;
 use crate::error::{Result, TrainError};
 
-/// A supervised run.
+/// A supervised run: SFT, reward model or DPO.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct StageConfig {
+    /// The trainer (the YAML's `mode:`, taken out before the rest is read).
+    #[serde(skip)]
+    pub mode: Mode,
     /// Seed of everything random in the run (the held-out split, the order of every epoch).
     pub seed: u64,
     /// Where metrics, checkpoints and the trained model go.
@@ -35,6 +39,42 @@ pub struct StageConfig {
     pub eval: EvalConfig,
     /// Checkpoints and resume.
     pub checkpoint: CheckpointConfig,
+    /// DPO's loss (`mode: dpo`).
+    pub dpo: DpoConfig,
+}
+
+/// DPO's loss (OpenRLHF's `train_dpo` flags).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DpoConfig {
+    /// β: how strongly the policy is held to the reference (`--beta`).
+    pub beta: f64,
+    /// cDPO: the probability that a preference label is wrong (`--label_smoothing`).
+    pub label_smoothing: f64,
+    /// IPO's squared loss on mean log-probs per token instead of DPO's (`--ipo`).
+    pub ipo: bool,
+}
+
+impl Default for DpoConfig {
+    fn default() -> Self {
+        Self { beta: 0.1, label_smoothing: 0.0, ipo: false }
+    }
+}
+
+impl StageConfig {
+    /// The preference loss of a pair mode (`None` for SFT).
+    pub fn preference_loss(&self) -> Option<crate::stage::losses::PreferenceLoss> {
+        use crate::stage::losses::PreferenceLoss;
+        match self.mode {
+            Mode::Rm => Some(PreferenceLoss::BradleyTerry),
+            Mode::Dpo => Some(PreferenceLoss::Dpo {
+                beta: self.dpo.beta,
+                label_smoothing: self.dpo.label_smoothing,
+                ipo: self.dpo.ipo,
+            }),
+            _ => None,
+        }
+    }
 }
 
 impl Default for StageConfig {
@@ -49,6 +89,8 @@ impl Default for StageConfig {
             cluster: StageClusterConfig::default(),
             eval: EvalConfig::default(),
             checkpoint: CheckpointConfig::default(),
+            dpo: DpoConfig::default(),
+            mode: Mode::Sft,
         }
     }
 }
@@ -67,9 +109,14 @@ pub struct StageDataConfig {
     /// The record key of the prompt: a string, or a list of `{role, content}` messages
     /// (`--input_key`).
     pub input_key: String,
-    /// The record key of the response, a string (`--output_key`). Absent: `input_key` holds a
-    /// whole conversation and its last message, the assistant's, is the response.
+    /// The record key of the response, a string (`--output_key`; SFT). Absent: `input_key`
+    /// holds a whole conversation and its last message, the assistant's, is the response.
     pub output_key: Option<String>,
+    /// The record key of the preferred response (`--chosen_key`; reward model and DPO): a string
+    /// answering `input_key`'s prompt, or a whole conversation ending in the response.
+    pub chosen_key: String,
+    /// The record key of the other response (`--rejected_key`), in the same form.
+    pub rejected_key: String,
     /// Render with the model tokenizer's chat template (`--apply_chat_template`); a string
     /// prompt becomes one user message.
     pub apply_chat_template: bool,
@@ -88,6 +135,8 @@ impl Default for StageDataConfig {
             eval_fraction: 0.05,
             input_key: "input".to_owned(),
             output_key: Some("output".to_owned()),
+            chosen_key: "chosen".to_owned(),
+            rejected_key: "rejected".to_owned(),
             apply_chat_template: false,
             max_len: 2048,
             max_samples: None,
@@ -213,8 +262,15 @@ impl StageConfig {
     }
 
     fn from_tree(tree: ConfigTree) -> Result<Self> {
-        tree.expect_mode(Mode::Sft)?;
-        let config: Self = tree.typed()?;
+        let mode = tree.mode;
+        if mode == Mode::Rl {
+            tree.expect_mode(Mode::Sft)?;
+        }
+        let mut config: Self = tree.typed()?;
+        config.mode = mode;
+        if mode != Mode::Sft && config.run_dir == StageConfig::default().run_dir {
+            config.run_dir = PathBuf::from(format!("runs/{}", mode.name()));
+        }
         config.validate()?;
         Ok(config)
     }
@@ -321,6 +377,18 @@ impl StageConfig {
                 ));
             }
         }
+        if self.mode == Mode::Dpo && !(self.dpo.beta > 0.0 && self.dpo.beta.is_finite()) {
+            return Err(TrainError::config(
+                "dpo.beta",
+                format!("expected a positive number, found {}", self.dpo.beta),
+            ));
+        }
+        if !(0.0..0.5).contains(&self.dpo.label_smoothing) {
+            return Err(TrainError::config(
+                "dpo.label_smoothing",
+                format!("expected a number in [0, 0.5), found {}", self.dpo.label_smoothing),
+            ));
+        }
         for (key, value) in [
             ("cluster.call_timeout_s", self.cluster.call_timeout_s),
             ("cluster.stall_warn_s", self.cluster.stall_warn_s),
@@ -380,6 +448,17 @@ mod tests {
         // An RL config handed to the SFT trainer, and the other way round.
         let err = StageConfig::from_yaml("seed: 3\n", "grpo.yaml", &[]).unwrap_err().to_string();
         assert!(err.contains("expected a `sft` config"), "{err}");
+        let dpo =
+            StageConfig::from_yaml(&ok.replace("mode: sft", "mode: dpo"), "d.yaml", &[]).unwrap();
+        assert_eq!((dpo.mode, dpo.run_dir.as_path()), (Mode::Dpo, Path::new("runs/dpo")));
+        let err = StageConfig::from_yaml(
+            &ok.replace("mode: sft", "mode: dpo"),
+            "d.yaml",
+            &["dpo.beta=0".into()],
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("dpo.beta"), "{err}");
         let err = crate::TrainConfig::from_yaml(&ok, "sft.yaml", &[]).unwrap_err().to_string();
         assert!(err.contains("expected a `rl` config"), "{err}");
         let err = StageConfig::from_yaml("mode: sft\n", "sft.yaml", &[]).unwrap_err().to_string();

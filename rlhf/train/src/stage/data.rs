@@ -1,39 +1,87 @@
-//! SFT datasets: JSONL / Parquet records as OpenRLHF's `SFTDataset` reads them, tokenized into
-//! [`Sample`]s (prompt ids, then response ids ending in EOS; the loss covers the response).
+//! Datasets of the trainers beside RL: JSONL / Parquet records as OpenRLHF's `SFTDataset` and
+//! `RewardDataset` read them, tokenized into [`Sample`]s (prompt ids, then response ids ending in
+//! EOS; the loss covers the response) grouped in units: one sample per SFT record, a (chosen,
+//! rejected) pair per preference record.
 //!
-//! A record is `{input_key: prompt, output_key: response}` with a string prompt or a list of chat
-//! messages, or (without `output_key`) `{input_key: [messages…]}` whose last message is the
-//! assistant's response. With `apply_chat_template` the prompt is the template's rendering of the
-//! prompt messages with the assistant's turn opened, and the response is what the template adds
-//! for the assistant's message (its end-of-turn tokens included). Every bad record is an error
-//! naming its file and line (row, for Parquet).
+//! An SFT record is `{input_key: prompt, output_key: response}` with a string prompt or a list of
+//! chat messages, or (without `output_key`) `{input_key: [messages…]}` whose last message is the
+//! assistant's response. A preference record is `{input_key: prompt, chosen_key: response,
+//! rejected_key: response}`, or `{chosen_key: [messages…], rejected_key: [messages…]}` whose last
+//! messages are the two responses. With `apply_chat_template` the prompt is the template's
+//! rendering of the prompt messages with the assistant's turn opened, and the response is what
+//! the template adds for the assistant's message (its end-of-turn tokens included). Every bad
+//! record is an error naming its file and line (row, for Parquet).
 
 use rtrun_rlhf_model::ChatMessage;
 
+use crate::config::Mode;
 use crate::data::{
     PathList, RawRecord, chat_messages, hold_out, json_kind, read_records, render_chat,
 };
 use crate::error::{Result, TrainError};
 use crate::stage::config::StageDataConfig;
-use crate::stage::pack::Sample;
+use crate::stage::pack::{Sample, Unit};
 use crate::tokenizer::{HfTokenizer, PromptTokenizer};
 
-/// The samples of a run.
+/// The examples of a run: units of one sample (SFT) or a (chosen, rejected) pair.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct LoadedSamples {
-    /// Training samples, in file order.
-    pub train: Vec<Sample>,
-    /// Held-out samples.
-    pub eval: Vec<Sample>,
-    /// Samples dropped for being longer than `data.max_len` (train, held-out).
+    /// Training units, in file order.
+    pub train: Vec<Unit>,
+    /// Held-out units.
+    pub eval: Vec<Unit>,
+    /// Units dropped for a sample longer than `data.max_len` (train, held-out).
     pub dropped_too_long: (usize, usize),
 }
 
-/// The prompt and response text of one record.
+/// The prompt and response text of one SFT record.
 pub fn prompt_and_response(
     record: &RawRecord,
     config: &StageDataConfig,
     tokenizer: &HfTokenizer,
+) -> Result<(String, String)> {
+    let output = config.output_key.as_deref().map(|k| (k, "data.output_key"));
+    render_example(record, config.apply_chat_template, tokenizer, &config.input_key, output)
+}
+
+/// The (chosen, rejected) prompt and response texts of one preference record.
+pub fn preference_pair(
+    record: &RawRecord,
+    config: &StageDataConfig,
+    tokenizer: &HfTokenizer,
+) -> Result<[(String, String); 2]> {
+    let side = |key: &str, setting: &str| {
+        let template = config.apply_chat_template;
+        match record.value.get(key) {
+            // A whole conversation ending in the response.
+            Some(serde_json::Value::Array(_)) => {
+                render_example(record, template, tokenizer, key, None)
+            }
+            _ => {
+                render_example(record, template, tokenizer, &config.input_key, Some((key, setting)))
+            }
+        }
+    };
+    let chosen = side(&config.chosen_key, "data.chosen_key")?;
+    let rejected = side(&config.rejected_key, "data.rejected_key")?;
+    if chosen.0 != rejected.0 {
+        return Err(TrainError::Data(format!(
+            "{}: `{}` and `{}` must answer the same prompt, found two different conversations",
+            record.location, config.chosen_key, config.rejected_key
+        )));
+    }
+    Ok([chosen, rejected])
+}
+
+/// The prompt and response of a record: the prompt under `input_key`, the response under
+/// `response` (`(key, config setting)`) or, without one, the last message of `input_key`'s
+/// conversation.
+fn render_example(
+    record: &RawRecord,
+    template: bool,
+    tokenizer: &HfTokenizer,
+    input_key: &str,
+    response: Option<(&str, &str)>,
 ) -> Result<(String, String)> {
     let at = &record.location;
     let keys = || -> String {
@@ -51,28 +99,25 @@ pub fn prompt_and_response(
             ))
         })
     };
-    let input = get(&config.input_key, "data.input_key")?;
-    let template = config.apply_chat_template;
+    let input = get(input_key, "data.input_key")?;
     let needs_template = || {
         TrainError::Data(format!(
-            "{at}: `{}` holds chat messages, which need data.apply_chat_template: true",
-            config.input_key
+            "{at}: `{input_key}` holds chat messages, which need data.apply_chat_template: true"
         ))
     };
     let mut messages = match input {
         serde_json::Value::String(text) => vec![ChatMessage::new("user", text)],
-        serde_json::Value::Array(items) if template => chat_messages(at, &config.input_key, items)?,
+        serde_json::Value::Array(items) if template => chat_messages(at, input_key, items)?,
         serde_json::Value::Array(_) => return Err(needs_template()),
         other => {
             return Err(TrainError::Data(format!(
-                "{at}: expected `{}` to be a string or a list of chat messages, found {}",
-                config.input_key,
+                "{at}: expected `{input_key}` to be a string or a list of chat messages, found {}",
                 json_kind(other)
             )));
         }
     };
-    let response = match &config.output_key {
-        Some(key) => match get(key, "data.output_key")? {
+    let response = match response {
+        Some((key, setting)) => match get(key, setting)? {
             serde_json::Value::String(text) => text.clone(),
             other => {
                 return Err(TrainError::Data(format!(
@@ -90,9 +135,8 @@ pub fn prompt_and_response(
                 Some(m) if m.role == "assistant" && !messages.is_empty() => m.content,
                 _ => {
                     return Err(TrainError::Data(format!(
-                        "{at}: without data.output_key, `{}` must be a conversation whose last \
-                         message is the assistant's response (after at least one other)",
-                        config.input_key
+                        "{at}: without a response key, `{input_key}` must be a conversation whose \
+                         last message is the assistant's response (after at least one other)"
                     )));
                 }
             }
@@ -135,19 +179,29 @@ pub fn tokenize(at: &str, tokenizer: &HfTokenizer, prompt: &str, response: &str)
     Ok(Sample { ids, prompt_len })
 }
 
-/// Reads, tokenizes and filters the dataset of `config`; without `eval_data` a seeded
-/// `eval_fraction` of `train_data` is held out.
+/// Reads, tokenizes and filters the dataset of `config` for `mode` (SFT samples, or preference
+/// pairs); without `eval_data` a seeded `eval_fraction` of `train_data` is held out.
 pub fn load_samples(
     config: &StageDataConfig,
     tokenizer: &HfTokenizer,
     seed: u64,
+    mode: Mode,
 ) -> Result<LoadedSamples> {
-    let read_all = |paths: &PathList| -> Result<Vec<Sample>> {
+    let read_all = |paths: &PathList| -> Result<Vec<Unit>> {
         let mut out = Vec::new();
         for path in &paths.0 {
             for record in read_records(path)? {
-                let (prompt, response) = prompt_and_response(&record, config, tokenizer)?;
-                out.push(tokenize(&record.location, tokenizer, &prompt, &response)?);
+                let at = &record.location;
+                let unit = if mode == Mode::Sft {
+                    let (prompt, response) = prompt_and_response(&record, config, tokenizer)?;
+                    vec![tokenize(at, tokenizer, &prompt, &response)?]
+                } else {
+                    preference_pair(&record, config, tokenizer)?
+                        .iter()
+                        .map(|(prompt, response)| tokenize(at, tokenizer, prompt, response))
+                        .collect::<Result<Vec<_>>>()?
+                };
+                out.push(unit);
             }
         }
         Ok(out)
@@ -171,21 +225,21 @@ pub fn load_samples(
     if let Some(max) = config.max_samples {
         train.truncate(max);
     }
-    let filter = |samples: &mut Vec<Sample>, split: &str| -> Result<usize> {
-        let before = samples.len();
-        let longest = samples.iter().map(|s| s.ids.len()).max().unwrap_or(0);
-        samples.retain(|s| s.ids.len() <= config.max_len);
-        if samples.is_empty() && before > 0 {
+    let filter = |units: &mut Vec<Unit>, split: &str| -> Result<usize> {
+        let before = units.len();
+        let longest = units.iter().flatten().map(|s| s.ids.len()).max().unwrap_or(0);
+        units.retain(|u| u.iter().all(|s| s.ids.len() <= config.max_len));
+        if units.is_empty() && before > 0 {
             return Err(TrainError::config(
                 "data.max_len",
                 format!(
-                    "every one of the {before} {split} samples is longer than {} tokens (the \
-                     longest has {longest}); raise data.max_len",
+                    "every one of the {before} {split} records has a sample longer than {} \
+                     tokens (the longest has {longest}); raise data.max_len",
                     config.max_len
                 ),
             ));
         }
-        Ok(before - samples.len())
+        Ok(before - units.len())
     };
     let dropped = (filter(&mut train, "training")?, filter(&mut eval, "held-out")?);
     Ok(LoadedSamples { train, eval, dropped_too_long: dropped })

@@ -104,6 +104,7 @@ impl Roles {
             model_dir: policy_dir.to_path_buf(),
             optimizer: Some(optimizer(config, config.train.actor_lr, total_optimizer_steps)),
             loss: loss.clone(),
+            with_reference: false,
         };
         let p = &placements;
         let actor =

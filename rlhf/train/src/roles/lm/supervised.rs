@@ -1,15 +1,21 @@
-//! Supervised steps of a policy rank (`train --mode sft`): token-level negative log-likelihood of
-//! the response tokens of packed rows, summed per rank and divided by the global batch's response
-//! tokens, so the all-reduced gradient is that of the mean over the whole batch whatever the
-//! ranks' shares; then one AdamW step.
+//! Supervised and preference steps of a policy rank on packed rows (`train --mode sft|dpo`).
+//!
+//! SFT: the token-level negative log-likelihood of the response tokens, summed per rank and
+//! divided by the global batch's response tokens. DPO: the per-pair loss of the summed response
+//! log-probs against a frozen reference held by the same rank (as OpenRLHF keeps it), summed
+//! per rank and divided by the global batch's pairs. Either way the all-reduced (mean) gradient
+//! is that of the mean over the whole batch whatever the ranks' shares; then one AdamW step.
 
 use serde::{Deserialize, Serialize};
+use tch::Tensor;
 
 use rtrun_rlhf_model::CausalLm;
+use rtrun_rlhf_model::logprobs::token_log_probs;
 
 use super::LmWorkerState;
 use crate::roles::Phase;
-use crate::stage::pack::{PackedRow, nll_sum, row_tensors};
+use crate::stage::losses::{PairStats, PreferenceLoss, pair_sums, preference_losses};
+use crate::stage::pack::{PackedRow, RowTensors, row_tensors};
 
 /// What one supervised step did on this rank.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
@@ -24,17 +30,55 @@ pub struct SupervisedStats {
     pub lr: f64,
 }
 
-/// The summed NLL of the response tokens of `rows` (a float32 scalar with the graph when
-/// gradients are on) and how many there are. Only positions that predict a response token are
-/// projected to the vocabulary.
-fn rows_nll(model: &CausalLm, rows: &[PackedRow]) -> crate::Result<(tch::Tensor, usize)> {
-    let t = row_tensors(rows, model.params.device())?;
+/// Log-probs `[N]` of the tokens at `positions` (the response positions of `t`) under `model`;
+/// only those positions are projected to the vocabulary.
+fn response_log_probs(
+    model: &CausalLm,
+    t: &RowTensors,
+    positions: &Tensor,
+) -> crate::Result<Tensor> {
     let hidden = model.backbone.forward_packed(&t.input_ids, &t.segment_ids)?;
     let width = hidden.size()[2];
-    let index = t.loss_mask.f_flatten(0, -1)?.f_nonzero()?.f_squeeze_dim(1)?;
-    let picked = hidden.f_reshape([-1, width])?.f_index_select(0, &index)?;
-    let targets = t.targets.f_flatten(0, -1)?.f_index_select(0, &index)?;
-    Ok((nll_sum(&model.lm_logits(&picked)?, &targets)?, t.loss_tokens))
+    let picked = hidden.f_reshape([-1, width])?.f_index_select(0, positions)?;
+    let targets = t.targets.f_flatten(0, -1)?.f_index_select(0, positions)?;
+    Ok(token_log_probs(&model.lm_logits(&picked)?, &targets)?)
+}
+
+/// The summed NLL of the response tokens of `rows` (a scalar with the graph when gradients are
+/// on) and how many there are.
+fn rows_nll(model: &CausalLm, rows: &[PackedRow]) -> crate::Result<(Tensor, usize)> {
+    let t = row_tensors(rows, model.params.device())?;
+    let positions = t.response_positions()?;
+    let log_probs = response_log_probs(model, &t, &positions)?;
+    Ok((log_probs.f_sum(tch::Kind::Float)?.f_neg()?, t.loss_tokens))
+}
+
+/// DPO on the pairs of `rows` (chosen, rejected consecutive): per-pair losses (with the graph)
+/// and the micro-batch's sums.
+fn dpo_pairs(
+    model: &CausalLm,
+    reference: &CausalLm,
+    rows: &[PackedRow],
+    loss: PreferenceLoss,
+) -> crate::Result<(Tensor, PairStats)> {
+    let t = row_tensors(rows, model.params.device())?;
+    let positions = t.response_positions()?;
+    let policy = t.sum_per_sample(&positions, &response_log_probs(model, &t, &positions)?)?;
+    let frozen = tch::no_grad(|| -> crate::Result<Tensor> {
+        t.sum_per_sample(&positions, &response_log_probs(reference, &t, &positions)?)
+    })?;
+    let mut ratio = policy.f_sub(&frozen)?;
+    if let PreferenceLoss::Dpo { ipo: true, .. } = loss {
+        // IPO compares mean log-probs per response token (OpenRLHF's `average_log_prob`).
+        let ones = Tensor::f_ones([positions.size()[0]], (tch::Kind::Float, ratio.device()))?;
+        ratio = ratio.f_div(&t.sum_per_sample(&positions, &ones)?.f_clamp_min(1.0)?)?;
+    }
+    let pairs = ratio.f_view([-1, 2])?;
+    let (chosen, rejected) = (pairs.f_select(1, 0)?, pairs.f_select(1, 1)?);
+    let (losses, chosen_rewards, rejected_rewards) = preference_losses(&chosen, &rejected, loss)?;
+    let mut sums = pair_sums(&losses.f_detach()?, &chosen_rewards, &rejected_rewards)?;
+    sums.tokens = rows.iter().map(PackedRow::len).sum();
+    Ok((losses, sums))
 }
 
 impl LmWorkerState {
@@ -83,6 +127,63 @@ impl LmWorkerState {
                 out.1 += tokens;
             }
             Ok(out)
+        })
+    }
+
+    fn reference(&self) -> crate::Result<&CausalLm> {
+        self.reference.as_ref().ok_or_else(|| {
+            crate::TrainError::role(&self.setup.role, "this rank holds no reference model")
+        })
+    }
+
+    /// One DPO optimizer step over this rank's micro-batches of a global batch of
+    /// `global_pairs` pairs.
+    pub(super) fn preference_step(
+        &mut self,
+        batches: &[Vec<PackedRow>],
+        global_pairs: usize,
+        loss: PreferenceLoss,
+    ) -> crate::Result<PairStats> {
+        self.setup.enter(Phase::Train);
+        let role = self.setup.role.clone();
+        let dp_size = rtrun::context()?.group.map(|g| g.world_size).unwrap_or(1);
+        let reference = self
+            .reference
+            .as_ref()
+            .ok_or_else(|| crate::TrainError::role(&role, "this rank holds no reference model"))?;
+        let optimizer = self
+            .optimizer
+            .as_mut()
+            .ok_or_else(|| crate::TrainError::role(&role, "this rank is frozen (no optimizer)"))?;
+        optimizer.zero_grad();
+        let scale = dp_size as f64 / global_pairs.max(1) as f64;
+        let mut stats = PairStats::default();
+        for rows in batches {
+            let (losses, sums) = dpo_pairs(&self.model, reference, rows, loss)?;
+            stats = stats.add(&sums);
+            losses.f_sum(tch::Kind::Float)?.f_mul_scalar(scale)?.f_backward()?;
+        }
+        self.comm.all_reduce_gradients(&self.model, &role)?;
+        let step = optimizer.step()?;
+        stats.grad_norm = step.grad_norm;
+        stats.lr = step.lr;
+        Ok(stats)
+    }
+
+    /// DPO sums over `batches` (no gradients).
+    pub(super) fn preference_eval(
+        &self,
+        batches: &[Vec<PackedRow>],
+        loss: PreferenceLoss,
+    ) -> crate::Result<PairStats> {
+        self.setup.enter(Phase::Experience);
+        let reference = self.reference()?;
+        tch::no_grad(|| {
+            let mut stats = PairStats::default();
+            for rows in batches {
+                stats = stats.add(&dpo_pairs(&self.model, reference, rows, loss)?.1);
+            }
+            Ok(stats)
         })
     }
 }
