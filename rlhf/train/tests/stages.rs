@@ -346,7 +346,7 @@ fn the_example_chain_fine_tunes_then_trains_a_reward_model_ppo_and_dpo() {
     };
     run("sft-hf.yaml", &["train.epochs=16"]);
     let sft = metrics(&dir.join("runs/sft-hf"));
-    assert!(sft.iter().filter_map(|m| m.get("loss")).last().unwrap() < 1.5);
+    assert!(sft.iter().rev().find_map(|m| m.get("loss")).unwrap() < 1.5);
     let stderr = run(
         "grpo-from-sft.yaml",
         &["train.max_steps=1", "rollout.prompts_per_step=8", "eval.every_steps=0"],

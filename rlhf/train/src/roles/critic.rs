@@ -290,7 +290,7 @@ impl CriticWorkerState {
         let mut stats = PairStats::default();
         for rows in batches {
             let (losses, sums) = self.pair_losses(rows)?;
-            stats = stats.add(&sums);
+            stats = stats.plus(&sums);
             losses.f_sum(Kind::Float)?.f_mul_scalar(scale)?.f_backward()?;
         }
         let params: Vec<tch::Tensor> =
@@ -307,7 +307,7 @@ impl CriticWorkerState {
         tch::no_grad(|| {
             let mut stats = PairStats::default();
             for rows in batches {
-                stats = stats.add(&self.pair_losses(rows)?.1);
+                stats = stats.plus(&self.pair_losses(rows)?.1);
             }
             Ok(stats)
         })

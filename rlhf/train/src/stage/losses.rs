@@ -48,7 +48,7 @@ pub struct PairStats {
 
 impl PairStats {
     /// Adds `other`'s sums (the step fields are kept from the first).
-    pub fn add(mut self, other: &PairStats) -> PairStats {
+    pub fn plus(mut self, other: &PairStats) -> PairStats {
         self.loss_sum += other.loss_sum;
         self.pairs += other.pairs;
         self.correct += other.correct;

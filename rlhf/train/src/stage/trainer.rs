@@ -290,7 +290,7 @@ impl StageTrainer {
                 self.watch.wait("preference_eval", calls)?
             }
         };
-        let sums = pairs.iter().fold(PairStats::default(), |a, b| a.add(b));
+        let sums = pairs.iter().fold(PairStats::default(), |a, b| a.plus(b));
         Ok(sums.means().into_iter().map(|(k, v)| (k.to_owned(), v)).collect())
     }
 
@@ -331,7 +331,7 @@ impl StageTrainer {
                 let calls =
                     each_rank!(ranks, role, shares, |m, s| m.preference_step(s, pairs, loss));
                 let answers = self.watch.wait("preference_step", calls)?;
-                let sums = answers.iter().fold(PairStats::default(), |a, b| a.add(b));
+                let sums = answers.iter().fold(PairStats::default(), |a, b| a.plus(b));
                 values.extend(sums.means().into_iter().map(|(k, v)| (k.to_owned(), v)));
                 let first = answers.first().copied().unwrap_or_default();
                 (first.grad_norm, first.lr)

@@ -160,7 +160,7 @@ impl LmWorkerState {
         let mut stats = PairStats::default();
         for rows in batches {
             let (losses, sums) = dpo_pairs(&self.model, reference, rows, loss)?;
-            stats = stats.add(&sums);
+            stats = stats.plus(&sums);
             losses.f_sum(tch::Kind::Float)?.f_mul_scalar(scale)?.f_backward()?;
         }
         self.comm.all_reduce_gradients(&self.model, &role)?;
@@ -181,7 +181,7 @@ impl LmWorkerState {
         tch::no_grad(|| {
             let mut stats = PairStats::default();
             for rows in batches {
-                stats = stats.add(&dpo_pairs(&self.model, reference, rows, loss)?.1);
+                stats = stats.plus(&dpo_pairs(&self.model, reference, rows, loss)?.1);
             }
             Ok(stats)
         })
