@@ -13,12 +13,18 @@
 #   3. `train --mode sft` vs TRL's SFTTrainer, from the same untrained walkthrough checkpoint on
 #      the same prompt/completion data (chat template, loss on the completion), 32 samples per
 #      optimizer step in micro-batches of 8, for SEEDS seeds: training tokens per second, rtrun
-#      as one rank unpacked (TRL's shape), one rank packed, and two DP ranks packed.
+#      as one rank unpacked (TRL's shape), one rank packed, and two DP ranks packed;
+#   4. `train --mode rm` vs TRL's RewardTrainer and `train --mode dpo` vs TRL's DPOTrainer, from
+#      the same SFT'd walkthrough checkpoint on the same preference pairs, 32 pairs per step in
+#      micro-batches of 8: training tokens per second (rtrun one rank unpacked, two ranks
+#      packed); and the exported reward model loaded by transformers'
+#      AutoModelForSequenceClassification, its held-out accuracy beside rtrun's.
 #
 # Usage: scripts/bench-rlhf.sh [--quick]
 #   --quick: 1 round, 1 seed, 12 rollout steps (a smoke run of the script; not a measurement).
 # Environment: BENCH_DIR (default ~/.cache/rtrun/bench-rlhf), THREADS (default: every core),
-#   ROUNDS (3), SEEDS ("1 2 3"), STEPS (40 rollout / SFT steps per run), PARTS ("engine grpo sft": which
+#   ROUNDS (3), SEEDS ("1 2 3"), STEPS (40 rollout / SFT / RM / DPO steps per run), PARTS
+#   ("engine grpo sft pairs": which
 #   halves to run; the report then covers those), BENCH_VENV (a venv that
 #   already has them, e.g. the parity venv of rlhf/model/parity).
 # Python side: transformers 5.23, TRL 1.16 and torch 2.13 from PyPI in ~/.cache/rtrun/bench-venv,
@@ -36,7 +42,7 @@ fi
 THREADS=${THREADS:-$(nproc)}
 BENCH_DIR=${BENCH_DIR:-$HOME/.cache/rtrun/bench-rlhf}
 VENV=${BENCH_VENV:-$HOME/.cache/rtrun/bench-venv}
-PARTS=${PARTS:-"engine grpo sft"}
+PARTS=${PARTS:-"engine grpo sft pairs"}
 mkdir -p "$BENCH_DIR/runs"
 REPORT=$BENCH_DIR/report.jsonl
 : >"$REPORT"
@@ -123,6 +129,51 @@ for seed in $SEEDS; do
             >"$run.log" 2>&1) || { tail -20 "$run.log" >&2; exit 1; }
         "$PY" scripts/bench/summarize_sft.py "$run" "$seed" "$ranks rank(s), packing $packing" >>"$REPORT"
     done
+done
+fi
+
+# --- 4. reward model and DPO vs TRL's RewardTrainer and DPOTrainer ------------------------------
+if [[ " $PARTS " == *" pairs "* ]]; then
+SW=$BENCH_DIR/walkthrough-untrained
+if [[ ! -f $SW/model/config.json ]]; then
+    "$ROOT/target/release/examples/make_walkthrough" "$SW" --warmup-steps 0 >&2
+fi
+SFT=$BENCH_DIR/runs/sft-for-pairs
+if [[ ! -f $SFT/final_policy/config.json ]]; then
+    rm -rf "$SFT"
+    (cd "$BENCH_DIR" && "$TRAIN" --config "$ROOT/deploy/examples/pipeline/sft-hf.yaml" \
+        --set run_dir="$SFT" --set model.pretrain="$SW/model" \
+        --set data.train_data="$SW/data/train.jsonl" --set data.eval_data="$SW/data/test.jsonl" \
+        >"$SFT.log" 2>&1) || { tail -20 "$SFT.log" >&2; exit 1; }
+fi
+for mode in rm dpo; do
+    lr=0.003; [[ $mode == dpo ]] && lr=0.001
+    for seed in $SEEDS; do
+        "$PY" scripts/bench/trl_pair_anchor.py --trainer "$mode" --model "$SFT/final_policy" \
+            --data "$SW/data/preference_train.jsonl" --steps "$STEPS" --threads "$THREADS" \
+            --seed "$seed" --lr "$lr" 2>"$BENCH_DIR/trl-$mode-seed$seed.log" | tail -1 | "$PY" -c \
+            "import json,sys; r=json.load(sys.stdin); r['trl_pair_seed']=$seed; print(json.dumps(r))" >>"$REPORT"
+        for layout in "1 false" "2 true"; do
+            read -r ranks packing <<<"$layout"
+            run=$BENCH_DIR/runs/$mode-seed$seed-r$ranks-$packing
+            rm -rf "$run"
+            threads=$(( THREADS / ranks )); (( threads > 0 )) || threads=1
+            (cd "$BENCH_DIR" && "$TRAIN" --config "$ROOT/deploy/examples/pipeline/$mode-hf.yaml" \
+                --set seed="$seed" --set run_dir="$run" --set model.pretrain="$SFT/final_policy" \
+                --set data.train_data="$SW/data/preference_train.jsonl" \
+                --set data.eval_data="$SW/data/preference_test.jsonl" \
+                --set cluster.replicas="$ranks" --set cluster.threads_per_worker="$threads" \
+                --set train.packing="$packing" --set train.max_steps="$STEPS" --set train.lr="$lr" \
+                --set eval.every_steps=0 --set checkpoint.every_steps=0 \
+                >"$run.log" 2>&1) || { tail -20 "$run.log" >&2; exit 1; }
+            "$PY" scripts/bench/summarize_sft.py "$run" "$seed" "$ranks rank(s), packing $packing" \
+                | "$PY" -c "import json,sys; r=json.load(sys.stdin); r['pair_mode']='$mode'; print(json.dumps(r))" >>"$REPORT"
+        done
+    done
+    if [[ $mode == rm ]]; then
+        "$PY" scripts/bench/hf_reward_model_check.py "$run/final_reward_model" \
+            "$SW/data/preference_test.jsonl" "$run" 2>/dev/null | tail -1 >>"$REPORT"
+    fi
 done
 fi
 

@@ -49,7 +49,7 @@ if ours:
                   for k in next(iter(ours.values()))["phase_seconds_median"]}
         print("rtrun phase medians (s): " + ", ".join(f"{k} {v:.3f}" for k, v in phases.items()))
 
-sft = [r for r in rows if "rtrun_sft_seed" in r]
+sft = [r for r in rows if "rtrun_sft_seed" in r and "pair_mode" not in r]
 trl_sft = {r["trl_sft_seed"]: r for r in rows if "trl_sft_seed" in r}
 if sft:
     print("\n## SFT vs TRL SFTTrainer (32 samples per step, micro-batches of 8, tokens/s)\n")
@@ -68,3 +68,29 @@ if sft:
     for layout, ratios in by_layout.items():
         print(f"\nmean over seeds, {layout}: {statistics.mean(ratios):.2f}x TRL's tokens/s", end="")
     print()
+
+pairs = [r for r in rows if "pair_mode" in r]
+trl_pairs = {(r["trainer"], r["trl_pair_seed"]): r for r in rows if "trl_pair_seed" in r}
+if pairs:
+    print("\n## Reward model and DPO vs TRL RewardTrainer / DPOTrainer (32 pairs per step, tokens/s)\n")
+    print("| trainer | seed | rtrun layout | TRL tokens/s | rtrun tokens/s | ratio | TRL loss | rtrun loss |")
+    print("|---|---:|---|---:|---:|---:|---|---|")
+    by = {}
+    for r in pairs:
+        t = trl_pairs.get((r["pair_mode"], r["rtrun_sft_seed"]))
+        if t is None:
+            continue
+        ratio = r["tokens_per_s"] / t["tokens_per_s"]
+        by.setdefault((r["pair_mode"], r["layout"]), []).append(ratio)
+        print(f"| {r['pair_mode']} | {r['rtrun_sft_seed']} | {r['layout']} | "
+              f"{t['tokens_per_s']:.0f} | {r['tokens_per_s']:.0f} | {ratio:.2f}x | "
+              f"{t['loss_first']:.3f} -> {t['loss_last']:.3f} | "
+              f"{r['loss_first']:.3f} -> {r['loss_last']:.3f} |")
+    for (mode, layout), ratios in by.items():
+        print(f"\nmean over seeds, {mode}, {layout}: {statistics.mean(ratios):.2f}x TRL's tokens/s", end="")
+    print()
+for r in rows:
+    if "hf_rm_check" in r:
+        print(f"\nExported reward model loaded by transformers ({r['hf_rm_check']}): held-out pair "
+              f"accuracy {r['transformers_accuracy']:.4f} (rtrun {r['rtrun_accuracy']:.4f}), mean "
+              f"margin {r['transformers_margin']:.6f} (rtrun {r['rtrun_margin']:.6f})")

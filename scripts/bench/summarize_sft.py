@@ -1,7 +1,7 @@
-"""One JSON line for a finished `train --mode sft` run: its median wall seconds per optimizer step
-and its training tokens per second (every real token of the steps after the first, which warms
-up, over their wall time), read from RUN_DIR/metrics.jsonl. Usage: summarize_sft.py RUN_DIR SEED
-LAYOUT"""
+"""One JSON line for a finished `train --mode sft|rm|dpo` run: its median wall seconds per
+optimizer step and its training tokens per second (every real token of the steps after the first,
+which warms up, over their wall time), read from RUN_DIR/metrics.jsonl. Usage: summarize_sft.py
+RUN_DIR SEED LAYOUT"""
 
 import json
 import statistics
@@ -17,7 +17,7 @@ print(json.dumps({
     "layout": layout,
     "seconds_per_step_median": statistics.median(walls),
     "tokens_per_s": tokens / sum(walls),
-    "mean_tokens_per_sample": statistics.mean(r["tokens"] for r in steps) / 32,
+    "mean_tokens_per_unit": statistics.mean(r["tokens"] for r in steps) / 32,
     "steps_timed": len(walls),
     "loss_first": steps[0]["loss"],
     "loss_last": steps[-1]["loss"],
