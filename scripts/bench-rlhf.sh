@@ -107,7 +107,8 @@ fi
 # --- 3. SFT vs TRL SFTTrainer --------------------------------------------------------------------
 if [[ " $PARTS " == *" sft "* ]]; then
 SW=$BENCH_DIR/walkthrough-untrained
-if [[ ! -f $SW/model/config.json ]]; then
+if [[ ! -f $SW/data/preference_train.jsonl ]]; then
+    rm -rf "$SW" "$BENCH_DIR/runs/sft-for-pairs"
     "$ROOT/target/release/examples/make_walkthrough" "$SW" --warmup-steps 0 >&2
 fi
 for seed in $SEEDS; do
@@ -135,7 +136,8 @@ fi
 # --- 4. reward model and DPO vs TRL's RewardTrainer and DPOTrainer ------------------------------
 if [[ " $PARTS " == *" pairs "* ]]; then
 SW=$BENCH_DIR/walkthrough-untrained
-if [[ ! -f $SW/model/config.json ]]; then
+if [[ ! -f $SW/data/preference_train.jsonl ]]; then
+    rm -rf "$SW" "$BENCH_DIR/runs/sft-for-pairs"
     "$ROOT/target/release/examples/make_walkthrough" "$SW" --warmup-steps 0 >&2
 fi
 SFT=$BENCH_DIR/runs/sft-for-pairs
