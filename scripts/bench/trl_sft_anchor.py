@@ -9,7 +9,7 @@ samples only under flash-attention, which a CPU does not have), fp32, no gradien
 (TRL turns it on by default), AdamW betas (0.9, 0.95), grad-norm clip 1.0. It times every
 optimizer step (the first is warm-up and not timed) and prints, as JSON on the last line:
 
-    {"trl_sft_version", "seconds_per_step_median", "tokens_per_s", "samples_per_s",
+    {"trl_sft_version", "seconds_per_step_median", "tokens_per_s", "units_per_s",
      "mean_tokens_per_sample", "steps_timed", "loss_first", "loss_last"}
 
 tokens_per_s counts every real (non-padding) token of the steps timed: the dataset's mean
@@ -43,7 +43,9 @@ def main() -> None:
     import torch
     import trl
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trl_common import Clock, training_args
     from trl import SFTConfig, SFTTrainer
 
     torch.set_num_threads(args.threads)
@@ -58,46 +60,9 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
 
-    class Clock(TrainerCallback):
-        def __init__(self) -> None:
-            self.ends: list[float] = []
-            self.losses: list[float] = []
-
-        def on_step_end(self, _args, state, control, **kwargs):  # noqa: ANN001
-            self.ends.append(time.perf_counter())
-
-        def on_log(self, _args, state, control, logs=None, **kwargs):  # noqa: ANN001
-            if logs and "loss" in logs:
-                self.losses.append(float(logs["loss"]))
-
     clock = Clock()
     with tempfile.TemporaryDirectory() as out:
-        config = SFTConfig(
-            output_dir=out,
-            per_device_train_batch_size=args.micro,
-            gradient_accumulation_steps=args.batch // args.micro,
-            max_steps=args.steps,
-            learning_rate=args.lr,
-            lr_scheduler_type="cosine",
-            warmup_steps=max(1, round(0.05 * args.steps)),
-            adam_beta1=0.9,
-            adam_beta2=0.95,
-            weight_decay=0.0,
-            max_grad_norm=1.0,
-            max_length=256,
-            packing=False,
-            completion_only_loss=True,
-            gradient_checkpointing=False,
-            bf16=False,
-            fp16=False,
-            use_cpu=True,
-            report_to="none",
-            save_strategy="no",
-            eval_strategy="no",
-            logging_steps=1,
-            dataloader_num_workers=0,
-            seed=args.seed,
-        )
+        config = SFTConfig(packing=False, completion_only_loss=True, **training_args(args, out))
         trainer = SFTTrainer(
             model=model,
             args=config,
@@ -106,22 +71,11 @@ def main() -> None:
             callbacks=[clock],
         )
         lengths = [len(ids) for ids in trainer.train_dataset["input_ids"]]
-        start = time.perf_counter()
+        clock.start = time.perf_counter()
         trainer.train()
     mean_tokens = statistics.mean(lengths)
-    ends = [start] + clock.ends
-    steps = [b - a for a, b in zip(ends, ends[1:])][1:]
-    seconds = sum(steps)
-    print(json.dumps({
-        "trl_sft_version": trl.__version__,
-        "seconds_per_step_median": statistics.median(steps),
-        "tokens_per_s": mean_tokens * args.batch * len(steps) / seconds,
-        "samples_per_s": args.batch * len(steps) / seconds,
-        "mean_tokens_per_sample": mean_tokens,
-        "steps_timed": len(steps),
-        "loss_first": clock.losses[0] if clock.losses else None,
-        "loss_last": clock.losses[-1] if clock.losses else None,
-    }))
+    print(json.dumps({"trl_sft_version": trl.__version__, "mean_tokens_per_sample": mean_tokens,
+                      **clock.report(mean_tokens, args.batch)}))
 
 
 if __name__ == "__main__":

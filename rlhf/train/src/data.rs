@@ -327,9 +327,44 @@ pub(crate) fn render_chat(
         .map_err(|e| TrainError::Data(format!("{at}: {e}")))
 }
 
+/// The training and held-out records of a dataset: `read` over `train_files` (`key` names them
+/// in errors), the held-out ones read from `eval_files` or, without them, a seeded draw of
+/// `fraction` of the training ones; then the training ones capped at `max_samples`.
+pub(crate) fn split_records<T>(
+    key: &str,
+    train_files: &PathList,
+    eval_files: &PathList,
+    fraction: f64,
+    max_samples: Option<usize>,
+    seed: u64,
+    read: impl Fn(&PathList) -> Result<Vec<T>>,
+) -> Result<(Vec<T>, Vec<T>)> {
+    let mut train = read(train_files)?;
+    let needed = if eval_files.is_empty() { 2 } else { 1 };
+    if train.len() < needed {
+        return Err(TrainError::Data(format!(
+            "{key} {:?} holds {} record(s), expected at least {needed}{}",
+            train_files.0,
+            train.len(),
+            if needed == 2 { " (one is held out without held-out files)" } else { "" }
+        )));
+    }
+    let eval = if eval_files.is_empty() {
+        let (kept, eval) = hold_out(train, fraction, seed);
+        train = kept;
+        eval
+    } else {
+        read(eval_files)?
+    };
+    if let Some(max) = max_samples {
+        train.truncate(max);
+    }
+    Ok((train, eval))
+}
+
 /// A seeded draw of `fraction` of `records` (at least one, and at least one left): (kept,
 /// held out), each in the original order.
-pub(crate) fn hold_out<T>(records: Vec<T>, fraction: f64, seed: u64) -> (Vec<T>, Vec<T>) {
+fn hold_out<T>(records: Vec<T>, fraction: f64, seed: u64) -> (Vec<T>, Vec<T>) {
     let held_out = ((records.len() as f64 * fraction).ceil() as usize)
         .clamp(1, records.len().saturating_sub(1).max(1));
     let mut order: Vec<usize> = (0..records.len()).collect();
@@ -375,23 +410,15 @@ pub fn load_prompts(
         }
         Ok(out)
     };
-    let mut train = read_all(&config.prompt_data)?;
-    if train.is_empty() {
-        return Err(TrainError::Data(format!(
-            "data.prompt_data {:?} holds no records",
-            config.prompt_data.0
-        )));
-    }
-    let mut eval = if config.eval_data.is_empty() {
-        let (kept, eval) = hold_out(train, config.eval_fraction, seed);
-        train = kept;
-        eval
-    } else {
-        read_all(&config.eval_data)?
-    };
-    if let Some(max) = config.max_samples {
-        train.truncate(max);
-    }
+    let (mut train, mut eval) = split_records(
+        "data.prompt_data",
+        &config.prompt_data,
+        &config.eval_data,
+        config.eval_fraction,
+        config.max_samples,
+        seed,
+        read_all,
+    )?;
     let filter = |records: &mut Vec<PromptRecord>, split: &str| -> Result<usize> {
         let before = records.len();
         let mut longest = 0;

@@ -158,6 +158,19 @@ fn serve_live(
     Ok((metrics, dashboard))
 }
 
+/// Writes `summary.md` into the run directory `root` and prints the summary and where the
+/// metrics and the `plot` are.
+fn finish(root: &std::path::Path, summary: &RunSummary, plot: &str) -> anyhow::Result<()> {
+    std::fs::write(root.join("summary.md"), summary.to_markdown()).context("writing summary.md")?;
+    println!("{}", summary.to_text());
+    println!(
+        "metrics: {} (TensorBoard event files beside it), plot: {}",
+        root.join("metrics.jsonl").display(),
+        root.join(plot).display()
+    );
+    Ok(())
+}
+
 /// The trainers beside RL (`mode: sft | rm | dpo`).
 fn run_stage(args: &Args, overrides: &[String]) -> anyhow::Result<()> {
     use rtrun_rlhf::stage::{StageConfig, trainer};
@@ -268,14 +281,7 @@ fn run_stage(args: &Args, overrides: &[String]) -> anyhow::Result<()> {
         held_out,
         phases: trainer.timer.totals().to_vec(),
     };
-    std::fs::write(paths.root.join("summary.md"), summary.to_markdown())
-        .context("writing summary.md")?;
-    println!("{}", summary.to_text());
-    println!(
-        "metrics: {} (TensorBoard event files beside it), plot: {}",
-        paths.root.join("metrics.jsonl").display(),
-        paths.root.join("loss.png").display()
-    );
+    finish(&paths.root, &summary, "loss.png")?;
     trainer.kill();
     rtrun::shutdown();
     Ok(())
@@ -384,14 +390,7 @@ fn run_rl(args: &Args, overrides: &[String]) -> anyhow::Result<()> {
         ],
         phases: trainer.timer.totals().to_vec(),
     };
-    std::fs::write(paths.root.join("summary.md"), summary.to_markdown())
-        .context("writing summary.md")?;
-    println!("{}", summary.to_text());
-    println!(
-        "metrics: {} (TensorBoard event files beside it), plot: {}",
-        paths.root.join("metrics.jsonl").display(),
-        paths.root.join("reward.png").display()
-    );
+    finish(&paths.root, &summary, "reward.png")?;
     trainer.roles.kill();
     rtrun::shutdown();
     Ok(())

@@ -16,7 +16,7 @@ use rtrun_rlhf_model::ChatMessage;
 
 use crate::config::Mode;
 use crate::data::{
-    PathList, RawRecord, chat_messages, hold_out, json_kind, read_records, render_chat,
+    PathList, RawRecord, chat_messages, json_kind, read_records, render_chat, split_records,
 };
 use crate::error::{Result, TrainError};
 use crate::stage::config::StageDataConfig;
@@ -206,25 +206,15 @@ pub fn load_samples(
         }
         Ok(out)
     };
-    let mut train = read_all(&config.train_data)?;
-    if train.len() < 2 && config.eval_data.is_empty() {
-        return Err(TrainError::Data(format!(
-            "data.train_data {:?} holds {} record(s): at least 2 are needed to hold one out \
-             (or give data.eval_data)",
-            config.train_data.0,
-            train.len()
-        )));
-    }
-    let mut eval = if config.eval_data.is_empty() {
-        let (kept, eval) = hold_out(train, config.eval_fraction, seed);
-        train = kept;
-        eval
-    } else {
-        read_all(&config.eval_data)?
-    };
-    if let Some(max) = config.max_samples {
-        train.truncate(max);
-    }
+    let (mut train, mut eval) = split_records(
+        "data.train_data",
+        &config.train_data,
+        &config.eval_data,
+        config.eval_fraction,
+        config.max_samples,
+        seed,
+        read_all,
+    )?;
     let filter = |units: &mut Vec<Unit>, split: &str| -> Result<usize> {
         let before = units.len();
         let longest = units.iter().flatten().map(|s| s.ids.len()).max().unwrap_or(0);

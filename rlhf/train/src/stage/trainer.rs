@@ -29,7 +29,9 @@ use crate::stage::losses::{PairStats, PreferenceLoss};
 use crate::stage::pack::{PackedRow, Unit, loss_tokens, rank_batches};
 use crate::tokenizer::HfTokenizer;
 use crate::trainer::calls::{self, CallWatch};
-use crate::trainer::checkpoint::{STATE_FILE, newest, prune};
+use crate::trainer::checkpoint::{
+    STATE_FILE, export_atomically, newest, prune, read_state, step_dir, write_state,
+};
 use crate::trainer::{ProgressObserver, RunPaths, telemetry_error};
 
 /// The role name of a mode's ranks (in messages and `rtrun list actors`).
@@ -354,21 +356,13 @@ impl StageTrainer {
 
     /// Saves weights + optimizer state (rank 0: the ranks hold equal replicas) and the state.
     pub fn save_checkpoint(&self) -> Result<PathBuf> {
-        let dir = self.paths.checkpoints.join(format!("step_{:06}", self.state.step));
-        if dir.exists() {
-            std::fs::remove_dir_all(&dir).map_err(|e| TrainError::io(&dir, e))?;
-        }
-        std::fs::create_dir_all(&dir).map_err(|e| TrainError::io(&dir, e))?;
+        let dir = step_dir(&self.paths.checkpoints, self.state.step)?;
         let model = dir.join("model");
         let mut saves =
             each_rank!(&self.ranks, self.role(), vec![model], |m, d| m.save_checkpoint(d));
         saves.truncate(1);
         self.watch.wait("save_checkpoint", saves)?;
-        let state =
-            serde_json::to_vec_pretty(&self.state).map_err(|e| TrainError::Data(e.to_string()))?;
-        let tmp = dir.join(format!("{STATE_FILE}.tmp"));
-        std::fs::write(&tmp, state).map_err(|e| TrainError::io(&tmp, e))?;
-        std::fs::rename(&tmp, dir.join(STATE_FILE)).map_err(|e| TrainError::io(&dir, e))?;
+        write_state(&dir, &self.state)?;
         if let Some(keep) = self.config.checkpoint.keep_last {
             prune(&self.paths.checkpoints, keep)?;
         }
@@ -378,10 +372,7 @@ impl StageTrainer {
     /// Restores the newest checkpoint into every rank.
     fn load_checkpoint(&mut self, dir: &Path) -> Result<()> {
         let path = dir.join(STATE_FILE);
-        let text = std::fs::read(&path).map_err(|e| TrainError::io(&path, e))?;
-        let state: StageState = serde_json::from_slice(&text).map_err(|e| {
-            TrainError::Data(format!("{}: expected a trainer state, found {e}", path.display()))
-        })?;
+        let state: StageState = read_state(dir)?;
         if state.samples != self.train.len() {
             return Err(TrainError::Data(format!(
                 "{}: the checkpoint was taken over {} training records, this run has {}",
@@ -465,16 +456,10 @@ impl StageTrainer {
 
     /// Writes rank 0's model to `dir` as a Hugging Face directory (beside it, then renamed).
     pub fn export(&self, dir: &Path) -> Result<PathBuf> {
-        let tmp = dir.with_extension("tmp");
-        for d in [&tmp, &dir.to_path_buf()] {
-            if d.exists() {
-                std::fs::remove_dir_all(d).map_err(|e| TrainError::io(d, e))?;
-            }
-        }
-        let call = each_rank!(&self.ranks, self.role(), vec![tmp.clone()], |m, d| m.export(d));
-        self.watch.wait("export", call)?;
-        std::fs::rename(&tmp, dir).map_err(|e| TrainError::io(dir, e))?;
-        Ok(dir.to_path_buf())
+        export_atomically(dir, |tmp| {
+            let call = each_rank!(&self.ranks, self.role(), vec![tmp], |m, d| m.export(d));
+            self.watch.wait("export", call).map(|_| ())
+        })
     }
 
     /// Stops the ranks.

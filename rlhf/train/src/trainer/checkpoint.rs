@@ -16,6 +16,49 @@ use crate::trainer::{Trainer, TrainerState};
 /// Name of the state file (the completion marker of a checkpoint).
 pub const STATE_FILE: &str = "trainer_state.json";
 
+/// Writes `state` as the state file of the checkpoint `dir` (beside it, then renamed: the file's
+/// presence marks the checkpoint complete).
+pub fn write_state(dir: &Path, state: &impl serde::Serialize) -> Result<()> {
+    let bytes = serde_json::to_vec_pretty(state).map_err(|e| TrainError::Data(e.to_string()))?;
+    let tmp = dir.join(format!("{STATE_FILE}.tmp"));
+    std::fs::write(&tmp, bytes).map_err(|e| TrainError::io(&tmp, e))?;
+    std::fs::rename(&tmp, dir.join(STATE_FILE)).map_err(|e| TrainError::io(dir, e))
+}
+
+/// Reads the state file of the checkpoint `dir`.
+pub fn read_state<T: serde::de::DeserializeOwned>(dir: &Path) -> Result<T> {
+    let path = dir.join(STATE_FILE);
+    let text = std::fs::read(&path).map_err(|e| TrainError::io(&path, e))?;
+    serde_json::from_slice(&text).map_err(|e| {
+        TrainError::Data(format!("{}: expected a trainer state, found {e}", path.display()))
+    })
+}
+
+/// A fresh directory for the checkpoint of `step` under `checkpoints` (an earlier one of the
+/// same step is removed).
+pub fn step_dir(checkpoints: &Path, step: u64) -> Result<PathBuf> {
+    let dir = checkpoints.join(format!("step_{step:06}"));
+    if dir.exists() {
+        std::fs::remove_dir_all(&dir).map_err(|e| TrainError::io(&dir, e))?;
+    }
+    std::fs::create_dir_all(&dir).map_err(|e| TrainError::io(&dir, e))?;
+    Ok(dir)
+}
+
+/// Writes a model to `dir` through `save` (given a sibling temporary directory, then renamed),
+/// so a directory at `dir` is always complete.
+pub fn export_atomically(dir: &Path, save: impl FnOnce(PathBuf) -> Result<()>) -> Result<PathBuf> {
+    let tmp = dir.with_extension("tmp");
+    for d in [&tmp, &dir.to_path_buf()] {
+        if d.exists() {
+            std::fs::remove_dir_all(d).map_err(|e| TrainError::io(d, e))?;
+        }
+    }
+    save(tmp.clone())?;
+    std::fs::rename(&tmp, dir).map_err(|e| TrainError::io(dir, e))?;
+    Ok(dir.to_path_buf())
+}
+
 /// The newest complete checkpoint directory under `dir`, if any.
 pub fn newest(dir: &Path) -> Result<Option<PathBuf>> {
     let entries = match std::fs::read_dir(dir) {
@@ -74,11 +117,7 @@ pub fn prune(dir: &Path, keep: usize) -> Result<Vec<PathBuf>> {
 impl Trainer {
     /// Saves the run's state after the current step.
     pub fn save_checkpoint(&self) -> Result<PathBuf> {
-        let dir = self.paths.checkpoints.join(format!("step_{:06}", self.state.step));
-        if dir.exists() {
-            std::fs::remove_dir_all(&dir).map_err(|e| TrainError::io(&dir, e))?;
-        }
-        std::fs::create_dir_all(&dir).map_err(|e| TrainError::io(&dir, e))?;
+        let dir = step_dir(&self.paths.checkpoints, self.state.step)?;
         // DP ranks hold identical replicas: rank 0 saves.
         let actor = self.policy_rank0()?;
         let mut saves =
@@ -90,11 +129,7 @@ impl Trainer {
             saves.push(calls::actor_call("critic", 0, rank0, save));
         }
         self.watch.wait("save_checkpoint", saves)?;
-        let state =
-            serde_json::to_vec_pretty(&self.state).map_err(|e| TrainError::Data(e.to_string()))?;
-        let tmp = dir.join(format!("{STATE_FILE}.tmp"));
-        std::fs::write(&tmp, state).map_err(|e| TrainError::io(&tmp, e))?;
-        std::fs::rename(&tmp, dir.join(STATE_FILE)).map_err(|e| TrainError::io(&dir, e))?;
+        write_state(&dir, &self.state)?;
         if let Some(keep) = self.config.checkpoint.keep_last {
             prune(&self.paths.checkpoints, keep)?;
         }
@@ -105,10 +140,7 @@ impl Trainer {
     /// engines get the restored weights.
     pub fn load_checkpoint(&mut self, dir: &Path) -> Result<()> {
         let path = dir.join(STATE_FILE);
-        let text = std::fs::read(&path).map_err(|e| TrainError::io(&path, e))?;
-        let state: TrainerState = serde_json::from_slice(&text).map_err(|e| {
-            TrainError::Data(format!("{}: expected a trainer state, found {e}", path.display()))
-        })?;
+        let state: TrainerState = read_state(dir)?;
         if state.loader.len != self.state.loader.len {
             return Err(TrainError::Data(format!(
                 "{}: the checkpoint was taken over {} training prompts, this run has {}",

@@ -281,16 +281,9 @@ impl Trainer {
     /// directory at `dir` is always complete.
     pub fn export_policy(&self, dir: &Path) -> Result<PathBuf> {
         let rank0 = self.policy_rank0()?;
-        let tmp = dir.with_extension("tmp");
-        for d in [&tmp, &dir.to_path_buf()] {
-            if d.exists() {
-                std::fs::remove_dir_all(d).map_err(|e| TrainError::io(d, e))?;
-            }
-        }
-        self.watch
-            .wait_one("export", calls::actor_call("actor", 0, rank0, rank0.export(tmp.clone())))?;
-        std::fs::rename(&tmp, dir).map_err(|e| TrainError::io(dir, e))?;
-        Ok(dir.to_path_buf())
+        checkpoint::export_atomically(dir, |tmp| {
+            self.watch.wait_one("export", calls::actor_call("actor", 0, rank0, rank0.export(tmp)))
+        })
     }
 
     /// Runs `body` as phase `name` of the current step.
