@@ -63,6 +63,16 @@ pub fn descendants(pid: u32) -> Vec<u32> {
     found
 }
 
+/// A process descended from `parent` whose environment holds `var=value` (the RLHF trainers
+/// mark each role rank's worker with `RTRUN_RLHF_ROLE=<role>:<rank>`), from `/proc`.
+pub fn descendant_with_env(parent: u32, var: &str, value: &str) -> Option<u32> {
+    let marker = format!("{var}={value}");
+    descendants(parent).into_iter().find(|pid| {
+        std::fs::read(format!("/proc/{pid}/environ"))
+            .is_ok_and(|env| env.split(|&b| b == 0).any(|v| v == marker.as_bytes()))
+    })
+}
+
 /// The `rtrun` binary of this build, built first when it is missing (the workspace test run
 /// builds it, because `runtime/tests/cli.rs` uses it). Test binaries live in
 /// `<target>/<profile>/deps/`, the `rtrun` binary in `<target>/<profile>/`; Cargo gives other

@@ -84,16 +84,7 @@ fn wait_until(limit: Duration, what: &str, mut done: impl FnMut() -> bool) {
 /// The driver's worker process that hosts rank `rank` of `role` (the trainer marks each rank's
 /// process with `RTRUN_RLHF_ROLE=<role>:<rank>`).
 fn worker_pid(driver: u32, role: &str, rank: usize) -> Option<u32> {
-    let marker = format!("RTRUN_RLHF_ROLE={role}:{rank}");
-    std::fs::read_dir("/proc").ok()?.flatten().find_map(|entry| {
-        let pid: u32 = entry.file_name().to_str()?.parse().ok()?;
-        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-        // The parent pid is the second field after the parenthesised command name.
-        let parent: u32 = stat.rsplit_once(')')?.1.split_whitespace().nth(1)?.parse().ok()?;
-        let environ = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
-        let marked = environ.split(|&b| b == 0).any(|var| var == marker.as_bytes());
-        (parent == driver && marked).then_some(pid)
-    })
+    rtrun_tests::descendant_with_env(driver, "RTRUN_RLHF_ROLE", &format!("{role}:{rank}"))
 }
 
 /// Starts a long run and waits until its first training step is recorded (every role is up and

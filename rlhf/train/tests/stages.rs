@@ -439,3 +439,58 @@ fn dpo_widens_the_margin_between_chosen_and_rejected() {
     assert!(run_dir.join("final_policy/model.safetensors").is_file());
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A rank's worker killed (SIGKILL) or stopped (SIGSTOP) mid-run ends the run with an error
+/// naming the trainer's role and the rank.
+#[test]
+fn a_killed_or_stopped_rank_fails_the_run_naming_its_role_and_rank() {
+    let dir = scratch("faults");
+    let files = walkthrough(&dir);
+    for (mode, signal, rank) in [("sft", libc::SIGKILL, 1), ("dpo", libc::SIGSTOP, 0)] {
+        let config = match mode {
+            "sft" => write_config(&dir, &files, true),
+            _ => write_pair_config(&dir, &files, mode),
+        };
+        let run_dir = dir.join(format!("{mode}-run"));
+        let sets = [
+            "train.epochs=1000",
+            "eval.every_steps=0",
+            "cluster.call_timeout_s=6",
+            "cluster.stall_warn_s=2",
+        ];
+        let mut child = train(&config, &run_dir, &sets).spawn().unwrap();
+        let metrics = run_dir.join("metrics.jsonl");
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while std::fs::read_to_string(&metrics).map_or(0, |m| m.lines().count()) < 3 {
+            assert!(child.try_wait().unwrap().is_none(), "{mode}: the run ended early");
+            assert!(Instant::now() < deadline, "{mode}: no step 2 within 120 s");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let marker = format!("{mode}:{rank}");
+        let pid = rtrun_tests::descendant_with_env(child.id(), "RTRUN_RLHF_ROLE", &marker)
+            .unwrap_or_else(|| panic!("no worker process marked {marker}"));
+        // SAFETY: kill(2) has no memory-safety preconditions.
+        unsafe { libc::kill(pid as libc::pid_t, signal) };
+        let out = child.wait_with_output().unwrap();
+        if signal == libc::SIGSTOP {
+            // SAFETY: as above; the stopped worker is resumed and killed.
+            unsafe {
+                libc::kill(pid as libc::pid_t, libc::SIGCONT);
+                libc::kill(pid as libc::pid_t, libc::SIGKILL);
+            }
+        }
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{mode}: the run must fail: {err}");
+        let line = err.lines().find(|l| l.starts_with("Error:")).unwrap_or_default();
+        if signal == libc::SIGKILL {
+            // Either the dead rank is reported, or its peer, whose all-reduce lost it, first.
+            let dead = format!("{mode} rank {rank} (actor-");
+            let peer = format!("lost its connection to rank {rank}");
+            assert!(line.contains(&dead) || line.contains(&peer), "{err}");
+        } else {
+            assert!(line.contains(&format!("{mode} rank {rank} (actor-")), "{err}");
+            assert!(line.contains("cluster.call_timeout_s = 6"), "{err}");
+        }
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -191,7 +191,7 @@ fn create_ranks(config: &StageConfig, total: u64) -> Result<Ranks> {
             role,
             replicas,
             Default::default(),
-            |_, o| CriticWorker::remote_with(o.num_gpus(gpus), worker.clone()),
+            |r, o| CriticWorker::remote_with(marked(o, role, r).num_gpus(gpus), worker.clone()),
         )?));
     }
     let worker = LmWorkerConfig {
@@ -207,9 +207,15 @@ fn create_ranks(config: &StageConfig, total: u64) -> Result<Ranks> {
         },
         with_reference: config.mode == Mode::Dpo,
     };
-    Ok(Ranks::Lm(ActorGroup::create(role, replicas, Default::default(), |_, o| {
-        LmWorker::remote_with(o.num_gpus(gpus), worker.clone())
+    Ok(Ranks::Lm(ActorGroup::create(role, replicas, Default::default(), |r, o| {
+        LmWorker::remote_with(marked(o, role, r).num_gpus(gpus), worker.clone())
     })?))
+}
+
+/// A rank's options with its worker process marked `RTRUN_RLHF_ROLE=<role>:<rank>`, as the RL
+/// roles' are (for operators' `ps e`, and for tests that signal one rank).
+fn marked(options: rtrun::ActorOptions, role: &str, rank: usize) -> rtrun::ActorOptions {
+    options.env("RTRUN_RLHF_ROLE", &format!("{role}:{rank}"))
 }
 
 /// A trainer over created ranks.
