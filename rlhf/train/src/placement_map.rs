@@ -71,20 +71,7 @@ impl RolePlacements {
     /// From the config: the spec when one is named, else `cluster.*_replicas` with no GPUs.
     pub fn from_config(config: &TrainConfig) -> Result<Self> {
         match &config.cluster.placement_spec {
-            Some(path) => {
-                let text = std::fs::read_to_string(path).map_err(|e| {
-                    TrainError::config(
-                        "cluster.placement_spec",
-                        format!(
-                            "expected a readable placement spec file, found {} ({e})",
-                            path.display()
-                        ),
-                    )
-                })?;
-                let spec = parse_spec(&text, &path.display().to_string())
-                    .map_err(|e| TrainError::Placement(e.to_string()))?;
-                Self::from_spec(&spec, path)
-            }
+            Some(path) => Self::from_spec(&read_spec(path)?, path),
             None => {
                 let c = &config.cluster;
                 let plain = |replicas| RolePlacement { replicas, num_gpus: 0.0, num_cpus: 0.0 };
@@ -155,18 +142,7 @@ impl RolePlacements {
     /// without a spec). Needs the runtime.
     pub fn deploy(&mut self) -> Result<()> {
         if let (Some(spec), None) = (&self.spec, &self.deployment) {
-            // A per-deployment prefix keeps group names unique when several runs share a
-            // cluster (or a test process).
-            static DEPLOYMENTS: std::sync::atomic::AtomicUsize =
-                std::sync::atomic::AtomicUsize::new(0);
-            let n = DEPLOYMENTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            let options = DeployOptions {
-                name_prefix: format!("rlhf{}-{n}-", std::process::id()),
-                ..DeployOptions::default()
-            };
-            let deployment = rtrun::colocation::deploy_spec(spec, &options)
-                .map_err(|e| TrainError::Placement(format!("deploying the spec: {e}")))?;
-            self.deployment = Some(deployment);
+            self.deployment = Some(deploy(spec)?);
         }
         Ok(())
     }
@@ -188,27 +164,10 @@ impl RolePlacements {
     /// `node_name`, from the placement tables' node ids) and GPU indices, e.g.
     /// `vllm_engine: 0 → n2 GPU [0], 1 → n2 GPU [1]`. Empty without a deployed spec.
     pub fn describe(&self, node_name: impl Fn(&str) -> String) -> Vec<String> {
-        let Some(deployment) = &self.deployment else { return Vec::new() };
-        deployment
-            .roles()
-            .iter()
-            .map(|role| {
-                let ranks: Vec<String> = role
-                    .replicas
-                    .iter()
-                    .map(|replica| match &replica.bundle {
-                        Some(bundle) => format!(
-                            "{} → {} GPU {:?}",
-                            replica.rank,
-                            node_name(&bundle.node.to_string()),
-                            bundle.gpu_indices()
-                        ),
-                        None => format!("{} → anywhere", replica.rank),
-                    })
-                    .collect();
-                format!("{}: {}", role.name, ranks.join(", "))
-            })
-            .collect()
+        match &self.deployment {
+            Some(deployment) => describe(deployment, node_name),
+            None => Vec::new(),
+        }
     }
 
     /// Removes the spec's placement groups (stopping the actors in them).
@@ -233,6 +192,63 @@ impl RolePlacements {
     pub fn hybrid(&self) -> bool {
         self.mode == ColocationMode::All
     }
+}
+
+/// Reads and checks the placement spec at `path` (the config key `cluster.placement_spec`).
+pub fn read_spec(path: &Path) -> Result<PlacementSpec> {
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        TrainError::config(
+            "cluster.placement_spec",
+            format!("expected a readable placement spec file, found {} ({e})", path.display()),
+        )
+    })?;
+    parse_spec(&text, &path.display().to_string()).map_err(|e| TrainError::Placement(e.to_string()))
+}
+
+/// Creates `spec`'s placement groups (under a prefix unique to this deployment, so several runs
+/// can share a cluster or a test process) and waits until they are reserved.
+pub fn deploy(spec: &PlacementSpec) -> Result<SpecDeployment> {
+    static DEPLOYMENTS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = DEPLOYMENTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let options = DeployOptions {
+        name_prefix: format!("rlhf{}-{n}-", std::process::id()),
+        ..DeployOptions::default()
+    };
+    rtrun::colocation::deploy_spec(spec, &options)
+        .map_err(|e| TrainError::Placement(format!("deploying the spec: {e}")))
+}
+
+/// The runtime's node names by node id (for [`describe`]; empty before the runtime starts).
+pub fn node_names() -> std::collections::BTreeMap<String, String> {
+    rtrun::current()
+        .and_then(|runtime| runtime.cluster_info())
+        .map(|info| info.nodes.iter().map(|n| (n.node.to_string(), n.name.clone())).collect())
+        .unwrap_or_default()
+}
+
+/// Where `deployment` put each role, one line per role: every rank's node (named by
+/// `node_name`) and GPU indices, e.g. `vllm_engine: 0 → n2 GPU [0], 1 → n2 GPU [1]`.
+pub fn describe(deployment: &SpecDeployment, node_name: impl Fn(&str) -> String) -> Vec<String> {
+    deployment
+        .roles()
+        .iter()
+        .map(|role| {
+            let ranks: Vec<String> = role
+                .replicas
+                .iter()
+                .map(|replica| match &replica.bundle {
+                    Some(bundle) => format!(
+                        "{} → {} GPU {:?}",
+                        replica.rank,
+                        node_name(&bundle.node.to_string()),
+                        bundle.gpu_indices()
+                    ),
+                    None => format!("{} → anywhere", replica.rank),
+                })
+                .collect();
+            format!("{}: {}", role.name, ranks.join(", "))
+        })
+        .collect()
 }
 
 #[cfg(test)]

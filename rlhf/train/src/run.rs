@@ -393,10 +393,7 @@ pub fn run_prepared(
     let Prepared { train, eval, .. } = prepared;
     start_runtime(config, &placements)?;
     placements.deploy()?;
-    let names: BTreeMap<String, String> = rtrun::current()
-        .and_then(|runtime| runtime.cluster_info())
-        .map(|info| info.nodes.iter().map(|n| (n.node.to_string(), n.name.clone())).collect())
-        .unwrap_or_default();
+    let names = crate::placement_map::node_names();
     progress
         .placed(&placements.describe(|id| names.get(id).cloned().unwrap_or_else(|| id.to_owned())));
     let steps_hint = {

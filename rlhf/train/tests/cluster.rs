@@ -227,3 +227,69 @@ fn grpo_in_dock_mode_streams_its_stages_across_nodes() {
     }
     assert!(last["eval/reward"].as_f64().is_some_and(f64::is_finite), "{last}");
 }
+
+/// SFT on the cluster (`train --mode sft --address`): a placement spec spreads the two DP
+/// ranks over two nodes (one bundle each, `STRICT_SPREAD`), their gradients all-reduce across
+/// the nodes, the held-out loss falls and the model is exported.
+#[test]
+fn sft_spreads_its_dp_ranks_over_two_nodes_with_a_placement_spec() {
+    let plain = |name| NodeSpec { name, cpus: 2, gpus: 0, resources: None };
+    let head = NodeSpec { name: "head", cpus: 1, gpus: 0, resources: None };
+    let cluster = start_cluster_with("sft", "3", &head, &[plain("a"), plain("b")]);
+    let dir = cluster.dir.join("job");
+    std::fs::create_dir_all(&dir).unwrap();
+    tch::set_num_threads(1);
+    let files = rtrun_rlhf::walkthrough::write_walkthrough(
+        &dir.join("walkthrough"),
+        &rtrun_rlhf::walkthrough::WalkthroughConfig {
+            train_problems: 240,
+            test_problems: 24,
+            vocab_size: 400,
+            warmup: rtrun_rlhf::config::WarmupConfig { steps: 0, batch_size: 1, lr: 1e-3 },
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let spec = dir.join("spec.yaml");
+    std::fs::write(
+        &spec,
+        "version: 1\n\
+         placement_groups:\n  ranks:\n    strategy: STRICT_SPREAD\n    bundles: [{count: 2, resources: {CPU: 2}}]\n\
+         roles:\n  sft: {replicas: 2, resources: {CPU: 1}, placement_group: ranks}\n",
+    )
+    .unwrap();
+    let config = dir.join("sft.yaml");
+    let run = dir.join("run");
+    std::fs::write(
+        &config,
+        format!(
+            "mode: sft\nrun_dir: {}\nmodel: {{pretrain: {}}}\n\
+             data: {{train_data: {}, eval_data: {}, input_key: question, output_key: answer, apply_chat_template: true, max_len: 160}}\n\
+             cluster: {{placement_spec: {}, threads_per_worker: 1}}\n\
+             train: {{epochs: 2, batch_size: 16, micro_batch_size: 4, lr: 0.003}}\n\
+             eval: {{every_steps: 10}}\n",
+            run.display(),
+            files.model_dir.display(),
+            files.train_data.display(),
+            files.test_data.display(),
+            spec.display()
+        ),
+    )
+    .unwrap();
+    let log = dir.join("sft.log");
+    let status = train(&cluster, &config, &log).status().unwrap();
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(status.success(), "the SFT run failed:\n{text}");
+    let placed = text.lines().find(|l| l.trim_start().starts_with("sft: ")).unwrap_or_default();
+    let nodes: Vec<&str> = placed.split(", ").filter_map(|r| r.split(" → ").nth(1)).collect();
+    assert_eq!(nodes.len(), 2, "{text}");
+    let nodes: Vec<&str> = nodes.iter().map(|n| n.split(' ').next().unwrap()).collect();
+    assert!(nodes[0] != nodes[1] && !nodes.contains(&"head"), "ranks on {nodes:?}:\n{text}");
+    let loss: Vec<f64> = std::fs::read_to_string(run.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()?["eval/loss"].as_f64())
+        .collect();
+    assert!(loss.last().unwrap() < &(0.8 * loss[0]), "held-out loss {loss:?}");
+    assert!(run.join("final_policy/model.safetensors").is_file());
+}

@@ -298,6 +298,16 @@ fn bad_sft_data_and_configs_are_errors_naming_where() {
     assert!(err.contains("`mode`") && err.contains("`sft`"), "{err}");
     let err = fails(&["train.lr=-1"]);
     assert!(err.contains("train.lr"), "{err}");
+    // A placement spec without this trainer's role.
+    let spec = dir.join("spec.yaml");
+    std::fs::write(
+        &spec,
+        "version: 1\nplacement_groups:\n  g:\n    bundles: [{count: 1, resources: {CPU: 1}}]\n\
+         roles:\n  actor: {replicas: 1, resources: {CPU: 1}, placement_group: g}\n",
+    )
+    .unwrap();
+    let err = fails(&[&format!("cluster.placement_spec={}", spec.display())]);
+    assert!(err.contains("cluster.placement_spec") && err.contains("role `sft`"), "{err}");
     // Preference records: a missing side, and two sides answering different conversations.
     let pairs = write_pair_config(&dir, &files, "dpo");
     let pair_fails = |sets: &[&str]| -> String {

@@ -61,6 +61,15 @@ impl Default for DpoConfig {
     }
 }
 
+/// The role name of a mode's ranks: in messages, `rtrun list actors` and placement specs.
+pub fn role_name(mode: Mode) -> &'static str {
+    match mode {
+        Mode::Rm => "reward",
+        Mode::Dpo => "dpo",
+        _ => "sft",
+    }
+}
+
 impl StageConfig {
     /// The preference loss of a pair mode (`None` for SFT).
     pub fn preference_loss(&self) -> Option<crate::stage::losses::PreferenceLoss> {
@@ -202,6 +211,10 @@ pub struct StageClusterConfig {
     pub num_gpus: f64,
     /// Data-parallel ranks (each a worker process holding a replica).
     pub replicas: usize,
+    /// A YAML placement spec (placement/SPEC.md) declaring this trainer's role (`sft`, `dpo`
+    /// or `reward`): its ranks go into the spec's bundles (nodes, GPUs, custom resources), and
+    /// its `replicas` replace `cluster.replicas`.
+    pub placement_spec: Option<PathBuf>,
     /// libtorch intra-op threads per rank: `auto` (the machine's cores shared among the ranks)
     /// or a number.
     pub threads_per_worker: WorkerThreads,
@@ -219,6 +232,7 @@ impl Default for StageClusterConfig {
             num_cpus: None,
             num_gpus: 0.0,
             replicas: 1,
+            placement_spec: None,
             threads_per_worker: WorkerThreads::Auto,
             call_timeout_s: rl.call_timeout_s,
             stall_warn_s: rl.stall_warn_s,
@@ -268,6 +282,22 @@ impl StageConfig {
         }
         let mut config: Self = tree.typed()?;
         config.mode = mode;
+        if let Some(path) = &config.cluster.placement_spec {
+            let spec = crate::placement_map::read_spec(path)?;
+            let name = role_name(mode);
+            let role = spec.roles.iter().find(|r| r.name == name).ok_or_else(|| {
+                TrainError::config(
+                    "cluster.placement_spec",
+                    format!(
+                        "expected {} to declare the role `{name}` (the `{}` trainer's ranks), found {:?}",
+                        path.display(),
+                        mode.name(),
+                        spec.roles.iter().map(|r| r.name.as_str()).collect::<Vec<_>>()
+                    ),
+                )
+            })?;
+            config.cluster.replicas = role.replicas;
+        }
         if mode != Mode::Sft && config.run_dir == StageConfig::default().run_dir {
             config.run_dir = PathBuf::from(format!("runs/{}", mode.name()));
         }

@@ -14,6 +14,7 @@ use std::time::Instant;
 use serde::{Deserialize, Serialize};
 
 use rtrun::ActorGroup;
+use rtrun::colocation::SpecDeployment;
 use rtrun_rlhf_model::train::{OptimizerConfig, ScheduleConfig};
 use rtrun_rlhf_telemetry::{MetricsSink, MetricsWriter, PhaseTimer, StartMode, StepMetrics};
 
@@ -34,14 +35,7 @@ use crate::trainer::checkpoint::{
 };
 use crate::trainer::{ProgressObserver, RunPaths, telemetry_error};
 
-/// The role name of a mode's ranks (in messages and `rtrun list actors`).
-fn role(mode: Mode) -> &'static str {
-    match mode {
-        Mode::Rm => "reward",
-        Mode::Dpo => "dpo",
-        _ => "sft",
-    }
-}
+use crate::stage::config::role_name as role;
 
 /// Named held-out results (`loss`, and for pairs `accuracy`, `reward/margin`, ...).
 pub type EvalMetrics = Vec<(String, f64)>;
@@ -154,7 +148,11 @@ fn start_runtime(config: &StageConfig) -> Result<()> {
 
 /// The DP ranks, each loading `model.pretrain` with its optimizer (and, for DPO, a frozen copy
 /// as the reference; for a reward model, a fresh score head when the checkpoint has none).
-fn create_ranks(config: &StageConfig, total: u64) -> Result<Ranks> {
+fn create_ranks(
+    config: &StageConfig,
+    total: u64,
+    deployment: Option<&SpecDeployment>,
+) -> Result<Ranks> {
     let replicas = config.cluster.replicas;
     let role = role(config.mode);
     let threads = match config.cluster.threads_per_worker {
@@ -191,7 +189,7 @@ fn create_ranks(config: &StageConfig, total: u64) -> Result<Ranks> {
             role,
             replicas,
             Default::default(),
-            |r, o| CriticWorker::remote_with(marked(o, role, r).num_gpus(gpus), worker.clone()),
+            |r, o| CriticWorker::remote_with(placed(o, role, r, gpus, deployment)?, worker.clone()),
         )?));
     }
     let worker = LmWorkerConfig {
@@ -208,14 +206,25 @@ fn create_ranks(config: &StageConfig, total: u64) -> Result<Ranks> {
         with_reference: config.mode == Mode::Dpo,
     };
     Ok(Ranks::Lm(ActorGroup::create(role, replicas, Default::default(), |r, o| {
-        LmWorker::remote_with(marked(o, role, r).num_gpus(gpus), worker.clone())
+        LmWorker::remote_with(placed(o, role, r, gpus, deployment)?, worker.clone())
     })?))
 }
 
-/// A rank's options with its worker process marked `RTRUN_RLHF_ROLE=<role>:<rank>`, as the RL
-/// roles' are (for operators' `ps e`, and for tests that signal one rank).
-fn marked(options: rtrun::ActorOptions, role: &str, rank: usize) -> rtrun::ActorOptions {
-    options.env("RTRUN_RLHF_ROLE", &format!("{role}:{rank}"))
+/// A rank's options: its worker process marked `RTRUN_RLHF_ROLE=<role>:<rank>`, as the RL
+/// roles' are (for operators' `ps e`, and for tests that signal one rank); in its bundle of the
+/// deployed placement spec, or asking for `gpus` GPUs without one.
+fn placed(
+    options: rtrun::ActorOptions,
+    role: &str,
+    rank: usize,
+    gpus: f64,
+    deployment: Option<&SpecDeployment>,
+) -> rtrun::Result<rtrun::ActorOptions> {
+    let options = options.env("RTRUN_RLHF_ROLE", &format!("{role}:{rank}"));
+    match deployment {
+        Some(d) => d.role(role).and_then(|r| r.options_for(rank, options)),
+        None => Ok(options.num_gpus(gpus)),
+    }
 }
 
 /// A trainer over created ranks.
@@ -225,6 +234,8 @@ pub struct StageTrainer {
     train: Vec<Unit>,
     eval: Vec<Unit>,
     ranks: Ranks,
+    /// The placement spec's groups, when the config names one.
+    deployment: Option<SpecDeployment>,
     watch: CallWatch,
     /// The resumable state.
     pub state: StageState,
@@ -474,6 +485,9 @@ impl StageTrainer {
             Ranks::Lm(g) => g.kill(),
             Ranks::Scalar(g) => g.kill(),
         };
+        if let Some(deployment) = &self.deployment {
+            let _ = deployment.remove();
+        }
     }
 }
 
@@ -488,13 +502,26 @@ pub fn run_prepared(
     let LoadedSamples { train, eval, dropped_too_long } = samples;
     let total = total_steps(config, train.len());
     start_runtime(config)?;
-    let ranks = create_ranks(config, total)?;
-    progress.placed(&[format!(
-        "{}: {} rank(s) on {}",
-        role(config.mode),
-        config.cluster.replicas,
-        config.model.device.0
-    )]);
+    let deployment = match &config.cluster.placement_spec {
+        Some(path) => Some(crate::placement_map::deploy(&crate::placement_map::read_spec(path)?)?),
+        None => None,
+    };
+    let ranks = create_ranks(config, total, deployment.as_ref())?;
+    let placed = match &deployment {
+        Some(d) => {
+            let names = crate::placement_map::node_names();
+            crate::placement_map::describe(d, |id| {
+                names.get(id).cloned().unwrap_or_else(|| id.to_owned())
+            })
+        }
+        None => vec![format!(
+            "{}: {} rank(s) on {}",
+            role(config.mode),
+            config.cluster.replicas,
+            config.model.device.0
+        )],
+    };
+    progress.placed(&placed);
     let mut trainer = StageTrainer {
         state: StageState { step: 0, samples: train.len(), baseline: None },
         config: config.clone(),
@@ -502,6 +529,7 @@ pub fn run_prepared(
         train,
         eval,
         ranks,
+        deployment,
         watch: CallWatch::from_config(&config.cluster.as_cluster()),
         timer: PhaseTimer::new(),
     };
