@@ -148,17 +148,38 @@ impl Backbone {
     /// gets exactly the hidden states it would get alone (what flash-attention's varlen
     /// packing gives OpenRLHF and TRL), while the row pays for one forward.
     pub fn forward_packed(&self, input_ids: &Tensor, segment_ids: &Tensor) -> Result<Tensor> {
+        self.forward_rows(input_ids, segment_ids, None, None)
+    }
+
+    /// [`Backbone::forward_packed`] with, optionally, branches and explicit positions: within a
+    /// segment a token attends earlier tokens of branch 0 (a shared prefix) and of its own
+    /// branch, so two continuations of one prompt (`prompt, a, b` with `b`'s positions
+    /// continuing the prompt's) each get the states they would get after the prompt alone.
+    pub fn forward_rows(
+        &self,
+        input_ids: &Tensor,
+        segment_ids: &Tensor,
+        branch_ids: Option<&Tensor>,
+        position_ids: Option<&Tensor>,
+    ) -> Result<Tensor> {
         check_integer("segment_ids", segment_ids)?;
-        if segment_ids.size() != input_ids.size() {
-            return Err(ModelError::Shape {
-                name: "segment_ids".into(),
-                expected: input_ids.size(),
-                found: segment_ids.size(),
-            });
+        for (name, t) in [("segment_ids", Some(segment_ids)), ("branch_ids", branch_ids)] {
+            if let Some(t) = t
+                && t.size() != input_ids.size()
+            {
+                return Err(ModelError::Shape {
+                    name: name.into(),
+                    expected: input_ids.size(),
+                    found: t.size(),
+                });
+            }
         }
         let device = self.device();
         let segments = segment_ids.f_to_device(device)?.f_to_kind(Kind::Int64)?;
-        let positions = packed_position_ids(&segments)?;
+        let positions = match position_ids {
+            Some(p) => p.f_to_device(device)?.f_to_kind(Kind::Int64)?,
+            None => packed_position_ids(&segments)?,
+        };
         let inputs = self.check_inputs(input_ids, &segments.f_ne(0)?, Some(&positions))?;
         let mut hidden =
             Tensor::f_embedding(&self.embed_tokens, &inputs.input_ids, -1, false, false)?;
@@ -166,16 +187,31 @@ impl Backbone {
         // Rows of one right-padded sample each need no mask beyond causality: a real token only
         // sees earlier, real tokens, and padding outputs are never read. Leaving the mask
         // implicit lets libtorch use its fused attention kernel.
-        let mask = if one_sample_per_row(&segments)? {
-            None
-        } else {
-            Some(packed_attention_mask(&segments)?)
+        let mask = match branch_ids {
+            Some(branches) => {
+                let branches = branches.f_to_device(device)?.f_to_kind(Kind::Int64)?;
+                Some(branched_attention_mask(&segments, &branches)?)
+            }
+            None if one_sample_per_row(&segments)? => None,
+            None => Some(packed_attention_mask(&segments)?),
         };
         for layer in &self.layers {
             hidden = layer.forward(&hidden, &cos, &sin, mask.as_ref())?;
         }
         self.norm.forward(&hidden)
     }
+}
+
+/// [`packed_attention_mask`] further limited by branches `[batch, seq]`: query `i` attends key
+/// `j` only when `j`'s branch is 0 (the shared prefix) or `i`'s own.
+pub fn branched_attention_mask(segments: &Tensor, branches: &Tensor) -> Result<Tensor> {
+    let seq = segments.size()[1];
+    let keys = branches.f_unsqueeze(1)?;
+    let visible = keys.f_eq(0)?.f_logical_or(&keys.f_eq_tensor(&branches.f_unsqueeze(2)?)?)?;
+    let diagonal = Tensor::f_eye(seq, (Kind::Bool, segments.device()))?;
+    Ok(packed_attention_mask(segments)?
+        .f_logical_and(&visible.f_unsqueeze(1)?)?
+        .f_logical_or(&diagonal)?)
 }
 
 /// Whether every row holds one sample starting at column 0 and padding only after it.
@@ -319,6 +355,33 @@ mod tests {
         assert!(!one_sample_per_row(&segs(&[0, 1, 1])).unwrap());
         assert!(!one_sample_per_row(&segs(&[1, 0, 1])).unwrap());
         assert!(!one_sample_per_row(&segs(&[1, 2, 0])).unwrap());
+    }
+
+    /// A prompt laid out once with two continuations after it (the second's positions continue
+    /// the prompt's, and it does not see the first) gives each continuation the states it gets
+    /// after the prompt alone.
+    #[test]
+    fn branches_share_a_prefix_without_seeing_each_other() {
+        let config = crate::tiny::tiny_config(crate::ModelFamily::Qwen2);
+        let model = crate::tiny::tiny_model(&config, 5).unwrap();
+        let backbone = &model.backbone;
+        let alone = |ids: &[i64]| {
+            let t = Tensor::from_slice(ids).view([1, ids.len() as i64]);
+            backbone.forward(&t, &t.ones_like(), None).unwrap()
+        };
+        let row = |v: &[i64]| Tensor::from_slice(v).view([1, v.len() as i64]);
+        let shared = backbone
+            .forward_rows(
+                &row(&[3, 17, 9, 40, 2, 8, 8, 21, 0]),
+                &row(&[1, 1, 1, 1, 1, 1, 1, 1, 0]),
+                Some(&row(&[0, 0, 0, 1, 1, 2, 2, 2, 0])),
+                Some(&row(&[0, 1, 2, 3, 4, 3, 4, 5, 0])),
+            )
+            .unwrap();
+        let a = alone(&[3, 17, 9, 40, 2]);
+        let b = alone(&[3, 17, 9, 8, 8, 21]);
+        assert!(shared.narrow(1, 0, 5).allclose(&a, 1e-5, 1e-5, false));
+        assert!(shared.narrow(1, 5, 3).allclose(&b.narrow(1, 3, 3), 1e-5, 1e-5, false));
     }
 
     #[test]

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use rtrun_rlhf::config::Mode;
 use rtrun_rlhf::stage::StageConfig;
-use rtrun_rlhf::stage::pack::{PackedRow, Sample, Unit, row_tensors};
+use rtrun_rlhf::stage::pack::{Sample, Unit};
 use rtrun_rlhf::walkthrough::{WalkthroughConfig, WalkthroughFiles, write_walkthrough};
 use rtrun_rlhf_model::CausalLm;
 use rtrun_rlhf_telemetry::StepMetrics;
@@ -125,13 +125,18 @@ fn held_out_loss(dir: &Path, units: &[Unit]) -> f64 {
     let (mut nll, mut tokens) = (0.0, 0);
     tch::no_grad(|| {
         for sample in units.iter().flatten() {
-            let row = PackedRow { samples: vec![sample.clone()] };
-            let t = row_tensors(&[row], tch::Device::Cpu).unwrap();
-            let logits = model.forward_packed(&t.input_ids, &t.segment_ids).unwrap();
-            let lp = rtrun_rlhf_model::logprobs::token_log_probs(&logits, &t.targets).unwrap();
-            let masked = lp * t.loss_mask.to_kind(Kind::Float);
-            nll -= masked.sum(Kind::Float).double_value(&[]);
-            tokens += t.loss_tokens;
+            let ids: Vec<i64> = sample.ids.iter().map(|&i| i64::from(i)).collect();
+            let (len, prompt) = (ids.len() as i64, sample.prompt_len as i64);
+            let t = tch::Tensor::from_slice(&ids).view([1, len]);
+            let logits = model.forward(&t, &t.ones_like(), None).unwrap();
+            // Positions prompt-1 .. len-2 predict the response tokens prompt .. len-1.
+            let lp = rtrun_rlhf_model::logprobs::token_log_probs(
+                &logits.narrow(1, prompt - 1, len - prompt),
+                &t.narrow(1, prompt, len - prompt),
+            )
+            .unwrap();
+            nll -= lp.sum(Kind::Float).double_value(&[]);
+            tokens += sample.loss_tokens();
         }
     });
     nll / tokens as f64
@@ -174,9 +179,10 @@ fn sft_over_two_dp_ranks_lowers_the_held_out_loss_and_exports_what_it_trained() 
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// SFT, reward-model and DPO runs: one rank without packing and two ranks with packing give
-/// the same losses, accuracies, rewards, gradient norms and held-out results (the loss is a mean
-/// over the whole batch whatever the split, and packed samples attend only themselves).
+/// SFT, reward-model and DPO runs: one rank without packing (each pair's prompt laid out twice)
+/// and two ranks with packing (and prompts shared) give the same losses, accuracies, rewards,
+/// gradient norms and held-out results (the loss is a mean over the whole batch whatever the
+/// split, packed samples attend only themselves, a rejected response never sees the chosen one).
 #[test]
 fn packing_and_the_number_of_ranks_change_no_number() {
     let dir = scratch("layout");
@@ -189,7 +195,7 @@ fn packing_and_the_number_of_ranks_change_no_number() {
         let steps = ["train.max_steps=3", "eval.every_steps=0"];
         let one = dir.join(format!("{mode}-one-rank-unpacked"));
         let mut sets = steps.to_vec();
-        sets.extend(["cluster.replicas=1", "train.packing=false"]);
+        sets.extend(["cluster.replicas=1", "train.packing=false", "train.share_prompt=false"]);
         run_to_end(&mut train(&config, &one, &sets));
         let two = dir.join(format!("{mode}-two-ranks-packed"));
         run_to_end(&mut train(&config, &two, &steps));

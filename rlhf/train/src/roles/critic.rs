@@ -267,8 +267,7 @@ impl CriticWorkerState {
     /// per-pair losses (with the graph) and the micro-batch's sums.
     fn pair_losses(&self, rows: &[PackedRow]) -> crate::Result<(tch::Tensor, PairStats)> {
         let t = row_tensors(rows, self.model.params.device())?;
-        let hidden = self.model.backbone.forward_packed(&t.input_ids, &t.segment_ids)?;
-        let last = t.at_last_tokens(&hidden)?;
+        let last = t.at_last_tokens(&t.hidden(&self.model.backbone)?)?;
         let scores = self.model.score.forward(&last)?.f_squeeze_dim(-1)?.f_to_kind(Kind::Float)?;
         let pairs = scores.f_view([-1, 2])?;
         let (chosen, rejected) = (pairs.f_select(1, 0)?, pairs.f_select(1, 1)?);

@@ -169,6 +169,10 @@ pub struct StageTrainConfig {
     /// Pack several samples into each row of up to `data.max_len` tokens, each attending only
     /// itself (`--packing_samples`).
     pub packing: bool,
+    /// Reward model and DPO: lay each pair's prompt out once, followed by both responses (the
+    /// rejected one attends the prompt and itself, not the chosen one), so the prompt is
+    /// computed once per pair instead of twice; the numbers are those of separate sequences.
+    pub share_prompt: bool,
     /// Peak learning rate (`--learning_rate`).
     pub lr: f64,
     /// Warm-up as a fraction of the run's steps (`--lr_warmup_ratio`).
@@ -189,6 +193,7 @@ impl Default for StageTrainConfig {
             batch_size: 32,
             micro_batch_size: 8,
             packing: false,
+            share_prompt: true,
             lr: 5e-6,
             lr_warmup_ratio: 0.03,
             min_lr_ratio: 0.1,

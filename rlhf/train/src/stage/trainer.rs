@@ -286,6 +286,7 @@ impl StageTrainer {
             self.world(),
             self.config.data.max_len,
             self.config.train.packing,
+            self.config.train.share_prompt,
             self.config.train.micro_batch_size,
         )
     }

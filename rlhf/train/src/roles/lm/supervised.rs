@@ -30,26 +30,18 @@ pub struct SupervisedStats {
     pub lr: f64,
 }
 
-/// Log-probs `[N]` of the tokens at `positions` (the response positions of `t`) under `model`;
-/// only those positions are projected to the vocabulary.
-fn response_log_probs(
-    model: &CausalLm,
-    t: &RowTensors,
-    positions: &Tensor,
-) -> crate::Result<Tensor> {
-    let hidden = model.backbone.forward_packed(&t.input_ids, &t.segment_ids)?;
-    let width = hidden.size()[2];
-    let picked = hidden.f_reshape([-1, width])?.f_index_select(0, positions)?;
-    let targets = t.targets.f_flatten(0, -1)?.f_index_select(0, positions)?;
-    Ok(token_log_probs(&model.lm_logits(&picked)?, &targets)?)
+/// Log-probs `[N]` of every response token of `t` under `model`, in prediction order; only the
+/// predicting positions are projected to the vocabulary.
+fn response_log_probs(model: &CausalLm, t: &RowTensors) -> crate::Result<Tensor> {
+    let picked = t.at_predictions(&t.hidden(&model.backbone)?)?;
+    Ok(token_log_probs(&model.lm_logits(&picked)?, &t.predict_targets)?)
 }
 
 /// The summed NLL of the response tokens of `rows` (a scalar with the graph when gradients are
 /// on) and how many there are.
 fn rows_nll(model: &CausalLm, rows: &[PackedRow]) -> crate::Result<(Tensor, usize)> {
     let t = row_tensors(rows, model.params.device())?;
-    let positions = t.response_positions()?;
-    let log_probs = response_log_probs(model, &t, &positions)?;
+    let log_probs = response_log_probs(model, &t)?;
     Ok((log_probs.f_sum(tch::Kind::Float)?.f_neg()?, t.loss_tokens))
 }
 
@@ -62,16 +54,13 @@ fn dpo_pairs(
     loss: PreferenceLoss,
 ) -> crate::Result<(Tensor, PairStats)> {
     let t = row_tensors(rows, model.params.device())?;
-    let positions = t.response_positions()?;
-    let policy = t.sum_per_sample(&positions, &response_log_probs(model, &t, &positions)?)?;
-    let frozen = tch::no_grad(|| -> crate::Result<Tensor> {
-        t.sum_per_sample(&positions, &response_log_probs(reference, &t, &positions)?)
-    })?;
+    let policy = t.sum_per_sample(&response_log_probs(model, &t)?)?;
+    let frozen = tch::no_grad(|| t.sum_per_sample(&response_log_probs(reference, &t)?))?;
     let mut ratio = policy.f_sub(&frozen)?;
     if let PreferenceLoss::Dpo { ipo: true, .. } = loss {
         // IPO compares mean log-probs per response token (OpenRLHF's `average_log_prob`).
-        let ones = Tensor::f_ones([positions.size()[0]], (tch::Kind::Float, ratio.device()))?;
-        ratio = ratio.f_div(&t.sum_per_sample(&positions, &ones)?.f_clamp_min(1.0)?)?;
+        let ones = Tensor::f_ones([t.loss_tokens as i64], (tch::Kind::Float, ratio.device()))?;
+        ratio = ratio.f_div(&t.sum_per_sample(&ones)?.f_clamp_min(1.0)?)?;
     }
     let pairs = ratio.f_view([-1, 2])?;
     let (chosen, rejected) = (pairs.f_select(1, 0)?, pairs.f_select(1, 1)?);
@@ -206,7 +195,7 @@ mod tests {
             vec![sample(&[20, 21, 22, 23], 2), sample(&[20, 21, 30], 2)],
         ];
         let loss = PreferenceLoss::Dpo { beta: 0.5, label_smoothing: 0.0, ipo: false };
-        let rows = rank_batches(units.clone(), 1, 64, false, 8).remove(0).remove(0);
+        let rows = rank_batches(units.clone(), 1, 64, false, false, 8).remove(0).remove(0);
         let (losses, before) = dpo_pairs(&policy, &reference, &rows, loss).unwrap();
         assert_eq!((before.pairs, before.chosen_sum, before.rejected_sum), (2, 0.0, 0.0));
         losses.sum(tch::Kind::Float).backward();
