@@ -73,6 +73,39 @@ pub fn descendant_with_env(parent: u32, var: &str, value: &str) -> Option<u32> {
     })
 }
 
+/// Waits until `marker` (a checkpoint's completion file) exists while `child` runs, then kills
+/// it (SIGKILL). Panics when the child ends first, when `limit` passes, or when the child
+/// finished before it could be killed.
+pub fn kill_once_written(
+    child: &mut std::process::Child,
+    marker: &std::path::Path,
+    limit: Duration,
+) {
+    let deadline = std::time::Instant::now() + limit;
+    while !marker.is_file() {
+        if let Some(status) = child.try_wait().expect("waiting for the child") {
+            panic!("the run ended ({status}) before {}", marker.display());
+        }
+        assert!(std::time::Instant::now() < deadline, "no {} within {limit:?}", marker.display());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(
+        child.try_wait().expect("waiting for the child").is_none(),
+        "the run must still be going when it is killed"
+    );
+    child.kill().expect("killing the child");
+    child.wait().expect("reaping the child");
+}
+
+/// The step a driver's stderr says it resumed from (`resuming from …/step_000002`).
+pub fn resumed_from(stderr: &str) -> Option<u64> {
+    stderr
+        .lines()
+        .find_map(|l| l.strip_prefix("resuming from "))
+        .and_then(|dir| dir.rsplit("step_").next())
+        .and_then(|step| step.trim().parse().ok())
+}
+
 /// The `rtrun` binary of this build, built first when it is missing (the workspace test run
 /// builds it, because `runtime/tests/cli.rs` uses it). Test binaries live in
 /// `<target>/<profile>/deps/`, the `rtrun` binary in `<target>/<profile>/`; Cargo gives other

@@ -281,23 +281,9 @@ fn killed_then_resumed_run_matches_an_uninterrupted_one() {
     let resumed = dir.join("resumed");
     let mut child = train_command(&config_path, &resumed, &settings).spawn().unwrap();
     let marker = resumed.join("checkpoints/step_000002/trainer_state.json");
-    let deadline = Instant::now() + Duration::from_secs(90);
-    while !marker.is_file() {
-        if let Some(status) = child.try_wait().unwrap() {
-            panic!("the run ended ({status}) before its step-2 checkpoint");
-        }
-        assert!(Instant::now() < deadline, "no step-2 checkpoint within 90 s");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    assert!(child.try_wait().unwrap().is_none(), "the run must still be going when it is killed");
-    child.kill().unwrap();
-    child.wait().unwrap();
+    rtrun_tests::kill_once_written(&mut child, &marker, Duration::from_secs(90));
     let stderr = run_to_end(&mut train_command(&config_path, &resumed, &settings));
-    let resumed_from = stderr
-        .lines()
-        .find_map(|l| l.strip_prefix("resuming from "))
-        .and_then(|dir| dir.rsplit("step_").next())
-        .and_then(|step| step.parse::<u64>().ok())
+    let resumed_from = rtrun_tests::resumed_from(&stderr)
         .unwrap_or_else(|| panic!("the second run did not resume: {stderr}"));
     assert!((2..4).contains(&resumed_from), "resumed from step {resumed_from}, expected 2 or 3");
 

@@ -240,23 +240,9 @@ fn killed_run_resumes_identically(dir: &Path, config: &Path) {
     let resumed = dir.join("resumed");
     let mut child = train(config, &resumed, &sets).stderr(Stdio::null()).spawn().unwrap();
     let marker = resumed.join("checkpoints/step_000002/trainer_state.json");
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while !marker.is_file() {
-        if let Some(status) = child.try_wait().unwrap() {
-            panic!("the run ended ({status}) before its step-2 checkpoint");
-        }
-        assert!(Instant::now() < deadline, "no step-2 checkpoint within 120 s");
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    assert!(child.try_wait().unwrap().is_none(), "the run must still be going when it is killed");
-    child.kill().unwrap();
-    child.wait().unwrap();
+    rtrun_tests::kill_once_written(&mut child, &marker, Duration::from_secs(120));
     let stderr = run_to_end(&mut train(config, &resumed, &sets));
-    let resumed_from = stderr
-        .lines()
-        .find_map(|l| l.strip_prefix("resuming from "))
-        .and_then(|dir| dir.rsplit("step_").next())
-        .and_then(|step| step.parse::<u64>().ok())
+    let resumed_from = rtrun_tests::resumed_from(&stderr)
         .unwrap_or_else(|| panic!("the second run did not resume: {stderr}"));
     assert!((2..10).contains(&resumed_from), "resumed from step {resumed_from}, expected 2..9");
     let (a, b) = (comparable(&straight), comparable(&resumed));

@@ -263,6 +263,14 @@ fn bradley_terry(loss: PreferenceLoss) -> Result<(), String> {
 }
 
 impl CriticWorkerState {
+    /// All-reduces (mean) the gradients over the rank's group, then one AdamW step.
+    fn reduce_and_step(&mut self) -> crate::Result<rtrun_rlhf_model::train::StepStats> {
+        let params: Vec<tch::Tensor> =
+            self.model.named_parameters().map(|(_, t)| t.shallow_clone()).collect();
+        self.comm.all_reduce(&params, &self.setup.role)?;
+        Ok(self.optimizer.step()?)
+    }
+
     /// Bradley–Terry on the pairs of `rows`: the score at each sample's last token (its EOS),
     /// per-pair losses (with the graph) and the micro-batch's sums.
     fn pair_losses(&self, rows: &[PackedRow]) -> crate::Result<(tch::Tensor, PairStats)> {
@@ -292,10 +300,7 @@ impl CriticWorkerState {
             stats = stats.plus(&sums);
             losses.f_sum(Kind::Float)?.f_mul_scalar(scale)?.f_backward()?;
         }
-        let params: Vec<tch::Tensor> =
-            self.model.named_parameters().map(|(_, t)| t.shallow_clone()).collect();
-        self.comm.all_reduce(&params, &self.setup.role)?;
-        let step = self.optimizer.step()?;
+        let step = self.reduce_and_step()?;
         stats.grad_norm = step.grad_norm;
         stats.lr = step.lr;
         Ok(stats)
@@ -357,10 +362,7 @@ impl CriticWorkerState {
             stats.value_loss += loss.f_double_value(&[])?;
             loss.f_backward()?;
         }
-        let params: Vec<tch::Tensor> =
-            self.model.named_parameters().map(|(_, t)| t.shallow_clone()).collect();
-        self.comm.all_reduce(&params, &self.setup.role)?;
-        let step = self.optimizer.step()?;
+        let step = self.reduce_and_step()?;
         stats.grad_norm = step.grad_norm;
         stats.lr = step.lr;
         Ok(stats)
