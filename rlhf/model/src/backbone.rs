@@ -148,19 +148,22 @@ impl Backbone {
     /// gets exactly the hidden states it would get alone (what flash-attention's varlen
     /// packing gives OpenRLHF and TRL), while the row pays for one forward.
     pub fn forward_packed(&self, input_ids: &Tensor, segment_ids: &Tensor) -> Result<Tensor> {
-        self.forward_rows(input_ids, segment_ids, None, None)
+        self.forward_rows(input_ids, segment_ids, None, None, None)
     }
 
     /// [`Backbone::forward_packed`] with, optionally, branches and explicit positions: within a
     /// segment a token attends earlier tokens of branch 0 (a shared prefix) and of its own
     /// branch, so two continuations of one prompt (`prompt, a, b` with `b`'s positions
     /// continuing the prompt's) each get the states they would get after the prompt alone.
+    /// `one_per_row` says whether every row holds one right-padded sample (a caller that built
+    /// the rows knows); `None` reads it from the segment ids, at the cost of a few device reads.
     pub fn forward_rows(
         &self,
         input_ids: &Tensor,
         segment_ids: &Tensor,
         branch_ids: Option<&Tensor>,
         position_ids: Option<&Tensor>,
+        one_per_row: Option<bool>,
     ) -> Result<Tensor> {
         check_integer("segment_ids", segment_ids)?;
         for (name, t) in [("segment_ids", Some(segment_ids)), ("branch_ids", branch_ids)] {
@@ -192,7 +195,7 @@ impl Backbone {
                 let branches = branches.f_to_device(device)?.f_to_kind(Kind::Int64)?;
                 Some(branched_attention_mask(&segments, &branches)?)
             }
-            None if one_sample_per_row(&segments)? => None,
+            None if one_per_row.map_or_else(|| one_sample_per_row(&segments), Ok)? => None,
             None => Some(packed_attention_mask(&segments)?),
         };
         for layer in &self.layers {
@@ -376,6 +379,7 @@ mod tests {
                 &row(&[1, 1, 1, 1, 1, 1, 1, 1, 0]),
                 Some(&row(&[0, 0, 0, 1, 1, 2, 2, 2, 0])),
                 Some(&row(&[0, 1, 2, 3, 4, 3, 4, 5, 0])),
+                None,
             )
             .unwrap();
         let a = alone(&[3, 17, 9, 40, 2]);

@@ -148,6 +148,17 @@ impl DataConfig {
     }
 }
 
+/// An error naming `key` when one of `files` is not an existing file.
+pub fn check_files(key: &str, files: &PathList) -> Result<()> {
+    match files.0.iter().find(|f| !f.is_file()) {
+        Some(missing) => Err(TrainError::config(
+            key,
+            format!("expected an existing file, found no file at {}", missing.display()),
+        )),
+        None => Ok(()),
+    }
+}
+
 /// One record of a dataset file, with where it came from.
 #[derive(Debug, Clone)]
 pub struct RawRecord {

@@ -71,16 +71,8 @@ pub fn preflight(config: &TrainConfig, paths: &RunPaths) -> Result<RolePlacement
     if cluster_address(config).is_none() {
         check_resources(config, &placements)?;
     }
-    for (key, files) in
-        [("data.prompt_data", &config.data.prompt_data), ("data.eval_data", &config.data.eval_data)]
-    {
-        if let Some(missing) = files.0.iter().find(|f| !f.is_file()) {
-            return Err(TrainError::config(
-                key,
-                format!("expected an existing file, found no file at {}", missing.display()),
-            ));
-        }
-    }
+    crate::data::check_files("data.prompt_data", &config.data.prompt_data)?;
+    crate::data::check_files("data.eval_data", &config.data.eval_data)?;
     check_run_dir(config, paths)?;
     // A cluster is joined now, so that an unreachable or too small one is an error before any
     // work rather than after the warm-up.
@@ -93,7 +85,13 @@ pub fn preflight(config: &TrainConfig, paths: &RunPaths) -> Result<RolePlacement
 /// The cluster the run uses: `cluster.address`, else `RTRUN_ADDRESS`; `None` for the
 /// embedded single-node runtime.
 pub fn cluster_address(config: &TrainConfig) -> Option<String> {
-    config.cluster.address.clone().or_else(|| {
+    address_or_env(config.cluster.address.as_deref())
+}
+
+/// `configured` (a config's `cluster.address`), else `RTRUN_ADDRESS`; `None` for the embedded
+/// single-node runtime.
+pub fn address_or_env(configured: Option<&str>) -> Option<String> {
+    configured.map(str::to_owned).or_else(|| {
         std::env::var(rtrun::cluster::ADDRESS_ENV).ok().filter(|a| !a.trim().is_empty())
     })
 }

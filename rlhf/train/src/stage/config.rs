@@ -344,16 +344,8 @@ impl StageConfig {
                 "expected one or more JSONL / Parquet files, found none",
             ));
         }
-        for (key, files) in
-            [("data.train_data", &self.data.train_data), ("data.eval_data", &self.data.eval_data)]
-        {
-            if let Some(missing) = files.0.iter().find(|f| !f.is_file()) {
-                return Err(TrainError::config(
-                    key,
-                    format!("expected an existing file, found no file at {}", missing.display()),
-                ));
-            }
-        }
+        crate::data::check_files("data.train_data", &self.data.train_data)?;
+        crate::data::check_files("data.eval_data", &self.data.eval_data)?;
         if !(self.data.eval_fraction > 0.0 && self.data.eval_fraction < 1.0) {
             return Err(TrainError::config(
                 "data.eval_fraction",

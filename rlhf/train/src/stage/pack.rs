@@ -182,6 +182,8 @@ pub struct RowTensors {
     pub loss_tokens: usize,
     /// The flat index of each sample's last token, int64 `[samples]`.
     pub last_positions: Tensor,
+    /// Every row holds one sample (no mask beyond causality is needed).
+    pub one_per_row: bool,
     /// Samples in the micro-batch.
     pub num_samples: usize,
 }
@@ -297,6 +299,7 @@ pub fn row_tensors(rows: &[PackedRow], device: Device) -> Result<RowTensors> {
         predict_samples: flat(&l.predict.2)?,
         loss_tokens: l.predict.0.len(),
         last_positions: flat(&l.last)?,
+        one_per_row: !shared && rows.iter().all(|r| r.samples.len() == 1),
         num_samples: l.last.len(),
     })
 }
@@ -309,6 +312,7 @@ impl RowTensors {
             &self.segment_ids,
             self.branch_ids.as_ref(),
             self.position_ids.as_ref(),
+            Some(self.one_per_row),
         )?)
     }
 

@@ -126,9 +126,7 @@ pub fn prepare(config: &StageConfig) -> Result<LoadedSamples> {
 /// The runtime of the run: the cluster at `cluster.address` (or `RTRUN_ADDRESS`), else an
 /// embedded single node.
 fn start_runtime(config: &StageConfig) -> Result<()> {
-    let address = config.cluster.address.clone().or_else(|| {
-        std::env::var(rtrun::cluster::ADDRESS_ENV).ok().filter(|a| !a.trim().is_empty())
-    });
+    let address = crate::run::address_or_env(config.cluster.address.as_deref());
     let runtime = match &address {
         Some(address) => rtrun::Config { address: Some(address.clone()), ..Default::default() },
         None => rtrun::Config {
@@ -237,6 +235,9 @@ pub struct StageTrainer {
     /// The placement spec's groups, when the config names one.
     deployment: Option<SpecDeployment>,
     watch: CallWatch,
+    /// The current epoch's shuffled order of the training units (`(epoch, order)`), drawn
+    /// once per epoch rather than every step.
+    order: Option<(u64, Vec<usize>)>,
     /// The resumable state.
     pub state: StageState,
     /// Phase timings.
@@ -271,10 +272,13 @@ impl StageTrainer {
     }
 
     /// The global batch of `step` (1-based).
-    fn batch(&self, step: u64) -> Vec<Unit> {
+    fn batch(&mut self, step: u64) -> Vec<Unit> {
         let per_epoch = (self.train.len() / self.config.train.batch_size).max(1) as u64;
         let (epoch, index) = ((step - 1) / per_epoch, ((step - 1) % per_epoch) as usize);
-        let order = epoch_order(self.train.len(), self.config.seed, epoch);
+        if self.order.as_ref().is_none_or(|(e, _)| *e != epoch) {
+            self.order = Some((epoch, epoch_order(self.train.len(), self.config.seed, epoch)));
+        }
+        let order = self.order.as_ref().map_or(&[][..], |(_, o)| o.as_slice());
         let size = self.config.train.batch_size;
         order[index * size..(index + 1) * size].iter().map(|&i| self.train[i].clone()).collect()
     }
@@ -376,9 +380,8 @@ impl StageTrainer {
     pub fn save_checkpoint(&self) -> Result<PathBuf> {
         let dir = step_dir(&self.paths.checkpoints, self.state.step)?;
         let model = dir.join("model");
-        let mut saves =
-            each_rank!(&self.ranks, self.role(), vec![model], |m, d| m.save_checkpoint(d));
-        saves.truncate(1);
+        // One argument: only rank 0 is called.
+        let saves = each_rank!(&self.ranks, self.role(), vec![model], |m, d| m.save_checkpoint(d));
         self.watch.wait("save_checkpoint", saves)?;
         write_state(&dir, &self.state)?;
         if let Some(keep) = self.config.checkpoint.keep_last {
@@ -532,6 +535,7 @@ pub fn run_prepared(
         ranks,
         deployment,
         watch: CallWatch::from_config(&config.cluster.as_cluster()),
+        order: None,
         timer: PhaseTimer::new(),
     };
     let outcome = (|| {
