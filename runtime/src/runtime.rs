@@ -84,10 +84,11 @@ pub fn init() -> Result<()> {
 
 /// Like [`init`], with settings. Calling it again in the same process is a no-op.
 pub fn init_with(config: Config) -> Result<()> {
-    run_worker_if_requested();
+    // Already a driver, or a worker (whose actor may call this): nothing to start.
     if CURRENT.get().is_some() {
         return Ok(());
     }
+    run_worker_if_requested();
     let address = config.address.clone().or_else(|| {
         std::env::var(crate::cluster::ADDRESS_ENV).ok().filter(|a| !a.trim().is_empty())
     });
@@ -103,6 +104,10 @@ pub fn init_with(config: Config) -> Result<()> {
 /// never returns in that case. Test binaries call this before their harness starts (for
 /// example from a `#[ctor]`), since their `main` is not theirs.
 pub fn run_worker_if_requested() {
+    // A worker's own code calling this (through `init`) is already served.
+    if CURRENT.get().is_some() {
+        return;
+    }
     if let Some(spec) = WorkerSpec::from_env() {
         crate::worker::run(spec);
     }

@@ -116,6 +116,35 @@ impl Gate {
     }
 }
 
+/// Creates actors and a placement group from inside an actor: what it creates is owned by it.
+struct Owner {
+    children: Vec<CounterRef>,
+    groups: Vec<rtrun::PlacementGroup>,
+}
+
+#[rtrun::actor]
+impl Owner {
+    pub fn new() -> Self {
+        Owner { children: Vec::new(), groups: Vec::new() }
+    }
+
+    pub fn spawn(&mut self, start: u64) -> Result<CounterRef, String> {
+        let child = Counter::remote(start).map_err(|e| e.to_string())?;
+        self.children.push(child.clone());
+        Ok(child)
+    }
+
+    pub fn reserve(&mut self, name: String) -> Result<(), String> {
+        let options = rtrun::PlacementGroupOptions::uniform(1, &[("CPU", 0.01)])
+            .map_err(|e| e.to_string())?
+            .name(&name);
+        let group = rtrun::placement_group(options).map_err(|e| e.to_string())?;
+        group.wait(LONG).map_err(|e| e.to_string())?;
+        self.groups.push(group);
+        Ok(())
+    }
+}
+
 struct Fragile;
 
 #[rtrun::actor]
@@ -371,6 +400,28 @@ fn get_if_exists_returns_the_live_actor_and_named_actors_are_listed() {
     let fresh = Counter::remote_with(opts, 7u64).unwrap();
     assert_eq!(fresh.value().get().unwrap(), 7);
     assert!(rtrun::list_named_actors(true).unwrap().iter().any(|a| a.name == "registry"));
+}
+
+/// Ray's fate-sharing: an actor's children and placement groups end with it, while what the
+/// driver created beside it lives on.
+#[test]
+fn an_actors_children_and_groups_end_with_it() {
+    init();
+    let owner = Owner::remote().unwrap();
+    let child = owner.spawn(5).get().unwrap().unwrap();
+    assert_eq!(child.value().get().unwrap(), 5);
+    let child_pid = child.pid().get().unwrap();
+    owner.reserve("owned-by-an-actor".to_owned()).get().unwrap().unwrap();
+    assert!(rtrun::get_placement_group("owned-by-an-actor").is_ok());
+    let bystander = Counter::remote(1).unwrap();
+    assert_eq!(bystander.value().get().unwrap(), 1);
+
+    owner.kill().unwrap();
+    assert!(wait_until(LONG, || !process_alive(child_pid)), "the child's worker lives on");
+    let err = child.value().get().unwrap_err();
+    assert!(err.to_string().contains("owner"), "{err}");
+    assert!(wait_until(LONG, || rtrun::get_placement_group("owned-by-an-actor").is_err()));
+    assert_eq!(bystander.add(1).get().unwrap(), 2);
 }
 
 /// The embedded session answers `rtrun status`, `rtrun list` and `rtrun kill` from outside

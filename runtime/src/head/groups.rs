@@ -10,8 +10,9 @@ use rtrun_placement::{
     PlacementTarget, ResourceSet,
 };
 
-use super::{ActorState, Effect, Head, HeadState, Responder, WorkerRole};
+use super::{ActorState, Effect, GroupOwner, Head, HeadState, Responder, WorkerRole};
 use crate::error::{Error, Result};
+use crate::ids::ActorId;
 use crate::placement_group::{
     BundleSchedule, PlacementGroupOptions, PlacementGroupState, PlacementGroupStatus,
 };
@@ -69,6 +70,41 @@ impl HeadState {
                 effects.push(Effect::Respond(responder, Response::PlacementGroup(Box::new(state))))
             }
             Some(_) => self.group_waiters.entry(group).or_default().push(responder),
+        }
+    }
+
+    /// Ends what the actors in `ended_owners` owned (Ray's fate-sharing): the actors they
+    /// created, except those created detached, are killed for good (their own children follow
+    /// when their workers exit), and the groups they created are removed.
+    fn end_owned(&mut self, head: &Head, effects: &mut Vec<Effect>) {
+        for owner in std::mem::take(&mut self.ended_owners) {
+            let children: Vec<ActorId> = self
+                .actors
+                .iter()
+                .filter(|(_, a)| {
+                    a.lineage.owner == Some(owner)
+                        && !a.spec.options.detached
+                        && !matches!(a.state, ActorState::Dead { .. })
+                })
+                .map(|(id, _)| *id)
+                .collect();
+            for child in children {
+                let _ = self.kill_actor(child, true, effects);
+                if let Some(entry) = self.actors.get_mut(&child) {
+                    entry.death_reason = Some(format!("its owner, actor {owner}, ended"));
+                }
+            }
+            let groups: Vec<GroupId> = self
+                .group_owners
+                .iter()
+                .filter(|(_, o)| **o == GroupOwner::Actor(owner))
+                .map(|(group, _)| *group)
+                .collect();
+            for group in groups {
+                if let Err(e) = self.remove_group(head, group, effects) {
+                    tracing::debug!(%group, "removing a group of an actor that ended: {e}");
+                }
+            }
         }
     }
 
@@ -172,6 +208,7 @@ impl HeadState {
     /// After anything was released: creates pending groups that now fit (answering their
     /// waiters), then starts pending actors and queued tasks.
     pub(super) fn reschedule(&mut self, head: &Head, effects: &mut Vec<Effect>) {
+        self.end_owned(head, effects);
         if !self.pending_groups.is_empty() {
             for id in self.cluster.schedule_pending() {
                 self.pending_groups.remove(&id);

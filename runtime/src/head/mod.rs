@@ -192,6 +192,18 @@ struct Lineage {
     driver: Option<WorkerId>,
     /// Created detached, or by a detached actor: outlives its driver.
     detached: bool,
+    /// The actor whose worker created it (Ray's owner): an actor not itself created detached
+    /// ends with its owner's incarnation, and so does a placement group.
+    owner: Option<ActorId>,
+}
+
+/// Who a placement group ends with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum GroupOwner {
+    /// The driver whose job created it: removed when that driver goes.
+    Driver(WorkerId),
+    /// The actor that created it: removed when that actor's incarnation ends.
+    Actor(ActorId),
 }
 
 struct WorkerEntry {
@@ -266,9 +278,11 @@ struct HeadState {
     group_waiters: HashMap<GroupId, Vec<Responder>>,
     /// How many unnamed groups were created (for their generated names).
     unnamed_groups: u64,
-    /// The driver whose job created each group (groups of the embedded driver are absent):
-    /// they are removed when that driver goes.
-    group_owners: HashMap<GroupId, WorkerId>,
+    /// Who created each group (groups the embedded driver creates are absent): they are
+    /// removed when that driver goes or that actor's incarnation ends.
+    group_owners: HashMap<GroupId, GroupOwner>,
+    /// Actors whose incarnation ended since the last reschedule: what they owned ends next.
+    ended_owners: Vec<ActorId>,
     next_actor: u64,
     workers: HashMap<WorkerId, WorkerEntry>,
     actors: HashMap<ActorId, ActorEntry>,
@@ -318,6 +332,7 @@ impl Head {
                 group_waiters: HashMap::new(),
                 unnamed_groups: 0,
                 group_owners: HashMap::new(),
+                ended_owners: Vec::new(),
                 next_actor: 1,
                 workers: HashMap::new(),
                 actors: HashMap::new(),
@@ -637,8 +652,14 @@ impl HeadState {
             },
             Request::CreatePlacementGroup(options) => match self.create_group(*options) {
                 Ok(state) => {
-                    if let Some(driver) = self.lineage_of(origin).driver {
-                        self.group_owners.insert(state.id, driver);
+                    let lineage = self.lineage_of(origin);
+                    let owner = match (lineage.owner, lineage.driver) {
+                        (Some(actor), _) => Some(GroupOwner::Actor(actor)),
+                        (None, Some(driver)) => Some(GroupOwner::Driver(driver)),
+                        (None, None) => None,
+                    };
+                    if let Some(owner) = owner {
+                        self.group_owners.insert(state.id, owner);
                     }
                     Response::PlacementGroup(Box::new(state))
                 }
@@ -841,9 +862,21 @@ impl HeadState {
             return Lineage::default();
         };
         if let Some(job) = self.members.drivers.get(&worker) {
-            return Lineage { job: job.clone(), driver: Some(worker), detached: false };
+            return Lineage {
+                job: job.clone(),
+                driver: Some(worker),
+                detached: false,
+                owner: None,
+            };
         }
-        self.workers.get(&worker).map(|w| w.lineage.clone()).unwrap_or_default()
+        let Some(entry) = self.workers.get(&worker) else { return Lineage::default() };
+        let mut lineage = entry.lineage.clone();
+        // What an actor's worker creates is owned by that actor; a task worker's by nobody.
+        lineage.owner = match entry.role {
+            WorkerRole::Actor { actor, .. } => Some(actor),
+            WorkerRole::Tasks { .. } => None,
+        };
+        lineage
     }
 
     fn create_actor(
@@ -1054,6 +1087,8 @@ impl HeadState {
                 if actor_entry.incarnation != incarnation {
                     return;
                 }
+                self.ended_owners.push(actor);
+                let Some(actor_entry) = self.actors.get_mut(&actor) else { return };
                 let restart = !actor_entry.killed && actor_entry.restarts_left != 0;
                 if restart {
                     if actor_entry.restarts_left > 0 {

@@ -15,7 +15,7 @@ use crate::ids::{NodeId, WorkerId};
 use crate::protocol::{Address, JobInfo, JobState, NodeInfo, Request, Response};
 
 use super::spawn::SpawnRequest;
-use super::{ActorState, Effect, Head, HeadState, WorkerRole};
+use super::{ActorState, Effect, GroupOwner, Head, HeadState, WorkerRole};
 
 /// A node as the head knows it.
 pub(super) struct NodeEntry {
@@ -329,7 +329,7 @@ impl Head {
             let groups: Vec<_> = state
                 .group_owners
                 .iter()
-                .filter(|(_, owner)| **owner == driver)
+                .filter(|(_, owner)| **owner == GroupOwner::Driver(driver))
                 .map(|(group, _)| *group)
                 .collect();
             for group in groups {
