@@ -12,6 +12,7 @@
 //! - [`roles`]: the role actors (policy / reference, critic, reward model).
 //! - [`placement_map`]: placement spec → actor options and colocation mode.
 //! - [`trainer`]: `fit()`, experience making, PPO training, checkpoints.
+//! - [`trainer_actor`]: the actor a `train` run lives in (`--detach`, `--attach`).
 //! - [`run`]: a whole run as the `train` binary performs it.
 //! - [`stage`]: the supervised trainers beside RL (`train --mode sft`): config, datasets,
 //!   packing, the SFT loop.
@@ -36,6 +37,7 @@ pub mod stage;
 pub mod task;
 pub mod tokenizer;
 pub mod trainer;
+pub mod trainer_actor;
 pub mod walkthrough;
 pub mod warmup;
 

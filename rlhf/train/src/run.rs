@@ -309,7 +309,7 @@ pub fn prepare(config: &TrainConfig, paths: &RunPaths) -> Result<Prepared> {
 /// Starts the embedded runtime sized for the placement (declared GPUs, enough CPUs for the
 /// role actors plus the reward tasks), or joins the cluster at `cluster.address` and checks
 /// that its nodes hold what the placement reserves.
-fn start_runtime(config: &TrainConfig, placements: &RolePlacements) -> Result<()> {
+pub fn start_runtime(config: &TrainConfig, placements: &RolePlacements) -> Result<()> {
     if let Some(address) = cluster_address(config) {
         return join_cluster(&address, placements);
     }

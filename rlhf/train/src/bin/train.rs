@@ -1,37 +1,36 @@
-//! The training driver: `train --config X.yaml [--mode rl|sft] [--set key=value]…
-//! [--overwrite] [--address A]`. The config's `mode:` (or `--mode`) picks the trainer: PPO /
-//! GRPO (`rl`, the default), supervised fine-tuning (`sft`), a reward model (`rm`) or DPO
-//! (`dpo`).
+//! The training driver: `train --config X.yaml [--mode rl|sft|rm|dpo] [--set key=value]…
+//! [--overwrite] [--address A] [--detach]`, or `train --attach RUN [--address A]`. The config's
+//! `mode:` (or `--mode`) picks the trainer: PPO / GRPO (`rl`, the default), supervised
+//! fine-tuning (`sft`), a reward model (`rm`) or DPO (`dpo`).
 //!
-//! Runs on the embedded single-node runtime, or on a cluster with `--address`; prints a
-//! progress bar with the live metrics (reward and KL, or loss) and phase timings; leaves
-//! `metrics.jsonl`, TensorBoard event files, a curve PNG (`reward.png` / `loss.png`) and
-//! `summary.md` in the run directory, and the trained model in `final_policy/`; prints the
-//! summary (baseline vs final held-out results and per-phase timings) at the end.
+//! Runs on the embedded single-node runtime, or on a cluster with `--address`. The run itself
+//! lives in a trainer actor (`rtrun_rlhf::trainer_actor`) that this driver creates and follows:
+//! it prints a progress bar with the live metrics (reward and KL, or loss) and phase timings.
+//! The run leaves `metrics.jsonl`, TensorBoard event files, a curve PNG (`reward.png` /
+//! `loss.png`) and `summary.md` in the run directory, and the trained model in
+//! `final_policy/`; the driver prints the summary (baseline vs final held-out results and
+//! per-phase timings) at the end. With `--detach` (on a cluster) the run goes on when the driver
+//! goes, and `train --attach RUN` follows it again.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Instant;
 
-use anyhow::Context;
+use anyhow::{Context, bail};
 use clap::Parser;
 
 use rtrun_rlhf::TrainConfig;
 use rtrun_rlhf::config::{ConfigTree, Mode};
-use rtrun_rlhf::trainer::ProgressObserver;
+use rtrun_rlhf::trainer_actor::{self, Event, RunRequest, TrainerActor, TrainerActorRef};
 use rtrun_rlhf_telemetry::live::{ChartSpec, LiveMetrics};
-use rtrun_rlhf_telemetry::{
-    EvalRow, ProgressField, ProgressOptions, RunProgress, RunSummary, StepMetrics, StepPhases,
-    jsonl, reward_curve,
-};
+use rtrun_rlhf_telemetry::{ProgressField, ProgressOptions, RunProgress};
 
 /// Command line of the driver.
 #[derive(Debug, Parser)]
 #[command(name = "train", about = "PPO / GRPO and supervised fine-tuning on rtrun")]
 struct Args {
     /// The YAML config.
-    #[arg(long)]
-    config: PathBuf,
+    #[arg(long, required_unless_present = "attach")]
+    config: Option<PathBuf>,
     /// The trainer: `rl` (PPO / GRPO), `sft`, `rm` (a reward model on preference pairs) or
     /// `dpo`; the same as `--set mode=M` (the config's `mode:` when absent, else `rl`).
     #[arg(long)]
@@ -64,6 +63,14 @@ struct Args {
     /// else generated and printed with the URL).
     #[arg(long, default_value = "127.0.0.1")]
     dashboard_host: std::net::IpAddr,
+    /// Keep training when this driver exits or disconnects (a cluster only: the embedded
+    /// runtime ends with this process); `train --attach RUN` follows the run again.
+    #[arg(long)]
+    detach: bool,
+    /// Follow the run training in the run directory RUN on the cluster (started with
+    /// `--detach`): its progress from the start, then its summary.
+    #[arg(long, value_name = "RUN", conflicts_with_all = ["config", "mode", "overrides", "overwrite", "detach"])]
+    attach: Option<PathBuf>,
 }
 
 /// The dashboard page of the run: its live curves and newest metrics.
@@ -79,24 +86,6 @@ impl rtrun::dashboard::Panel for TrainPanel {
     }
 }
 
-/// The telemetry progress bar behind the trainer's observer, and the live metrics beside it.
-struct Bar(RunProgress, Arc<LiveMetrics>);
-
-impl ProgressObserver for Bar {
-    fn phase(&mut self, name: &str) {
-        self.0.set_phase(name);
-    }
-
-    fn step_done(&mut self, metrics: &StepMetrics, phases: &StepPhases) {
-        self.0.step_done(metrics, phases);
-        self.1.record(metrics, phases);
-    }
-
-    fn placed(&mut self, roles: &[String]) {
-        self.0.println(&format!("placement:\n  {}", roles.join("\n  ")));
-    }
-}
-
 fn main() -> anyhow::Result<()> {
     // Worker processes are this binary re-run; they serve here and never return.
     rtrun::run_worker_if_requested();
@@ -107,6 +96,10 @@ fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let args = Args::parse();
+    if let Some(run_dir) = &args.attach {
+        return attach(&args, run_dir);
+    }
+    let Some(config_file) = &args.config else { bail!("--config is required") };
     let mut overrides = args.overrides.clone();
     if let Some(address) = &args.address {
         overrides.push(format!("cluster.address={address}"));
@@ -117,12 +110,229 @@ fn main() -> anyhow::Result<()> {
     if let Some(mode) = &args.mode {
         overrides.push(format!("mode={mode}"));
     }
-    match ConfigTree::read(&args.config, &overrides)?.mode {
-        Mode::Rl => run_rl(&args, &overrides),
-        Mode::Sft | Mode::Rm | Mode::Dpo => run_stage(&args, &overrides),
+    // The config is checked here, before anything starts, and read again by the trainer actor.
+    let mode = ConfigTree::read(config_file, &overrides)?.mode;
+    let (run_dir, address) = match mode {
+        Mode::Rl => {
+            let (config, mut origin) = TrainConfig::load_with_origin(config_file, &overrides)?;
+            // `--overwrite` travels as an override; the line counts the user's own.
+            origin.overrides = args.overrides.len();
+            eprintln!("{origin}");
+            let placements = rtrun_rlhf::placement_map::RolePlacements::from_config(&config)?;
+            rtrun_rlhf::run::start_runtime(&config, &placements)?;
+            (config.run_dir.clone(), rtrun_rlhf::run::cluster_address(&config))
+        }
+        Mode::Sft | Mode::Rm | Mode::Dpo => {
+            let (config, origin) = rtrun_rlhf::stage::StageConfig::load_with_origin(
+                config_file,
+                &overrides,
+                args.overrides.len(),
+            )?;
+            eprintln!("{origin}");
+            rtrun_rlhf::stage::trainer::start_runtime(&config)?;
+            let address = rtrun_rlhf::run::address_or_env(config.cluster.address.as_deref());
+            (config.run_dir.clone(), address)
+        }
+    };
+    check_detach(&args, address.clone())?;
+    let request = RunRequest {
+        config_file: config_file.display().to_string(),
+        config_text: std::fs::read_to_string(config_file)
+            .with_context(|| format!("reading {}", config_file.display()))?,
+        overrides,
+        user_overrides: args.overrides.len(),
+        cwd: std::env::current_dir().context("the current directory")?,
+    };
+    let trainer = create_trainer(&run_dir, request, args.detach, address.as_deref())?;
+    if !trainer.start().get()? {
+        bail!("the trainer actor of {} was started already", run_dir.display());
     }
+    if args.detach {
+        eprintln!(
+            "detached: the run goes on if this driver exits; follow it again with \
+             `train --attach {} --address {}`",
+            trainer_actor::absolute(&run_dir).display(),
+            address.as_deref().unwrap_or_default()
+        );
+    }
+    follow(&args, &trainer, mode, &run_dir)
 }
 
+/// `--detach` needs a cluster: the embedded runtime ends with this process.
+fn check_detach(args: &Args, address: Option<String>) -> anyhow::Result<()> {
+    if args.detach && address.is_none() {
+        bail!(
+            "--detach needs a cluster (--address, cluster.address or RTRUN_ADDRESS): the \
+             embedded runtime lives in this process and ends with it; start one with \
+             `rtrun head`"
+        );
+    }
+    Ok(())
+}
+
+/// Creates the run's trainer actor, named after the run directory. An actor of an earlier run
+/// in that directory that has ended is replaced; one still training is an error pointing to
+/// `--attach`.
+fn create_trainer(
+    run_dir: &Path,
+    request: RunRequest,
+    detach: bool,
+    address: Option<&str>,
+) -> anyhow::Result<TrainerActorRef> {
+    let name = trainer_actor::actor_name(run_dir);
+    let mut options = rtrun::ActorOptions::default()
+        .name(&name)
+        .namespace(trainer_actor::NAMESPACE)
+        .max_concurrency(8);
+    if detach {
+        options = options.detached();
+    }
+    if let Ok(earlier) = rtrun::get_actor::<TrainerActor>(&name, Some(trainer_actor::NAMESPACE)) {
+        if !earlier.ended().get().unwrap_or(true) {
+            bail!(
+                "a run is already training in {} (trainer actor `{name}`); follow it with \
+                 `train --attach {} --address {}`, or stop it with `rtrun kill {name} \
+                 --namespace {}`",
+                trainer_actor::absolute(run_dir).display(),
+                trainer_actor::absolute(run_dir).display(),
+                address.unwrap_or_default(),
+                trainer_actor::NAMESPACE
+            );
+        }
+        let _ = earlier.kill();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while rtrun::get_actor::<TrainerActor>(&name, Some(trainer_actor::NAMESPACE)).is_ok()
+            && std::time::Instant::now() < deadline
+        {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    }
+    TrainerActor::remote_with(options, request)
+        .with_context(|| format!("creating the trainer actor of {}", run_dir.display()))
+}
+
+/// `train --attach RUN`: follows the run training in RUN on the cluster.
+fn attach(args: &Args, run_dir: &Path) -> anyhow::Result<()> {
+    let Some(address) = rtrun_rlhf::run::address_or_env(args.address.as_deref()) else {
+        bail!(
+            "--attach needs the cluster the run trains on (--address or RTRUN_ADDRESS); runs \
+             on the embedded runtime end with their driver"
+        );
+    };
+    rtrun::init_with(rtrun::Config { address: Some(address.clone()), ..Default::default() })
+        .with_context(|| format!("joining the cluster at {address}"))?;
+    let name = trainer_actor::actor_name(run_dir);
+    let trainer =
+        rtrun::get_actor::<TrainerActor>(&name, Some(trainer_actor::NAMESPACE)).map_err(|e| {
+            anyhow::anyhow!(
+                "no run is training in {} on the cluster at {address} (no trainer actor \
+                 `{name}`: {e})",
+                trainer_actor::absolute(run_dir).display()
+            )
+        })?;
+    eprintln!("attached to the run in {}", trainer_actor::absolute(run_dir).display());
+    // The mode only picks the dashboard's charts; the run's own events say the rest.
+    follow(args, &trainer, Mode::Rl, run_dir)
+}
+
+/// Follows the trainer actor's events until the run ends: notes on stderr, the progress bar,
+/// the live metrics behind `--metrics-port` / `--dashboard-port`, the summary on stdout. The
+/// actor is stopped once the run has ended; if it dies first, the error says how to resume.
+fn follow(
+    args: &Args,
+    trainer: &TrainerActorRef,
+    mode: Mode,
+    run_dir: &Path,
+) -> anyhow::Result<()> {
+    let mut charts = Vec::new();
+    if mode != Mode::Rl {
+        charts.push(ChartSpec::new(
+            "Loss",
+            "loss",
+            &[("train loss", "loss"), ("held-out loss", "eval/loss")],
+        ));
+        if mode != Mode::Sft {
+            charts.push(ChartSpec::new(
+                "Preference accuracy",
+                "accuracy",
+                &[("train", "accuracy"), ("held-out", "eval/accuracy")],
+            ));
+        }
+    }
+    let live = Arc::new(if charts.is_empty() {
+        LiveMetrics::default()
+    } else {
+        LiveMetrics::with_charts(charts)
+    });
+    let _servers = serve_live(args, &live)?;
+    let mut bar: Option<RunProgress> = None;
+    let mut seen = 0;
+    let outcome = loop {
+        let events = match trainer.events(seen, 1000).get() {
+            Ok(events) => events,
+            Err(e) => {
+                break Err(anyhow::anyhow!(
+                    "the trainer actor stopped before the run ended: {e}; the run directory {} \
+                     keeps its checkpoints: run again with `--set checkpoint.resume=true` to \
+                     continue from the newest",
+                    trainer_actor::absolute(run_dir).display()
+                ));
+            }
+        };
+        seen += events.len();
+        let mut ended = None;
+        for event in events {
+            match event {
+                Event::Note(line) => match &bar {
+                    Some(bar) => bar.println(&line),
+                    None => eprintln!("{line}"),
+                },
+                Event::Start { total, done, fields } => {
+                    let options = ProgressOptions {
+                        fields: fields.iter().map(|(l, m)| ProgressField::new(l, m)).collect(),
+                        start_step: done,
+                        ..ProgressOptions::default()
+                    };
+                    live.set_total_steps(total);
+                    bar = Some(RunProgress::new(total, options));
+                }
+                Event::Phase(name) => {
+                    if let Some(bar) = &bar {
+                        bar.set_phase(&name);
+                    }
+                }
+                Event::Placed(roles) => {
+                    let text = format!("placement:\n  {}", roles.join("\n  "));
+                    match &bar {
+                        Some(bar) => bar.println(&text),
+                        None => eprintln!("{text}"),
+                    }
+                }
+                step @ Event::Step { .. } => {
+                    if let Some((metrics, phases)) = step.step() {
+                        if let Some(bar) = &bar {
+                            bar.step_done(&metrics, &phases);
+                        }
+                        live.record(&metrics, &phases);
+                    }
+                }
+                Event::Finished { summary } => ended = Some(Ok(summary)),
+                Event::Failed { error } => ended = Some(Err(anyhow::anyhow!(error))),
+            }
+        }
+        if let Some(ended) = ended {
+            break ended;
+        }
+    };
+    if let Some(bar) = &bar {
+        bar.finish();
+    }
+    let _ = trainer.kill();
+    let summary = outcome?;
+    println!("{summary}");
+    rtrun::shutdown();
+    Ok(())
+}
 /// The metrics endpoint and the dashboard a run serves while it goes (`--metrics-port`,
 /// `--dashboard-port`); dropping them stops them.
 fn serve_live(
@@ -156,242 +366,4 @@ fn serve_live(
         None => None,
     };
     Ok((metrics, dashboard))
-}
-
-/// Writes `summary.md` into the run directory `root` and prints the summary and where the
-/// metrics and the `plot` are.
-fn finish(root: &std::path::Path, summary: &RunSummary, plot: &str) -> anyhow::Result<()> {
-    std::fs::write(root.join("summary.md"), summary.to_markdown()).context("writing summary.md")?;
-    println!("{}", summary.to_text());
-    println!(
-        "metrics: {} (TensorBoard event files beside it), plot: {}",
-        root.join("metrics.jsonl").display(),
-        root.join(plot).display()
-    );
-    Ok(())
-}
-
-/// The trainers beside RL (`mode: sft | rm | dpo`).
-fn run_stage(args: &Args, overrides: &[String]) -> anyhow::Result<()> {
-    use rtrun_rlhf::stage::{StageConfig, trainer};
-    let (config, origin) =
-        StageConfig::load_with_origin(&args.config, overrides, args.overrides.len())?;
-    eprintln!("{origin}");
-    let started = Instant::now();
-    let mode = config.mode;
-    let pairs = mode != Mode::Sft;
-    let paths = rtrun_rlhf::trainer::RunPaths::new(&config.run_dir);
-    eprintln!("run directory: {}", paths.root.display());
-    let mut charts = vec![ChartSpec::new(
-        "Loss",
-        "loss",
-        &[("train loss", "loss"), ("held-out loss", "eval/loss")],
-    )];
-    if pairs {
-        charts.push(ChartSpec::new(
-            "Preference accuracy",
-            "accuracy",
-            &[("train", "accuracy"), ("held-out", "eval/accuracy")],
-        ));
-    }
-    let live = Arc::new(LiveMetrics::with_charts(charts));
-    let _servers = serve_live(args, &live)?;
-    let samples = trainer::prepare(&config)?;
-    let (dropped_train, dropped_eval) = samples.dropped_too_long;
-    eprintln!(
-        "model: {}\n{}: {} training, {} held-out{}",
-        config.model.pretrain.as_deref().unwrap_or(std::path::Path::new("")).display(),
-        if pairs { "preference pairs" } else { "samples" },
-        samples.train.len(),
-        samples.eval.len(),
-        if dropped_train + dropped_eval > 0 {
-            format!(
-                " ({dropped_train} training and {dropped_eval} held-out dropped: longer than data.max_len = {})",
-                config.data.max_len
-            )
-        } else {
-            String::new()
-        }
-    );
-    if config.checkpoint.resume
-        && let Some(dir) = rtrun_rlhf::trainer::checkpoint::newest(&paths.checkpoints)?
-    {
-        eprintln!("resuming from {}", dir.display());
-    }
-    let total = trainer::total_steps(&config, samples.train.len());
-    let mut fields = vec![ProgressField::new("loss", "loss")];
-    if pairs {
-        fields.push(ProgressField::new("acc", "accuracy"));
-        fields.push(ProgressField::new("margin", "reward/margin"));
-        fields.push(ProgressField::new("eval acc", "eval/accuracy"));
-    } else {
-        fields.push(ProgressField::new("eval", "eval/loss"));
-    }
-    fields.push(ProgressField::new("tok/s", "tokens_per_s"));
-    let progress =
-        RunProgress::new(total, ProgressOptions { fields, ..ProgressOptions::default() });
-    live.set_total_steps(total);
-    let mut bar = Bar(progress, live);
-    let (trainer, report) = trainer::run_prepared(&config, samples, &mut bar)?;
-    bar.0.finish();
-    eprintln!("final model (Hugging Face format): {}", report.exported.display());
-    let records =
-        jsonl::read_jsonl(&paths.root.join("metrics.jsonl")).context("reading metrics.jsonl")?;
-    let mut chart =
-        reward_curve(&records, &[("train loss", "loss"), ("held-out loss", "eval/loss")]);
-    chart.title = format!("{} loss", mode.name().to_uppercase());
-    chart.y_label = if pairs { "loss".into() } else { "loss (nats / token)".into() };
-    chart.write_png(&paths.root.join("loss.png")).context("writing loss.png")?;
-    let tokens: f64 = records.iter().filter_map(|r| r.get("tokens")).sum();
-    let train_seconds: f64 = records.iter().filter_map(|r| r.get("time/train")).sum();
-    let value =
-        |eval: &[(String, f64)], key: &str| eval.iter().find(|(k, _)| k == key).map(|(_, v)| *v);
-    let shown: &[(&str, &str)] = if pairs {
-        &[
-            ("accuracy", "accuracy (chosen above rejected)"),
-            ("reward/margin", "reward margin (chosen - rejected)"),
-            ("loss", "loss"),
-        ]
-    } else {
-        &[("loss", "loss (nats per response token)")]
-    };
-    let mut held_out: Vec<EvalRow> = shown
-        .iter()
-        .map(|(key, label)| EvalRow {
-            metric: (*label).into(),
-            baseline: value(&report.baseline, key),
-            final_value: value(&report.final_eval, key),
-        })
-        .collect();
-    held_out.push(EvalRow {
-        metric: "training tokens per second".into(),
-        baseline: None,
-        final_value: Some(tokens / train_seconds.max(1e-9)),
-    });
-    let summary = RunSummary {
-        title: format!(
-            "{} ({}, {} rank(s))",
-            args.config.display(),
-            mode.name(),
-            config.cluster.replicas
-        ),
-        steps: report.steps,
-        wall_time: started.elapsed(),
-        held_out_prompts: report.samples.1,
-        held_out,
-        phases: trainer.timer.totals().to_vec(),
-    };
-    finish(&paths.root, &summary, "loss.png")?;
-    trainer.kill();
-    rtrun::shutdown();
-    Ok(())
-}
-
-/// PPO / GRPO (`mode: rl`).
-fn run_rl(args: &Args, overrides: &[String]) -> anyhow::Result<()> {
-    let (config, mut origin) = TrainConfig::load_with_origin(&args.config, overrides)?;
-    // `--overwrite` travels as an override; the line counts the user's own.
-    origin.overrides = args.overrides.len();
-    eprintln!("{origin}");
-    let started = Instant::now();
-    let title = format!(
-        "{} ({}, {:?} reward `{}`)",
-        args.config.display(),
-        config.algo.advantage_estimator,
-        config.reward.kind,
-        config.reward.name
-    );
-    let paths = rtrun_rlhf::trainer::RunPaths::new(&config.run_dir);
-    eprintln!("run directory: {}", paths.root.display());
-    let live = Arc::new(LiveMetrics::default());
-    let _servers = serve_live(args, &live)?;
-    // Everything checkable before the warm-up: placement spec, GPUs, files, the run directory.
-    let placements = rtrun_rlhf::run::preflight(&config, &paths)?;
-    let prepared = rtrun_rlhf::run::prepare(&config, &paths)?;
-    match &prepared.initial {
-        rtrun_rlhf::run::InitialPolicy::Made(w) => eprintln!(
-            "warm-up: {} supervised steps, token loss {:.3} -> {:.3}",
-            w.steps, w.first_loss, w.last_loss
-        ),
-        rtrun_rlhf::run::InitialPolicy::Reused => {
-            eprintln!("warm-up: reusing the initial policy of the run directory")
-        }
-        rtrun_rlhf::run::InitialPolicy::Pretrained(dir) => {
-            eprintln!("policy: {}", dir.display())
-        }
-    }
-    let (dropped_train, dropped_eval) = prepared.dropped_too_long;
-    eprintln!(
-        "prompts: {} training, {} held-out{}",
-        prepared.train_prompts(),
-        prepared.eval_prompts(),
-        if dropped_train + dropped_eval > 0 {
-            format!(
-                " ({dropped_train} training and {dropped_eval} held-out dropped: longer than data.max_prompt_len = {})",
-                config.data.max_prompt_len
-            )
-        } else {
-            String::new()
-        }
-    );
-    if config.checkpoint.resume
-        && let Some(dir) = rtrun_rlhf::trainer::checkpoint::newest(&paths.checkpoints)?
-    {
-        eprintln!("resuming from {}", dir.display());
-    }
-    let total = {
-        let per_episode =
-            (prepared.train_prompts() / config.rollout.prompts_per_step).max(1) as u64;
-        let total = per_episode * config.train.num_episodes as u64;
-        config.train.max_steps.map_or(total, |m| m.min(total))
-    };
-    let progress = RunProgress::new(
-        total,
-        ProgressOptions {
-            fields: vec![
-                ProgressField::new("reward", "reward"),
-                ProgressField::new("acc", "accuracy"),
-                ProgressField::new("kl", "kl"),
-                ProgressField::new("eval", "eval/reward"),
-            ],
-            ..ProgressOptions::default()
-        },
-    );
-    live.set_total_steps(total);
-    let mut bar = Bar(progress, live);
-    let held_out_prompts = prepared.eval_prompts();
-    let (trainer, report) = rtrun_rlhf::run::run_prepared(&config, prepared, placements, &mut bar)?;
-    bar.0.finish();
-    if let Some(dir) = &report.exported {
-        eprintln!("final policy (Hugging Face format): {}", dir.display());
-    }
-
-    let records =
-        jsonl::read_jsonl(&paths.root.join("metrics.jsonl")).context("reading metrics.jsonl")?;
-    let chart =
-        reward_curve(&records, &[("train reward", "reward"), ("held-out reward", "eval/reward")]);
-    chart.write_png(&paths.root.join("reward.png")).context("writing reward.png")?;
-    let summary = RunSummary {
-        title,
-        steps: report.steps,
-        wall_time: started.elapsed(),
-        held_out_prompts,
-        held_out: vec![
-            EvalRow {
-                metric: "mean reward".into(),
-                baseline: Some(report.baseline.mean_reward),
-                final_value: Some(report.final_result.mean_reward),
-            },
-            EvalRow {
-                metric: "full-reward accuracy".into(),
-                baseline: Some(report.baseline.accuracy),
-                final_value: Some(report.final_result.accuracy),
-            },
-        ],
-        phases: trainer.timer.totals().to_vec(),
-    };
-    finish(&paths.root, &summary, "reward.png")?;
-    trainer.roles.kill();
-    rtrun::shutdown();
-    Ok(())
 }

@@ -125,7 +125,7 @@ pub fn prepare(config: &StageConfig) -> Result<LoadedSamples> {
 
 /// The runtime of the run: the cluster at `cluster.address` (or `RTRUN_ADDRESS`), else an
 /// embedded single node.
-fn start_runtime(config: &StageConfig) -> Result<()> {
+pub fn start_runtime(config: &StageConfig) -> Result<()> {
     let address = crate::run::address_or_env(config.cluster.address.as_deref());
     let runtime = match &address {
         Some(address) => rtrun::Config { address: Some(address.clone()), ..Default::default() },

@@ -1,0 +1,463 @@
+//! The trainer actor: a whole run of the `train` driver — checks, data, the warmed-up or
+//! pretrained model, the role groups and engines, `fit()`, the curve PNG and `summary.md` —
+//! hosted by an rtrun actor rather than the driver process (the design card's "central trainer
+//! actor that runs fit()", as OpenRLHF's remote PPO trainer).
+//!
+//! The driver creates it (named after the run directory, so `train --attach RUN` finds it),
+//! calls [`TrainerActor::start`], and follows its [`Event`]s with
+//! [`TrainerActor::events`] (a long poll from an index, so any number of drivers can follow the
+//! same run from its beginning). The role groups, engines and placement groups are created
+//! by the actor's worker, so they are owned by it: they end with it, and with their driver
+//! unless the actor was created detached. Everything the run writes lands on the trainer's node.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use serde::{Deserialize, Serialize};
+
+use rtrun_rlhf_telemetry::{
+    EvalRow, ProgressField, RunSummary, StepMetrics, StepPhases, jsonl, reward_curve,
+};
+
+use crate::config::{ConfigTree, Mode};
+use crate::trainer::{ProgressObserver, RunPaths};
+
+/// The namespace trainer actors are named in.
+pub const NAMESPACE: &str = "rtrun-train";
+
+/// The name of the trainer actor of the run in `run_dir` (made absolute against the current
+/// directory), which is how `train --attach RUN` finds it.
+pub fn actor_name(run_dir: &Path) -> String {
+    format!("train:{}", absolute(run_dir).display())
+}
+
+/// `path` made absolute against the current directory, without touching the filesystem.
+pub fn absolute(path: &Path) -> PathBuf {
+    std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf())
+}
+
+/// What the driver hands the trainer actor: the config as the driver read it, and the driver's
+/// working directory (relative paths in the config resolve against it on the trainer's node).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RunRequest {
+    /// The config file as the user named it (for messages and the summary's title).
+    pub config_file: String,
+    /// The config file's text.
+    pub config_text: String,
+    /// Every override, `--overwrite`, `--mode` and `--address` included.
+    pub overrides: Vec<String>,
+    /// How many of them the user gave with `--set`.
+    pub user_overrides: usize,
+    /// The driver's working directory.
+    pub cwd: PathBuf,
+}
+
+/// One thing the run reports to its drivers, in order.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Event {
+    /// A line for the driver's stderr.
+    Note(String),
+    /// The progress bar's total steps, steps already done (a resumed run) and fields
+    /// (label, metric).
+    Start {
+        /// Steps of the whole run.
+        total: u64,
+        /// Steps done before this run started.
+        done: u64,
+        /// `(label, metric)` shown live.
+        fields: Vec<(String, String)>,
+    },
+    /// A phase of the current step started.
+    Phase(String),
+    /// The roles were placed: one line per role.
+    Placed(Vec<String>),
+    /// A step finished: its metrics as a `metrics.jsonl` line and its phase seconds.
+    Step {
+        /// The step's metrics, one JSON object.
+        metrics: String,
+        /// `(phase, seconds)` in the order the phases ran.
+        phases: Vec<(String, f64)>,
+    },
+    /// The run finished: its summary as text (also in `summary.md`).
+    Finished {
+        /// The summary and where the outputs are.
+        summary: String,
+    },
+    /// The run failed.
+    Failed {
+        /// The error and its causes.
+        error: String,
+    },
+}
+
+impl Event {
+    /// Whether the run ended with this event.
+    pub fn ends_the_run(&self) -> bool {
+        matches!(self, Event::Finished { .. } | Event::Failed { .. })
+    }
+
+    /// A [`Event::Step`] back as metrics and phases.
+    pub fn step(&self) -> Option<(StepMetrics, StepPhases)> {
+        let Event::Step { metrics, phases } = self else { return None };
+        let metrics: StepMetrics = serde_json::from_str(metrics).ok()?;
+        let phases = StepPhases {
+            phases: phases
+                .iter()
+                .map(|(name, seconds)| (name.clone(), Duration::from_secs_f64(seconds.max(0.0))))
+                .collect(),
+        };
+        Some((metrics, phases))
+    }
+}
+
+/// The events of a run so far, and a condition variable for those waiting for more.
+#[derive(Default)]
+struct EventLog {
+    events: Mutex<Vec<Event>>,
+    grew: Condvar,
+}
+
+impl EventLog {
+    fn push(&self, event: Event) {
+        if let Ok(mut events) = self.events.lock() {
+            events.push(event);
+        }
+        self.grew.notify_all();
+    }
+
+    fn since(&self, since: usize, wait: Duration) -> Vec<Event> {
+        let Ok(events) = self.events.lock() else { return Vec::new() };
+        let (events, _) = self
+            .grew
+            .wait_timeout_while(events, wait, |events| events.len() <= since)
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        events.get(since..).map(<[Event]>::to_vec).unwrap_or_default()
+    }
+}
+
+/// The run's progress as events: the [`ProgressObserver`] `fit()` reports to.
+struct Reporter(Arc<EventLog>);
+
+impl Reporter {
+    fn note(&self, line: impl Into<String>) {
+        self.0.push(Event::Note(line.into()));
+    }
+}
+
+impl ProgressObserver for Reporter {
+    fn phase(&mut self, name: &str) {
+        self.0.push(Event::Phase(name.to_owned()));
+    }
+
+    fn step_done(&mut self, metrics: &StepMetrics, phases: &StepPhases) {
+        let metrics = serde_json::to_string(metrics).unwrap_or_else(|_| "{}".into());
+        let phases = phases.phases.iter().map(|(n, d)| (n.clone(), d.as_secs_f64())).collect();
+        self.0.push(Event::Step { metrics, phases });
+    }
+
+    fn placed(&mut self, roles: &[String]) {
+        self.0.push(Event::Placed(roles.to_vec()));
+    }
+}
+
+/// The actor hosting one run.
+pub struct TrainerActor {
+    request: RunRequest,
+    log: Arc<EventLog>,
+    started: AtomicBool,
+}
+
+#[rtrun::actor(pub)]
+impl TrainerActor {
+    /// Takes the run; works in the driver's directory when this node has it.
+    pub fn new(request: RunRequest) -> Self {
+        if request.cwd.is_dir()
+            && let Err(e) = std::env::set_current_dir(&request.cwd)
+        {
+            tracing::warn!(cwd = %request.cwd.display(), "trainer actor: {e}");
+        }
+        TrainerActor {
+            request,
+            log: Arc::new(EventLog::default()),
+            started: AtomicBool::new(false),
+        }
+    }
+
+    /// Starts the run on a thread of its own; `false` when it was started already.
+    pub fn start(&self) -> bool {
+        if self.started.swap(true, Ordering::SeqCst) {
+            return false;
+        }
+        let log = self.log.clone();
+        let request = self.request.clone();
+        let spawned = std::thread::Builder::new().name("fit".into()).spawn(move || {
+            let mut reporter = Reporter(log.clone());
+            let outcome = run(&request, &mut reporter);
+            log.push(match outcome {
+                Ok(summary) => Event::Finished { summary },
+                Err(e) => Event::Failed { error: format!("{e:#}") },
+            });
+        });
+        if let Err(e) = spawned {
+            self.log.push(Event::Failed { error: format!("cannot start the run's thread: {e}") });
+        }
+        true
+    }
+
+    /// The events from index `since` on, waiting up to `wait_ms` for one when there are none.
+    pub fn events(&self, since: usize, wait_ms: u64) -> Vec<Event> {
+        self.log.since(since, Duration::from_millis(wait_ms))
+    }
+
+    /// Whether the run ended (finished or failed).
+    pub fn ended(&self) -> bool {
+        self.log.events.lock().is_ok_and(|events| events.last().is_some_and(Event::ends_the_run))
+    }
+}
+
+/// The whole run as the actor performs it; returns the summary text.
+fn run(request: &RunRequest, reporter: &mut Reporter) -> anyhow::Result<String> {
+    let tree = ConfigTree::parse(&request.config_text, &request.config_file, &request.overrides)?;
+    match tree.mode {
+        Mode::Rl => run_rl(request, reporter),
+        Mode::Sft | Mode::Rm | Mode::Dpo => run_stage(request, reporter),
+    }
+}
+
+/// Writes `summary.md` into `root`; the summary as text with where the metrics and `plot` are.
+fn finish(root: &Path, summary: &RunSummary, plot: &str) -> anyhow::Result<String> {
+    std::fs::write(root.join("summary.md"), summary.to_markdown()).context("writing summary.md")?;
+    Ok(format!(
+        "{}\nmetrics: {} (TensorBoard event files beside it), plot: {}",
+        summary.to_text(),
+        root.join("metrics.jsonl").display(),
+        root.join(plot).display()
+    ))
+}
+
+/// The `(label, metric)` pairs of progress fields.
+fn fields(fields: &[ProgressField]) -> Vec<(String, String)> {
+    fields.iter().map(|f| (f.label.clone(), f.metric.clone())).collect()
+}
+
+/// Steps already recorded in the run directory's `metrics.jsonl` when resuming.
+fn steps_done(resuming_from: Option<&Path>) -> u64 {
+    resuming_from
+        .and_then(|dir| dir.file_name()?.to_str()?.strip_prefix("step_")?.parse().ok())
+        .unwrap_or(0)
+}
+
+/// The trainers beside RL (`mode: sft | rm | dpo`).
+fn run_stage(request: &RunRequest, reporter: &mut Reporter) -> anyhow::Result<String> {
+    use crate::stage::{StageConfig, trainer};
+    let config =
+        StageConfig::from_yaml(&request.config_text, &request.config_file, &request.overrides)?;
+    let started = Instant::now();
+    let mode = config.mode;
+    let pairs = mode != Mode::Sft;
+    let paths = RunPaths::new(&absolute(&config.run_dir));
+    reporter.note(format!("run directory: {}{}", paths.root.display(), where_this_runs()));
+    let samples = trainer::prepare(&config)?;
+    let (dropped_train, dropped_eval) = samples.dropped_too_long;
+    reporter.note(format!(
+        "model: {}\n{}: {} training, {} held-out{}",
+        config.model.pretrain.as_deref().unwrap_or(Path::new("")).display(),
+        if pairs { "preference pairs" } else { "samples" },
+        samples.train.len(),
+        samples.eval.len(),
+        if dropped_train + dropped_eval > 0 {
+            format!(
+                " ({dropped_train} training and {dropped_eval} held-out dropped: longer than data.max_len = {})",
+                config.data.max_len
+            )
+        } else {
+            String::new()
+        }
+    ));
+    let resuming = match crate::trainer::checkpoint::newest(&paths.checkpoints)? {
+        Some(dir) if config.checkpoint.resume => {
+            reporter.note(format!("resuming from {}", dir.display()));
+            Some(dir)
+        }
+        _ => None,
+    };
+    let total = trainer::total_steps(&config, samples.train.len());
+    let mut shown = vec![ProgressField::new("loss", "loss")];
+    if pairs {
+        shown.push(ProgressField::new("acc", "accuracy"));
+        shown.push(ProgressField::new("margin", "reward/margin"));
+        shown.push(ProgressField::new("eval acc", "eval/accuracy"));
+    } else {
+        shown.push(ProgressField::new("eval", "eval/loss"));
+    }
+    shown.push(ProgressField::new("tok/s", "tokens_per_s"));
+    reporter.0.push(Event::Start {
+        total,
+        done: steps_done(resuming.as_deref()),
+        fields: fields(&shown),
+    });
+    let (trainer, report) = trainer::run_prepared(&config, samples, reporter)?;
+    trainer.kill();
+    reporter.note(format!("final model (Hugging Face format): {}", report.exported.display()));
+    let records =
+        jsonl::read_jsonl(&paths.root.join("metrics.jsonl")).context("reading metrics.jsonl")?;
+    let mut chart =
+        reward_curve(&records, &[("train loss", "loss"), ("held-out loss", "eval/loss")]);
+    chart.title = format!("{} loss", mode.name().to_uppercase());
+    chart.y_label = if pairs { "loss".into() } else { "loss (nats / token)".into() };
+    chart.write_png(&paths.root.join("loss.png")).context("writing loss.png")?;
+    let tokens: f64 = records.iter().filter_map(|r| r.get("tokens")).sum();
+    let train_seconds: f64 = records.iter().filter_map(|r| r.get("time/train")).sum();
+    let value =
+        |eval: &[(String, f64)], key: &str| eval.iter().find(|(k, _)| k == key).map(|(_, v)| *v);
+    let rows: &[(&str, &str)] = if pairs {
+        &[
+            ("accuracy", "accuracy (chosen above rejected)"),
+            ("reward/margin", "reward margin (chosen - rejected)"),
+            ("loss", "loss"),
+        ]
+    } else {
+        &[("loss", "loss (nats per response token)")]
+    };
+    let mut held_out: Vec<EvalRow> = rows
+        .iter()
+        .map(|(key, label)| EvalRow {
+            metric: (*label).into(),
+            baseline: value(&report.baseline, key),
+            final_value: value(&report.final_eval, key),
+        })
+        .collect();
+    held_out.push(EvalRow {
+        metric: "training tokens per second".into(),
+        baseline: None,
+        final_value: Some(tokens / train_seconds.max(1e-9)),
+    });
+    let summary = RunSummary {
+        title: format!(
+            "{} ({}, {} rank(s))",
+            request.config_file,
+            mode.name(),
+            config.cluster.replicas
+        ),
+        steps: report.steps,
+        wall_time: started.elapsed(),
+        held_out_prompts: report.samples.1,
+        held_out,
+        phases: trainer.timer.totals().to_vec(),
+    };
+    finish(&paths.root, &summary, "loss.png")
+}
+
+/// PPO / GRPO (`mode: rl`).
+fn run_rl(request: &RunRequest, reporter: &mut Reporter) -> anyhow::Result<String> {
+    use crate::run::{InitialPolicy, preflight, prepare, run_prepared};
+    let config = crate::TrainConfig::from_yaml(
+        &request.config_text,
+        &request.config_file,
+        &request.overrides,
+    )?;
+    let started = Instant::now();
+    let title = format!(
+        "{} ({}, {:?} reward `{}`)",
+        request.config_file,
+        config.algo.advantage_estimator,
+        config.reward.kind,
+        config.reward.name
+    );
+    let paths = RunPaths::new(&absolute(&config.run_dir));
+    reporter.note(format!("run directory: {}{}", paths.root.display(), where_this_runs()));
+    // Everything checkable before the warm-up: placement spec, GPUs, files, the run directory.
+    let placements = preflight(&config, &paths)?;
+    let prepared = prepare(&config, &paths)?;
+    reporter.note(match &prepared.initial {
+        InitialPolicy::Made(w) => format!(
+            "warm-up: {} supervised steps, token loss {:.3} -> {:.3}",
+            w.steps, w.first_loss, w.last_loss
+        ),
+        InitialPolicy::Reused => "warm-up: reusing the initial policy of the run directory".into(),
+        InitialPolicy::Pretrained(dir) => format!("policy: {}", dir.display()),
+    });
+    let (dropped_train, dropped_eval) = prepared.dropped_too_long;
+    reporter.note(format!(
+        "prompts: {} training, {} held-out{}",
+        prepared.train_prompts(),
+        prepared.eval_prompts(),
+        if dropped_train + dropped_eval > 0 {
+            format!(
+                " ({dropped_train} training and {dropped_eval} held-out dropped: longer than data.max_prompt_len = {})",
+                config.data.max_prompt_len
+            )
+        } else {
+            String::new()
+        }
+    ));
+    let resuming = match crate::trainer::checkpoint::newest(&paths.checkpoints)? {
+        Some(dir) if config.checkpoint.resume => {
+            reporter.note(format!("resuming from {}", dir.display()));
+            Some(dir)
+        }
+        _ => None,
+    };
+    let total = {
+        let per_episode =
+            (prepared.train_prompts() / config.rollout.prompts_per_step).max(1) as u64;
+        let total = per_episode * config.train.num_episodes as u64;
+        config.train.max_steps.map_or(total, |m| m.min(total))
+    };
+    let shown = [
+        ProgressField::new("reward", "reward"),
+        ProgressField::new("acc", "accuracy"),
+        ProgressField::new("kl", "kl"),
+        ProgressField::new("eval", "eval/reward"),
+    ];
+    reporter.0.push(Event::Start {
+        total,
+        done: steps_done(resuming.as_deref()),
+        fields: fields(&shown),
+    });
+    let held_out_prompts = prepared.eval_prompts();
+    let (trainer, report) = run_prepared(&config, prepared, placements, reporter)?;
+    trainer.roles.kill();
+    if let Some(dir) = &report.exported {
+        reporter.note(format!("final policy (Hugging Face format): {}", dir.display()));
+    }
+    let records =
+        jsonl::read_jsonl(&paths.root.join("metrics.jsonl")).context("reading metrics.jsonl")?;
+    let chart =
+        reward_curve(&records, &[("train reward", "reward"), ("held-out reward", "eval/reward")]);
+    chart.write_png(&paths.root.join("reward.png")).context("writing reward.png")?;
+    let summary = RunSummary {
+        title,
+        steps: report.steps,
+        wall_time: started.elapsed(),
+        held_out_prompts,
+        held_out: vec![
+            EvalRow {
+                metric: "mean reward".into(),
+                baseline: Some(report.baseline.mean_reward),
+                final_value: Some(report.final_result.mean_reward),
+            },
+            EvalRow {
+                metric: "full-reward accuracy".into(),
+                baseline: Some(report.baseline.accuracy),
+                final_value: Some(report.final_result.accuracy),
+            },
+        ],
+        phases: trainer.timer.totals().to_vec(),
+    };
+    finish(&paths.root, &summary, "reward.png")
+}
+
+/// ` (on node NAME)` when this process runs on a cluster's node other than the head's, else
+/// nothing (the driver's machine).
+fn where_this_runs() -> String {
+    let Ok(context) = rtrun::context() else { return String::new() };
+    let names = crate::placement_map::node_names();
+    match names.get(&context.node_id.to_string()) {
+        Some(name) if names.len() > 1 => format!(" (on node {name})"),
+        _ => String::new(),
+    }
+}
