@@ -28,6 +28,7 @@ use prometheus_client::registry::Registry;
 
 use crate::error::{Error, Result};
 use crate::runtime::Runtime;
+use rtrun_object_store::StoreStats;
 
 /// Adds metrics to a scrape's registry (called once per scrape, on the server's thread).
 pub type MetricsSource = Arc<dyn Fn(&mut Registry) + Send + Sync>;
@@ -173,6 +174,12 @@ fn cluster_metrics(runtime: &Arc<Runtime>, registry: &mut Registry) -> Result<()
 /// This node's object store and the pulls into it.
 fn node_metrics(runtime: &Arc<Runtime>, registry: &mut Registry) -> Result<()> {
     let Some(stats) = runtime.node_store_stats()? else { return Ok(()) };
+    store_metrics(runtime, registry, stats);
+    Ok(())
+}
+
+/// This node's object store (`stats`) and the pulls into it.
+fn store_metrics(runtime: &Arc<Runtime>, registry: &mut Registry, stats: StoreStats) {
     let node = runtime.node().to_string();
     let store = |registry: &mut Registry, name: &str, help: &str, value: u64| {
         let family = gauge_family(registry, name, help);
@@ -233,7 +240,26 @@ fn node_metrics(runtime: &Arc<Runtime>, registry: &mut Registry) -> Result<()> {
         "Time to copy an object from another node",
         PROCESS.pull_seconds.clone(),
     );
-    Ok(())
+}
+
+/// The session's control plane and this node's object store as any process of the session
+/// sees them (asked of the head and of the node): for a program that serves an embedded
+/// session's metrics from one of its workers, as `train`'s trainer actor does. Nothing when
+/// this process holds the control plane or is a node, whose own endpoint serves them already.
+pub fn session_source() -> MetricsSource {
+    Arc::new(|registry| {
+        let Ok(runtime) = crate::runtime::current() else { return };
+        if runtime.holds_control_plane() || matches!(runtime.node_store_stats(), Ok(Some(_))) {
+            return;
+        }
+        if let Err(e) = cluster_metrics(runtime, registry) {
+            tracing::debug!("session metrics: {e}");
+        }
+        match runtime.store_client().and_then(|store| store.stats()) {
+            Ok(stats) => store_metrics(runtime, registry, stats),
+            Err(e) => tracing::debug!("session metrics: the node's store: {e}"),
+        }
+    })
 }
 
 /// The metrics text of this process now (without the runtime's part before it is started).

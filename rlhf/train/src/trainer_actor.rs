@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use serde::{Deserialize, Serialize};
 
+use rtrun_rlhf_telemetry::live::LiveMetrics;
 use rtrun_rlhf_telemetry::{
     EvalRow, ProgressField, RunSummary, StepMetrics, StepPhases, jsonl, reward_curve,
 };
@@ -53,6 +54,12 @@ pub struct RunRequest {
     pub user_overrides: usize,
     /// The driver's working directory.
     pub cwd: PathBuf,
+    /// `--metrics-port`: Prometheus metrics served from the trainer's process (the calls to
+    /// the roles are made there) while the run goes.
+    pub metrics_port: Option<u16>,
+    /// Whether that endpoint also serves the session's runtime (control plane, the node's
+    /// store): on the embedded runtime, which has no `rtrun head --metrics-port` of its own.
+    pub session_metrics: bool,
 }
 
 /// One thing the run reports to its drivers, in order.
@@ -138,12 +145,19 @@ impl EventLog {
     }
 }
 
-/// The run's progress as events: the [`ProgressObserver`] `fit()` reports to.
-struct Reporter(Arc<EventLog>);
+/// The run's progress as events, and the newest step for the metrics endpoint: the
+/// [`ProgressObserver`] `fit()` reports to.
+struct Reporter(Arc<EventLog>, Arc<LiveMetrics>);
 
 impl Reporter {
     fn note(&self, line: impl Into<String>) {
         self.0.push(Event::Note(line.into()));
+    }
+
+    fn start(&self, total: u64, done: u64, shown: &[ProgressField]) {
+        self.1.set_total_steps(total);
+        let fields = shown.iter().map(|f| (f.label.clone(), f.metric.clone())).collect();
+        self.0.push(Event::Start { total, done, fields });
     }
 }
 
@@ -153,6 +167,7 @@ impl ProgressObserver for Reporter {
     }
 
     fn step_done(&mut self, metrics: &StepMetrics, phases: &StepPhases) {
+        self.1.record(metrics, phases);
         let metrics = serde_json::to_string(metrics).unwrap_or_else(|_| "{}".into());
         let phases = phases.phases.iter().map(|(n, d)| (n.clone(), d.as_secs_f64())).collect();
         self.0.push(Event::Step { metrics, phases });
@@ -172,8 +187,16 @@ pub struct TrainerActor {
 
 #[rtrun::actor(pub)]
 impl TrainerActor {
-    /// Takes the run; works in the driver's directory when this node has it.
+    /// Takes the run; works in the driver's directory when this node has it. The run's
+    /// warnings (late ranks, retries) go to this worker's stderr, which reaches the driver's
+    /// terminal (embedded) or the node's log files and the driver's stream (cluster).
     pub fn new(request: RunRequest) -> Self {
+        let filter =
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into());
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_writer(std::io::stderr)
+            .try_init();
         if request.cwd.is_dir()
             && let Err(e) = std::env::set_current_dir(&request.cwd)
         {
@@ -194,7 +217,7 @@ impl TrainerActor {
         let log = self.log.clone();
         let request = self.request.clone();
         let spawned = std::thread::Builder::new().name("fit".into()).spawn(move || {
-            let mut reporter = Reporter(log.clone());
+            let mut reporter = Reporter(log.clone(), Arc::new(LiveMetrics::default()));
             let outcome = run(&request, &mut reporter);
             log.push(match outcome {
                 Ok(summary) => Event::Finished { summary },
@@ -212,6 +235,14 @@ impl TrainerActor {
         self.log.since(since, Duration::from_millis(wait_ms))
     }
 
+    /// The run's trainer (`mode:`), for a driver that attaches.
+    pub fn mode(&self) -> Result<Mode, String> {
+        let request = &self.request;
+        ConfigTree::parse(&request.config_text, &request.config_file, &request.overrides)
+            .map(|tree| tree.mode)
+            .map_err(|e| e.to_string())
+    }
+
     /// Whether the run ended (finished or failed).
     pub fn ended(&self) -> bool {
         self.log.events.lock().is_ok_and(|events| events.last().is_some_and(Event::ends_the_run))
@@ -220,6 +251,22 @@ impl TrainerActor {
 
 /// The whole run as the actor performs it; returns the summary text.
 fn run(request: &RunRequest, reporter: &mut Reporter) -> anyhow::Result<String> {
+    let _metrics = match request.metrics_port {
+        Some(port) => {
+            let bind = std::net::SocketAddr::from(([0, 0, 0, 0], port));
+            let live = reporter.1.clone();
+            let mut sources: Vec<rtrun::metrics::MetricsSource> =
+                vec![Arc::new(move |r| live.register(r))];
+            if request.session_metrics {
+                sources.push(rtrun::metrics::session_source());
+            }
+            let server = rtrun::metrics::serve(bind, sources)
+                .with_context(|| format!("--metrics-port {port}"))?;
+            reporter.note(format!("metrics: http://{}/metrics", server.address()));
+            Some(server)
+        }
+        None => None,
+    };
     let tree = ConfigTree::parse(&request.config_text, &request.config_file, &request.overrides)?;
     match tree.mode {
         Mode::Rl => run_rl(request, reporter),
@@ -236,11 +283,6 @@ fn finish(root: &Path, summary: &RunSummary, plot: &str) -> anyhow::Result<Strin
         root.join("metrics.jsonl").display(),
         root.join(plot).display()
     ))
-}
-
-/// The `(label, metric)` pairs of progress fields.
-fn fields(fields: &[ProgressField]) -> Vec<(String, String)> {
-    fields.iter().map(|f| (f.label.clone(), f.metric.clone())).collect()
 }
 
 /// Steps already recorded in the run directory's `metrics.jsonl` when resuming.
@@ -294,11 +336,7 @@ fn run_stage(request: &RunRequest, reporter: &mut Reporter) -> anyhow::Result<St
         shown.push(ProgressField::new("eval", "eval/loss"));
     }
     shown.push(ProgressField::new("tok/s", "tokens_per_s"));
-    reporter.0.push(Event::Start {
-        total,
-        done: steps_done(resuming.as_deref()),
-        fields: fields(&shown),
-    });
+    reporter.start(total, steps_done(resuming.as_deref()), &shown);
     let (trainer, report) = trainer::run_prepared(&config, samples, reporter)?;
     trainer.kill();
     reporter.note(format!("final model (Hugging Face format): {}", report.exported.display()));
@@ -413,11 +451,7 @@ fn run_rl(request: &RunRequest, reporter: &mut Reporter) -> anyhow::Result<Strin
         ProgressField::new("kl", "kl"),
         ProgressField::new("eval", "eval/reward"),
     ];
-    reporter.0.push(Event::Start {
-        total,
-        done: steps_done(resuming.as_deref()),
-        fields: fields(&shown),
-    });
+    reporter.start(total, steps_done(resuming.as_deref()), &shown);
     let held_out_prompts = prepared.eval_prompts();
     let (trainer, report) = run_prepared(&config, prepared, placements, reporter)?;
     trainer.roles.kill();

@@ -293,3 +293,98 @@ fn sft_spreads_its_dp_ranks_over_two_nodes_with_a_placement_spec() {
     assert!(loss.last().unwrap() < &(0.8 * loss[0]), "held-out loss {loss:?}");
     assert!(run.join("final_policy/model.safetensors").is_file());
 }
+
+/// `train --detach`: the driver is killed mid-run and the run goes on in its trainer actor
+/// (detached, on the cluster); `train --attach RUN` follows it to its end and prints its
+/// summary, and the actor and its roles are gone afterwards. A second `--detach` run in the
+/// same directory while the first trains is refused, pointing to `--attach`.
+#[test]
+fn a_detached_run_outlives_its_driver_and_train_attach_follows_it_to_the_end() {
+    let (cluster, dir, config, run) = job_on("detach");
+    let sets = [
+        "--set",
+        "cluster.placement_spec=null",
+        "--set",
+        "train.max_steps=60",
+        "--set",
+        "checkpoint.every_steps=20",
+        "--set",
+        "eval.every_steps=20",
+    ];
+    let log = dir.join("detached.log");
+    let mut driver = train(&cluster, &config, &log).args(sets).arg("--detach").spawn().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(240);
+    while steps_done(&run) < 6 {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        assert!(driver.try_wait().unwrap().is_none(), "the run ended early:\n{text}");
+        assert!(Instant::now() < deadline, "6 records within 240 s:\n{text}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(text.contains("detached: the run goes on") && text.contains("--attach"), "{text}");
+    driver.kill().unwrap();
+    driver.wait().unwrap();
+
+    // Past the heartbeat timeout (3 s) the head has declared the driver gone; steps go on.
+    std::thread::sleep(Duration::from_secs(5));
+    let after_gone = steps_done(&run);
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while steps_done(&run) < after_gone + 3 && steps_done(&run) < 62 {
+        assert!(Instant::now() < deadline, "no step after the driver left ({after_gone} records)");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+
+    // Another detached run in the same directory is refused while this one trains.
+    let second_log = dir.join("second.log");
+    let out = train(&cluster, &config, &second_log).args(sets).arg("--detach").output().unwrap();
+    let text = std::fs::read_to_string(&second_log).unwrap();
+    if steps_done(&run) < 60 {
+        assert!(!out.status.success() && text.contains("already training"), "{text}");
+        assert!(text.contains("train --attach"), "{text}");
+    }
+
+    let attach_log = dir.join("attach.log");
+    let out = Command::new(env!("CARGO_BIN_EXE_train"))
+        .arg("--attach")
+        .arg(&run)
+        .args(["--address", &cluster.address])
+        .env("RTRUN_CREDENTIALS_DIR", cluster.dir.join("head-credentials"))
+        .stderr(std::fs::File::create(&attach_log).unwrap())
+        .output()
+        .unwrap();
+    let text = std::fs::read_to_string(&attach_log).unwrap();
+    let summary = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "attach failed:\n{text}");
+    assert!(text.contains("attached to the run in"), "{text}");
+    assert!(summary.contains("60 steps") && summary.contains("mean reward"), "{summary}");
+    let steps: Vec<u64> = std::fs::read_to_string(run.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()?["step"].as_u64())
+        .collect();
+    assert_eq!(steps, (0..=60).collect::<Vec<u64>>(), "one record per step, none twice");
+    assert!(run.join("final_policy/model.safetensors").is_file());
+    assert!(run.join("summary.md").is_file() && run.join("reward.png").is_file());
+
+    // The trainer actor and its roles are gone; attaching again finds nothing.
+    let credentials = cluster.dir.join("head-credentials");
+    let alive = || {
+        let listed = rtrun_tests::cluster::rtrun(&cluster, &["list", "actors"], &credentials);
+        let listed = String::from_utf8_lossy(&listed.stdout).into_owned();
+        listed.lines().filter(|l| l.contains("ALIVE")).map(str::to_owned).collect::<Vec<_>>()
+    };
+    assert!(
+        rtrun_tests::wait_until(Duration::from_secs(30), || alive().is_empty()),
+        "{:?}",
+        alive()
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_train"))
+        .arg("--attach")
+        .arg(&run)
+        .args(["--address", &cluster.address])
+        .env("RTRUN_CREDENTIALS_DIR", &credentials)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && text.contains("no run is training in"), "{text}");
+}

@@ -290,6 +290,39 @@ fn killed_then_resumed_run_matches_an_uninterrupted_one() {
     let (a, b) = (comparable(&straight), comparable(&resumed));
     assert_eq!(a.iter().map(|(s, _)| *s).collect::<Vec<_>>(), vec![0, 1, 2, 3, 4]);
     assert_eq!(a, b, "a resumed run must reproduce the uninterrupted run's metrics");
+
+    // The trainer actor's worker killed (SIGKILL) instead: the driver says so and how to go
+    // on, the role workers it owned end with it, and a rerun resumes identically.
+    let orphaned = dir.join("trainer-killed");
+    let mut child = train_command(&config_path, &orphaned, &settings).spawn().unwrap();
+    let marker = orphaned.join("checkpoints/step_000002/trainer_state.json");
+    let deadline = std::time::Instant::now() + Duration::from_secs(90);
+    while !marker.is_file() {
+        assert!(child.try_wait().unwrap().is_none(), "the run ended before step 2's checkpoint");
+        assert!(std::time::Instant::now() < deadline, "no {} within 90 s", marker.display());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let pid_of = |marker: &str| {
+        rtrun_tests::descendant_with_env(child.id(), "RTRUN_RLHF_ROLE", marker)
+            .unwrap_or_else(|| panic!("no worker marked {marker}"))
+    };
+    let (trainer, policy) = (pid_of("trainer:0"), pid_of("actor:0"));
+    rtrun_tests::kill9(trainer);
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("the trainer actor stopped before the run ended")
+            && stderr.contains("checkpoint.resume"),
+        "{stderr}"
+    );
+    assert!(
+        rtrun_tests::wait_until(Duration::from_secs(30), || !rtrun_tests::process_alive(policy)),
+        "the policy rank outlived its trainer"
+    );
+    let stderr = run_to_end(&mut train_command(&config_path, &orphaned, &settings));
+    assert!(rtrun_tests::resumed_from(&stderr).is_some_and(|s| s >= 2), "{stderr}");
+    assert_eq!(a, comparable(&orphaned), "resumed after the trainer actor was killed");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -357,6 +390,16 @@ fn the_driver_rejects_bad_configs_and_addresses_with_clear_errors() {
         .output()
         .unwrap();
     assert!(String::from_utf8_lossy(&missing.stderr).contains("/nonexistent/x.yaml"));
+    // Detaching needs a cluster (the embedded runtime ends with its driver), attaching too.
+    let detached = run(&["--detach"]);
+    assert!(detached.contains("--detach needs a cluster") && !detached.contains("warm-up"));
+    let attach = std::process::Command::new(env!("CARGO_BIN_EXE_train"))
+        .args(["--attach", "runs/grpo"])
+        .env_remove("RTRUN_ADDRESS")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&attach.stderr);
+    assert!(!attach.status.success() && text.contains("--attach needs the cluster"), "{text}");
 }
 
 /// Metrics of a run that both pipeline modes produce: everything but timings, wall time and

@@ -49,8 +49,9 @@ struct Args {
     /// checkpoint to resume from.
     #[arg(long)]
     overwrite: bool,
-    /// Serves Prometheus metrics at http://0.0.0.0:PORT/metrics while the run goes: the
-    /// newest step's metrics, phase times and tokens/s, and the session's runtime (nodes,
+    /// Serves Prometheus metrics at http://0.0.0.0:PORT/metrics while the run goes, from the
+    /// trainer actor's process (on a cluster: the head's node): the newest step's metrics,
+    /// phase times and tokens/s, the calls to the roles, and the session's runtime (nodes,
     /// resources, actors, tasks, object store).
     #[arg(long)]
     metrics_port: Option<u16>,
@@ -69,7 +70,7 @@ struct Args {
     detach: bool,
     /// Follow the run training in the run directory RUN on the cluster (started with
     /// `--detach`): its progress from the start, then its summary.
-    #[arg(long, value_name = "RUN", conflicts_with_all = ["config", "mode", "overrides", "overwrite", "detach"])]
+    #[arg(long, value_name = "RUN", conflicts_with_all = ["config", "mode", "overrides", "overwrite", "detach", "metrics_port"])]
     attach: Option<PathBuf>,
 }
 
@@ -118,9 +119,11 @@ fn main() -> anyhow::Result<()> {
             // `--overwrite` travels as an override; the line counts the user's own.
             origin.overrides = args.overrides.len();
             eprintln!("{origin}");
+            let address = rtrun_rlhf::run::cluster_address(&config);
+            check_detach(&args, address.as_deref())?;
             let placements = rtrun_rlhf::placement_map::RolePlacements::from_config(&config)?;
             rtrun_rlhf::run::start_runtime(&config, &placements)?;
-            (config.run_dir.clone(), rtrun_rlhf::run::cluster_address(&config))
+            (config.run_dir.clone(), address)
         }
         Mode::Sft | Mode::Rm | Mode::Dpo => {
             let (config, origin) = rtrun_rlhf::stage::StageConfig::load_with_origin(
@@ -129,12 +132,12 @@ fn main() -> anyhow::Result<()> {
                 args.overrides.len(),
             )?;
             eprintln!("{origin}");
-            rtrun_rlhf::stage::trainer::start_runtime(&config)?;
             let address = rtrun_rlhf::run::address_or_env(config.cluster.address.as_deref());
+            check_detach(&args, address.as_deref())?;
+            rtrun_rlhf::stage::trainer::start_runtime(&config)?;
             (config.run_dir.clone(), address)
         }
     };
-    check_detach(&args, address.clone())?;
     let request = RunRequest {
         config_file: config_file.display().to_string(),
         config_text: std::fs::read_to_string(config_file)
@@ -142,6 +145,8 @@ fn main() -> anyhow::Result<()> {
         overrides,
         user_overrides: args.overrides.len(),
         cwd: std::env::current_dir().context("the current directory")?,
+        metrics_port: args.metrics_port,
+        session_metrics: address.is_none(),
     };
     let trainer = create_trainer(&run_dir, request, args.detach, address.as_deref())?;
     if !trainer.start().get()? {
@@ -159,7 +164,7 @@ fn main() -> anyhow::Result<()> {
 }
 
 /// `--detach` needs a cluster: the embedded runtime ends with this process.
-fn check_detach(args: &Args, address: Option<String>) -> anyhow::Result<()> {
+fn check_detach(args: &Args, address: Option<&str>) -> anyhow::Result<()> {
     if args.detach && address.is_none() {
         bail!(
             "--detach needs a cluster (--address, cluster.address or RTRUN_ADDRESS): the \
@@ -171,8 +176,9 @@ fn check_detach(args: &Args, address: Option<String>) -> anyhow::Result<()> {
 }
 
 /// Creates the run's trainer actor, named after the run directory. An actor of an earlier run
-/// in that directory that has ended is replaced; one still training is an error pointing to
-/// `--attach`.
+/// in that directory that has ended is replaced. One still training is an error pointing to
+/// `--attach` when it is detached; otherwise its driver may be gone without the head knowing
+/// yet (a killed driver is declared gone after the heartbeat timeout), so it is waited for.
 fn create_trainer(
     run_dir: &Path,
     request: RunRequest,
@@ -180,31 +186,52 @@ fn create_trainer(
     address: Option<&str>,
 ) -> anyhow::Result<TrainerActorRef> {
     let name = trainer_actor::actor_name(run_dir);
+    let namespace = trainer_actor::NAMESPACE;
     let mut options = rtrun::ActorOptions::default()
         .name(&name)
-        .namespace(trainer_actor::NAMESPACE)
-        .max_concurrency(8);
+        .namespace(namespace)
+        .max_concurrency(8)
+        .env("RTRUN_RLHF_ROLE", "trainer:0");
     if detach {
         options = options.detached();
     }
-    if let Ok(earlier) = rtrun::get_actor::<TrainerActor>(&name, Some(trainer_actor::NAMESPACE)) {
-        if !earlier.ended().get().unwrap_or(true) {
+    let earlier = || rtrun::get_actor::<TrainerActor>(&name, Some(namespace)).ok();
+    if let Some(actor) = earlier() {
+        let detached = rtrun::list_named_actors(true)
+            .unwrap_or_default()
+            .iter()
+            .any(|a| a.name == name && a.namespace == namespace && a.detached);
+        let ended = actor.ended().get().unwrap_or(true);
+        let here = trainer_actor::absolute(run_dir);
+        if detached && !ended {
             bail!(
-                "a run is already training in {} (trainer actor `{name}`); follow it with \
-                 `train --attach {} --address {}`, or stop it with `rtrun kill {name} \
-                 --namespace {}`",
-                trainer_actor::absolute(run_dir).display(),
-                trainer_actor::absolute(run_dir).display(),
+                "a run is already training in {} (detached trainer actor `{name}`); follow it \
+                 with `train --attach {} --address {}`, or stop it with `rtrun kill {name} \
+                 --namespace {namespace}`",
+                here.display(),
+                here.display(),
                 address.unwrap_or_default(),
-                trainer_actor::NAMESPACE
             );
         }
-        let _ = earlier.kill();
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-        while rtrun::get_actor::<TrainerActor>(&name, Some(trainer_actor::NAMESPACE)).is_ok()
-            && std::time::Instant::now() < deadline
-        {
-            std::thread::sleep(std::time::Duration::from_millis(20));
+        if ended {
+            let _ = actor.kill();
+        } else {
+            eprintln!(
+                "waiting for the earlier run in {} to stop (trainer actor `{name}`: its driver \
+                 is still running or was lost and is not yet declared gone)",
+                here.display()
+            );
+        }
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while earlier().is_some() {
+            if std::time::Instant::now() > deadline {
+                bail!(
+                    "a run is still training in {} after 60 s (trainer actor `{name}`); stop \
+                     its driver, or the actor with `rtrun kill {name} --namespace {namespace}`",
+                    here.display()
+                );
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
         }
     }
     TrainerActor::remote_with(options, request)
@@ -231,8 +258,8 @@ fn attach(args: &Args, run_dir: &Path) -> anyhow::Result<()> {
             )
         })?;
     eprintln!("attached to the run in {}", trainer_actor::absolute(run_dir).display());
-    // The mode only picks the dashboard's charts; the run's own events say the rest.
-    follow(args, &trainer, Mode::Rl, run_dir)
+    let mode = trainer.mode().get()?.map_err(anyhow::Error::msg)?;
+    follow(args, &trainer, mode, run_dir)
 }
 
 /// Follows the trainer actor's events until the run ends: notes on stderr, the progress bar,
@@ -264,7 +291,7 @@ fn follow(
     } else {
         LiveMetrics::with_charts(charts)
     });
-    let _servers = serve_live(args, &live)?;
+    let _dashboard = serve_dashboard(args, &live)?;
     let mut bar: Option<RunProgress> = None;
     let mut seen = 0;
     let outcome = loop {
@@ -273,8 +300,8 @@ fn follow(
             Err(e) => {
                 break Err(anyhow::anyhow!(
                     "the trainer actor stopped before the run ended: {e}; the run directory {} \
-                     keeps its checkpoints: run again with `--set checkpoint.resume=true` to \
-                     continue from the newest",
+                     keeps its checkpoints: run the same command again to continue from the newest \
+                     (checkpoint.resume, on unless set false)",
                     trainer_actor::absolute(run_dir).display()
                 ));
             }
@@ -333,23 +360,12 @@ fn follow(
     rtrun::shutdown();
     Ok(())
 }
-/// The metrics endpoint and the dashboard a run serves while it goes (`--metrics-port`,
-/// `--dashboard-port`); dropping them stops them.
-fn serve_live(
+/// The dashboard the driver serves while it follows the run (`--dashboard-port`): the
+/// session's state and the run's live curves; dropping it stops it.
+fn serve_dashboard(
     args: &Args,
     live: &Arc<LiveMetrics>,
-) -> anyhow::Result<(Option<rtrun::metrics::MetricsServer>, Option<rtrun::dashboard::Dashboard>)> {
-    let metrics = match args.metrics_port {
-        Some(port) => {
-            let bind = std::net::SocketAddr::from(([0, 0, 0, 0], port));
-            let source = live.clone();
-            let server = rtrun::metrics::serve(bind, vec![Arc::new(move |r| source.register(r))])
-                .with_context(|| format!("--metrics-port {port}"))?;
-            eprintln!("metrics: http://{}/metrics", server.address());
-            Some(server)
-        }
-        None => None,
-    };
+) -> anyhow::Result<Option<rtrun::dashboard::Dashboard>> {
     let dashboard = match args.dashboard_port {
         Some(port) => {
             let dashboard = rtrun::dashboard::serve(rtrun::dashboard::DashboardOptions {
@@ -365,5 +381,5 @@ fn serve_live(
         }
         None => None,
     };
-    Ok((metrics, dashboard))
+    Ok(dashboard)
 }
