@@ -133,13 +133,16 @@ fn grpo_places_roles_across_nodes_learns_and_resumes_after_its_driver_is_killed(
         assert!(log.contains(line), "placement line `{line}` in:\n{log}");
     }
 
-    // The rerun resumes from the newest checkpoint (once the killed driver's placement groups
-    // are freed) and finishes.
+    // The rerun resumes from the newest checkpoint (once the killed driver's trainer actor,
+    // roles and placement groups are gone: the head declares the driver gone after its
+    // heartbeat timeout, and the trainer may have passed step 100's checkpoint by then) and
+    // finishes.
     let second_log = dir.join("second.log");
     let status = train(&cluster, &config, &second_log).status().unwrap();
     let log = std::fs::read_to_string(&second_log).unwrap();
     assert!(status.success(), "the resumed run failed:\n{log}");
-    assert!(log.contains("resuming from ") && log.contains("step_000050"), "{log}");
+    let resumed = rtrun_tests::resumed_from(&log);
+    assert!(resumed == Some(50) || resumed == Some(100), "{log}");
     let evals = held_out(&run);
     let (first_eval, last_eval) = (evals.first().unwrap(), evals.last().unwrap());
     assert_eq!(last_eval.0, 150, "held-out rewards {evals:?}");
