@@ -154,6 +154,17 @@ impl Reporter {
         self.0.push(Event::Note(line.into()));
     }
 
+    /// The newest checkpoint when the run resumes from it (`resume`), said as a note.
+    fn resuming(&self, paths: &RunPaths, resume: bool) -> crate::Result<Option<PathBuf>> {
+        match crate::trainer::checkpoint::newest(&paths.checkpoints)? {
+            Some(dir) if resume => {
+                self.note(format!("resuming from {}", dir.display()));
+                Ok(Some(dir))
+            }
+            _ => Ok(None),
+        }
+    }
+
     fn start(&self, total: u64, done: u64, shown: &[ProgressField]) {
         self.1.set_total_steps(total);
         let fields = shown.iter().map(|f| (f.label.clone(), f.metric.clone())).collect();
@@ -285,6 +296,14 @@ fn finish(root: &Path, summary: &RunSummary, plot: &str) -> anyhow::Result<Strin
     ))
 }
 
+/// ` (3 training and 1 held-out dropped: longer than KEY = LIMIT)`, or nothing when none were.
+fn dropped((train, eval): (usize, usize), key: &str, limit: usize) -> String {
+    if train + eval == 0 {
+        return String::new();
+    }
+    format!(" ({train} training and {eval} held-out dropped: longer than {key} = {limit})")
+}
+
 /// Steps already recorded in the run directory's `metrics.jsonl` when resuming.
 fn steps_done(resuming_from: Option<&Path>) -> u64 {
     resuming_from
@@ -303,29 +322,15 @@ fn run_stage(request: &RunRequest, reporter: &mut Reporter) -> anyhow::Result<St
     let paths = RunPaths::new(&absolute(&config.run_dir));
     reporter.note(format!("run directory: {}{}", paths.root.display(), where_this_runs()));
     let samples = trainer::prepare(&config)?;
-    let (dropped_train, dropped_eval) = samples.dropped_too_long;
     reporter.note(format!(
         "model: {}\n{}: {} training, {} held-out{}",
         config.model.pretrain.as_deref().unwrap_or(Path::new("")).display(),
         if pairs { "preference pairs" } else { "samples" },
         samples.train.len(),
         samples.eval.len(),
-        if dropped_train + dropped_eval > 0 {
-            format!(
-                " ({dropped_train} training and {dropped_eval} held-out dropped: longer than data.max_len = {})",
-                config.data.max_len
-            )
-        } else {
-            String::new()
-        }
+        dropped(samples.dropped_too_long, "data.max_len", config.data.max_len),
     ));
-    let resuming = match crate::trainer::checkpoint::newest(&paths.checkpoints)? {
-        Some(dir) if config.checkpoint.resume => {
-            reporter.note(format!("resuming from {}", dir.display()));
-            Some(dir)
-        }
-        _ => None,
-    };
+    let resuming = reporter.resuming(&paths, config.checkpoint.resume)?;
     let total = trainer::total_steps(&config, samples.train.len());
     let mut shown = vec![ProgressField::new("loss", "loss")];
     if pairs {
@@ -418,27 +423,13 @@ fn run_rl(request: &RunRequest, reporter: &mut Reporter) -> anyhow::Result<Strin
         InitialPolicy::Reused => "warm-up: reusing the initial policy of the run directory".into(),
         InitialPolicy::Pretrained(dir) => format!("policy: {}", dir.display()),
     });
-    let (dropped_train, dropped_eval) = prepared.dropped_too_long;
     reporter.note(format!(
         "prompts: {} training, {} held-out{}",
         prepared.train_prompts(),
         prepared.eval_prompts(),
-        if dropped_train + dropped_eval > 0 {
-            format!(
-                " ({dropped_train} training and {dropped_eval} held-out dropped: longer than data.max_prompt_len = {})",
-                config.data.max_prompt_len
-            )
-        } else {
-            String::new()
-        }
+        dropped(prepared.dropped_too_long, "data.max_prompt_len", config.data.max_prompt_len),
     ));
-    let resuming = match crate::trainer::checkpoint::newest(&paths.checkpoints)? {
-        Some(dir) if config.checkpoint.resume => {
-            reporter.note(format!("resuming from {}", dir.display()));
-            Some(dir)
-        }
-        _ => None,
-    };
+    let resuming = reporter.resuming(&paths, config.checkpoint.resume)?;
     let total = {
         let per_episode =
             (prepared.train_prompts() / config.rollout.prompts_per_step).max(1) as u64;
