@@ -44,10 +44,10 @@ fn puts(seed: u64) -> (Vec<PackedBatch>, usize) {
         let (mut prompts, mut responses, mut log_probs, mut scores) =
             (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for prompt in 0..PUT_PROMPTS {
-            let prompt_len = 64 + rng.below(193);
+            let prompt_len = 64 + rng.below(193) as usize;
             let ids: Vec<i64> = (0..prompt_len).map(|_| rng.below(32_000) as i64).collect();
             for _ in 0..SAMPLES {
-                let len = 64 + rng.below(449);
+                let len = 64 + rng.below(449) as usize;
                 prompts.push(ids.clone());
                 responses.push((0..len).map(|_| rng.below(32_000) as i64).collect::<Vec<_>>());
                 log_probs.push((0..len).map(|i| -((i % 17) as f32) / 7.0).collect::<Vec<_>>());

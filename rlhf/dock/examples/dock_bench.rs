@@ -44,10 +44,10 @@ impl Data {
         let mut log_probs = Vec::with_capacity(rows);
         let mut scores = Vec::with_capacity(rows);
         for prompt in 0..PROMPTS {
-            let prompt_len = 64 + rng.below(193);
+            let prompt_len = 64 + rng.below(193) as usize;
             let prompt_ids: Vec<i64> = (0..prompt_len).map(|_| rng.below(32_000) as i64).collect();
             for _ in 0..SAMPLES {
-                let len = 64 + rng.below(449);
+                let len = 64 + rng.below(449) as usize;
                 prompts.push(prompt_ids.clone());
                 responses.push((0..len).map(|_| rng.below(32_000) as i64).collect());
                 log_probs.push((0..len).map(|i| -((i % 17) as f32) / 7.0).collect());

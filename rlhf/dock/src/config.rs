@@ -169,7 +169,7 @@ impl DockConfig {
     /// The seed of consumer `id`'s generator: the dock seed mixed with the id, so that two
     /// consumers never share a stream.
     pub(crate) fn consumer_seed(&self, id: ConsumerId) -> u64 {
-        let mut mixer = crate::rng::SplitMix64::new(self.sampling.seed ^ (id.0 as u64));
+        let mut mixer = rtrun_rlhf_rng::SplitMix64::new(self.sampling.seed ^ (id.0 as u64));
         mixer.next_u64()
     }
 }

@@ -27,8 +27,8 @@
 //!   clocks. Selection ANDs the requested columns' readiness words, removes the consumer's
 //!   consumed words, and keeps the groups whose `n` bits are all set; it then picks groups by
 //!   the [`SampleOrder`] (ascending, or uniformly at random from a per-consumer SplitMix64
-//!   stream seeded from the config, so runs are reproducible) and marks them consumed in the
-//!   same step. This is what the property tests exercise.
+//!   stream, `rtrun_rlhf_rng`, seeded from the config, so runs are reproducible) and marks them
+//!   consumed in the same step. This is what the property tests exercise.
 //! - [`TransferDock`] adds the data (one slot per (column, row), values moved in without copies)
 //!   and makes everything `&self`: a **mutex per consumer** serialises the DP ranks of one
 //!   consumer so they never receive the same row, while different consumers sample in parallel
@@ -97,7 +97,6 @@ pub mod error;
 pub mod index;
 pub mod pad;
 pub mod pipeline;
-pub mod rng;
 
 pub use actor::{DockActor, DockActorRef, DockCallError, DockProgress, RemoteDock};
 pub use column::{ColumnKind, ColumnValues, PackedColumn};
@@ -110,4 +109,4 @@ pub use pipeline::{
     ExperienceStore, PipelineSummary, PollConfig, StageError, StageSpec, StageTimeline,
     StageWorkError, run_stage,
 };
-pub use rng::SplitMix64;
+pub use rtrun_rlhf_rng::SplitMix64;

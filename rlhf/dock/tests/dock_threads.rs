@@ -136,7 +136,7 @@ fn run_pipeline(
                 let mut order: Vec<usize> = (0..prompts).collect();
                 let mut rng = rtrun_rlhf_dock::SplitMix64::new(seed);
                 for i in (1..order.len()).rev() {
-                    order.swap(i, rng.below(i + 1));
+                    order.swap(i, rng.below(i as u64 + 1) as usize);
                 }
                 for group in order {
                     let rows: Vec<usize> = (group * n..(group + 1) * n).collect();

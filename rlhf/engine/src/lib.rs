@@ -11,7 +11,7 @@
 //! **Engine** (on `tch` and [`rtrun_rlhf_model`]): the model [`runner`] (paged KV cache
 //! tensors, attention through block tables, the tensor-parallel seam), [`LlmEngine`] (the step
 //! loop scheduler → runner → sampler → scheduler, stop strings, sleep / wake, weight updates,
-//! stats), the [`reference`] decode used as test oracle and benchmark anchor, and
+//! stats), the [`mod@reference`] decode used as test oracle and benchmark anchor, and
 //! [`EngineActor`], the engine as an rtrun actor serving several trainer ranks.
 //!
 //! Contract between scheduler and runner: within one step, the K/V of every scheduled token of a

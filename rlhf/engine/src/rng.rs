@@ -6,19 +6,12 @@
 //! request with seed `seed` is a pure function of those three numbers ([`token_uniform`]).
 //! A recomputed sequence therefore draws exactly the numbers it would have drawn unpreempted.
 //!
-//! The mixing function is SplitMix64's finaliser (Steele, Lea, Flood 2014), which passes
-//! BigCrush when used as a counter-based generator; it is written here rather than pulled from a
-//! crate so that the stream is pinned forever (a dependency upgrade must never change rollouts).
+//! The mixing function is SplitMix64's finaliser (Steele, Lea, Flood 2014; the RLHF crates' one
+//! copy is `rtrun_rlhf_rng`), which passes BigCrush when used as a counter-based generator; it
+//! is our own code so that the stream is pinned forever (a dependency upgrade must never change
+//! rollouts).
 
-/// SplitMix64's increment (the golden-ratio constant).
-const GOLDEN_GAMMA: u64 = 0x9E37_79B9_7F4A_7C15;
-
-/// SplitMix64's output function: a bijective avalanche mix of one 64-bit word.
-pub fn mix64(mut z: u64) -> u64 {
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
+pub use rtrun_rlhf_rng::{GOLDEN_GAMMA, SplitMix64, mix64, unit_f64};
 
 /// The uniform number in `[0, 1)` used to sample output token `position` of one sample.
 pub fn token_uniform(seed: u64, sample_index: u32, position: usize) -> f64 {
@@ -26,36 +19,6 @@ pub fn token_uniform(seed: u64, sample_index: u32, position: usize) -> f64 {
     z = mix64(z ^ u64::from(sample_index).wrapping_mul(GOLDEN_GAMMA).wrapping_add(1));
     z = mix64(z ^ (position as u64).wrapping_mul(0xD1B5_4A32_D192_ED03).wrapping_add(2));
     unit_f64(z)
-}
-
-/// Maps the top 53 bits of a word onto `[0, 1)` exactly (every value is a multiple of 2^-53).
-pub fn unit_f64(word: u64) -> f64 {
-    (word >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
-}
-
-/// A sequential SplitMix64 stream, for seeds derived from a base (e.g. per-request seeds when a
-/// request brings none) and for test workloads.
-#[derive(Debug, Clone)]
-pub struct SplitMix64 {
-    state: u64,
-}
-
-impl SplitMix64 {
-    /// A stream starting from `seed`.
-    pub fn new(seed: u64) -> Self {
-        Self { state: seed }
-    }
-
-    /// The next 64-bit word.
-    pub fn next_u64(&mut self) -> u64 {
-        self.state = self.state.wrapping_add(GOLDEN_GAMMA);
-        mix64(self.state)
-    }
-
-    /// The next uniform number in `[0, 1)`.
-    pub fn next_f64(&mut self) -> f64 {
-        unit_f64(self.next_u64())
-    }
 }
 
 #[cfg(test)]

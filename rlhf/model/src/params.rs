@@ -9,6 +9,7 @@
 //! libtorch's global one, so models built from the same seed are identical even when tests
 //! build models on several threads at once, and across libtorch versions.
 
+use rtrun_rlhf_rng::SplitMix64;
 use tch::{Device, Kind, Tensor};
 
 use crate::error::{ModelError, Result};
@@ -34,26 +35,18 @@ pub struct Parameters {
 /// A small seeded generator of standard normal samples (SplitMix64 + Box-Muller).
 #[derive(Clone, Debug)]
 pub struct SeededNormal {
-    state: u64,
+    rng: SplitMix64,
 }
 
 impl SeededNormal {
     /// A generator starting from `seed`.
     pub fn new(seed: u64) -> Self {
-        Self { state: seed }
-    }
-
-    fn next_u64(&mut self) -> u64 {
-        self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        Self { rng: SplitMix64::new(seed) }
     }
 
     /// A uniform sample in (0, 1].
     fn uniform(&mut self) -> f64 {
-        ((self.next_u64() >> 11) as f64 + 1.0) / (1u64 << 53) as f64
+        ((self.rng.next_u64() >> 11) as f64 + 1.0) / (1u64 << 53) as f64
     }
 
     /// `count` normal samples with mean 0 and standard deviation `std`.

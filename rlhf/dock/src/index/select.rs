@@ -9,7 +9,7 @@
 use crate::bitmap::RowBitmap;
 use crate::config::{ColumnId, ConsumerId, DockConfig, SampleOrder};
 use crate::error::DockError;
-use crate::rng::SplitMix64;
+use rtrun_rlhf_rng::SplitMix64;
 
 /// Which rows a consumer asks for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -191,7 +191,7 @@ fn pick_groups(groups: &mut Vec<usize>, wanted: usize, order: SampleOrder, rng: 
     if order == SampleOrder::Random {
         // Partial Fisher–Yates: the first `wanted` slots become a uniform random subset.
         for slot in 0..wanted {
-            let other = slot + rng.below(groups.len() - slot);
+            let other = slot + rng.below((groups.len() - slot) as u64) as usize;
             groups.swap(slot, other);
         }
     }
