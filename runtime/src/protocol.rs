@@ -365,7 +365,7 @@ pub enum Request {
         /// The worker.
         worker: WorkerId,
         /// How it ended.
-        status: String,
+        status: WorkerExit,
     },
     /// Head → node daemons: a process of the cluster exited; drop its store references.
     ProcessExited {
@@ -677,6 +677,47 @@ impl std::fmt::Display for JobState {
     }
 }
 
+/// How a worker process ended, as its spawner saw it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum WorkerExit {
+    /// It exited with this code.
+    Code(i32),
+    /// A signal killed it.
+    Signal(i32),
+    /// It never started, could not be waited for, or went with its node: why.
+    Lost(String),
+}
+
+impl WorkerExit {
+    /// How `status` (from `wait`) ended.
+    pub fn of(status: std::process::ExitStatus) -> Self {
+        use std::os::unix::process::ExitStatusExt;
+        match (status.code(), status.signal()) {
+            (Some(code), _) => WorkerExit::Code(code),
+            (None, Some(signal)) => WorkerExit::Signal(signal),
+            _ => WorkerExit::Lost(format!("worker process ended: {status}")),
+        }
+    }
+
+    /// The exit code, when it exited by itself.
+    pub fn code(&self) -> Option<i32> {
+        match self {
+            WorkerExit::Code(code) => Some(*code),
+            _ => None,
+        }
+    }
+}
+
+impl std::fmt::Display for WorkerExit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            WorkerExit::Code(code) => write!(f, "worker process exited with code {code}"),
+            WorkerExit::Signal(signal) => write!(f, "worker process was killed by signal {signal}"),
+            WorkerExit::Lost(reason) => f.write_str(reason),
+        }
+    }
+}
+
 /// What `rtrun memory` shows for one node.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct NodeMemory {
@@ -688,4 +729,25 @@ pub struct NodeMemory {
     pub spill_dir: String,
     /// The store's snapshot.
     pub stats: StoreStats,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Exits arrive typed from real processes, and read as they always did in messages.
+    #[test]
+    fn worker_exits_are_typed_from_real_processes() {
+        let run = |script: &str| {
+            let status = std::process::Command::new("sh").args(["-c", script]).status().unwrap();
+            WorkerExit::of(status)
+        };
+        assert_eq!(run("exit 3"), WorkerExit::Code(3));
+        assert_eq!(run("exit 3").code(), Some(3));
+        assert_eq!(run("kill -9 $$"), WorkerExit::Signal(9));
+        assert_eq!(run("kill -9 $$").code(), None);
+        assert_eq!(WorkerExit::Code(3).to_string(), "worker process exited with code 3");
+        assert_eq!(WorkerExit::Signal(9).to_string(), "worker process was killed by signal 9");
+        assert_eq!(WorkerExit::Lost("node n2 died".into()).to_string(), "node n2 died");
+    }
 }

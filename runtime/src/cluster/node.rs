@@ -12,7 +12,7 @@ use parking_lot::Mutex;
 use crate::error::{Error, Result};
 use crate::head::{SpawnEvents, SpawnRequest, Spawner, kill_process};
 use crate::ids::WorkerId;
-use crate::protocol::{Request, Response};
+use crate::protocol::{Request, Response, WorkerExit};
 use crate::runtime::Runtime;
 
 use super::binaries::BinaryCache;
@@ -172,7 +172,7 @@ impl SpawnEvents for NodeAgent {
         self.report(Request::WorkerSpawned { worker, pid });
     }
 
-    fn on_worker_exit(&self, worker: WorkerId, status: String) {
+    fn on_worker_exit(&self, worker: WorkerId, status: WorkerExit) {
         self.children.lock().remove(&worker);
         if let Some(runtime) = self.runtime.upgrade() {
             runtime.on_process_exit(worker);

@@ -25,7 +25,7 @@ use crate::error::{Error, Result};
 use crate::ids::{ActorId, NodeId, ObjectId, WorkerId};
 use crate::protocol::{
     ActorStart, Address, Assignment, CallFrame, CallTarget, ClusterInfo, Frame, Outcome, Request,
-    Response,
+    Response, WorkerExit,
 };
 use crate::runtime::{Config, Runtime};
 use crate::submit::PendingCall;
@@ -72,7 +72,7 @@ impl SpawnEvents for Head {
         Head::on_spawned(self, worker, pid)
     }
 
-    fn on_worker_exit(&self, worker: WorkerId, status: String) {
+    fn on_worker_exit(&self, worker: WorkerId, status: WorkerExit) {
         Head::on_worker_exit(self, worker, status)
     }
 
@@ -471,22 +471,19 @@ impl Head {
         }
     }
 
-    pub(crate) fn on_worker_exit(&self, worker: WorkerId, status: String) {
+    pub(crate) fn on_worker_exit(&self, worker: WorkerId, status: WorkerExit) {
         // The object store drops the exited process's references and pins (every node's).
         if let Some(runtime) = self.runtime() {
             runtime.on_process_exit(worker);
         }
         self.broadcast_exit(worker);
-        let code = status
-            .strip_prefix("worker process exited with code ")
-            .and_then(|code| code.parse().ok());
-        if self.job_exited(worker, &status, code) {
+        if self.job_exited(worker, &status) {
             return;
         }
         let mut effects = Vec::new();
         {
             let mut state = self.state.lock();
-            state.on_worker_exit(worker, status, &mut effects);
+            state.on_worker_exit(worker, status.to_string(), &mut effects);
             state.reschedule(self, &mut effects);
         }
         self.apply(effects);

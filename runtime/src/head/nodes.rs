@@ -12,7 +12,7 @@ use rtrun_placement::NodeResources;
 use crate::cluster::binaries::BinaryCache;
 use crate::error::{Error, Result};
 use crate::ids::{NodeId, WorkerId};
-use crate::protocol::{Address, JobInfo, JobState, NodeInfo, Request, Response};
+use crate::protocol::{Address, JobInfo, JobState, NodeInfo, Request, Response, WorkerExit};
 
 use super::spawn::SpawnRequest;
 use super::{ActorState, Effect, GroupOwner, Head, HeadState, WorkerRole};
@@ -348,12 +348,13 @@ impl Head {
             Request::SpawnWorker { worker, env: request.env, job: request.job },
             Some(Box::new(move |head: &Head, response: Response| {
                 if let Response::Error(e) = response {
-                    head.on_worker_exit(worker, format!("its node could not start it: {e}"));
+                    let why = WorkerExit::Lost(format!("its node could not start it: {e}"));
+                    head.on_worker_exit(worker, why);
                 }
             })),
         );
         if let Err(e) = sent {
-            self.on_worker_exit(worker, format!("its node is unreachable: {e}"));
+            self.on_worker_exit(worker, WorkerExit::Lost(format!("its node is unreachable: {e}")));
         }
     }
 
@@ -587,16 +588,16 @@ impl Head {
     /// Records a job driver's exit (false when `worker` is not a job). Its process has been
     /// reaped, so the driver is gone now: its actors and groups go at once rather than when
     /// its connection times out (a killed or stopped driver cannot close it).
-    pub(super) fn job_exited(&self, worker: WorkerId, status: &str, code: Option<i32>) -> bool {
+    pub(super) fn job_exited(&self, worker: WorkerId, status: &WorkerExit) -> bool {
         let driver = {
             let mut state = self.state.lock();
             let Some(entry) = state.members.jobs.values_mut().find(|j| j.worker == worker) else {
                 return false;
             };
-            entry.state = match code {
+            entry.state = match status {
                 _ if entry.stop_requested => JobState::Stopped,
-                Some(code) => JobState::Exited { code },
-                None => JobState::Failed { reason: status.to_owned() },
+                WorkerExit::Code(code) => JobState::Exited { code: *code },
+                other => JobState::Failed { reason: other.to_string() },
             };
             entry.driver
         };

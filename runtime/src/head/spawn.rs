@@ -11,6 +11,7 @@ use std::sync::{Arc, Weak};
 
 use crate::error::{Error, Result};
 use crate::ids::WorkerId;
+use crate::protocol::WorkerExit;
 use crate::runtime::Runtime;
 
 /// Who learns of the spawner's children: the head (embedded session, head node) or a node
@@ -19,7 +20,7 @@ pub(crate) trait SpawnEvents: Send + Sync + 'static {
     /// The worker's process started.
     fn on_spawned(&self, worker: WorkerId, pid: u32);
     /// The worker's process exited (or could not start).
-    fn on_worker_exit(&self, worker: WorkerId, status: String);
+    fn on_worker_exit(&self, worker: WorkerId, status: WorkerExit);
     /// The runtime whose node store the children inherit.
     fn runtime(&self) -> Option<Arc<Runtime>>;
     /// Whether workers without a log file print on this process's stdout/stderr, each line
@@ -185,7 +186,8 @@ impl SpawnerInbox {
                             start_reaper(&head, request.worker, child);
                         }
                         Err(e) => {
-                            head.on_worker_exit(request.worker, format!("failed to start: {e}"))
+                            let why = WorkerExit::Lost(format!("failed to start: {e}"));
+                            head.on_worker_exit(request.worker, why)
                         }
                     }
                 }
@@ -261,8 +263,8 @@ fn start_reaper<H: SpawnEvents>(head: &Arc<H>, worker: WorkerId, mut child: std:
     let spawned =
         std::thread::Builder::new().name(format!("rtrun-reap-{}", worker.0)).spawn(move || {
             let status = match child.wait() {
-                Ok(status) => describe_exit(status),
-                Err(e) => format!("could not be waited for: {e}"),
+                Ok(status) => WorkerExit::of(status),
+                Err(e) => WorkerExit::Lost(format!("could not be waited for: {e}")),
             };
             if let Some(head) = head.upgrade() {
                 head.on_worker_exit(worker, status);
@@ -270,15 +272,6 @@ fn start_reaper<H: SpawnEvents>(head: &Arc<H>, worker: WorkerId, mut child: std:
         });
     if let Err(e) = spawned {
         tracing::error!("cannot start a reaper thread: {e}");
-    }
-}
-
-pub(crate) fn describe_exit(status: std::process::ExitStatus) -> String {
-    use std::os::unix::process::ExitStatusExt;
-    match (status.code(), status.signal()) {
-        (Some(code), _) => format!("worker process exited with code {code}"),
-        (None, Some(signal)) => format!("worker process was killed by signal {signal}"),
-        _ => format!("worker process ended: {status}"),
     }
 }
 
