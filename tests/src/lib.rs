@@ -30,12 +30,17 @@ pub fn wait_until(timeout: Duration, mut condition: impl FnMut() -> bool) -> boo
     }
 }
 
-/// Sends SIGKILL to a process.
-pub fn kill9(pid: u32) {
+/// Sends `signal` (`libc::SIGSTOP`, ...) to a process: the tests' one `kill(2)` call.
+pub fn signal(pid: u32, signal: libc::c_int) {
     // SAFETY: kill(2) has no memory-safety preconditions.
     unsafe {
-        libc::kill(pid as libc::pid_t, libc::SIGKILL);
+        libc::kill(pid as libc::pid_t, signal);
     }
+}
+
+/// Sends SIGKILL to a process.
+pub fn kill9(pid: u32) {
+    signal(pid, libc::SIGKILL);
 }
 
 /// Every process descended from `pid` (children first found, then theirs), from `/proc`.

@@ -8,7 +8,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc::Receiver;
 use std::time::{Duration, Instant};
 
-use rtrun_tests::{kill9, rtrun_binary};
+use rtrun_tests::{kill9, rtrun_binary, signal};
 
 use rtrun_tests::cluster as common;
 
@@ -78,14 +78,6 @@ fn submit_command(cluster: &Cluster, args: &[&str]) -> Command {
 
 fn submit(cluster: &Cluster, args: &[&str]) -> std::process::Output {
     submit_command(cluster, args).output().unwrap()
-}
-
-/// Sends `signal` to `pid`.
-fn signal(pid: u32, signal: libc::c_int) {
-    // SAFETY: kill(2) has no memory-safety preconditions.
-    unsafe {
-        libc::kill(pid as libc::pid_t, signal);
-    }
 }
 
 #[test]

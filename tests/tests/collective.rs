@@ -250,14 +250,6 @@ fn a_killed_rank_fails_the_collective_on_every_survivor() {
     group.kill().unwrap();
 }
 
-/// Sends `signal` to `pid`.
-fn send_signal(pid: u32, signal: libc::c_int) {
-    // SAFETY: kill(2) has no memory-safety preconditions.
-    unsafe {
-        libc::kill(pid as libc::pid_t, signal);
-    }
-}
-
 #[test]
 fn a_stuck_rank_times_out_every_survivor() {
     init();
@@ -265,11 +257,11 @@ fn a_stuck_rank_times_out_every_survivor() {
     // 2 s and the failure travels around the ring.
     let group = connected_group("stuck", 3, Duration::from_secs(2));
     let pid = group.members()[1].pid().get_timeout(LONG).unwrap();
-    send_signal(pid, libc::SIGSTOP);
+    rtrun_tests::signal(pid, libc::SIGSTOP);
     let results = get_all_within(
         &[0, 2].map(|r| group.members()[r].all_reduce(vec![1.0; 10], ReduceOp::Sum)),
     );
-    send_signal(pid, libc::SIGCONT);
+    rtrun_tests::signal(pid, libc::SIGCONT);
     for result in &results {
         let error = result.as_ref().expect_err("a collective with a stopped rank fails");
         assert!(error.contains("timed out") || error.contains("lost its connection"), "{error}");

@@ -72,6 +72,13 @@ impl Counter {
         ms
     }
 
+    /// [`Counter::sleep_ms`] that first creates the file `started` (see [`Started`]).
+    pub fn sleep_ms_after(&self, started: String, ms: u64) -> u64 {
+        let _ = std::fs::write(started, b"");
+        std::thread::sleep(Duration::from_millis(ms));
+        ms
+    }
+
     /// Calls another counter from inside this actor.
     pub fn add_to(&self, other: CounterRef, by: u64) -> Result<u64, String> {
         other.add(by).get().map_err(|e| e.to_string())
@@ -110,7 +117,9 @@ impl Gate {
         self.max_seen.load(Ordering::SeqCst)
     }
 
-    pub async fn hang(&self) -> u64 {
+    /// Creates the file `started` (see [`Started`]), then never answers.
+    pub async fn hang(&self, started: String) -> u64 {
+        let _ = std::fs::write(started, b"");
         tokio::time::sleep(Duration::from_secs(3600)).await;
         0
     }
@@ -179,6 +188,43 @@ fn square(x: u64) -> u64 {
 fn sleepy(ms: u64) -> u64 {
     std::thread::sleep(Duration::from_millis(ms));
     ms
+}
+
+/// [`sleepy`] that first creates the file `started` (see [`Started`]).
+#[rtrun::remote]
+fn sleepy_after(started: String, ms: u64) -> u64 {
+    let _ = std::fs::write(started, b"");
+    std::thread::sleep(Duration::from_millis(ms));
+    ms
+}
+
+/// A file a call creates once it runs in its worker: the test waits on it instead of sleeping
+/// for a guessed time before acting on a call in flight.
+struct Started(std::path::PathBuf);
+
+impl Started {
+    fn new() -> Self {
+        static NEXT: AtomicUsize = AtomicUsize::new(0);
+        let n = NEXT.fetch_add(1, Ordering::SeqCst);
+        let path = std::env::temp_dir().join(format!("rtrun-started-{}-{n}", std::process::id()));
+        let _ = std::fs::remove_file(&path);
+        Started(path)
+    }
+
+    fn path(&self) -> String {
+        self.0.display().to_string()
+    }
+
+    /// Waits until the call has started.
+    fn wait(&self) {
+        assert!(wait_until(LONG, || self.0.exists()), "the call never started");
+    }
+}
+
+impl Drop for Started {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
 }
 
 #[rtrun::remote]
@@ -464,9 +510,10 @@ fn a_worker_killed_mid_call_gives_actor_died_for_pending_and_later_calls() {
     init();
     let counter = Counter::remote(0).unwrap();
     let pid = counter.pid().get().unwrap();
-    let in_flight = counter.sleep_ms(10_000u64);
+    let started = Started::new();
+    let in_flight = counter.sleep_ms_after(started.path(), 10_000u64);
     let queued = counter.add(1u64);
-    std::thread::sleep(Duration::from_millis(100));
+    started.wait();
     kill9(pid);
     assert!(matches!(in_flight.get_timeout(LONG), Err(Error::ActorDied { .. })));
     assert!(matches!(queued.get_timeout(LONG), Err(Error::ActorDied { .. })));
@@ -486,8 +533,9 @@ fn max_restarts_reruns_the_constructor_and_retries_calls() {
     counter.add(2u64).get().unwrap();
     let first_pid = counter.pid().get().unwrap();
     assert_eq!(counter.incarnation().get().unwrap(), 0);
-    let retried = counter.sleep_ms(5_000u64);
-    std::thread::sleep(Duration::from_millis(100));
+    let started = Started::new();
+    let retried = counter.sleep_ms_after(started.path(), 5_000u64);
+    started.wait();
     kill9(first_pid);
     // The in-flight call is retried on the restarted actor (max_task_retries = 1).
     assert_eq!(retried.get_timeout(LONG).unwrap(), 5_000);
@@ -537,15 +585,18 @@ fn cancel_queued_and_running_async_calls() {
     assert_eq!(busy.get_timeout(LONG).unwrap(), 1_000);
     assert_eq!(counter.value().get().unwrap(), 0, "the cancelled call never ran");
     let gate = Gate::remote().unwrap();
-    let hanging = gate.hang();
-    std::thread::sleep(Duration::from_millis(200));
+    let started = Started::new();
+    let hanging = gate.hang(started.path());
+    started.wait();
     rtrun::cancel(&hanging, false).unwrap();
     assert!(matches!(hanging.get_timeout(LONG), Err(Error::Cancelled)));
     // A queued task is cancelled before it runs; a running one can be force-killed.
-    let running =
-        sleepy::remote_with(TaskOptions { num_cpus: 2.0, ..Default::default() }, 20_000u64);
-    let queued = sleepy::remote_with(TaskOptions { num_cpus: 2.0, ..Default::default() }, 1u64);
-    std::thread::sleep(Duration::from_millis(200));
+    let started = Started::new();
+    let two_cpus = TaskOptions { num_cpus: 2.0, ..Default::default() };
+    let running = sleepy_after::remote_with(two_cpus.clone(), started.path(), 20_000u64);
+    // Once it runs it holds both CPUs, so the next one is queued behind it.
+    started.wait();
+    let queued = sleepy::remote_with(two_cpus, 1u64);
     rtrun::cancel(&queued, false).unwrap();
     assert!(matches!(queued.get_timeout(LONG), Err(Error::Cancelled)));
     rtrun::cancel(&running, true).unwrap();

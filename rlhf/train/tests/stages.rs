@@ -471,15 +471,12 @@ fn a_killed_or_stopped_rank_fails_the_run_naming_its_role_and_rank() {
         let marker = format!("{mode}:{rank}");
         let pid = rtrun_tests::descendant_with_env(child.id(), "RTRUN_RLHF_ROLE", &marker)
             .unwrap_or_else(|| panic!("no worker process marked {marker}"));
-        // SAFETY: kill(2) has no memory-safety preconditions.
-        unsafe { libc::kill(pid as libc::pid_t, signal) };
+        rtrun_tests::signal(pid, signal);
         let out = child.wait_with_output().unwrap();
         if signal == libc::SIGSTOP {
-            // SAFETY: as above; the stopped worker is resumed and killed.
-            unsafe {
-                libc::kill(pid as libc::pid_t, libc::SIGCONT);
-                libc::kill(pid as libc::pid_t, libc::SIGKILL);
-            }
+            // The stopped worker is resumed and killed.
+            rtrun_tests::signal(pid, libc::SIGCONT);
+            rtrun_tests::kill9(pid);
         }
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success(), "{mode}: the run must fail: {err}");
