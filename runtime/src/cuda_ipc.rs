@@ -5,7 +5,7 @@
 //!
 //! A handle names the whole device allocation (`cuMemGetAddressRange` of the pointer: with a
 //! caching allocator a tensor is an offset into a larger segment), so [`IpcMemHandle`] carries
-//! the offset and length of the exported range and the device's UUID, and [`IpcMapping`]
+//! the offset and length of the exported range and the device's UUID, and `IpcMapping`
 //! checks every read against them. The checks are plain code ([`IpcMemHandle::check_range`],
 //! [`IpcMemHandle::check_device`]) and are tested without a GPU; the driver calls need the
 //! `cuda` feature (cudarc, libcuda loaded at run time).

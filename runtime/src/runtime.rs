@@ -1,6 +1,6 @@
 //! The per-process runtime: one [`Runtime`] per driver or worker process, reached through
 //! [`current`]. It owns the process's endpoint, object table, pending calls and requests, and —
-//! in the driver of an embedded session — the control plane ([`crate::head::Head`]).
+//! in the driver of an embedded session — the control plane (`head::Head`).
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, OnceLock, Weak};
@@ -50,7 +50,7 @@ pub struct Config {
     /// disk makes the read fail with an error naming the object, never return wrong bytes.
     pub object_spill_dir: Option<std::path::PathBuf>,
     /// Values whose encoding is longer than this many bytes go to the object store instead of
-    /// travelling inline in frames (default [`DEFAULT_MAX_INLINE_OBJECT_BYTES`], 100 KiB as in
+    /// travelling inline in frames (default `DEFAULT_MAX_INLINE_OBJECT_BYTES`, 100 KiB as in
     /// Ray).
     pub max_inline_object_bytes: Option<usize>,
     /// A cluster head's `host:port` to join instead of starting an embedded session (Ray's

@@ -246,7 +246,7 @@ impl Drop for Namespaces {
     }
 }
 
-/// `count` namespaces with one address each (10.77.<n>.1..) behind a bridge in another one, or
+/// `count` namespaces with one address each (`10.77.<n>.1`, ...) behind a bridge in another one, or
 /// `None` where the sandbox does not allow creating them. Returns the guard, the namespaces'
 /// names and their addresses.
 pub fn namespaces(count: usize) -> Option<(Namespaces, Vec<String>, Vec<String>)> {

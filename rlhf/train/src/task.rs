@@ -28,7 +28,7 @@ pub const EOS_ID: u32 = 2;
 /// The characters after the three special tokens, in id order.
 const CHARS: &str = "0123456789>+=";
 
-/// One id per character of [`CHARS`], after `<pad>`, `<bos>` and `<eos>`.
+/// One id per character of `CHARS`, after `<pad>`, `<bos>` and `<eos>`.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct CharTokenizer;
 

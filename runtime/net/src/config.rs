@@ -92,7 +92,7 @@ impl NetConfig {
     /// The QUIC transport parameters for this configuration, as advertised in the handshake:
     /// one bidirectional stream and [`PRE_ADMISSION_RECEIVE_WINDOW`] bytes of credit, so a peer
     /// that has not been admitted (no certificate, wrong token) can make us buffer almost
-    /// nothing. [`NetConfig::open_admitted`] raises both once the hello succeeds.
+    /// nothing. `NetConfig::open_admitted` raises both once the hello succeeds.
     pub fn transport(&self) -> Result<Arc<TransportConfig>> {
         self.transport_for(false)
     }

@@ -4,7 +4,7 @@
 //! On first start a head calls [`CredentialsDir::load_or_create_head`], which makes a CA, a
 //! certificate for the head's own node and a 256-bit join token. Other nodes either copy the
 //! credentials directory (minus the CA key) or bootstrap with the token alone (see
-//! [`crate::bootstrap`]) and then keep what the head issued with [`CredentialsDir::save_node`].
+//! [`crate::bootstrap()`]) and then keep what the head issued with [`CredentialsDir::save_node`].
 
 use std::fmt;
 use std::fs;

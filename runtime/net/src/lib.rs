@@ -6,7 +6,7 @@
 //! How the runtime uses it: the head loads or creates its credentials
 //! ([`CredentialsDir::load_or_create_head`]) and binds an [`Endpoint`] with the CA
 //! ([`EndpointOptions::authority`]), its object store as [`ObjectSource`] ([`StoreSource`]) and a
-//! [`HeartbeatMonitor`]. A joining node either loads credentials or calls [`bootstrap`] with the
+//! [`HeartbeatMonitor`]. A joining node either loads credentials or calls [`bootstrap()`] with the
 //! token, saves them, binds its own endpoint and [`Endpoint::connect`]s to the head, then
 //! [`Connection::start_heartbeats`]. Control messages travel as [`Connection::request`] with the
 //! runtime's own encoded head; objects move by [`pull_into_store`] ([`Connection::open_pull`]

@@ -4,7 +4,7 @@
 //! address; the cluster CA, not DNS, vouches for them).
 //!
 //! A head also accepts handshakes without a client certificate, but such connections may only
-//! carry one bootstrap exchange (see [`crate::bootstrap`]); nodes without the CA key require a
+//! carry one bootstrap exchange (see [`crate::bootstrap()`]); nodes without the CA key require a
 //! client certificate in the handshake itself.
 
 use std::sync::Arc;

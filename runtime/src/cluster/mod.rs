@@ -7,7 +7,7 @@
 //! Unix sockets, processes of different nodes over QUIC channels, with the same frames, so
 //! actor calls and replies go straight from caller to callee across nodes as on one node.
 //!
-//! Joining is one `rtrun-net` request to the head ([`NetRequest::Join`]) answered with the
+//! Joining is one `rtrun-net` request to the head (`NetRequest::Join`) answered with the
 //! session, the process's id and its node id; then the process opens its runtime connection to
 //! the head like any worker. Node daemons and drivers also send heartbeats on that first
 //! connection; the head's monitor declares a node dead (or a driver gone, with its actors and
