@@ -10,6 +10,8 @@
 //! [`IpcMemHandle::check_device`]) and are tested without a GPU; the driver calls need the
 //! `cuda` feature (cudarc, libcuda loaded at run time).
 
+#![allow(unsafe_code)] // On ARCHITECTURE.md's `unsafe` allow-list.
+
 use serde::{Deserialize, Serialize};
 
 /// Bytes of a `CUipcMemHandle`.

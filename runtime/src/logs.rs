@@ -5,6 +5,8 @@
 //! actor type and pid, as Ray does (`(Counter pid=4242) …`). Nodes serve their log files to
 //! `rtrun logs` and to cluster drivers ([`read_chunk`], [`list`]).
 
+#![allow(unsafe_code)] // On ARCHITECTURE.md's `unsafe` allow-list.
+
 use std::fs::File;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::path::{Path, PathBuf};

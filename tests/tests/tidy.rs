@@ -4,8 +4,9 @@
 //! - every repository path ARCHITECTURE.md and the decision records (`docs/decisions/`) name in
 //!   backticks exists, and ARCHITECTURE.md links every decision record and only existing ones;
 //! - `unsafe` code appears only in the files of ARCHITECTURE.md's allow-list ("## `unsafe`
-//!   allow-list"), every file listed there still has some, and every `unsafe` block or impl
-//!   has a `// SAFETY:` comment just above it.
+//!   allow-list"), every file listed there still has some, only listed files
+//!   `allow(unsafe_code)` (the crates deny it), and every `unsafe` block or impl has a
+//!   `// SAFETY:` comment just above it.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -194,11 +195,15 @@ fn unsafe_code_is_only_where_architecture_md_allows_it_and_says_why() {
     let (files, _) = tree(&root);
     let allowed = allow_list(&read(&root, "ARCHITECTURE.md"));
     let mut found = BTreeSet::new();
+    let mut allowing = BTreeSet::new();
     let mut undocumented = Vec::new();
     for file in files.iter().filter(|f| f.ends_with(".rs")) {
         let text = read(&root, file);
         let lines: Vec<&str> = text.lines().collect();
         for (i, line) in lines.iter().enumerate() {
+            if code_part(line).contains("allow(unsafe_code)") {
+                allowing.insert(file.clone());
+            }
             let Some(kind) = unsafe_code(line) else { continue };
             found.insert(file.clone());
             // A block or impl states its proof obligation right above it (or on its line).
@@ -215,6 +220,9 @@ fn unsafe_code_is_only_where_architecture_md_allows_it_and_says_why() {
     assert!(unlisted.is_empty(), "unsafe code outside ARCHITECTURE.md's allow-list: {unlisted:?}");
     assert!(stale.is_empty(), "listed as holding unsafe code but holding none: {stale:?}");
     assert!(undocumented.is_empty(), "unsafe without a `// SAFETY:` comment: {undocumented:?}");
+    // The crates deny `unsafe_code`; the files that allow it are the listed ones.
+    let stray: Vec<&String> = allowing.difference(&allowed).collect();
+    assert!(stray.is_empty(), "`allow(unsafe_code)` outside the allow-list: {stray:?}");
 }
 
 #[test]

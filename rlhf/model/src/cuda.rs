@@ -7,6 +7,8 @@
 //! `cuda` feature). Without that feature, or without a GPU, there is nothing to empty and no
 //! statistics.
 
+#![allow(unsafe_code)] // On ARCHITECTURE.md's `unsafe` allow-list.
+
 use serde::{Deserialize, Serialize};
 
 /// The caching allocator's view of one device, in bytes.

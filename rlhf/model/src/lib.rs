@@ -24,7 +24,6 @@ pub mod backbone;
 pub mod causal_lm;
 pub mod chat_template;
 pub mod config;
-#[allow(unsafe_code)]
 pub mod cuda;
 pub mod error;
 pub mod layers;

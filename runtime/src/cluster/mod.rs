@@ -14,6 +14,8 @@
 //! groups) after `heartbeat_timeout` of silence. Job binaries move
 //! as `rtrun-net` requests too, content-addressed ([`binaries`]).
 
+#![allow(unsafe_code)] // On ARCHITECTURE.md's `unsafe` allow-list.
+
 pub mod binaries;
 pub mod client;
 pub(crate) mod node;

@@ -112,6 +112,7 @@ pub fn unpack(package: &Path, into: &Path) -> Result<()> {
 }
 
 #[cfg(test)]
+#[allow(unsafe_code)] // mkfifo(3); on ARCHITECTURE.md's `unsafe` allow-list.
 mod tests {
     use std::os::unix::fs::PermissionsExt;
 

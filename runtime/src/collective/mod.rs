@@ -482,6 +482,7 @@ impl Communicator {
     /// `device_ptr` must point to `count` `f32` values of live memory on this communicator's
     /// CUDA device, not used by anything else until this returns (it synchronises the stream).
     #[cfg(feature = "cuda")]
+    #[allow(unsafe_code)] // On ARCHITECTURE.md's `unsafe` allow-list.
     pub unsafe fn all_reduce_device_f32(
         &mut self,
         device_ptr: u64,

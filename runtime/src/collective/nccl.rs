@@ -13,6 +13,8 @@
 //! NCCL's own initialisation cannot be bounded that way: a barrier over the ring right before
 //! it makes sure every rank is alive when it starts.
 
+#![allow(unsafe_code)] // On ARCHITECTURE.md's `unsafe` allow-list.
+
 use std::ffi::{c_char, c_void};
 use std::mem::MaybeUninit;
 use std::sync::Arc;

@@ -5,6 +5,8 @@
 //! forked a child exits; with that thread living as long as the process, every worker gets
 //! SIGKILL exactly when the driver process dies — also when the driver itself is SIGKILLed.
 
+#![allow(unsafe_code)] // On ARCHITECTURE.md's `unsafe` allow-list.
+
 use std::os::unix::process::CommandExt;
 use std::process::{Command, Stdio};
 use std::sync::{Arc, Weak};
