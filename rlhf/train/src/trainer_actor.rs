@@ -229,11 +229,11 @@ impl TrainerActor {
         let request = self.request.clone();
         let spawned = std::thread::Builder::new().name("fit".into()).spawn(move || {
             let mut reporter = Reporter(log.clone(), Arc::new(LiveMetrics::default()));
-            let outcome = run(&request, &mut reporter);
-            log.push(match outcome {
-                Ok(summary) => Event::Finished { summary },
-                Err(e) => Event::Failed { error: format!("{e:#}") },
-            });
+            // A panic must end the run for its drivers too, not leave them waiting.
+            let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                run(&request, &mut reporter)
+            }));
+            log.push(ended(outcome));
         });
         if let Err(e) = spawned {
             self.log.push(Event::Failed { error: format!("cannot start the run's thread: {e}") });
@@ -257,6 +257,22 @@ impl TrainerActor {
     /// Whether the run ended (finished or failed).
     pub fn ended(&self) -> bool {
         self.log.events.lock().is_ok_and(|events| events.last().is_some_and(Event::ends_the_run))
+    }
+}
+
+/// The last event of a run: its summary, its error, or the panic that ended it.
+fn ended(outcome: std::thread::Result<anyhow::Result<String>>) -> Event {
+    match outcome {
+        Ok(Ok(summary)) => Event::Finished { summary },
+        Ok(Err(e)) => Event::Failed { error: format!("{e:#}") },
+        Err(panic) => {
+            let what = panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| (*s).to_owned()))
+                .unwrap_or_else(|| "a panic".to_owned());
+            Event::Failed { error: format!("the trainer panicked: {what}") }
+        }
     }
 }
 
@@ -484,5 +500,50 @@ fn where_this_runs() -> String {
     match names.get(&context.node_id.to_string()) {
         Some(name) if names.len() > 1 => format!(" (on node {name})"),
         _ => String::new(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Drivers follow the log from any index and learn how the run ended, a panic included.
+    #[test]
+    fn the_event_log_replays_from_any_index_and_every_ending_ends_the_run() {
+        let log = EventLog::default();
+        log.push(Event::Note("a".into()));
+        log.push(Event::Phase("generate".into()));
+        assert_eq!(log.since(0, Duration::ZERO).len(), 2);
+        assert_eq!(log.since(1, Duration::ZERO), vec![Event::Phase("generate".into())]);
+        assert!(log.since(2, Duration::from_millis(10)).is_empty());
+
+        let finished = ended(Ok(Ok("summary".into())));
+        assert_eq!(finished, Event::Finished { summary: "summary".into() });
+        let failed = ended(Ok(Err(anyhow::anyhow!("inner").context("outer"))));
+        assert_eq!(failed, Event::Failed { error: "outer: inner".into() });
+        let panicked = ended(std::panic::catch_unwind(|| -> anyhow::Result<String> {
+            panic!("index {} out of range", 7)
+        }));
+        assert_eq!(
+            panicked,
+            Event::Failed { error: "the trainer panicked: index 7 out of range".into() }
+        );
+        assert!([finished, failed, panicked].iter().all(Event::ends_the_run));
+        assert!(!Event::Note("a".into()).ends_the_run());
+    }
+
+    #[test]
+    fn step_events_carry_metrics_and_phases_back() {
+        let mut reporter =
+            Reporter(Arc::new(EventLog::default()), Arc::new(LiveMetrics::default()));
+        let mut metrics = StepMetrics::new(3);
+        metrics.set("reward", 0.5).unwrap();
+        let phases = StepPhases { phases: vec![("train".into(), Duration::from_millis(250))] };
+        reporter.step_done(&metrics, &phases);
+        let events = reporter.0.since(0, Duration::ZERO);
+        let (back, back_phases) = events[0].step().expect("a step event");
+        assert_eq!(back, metrics);
+        assert_eq!(back_phases, phases);
+        assert_eq!(actor_name(Path::new("/runs/a")), "train:/runs/a");
     }
 }
