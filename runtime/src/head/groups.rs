@@ -94,16 +94,26 @@ impl HeadState {
                     entry.death_reason = Some(format!("its owner, actor {owner}, ended"));
                 }
             }
-            let groups: Vec<GroupId> = self
-                .group_owners
-                .iter()
-                .filter(|(_, o)| **o == GroupOwner::Actor(owner))
-                .map(|(group, _)| *group)
-                .collect();
-            for group in groups {
-                if let Err(e) = self.remove_group(head, group, effects) {
-                    tracing::debug!(%group, "removing a group of an actor that ended: {e}");
-                }
+            self.remove_groups_of(head, GroupOwner::Actor(owner), effects);
+        }
+    }
+
+    /// Removes every group `owner` created (its driver went, or its incarnation ended).
+    pub(super) fn remove_groups_of(
+        &mut self,
+        head: &Head,
+        owner: GroupOwner,
+        effects: &mut Vec<Effect>,
+    ) {
+        let groups: Vec<GroupId> = self
+            .group_owners
+            .iter()
+            .filter(|(_, o)| **o == owner)
+            .map(|(group, _)| *group)
+            .collect();
+        for group in groups {
+            if let Err(e) = self.remove_group(head, group, effects) {
+                tracing::debug!(%group, ?owner, "removing a group whose owner ended: {e}");
             }
         }
     }

@@ -326,17 +326,7 @@ impl Head {
             for actor in actors {
                 let _ = state.kill_actor(actor, true, &mut effects);
             }
-            let groups: Vec<_> = state
-                .group_owners
-                .iter()
-                .filter(|(_, owner)| **owner == GroupOwner::Driver(driver))
-                .map(|(group, _)| *group)
-                .collect();
-            for group in groups {
-                if let Err(e) = state.remove_group(self, group, &mut effects) {
-                    tracing::debug!(%group, "removing a group of a driver that left: {e}");
-                }
-            }
+            state.remove_groups_of(self, GroupOwner::Driver(driver), &mut effects);
         }
         self.apply(effects);
     }
