@@ -10,7 +10,7 @@ use rtrun_placement::{
     PlacementTarget, ResourceSet,
 };
 
-use super::{ActorState, Effect, GroupOwner, Head, HeadState, Responder, WorkerRole};
+use super::{ActorState, Effect, GroupOwner, HeadCore, ReplyToken};
 use crate::error::{Error, Result};
 use crate::ids::ActorId;
 use crate::placement_group::{
@@ -23,7 +23,7 @@ pub(super) fn is_waiting(error: &PlacementError) -> bool {
     matches!(error, PlacementError::Unavailable { .. } | PlacementError::GroupPending(_))
 }
 
-impl HeadState {
+impl HeadCore {
     pub(super) fn create_group(
         &mut self,
         options: PlacementGroupOptions,
@@ -52,31 +52,31 @@ impl HeadState {
         self.group_state(id).ok_or_else(|| Error::Invalid(format!("{id} vanished on creation")))
     }
 
-    /// Answers `responder` once the group is created (now, if it is).
+    /// Answers `reply` once the group is created (now, if it is).
     pub(super) fn wait_group(
         &mut self,
         group: GroupId,
-        responder: Responder,
+        reply: ReplyToken,
         effects: &mut Vec<Effect>,
     ) {
         match self.group_state(group) {
             None => effects.push(Effect::Respond(
-                responder,
+                reply,
                 Response::Error(Error::Invalid(format!(
                     "no placement group {group}: it was removed or never existed"
                 ))),
             )),
             Some(state) if state.status == PlacementGroupStatus::Created => {
-                effects.push(Effect::Respond(responder, Response::PlacementGroup(Box::new(state))))
+                effects.push(Effect::Respond(reply, Response::PlacementGroup(Box::new(state))))
             }
-            Some(_) => self.group_waiters.entry(group).or_default().push(responder),
+            Some(_) => self.group_waiters.entry(group).or_default().push(reply),
         }
     }
 
     /// Ends what the actors in `ended_owners` owned (Ray's fate-sharing): the actors they
     /// created, except those created detached, are killed for good (their own children follow
     /// when their workers exit), and the groups they created are removed.
-    fn end_owned(&mut self, head: &Head, effects: &mut Vec<Effect>) {
+    fn end_owned(&mut self, effects: &mut Vec<Effect>) {
         for owner in std::mem::take(&mut self.ended_owners) {
             let children: Vec<ActorId> = self
                 .actors
@@ -94,17 +94,12 @@ impl HeadState {
                     entry.death_reason = Some(format!("its owner, actor {owner}, ended"));
                 }
             }
-            self.remove_groups_of(head, GroupOwner::Actor(owner), effects);
+            self.remove_groups_of(GroupOwner::Actor(owner), effects);
         }
     }
 
     /// Removes every group `owner` created (its driver went, or its incarnation ended).
-    pub(super) fn remove_groups_of(
-        &mut self,
-        head: &Head,
-        owner: GroupOwner,
-        effects: &mut Vec<Effect>,
-    ) {
+    pub(super) fn remove_groups_of(&mut self, owner: GroupOwner, effects: &mut Vec<Effect>) {
         let groups: Vec<GroupId> = self
             .group_owners
             .iter()
@@ -112,7 +107,7 @@ impl HeadState {
             .map(|(group, _)| *group)
             .collect();
         for group in groups {
-            if let Err(e) = self.remove_group(head, group, effects) {
+            if let Err(e) = self.remove_group(group, effects) {
                 tracing::debug!(%group, ?owner, "removing a group whose owner ended: {e}");
             }
         }
@@ -120,12 +115,7 @@ impl HeadState {
 
     /// Removes a group: kills the actors and tasks placed in it, fails waiters, frees its
     /// bundles, and lets pending work use what was freed.
-    pub(super) fn remove_group(
-        &mut self,
-        head: &Head,
-        group: GroupId,
-        effects: &mut Vec<Effect>,
-    ) -> Result<()> {
+    pub(super) fn remove_group(&mut self, group: GroupId, effects: &mut Vec<Effect>) -> Result<()> {
         let removed = self.cluster.remove_group(group).map_err(|e| match e {
             PlacementError::UnknownGroup(_) => Error::Invalid(format!(
                 "no placement group {group}: it was removed or never existed"
@@ -135,9 +125,9 @@ impl HeadState {
         self.pending_groups.remove(&group);
         self.group_owners.remove(&group);
         let reason = format!("its placement group `{}` was removed", removed.name);
-        for responder in self.group_waiters.remove(&group).unwrap_or_default() {
+        for reply in self.group_waiters.remove(&group).unwrap_or_default() {
             effects.push(Effect::Respond(
-                responder,
+                reply,
                 Response::Error(Error::Invalid(format!(
                     "placement group `{}` was removed before it was created",
                     removed.name
@@ -150,6 +140,7 @@ impl HeadState {
         };
         // Actors: those holding a bundle's resources are killed; those still waiting die now.
         let mut waiting_actors = Vec::new();
+        let mut to_kill = Vec::new();
         for (id, entry) in &mut self.actors {
             let placed_here =
                 entry.allocation.as_ref().is_some_and(|alloc| released.contains(&alloc.id));
@@ -157,21 +148,20 @@ impl HeadState {
                 entry.allocation = None;
                 entry.killed = true;
                 entry.death_reason = Some(reason.clone());
-                let worker = match entry.state {
-                    ActorState::Starting { worker } | ActorState::Alive { worker, .. } => worker,
+                match entry.state {
+                    ActorState::Starting { worker } | ActorState::Alive { worker, .. } => {
+                        to_kill.push(worker)
+                    }
                     _ => continue,
                 };
-                if let Some(w) = self.workers.get_mut(&worker) {
-                    match w.pid {
-                        Some(pid) => effects.push(Effect::Kill(w.node, pid)),
-                        None => w.kill_requested = true,
-                    }
-                }
             } else if matches!(entry.state, ActorState::Pending)
                 && in_group(entry.spec.options.placement)
             {
                 waiting_actors.push(*id);
             }
+        }
+        for worker in to_kill {
+            self.kill_worker(worker, effects);
         }
         for actor in waiting_actors {
             self.finish_actor(actor, reason.clone(), effects);
@@ -185,17 +175,12 @@ impl HeadState {
             .collect();
         for call_id in running {
             let Some(run) = self.running_tasks.remove(&call_id) else { continue };
-            if let Some(w) = self.workers.get_mut(&run.worker) {
-                w.role = WorkerRole::Tasks { running: None };
-                if let Some(pid) = w.pid {
-                    effects.push(Effect::Kill(w.node, pid));
-                }
-            }
+            self.stop_task_worker(run.worker, effects);
             let error = Error::WorkerDied {
                 target: run.task.spec.function.clone(),
                 reason: reason.clone(),
             };
-            self.answer_task(run.task.responder, Outcome::Error(error), effects);
+            self.answer_task(run.task.reply, Outcome::Error(error), effects);
         }
         let mut index = 0;
         while index < self.task_queue.len() {
@@ -206,19 +191,19 @@ impl HeadState {
                     "task {} cannot run: {reason}",
                     task.spec.function.clone()
                 ));
-                self.answer_task(task.responder, Outcome::Error(error), effects);
+                self.answer_task(task.reply, Outcome::Error(error), effects);
                 continue;
             }
             index += 1;
         }
-        self.reschedule(head, effects);
+        self.reschedule(effects);
         Ok(())
     }
 
     /// After anything was released: creates pending groups that now fit (answering their
     /// waiters), then starts pending actors and queued tasks.
-    pub(super) fn reschedule(&mut self, head: &Head, effects: &mut Vec<Effect>) {
-        self.end_owned(head, effects);
+    pub(super) fn reschedule(&mut self, effects: &mut Vec<Effect>) {
+        self.end_owned(effects);
         if !self.pending_groups.is_empty() {
             for id in self.cluster.schedule_pending() {
                 self.pending_groups.remove(&id);
@@ -227,9 +212,9 @@ impl HeadState {
                     continue;
                 }
                 if let Some(state) = self.group_state(id) {
-                    for responder in waiters {
+                    for reply in waiters {
                         effects.push(Effect::Respond(
-                            responder,
+                            reply,
                             Response::PlacementGroup(Box::new(state.clone())),
                         ));
                     }
@@ -237,7 +222,7 @@ impl HeadState {
             }
         }
         self.schedule_pending_actors(effects);
-        self.dispatch_tasks(head, effects);
+        self.dispatch_tasks(effects);
     }
 
     pub(super) fn group_state(&self, id: GroupId) -> Option<PlacementGroupState> {

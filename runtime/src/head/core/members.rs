@@ -1,0 +1,353 @@
+//! Cluster membership as the control plane keeps it: nodes (the head's own and those that
+//! joined), drivers and their job binaries, submitted jobs' records, and what happens when a
+//! node dies or a driver leaves. An embedded session has only its own node and none of the
+//! rest.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::PathBuf;
+
+use rtrun_placement::NodeResources;
+
+use super::{ActorState, Effect, GroupOwner, HeadCore};
+use crate::error::{Error, Result};
+use crate::ids::{NodeId, WorkerId};
+use crate::protocol::{Address, JobInfo, JobState, NodeInfo, Outcome, WorkerExit};
+
+/// A node as the head knows it.
+pub(crate) struct NodeEntry {
+    /// The name its certificate carries (unique among live nodes).
+    pub(crate) name: String,
+    /// Its daemon's address (the head's own address for the head node).
+    pub(crate) address: Address,
+    /// Its id in the placement state.
+    placement: rtrun_placement::NodeId,
+    /// Resources it registered with.
+    resources: NodeResources,
+    /// `None` while alive; why it died otherwise.
+    pub(crate) dead: Option<String>,
+}
+
+/// A submitted job: a driver process the head runs on its own node.
+pub(crate) struct JobEntry {
+    pub(crate) worker: WorkerId,
+    pub(crate) binary: String,
+    pub(crate) args: Vec<String>,
+    pub(crate) log: PathBuf,
+    pub(crate) state: JobState,
+    pub(crate) submission_id: String,
+    /// The environment given at submission, which every worker of the job gets too.
+    pub(crate) env: Vec<(String, String)>,
+    /// The driver's process, once started.
+    pub(crate) pid: Option<u32>,
+    /// The driver's id once it has joined (its workers' lineage names it).
+    pub(crate) driver: Option<WorkerId>,
+    /// `rtrun job stop` asked for it.
+    pub(crate) stop_requested: bool,
+}
+
+impl JobEntry {
+    /// What `rtrun job` shows of job `id`.
+    pub(crate) fn info(&self, id: u64) -> JobInfo {
+        JobInfo {
+            job: id,
+            binary: self.binary.clone(),
+            args: self.args.clone(),
+            state: self.state.clone(),
+            log: self.log.display().to_string(),
+            submission_id: self.submission_id.clone(),
+        }
+    }
+}
+
+/// Nodes, drivers and jobs.
+pub(crate) struct Members {
+    /// The head's own node.
+    pub(crate) head_node: u64,
+    /// The control plane's address as workers reach it (cluster only).
+    pub(crate) head_address: Option<Address>,
+    /// Ids of workers, drivers and nodes come from one counter, so none collide.
+    next: u64,
+    pub(crate) nodes: BTreeMap<u64, NodeEntry>,
+    by_placement: HashMap<rtrun_placement::NodeId, u64>,
+    /// Connected drivers and the job binary each runs.
+    pub(crate) drivers: HashMap<WorkerId, Option<String>>,
+    pub(crate) jobs: BTreeMap<u64, JobEntry>,
+}
+
+impl Members {
+    pub(super) fn new(head_node: u64) -> Members {
+        Members {
+            head_node,
+            head_address: None,
+            next: head_node.max(1) + 1,
+            nodes: BTreeMap::new(),
+            by_placement: HashMap::new(),
+            drivers: HashMap::new(),
+            jobs: BTreeMap::new(),
+        }
+    }
+
+    /// A fresh id for a worker, driver, job or node.
+    pub(crate) fn next_id(&mut self) -> u64 {
+        let id = self.next;
+        self.next += 1;
+        id
+    }
+
+    /// The node id of a placement node.
+    pub(super) fn node_of(&self, placement: &rtrun_placement::NodeId) -> u64 {
+        self.by_placement.get(placement).copied().unwrap_or(self.head_node)
+    }
+
+    /// The live nodes other than the head's own.
+    pub(crate) fn live_remote_nodes(&self) -> Vec<u64> {
+        self.nodes
+            .iter()
+            .filter(|(id, n)| **id != self.head_node && n.dead.is_none())
+            .map(|(id, _)| *id)
+            .collect()
+    }
+
+    pub(super) fn info(&self) -> Vec<NodeInfo> {
+        self.nodes
+            .iter()
+            .map(|(id, node)| NodeInfo {
+                node: NodeId(*id),
+                name: node.name.clone(),
+                address: node.address.clone(),
+                alive: node.dead.is_none(),
+                death_reason: node.dead.clone(),
+                total: floats(node.resources.total()),
+                available: BTreeMap::new(),
+            })
+            .collect()
+    }
+
+    /// Records a job driver's process id; `None` when `worker` is not a job, else whether to
+    /// kill it at once (the job was stopped before it started).
+    pub(super) fn job_spawned(&mut self, worker: WorkerId, pid: u32) -> Option<bool> {
+        let entry = self.jobs.values_mut().find(|j| j.worker == worker)?;
+        entry.pid = Some(pid);
+        Some(entry.stop_requested)
+    }
+
+    /// Records a job driver's exit; `None` when `worker` is not a job, else the driver it had
+    /// joined as (which is gone now).
+    pub(super) fn job_exited(
+        &mut self,
+        worker: WorkerId,
+        status: &WorkerExit,
+    ) -> Option<Option<WorkerId>> {
+        let entry = self.jobs.values_mut().find(|j| j.worker == worker)?;
+        entry.state = match status {
+            _ if entry.stop_requested => JobState::Stopped,
+            WorkerExit::Code(code) => JobState::Exited { code: *code },
+            other => JobState::Failed { reason: other.to_string() },
+        };
+        Some(entry.driver)
+    }
+}
+
+pub(crate) fn floats(set: &rtrun_placement::ResourceSet) -> BTreeMap<String, f64> {
+    set.iter().map(|(k, q)| (k.to_owned(), q.as_f64())).collect()
+}
+
+impl HeadCore {
+    /// Makes this control plane a cluster head reachable at `address` whose own node is named
+    /// `node_name` (called once, before anything joins).
+    pub(crate) fn enable_cluster(&mut self, address: Address, node_name: String) {
+        self.members.head_address = Some(address.clone());
+        let node = self.config.node.clone();
+        let head_node = self.members.head_node;
+        self.members.by_placement.insert(node.id().clone(), head_node);
+        self.members.nodes.insert(
+            head_node,
+            NodeEntry {
+                name: node_name,
+                address,
+                placement: node.id().clone(),
+                resources: node,
+                dead: None,
+            },
+        );
+    }
+
+    /// The head's address for a joining process; an error when this is not a cluster head.
+    pub(crate) fn head_address(&self) -> Result<Address> {
+        self.members
+            .head_address
+            .clone()
+            .ok_or_else(|| Error::Invalid("this control plane does not accept nodes".into()))
+    }
+
+    /// Adds a node named `name` holding `resources` whose daemon listens at `endpoint`: its id
+    /// and its daemon's worker id. Whatever waited for resources may fit now.
+    pub(crate) fn join_node(
+        &mut self,
+        name: String,
+        resources: &NodeResources,
+        endpoint: std::net::SocketAddr,
+        effects: &mut Vec<Effect>,
+    ) -> Result<(u64, WorkerId)> {
+        self.head_address()?;
+        if let Some((other, _)) =
+            self.members.nodes.iter().find(|(_, n)| n.name == name && n.dead.is_none())
+        {
+            return Err(Error::Invalid(format!(
+                "a live node named `{name}` is already in the cluster ({})",
+                NodeId(*other)
+            )));
+        }
+        let id = self.members.next_id();
+        let placement = rtrun_placement::NodeId::new(NodeId(id).to_string());
+        let resources = NodeResources::new(
+            placement.clone(),
+            resources.total().clone(),
+            resources.gpus().slots().iter().map(|s| s.gpu.clone()).collect(),
+        )
+        .map_err(|e| Error::Invalid(format!("node `{name}` resources: {e}")))?;
+        self.cluster
+            .add_node(resources.clone())
+            .map_err(|e| Error::Invalid(format!("node `{name}`: {e}")))?;
+        let worker = WorkerId(self.members.next_id());
+        let address = crate::transport::Route::quic(
+            endpoint,
+            id,
+            &crate::runtime::socket_name(&self.session, worker),
+        );
+        self.members.by_placement.insert(placement.clone(), id);
+        self.members
+            .nodes
+            .insert(id, NodeEntry { name, address, placement, resources, dead: None });
+        tracing::info!(node = %NodeId(id), "node joined");
+        self.reschedule(effects);
+        Ok((id, worker))
+    }
+
+    /// Registers a driver running `binary` (the driver of submitted job `job` if given).
+    pub(crate) fn join_driver(
+        &mut self,
+        binary: Option<String>,
+        job: Option<u64>,
+    ) -> Result<WorkerId> {
+        self.head_address()?;
+        let worker = WorkerId(self.members.next_id());
+        self.members.drivers.insert(worker, binary);
+        if let Some(entry) = job.and_then(|job| self.members.jobs.get_mut(&job))
+            && entry.driver.is_none()
+        {
+            entry.driver = Some(worker);
+        }
+        Ok(worker)
+    }
+
+    /// A driver disconnected: its actors (but detached ones), queued tasks and placement groups
+    /// go with it (as in Ray, where a job's non-detached actors and placement groups die with
+    /// its driver).
+    pub(super) fn driver_gone(&mut self, driver: WorkerId, effects: &mut Vec<Effect>) {
+        if self.members.drivers.remove(&driver).is_none() {
+            return;
+        }
+        let actors: Vec<_> = self
+            .actors
+            .iter()
+            .filter(|(_, a)| {
+                a.lineage.driver == Some(driver)
+                    && !a.lineage.detached
+                    && !matches!(a.state, ActorState::Dead { .. })
+            })
+            .map(|(id, _)| *id)
+            .collect();
+        for actor in actors {
+            let _ = self.kill_actor(actor, true, effects);
+        }
+        self.remove_groups_of(GroupOwner::Driver(driver), effects);
+    }
+
+    /// The node named `name` stopped answering: it is removed (see [`HeadCore::node_died`])
+    /// and told to stop, in case it is only paused or cut off and would live on as a zombie.
+    pub(super) fn node_dead(&mut self, name: &str, reason: &str, effects: &mut Vec<Effect>) {
+        let Some(id) = self
+            .members
+            .nodes
+            .iter()
+            .find(|(_, n)| n.name == name && n.dead.is_none())
+            .map(|(id, _)| *id)
+        else {
+            return;
+        };
+        if id == self.members.head_node {
+            return;
+        }
+        let reason = format!("node {} ({name}) died: {reason}", NodeId(id));
+        self.node_died(id, reason.clone(), effects);
+        if let Some(node) = self.members.nodes.get(&id) {
+            effects.push(Effect::StopNode { address: node.address.clone(), reason });
+        }
+    }
+
+    /// Removes a dead node: its workers are gone (actors restart elsewhere or die), its
+    /// placement groups are placed anew, its objects are lost.
+    fn node_died(&mut self, id: u64, reason: String, effects: &mut Vec<Effect>) {
+        tracing::warn!("{reason}");
+        let Some(entry) = self.members.nodes.get_mut(&id) else { return };
+        entry.dead = Some(reason.clone());
+        let placement = entry.placement.clone();
+        let lost = match self.cluster.remove_node(&placement) {
+            Ok(lost) => lost,
+            Err(e) => {
+                tracing::warn!("removing {placement} from placement: {e}");
+                return;
+            }
+        };
+        let lost_ids: HashSet<_> = lost.lost_allocations.iter().map(|a| a.id).collect();
+        // Actors whose allocation went with the node start anew (elsewhere) when restarts remain.
+        for actor in self.actors.values_mut() {
+            if actor.allocation.as_ref().is_some_and(|a| lost_ids.contains(&a.id)) {
+                actor.allocation = None;
+            }
+        }
+        for group in &lost.requeued_groups {
+            self.pending_groups.insert(*group);
+        }
+        let workers: Vec<WorkerId> =
+            self.workers.iter().filter(|(_, w)| w.node == id).map(|(w, _)| *w).collect();
+        for worker in workers {
+            self.worker_exited(worker, reason.clone(), effects);
+        }
+        // Running tasks whose allocation was in a requeued group on another node lose it too.
+        let running: Vec<u64> = self
+            .running_tasks
+            .iter()
+            .filter(|(_, r)| lost_ids.contains(&r.allocation))
+            .map(|(call, _)| *call)
+            .collect();
+        for call in running {
+            if let Some(run) = self.running_tasks.remove(&call) {
+                self.stop_task_worker(run.worker, effects);
+                let error = Error::WorkerDied {
+                    target: run.task.spec.function.clone(),
+                    reason: reason.clone(),
+                };
+                self.answer_task(run.task.reply, Outcome::Error(error), effects);
+            }
+        }
+        // Actors still alive elsewhere whose allocation was in a requeued group are stopped and
+        // restart with the group.
+        let displaced: Vec<(u64, u32)> = self
+            .actors
+            .values()
+            .filter(|a| a.allocation.is_none())
+            .filter_map(|a| match a.state {
+                ActorState::Alive { worker, .. } | ActorState::Starting { worker } => {
+                    self.workers.get(&worker).and_then(|w| w.pid.map(|pid| (w.node, pid)))
+                }
+                _ => None,
+            })
+            .collect();
+        for (node, pid) in displaced {
+            effects.push(Effect::Kill { node, pid });
+        }
+        self.reschedule(effects);
+    }
+}

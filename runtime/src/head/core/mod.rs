@@ -1,0 +1,486 @@
+//! The control plane's decisions without I/O (quinn-proto's shape): [`HeadCore`] takes an
+//! [`Event`] — a request with a reply token, a worker that started or exited, a task's reply,
+//! a node or driver that joined or left — and returns the [`Effect`]s to carry out: answers by
+//! token, processes to spawn or kill, frames to send on a connection by token. It holds no
+//! connection, closure, clock, file or lock, so every scheduling rule can be driven by a test
+//! (see `sim.rs`, the deterministic simulator); the shell in `head/mod.rs` owns the lock, the
+//! connections, the responders and the spawner, and executes the effects.
+//!
+//! Ids come from the core: actors, workers, drivers, nodes and the call ids of the tasks it
+//! dispatches (see [`TASK_CALL_IDS`]).
+
+mod actors;
+mod groups;
+mod members;
+#[cfg(test)]
+mod sim;
+mod tasks;
+mod views;
+mod workers;
+
+use std::collections::{BTreeSet, HashMap, VecDeque};
+
+use rtrun_placement::{
+    Allocation, AllocationId, ClusterState, GroupId, NodeResources, ResourceSet,
+};
+
+use crate::actor::ActorSpec;
+use crate::error::{Error, Result};
+use crate::ids::{ActorId, NodeId, WorkerId};
+use crate::protocol::{Address, Frame, Outcome, Request, Response, WorkerExit};
+use crate::task::TaskSpec;
+
+pub(crate) use members::{JobEntry, Members};
+
+/// The first call id of the tasks the core dispatches: the shell's runtime numbers its own
+/// calls from 1 in the same table, so the core's ids start far above where that counter can
+/// reach.
+pub(crate) const TASK_CALL_IDS: u64 = 1 << 62;
+
+/// The token of a request that waits for its answer: the core answers it exactly once, with
+/// [`Effect::Respond`]. The shell numbers requests and keeps what each answer goes to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub(crate) struct ReplyToken(pub(crate) u64);
+
+/// A connection the core may send frames on (a worker's), by the shell's connection id.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub(crate) struct ConnToken(pub(crate) u64);
+
+/// Where a request came from.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Origin {
+    /// Its connection (`None`: the embedded driver's own process).
+    pub(crate) conn: Option<ConnToken>,
+    /// The process at the other end, as its address names it (a worker or a driver).
+    pub(crate) process: Option<WorkerId>,
+}
+
+/// What happens to the control plane.
+#[derive(Debug)]
+pub(crate) enum Event {
+    /// A control-plane request (actors, tasks, placement groups, the key-value store, views),
+    /// answered once with [`Effect::Respond`] to `reply`.
+    Request { reply: ReplyToken, body: Request },
+    /// A worker's (or a submitted job driver's) process started.
+    WorkerSpawned { worker: WorkerId, pid: u32 },
+    /// A worker's (or a submitted job driver's) process ended.
+    WorkerExited { worker: WorkerId, status: WorkerExit },
+    /// A task worker answered the task call `call_id`.
+    TaskReply { call_id: u64, outcome: Outcome },
+    /// A node stopped answering heartbeats (or its daemon went): everything on it is lost.
+    NodeDead { name: String, reason: String },
+    /// A driver disconnected: its non-detached actors and its placement groups end.
+    DriverGone { driver: WorkerId },
+    /// The answers to these requests can no longer be delivered (their connections closed):
+    /// whatever keeps them waiting (actor watches) stops keeping them.
+    Abandoned(Vec<ReplyToken>),
+    /// The control plane stops: every worker of its own node is killed, nothing is started
+    /// any more.
+    Shutdown,
+}
+
+/// What the shell carries out, in order, once the core has decided.
+#[derive(Debug)]
+pub(crate) enum Effect {
+    /// Answer a request.
+    Respond(ReplyToken, Response),
+    /// Start a worker process on a node.
+    Spawn { node: u64, worker: WorkerId, env: Vec<(String, String)>, job: Option<String> },
+    /// Run a task: register `call_id` as the core's call (its reply comes back as
+    /// [`Event::TaskReply`]) and send `frame` on the worker's connection.
+    Call { conn: ConnToken, call_id: u64, frame: Frame },
+    /// Send a frame on a worker's connection.
+    Send(ConnToken, Frame),
+    /// Kill a process on a node.
+    Kill { node: u64, pid: u32 },
+    /// Calls to `address` may reuse the connection it registered on.
+    Remember { address: Address, conn: ConnToken },
+    /// The core keeps no reference to this connection any more.
+    Forget(ConnToken),
+    /// Tell a node declared dead to stop its workers and exit, in case it is only paused or
+    /// cut off and would otherwise live on as a zombie.
+    StopNode { address: Address, reason: String },
+}
+
+/// Control-plane settings.
+#[derive(Debug, Clone)]
+pub(crate) struct HeadConfig {
+    /// The node's resources and GPUs.
+    pub(crate) node: NodeResources,
+    /// At most this many task workers exist at once.
+    pub(crate) max_task_workers: usize,
+    /// Whether workers keep the driver's `CUDA_VISIBLE_DEVICES` instead of their assignment.
+    pub(crate) noset_cuda_visible_devices: bool,
+}
+
+enum WorkerRole {
+    Actor { actor: ActorId, incarnation: u64 },
+    Tasks { running: Option<u64> },
+}
+
+/// Which driver's job a worker, actor or task belongs to.
+#[derive(Clone, Debug, Default)]
+struct Lineage {
+    /// The job binary (`None`: the embedded driver's own executable).
+    job: Option<String>,
+    /// The driver (`None`: the embedded driver, which outlives everything).
+    driver: Option<WorkerId>,
+    /// Created detached, or by a detached actor: outlives its driver.
+    detached: bool,
+    /// The actor whose worker created it (Ray's owner): an actor not itself created detached
+    /// ends with its owner's incarnation, and so does a placement group.
+    owner: Option<ActorId>,
+}
+
+/// Who a placement group ends with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum GroupOwner {
+    /// The driver whose job created it: removed when that driver goes.
+    Driver(WorkerId),
+    /// The actor that created it: removed when that actor's incarnation ends.
+    Actor(ActorId),
+}
+
+struct WorkerEntry {
+    /// The node it runs on.
+    node: u64,
+    lineage: Lineage,
+    pid: Option<u32>,
+    address: Option<Address>,
+    /// The connection it registered on (none until it has).
+    conn: Option<ConnToken>,
+    role: WorkerRole,
+    /// Killed before its pid was known: kill it as soon as it is.
+    kill_requested: bool,
+}
+
+enum ActorState {
+    /// Waiting for resources.
+    Pending,
+    /// A worker is starting it.
+    Starting { worker: WorkerId },
+    /// Serving calls.
+    Alive { worker: WorkerId, address: Address },
+    /// Gone for good.
+    Dead { reason: String },
+}
+
+struct ActorEntry {
+    /// The job that created it (it dies with that job's driver).
+    lineage: Lineage,
+    spec: ActorSpec,
+    demand: ResourceSet,
+    state: ActorState,
+    incarnation: u64,
+    restarts_left: i32,
+    killed: bool,
+    /// What the actor holds while it is starting or alive (kept across restarts).
+    allocation: Option<Allocation>,
+    /// Why the actor must die when its worker exits (a failed constructor).
+    death_reason: Option<String>,
+    /// Who waits for it to be alive (after an incarnation, if given).
+    waiters: Vec<(Option<u64>, ReplyToken)>,
+    /// Its latest worker and that worker's node (whose log holds its output, also once dead).
+    last_worker: Option<(WorkerId, u64)>,
+}
+
+struct QueuedTask {
+    spec: TaskSpec,
+    lineage: Lineage,
+    demand: ResourceSet,
+    /// Its scheduling class (Ray's term): tasks of one class (demand and placement) place
+    /// alike, so a pass over the queue places each class that has to wait only once.
+    class: u64,
+    reply: ReplyToken,
+    attempts: u32,
+}
+
+/// What makes tasks place alike: their demand and their bundle, if any.
+type ClassKey = (ResourceSet, Option<crate::placement_group::BundleSchedule>);
+
+struct RunningTask {
+    task: QueuedTask,
+    worker: WorkerId,
+    allocation: AllocationId,
+}
+
+/// The control plane's state and rules.
+pub(crate) struct HeadCore {
+    session: String,
+    config: HeadConfig,
+    /// Nodes, placement groups and every allocation.
+    cluster: ClusterState,
+    /// Groups waiting for resources.
+    pending_groups: BTreeSet<GroupId>,
+    /// Who waits for which group to be created.
+    group_waiters: HashMap<GroupId, Vec<ReplyToken>>,
+    /// How many unnamed groups were created (for their generated names).
+    unnamed_groups: u64,
+    /// Who created each group (groups the embedded driver creates are absent): they are
+    /// removed when that driver goes or that actor's incarnation ends.
+    group_owners: HashMap<GroupId, GroupOwner>,
+    /// Actors whose incarnation ended since the last reschedule: what they owned ends next.
+    ended_owners: Vec<ActorId>,
+    next_actor: u64,
+    /// The next task call id (from [`TASK_CALL_IDS`]).
+    next_call: u64,
+    workers: HashMap<WorkerId, WorkerEntry>,
+    actors: HashMap<ActorId, ActorEntry>,
+    names: HashMap<(String, String), ActorId>,
+    /// The key-value store ([`crate::kv`]).
+    kv: HashMap<String, Vec<u8>>,
+    pending_actors: VecDeque<ActorId>,
+    task_queue: VecDeque<QueuedTask>,
+    /// Scheduling classes by key, numbered as they first appear.
+    classes: HashMap<ClassKey, u64>,
+    idle_task_workers: Vec<WorkerId>,
+    starting_task_workers: usize,
+    running_tasks: HashMap<u64, RunningTask>,
+    /// Tasks answered since the head started: with a value, with an error.
+    tasks_finished: u64,
+    tasks_failed: u64,
+    shutting_down: bool,
+    /// Nodes, drivers and jobs of a cluster (the embedded session has only its own node).
+    pub(crate) members: Members,
+}
+
+impl HeadCore {
+    /// A control plane for `session` whose own node is `head_node`, holding `config.node`.
+    pub(crate) fn new(session: String, config: HeadConfig, head_node: u64) -> Result<HeadCore> {
+        let mut cluster = ClusterState::new();
+        cluster
+            .add_node(config.node.clone())
+            .map_err(|e| Error::Invalid(format!("node resources: {e}")))?;
+        Ok(HeadCore {
+            session,
+            config,
+            cluster,
+            pending_groups: BTreeSet::new(),
+            group_waiters: HashMap::new(),
+            unnamed_groups: 0,
+            group_owners: HashMap::new(),
+            ended_owners: Vec::new(),
+            next_actor: 1,
+            next_call: TASK_CALL_IDS,
+            workers: HashMap::new(),
+            actors: HashMap::new(),
+            names: HashMap::new(),
+            kv: HashMap::new(),
+            pending_actors: VecDeque::new(),
+            task_queue: VecDeque::new(),
+            classes: HashMap::new(),
+            idle_task_workers: Vec::new(),
+            starting_task_workers: 0,
+            running_tasks: HashMap::new(),
+            tasks_finished: 0,
+            tasks_failed: 0,
+            shutting_down: false,
+            members: Members::new(head_node),
+        })
+    }
+
+    /// Decides what `event`, coming from `from`, changes and what must happen because of it.
+    pub(crate) fn handle(&mut self, from: Origin, event: Event) -> Vec<Effect> {
+        let mut effects = Vec::new();
+        match event {
+            Event::Request { reply, body } => self.request(from, reply, body, &mut effects),
+            Event::WorkerSpawned { worker, pid } => self.worker_spawned(worker, pid, &mut effects),
+            Event::WorkerExited { worker, status } => {
+                match self.members.job_exited(worker, &status) {
+                    // A submitted job's driver was reaped: the driver is gone now, so its actors
+                    // and groups go at once rather than when its connection times out.
+                    Some(driver) => {
+                        if let Some(driver) = driver {
+                            self.driver_gone(driver, &mut effects);
+                        }
+                    }
+                    None => {
+                        self.worker_exited(worker, status.to_string(), &mut effects);
+                        self.reschedule(&mut effects);
+                    }
+                }
+            }
+            Event::TaskReply { call_id, outcome } => {
+                self.task_reply(call_id, outcome, &mut effects)
+            }
+            Event::NodeDead { name, reason } => self.node_dead(&name, &reason, &mut effects),
+            Event::DriverGone { driver } => self.driver_gone(driver, &mut effects),
+            Event::Abandoned(replies) => {
+                for actor in self.actors.values_mut() {
+                    actor.waiters.retain(|(_, reply)| !replies.contains(reply));
+                }
+            }
+            Event::Shutdown => {
+                self.shutting_down = true;
+                // Other nodes' workers are their daemons' to stop (`StopNode`).
+                let head_node = self.members.head_node;
+                for w in self.workers.values().filter(|w| w.node == head_node) {
+                    if let Some(pid) = w.pid {
+                        effects.push(Effect::Kill { node: w.node, pid });
+                    }
+                }
+            }
+        }
+        // The arrangement of a group's bundles is greedy, so a group can come to fit after an
+        // allocation (not only a release) moved what the greedy choice sees: pending groups
+        // are tried after every event (found by the simulator: a group that fitted waited
+        // for the next release).
+        if !self.pending_groups.is_empty() && !self.shutting_down {
+            self.reschedule(&mut effects);
+        }
+        effects
+    }
+
+    /// Whether every worker of the head's own node has been reaped (after
+    /// [`Event::Shutdown`]).
+    pub(crate) fn no_local_workers(&self) -> bool {
+        self.workers.values().all(|w| w.node != self.members.head_node)
+    }
+
+    /// The type of the actor `worker` hosts, if any (for its output lines' prefix).
+    pub(crate) fn actor_type_of(&self, worker: WorkerId) -> Option<&str> {
+        self.actors.values().find_map(|actor| match actor.state {
+            ActorState::Starting { worker: w } | ActorState::Alive { worker: w, .. }
+                if w == worker =>
+            {
+                Some(actor.spec.type_name.as_str())
+            }
+            _ => None,
+        })
+    }
+
+    fn request(
+        &mut self,
+        from: Origin,
+        reply: ReplyToken,
+        body: Request,
+        effects: &mut Vec<Effect>,
+    ) {
+        let response = match body {
+            Request::RegisterWorker { worker, address, pid } => {
+                match self.register_worker(from, worker, address, pid, effects) {
+                    Ok(assignment) => Response::Assignment(assignment),
+                    Err(e) => Response::Error(e),
+                }
+            }
+            Request::ActorStarted { actor, incarnation, result } => {
+                self.actor_started(actor, incarnation, result, effects);
+                Response::Done
+            }
+            Request::CreateActor(spec) => {
+                let lineage = self.lineage_of(from);
+                match self.create_actor(*spec, lineage, effects) {
+                    Ok(info) => Response::Actor(info),
+                    Err(e) => Response::Error(e),
+                }
+            }
+            Request::GetActorByName { name, namespace } => self.actor_by_name(name, namespace),
+            Request::WaitActorAlive { actor, after } => {
+                match self.wait_actor_alive(actor, after, reply) {
+                    Some(response) => response,
+                    None => return,
+                }
+            }
+            Request::KillActor { actor, no_restart } => {
+                match self.kill_actor(actor, no_restart, effects) {
+                    Ok(()) => Response::Done,
+                    Err(e) => Response::Error(e),
+                }
+            }
+            Request::SubmitTask(spec) => {
+                let lineage = self.lineage_of(from);
+                match self.submit_task(*spec, lineage, reply, effects) {
+                    Ok(()) => return,
+                    Err(e) => Response::Error(e),
+                }
+            }
+            Request::CancelTask { task, force } => {
+                self.cancel_task(task, force, effects);
+                Response::Done
+            }
+            Request::ClusterInfo => Response::ClusterInfo(self.cluster_info()),
+            Request::ListActors => Response::Actors(self.actor_summaries()),
+            Request::NodeAlive { node } => match self.members.nodes.get(&node) {
+                Some(entry) => match &entry.dead {
+                    None => Response::Done,
+                    Some(reason) => Response::Error(Error::Transport(reason.clone())),
+                },
+                None => Response::Error(Error::Invalid(format!("no node {}", NodeId(node)))),
+            },
+            Request::CreatePlacementGroup(options) => match self.create_group(*options) {
+                Ok(state) => {
+                    let lineage = self.lineage_of(from);
+                    let owner = match (lineage.owner, lineage.driver) {
+                        (Some(actor), _) => Some(GroupOwner::Actor(actor)),
+                        (None, Some(driver)) => Some(GroupOwner::Driver(driver)),
+                        (None, None) => None,
+                    };
+                    if let Some(owner) = owner {
+                        self.group_owners.insert(state.id, owner);
+                    }
+                    Response::PlacementGroup(Box::new(state))
+                }
+                Err(e) => Response::Error(e),
+            },
+            Request::WaitPlacementGroup { group } => {
+                self.wait_group(group, reply, effects);
+                return;
+            }
+            Request::RemovePlacementGroup { group } => match self.remove_group(group, effects) {
+                Ok(()) => Response::Done,
+                Err(e) => Response::Error(e),
+            },
+            Request::GetPlacementGroup { group } => match self.group_state(group) {
+                Some(state) => Response::PlacementGroup(Box::new(state)),
+                None => Response::Error(Error::Invalid(format!(
+                    "no placement group {group}: it was removed or never existed"
+                ))),
+            },
+            Request::GetPlacementGroupByName { name } => match self.group_by_name(&name) {
+                Ok(state) => Response::PlacementGroup(Box::new(state)),
+                Err(e) => Response::Error(e),
+            },
+            Request::ListPlacementGroups => Response::PlacementGroups(self.list_groups()),
+            Request::KvPut { key, value } => {
+                self.kv.insert(key, value);
+                Response::Done
+            }
+            Request::KvGet { key } => {
+                Response::KvValue(self.kv.get(&key).cloned().map(serde_bytes::ByteBuf::from))
+            }
+            Request::KvDelete { key } => {
+                Response::KvValue(self.kv.remove(&key).map(serde_bytes::ByteBuf::from))
+            }
+            other => {
+                Response::Error(Error::Invalid(format!("not a control-plane request: {other:?}")))
+            }
+        };
+        effects.push(Effect::Respond(reply, response));
+    }
+
+    /// Returns an allocation's resources to its node or bundle. The caller reschedules.
+    fn release(&mut self, allocation: AllocationId) {
+        if let Err(e) = self.cluster.release(allocation) {
+            // Only a group removal releases allocations behind our back, and it clears the
+            // owner's record first; anything else is a bookkeeping bug worth seeing.
+            tracing::warn!(%allocation, "could not release an allocation: {e}");
+        }
+    }
+}
+
+fn resources_of(
+    num_cpus: f64,
+    num_gpus: f64,
+    custom: &std::collections::BTreeMap<String, f64>,
+) -> Result<ResourceSet> {
+    use rtrun_placement::{CPU, GPU};
+    let mut pairs: Vec<(&str, f64)> = vec![(CPU, num_cpus), (GPU, num_gpus)];
+    pairs.extend(custom.iter().map(|(k, v)| (k.as_str(), *v)));
+    ResourceSet::from_floats(pairs).map_err(|e| Error::Invalid(format!("resource request: {e}")))
+}
+
+fn shortfall_message(what: &str, demand: &ResourceSet, total: &ResourceSet) -> Option<String> {
+    total.first_shortfall(demand).map(|(name, needed, have)| {
+        format!("{what} needs {name}: {needed}, the cluster has {have} in total")
+    })
+}

@@ -1,0 +1,874 @@
+//! A deterministic simulator of the control plane (FoundationDB's simulation testing, quinn's
+//! `Pair`): a [`World`] plays every process the core talks to — nodes that join and die,
+//! drivers that connect and leave, worker processes that start, register, construct their
+//! actor, run tasks, crash or die of the kills the core orders — and proptest draws thousands
+//! of schedules of these events. Late and duplicate events are part of the schedule (an exit
+//! of a worker whose node already died, a reply to a task that was cancelled).
+//!
+//! After every event the simulator checks the invariants below; at the end it stops
+//! everything and checks that the cluster is whole again:
+//! - **answers**: every request is answered at most once, and (at the end) exactly once;
+//! - **resources**: every allocation belongs to exactly one actor or running task, every
+//!   actor's and task's allocation exists, no node hands out more than it has, and at the end
+//!   every node has all of its resources back;
+//! - **actors**: no actor lives in two workers, an actor starting or alive has its one worker,
+//!   a name maps to a live actor and a dead actor's name is free;
+//! - **groups**: no pending group would fit now (pending groups are created as soon as they
+//!   fit);
+//! - **connections**: the core sends only on connections it was told about and has not
+//!   forgotten.
+//!
+//! A failing schedule is shrunk by proptest and reproduces from its printed ops (and from the
+//! seed file proptest writes).
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+
+use proptest::prelude::*;
+use rtrun_placement::{
+    CPU, GPU, GroupId, NodeResources, Quantity, ResourceSet, Strategy as GroupStrategy,
+};
+
+use super::{ActorState, ConnToken, Effect, Event, HeadConfig, HeadCore, Origin, ReplyToken};
+use crate::actor::{ActorOptions, ActorSpec};
+use crate::ids::{ActorId, ObjectId, WorkerId};
+use crate::placement_group::{BundleSchedule, PlacementGroupOptions};
+use crate::protocol::{Assignment, Outcome, Request, Response, WorkerExit};
+use crate::task::{TaskOptions, TaskSpec};
+
+/// One step of a schedule. Selectors (`u8`) pick among what exists when the step runs, so
+/// every drawn schedule is meaningful whatever happened before it.
+#[derive(Clone, Debug)]
+enum Op {
+    JoinNode {
+        cpus: u64,
+        gpus: u32,
+    },
+    NodeDies(u8),
+    DriverJoins,
+    DriverLeaves(u8),
+    CreateActor {
+        by: u8,
+        cpus: u8,
+        gpus: u8,
+        name: Option<u8>,
+        restarts: i8,
+        detached: bool,
+        get_if_exists: bool,
+        group: Option<(u8, Option<u8>)>,
+    },
+    KillActor {
+        actor: u8,
+        no_restart: bool,
+    },
+    WatchActor {
+        actor: u8,
+        after_current: bool,
+    },
+    ActorByName(u8),
+    SubmitTask {
+        by: u8,
+        cpus: u8,
+        retries: u8,
+        group: Option<u8>,
+    },
+    CancelTask {
+        task: u8,
+        force: bool,
+    },
+    CreateGroup {
+        bundles: Vec<(u8, u8)>,
+        strategy: u8,
+        by: u8,
+    },
+    RemoveGroup(u8),
+    WaitGroup(u8),
+    ProcessStarts(u8),
+    ProcessRegisters(u8),
+    ActorConstructed {
+        process: u8,
+        ok: bool,
+    },
+    ProcessCrashes {
+        process: u8,
+        how: u8,
+    },
+    KilledProcessExits(u8),
+    TaskReplies {
+        call: u8,
+        ok: bool,
+    },
+    WatcherGoes(u8),
+    Views,
+}
+
+fn op() -> impl proptest::strategy::Strategy<Value = Op> {
+    prop_oneof![
+        1 => (1u64..4, 0u32..3).prop_map(|(cpus, gpus)| Op::JoinNode { cpus, gpus }),
+        1 => any::<u8>().prop_map(Op::NodeDies),
+        1 => Just(Op::DriverJoins),
+        1 => any::<u8>().prop_map(Op::DriverLeaves),
+        4 => (
+            any::<u8>(),
+            0u8..3,
+            0u8..2,
+            proptest::option::of(0u8..3),
+            -1i8..3,
+            any::<bool>(),
+            any::<bool>(),
+            proptest::option::weighted(0.3, (any::<u8>(), proptest::option::of(0u8..3))),
+        )
+            .prop_map(|(by, cpus, gpus, name, restarts, detached, get_if_exists, group)| {
+                Op::CreateActor { by, cpus, gpus, name, restarts, detached, get_if_exists, group }
+            }),
+        2 => (any::<u8>(), any::<bool>())
+            .prop_map(|(actor, no_restart)| Op::KillActor { actor, no_restart }),
+        2 => (any::<u8>(), any::<bool>())
+            .prop_map(|(actor, after_current)| Op::WatchActor { actor, after_current }),
+        1 => (0u8..3).prop_map(Op::ActorByName),
+        4 => (any::<u8>(), 0u8..3, 0u8..3, proptest::option::weighted(0.3, any::<u8>()))
+            .prop_map(|(by, cpus, retries, group)| Op::SubmitTask { by, cpus, retries, group }),
+        1 => (any::<u8>(), any::<bool>()).prop_map(|(task, force)| Op::CancelTask { task, force }),
+        2 => (proptest::collection::vec((1u8..3, 0u8..2), 1..4), 0u8..4, any::<u8>())
+            .prop_map(|(bundles, strategy, by)| Op::CreateGroup { bundles, strategy, by }),
+        1 => any::<u8>().prop_map(Op::RemoveGroup),
+        1 => any::<u8>().prop_map(Op::WaitGroup),
+        5 => any::<u8>().prop_map(Op::ProcessStarts),
+        5 => any::<u8>().prop_map(Op::ProcessRegisters),
+        4 => (any::<u8>(), prop::bool::weighted(0.85))
+            .prop_map(|(process, ok)| Op::ActorConstructed { process, ok }),
+        1 => (any::<u8>(), 0u8..3).prop_map(|(process, how)| Op::ProcessCrashes { process, how }),
+        3 => any::<u8>().prop_map(Op::KilledProcessExits),
+        5 => (any::<u8>(), prop::bool::weighted(0.8))
+            .prop_map(|(call, ok)| Op::TaskReplies { call, ok }),
+        1 => any::<u8>().prop_map(Op::WatcherGoes),
+        1 => Just(Op::Views),
+    ]
+}
+
+/// A process the core asked for, as the world runs it.
+#[derive(Debug)]
+struct Process {
+    node: u64,
+    pid: Option<u32>,
+    conn: Option<ConnToken>,
+    /// Its assignment, once registered: the actor and incarnation it constructs.
+    actor: Option<(ActorId, u64)>,
+    constructed: bool,
+    /// The core ordered it killed: it exits when the world delivers the signal.
+    killed: bool,
+}
+
+/// What a pending request was.
+#[derive(Debug)]
+enum Asked {
+    Watch,
+    Other,
+}
+
+/// Everything outside the core.
+struct World {
+    core: HeadCore,
+    /// Requests not answered yet.
+    outstanding: BTreeMap<ReplyToken, Asked>,
+    next_reply: u64,
+    next_conn: u64,
+    next_pid: u32,
+    next_task: u64,
+    processes: BTreeMap<WorkerId, Process>,
+    /// Task calls in flight: call id → the worker it was sent to.
+    calls: BTreeMap<u64, WorkerId>,
+    /// Connections the core remembered and has not forgotten.
+    conns: BTreeSet<ConnToken>,
+    nodes: Vec<(String, u64)>,
+    /// Nodes that ever joined (a dead node's name is free again: a restarted node rejoins).
+    joined: usize,
+    drivers: Vec<WorkerId>,
+    actors: Vec<ActorId>,
+    tasks: Vec<ObjectId>,
+    groups: Vec<GroupId>,
+    events: usize,
+}
+
+fn pick<T: Copy>(items: &[T], selector: u8) -> Option<T> {
+    (!items.is_empty()).then(|| items[usize::from(selector) % items.len()])
+}
+
+fn resources(cpus: u8, gpus: u8) -> ResourceSet {
+    let mut set = ResourceSet::new();
+    set.set(CPU, Quantity::whole(u64::from(cpus)));
+    if gpus > 0 {
+        set.set(GPU, Quantity::whole(u64::from(gpus)));
+    }
+    set
+}
+
+impl World {
+    fn new() -> World {
+        let head_node = 0;
+        let config = HeadConfig {
+            node: NodeResources::with_fake_gpus(
+                rtrun_placement::NodeId::new(crate::ids::NodeId(head_node).to_string()),
+                2,
+                1,
+            ),
+            max_task_workers: 3,
+            noset_cuda_visible_devices: false,
+        };
+        let mut core = HeadCore::new("5151".into(), config, head_node).expect("a valid node");
+        core.enable_cluster("quic://127.0.0.1:1/0/rtrun-5151-0".into(), "head".into());
+        World {
+            core,
+            outstanding: BTreeMap::new(),
+            next_reply: 0,
+            next_conn: 1,
+            next_pid: 100,
+            next_task: 1,
+            processes: BTreeMap::new(),
+            calls: BTreeMap::new(),
+            conns: BTreeSet::new(),
+            nodes: Vec::new(),
+            joined: 0,
+            drivers: Vec::new(),
+            actors: Vec::new(),
+            tasks: Vec::new(),
+            groups: Vec::new(),
+            events: 0,
+        }
+    }
+
+    /// Hands the core an event and plays its effects into the world.
+    fn handle(&mut self, from: Origin, event: Event) -> Vec<(ReplyToken, Response)> {
+        self.events += 1;
+        let effects = self.core.handle(from, event);
+        self.apply(effects)
+    }
+
+    /// A request from `from`; returns its answer when it came at once.
+    fn request(&mut self, from: Origin, body: Request) -> Option<Response> {
+        let reply = ReplyToken(self.next_reply);
+        self.next_reply += 1;
+        let asked = if matches!(body, Request::WaitActorAlive { .. }) {
+            Asked::Watch
+        } else {
+            Asked::Other
+        };
+        self.outstanding.insert(reply, asked);
+        let answers = self.handle(from, Event::Request { reply, body });
+        answers.into_iter().find(|(token, _)| *token == reply).map(|(_, response)| response)
+    }
+
+    fn apply(&mut self, effects: Vec<Effect>) -> Vec<(ReplyToken, Response)> {
+        let mut answers = Vec::new();
+        for effect in effects {
+            match effect {
+                Effect::Respond(reply, response) => {
+                    assert!(
+                        self.outstanding.remove(&reply).is_some(),
+                        "{reply:?} answered twice or never asked: {response:?}"
+                    );
+                    answers.push((reply, response));
+                }
+                Effect::Spawn { node, worker, .. } => {
+                    let process = Process {
+                        node,
+                        pid: None,
+                        conn: None,
+                        actor: None,
+                        constructed: false,
+                        killed: false,
+                    };
+                    assert!(
+                        self.processes.insert(worker, process).is_none(),
+                        "{worker} spawned twice"
+                    );
+                }
+                Effect::Call { conn, call_id, .. } => {
+                    assert!(self.conns.contains(&conn), "a call on unknown connection {conn:?}");
+                    let worker = self
+                        .processes
+                        .iter()
+                        .find(|(_, p)| p.conn == Some(conn))
+                        .map(|(w, _)| *w)
+                        .expect("a call goes to a registered worker");
+                    assert!(
+                        self.calls.insert(call_id, worker).is_none(),
+                        "call id {call_id} reused"
+                    );
+                }
+                Effect::Send(conn, _) => {
+                    assert!(self.conns.contains(&conn), "a send on unknown connection {conn:?}")
+                }
+                Effect::Kill { node, pid } => {
+                    if let Some(p) =
+                        self.processes.values_mut().find(|p| p.node == node && p.pid == Some(pid))
+                    {
+                        p.killed = true;
+                    }
+                }
+                Effect::Remember { conn, .. } => {
+                    self.conns.insert(conn);
+                }
+                Effect::Forget(conn) => {
+                    self.conns.remove(&conn);
+                }
+                Effect::StopNode { .. } => {}
+            }
+        }
+        answers
+    }
+
+    /// Where a request comes from: the embedded driver, a driver, or an actor's worker.
+    fn origin(&self, selector: u8) -> Origin {
+        let workers: Vec<WorkerId> = self
+            .processes
+            .iter()
+            .filter(|(_, p)| p.actor.is_some() && p.conn.is_some())
+            .map(|(w, _)| *w)
+            .collect();
+        let choices = 1 + self.drivers.len() + workers.len();
+        let index = usize::from(selector) % choices;
+        if index == 0 {
+            return Origin::default();
+        }
+        if index <= self.drivers.len() {
+            return Origin { conn: None, process: Some(self.drivers[index - 1]) };
+        }
+        let worker = workers[index - 1 - self.drivers.len()];
+        Origin { conn: self.processes[&worker].conn, process: Some(worker) }
+    }
+
+    fn exits(&mut self, worker: WorkerId, status: WorkerExit) {
+        if let Some(p) = self.processes.remove(&worker)
+            && let Some(conn) = p.conn
+        {
+            self.conns.remove(&conn);
+        }
+        self.calls.retain(|_, w| *w != worker);
+        self.handle(Origin::default(), Event::WorkerExited { worker, status });
+    }
+
+    fn run(&mut self, op: Op) {
+        match op {
+            Op::JoinNode { cpus, gpus } => {
+                // Every other join reuses the name of a node that died, if one did.
+                let name = (0..self.joined)
+                    .map(|n| format!("node-{n}"))
+                    .find(|name| self.joined % 2 == 1 && !self.nodes.iter().any(|(n, _)| n == name))
+                    .unwrap_or_else(|| format!("node-{}", self.joined));
+                self.joined += 1;
+                let node = NodeResources::with_fake_gpus(
+                    rtrun_placement::NodeId::new("joining"),
+                    cpus,
+                    gpus,
+                );
+                let endpoint = "127.0.0.1:9".parse().expect("an address");
+                let mut effects = Vec::new();
+                let (id, _) = self
+                    .core
+                    .join_node(name.clone(), &node, endpoint, &mut effects)
+                    .expect("a node with a fresh name joins");
+                self.events += 1;
+                self.apply(effects);
+                self.nodes.push((name, id));
+            }
+            Op::NodeDies(selector) => {
+                let Some(index) = pick(&(0..self.nodes.len()).collect::<Vec<_>>(), selector) else {
+                    return;
+                };
+                let (name, id) = self.nodes.remove(index);
+                self.handle(
+                    Origin::default(),
+                    Event::NodeDead { name, reason: "no heartbeat".into() },
+                );
+                // Its processes are gone with it; the core has written them off already.
+                let gone: Vec<WorkerId> =
+                    self.processes.iter().filter(|(_, p)| p.node == id).map(|(w, _)| *w).collect();
+                for worker in gone {
+                    if let Some(conn) = self.processes.remove(&worker).and_then(|p| p.conn) {
+                        self.conns.remove(&conn);
+                    }
+                    self.calls.retain(|_, w| *w != worker);
+                    // A late report of the exit must change nothing.
+                    self.handle(
+                        Origin::default(),
+                        Event::WorkerExited {
+                            worker,
+                            status: WorkerExit::Lost("its node died".into()),
+                        },
+                    );
+                }
+            }
+            Op::DriverJoins => {
+                let driver =
+                    self.core.join_driver(Some("job".into()), None).expect("a cluster head");
+                self.drivers.push(driver);
+            }
+            Op::DriverLeaves(selector) => {
+                let Some(driver) = pick(&self.drivers, selector) else { return };
+                self.drivers.retain(|d| *d != driver);
+                self.handle(Origin::default(), Event::DriverGone { driver });
+            }
+            Op::CreateActor { by, cpus, gpus, name, restarts, detached, get_if_exists, group } => {
+                let placement = group.and_then(|(g, bundle)| {
+                    Some(BundleSchedule {
+                        group: pick(&self.groups, g)?,
+                        bundle_index: bundle.map(usize::from),
+                        capture_child_tasks: false,
+                    })
+                });
+                let options = ActorOptions {
+                    num_cpus: Some(f64::from(cpus)),
+                    num_gpus: Some(f64::from(gpus)),
+                    name: name.map(|n| format!("actor-{n}")),
+                    max_restarts: i32::from(restarts),
+                    detached,
+                    get_if_exists,
+                    placement,
+                    ..Default::default()
+                };
+                let spec = ActorSpec { type_name: "Sim".into(), ctor_args: Vec::new(), options };
+                let from = self.origin(by);
+                if let Some(Response::Actor(info)) =
+                    self.request(from, Request::CreateActor(Box::new(spec)))
+                    && !self.actors.contains(&info.id)
+                {
+                    self.actors.push(info.id);
+                }
+            }
+            Op::KillActor { actor, no_restart } => {
+                let Some(actor) = pick(&self.actors, actor) else { return };
+                self.request(Origin::default(), Request::KillActor { actor, no_restart });
+            }
+            Op::WatchActor { actor, after_current } => {
+                let Some(actor) = pick(&self.actors, actor) else { return };
+                let after = after_current
+                    .then(|| self.core.actors.get(&actor).map(|a| a.incarnation))
+                    .flatten();
+                self.request(Origin::default(), Request::WaitActorAlive { actor, after });
+            }
+            Op::ActorByName(n) => {
+                let response = self.request(
+                    Origin::default(),
+                    Request::GetActorByName {
+                        name: format!("actor-{n}"),
+                        namespace: "default".into(),
+                    },
+                );
+                if let Some(Response::Actor(info)) = response {
+                    let entry = &self.core.actors[&info.id];
+                    assert!(
+                        !matches!(entry.state, ActorState::Dead { .. }),
+                        "a dead actor by name"
+                    );
+                }
+            }
+            Op::SubmitTask { by, cpus, retries, group } => {
+                let placement = group.and_then(|g| {
+                    Some(BundleSchedule {
+                        group: pick(&self.groups, g)?,
+                        bundle_index: None,
+                        capture_child_tasks: false,
+                    })
+                });
+                let task = ObjectId::new(7, self.next_task);
+                self.next_task += 1;
+                let options = TaskOptions {
+                    num_cpus: f64::from(cpus),
+                    max_retries: u32::from(retries),
+                    placement,
+                    ..Default::default()
+                };
+                let spec =
+                    TaskSpec { task, function: "sim_task".into(), args: Vec::new(), options };
+                let from = self.origin(by);
+                self.request(from, Request::SubmitTask(Box::new(spec)));
+                self.tasks.push(task);
+            }
+            Op::CancelTask { task, force } => {
+                let Some(task) = pick(&self.tasks, task) else { return };
+                self.request(Origin::default(), Request::CancelTask { task, force });
+            }
+            Op::CreateGroup { bundles, strategy, by } => {
+                let strategy = [
+                    GroupStrategy::Pack,
+                    GroupStrategy::Spread,
+                    GroupStrategy::StrictPack,
+                    GroupStrategy::StrictSpread,
+                ][usize::from(strategy) % 4];
+                let options = PlacementGroupOptions {
+                    bundles: bundles.iter().map(|&(c, g)| resources(c, g)).collect(),
+                    strategy,
+                    name: None,
+                };
+                let from = self.origin(by);
+                if let Some(Response::PlacementGroup(state)) =
+                    self.request(from, Request::CreatePlacementGroup(Box::new(options)))
+                {
+                    self.groups.push(state.id);
+                }
+            }
+            Op::RemoveGroup(selector) => {
+                let Some(group) = pick(&self.groups, selector) else { return };
+                self.request(Origin::default(), Request::RemovePlacementGroup { group });
+            }
+            Op::WaitGroup(selector) => {
+                let Some(group) = pick(&self.groups, selector) else { return };
+                self.request(Origin::default(), Request::WaitPlacementGroup { group });
+            }
+            Op::ProcessStarts(selector) => {
+                let waiting: Vec<WorkerId> = self
+                    .processes
+                    .iter()
+                    .filter(|(_, p)| p.pid.is_none())
+                    .map(|(w, _)| *w)
+                    .collect();
+                let Some(worker) = pick(&waiting, selector) else { return };
+                let pid = self.next_pid;
+                self.next_pid += 1;
+                if let Some(p) = self.processes.get_mut(&worker) {
+                    p.pid = Some(pid);
+                }
+                self.handle(Origin::default(), Event::WorkerSpawned { worker, pid });
+            }
+            Op::ProcessRegisters(selector) => {
+                let started: Vec<WorkerId> = self
+                    .processes
+                    .iter()
+                    .filter(|(_, p)| p.pid.is_some() && p.conn.is_none())
+                    .map(|(w, _)| *w)
+                    .collect();
+                let Some(worker) = pick(&started, selector) else { return };
+                let conn = ConnToken(self.next_conn);
+                self.next_conn += 1;
+                let pid = self.processes[&worker].pid.expect("started");
+                let from = Origin { conn: Some(conn), process: Some(worker) };
+                let address = format!("unix:@rtrun-5151-{}", worker.0);
+                // Its connection is up before it registers: a task worker may be sent a task
+                // before its registration is answered.
+                if let Some(p) = self.processes.get_mut(&worker) {
+                    p.conn = Some(conn);
+                }
+                let response = self.request(from, Request::RegisterWorker { worker, address, pid });
+                let Some(p) = self.processes.get_mut(&worker) else { return };
+                match response {
+                    Some(Response::Assignment(Assignment::Actor(start))) => {
+                        p.actor = Some((start.actor, start.incarnation));
+                    }
+                    Some(Response::Assignment(Assignment::Tasks)) => {}
+                    other => panic!("a spawned worker's registration answered {other:?}"),
+                }
+            }
+            Op::ActorConstructed { process, ok } => {
+                let ready: Vec<WorkerId> = self
+                    .processes
+                    .iter()
+                    .filter(|(_, p)| p.actor.is_some() && !p.constructed)
+                    .map(|(w, _)| *w)
+                    .collect();
+                let Some(worker) = pick(&ready, process) else { return };
+                let p = self.processes.get_mut(&worker).expect("picked");
+                p.constructed = true;
+                let (actor, incarnation) = p.actor.expect("an actor's worker");
+                let from = Origin { conn: p.conn, process: Some(worker) };
+                let result = if ok { Ok(()) } else { Err("boom".into()) };
+                self.request(from, Request::ActorStarted { actor, incarnation, result });
+            }
+            Op::ProcessCrashes { process, how } => {
+                let live: Vec<WorkerId> = self.processes.keys().copied().collect();
+                let Some(worker) = pick(&live, process) else { return };
+                let status = match how {
+                    0 => WorkerExit::Code(1),
+                    1 => WorkerExit::Signal(11),
+                    _ => WorkerExit::Lost("it could not be started".into()),
+                };
+                self.exits(worker, status);
+            }
+            Op::KilledProcessExits(selector) => {
+                let killed: Vec<WorkerId> =
+                    self.processes.iter().filter(|(_, p)| p.killed).map(|(w, _)| *w).collect();
+                let Some(worker) = pick(&killed, selector) else { return };
+                self.exits(worker, WorkerExit::Signal(9));
+            }
+            Op::TaskReplies { call, ok } => {
+                let calls: Vec<u64> = self.calls.keys().copied().collect();
+                let Some(call_id) = pick(&calls, call) else { return };
+                self.calls.remove(&call_id);
+                let outcome = if ok {
+                    Outcome::Value(Vec::new())
+                } else {
+                    Outcome::Error(crate::error::Error::TaskFailed {
+                        target: "sim_task".into(),
+                        message: "it raised".into(),
+                    })
+                };
+                self.handle(Origin::default(), Event::TaskReply { call_id, outcome });
+            }
+            Op::WatcherGoes(selector) => {
+                let watches: Vec<ReplyToken> = self
+                    .outstanding
+                    .iter()
+                    .filter(|(_, asked)| matches!(asked, Asked::Watch))
+                    .map(|(token, _)| *token)
+                    .collect();
+                let Some(reply) = pick(&watches, selector) else { return };
+                self.outstanding.remove(&reply);
+                self.handle(Origin::default(), Event::Abandoned(vec![reply]));
+            }
+            Op::Views => {
+                let info = self.request(Origin::default(), Request::ClusterInfo);
+                assert!(matches!(info, Some(Response::ClusterInfo(_))), "{info:?}");
+                self.request(Origin::default(), Request::ListActors);
+                self.request(Origin::default(), Request::ListPlacementGroups);
+            }
+        }
+    }
+
+    /// The invariants that hold after every event.
+    fn check(&self) {
+        let core = &self.core;
+        // Resources: each allocation has exactly one holder, and each holder's allocation
+        // exists.
+        let mut holders: HashMap<rtrun_placement::AllocationId, String> = HashMap::new();
+        for (id, actor) in &core.actors {
+            if let Some(allocation) = &actor.allocation {
+                assert!(
+                    holders.insert(allocation.id, format!("actor {id}")).is_none(),
+                    "allocation {} held twice",
+                    allocation.id
+                );
+                assert!(
+                    !matches!(actor.state, ActorState::Dead { .. }),
+                    "dead actor {id} holds {}",
+                    allocation.id
+                );
+            }
+        }
+        for (call, run) in &core.running_tasks {
+            if let Some(other) = holders.insert(run.allocation, format!("task call {call}")) {
+                panic!("allocation {} held by {other} and task call {call}", run.allocation);
+            }
+        }
+        let live: BTreeSet<_> = core.cluster.allocations().map(|a| a.id).collect();
+        let held: BTreeSet<_> = holders.keys().copied().collect();
+        assert_eq!(live, held, "allocations without a holder, or holders without one");
+        for node in core.cluster.nodes() {
+            assert!(
+                node.total().first_shortfall(node.available()).is_none(),
+                "{} hands out more than it has: {:?} of {:?}",
+                node.id(),
+                node.available(),
+                node.total()
+            );
+        }
+        // Actors: one worker each, names only for the living.
+        let mut hosts: HashMap<ActorId, WorkerId> = HashMap::new();
+        for (worker, entry) in &core.workers {
+            if let super::WorkerRole::Actor { actor, .. } = entry.role
+                && let Some(other) = hosts.insert(actor, *worker)
+            {
+                panic!("actor {actor} lives in workers {other} and {worker}");
+            }
+        }
+        for (id, actor) in &core.actors {
+            if let ActorState::Starting { worker } | ActorState::Alive { worker, .. } = actor.state
+            {
+                let entry = core.workers.get(&worker).expect("a starting or alive actor's worker");
+                assert!(
+                    matches!(entry.role, super::WorkerRole::Actor { actor: a, incarnation }
+                        if a == *id && incarnation == actor.incarnation),
+                    "actor {id}'s worker {worker} hosts something else"
+                );
+            }
+        }
+        for ((namespace, name), id) in &core.names {
+            let actor = &core.actors[id];
+            assert!(
+                !matches!(actor.state, ActorState::Dead { .. }),
+                "dead actor {id} keeps {namespace}/{name}"
+            );
+        }
+        // Groups: none pending that would fit now.
+        let mut cluster = core.cluster.clone();
+        assert!(cluster.schedule_pending().is_empty(), "a pending group fits but waits");
+        // Connections: the core refers only to those it remembered.
+        for (worker, entry) in &core.workers {
+            if let Some(conn) = entry.conn {
+                assert!(self.conns.contains(&conn), "worker {worker} on forgotten {conn:?}");
+            }
+        }
+    }
+
+    /// Stops everything and lets every process end; then the cluster must be whole again and
+    /// every request answered.
+    fn wind_down(&mut self) {
+        for driver in std::mem::take(&mut self.drivers) {
+            self.handle(Origin::default(), Event::DriverGone { driver });
+        }
+        for task in self.tasks.clone() {
+            self.request(Origin::default(), Request::CancelTask { task, force: true });
+        }
+        for actor in self.actors.clone() {
+            self.request(Origin::default(), Request::KillActor { actor, no_restart: true });
+        }
+        for group in self.groups.clone() {
+            self.request(Origin::default(), Request::RemovePlacementGroup { group });
+        }
+        self.check();
+        // Every process starts, registers and ends (killed ones as ordered; the rest are idle
+        // task workers, stopped by the shutdown).
+        for _ in 0..10_000 {
+            let Some((&worker, p)) = self.processes.iter().next() else { break };
+            if p.pid.is_none() {
+                self.run(Op::ProcessStarts(0));
+            } else {
+                self.exits(worker, WorkerExit::Signal(9));
+            }
+            self.check();
+        }
+        assert!(self.processes.is_empty(), "processes left: {:?}", self.processes);
+        assert!(self.outstanding.is_empty(), "requests never answered: {:?}", self.outstanding);
+        assert!(self.core.cluster.allocations().next().is_none(), "allocations left");
+        for node in self.core.cluster.nodes() {
+            assert_eq!(node.available(), node.total(), "{} did not get everything back", node.id());
+        }
+        assert!(self.core.names.is_empty(), "names left: {:?}", self.core.names);
+        assert!(self.core.task_queue.is_empty() && self.core.running_tasks.is_empty());
+    }
+}
+
+fn simulate(ops: Vec<Op>) {
+    let mut world = World::new();
+    for op in ops {
+        world.run(op);
+        world.check();
+    }
+    world.wind_down();
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 10_000, ..ProptestConfig::default() })]
+
+    /// Random schedules of joins, deaths, requests, process lifecycles and replies keep every
+    /// invariant, and winding down returns every resource and answers every request.
+    #[test]
+    fn control_plane_keeps_its_invariants(ops in proptest::collection::vec(op(), 1..80)) {
+        simulate(ops);
+    }
+}
+
+/// What the schedules reached, so that a change which makes them vacuous (every op a no-op)
+/// fails instead of passing.
+#[derive(Debug, Default)]
+struct Reached {
+    alive_actors: usize,
+    restarted_actors: usize,
+    dead_actors: usize,
+    tasks_answered: u64,
+    tasks_failed: u64,
+    placed_groups: usize,
+    pending_groups: usize,
+    dead_nodes: usize,
+    events: usize,
+}
+
+impl World {
+    fn observe(&self, reached: &mut Reached) {
+        let core = &self.core;
+        for actor in core.actors.values() {
+            match actor.state {
+                ActorState::Alive { .. } => reached.alive_actors += 1,
+                ActorState::Dead { .. } => reached.dead_actors += 1,
+                _ => {}
+            }
+            reached.restarted_actors += usize::from(actor.incarnation > 0);
+        }
+        reached.tasks_answered = reached.tasks_answered.max(core.tasks_finished);
+        reached.tasks_failed = reached.tasks_failed.max(core.tasks_failed);
+        reached.placed_groups +=
+            core.cluster.groups().filter(|g| g.2 == rtrun_placement::GroupStatus::Placed).count();
+        reached.pending_groups += core.pending_groups.len();
+        reached.dead_nodes += core.members.nodes.values().filter(|n| n.dead.is_some()).count();
+    }
+}
+
+#[test]
+fn the_schedules_reach_every_kind_of_state() {
+    use proptest::strategy::ValueTree;
+    let mut runner = proptest::test_runner::TestRunner::deterministic();
+    let schedules = proptest::collection::vec(op(), 1..80);
+    let mut reached = Reached::default();
+    for _ in 0..300 {
+        let ops = schedules.new_tree(&mut runner).expect("a schedule").current();
+        let mut world = World::new();
+        for op in ops {
+            world.run(op);
+            world.observe(&mut reached);
+        }
+        reached.events += world.events;
+        world.wind_down();
+    }
+    let Reached {
+        alive_actors,
+        restarted_actors,
+        dead_actors,
+        tasks_answered,
+        tasks_failed,
+        placed_groups,
+        pending_groups,
+        dead_nodes,
+        events,
+    } = reached;
+    for (what, count) in [
+        ("alive actors", alive_actors),
+        ("restarted actors", restarted_actors),
+        ("dead actors", dead_actors),
+        ("placed groups", placed_groups),
+        ("pending groups", pending_groups),
+        ("dead nodes", dead_nodes),
+        ("answered tasks", tasks_answered as usize),
+        ("failed tasks", tasks_failed as usize),
+    ] {
+        assert!(
+            count > 0,
+            "no schedule reached {what}: {reached_all:?}",
+            reached_all = (
+                alive_actors,
+                restarted_actors,
+                dead_actors,
+                tasks_answered,
+                tasks_failed,
+                placed_groups,
+                pending_groups,
+                dead_nodes,
+                events
+            )
+        );
+    }
+}
+
+#[test]
+fn an_actor_restarts_then_dies_and_frees_its_name() {
+    let mut world = World::new();
+    world.run(Op::CreateActor {
+        by: 0,
+        cpus: 1,
+        gpus: 0,
+        name: Some(1),
+        restarts: 1,
+        detached: false,
+        get_if_exists: false,
+        group: None,
+    });
+    for _ in 0..2 {
+        world.run(Op::ProcessStarts(0));
+        world.run(Op::ProcessRegisters(0));
+        world.run(Op::ActorConstructed { process: 0, ok: true });
+        world.check();
+        world.run(Op::ProcessCrashes { process: 0, how: 1 });
+        world.check();
+    }
+    let actor = world.actors[0];
+    assert!(matches!(world.core.actors[&actor].state, ActorState::Dead { .. }));
+    assert!(world.core.names.is_empty());
+    world.wind_down();
+}

@@ -1,0 +1,239 @@
+//! Tasks: the queue, dispatch to pooled task workers per node and job (spawning workers as
+//! needed, up to `max_task_workers`), replies, retries, cancellation and answers.
+
+use rtrun_placement::ResourceSet;
+
+use super::{Effect, HeadCore, Lineage, QueuedTask, ReplyToken, RunningTask, WorkerRole, groups};
+use crate::error::{Error, Result};
+use crate::ids::{ObjectId, WorkerId};
+use crate::protocol::{CallFrame, CallTarget, Frame, Outcome, Response};
+use crate::task::TaskSpec;
+
+impl HeadCore {
+    /// Queues a task (answered later to `reply`) and dispatches what can run.
+    pub(super) fn submit_task(
+        &mut self,
+        spec: TaskSpec,
+        lineage: Lineage,
+        reply: ReplyToken,
+        effects: &mut Vec<Effect>,
+    ) -> Result<()> {
+        let demand = self.validate_task(&spec)?;
+        let key = (demand.clone(), spec.options.placement);
+        let next = self.classes.len() as u64;
+        let class = *self.classes.entry(key).or_insert(next);
+        self.task_queue.push_back(QueuedTask { lineage, class, spec, demand, reply, attempts: 0 });
+        self.dispatch_tasks(effects);
+        Ok(())
+    }
+
+    fn validate_task(&self, spec: &TaskSpec) -> Result<ResourceSet> {
+        let demand = super::resources_of(
+            spec.options.num_cpus,
+            spec.options.num_gpus,
+            &spec.options.resources,
+        )?;
+        self.check_placeable(
+            &format!("task {}", spec.function),
+            &demand,
+            spec.options.placement.as_ref(),
+        )?;
+        Ok(demand)
+    }
+
+    /// A task worker answered: its resources return, it is idle again, the task is answered.
+    pub(super) fn task_reply(&mut self, call_id: u64, outcome: Outcome, effects: &mut Vec<Effect>) {
+        let Some(running) = self.running_tasks.remove(&call_id) else { return };
+        self.release(running.allocation);
+        if let Some(entry) = self.workers.get_mut(&running.worker) {
+            entry.role = WorkerRole::Tasks { running: None };
+            self.idle_task_workers.push(running.worker);
+        }
+        self.answer_task(running.task.reply, outcome, effects);
+        self.reschedule(effects);
+    }
+
+    /// Starts queued tasks that fit, on idle task workers of the node and job each task is
+    /// placed on, spawning workers there as needed.
+    pub(super) fn dispatch_tasks(&mut self, effects: &mut Vec<Effect>) {
+        if self.shutting_down {
+            return;
+        }
+        let mut wanted: Vec<(u64, Lineage)> = Vec::new();
+        let task_workers =
+            self.workers.values().filter(|w| matches!(w.role, WorkerRole::Tasks { .. })).count();
+        // Tasks that find no idle worker are placed only to learn which node wants a worker;
+        // past what could still be started (and started already), the rest of the queue waits
+        // untouched, so a long queue costs nothing per reply.
+        let startable =
+            self.config.max_task_workers.saturating_sub(task_workers) + self.starting_task_workers;
+        // Demands that had to wait in this pass: the same demand later in the queue waits too
+        // (resources only get scarcer within a pass: an allocation made here is either kept
+        // or released at once), so it is not placed again. Without this, idle workers and a
+        // full node (more task workers than CPUs) made every reply scan the whole queue
+        // through the placement code: 1,000 queued tasks ran at 3k/s.
+        let mut waiting: Vec<u64> = Vec::new();
+        let mut index = 0;
+        while index < self.task_queue.len() {
+            if self.idle_task_workers.is_empty() && wanted.len() >= startable {
+                break;
+            }
+            let queued = &self.task_queue[index];
+            let placement = queued.spec.options.placement;
+            let class = queued.class;
+            if waiting.contains(&class) {
+                index += 1;
+                continue;
+            }
+            let demand = queued.demand.clone();
+            let allocation = match self.place_demand(&demand, placement.as_ref()) {
+                Ok(allocation) => allocation,
+                Err(e) if groups::is_waiting(&e) => {
+                    waiting.push(class);
+                    index += 1;
+                    continue;
+                }
+                Err(e) => {
+                    if let Some(task) = self.task_queue.remove(index) {
+                        let error = Error::Infeasible(format!(
+                            "task {} cannot be placed: {e}",
+                            task.spec.function
+                        ));
+                        self.answer_task(task.reply, Outcome::Error(error), effects);
+                    }
+                    continue;
+                }
+            };
+            let node = self.members.node_of(&allocation.node);
+            let lineage = self.task_queue[index].lineage.clone();
+            let idle = self.idle_task_workers.iter().rposition(|w| {
+                self.workers.get(w).is_some_and(|entry| {
+                    entry.node == node && entry.lineage.job == lineage.job && entry.conn.is_some()
+                })
+            });
+            let Some(position) = idle else {
+                self.release(allocation.id);
+                wanted.push((node, lineage));
+                index += 1;
+                continue;
+            };
+            let worker = self.idle_task_workers.remove(position);
+            let Some(conn) = self.workers.get(&worker).and_then(|w| w.conn) else {
+                self.release(allocation.id);
+                continue;
+            };
+            let Some(task) = self.task_queue.remove(index) else {
+                self.release(allocation.id);
+                break;
+            };
+            let call_id = self.next_call;
+            self.next_call += 1;
+            if let Some(entry) = self.workers.get_mut(&worker) {
+                entry.role = WorkerRole::Tasks { running: Some(call_id) };
+            }
+            let frame = Frame::Call(CallFrame {
+                call_id,
+                target: CallTarget::Task { function: task.spec.function.clone() },
+                args: task.spec.args.clone(),
+            });
+            self.running_tasks
+                .insert(call_id, RunningTask { task, worker, allocation: allocation.id });
+            effects.push(Effect::Call { conn, call_id, frame });
+        }
+        self.start_task_workers(task_workers, wanted, effects);
+    }
+
+    /// Starts a task worker for each placed task that found none idle, on its node and for its
+    /// job, counting those already starting there, up to `max_task_workers`.
+    fn start_task_workers(
+        &mut self,
+        mut task_workers: usize,
+        wanted: Vec<(u64, Lineage)>,
+        effects: &mut Vec<Effect>,
+    ) {
+        let mut asked: Vec<(u64, Option<String>, usize)> = Vec::new();
+        for (node, lineage) in wanted {
+            let key = (node, lineage.job.clone());
+            let asked_now = match asked.iter_mut().find(|(n, j, _)| (*n, j.clone()) == key) {
+                Some(entry) => {
+                    entry.2 += 1;
+                    entry.2
+                }
+                None => {
+                    asked.push((node, lineage.job.clone(), 1));
+                    1
+                }
+            };
+            let starting = self
+                .workers
+                .values()
+                .filter(|w| {
+                    matches!(w.role, WorkerRole::Tasks { .. })
+                        && w.conn.is_none()
+                        && w.node == node
+                        && w.lineage.job == lineage.job
+                })
+                .count();
+            if asked_now <= starting || task_workers >= self.config.max_task_workers {
+                continue;
+            }
+            task_workers += 1;
+            self.starting_task_workers += 1;
+            let role = WorkerRole::Tasks { running: None };
+            self.new_worker(role, node, lineage, &Default::default(), effects);
+        }
+    }
+
+    pub(super) fn cancel_task(&mut self, task: ObjectId, force: bool, effects: &mut Vec<Effect>) {
+        if let Some(index) = self.task_queue.iter().position(|t| t.spec.task == task) {
+            if let Some(queued) = self.task_queue.remove(index) {
+                self.answer_task(queued.reply, Outcome::Error(Error::Cancelled), effects);
+            }
+            return;
+        }
+        let Some((call_id, worker)) = self
+            .running_tasks
+            .iter()
+            .find(|(_, r)| r.task.spec.task == task)
+            .map(|(call_id, r)| (*call_id, r.worker))
+        else {
+            return;
+        };
+        if force {
+            if let Some(run) = self.running_tasks.remove(&call_id) {
+                self.release(run.allocation);
+                self.answer_task(run.task.reply, Outcome::Error(Error::Cancelled), effects);
+            }
+            self.stop_task_worker(worker, effects);
+            // What it held may start a pending group, actor or task now (found by the
+            // simulator: a group that fitted waited for the next unrelated release).
+            self.reschedule(effects);
+        } else if let Some(conn) = self.workers.get(&worker).and_then(|w| w.conn) {
+            effects.push(Effect::Send(conn, Frame::Cancel { call_id }));
+        }
+    }
+
+    /// Kills a task worker whose running task was taken from it (answered already).
+    pub(super) fn stop_task_worker(&mut self, worker: WorkerId, effects: &mut Vec<Effect>) {
+        if let Some(w) = self.workers.get_mut(&worker) {
+            w.role = WorkerRole::Tasks { running: None };
+            if let Some(pid) = w.pid {
+                effects.push(Effect::Kill { node: w.node, pid });
+            }
+        }
+    }
+
+    /// Answers a submitted task (its value or its error), counting it for metrics.
+    pub(super) fn answer_task(
+        &mut self,
+        reply: ReplyToken,
+        outcome: Outcome,
+        effects: &mut Vec<Effect>,
+    ) {
+        match outcome {
+            Outcome::Error(_) => self.tasks_failed += 1,
+            _ => self.tasks_finished += 1,
+        }
+        effects.push(Effect::Respond(reply, Response::Outcome(outcome)));
+    }
+}
