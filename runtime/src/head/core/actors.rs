@@ -8,7 +8,7 @@ use super::{
 };
 use crate::actor::{ActorInfo, ActorSpec};
 use crate::error::{Error, Result};
-use crate::head::{NOSET_CUDA_VISIBLE_DEVICES_ENV, opt_out};
+use crate::head::config::{NOSET_CUDA_VISIBLE_DEVICES_ENV, opt_out};
 use crate::ids::ActorId;
 use crate::protocol::Response;
 
