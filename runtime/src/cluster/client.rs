@@ -137,7 +137,7 @@ impl Client {
             None => None,
         };
         let digest = super::binaries::digest_file(binary)?;
-        super::upload_binary(member, binary, &digest)?;
+        super::driver::upload_binary(member, binary, &digest)?;
         single_job(self.call(Request::SubmitJob {
             binary: digest,
             args,

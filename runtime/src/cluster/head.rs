@@ -1,0 +1,244 @@
+//! `rtrun head`: the cluster head's process — its credentials, its endpoint and heartbeat
+//! monitor, the control plane made a cluster head, and the network service that answers joins
+//! and job binaries.
+
+use std::collections::HashMap;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use bytes::Bytes;
+use rtrun_net::{CredentialsDir, EndpointOptions, HeartbeatConfig, NetConfig};
+
+use super::binaries::BinaryCache;
+use super::{
+    LateSource, Member, NetReply, NetRequest, NetService, net_config, net_error, net_runtime,
+};
+use crate::error::{Error, Result};
+use crate::head::{ClusterHead, Head, JoinAs};
+use crate::ids::WorkerId;
+use crate::runtime::{Config, Runtime};
+use crate::transport::{NetLink, Route};
+
+/// Options of `rtrun head`.
+#[derive(Debug, Clone)]
+pub struct HeadOptions {
+    /// Where to listen (UDP), e.g. `0.0.0.0:6379`.
+    pub bind: SocketAddr,
+    /// The IP other nodes reach this head at (default: the bind IP, or 127.0.0.1 for 0.0.0.0).
+    pub advertise: Option<IpAddr>,
+    /// The head node's name (its certificate's name).
+    pub node_name: String,
+    /// Credentials directory (created with new cluster credentials on first start).
+    pub credentials_dir: PathBuf,
+    /// Job binaries and logs go under here.
+    pub data_dir: PathBuf,
+    /// The head node's resources and store.
+    pub config: Config,
+    /// Silence after which a node is dead.
+    pub heartbeat_timeout: Duration,
+}
+
+/// A running head.
+pub struct HeadHandle {
+    /// `host:port` to pass to `rtrun join --address`.
+    pub address: SocketAddr,
+    /// The join token.
+    pub token: String,
+    /// Whether the credentials were created now.
+    pub created_credentials: bool,
+    /// The credentials directory.
+    pub credentials_dir: PathBuf,
+}
+
+/// Starts a cluster head in this process: control plane, the head's node (store, workers) and
+/// the network service. Returns once it is listening.
+pub fn start_head(options: HeadOptions) -> Result<HeadHandle> {
+    let dir = CredentialsDir::new(&options.credentials_dir);
+    let (credentials, created) =
+        dir.load_or_create_head(&options.node_name).map_err(net_error("cluster credentials"))?;
+    let net = net_runtime()?;
+    let config = NetConfig {
+        heartbeat: HeartbeatConfig {
+            interval: (options.heartbeat_timeout / 5).max(Duration::from_millis(100)),
+            timeout: options.heartbeat_timeout,
+        },
+        ..net_config()
+    };
+    let (monitor, mut dead) = {
+        let _guard = net.enter();
+        rtrun_net::HeartbeatMonitor::start(config.heartbeat)
+    };
+    let store_source: Arc<OnceLock<Arc<dyn rtrun_net::ObjectSource>>> = Arc::new(OnceLock::new());
+    let endpoint = {
+        let _guard = net.enter();
+        rtrun_net::Endpoint::bind(
+            options.bind,
+            credentials.node.clone(),
+            EndpointOptions {
+                config,
+                authority: Some(credentials.authority.clone()),
+                object_source: Some(Arc::new(LateSource(store_source.clone()))),
+                monitor: Some(monitor.clone()),
+            },
+        )
+        .map_err(net_error("binding the head's endpoint"))?
+    };
+    let bound = endpoint.local_addr().map_err(net_error("binding the head's endpoint"))?;
+    let ip = options.advertise.unwrap_or(if bound.ip().is_unspecified() {
+        IpAddr::V4(Ipv4Addr::LOCALHOST)
+    } else {
+        bound.ip()
+    });
+    let advertised = SocketAddr::new(ip, bound.port());
+    let session = format!("{:016x}", crate::runtime::random_u64());
+    let worker = crate::ids::DRIVER_WORKER_ID;
+    let address = Route::quic(advertised, 0, &crate::runtime::socket_name(&session, worker));
+    let link = Arc::new(NetLink {
+        node: 0.into(),
+        endpoint,
+        handle: net.handle().clone(),
+        requests: OnceLock::new(),
+    });
+    let member = Member::new(
+        link.clone(),
+        None,
+        None,
+        ip,
+        Some(address.clone()),
+        options.credentials_dir.clone(),
+        net.clone(),
+    );
+    member.install();
+    let runtime = Runtime::start_cluster_head(&options.config, session.clone(), address.clone())?;
+    runtime.endpoint()?.attach_net(link.clone());
+    let _ = store_source.set(runtime.store_client()?.object_source()?);
+    let binaries = Arc::new(BinaryCache::open(options.data_dir.join("binaries"))?);
+    let log_dir = options.data_dir.join("logs");
+    std::fs::create_dir_all(&log_dir)
+        .map_err(|e| Error::System(format!("cannot create {}: {e}", log_dir.display())))?;
+    let jobs_dir = options.data_dir.join("jobs");
+    let head = runtime.head.get().cloned().ok_or(Error::NotInitialised)?;
+    head.enable_cluster(
+        Arc::new(ClusterHead {
+            address: address.clone(),
+            binaries: binaries.clone(),
+            log_dir,
+            jobs_dir,
+        }),
+        options.node_name.clone(),
+    );
+    // The network service: joins and job binaries.
+    let drivers: Arc<parking_lot::Mutex<HashMap<String, WorkerId>>> = Arc::default();
+    let service = Arc::new(HeadService {
+        head: Arc::downgrade(&head),
+        session,
+        binaries,
+        monitor: monitor.clone(),
+        drivers: drivers.clone(),
+    });
+    let _ = link.requests.set(service);
+    let dead_head = Arc::downgrade(&head);
+    let timeout = options.heartbeat_timeout;
+    net.spawn(async move {
+        while let Some(name) = dead.recv().await {
+            let Some(head) = dead_head.upgrade() else { continue };
+            // A silent driver (killed, paused, cut off) takes its actors and groups with it
+            // now, not when its connection times out.
+            let driver = drivers.lock().remove(&name);
+            match driver {
+                Some(driver) => {
+                    tracing::warn!(%name, "driver declared dead: no heartbeat for {timeout:?}");
+                    head.on_driver_gone(driver);
+                }
+                None => head.on_node_dead(&name, &format!("no heartbeat for {timeout:?}")),
+            }
+        }
+    });
+    Ok(HeadHandle {
+        address: advertised,
+        token: credentials.node.token.to_string(),
+        created_credentials: created,
+        credentials_dir: options.credentials_dir,
+    })
+}
+
+/// Answers the head's `rtrun-net` requests.
+struct HeadService {
+    head: std::sync::Weak<Head>,
+    session: String,
+    binaries: Arc<BinaryCache>,
+    monitor: rtrun_net::HeartbeatMonitor,
+    /// Drivers watched by the heartbeat monitor, by peer name.
+    drivers: Arc<parking_lot::Mutex<HashMap<String, WorkerId>>>,
+}
+
+impl NetService for HeadService {
+    fn serve(
+        self: Arc<Self>,
+        peer: String,
+        frame: rtrun_net::Frame,
+    ) -> Result<(NetReply, Vec<Bytes>)> {
+        let request: NetRequest = crate::codec::decode(&frame.head)?;
+        let head = self.head.upgrade().ok_or(Error::NotInitialised)?;
+        match request {
+            NetRequest::JoinNode { resources, endpoint } => {
+                let joined = head.join(
+                    &self.session,
+                    JoinAs::Node { name: peer.clone(), resources, endpoint },
+                )?;
+                self.monitor.watch(&peer);
+                Ok((
+                    NetReply::Joined {
+                        session: joined.session,
+                        worker: joined.worker,
+                        node: joined.node,
+                        head: joined.head,
+                    },
+                    Vec::new(),
+                ))
+            }
+            NetRequest::JoinDriver { binary, job, .. } => {
+                if let Some(digest) = &binary
+                    && !self.binaries.contains(digest)
+                {
+                    return Err(Error::Invalid(format!(
+                        "driver binary {digest} must be uploaded before joining"
+                    )));
+                }
+                let watch = binary.is_some();
+                let joined = head.join(&self.session, JoinAs::Driver { binary, job })?;
+                // A driver (not a command-line client) sends heartbeats; it is watched like
+                // a node.
+                if watch {
+                    self.drivers.lock().insert(peer.clone(), joined.worker);
+                    self.monitor.watch(&peer);
+                }
+                Ok((
+                    NetReply::Joined {
+                        session: joined.session,
+                        worker: joined.worker,
+                        node: joined.node,
+                        head: joined.head,
+                    },
+                    Vec::new(),
+                ))
+            }
+            NetRequest::HasBinary { digest } => {
+                Ok((NetReply::Present(self.binaries.contains(&digest)), Vec::new()))
+            }
+            NetRequest::UploadBinary { digest } => {
+                let bytes = frame.parts.first().ok_or_else(|| {
+                    Error::Invalid("an upload carries the binary as its only part".into())
+                })?;
+                self.binaries.insert(&digest, bytes)?;
+                Ok((NetReply::Done, Vec::new()))
+            }
+            NetRequest::FetchBinary { digest } => {
+                let bytes = self.binaries.read(&digest)?;
+                Ok((NetReply::Done, vec![Bytes::from(bytes)]))
+            }
+        }
+    }
+}

@@ -1,0 +1,127 @@
+//! The head's `rtrun-net` service protocol: joins and job binaries as [`NetRequest`]s with
+//! [`NetReply`]s (heads encoded with the runtime codec), sent on a process's control
+//! connection, and served per link by a [`NetService`].
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+
+use super::{Member, net_error};
+use crate::error::{Error, Result};
+use crate::ids::WorkerId;
+use crate::protocol::Address;
+
+/// What the head's network service answers (`rtrun-net` requests; heads encoded with the
+/// runtime codec).
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) enum NetRequest {
+    /// Register a node daemon.
+    JoinNode {
+        /// Its resources (ids are reassigned by the head).
+        resources: rtrun_placement::NodeResources,
+        /// Its QUIC endpoint.
+        endpoint: SocketAddr,
+    },
+    /// Register a driver (or a command-line client when `binary` is `None`).
+    JoinDriver {
+        /// The digest of the driver's executable.
+        binary: Option<String>,
+        /// Its QUIC endpoint.
+        endpoint: SocketAddr,
+        /// The submitted job it is the driver of ([`super::JOB_ENV`]), if any.
+        job: Option<u64>,
+    },
+    /// Whether the head has a job binary.
+    HasBinary {
+        /// Its digest.
+        digest: String,
+    },
+    /// A job binary (one part).
+    UploadBinary {
+        /// Its digest.
+        digest: String,
+    },
+    /// Send a job binary (answered with one part).
+    FetchBinary {
+        /// Its digest.
+        digest: String,
+    },
+}
+
+/// Answers to [`NetRequest`]s.
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) enum NetReply {
+    /// Registered.
+    Joined {
+        /// The cluster's session.
+        session: String,
+        /// The joining process's id.
+        worker: WorkerId,
+        /// Its node id.
+        node: u64,
+        /// The control plane's address.
+        head: Address,
+    },
+    /// Yes or no.
+    Present(bool),
+    /// Done (a binary follows as a part when asked for).
+    Done,
+}
+
+pub(super) fn encode_request(request: &NetRequest) -> Result<Bytes> {
+    crate::codec::encode(request).map(Bytes::from)
+}
+
+/// Sends a request on the control connection.
+pub(crate) fn control_request(
+    member: &Member,
+    request: NetRequest,
+    parts: Vec<Bytes>,
+) -> Result<(NetReply, Vec<Bytes>)> {
+    let control = member
+        .control
+        .clone()
+        .ok_or_else(|| Error::Invalid("this process has no connection to the head".into()))?;
+    let head = encode_request(&request)?;
+    let frame = member
+        .link
+        .wait(async move { control.request(head, parts).await })?
+        .map_err(net_error("request to the head"))?;
+    let reply: NetReply = crate::codec::decode(&frame.head)?;
+    Ok((reply, frame.parts))
+}
+
+/// What a [`NetLink`] does with requests peers send it.
+pub(crate) trait NetService: Send + Sync + 'static {
+    /// Answers one request (runs on the net runtime; blocking work goes to a thread).
+    fn serve(
+        self: Arc<Self>,
+        peer: String,
+        frame: rtrun_net::Frame,
+    ) -> Result<(NetReply, Vec<Bytes>)>;
+}
+
+/// Serves a link's requests with `service` (spawned per link by the endpoint).
+pub(crate) async fn serve_requests(link: rtrun_net::Connection, service: Arc<dyn NetService>) {
+    while let Some(request) = link.next_request().await {
+        let service = service.clone();
+        let peer = request.peer().to_owned();
+        let (frame, responder) = request.into_parts();
+        tokio::spawn(async move {
+            let answer = tokio::task::spawn_blocking(move || service.serve(peer, frame)).await;
+            let result = match answer {
+                Ok(Ok((reply, parts))) => match crate::codec::encode(&reply) {
+                    Ok(head) => responder.respond(head, parts).await,
+                    Err(e) => responder.error(e.to_string()).await,
+                },
+                Ok(Err(e)) => responder.error(e.to_string()).await,
+                Err(e) => responder.error(format!("the request failed: {e}")).await,
+            };
+            if let Err(e) = result {
+                tracing::debug!("could not answer a request: {e}");
+            }
+        });
+    }
+}

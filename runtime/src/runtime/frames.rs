@@ -1,0 +1,337 @@
+//! What arrives on this process's connections: calls, replies, requests and responses, each
+//! frame's stored values counted for this process; and what a closed connection means (a lost
+//! head ends a cluster process).
+
+use std::sync::{Arc, Weak};
+
+use super::{EXIT_HEAD_LOST, ProcessKind, ResponseCallback, Runtime, outcome_to_result};
+use crate::error::{Error, Result};
+use crate::head::Responder;
+use crate::ids::WorkerId;
+use crate::object::Value;
+use crate::protocol::{Frame, Outcome, Request, Response};
+use crate::store::Hold;
+use crate::submit::PendingCall;
+use crate::transport::{Connection, FrameHandler};
+
+pub(super) struct PendingRequest {
+    pub(super) connection: u64,
+    /// Behind a mutex only to make the entry `Sync`; it is taken exactly once.
+    pub(super) callback: parking_lot::Mutex<Option<ResponseCallback>>,
+}
+
+impl PendingRequest {
+    pub(super) fn answer(self, response: Response) {
+        if let Some(callback) = self.callback.into_inner() {
+            callback(response);
+        }
+    }
+}
+
+pub(super) struct Handler(pub(super) Weak<Runtime>);
+
+impl FrameHandler for Handler {
+    fn on_frame(&self, conn: &Arc<Connection>, frame: Frame) {
+        if let Some(runtime) = self.0.upgrade() {
+            runtime.on_frame(conn, frame);
+        }
+    }
+
+    fn on_close(&self, conn: &Arc<Connection>, reason: &str) {
+        if let Some(runtime) = self.0.upgrade() {
+            runtime.on_close(conn, reason);
+        }
+    }
+
+    fn on_sent(&self, conn: &Connection, frame: &Frame) {
+        if let Some(runtime) = self.0.upgrade() {
+            runtime.on_sent(conn, frame);
+        }
+    }
+
+    fn handles_inline(&self, frame: &Frame) -> bool {
+        match frame {
+            // Completing an actor call's slot wakes its waiters; a task reply to the head
+            // would run the scheduler, which may block, so those stay on the thread.
+            Frame::Reply { call_id, .. } => self.0.upgrade().is_some_and(|runtime| {
+                matches!(
+                    runtime.calls.get(call_id).as_deref(),
+                    Some(crate::submit::PendingCall::Actor(_))
+                )
+            }),
+            // A call to the actor this worker hosts only queues it for the actor's executor.
+            Frame::Call(call) => {
+                matches!(call.target, crate::protocol::CallTarget::Actor { .. })
+                    && self.0.upgrade().is_some_and(|runtime| runtime.hosted.get().is_some())
+            }
+            _ => false,
+        }
+    }
+}
+
+impl Runtime {
+    fn on_frame(self: &Arc<Self>, conn: &Arc<Connection>, mut frame: Frame) {
+        // Every stored value that arrives came with a count its sender added for this process,
+        // at the store of the value's home node.
+        frame.visit_stored_mut(&mut |value| {
+            if value.hold.is_some() {
+                return;
+            }
+            if self.is_foreign(value) {
+                let home = value.home.clone().unwrap_or_default();
+                value.hold = Some(Hold::adopt_remote(self, home, value.id));
+            } else if let Some(store) = self.store.get() {
+                value.hold = Some(Hold::adopt(store, value.id));
+            }
+        });
+        match frame {
+            Frame::Hello { address } => conn.set_peer(address),
+            Frame::Call(call) => crate::worker::on_call(self, conn, call),
+            Frame::Reply { call_id, outcome } => self.on_reply(call_id, outcome),
+            Frame::Cancel { call_id } => {
+                if let Some(hosted) = self.hosted.get() {
+                    hosted.cancel(call_id);
+                } else if let Some(tasks) = self.tasks.get() {
+                    tasks.cancel(call_id);
+                }
+            }
+            Frame::Request { req_id, body } => self.on_request(conn, req_id, body),
+            Frame::Response { req_id, body } => {
+                if let Some((_, pending)) = self.requests.remove(&req_id) {
+                    pending.answer(body);
+                }
+            }
+        }
+    }
+
+    fn on_reply(self: &Arc<Self>, call_id: u64, outcome: Outcome) {
+        match self.calls.remove(&call_id) {
+            Some((_, PendingCall::Actor(call))) => {
+                call.latency.observe(call.started.elapsed().as_secs_f64());
+                call.slot.complete(outcome_to_result(outcome))
+            }
+            Some((_, PendingCall::HeadTask)) => {
+                if let Some(head) = self.head.get() {
+                    head.on_task_reply(call_id, outcome);
+                }
+            }
+            None => {}
+        }
+    }
+
+    fn on_request(self: &Arc<Self>, conn: &Arc<Connection>, req_id: u64, body: Request) {
+        let responder = Responder::remote(conn.clone(), req_id);
+        match body {
+            Request::FetchObject { id } => match self.objects.find_slot(id) {
+                None => {
+                    responder.respond(Response::Outcome(Outcome::Error(Error::ObjectFreed(id))))
+                }
+                Some(slot) => slot.on_done(move |result| {
+                    responder.respond(Response::Outcome(match result {
+                        Ok(Value::Inline(bytes)) => Outcome::Value(bytes.as_ref().clone()),
+                        Ok(Value::Nested { bytes, refs }) => Outcome::Nested {
+                            bytes: bytes.as_ref().clone(),
+                            refs: refs.as_ref().clone(),
+                        },
+                        Ok(Value::Stored(stored)) => Outcome::Stored(stored.clone()),
+                        Err(e) => Outcome::Error(e.clone()),
+                    }))
+                }),
+            },
+            Request::Store { holder, op: crate::protocol::StoreOp::Pull { id, from } } => {
+                // A transfer from another node: not on this connection's reader thread.
+                let runtime = self.clone();
+                std::thread::spawn(move || {
+                    responder.respond(
+                        match crate::cluster::pull_into_node(&runtime, id, &from, holder) {
+                            Ok(()) => Response::Done,
+                            Err(e) => Response::Error(e),
+                        },
+                    )
+                });
+            }
+            Request::Store { holder, op } => match self.store.get() {
+                Some(store) => responder.respond(store.handle_remote(self, holder, op)),
+                None => responder.respond(Response::Error(Error::ObjectStore(
+                    "this process has no object store".into(),
+                ))),
+            },
+            Request::FreeObjects { ids } => {
+                for id in ids {
+                    self.objects.free_owned(id);
+                }
+                responder.respond(Response::Done);
+            }
+            body @ (Request::SpawnWorker { .. }
+            | Request::KillProcess { .. }
+            | Request::ProcessExited { .. }
+            | Request::StopNode { .. }) => match self.node_agent.get() {
+                Some(agent) => agent.handle(body, Box::new(move |r| responder.respond(r))),
+                None => responder.respond(Response::Error(Error::Invalid(format!(
+                    "{} is not a node daemon; cannot answer {body:?}",
+                    self.worker_id
+                )))),
+            },
+            // A node's logs: its daemon's; the head serves its own node's.
+            body @ (Request::ReadLog { .. } | Request::ListLogs)
+                if let Some(agent) = self.node_agent.get() =>
+            {
+                agent.handle(body, Box::new(move |r| responder.respond(r)))
+            }
+            body => match self.head.get() {
+                Some(head) => head.handle(Some(conn), body, responder),
+                None => responder.respond(Response::Error(Error::Invalid(format!(
+                    "{} is not the control plane; cannot answer {body:?}",
+                    self.worker_id
+                )))),
+            },
+        }
+    }
+
+    /// A frame went out on `conn`: add a count for the receiver of every stored value in it
+    /// (the sender's own count is alive until the frame is dropped, after this).
+    fn on_sent(&self, conn: &Connection, frame: &Frame) {
+        frame.visit_stored(&mut |value| {
+            let Some(peer) = conn.peer().as_deref().and_then(crate::store::holder_of_address) else {
+                tracing::warn!(object = %value.id, "a stored value was sent to a peer of unknown identity");
+                return;
+            };
+            match (&value.home, self.store.get()) {
+                (Some(home), _) if self.is_foreign(value) => {
+                    self.notify_store_at(home, crate::protocol::StoreOp::Lend { id: value.id, to: peer })
+                }
+                (_, Some(store)) => store.lend(value.id, peer),
+                (_, None) => {}
+            }
+        });
+    }
+
+    /// Whether a stored value lives in another node's store.
+    pub(crate) fn is_foreign(&self, value: &crate::object::StoredValue) -> bool {
+        match value.home.as_deref().map(crate::transport::Route::parse) {
+            Some(Ok(crate::transport::Route::Quic { node, .. })) => node != self.node_id.0,
+            _ => false,
+        }
+    }
+
+    /// Sends a store operation to the node daemon at `home` (answers are only logged).
+    pub(crate) fn notify_store_at(&self, home: &str, op: crate::protocol::StoreOp) {
+        let holder = crate::store::holder_of(self.worker_id);
+        match self.endpoint().and_then(|e| e.connect(&home.to_owned())) {
+            Ok(conn) => self.request_on(
+                &conn,
+                Request::Store { holder, op },
+                Box::new(|response| {
+                    if let Response::Error(error) = response {
+                        tracing::debug!(%error, "store operation at another node failed");
+                    }
+                }),
+            ),
+            Err(e) => tracing::debug!("store at {home} unreachable: {e}"),
+        }
+    }
+
+    /// The bytes of a value in another node's store: copied into this node's store (then
+    /// mapped) when this process has one, else pulled into memory.
+    pub(crate) fn fetch_foreign(
+        self: &Arc<Self>,
+        stored: &crate::object::StoredValue,
+    ) -> Result<crate::object::ObjectBytes> {
+        let home = stored.home.clone().unwrap_or_default();
+        let lost = |reason: String| Error::ObjectLost { id: stored.id, reason };
+        // A copy on a dead node is gone: say so at once (with the head's reason) rather than
+        // after a connection attempt times out.
+        if let Ok(crate::transport::Route::Quic { node, .. }) =
+            crate::transport::Route::parse(&home)
+            && let Err(e) = self.head_call(Request::NodeAlive { node })
+        {
+            return Err(lost(format!("its node is gone: {e}")));
+        }
+        if let Some(store) = self.store.get() {
+            let op = crate::protocol::StoreOp::Pull { id: stored.id, from: home.clone() };
+            self.node_call(Request::Store { holder: crate::store::holder_of(self.worker_id), op })
+                .map_err(|e| lost(format!("copying it from {home}: {e}")))?;
+            // The pull gave this process a count on the copy; it goes with the view.
+            let count = crate::store::Hold::adopt(store, stored.id);
+            return Ok(crate::object::ObjectBytes::mapped_copy(store.view(stored.id)?, count));
+        }
+        let bytes =
+            crate::cluster::pull_to_memory(&home, stored.id).map_err(|e| lost(e.to_string()))?;
+        Ok(crate::object::ObjectBytes::inline(bytes))
+    }
+
+    fn on_close(self: &Arc<Self>, conn: &Arc<Connection>, reason: &str) {
+        // First, so that no caller that would see its request fail can exit with another code.
+        // The head learns of worker deaths from the reaper (waitpid), not from closed sockets.
+        if self.head_connection.get().is_some_and(|h| h.id() == conn.id()) {
+            self.on_head_lost(conn, reason);
+        }
+        let failed: Vec<u64> =
+            self.requests.iter().filter(|r| r.connection == conn.id()).map(|r| *r.key()).collect();
+        for req_id in failed {
+            if let Some((_, pending)) = self.requests.remove(&req_id) {
+                pending.answer(Response::Error(Error::Transport(format!(
+                    "connection to {} closed: {reason}",
+                    conn.peer().unwrap_or_default()
+                ))));
+            }
+        }
+        self.submitters.on_connection_closed(self, conn);
+        // A driver of a cluster went away: its job's actors go with it.
+        if let Some(head) = self.head.get()
+            && let Some(holder) = conn.peer().as_deref().and_then(crate::store::holder_of_address)
+        {
+            head.on_driver_gone(WorkerId(holder.0));
+        }
+    }
+
+    /// Tells this process that the head is about to exit at its request (`rtrun stop`), so
+    /// that the connection closing is not reported as a failure.
+    pub(crate) fn expect_head_exit(&self) {
+        self.head_exit_expected.store(true, std::sync::atomic::Ordering::Release);
+    }
+
+    /// The connection to the control plane closed. A process of a cluster cannot go on
+    /// without it: it says so and exits with [`EXIT_HEAD_LOST`] (schedulers, CI and
+    /// Kubernetes read exit codes), a node daemon after stopping its workers. A worker of an
+    /// embedded session exits quietly: its driver leaving is how a session ends.
+    pub(super) fn on_head_lost(&self, conn: &Connection, reason: &str) {
+        let expected = self.head_exit_expected.load(std::sync::atomic::Ordering::Acquire);
+        if expected || crate::cluster::exiting() {
+            if self.kind == ProcessKind::Worker {
+                std::process::exit(0);
+            }
+            return;
+        }
+        let peer = conn.peer().unwrap_or_default();
+        let head = match crate::transport::Route::parse(&peer) {
+            Ok(crate::transport::Route::Quic { addr, .. }) => addr.to_string(),
+            _ => peer,
+        };
+        let message = match self.kind {
+            ProcessKind::Worker if crate::cluster::member().is_none() => std::process::exit(0),
+            ProcessKind::EmbeddedDriver | ProcessKind::ClusterHead => return,
+            ProcessKind::Worker => {
+                format!(
+                    "worker {}: lost the connection to the cluster head at {head}: {reason}; exiting",
+                    self.worker_id
+                )
+            }
+            ProcessKind::NodeDaemon => {
+                if let Some(agent) = self.node_agent.get() {
+                    agent.stop();
+                }
+                format!(
+                    "rtrun join: lost the connection to the cluster head at {head}: {reason}; \
+                     stopped this node's workers and exiting (restart `rtrun join` to rejoin)"
+                )
+            }
+            ProcessKind::ClusterDriver => {
+                format!("rtrun: lost the connection to the cluster head at {head}: {reason}")
+            }
+        };
+        // Printed, not only logged: the process ends here, and it may have no log subscriber.
+        eprintln!("{message}");
+        std::process::exit(EXIT_HEAD_LOST);
+    }
+}

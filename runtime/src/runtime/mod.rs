@@ -1,0 +1,400 @@
+//! The per-process runtime: one [`Runtime`] per driver or worker process, reached through
+//! [`current`]. It owns the process's endpoint, object table, pending calls and requests, and —
+//! in the driver of an embedded session — the control plane (`head::Head`). How each kind of
+//! process starts is in `start.rs`, the requests it sends in `requests.rs`, what arrives on its
+//! connections in `frames.rs`.
+
+mod frames;
+mod requests;
+mod start;
+
+use frames::PendingRequest;
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use dashmap::DashMap;
+
+use crate::context::RuntimeContext;
+use crate::error::{Error, Result};
+use crate::head::Head;
+use crate::ids::{Counter, NodeId, ObjectId, WorkerId};
+use crate::object::{ObjectRef, ObjectTable, Slot, Value};
+use crate::protocol::{Address, Outcome, Response};
+use crate::store::StoreClient;
+use crate::submit::{PendingCall, Submitters};
+use crate::transport::{Connection, Endpoint, TransportConfig};
+use crate::worker::{HostedActor, TaskExecutor, WorkerSpec};
+
+/// Settings for [`init_with`] (Ray's `ray.init(...)` arguments).
+#[derive(Debug, Clone, Default)]
+pub struct Config {
+    /// CPUs this node offers (default: the machine's cores).
+    pub num_cpus: Option<f64>,
+    /// GPUs this node offers, a whole number (default: the GPUs detected on the machine, see
+    /// [`crate::gpus`]). Fewer than detected uses the first ones; more adds fake GPUs with
+    /// synthetic UUIDs, so placement works the same on a machine without GPUs.
+    pub num_gpus: Option<f64>,
+    /// Custom resources this node offers.
+    pub resources: BTreeMap<String, f64>,
+    /// Namespace for named actors (default `default`).
+    pub namespace: Option<String>,
+    /// Transport tunables.
+    pub transport: TransportConfig,
+    /// Bytes of the node's shared-memory object store (`--object-store-memory`), reserved at
+    /// start. Default: 30 % of the smaller of RAM and the cgroup memory limit, between 64 MiB
+    /// and 200 GiB (Ray's rule), allocated as objects use it. The store is a memfd, so
+    /// /dev/shm's mount size does not limit it.
+    pub object_store_memory: Option<u64>,
+    /// Where objects go when the store is full: the node makes its own directory
+    /// `rtrun-spill-<pid>-<n>` in this one when the first object spills (a run that never
+    /// spills leaves nothing on disk). Default: the `RTRUN_OBJECT_SPILL_DIR` environment
+    /// variable, else the system temp dir. A node process exits without closing its store, so
+    /// a spill directory it used outlives it until the next store opened in the same place
+    /// removes the directories of dead processes. Spill files are checksummed: one changed on
+    /// disk makes the read fail with an error naming the object, never return wrong bytes.
+    pub object_spill_dir: Option<std::path::PathBuf>,
+    /// Values whose encoding is longer than this many bytes go to the object store instead of
+    /// travelling inline in frames (default `DEFAULT_MAX_INLINE_OBJECT_BYTES`, 100 KiB as in
+    /// Ray).
+    pub max_inline_object_bytes: Option<usize>,
+    /// A cluster head's `host:port` to join instead of starting an embedded session (Ray's
+    /// `ray.init(address=...)`); default: the `RTRUN_ADDRESS` environment variable.
+    pub address: Option<String>,
+    /// The join token, when this process has no credentials yet (default: `RTRUN_TOKEN`, then
+    /// the credentials directory's token file).
+    pub token: Option<String>,
+    /// The credentials directory (default: `RTRUN_CREDENTIALS_DIR`, else
+    /// `~/.rtrun/credentials`).
+    pub credentials_dir: Option<std::path::PathBuf>,
+    /// How long joining a cluster waits for the head to answer, handshakes and retries
+    /// included (default: `RTRUN_CONNECT_TIMEOUT` in seconds, else
+    /// [`crate::cluster::DEFAULT_CONNECT_TIMEOUT`]).
+    pub connect_timeout: Option<Duration>,
+}
+
+pub(super) static CURRENT: OnceLock<Arc<Runtime>> = OnceLock::new();
+
+/// The runtime of this process.
+pub fn current() -> Result<&'static Arc<Runtime>> {
+    CURRENT.get().ok_or(Error::NotInitialised)
+}
+
+/// Starts the runtime with default settings: in a driver, an embedded control plane and node
+/// with this machine's resources (like `ray.init()`); in a worker process, serves the worker's
+/// assignment and never returns.
+pub fn init() -> Result<()> {
+    init_with(Config::default())
+}
+
+/// Like [`init`], with settings. Calling it again in the same process is a no-op.
+pub fn init_with(config: Config) -> Result<()> {
+    // Already a driver, or a worker (whose actor may call this): nothing to start.
+    if CURRENT.get().is_some() {
+        return Ok(());
+    }
+    run_worker_if_requested();
+    let address = config.address.clone().or_else(|| {
+        std::env::var(crate::cluster::ADDRESS_ENV).ok().filter(|a| !a.trim().is_empty())
+    });
+    let runtime = match address {
+        Some(address) => crate::cluster::start_driver(&config, &address, true)?,
+        None => Runtime::start_driver(config)?,
+    };
+    let _ = CURRENT.set(runtime);
+    Ok(())
+}
+
+/// Turns this process into a worker when it was started as one (the environment says so), and
+/// never returns in that case. Test binaries call this before their harness starts (for
+/// example from a `#[ctor]`), since their `main` is not theirs.
+pub fn run_worker_if_requested() {
+    // A worker's own code calling this (through `init`) is already served.
+    if CURRENT.get().is_some() {
+        return;
+    }
+    if let Some(spec) = WorkerSpec::from_env() {
+        crate::worker::run(spec);
+    }
+}
+
+/// Stops every worker process of an embedded session. Later calls fail.
+pub fn shutdown() {
+    if let Some(head) = current().ok().and_then(|runtime| runtime.head.get()) {
+        head.shutdown();
+    }
+}
+
+/// An `ObjectRef` that already failed with `error` (for calls that could not be submitted).
+pub(crate) fn failed_ref<T>(error: Error) -> ObjectRef<T> {
+    match current() {
+        Ok(runtime) => {
+            let id = runtime.new_object_id();
+            ObjectRef::from_local(runtime.objects.create_owned(
+                runtime,
+                id,
+                Arc::new(Slot::done(Err(error))),
+            ))
+        }
+        Err(_) => ObjectRef::from_local(crate::object::detached_object(Err(error))),
+    }
+}
+
+pub(super) type ResponseCallback = Box<dyn FnOnce(Response) + Send>;
+
+/// The exit code of a process that lost its cluster head, or that the head declared dead
+/// (`EX_TEMPFAIL` of sysexits.h: restarting it later may succeed; a restarted `rtrun join`
+/// joins as a new node).
+pub const EXIT_HEAD_LOST: i32 = 75;
+
+/// What this process is in its session; decides what losing the head means for it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ProcessKind {
+    /// The driver of an embedded session: its own control plane.
+    EmbeddedDriver,
+    /// `rtrun head`.
+    ClusterHead,
+    /// `rtrun join`.
+    NodeDaemon,
+    /// A driver or command-line client of a cluster.
+    ClusterDriver,
+    /// A worker process, of an embedded session or of a cluster.
+    Worker,
+}
+
+/// One process's runtime.
+pub struct Runtime {
+    kind: ProcessKind,
+    /// Set when this process asked the head to exit (`rtrun stop`): its going is no error.
+    head_exit_expected: std::sync::atomic::AtomicBool,
+    pub(crate) session: String,
+    pub(crate) worker_id: WorkerId,
+    pub(crate) node_id: NodeId,
+    address: Address,
+    object_prefix: u64,
+    counter: Counter,
+    endpoint: OnceLock<Arc<Endpoint>>,
+    pub(crate) objects: ObjectTable,
+    pub(crate) calls: DashMap<u64, PendingCall>,
+    pub(crate) submitters: Submitters,
+    requests: DashMap<u64, PendingRequest>,
+    pub(crate) head: OnceLock<Arc<Head>>,
+    head_connection: OnceLock<Arc<Connection>>,
+    /// A cluster worker's connection to its node daemon (store operations go there).
+    node_connection: OnceLock<Arc<Connection>>,
+    /// A node daemon's worker supervision.
+    node_agent: OnceLock<Arc<crate::cluster::node::NodeAgent>>,
+    pub(crate) hosted: OnceLock<Arc<dyn HostedActor>>,
+    pub(crate) tasks: OnceLock<Arc<TaskExecutor>>,
+    pub(crate) actor_context: parking_lot::Mutex<Option<crate::protocol::ActorStart>>,
+    /// This process's access to the node's object store.
+    store: OnceLock<Arc<StoreClient>>,
+    namespace: String,
+    tokio: tokio::runtime::Runtime,
+}
+
+impl std::fmt::Debug for Runtime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Runtime({} {})", self.session, self.worker_id)
+    }
+}
+
+/// A random 64-bit value from the OS, for session names and object id prefixes.
+pub(crate) fn random_u64() -> u64 {
+    let mut bytes = [0u8; 8];
+    if let Ok(mut f) = std::fs::File::open("/dev/urandom") {
+        use std::io::Read;
+        if f.read_exact(&mut bytes).is_ok() {
+            return u64::from_le_bytes(bytes);
+        }
+    }
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0);
+    t ^ (u64::from(std::process::id()) << 32)
+}
+
+/// The abstract socket name of `worker` in `session`.
+pub(crate) fn socket_name(session: &str, worker: WorkerId) -> String {
+    format!("rtrun-{session}-{}", worker.0)
+}
+
+/// The endpoint address of `worker` in an embedded `session`.
+pub(crate) fn worker_address(session: &str, worker: WorkerId) -> Address {
+    format!("unix:@{}", socket_name(session, worker))
+}
+
+impl Runtime {
+    /// The node this process runs on.
+    pub fn node(&self) -> NodeId {
+        self.node_id
+    }
+
+    /// This process's endpoint address.
+    pub fn address(&self) -> &Address {
+        &self.address
+    }
+
+    pub(crate) fn endpoint(&self) -> Result<&Arc<Endpoint>> {
+        self.endpoint.get().ok_or(Error::NotInitialised)
+    }
+
+    pub(crate) fn tokio(&self) -> &tokio::runtime::Runtime {
+        &self.tokio
+    }
+
+    pub(crate) fn next_id(&self) -> u64 {
+        self.counter.next()
+    }
+
+    pub(crate) fn new_object_id(&self) -> ObjectId {
+        ObjectId::new(self.object_prefix, self.counter.next())
+    }
+
+    /// The id of the object holding the result of call `call_id`.
+    pub(crate) fn object_id_for(&self, call_id: u64) -> ObjectId {
+        ObjectId::new(self.object_prefix, call_id)
+    }
+
+    /// Whether this process made `id`.
+    pub(crate) fn owns_object_id(&self, id: ObjectId) -> bool {
+        id.process_prefix() == self.object_prefix
+    }
+
+    pub(crate) fn context(&self) -> RuntimeContext {
+        let start = self.actor_context.lock();
+        let allocation = start.as_ref().and_then(|s| s.allocation.as_ref());
+        RuntimeContext {
+            node_id: self.node_id,
+            worker_id: self.worker_id,
+            actor_id: start.as_ref().map(|s| s.actor),
+            incarnation: start.as_ref().map(|s| s.incarnation).unwrap_or(0),
+            actor_name: start.as_ref().and_then(|s| s.name.clone()),
+            group: start.as_ref().and_then(|s| s.group.clone()),
+            session: self.session.clone(),
+            placement_node: allocation.map(|a| a.node.to_string()),
+            gpus: allocation.map(|a| a.gpus.clone()).unwrap_or_default(),
+            resources: allocation.map(|a| a.resources.clone()).unwrap_or_default(),
+            bundle: allocation.and_then(|a| a.bundle),
+            node_ip: crate::cluster::member()
+                .map_or(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST), |member| {
+                    member.bind_ip
+                }),
+        }
+    }
+
+    /// This process's access to the node's object store.
+    pub(crate) fn store_client(&self) -> Result<&Arc<StoreClient>> {
+        self.store.get().ok_or_else(|| {
+            Error::ObjectStore("this process is not attached to its node's object store".into())
+        })
+    }
+
+    /// Encoded bytes as a value: inline when small or when they carry references (`refs`),
+    /// else written into the node's store.
+    pub(crate) fn value_of(
+        self: &Arc<Self>,
+        bytes: Vec<u8>,
+        refs: Vec<crate::object::StoredValue>,
+    ) -> Result<Value> {
+        if !refs.is_empty() {
+            return Ok(Value::Nested { bytes: Arc::new(bytes), refs: Arc::new(refs) });
+        }
+        match self.store.get() {
+            Some(store) if bytes.len() > store.max_inline() => {
+                Ok(Value::Stored(store.put_bytes(self.new_object_id(), &bytes)?))
+            }
+            _ => Ok(Value::inline(bytes)),
+        }
+    }
+
+    /// The placement group this process's actor captures its children into, if any.
+    pub(crate) fn captured_placement(&self) -> Option<crate::placement_group::BundleSchedule> {
+        let group = self.actor_context.lock().as_ref().and_then(|start| start.capture_group)?;
+        Some(crate::placement_group::BundleSchedule {
+            group,
+            bundle_index: None,
+            capture_child_tasks: true,
+        })
+    }
+
+    /// Stores encoded bytes as a new object owned by this process.
+    pub(crate) fn put_encoded<T>(
+        self: &Arc<Self>,
+        bytes: Vec<u8>,
+        refs: Vec<crate::object::StoredValue>,
+    ) -> Result<ObjectRef<T>> {
+        let value = self.value_of(bytes, refs)?;
+        let id = self.new_object_id();
+        let slot = Arc::new(Slot::done(Ok(value)));
+        Ok(ObjectRef::from_local(self.objects.create_owned(self, id, slot)))
+    }
+
+    /// Stores `size` raw bytes that `write` produces in place: in the node's store when over
+    /// the inline limit, else inline.
+    pub(crate) fn put_raw<T>(
+        self: &Arc<Self>,
+        size: u64,
+        write: impl FnOnce(&mut [u8]) -> Result<()>,
+    ) -> Result<ObjectRef<T>> {
+        let id = self.new_object_id();
+        let value = match self.store.get() {
+            Some(store) if size > store.max_inline() as u64 => {
+                Value::Stored(store.put_with(id, size, write)?)
+            }
+            _ => {
+                let len = usize::try_from(size).map_err(|_| {
+                    Error::Invalid(format!("an object of {size} bytes does not fit in memory"))
+                })?;
+                let mut bytes = vec![0u8; len];
+                write(&mut bytes)?;
+                Value::inline(bytes)
+            }
+        };
+        let slot = Arc::new(Slot::done(Ok(value)));
+        Ok(ObjectRef::from_local(self.objects.create_owned(self, id, slot)))
+    }
+
+    /// The node's object-store snapshot (asked of the node from a worker).
+    pub fn memory_stats(&self) -> Result<rtrun_object_store::StoreStats> {
+        self.store_client()?.stats()
+    }
+
+    /// A worker process exited: the node releases its store references and pins.
+    pub(crate) fn on_process_exit(&self, worker: WorkerId) {
+        if let Some(store) = self.store.get() {
+            store.process_exited(crate::store::holder_of(worker));
+        }
+    }
+
+    /// The arena fd and environment that a spawned worker needs to attach to the store.
+    pub(crate) fn store_inheritance(&self) -> Option<(std::os::fd::RawFd, Vec<(String, String)>)> {
+        self.store.get().map(|store| store.inheritance())
+    }
+
+    /// Blocks the calling thread until `deadline` or until `condition` holds, polling.
+    pub(crate) fn poll_until(timeout: Duration, mut condition: impl FnMut() -> bool) -> bool {
+        let deadline = std::time::Instant::now() + timeout;
+        while std::time::Instant::now() < deadline {
+            if condition() {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        condition()
+    }
+}
+
+/// Turns a call outcome into the object's result.
+pub(crate) fn outcome_to_result(outcome: Outcome) -> Result<Value> {
+    match outcome {
+        Outcome::Value(bytes) => Ok(Value::inline(bytes)),
+        Outcome::Nested { bytes, refs } => {
+            Ok(Value::Nested { bytes: Arc::new(bytes), refs: Arc::new(refs) })
+        }
+        Outcome::Stored(stored) => Ok(Value::Stored(stored)),
+        Outcome::Error(e) => Err(e),
+    }
+}
