@@ -1,4 +1,4 @@
-//! The messages processes exchange. Only [`crate::transport`] knows how they are framed and
+//! The messages processes exchange. Only the runtime's `transport` module knows how they are framed and
 //! encoded; everything else builds and matches these types.
 
 use std::collections::BTreeMap;

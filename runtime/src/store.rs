@@ -36,15 +36,15 @@ use crate::protocol::{NodeMemory, Request, Response, StoreOp};
 use crate::runtime::Runtime;
 
 /// Environment variable that tells a worker the inline limit of its node.
-pub const INLINE_LIMIT_ENV: &str = "RTRUN_MAX_INLINE_OBJECT_BYTES";
+pub(crate) const INLINE_LIMIT_ENV: &str = "RTRUN_MAX_INLINE_OBJECT_BYTES";
 /// Default of [`crate::Config::max_inline_object_bytes`]: 100 KiB, Ray's threshold between
 /// in-band values and the plasma store.
-pub const DEFAULT_MAX_INLINE_OBJECT_BYTES: usize = 100 * 1024;
+pub(crate) const DEFAULT_MAX_INLINE_OBJECT_BYTES: usize = 100 * 1024;
 /// Copies of at least this many bytes into the arena are split across threads (one memcpy
 /// thread does not saturate memory bandwidth; Ray does the same for large puts).
-pub const PARALLEL_COPY_MIN_BYTES: usize = 8 << 20;
+pub(crate) const PARALLEL_COPY_MIN_BYTES: usize = 8 << 20;
 /// Most threads a parallel copy uses.
-pub const PARALLEL_COPY_MAX_THREADS: usize = 4;
+pub(crate) const PARALLEL_COPY_MAX_THREADS: usize = 4;
 
 /// The store identity of a worker (the driver is worker 0).
 pub(crate) fn holder_of(worker: WorkerId) -> HolderId {

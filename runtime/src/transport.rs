@@ -44,7 +44,7 @@ impl Default for TransportConfig {
 }
 
 /// Receives what arrives on connections.
-pub trait FrameHandler: Send + Sync + 'static {
+pub(crate) trait FrameHandler: Send + Sync + 'static {
     /// A frame arrived on `conn`. Must not block for long: it runs on the reader thread.
     fn on_frame(&self, conn: &Arc<Connection>, frame: Frame);
     /// The connection closed (peer exit, error, or malformed input).
@@ -94,7 +94,7 @@ impl Writer {
 }
 
 /// One bidirectional connection to a peer process.
-pub struct Connection {
+pub(crate) struct Connection {
     id: u64,
     peer: Mutex<Option<Address>>,
     writer: Mutex<Writer>,
@@ -113,28 +113,28 @@ static NEXT_CONNECTION_ID: AtomicU64 = AtomicU64::new(1);
 
 impl Connection {
     /// A process-unique id for this connection.
-    pub fn id(&self) -> u64 {
+    pub(crate) fn id(&self) -> u64 {
         self.id
     }
 
     /// The peer's listening address, when known.
-    pub fn peer(&self) -> Option<Address> {
+    pub(crate) fn peer(&self) -> Option<Address> {
         self.peer.lock().clone()
     }
 
     /// Records the peer's listening address (learned from a registration).
-    pub fn set_peer(&self, address: Address) {
+    pub(crate) fn set_peer(&self, address: Address) {
         *self.peer.lock() = Some(address);
     }
 
     /// Whether the connection has closed.
-    pub fn is_closed(&self) -> bool {
+    pub(crate) fn is_closed(&self) -> bool {
         self.closed.load(Ordering::Acquire)
     }
 
     /// Sends one frame. Encoding happens outside the write lock; the write is one syscall for
     /// small frames.
-    pub fn send(&self, frame: &Frame) -> Result<()> {
+    pub(crate) fn send(&self, frame: &Frame) -> Result<()> {
         let mut buf = Vec::with_capacity(128);
         buf.extend_from_slice(&[0u8; 4]);
         let body = codec::encode(frame)?;
@@ -164,7 +164,7 @@ impl Connection {
     }
 
     /// Closes both directions; the reader thread then reports the close.
-    pub fn shutdown(&self) {
+    pub(crate) fn shutdown(&self) {
         self.closed.store(true, Ordering::Release);
         self.writer.lock().shutdown();
     }
@@ -187,7 +187,7 @@ pub(crate) struct NetLink {
 impl NetLink {
     /// Runs `future` on the net runtime and waits for it from any thread (also from a thread
     /// of another tokio runtime, where `block_on` would panic).
-    pub fn wait<T: Send + 'static>(
+    pub(crate) fn wait<T: Send + 'static>(
         &self,
         future: impl std::future::Future<Output = T> + Send + 'static,
     ) -> Result<T> {
@@ -226,7 +226,7 @@ pub(crate) async fn connect_with_retries(
 
 /// Where an address is.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Route {
+pub(crate) enum Route {
     /// An abstract Unix socket name on this host.
     Unix(String),
     /// A cluster process: its QUIC endpoint, node and socket name.
@@ -242,7 +242,7 @@ pub enum Route {
 
 impl Route {
     /// Parses an address (see the module docs).
-    pub fn parse(address: &str) -> Result<Route> {
+    pub(crate) fn parse(address: &str) -> Result<Route> {
         if let Some(name) = address.strip_prefix("unix:@") {
             return Ok(Route::Unix(name.to_owned()));
         }
@@ -265,12 +265,12 @@ impl Route {
     }
 
     /// The cluster address of a process.
-    pub fn quic(addr: NetAddr, node: u64, name: &str) -> Address {
+    pub(crate) fn quic(addr: NetAddr, node: u64, name: &str) -> Address {
         format!("quic://{addr}/{node}/{name}")
     }
 
     /// The abstract socket name.
-    pub fn socket_name(&self) -> &str {
+    pub(crate) fn socket_name(&self) -> &str {
         match self {
             Route::Unix(name) | Route::Quic { name, .. } => name,
         }
@@ -278,7 +278,7 @@ impl Route {
 }
 
 /// A process's endpoint: its listener, and a cache of connections by peer address.
-pub struct Endpoint {
+pub(crate) struct Endpoint {
     address: Address,
     handler: Arc<dyn FrameHandler>,
     connections: DashMap<Address, Arc<Connection>>,
@@ -302,7 +302,7 @@ fn socket_addr(address: &str) -> Result<SocketAddr> {
 
 impl Endpoint {
     /// Listens on `address` and starts the accept thread.
-    pub fn bind(
+    pub(crate) fn bind(
         address: Address,
         handler: Arc<dyn FrameHandler>,
         config: TransportConfig,
@@ -334,11 +334,6 @@ impl Endpoint {
             })
             .map_err(|e| Error::System(format!("cannot start accept thread: {e}")))?;
         Ok(endpoint)
-    }
-
-    /// This endpoint's address.
-    pub fn address(&self) -> &Address {
-        &self.address
     }
 
     /// Gives this endpoint its QUIC side (cluster processes) and starts accepting the channels
@@ -381,7 +376,7 @@ impl Endpoint {
     }
 
     /// The connection to `peer`, connecting when there is none (or the cached one closed).
-    pub fn connect(&self, peer: &Address) -> Result<Arc<Connection>> {
+    pub(crate) fn connect(&self, peer: &Address) -> Result<Arc<Connection>> {
         if let Some(conn) = self.connections.get(peer)
             && !conn.is_closed()
         {
@@ -428,7 +423,7 @@ impl Endpoint {
     }
 
     /// Makes `conn` the cached connection for `peer` (a peer that connected to us).
-    pub fn remember(&self, peer: Address, conn: Arc<Connection>) {
+    pub(crate) fn remember(&self, peer: Address, conn: Arc<Connection>) {
         conn.set_peer(peer.clone());
         self.connections.insert(peer, conn);
     }
@@ -600,7 +595,7 @@ async fn read_frame_async(
 }
 
 /// Reads one frame; `Ok(None)` on a clean end of stream between frames.
-pub fn read_frame(reader: &mut impl Read, max_frame_bytes: usize) -> Result<Option<Frame>> {
+pub(crate) fn read_frame(reader: &mut impl Read, max_frame_bytes: usize) -> Result<Option<Frame>> {
     let mut header = [0u8; 4];
     match reader.read_exact(&mut header) {
         Ok(()) => {}

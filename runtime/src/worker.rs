@@ -22,11 +22,11 @@ use crate::runtime::Runtime;
 use crate::transport::Connection;
 
 /// The environment variable that marks a worker process and carries its [`WorkerSpec`].
-pub const WORKER_ENV: &str = "RTRUN_WORKER";
+pub(crate) const WORKER_ENV: &str = "RTRUN_WORKER";
 
 /// Who a worker process is, passed in its environment.
 #[derive(Debug, Clone)]
-pub struct WorkerSpec {
+pub(crate) struct WorkerSpec {
     /// The session it belongs to.
     pub session: String,
     /// Its id.
@@ -39,7 +39,7 @@ pub struct WorkerSpec {
 
 impl WorkerSpec {
     /// The `(name, value)` environment entry for this spec.
-    pub fn to_env(&self) -> (String, String) {
+    pub(crate) fn to_env(&self) -> (String, String) {
         (
             WORKER_ENV.to_owned(),
             format!("{};{};{};{}", self.session, self.worker.0, self.head_address, self.namespace),
@@ -47,7 +47,7 @@ impl WorkerSpec {
     }
 
     /// Reads the spec from the environment; None in a driver.
-    pub fn from_env() -> Option<WorkerSpec> {
+    pub(crate) fn from_env() -> Option<WorkerSpec> {
         let value = std::env::var(WORKER_ENV).ok()?;
         let mut parts = value.splitn(4, ';');
         let session = parts.next()?.to_owned();

@@ -3,7 +3,7 @@
 //!
 //! Every process of a cluster has a QUIC endpoint (`rtrun-net`: mutual TLS with the cluster
 //! CA, then the join token) next to its abstract Unix socket; its address says both
-//! (`quic://ip:port/node/name`, see [`crate::transport`]). Processes of one node talk over
+//! (`quic://ip:port/node/name`, see the runtime's `transport` module). Processes of one node talk over
 //! Unix sockets, processes of different nodes over QUIC channels, with the same frames, so
 //! actor calls and replies go straight from caller to callee across nodes as on one node.
 //!
