@@ -235,11 +235,8 @@ fn handle_of(state: &PlacementGroupState) -> PlacementGroup {
 }
 
 fn state_of(response: Response) -> Result<PlacementGroupState> {
-    match response {
-        Response::PlacementGroup(state) => Ok(*state),
-        Response::Error(e) => Err(e),
-        other => Err(Error::Transport(format!("unexpected response {other:?}"))),
-    }
+    <Box<PlacementGroupState> as crate::protocol::Reply>::from_response(response)
+        .map(|state| *state)
 }
 
 fn table_of(response: Response) -> Result<BundleTable> {

@@ -540,6 +540,54 @@ pub enum Response {
     Error(Error),
 }
 
+/// What a typed call expects a [`Response`] to carry: each payload type names its variant, so
+/// a caller writes `runtime.call::<ClusterInfo>(request)` instead of matching the answer by
+/// hand with a fallback of its own.
+pub(crate) trait Reply: Sized {
+    /// The payload; the error the response carries; or an error naming what came instead.
+    fn from_response(response: Response) -> crate::error::Result<Self>;
+}
+
+/// The error for an answer that is not the expected variant.
+fn unexpected(expected: &str, found: Response) -> Error {
+    match found {
+        Response::Error(e) => e,
+        other => Error::Transport(format!("expected a `{expected}` answer, found {other:?}")),
+    }
+}
+
+macro_rules! replies {
+    ($($payload:ty => $variant:ident),* $(,)?) => {$(
+        impl Reply for $payload {
+            fn from_response(response: Response) -> crate::error::Result<Self> {
+                match response {
+                    Response::$variant(payload) => Ok(payload),
+                    other => Err(unexpected(stringify!($variant), other)),
+                }
+            }
+        }
+    )*};
+}
+
+replies! {
+    crate::actor::ActorInfo => Actor,
+    ClusterInfo => ClusterInfo,
+    Box<NodeMemory> => StoreStats,
+    Box<crate::placement_group::PlacementGroupState> => PlacementGroup,
+    Vec<crate::placement_group::PlacementGroupState> => PlacementGroups,
+    Vec<ActorSummary> => Actors,
+    Vec<JobInfo> => Jobs,
+}
+
+impl Reply for () {
+    fn from_response(response: Response) -> crate::error::Result<Self> {
+        match response {
+            Response::Done => Ok(()),
+            other => Err(unexpected("Done", other)),
+        }
+    }
+}
+
 /// What a worker does after registering.
 #[derive(Debug, Serialize, Deserialize)]
 pub enum Assignment {
@@ -734,6 +782,19 @@ pub struct NodeMemory {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A typed call gets its payload, the error the answer carries, or an error naming the
+    /// variant it expected and what came instead.
+    #[test]
+    fn typed_replies_take_their_variant_and_name_what_came_instead() {
+        let jobs = <Vec<JobInfo>>::from_response(Response::Jobs(Vec::new())).unwrap();
+        assert!(jobs.is_empty());
+        <()>::from_response(Response::Done).unwrap();
+        let error = ClusterInfo::from_response(Response::Error(Error::Cancelled)).unwrap_err();
+        assert!(matches!(error, Error::Cancelled), "{error}");
+        let error = <()>::from_response(Response::Jobs(Vec::new())).unwrap_err();
+        assert!(error.to_string().contains("expected a `Done` answer, found Jobs([])"), "{error}");
+    }
 
     /// Exits arrive typed from real processes, and read as they always did in messages.
     #[test]

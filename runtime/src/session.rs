@@ -88,10 +88,8 @@ pub fn query(session: &str, request: Request) -> Result<Response> {
 pub fn node_memory(session: &str) -> Result<NodeMemory> {
     let request =
         Request::Store { holder: rtrun_object_store::HolderId(u64::MAX), op: StoreOp::Stats };
-    match query(session, request)? {
-        Response::StoreStats(memory) => Ok(*memory),
-        other => Err(Error::Transport(format!("unexpected answer {other:?}"))),
-    }
+    <Box<NodeMemory> as crate::protocol::Reply>::from_response(query(session, request)?)
+        .map(|memory| *memory)
 }
 
 /// Forwards the first response to the waiting query.

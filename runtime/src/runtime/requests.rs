@@ -11,7 +11,7 @@ use crate::error::{Error, Result};
 use crate::head::Responder;
 use crate::ids::{ActorId, ObjectId};
 use crate::object::{ObjectRef, Slot};
-use crate::protocol::{Address, ClusterInfo, Frame, ObjectLocator, Request, Response};
+use crate::protocol::{Address, ClusterInfo, Frame, ObjectLocator, Reply, Request, Response};
 use crate::task::TaskSpec;
 use crate::transport::Connection;
 
@@ -56,6 +56,11 @@ impl Runtime {
             self.on_head_lost(conn, &e.to_string());
         }
         result
+    }
+
+    /// Sends a request to the control plane and blocks for its typed answer (see [`Reply`]).
+    pub(crate) fn call<R: Reply>(self: &Arc<Self>, body: Request) -> Result<R> {
+        self.head_call(body).and_then(R::from_response)
     }
 
     /// Sends a request on `conn` and blocks for the response.
@@ -138,10 +143,7 @@ impl Runtime {
         if spec.options.namespace.is_none() && spec.options.name.is_some() {
             spec.options.namespace = Some(self.namespace.clone());
         }
-        match self.head_call(Request::CreateActor(Box::new(spec)))? {
-            Response::Actor(info) => Ok(info),
-            other => Err(Error::Transport(format!("unexpected response {other:?}"))),
-        }
+        self.call(Request::CreateActor(Box::new(spec)))
     }
 
     pub(crate) fn get_actor_by_name(
@@ -150,36 +152,24 @@ impl Runtime {
         namespace: Option<&str>,
     ) -> Result<ActorInfo> {
         let namespace = namespace.unwrap_or(&self.namespace).to_owned();
-        match self.head_call(Request::GetActorByName { name: name.to_owned(), namespace })? {
-            Response::Actor(info) => Ok(info),
-            other => Err(Error::Transport(format!("unexpected response {other:?}"))),
-        }
+        self.call(Request::GetActorByName { name: name.to_owned(), namespace })
     }
 
     /// Every actor the control plane knows, dead ones included.
     pub(crate) fn list_actors(self: &Arc<Self>) -> Result<Vec<crate::protocol::ActorSummary>> {
-        match self.head_call(Request::ListActors)? {
-            Response::Actors(actors) => Ok(actors),
-            other => Err(Error::Transport(format!("unexpected response {other:?}"))),
-        }
+        self.call(Request::ListActors)
     }
 
     /// Every live placement group.
     pub(crate) fn list_placement_groups(
         self: &Arc<Self>,
     ) -> Result<Vec<crate::placement_group::PlacementGroupState>> {
-        match self.head_call(Request::ListPlacementGroups)? {
-            Response::PlacementGroups(groups) => Ok(groups),
-            other => Err(Error::Transport(format!("unexpected response {other:?}"))),
-        }
+        self.call(Request::ListPlacementGroups)
     }
 
     /// Every submitted job.
     pub(crate) fn list_jobs(self: &Arc<Self>) -> Result<Vec<crate::protocol::JobInfo>> {
-        match self.head_call(Request::ListJobs)? {
-            Response::Jobs(jobs) => Ok(jobs),
-            other => Err(Error::Transport(format!("unexpected response {other:?}"))),
-        }
+        self.call(Request::ListJobs)
     }
 
     /// Whether this process holds the control plane (a cluster head or an embedded driver).
@@ -199,7 +189,7 @@ impl Runtime {
     }
 
     pub(crate) fn kill_actor(self: &Arc<Self>, actor: ActorId, no_restart: bool) -> Result<()> {
-        self.head_call(Request::KillActor { actor, no_restart }).map(|_| ())
+        self.call(Request::KillActor { actor, no_restart })
     }
 
     /// Submits a task; its result arrives as the head's response.
@@ -236,10 +226,7 @@ impl Runtime {
 
     /// A summary of the cluster's resources and workers.
     pub fn cluster_info(self: &Arc<Self>) -> Result<ClusterInfo> {
-        match self.head_call(Request::ClusterInfo)? {
-            Response::ClusterInfo(info) => Ok(info),
-            other => Err(Error::Transport(format!("unexpected response {other:?}"))),
-        }
+        self.call(Request::ClusterInfo)
     }
 }
 
