@@ -167,21 +167,7 @@ impl HeadCore {
             self.finish_actor(actor, reason.clone(), effects);
         }
         // Tasks: running ones lose their worker, queued ones fail.
-        let running: Vec<u64> = self
-            .running_tasks
-            .iter()
-            .filter(|(_, run)| released.contains(&run.allocation))
-            .map(|(call_id, _)| *call_id)
-            .collect();
-        for call_id in running {
-            let Some(run) = self.running_tasks.remove(&call_id) else { continue };
-            self.stop_task_worker(run.worker, effects);
-            let error = Error::WorkerDied {
-                target: run.task.spec.function.clone(),
-                reason: reason.clone(),
-            };
-            self.answer_task(run.task.reply, Outcome::Error(error), effects);
-        }
+        self.fail_running_tasks(|allocation| released.contains(&allocation), &reason, effects);
         let mut index = 0;
         while index < self.task_queue.len() {
             if in_group(self.task_queue[index].spec.options.placement)

@@ -11,7 +11,7 @@ use rtrun_placement::NodeResources;
 use super::{ActorState, Effect, GroupOwner, HeadCore};
 use crate::error::{Error, Result};
 use crate::ids::{NodeId, WorkerId};
-use crate::protocol::{Address, JobInfo, JobState, NodeInfo, Outcome, WorkerExit};
+use crate::protocol::{Address, JobInfo, JobState, NodeInfo, WorkerExit};
 
 /// A node as the head knows it.
 pub(crate) struct NodeEntry {
@@ -316,22 +316,7 @@ impl HeadCore {
             self.worker_exited(worker, reason.clone(), effects);
         }
         // Running tasks whose allocation was in a requeued group on another node lose it too.
-        let running: Vec<u64> = self
-            .running_tasks
-            .iter()
-            .filter(|(_, r)| lost_ids.contains(&r.allocation))
-            .map(|(call, _)| *call)
-            .collect();
-        for call in running {
-            if let Some(run) = self.running_tasks.remove(&call) {
-                self.stop_task_worker(run.worker, effects);
-                let error = Error::WorkerDied {
-                    target: run.task.spec.function.clone(),
-                    reason: reason.clone(),
-                };
-                self.answer_task(run.task.reply, Outcome::Error(error), effects);
-            }
-        }
+        self.fail_running_tasks(|allocation| lost_ids.contains(&allocation), &reason, effects);
         // Actors still alive elsewhere whose allocation was in a requeued group are stopped and
         // restart with the group.
         let displaced: Vec<(u64, u32)> = self

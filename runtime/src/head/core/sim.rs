@@ -807,42 +807,17 @@ fn the_schedules_reach_every_kind_of_state() {
         reached.events += world.events;
         world.wind_down();
     }
-    let Reached {
-        alive_actors,
-        restarted_actors,
-        dead_actors,
-        tasks_answered,
-        tasks_failed,
-        placed_groups,
-        pending_groups,
-        dead_nodes,
-        events,
-    } = reached;
     for (what, count) in [
-        ("alive actors", alive_actors),
-        ("restarted actors", restarted_actors),
-        ("dead actors", dead_actors),
-        ("placed groups", placed_groups),
-        ("pending groups", pending_groups),
-        ("dead nodes", dead_nodes),
-        ("answered tasks", tasks_answered as usize),
-        ("failed tasks", tasks_failed as usize),
+        ("alive actors", reached.alive_actors),
+        ("restarted actors", reached.restarted_actors),
+        ("dead actors", reached.dead_actors),
+        ("placed groups", reached.placed_groups),
+        ("pending groups", reached.pending_groups),
+        ("dead nodes", reached.dead_nodes),
+        ("answered tasks", reached.tasks_answered as usize),
+        ("failed tasks", reached.tasks_failed as usize),
     ] {
-        assert!(
-            count > 0,
-            "no schedule reached {what}: {reached_all:?}",
-            reached_all = (
-                alive_actors,
-                restarted_actors,
-                dead_actors,
-                tasks_answered,
-                tasks_failed,
-                placed_groups,
-                pending_groups,
-                dead_nodes,
-                events
-            )
-        );
+        assert!(count > 0, "no schedule reached {what}: {reached:?}");
     }
 }
 

@@ -1,7 +1,7 @@
 //! Tasks: the queue, dispatch to pooled task workers per node and job (spawning workers as
 //! needed, up to `max_task_workers`), replies, retries, cancellation and answers.
 
-use rtrun_placement::ResourceSet;
+use rtrun_placement::{AllocationId, ResourceSet};
 
 use super::{Effect, HeadCore, Lineage, QueuedTask, ReplyToken, RunningTask, WorkerRole, groups};
 use crate::error::{Error, Result};
@@ -210,6 +210,31 @@ impl HeadCore {
             self.reschedule(effects);
         } else if let Some(conn) = self.workers.get(&worker).and_then(|w| w.conn) {
             effects.push(Effect::Send(conn, Frame::Cancel { call_id }));
+        }
+    }
+
+    /// Fails the running tasks whose allocation `lost` says is gone (its group was removed,
+    /// its node died) with `reason`, and stops their workers.
+    pub(super) fn fail_running_tasks(
+        &mut self,
+        lost: impl Fn(AllocationId) -> bool,
+        reason: &str,
+        effects: &mut Vec<Effect>,
+    ) {
+        let running: Vec<u64> = self
+            .running_tasks
+            .iter()
+            .filter(|(_, run)| lost(run.allocation))
+            .map(|(call_id, _)| *call_id)
+            .collect();
+        for call_id in running {
+            let Some(run) = self.running_tasks.remove(&call_id) else { continue };
+            self.stop_task_worker(run.worker, effects);
+            let error = Error::WorkerDied {
+                target: run.task.spec.function.clone(),
+                reason: reason.to_owned(),
+            };
+            self.answer_task(run.task.reply, Outcome::Error(error), effects);
         }
     }
 
