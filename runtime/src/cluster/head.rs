@@ -189,15 +189,7 @@ impl NetService for HeadService {
                     JoinAs::Node { name: peer.clone(), resources, endpoint },
                 )?;
                 self.monitor.watch(&peer);
-                Ok((
-                    NetReply::Joined {
-                        session: joined.session,
-                        worker: joined.worker,
-                        node: joined.node,
-                        head: joined.head,
-                    },
-                    Vec::new(),
-                ))
+                Ok((joined.into(), Vec::new()))
             }
             NetRequest::JoinDriver { binary, job, .. } => {
                 if let Some(digest) = &binary
@@ -215,15 +207,7 @@ impl NetService for HeadService {
                     self.drivers.lock().insert(peer.clone(), joined.worker);
                     self.monitor.watch(&peer);
                 }
-                Ok((
-                    NetReply::Joined {
-                        session: joined.session,
-                        worker: joined.worker,
-                        node: joined.node,
-                        head: joined.head,
-                    },
-                    Vec::new(),
-                ))
+                Ok((joined.into(), Vec::new()))
             }
             NetRequest::HasBinary { digest } => {
                 Ok((NetReply::Present(self.binaries.contains(&digest)), Vec::new()))
@@ -239,6 +223,17 @@ impl NetService for HeadService {
                 let bytes = self.binaries.read(&digest)?;
                 Ok((NetReply::Done, vec![Bytes::from(bytes)]))
             }
+        }
+    }
+}
+
+impl From<crate::head::Joined> for NetReply {
+    fn from(joined: crate::head::Joined) -> NetReply {
+        NetReply::Joined {
+            session: joined.session,
+            worker: joined.worker,
+            node: joined.node,
+            head: joined.head,
         }
     }
 }

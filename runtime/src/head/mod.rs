@@ -31,7 +31,7 @@ pub(crate) use self::core::HeadConfig;
 use self::core::{ConnToken, Effect, Event, HeadCore, Origin, ReplyToken};
 pub use config::NOSET_CUDA_VISIBLE_DEVICES_ENV;
 pub(crate) use config::node_resources;
-pub(crate) use nodes::{ClusterHead, JoinAs};
+pub(crate) use nodes::{ClusterHead, JoinAs, Joined};
 pub(crate) use spawn::{SpawnEvents, SpawnRequest, Spawner, kill_process};
 
 /// How long `rtrun stop` waits for the node daemons to acknowledge before the head exits.
