@@ -34,6 +34,9 @@ pub(crate) use config::node_resources;
 pub(crate) use nodes::{ClusterHead, JoinAs, Joined};
 pub(crate) use spawn::{SpawnEvents, SpawnRequest, Spawner, kill_process};
 
+/// Watches that wait before the first sweep of closed ones (see `Shared::sweep_at`).
+const MIN_WATCH_SWEEP: usize = 64;
+
 /// How long `rtrun stop` waits for the node daemons to acknowledge before the head exits.
 const STOP_ACK_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -76,6 +79,9 @@ struct Shared {
     replies: HashMap<ReplyToken, Responder>,
     /// The pending actor watches (kept by the core until their actor is alive or dead).
     watches: HashSet<ReplyToken>,
+    /// How many watches may wait before the closed ones are swept (doubling, so the sweeps
+    /// cost O(1) per watch however many wait).
+    sweep_at: usize,
     next_reply: u64,
     /// The connections the core refers to (workers' registrations).
     conns: HashMap<ConnToken, Arc<Connection>>,
@@ -140,20 +146,24 @@ impl Shared {
         actions
     }
 
-    /// Forgets the watches whose connections closed, telling the core.
+    /// Forgets the watches whose connections closed, telling the core, once enough wait.
     fn sweep_abandoned_watches(&mut self) -> Vec<Effect> {
+        if self.watches.len() < self.sweep_at {
+            return Vec::new();
+        }
         let abandoned: Vec<ReplyToken> = self
             .watches
             .iter()
             .filter(|reply| self.replies.get(reply).is_none_or(Responder::abandoned))
             .copied()
             .collect();
-        if abandoned.is_empty() {
-            return Vec::new();
-        }
         for reply in &abandoned {
             self.watches.remove(reply);
             self.replies.remove(reply);
+        }
+        self.sweep_at = (2 * self.watches.len()).max(MIN_WATCH_SWEEP);
+        if abandoned.is_empty() {
+            return Vec::new();
         }
         self.core.handle(Origin::default(), Event::Abandoned(abandoned))
     }
@@ -208,6 +218,7 @@ impl Head {
                 core,
                 replies: HashMap::new(),
                 watches: HashSet::new(),
+                sweep_at: MIN_WATCH_SWEEP,
                 next_reply: 0,
                 conns: HashMap::new(),
             }),
@@ -283,6 +294,11 @@ impl Head {
             }
             body => body,
         };
+        // Only what a request creates needs to know its creator (its job and owner).
+        let creates = matches!(
+            body,
+            Request::CreateActor(_) | Request::SubmitTask(_) | Request::CreatePlacementGroup(_)
+        );
         let from = Origin {
             conn: origin.map(|c| ConnToken(c.id())),
             process: origin

@@ -51,7 +51,8 @@ pub(crate) struct ConnToken(pub(crate) u64);
 pub(crate) struct Origin {
     /// Its connection (`None`: the embedded driver's own process).
     pub(crate) conn: Option<ConnToken>,
-    /// The process at the other end, as its address names it (a worker or a driver).
+    /// The process at the other end, as its address names it (a worker or a driver); the
+    /// shell reads it for the requests that create something, whose lineage it decides.
     pub(crate) process: Option<WorkerId>,
 }
 
