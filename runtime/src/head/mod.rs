@@ -302,6 +302,7 @@ impl Head {
         let from = Origin {
             conn: origin.map(|c| ConnToken(c.id())),
             process: origin
+                .filter(|_| creates)
                 .and_then(|c| c.peer())
                 .and_then(|peer| crate::store::holder_of_address(&peer))
                 .map(|holder| WorkerId(holder.0)),
