@@ -153,7 +153,7 @@ impl SpecDeployment {
 }
 
 fn is_gone(error: &Error) -> bool {
-    matches!(error, Error::Invalid(message) if message.contains("was removed or never existed"))
+    matches!(error, Error::NotFound(crate::error::Missing::Group(_)))
 }
 
 /// Reads and checks a spec file; errors read `file:line:column: expected X, found Y`.

@@ -2,7 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::ids::{ActorId, ObjectId};
+use crate::ids::{ActorId, NodeId, ObjectId};
 
 /// What went wrong in a runtime call. Errors travel between processes, so they carry messages
 /// rather than source errors.
@@ -58,6 +58,27 @@ pub enum Error {
     /// A request was malformed (bad options, unknown names, reused names, ...).
     #[error("invalid request: {0}")]
     Invalid(String),
+    /// A request named something its receiver does not know: never created, or already gone.
+    /// Callers act on it (an already removed group needs no second removal).
+    #[error("{0}")]
+    NotFound(Missing),
+    /// A named actor was created with a name a live actor already has (and without
+    /// `get_if_exists`).
+    #[error("an actor named `{name}` already exists in namespace `{namespace}`")]
+    NameTaken {
+        /// The name.
+        name: String,
+        /// Its namespace.
+        namespace: String,
+    },
+    /// The placement group a waiter, actor or task needed was removed.
+    #[error("placement group `{name}` was removed{when}")]
+    GroupRemoved {
+        /// The group's name.
+        name: String,
+        /// When, as seen by the one that failed (`" before it was created"`, or empty).
+        when: String,
+    },
     /// No actor has the given name in the given namespace.
     #[error("no actor named `{name}` in namespace `{namespace}`")]
     ActorNotFound {
@@ -79,6 +100,26 @@ pub enum Error {
     /// An operating-system call failed.
     #[error("system error: {0}")]
     System(String),
+}
+
+/// What a [`Error::NotFound`] request named.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, thiserror::Error)]
+pub enum Missing {
+    /// An actor, by id.
+    #[error("no actor with id {0}")]
+    Actor(ActorId),
+    /// A placement group, by id.
+    #[error("no placement group {0}: it was removed or never existed")]
+    Group(rtrun_placement::GroupId),
+    /// A placement group, by name.
+    #[error("no placement group named `{0}`")]
+    GroupName(String),
+    /// A submitted job, by number.
+    #[error("no job {0}")]
+    Job(u64),
+    /// A node, by id.
+    #[error("no node {0}")]
+    Node(NodeId),
 }
 
 /// Shorthand for results of runtime calls.

@@ -65,7 +65,7 @@ pub use actor::{
 };
 pub use collective::{Backend, CollectiveConfig, CollectiveError, Communicator, ReduceOp};
 pub use context::{GroupMembership, RuntimeContext, context};
-pub use error::{Error, Result};
+pub use error::{Error, Missing, Result};
 pub use group::{ActorGroup, split_batch};
 pub use head::NOSET_CUDA_VISIBLE_DEVICES_ENV;
 pub use ids::{ActorId, ObjectId, WorkerId};

@@ -255,14 +255,17 @@ pub fn read_chunk(dir: &Path, name: &str, offset: u64) -> Result<(Vec<u8>, u64, 
     Ok((bytes, size, inode))
 }
 
-/// A node's answer to [`Request::ReadLog`](crate::protocol::Request::ReadLog) or `ListLogs`
+/// A node's answer to [`NodeRequest::ReadLog`](NodeRequest::ReadLog) or `ListLogs`
 /// from its log directory `dir` (the head's node and node daemons alike).
-pub(crate) fn answer(dir: &Path, request: &crate::protocol::Request) -> crate::protocol::Response {
-    use crate::protocol::{Request, Response};
+pub(crate) fn answer(
+    dir: &Path,
+    request: &crate::protocol::NodeRequest,
+) -> crate::protocol::Response {
+    use crate::protocol::{NodeRequest, Response};
     let answer = match request {
-        Request::ReadLog { file, offset } => read_chunk(dir, file, *offset)
+        NodeRequest::ReadLog { file, offset } => read_chunk(dir, file, *offset)
             .map(|(bytes, size, inode)| Response::LogChunk { bytes, size, inode }),
-        Request::ListLogs => list(dir).map(Response::LogFiles),
+        NodeRequest::ListLogs => list(dir).map(Response::LogFiles),
         other => Err(Error::Invalid(format!("not a log request: {other:?}"))),
     };
     answer.unwrap_or_else(Response::Error)

@@ -31,7 +31,7 @@ pub use rtrun_placement::{
 };
 
 use crate::error::{Error, Result};
-use crate::protocol::{Request, Response};
+use crate::protocol::{HeadRequest, Response};
 use crate::runtime;
 
 /// What to reserve: bundles, a strategy and an optional name.
@@ -131,7 +131,7 @@ impl PlacementGroup {
         let inner = ready.inner.clone();
         match runtime::current() {
             Ok(runtime) => runtime.head_request(
-                Request::WaitPlacementGroup { group: self.id },
+                HeadRequest::WaitPlacementGroup { group: self.id },
                 Box::new(move |response| inner.complete(table_of(response))),
             ),
             Err(e) => inner.complete(Err(e)),
@@ -151,7 +151,7 @@ impl PlacementGroup {
 
     /// The group's current state (status and, once created, its bundle table).
     pub fn state(&self) -> Result<PlacementGroupState> {
-        state_of(runtime::current()?.head_call(Request::GetPlacementGroup { group: self.id })?)
+        state_of(runtime::current()?.head_call(HeadRequest::GetPlacementGroup { group: self.id })?)
     }
 
     /// The bundle table (bundle → node, GPU indices, GPU UUIDs), or `None` while pending.
@@ -162,7 +162,9 @@ impl PlacementGroup {
     /// Removes the group: kills the actors and tasks placed in it (they are not restarted) and
     /// frees its bundles, which may let pending groups be created.
     pub fn remove(&self) -> Result<()> {
-        runtime::current()?.head_call(Request::RemovePlacementGroup { group: self.id }).map(|_| ())
+        runtime::current()?
+            .head_call(HeadRequest::RemovePlacementGroup { group: self.id })
+            .map(|_| ())
     }
 
     /// Placement into bundle `index` of this group, for [`crate::ActorOptions::placement`].
@@ -202,8 +204,9 @@ impl BundleSchedule {
 /// once, reserving nothing, when the cluster could never hold it, naming the missing resource:
 /// ``placement group `train` needs GPU: 16, cluster has 8``.
 pub fn placement_group(options: PlacementGroupOptions) -> Result<PlacementGroup> {
-    let state =
-        state_of(runtime::current()?.head_call(Request::CreatePlacementGroup(Box::new(options)))?)?;
+    let state = state_of(
+        runtime::current()?.head_call(HeadRequest::CreatePlacementGroup(Box::new(options)))?,
+    )?;
     Ok(handle_of(&state))
 }
 
@@ -214,7 +217,7 @@ pub fn remove_placement_group(group: &PlacementGroup) -> Result<()> {
 
 /// The live placement group with this name.
 pub fn get_placement_group(name: &str) -> Result<PlacementGroup> {
-    let request = Request::GetPlacementGroupByName { name: name.to_owned() };
+    let request = HeadRequest::GetPlacementGroupByName { name: name.to_owned() };
     Ok(handle_of(&state_of(runtime::current()?.head_call(request)?)?))
 }
 

@@ -72,8 +72,10 @@ impl Frame {
         match self {
             Frame::Call(call) => visit_args(&call.args, visit),
             Frame::Reply { outcome, .. } => visit_outcome(outcome, visit),
-            Frame::Request { body: Request::SubmitTask(spec), .. } => visit_args(&spec.args, visit),
-            Frame::Request { body: Request::CreateActor(spec), .. } => {
+            Frame::Request { body: Request::Head(HeadRequest::SubmitTask(spec)), .. } => {
+                visit_args(&spec.args, visit)
+            }
+            Frame::Request { body: Request::Head(HeadRequest::CreateActor(spec)), .. } => {
                 visit_args(&spec.ctor_args, visit)
             }
             Frame::Response { body: Response::Outcome(outcome), .. } => {
@@ -106,10 +108,10 @@ impl Frame {
         match self {
             Frame::Call(call) => visit_args(&mut call.args, visit),
             Frame::Reply { outcome, .. } => visit_outcome(outcome, visit),
-            Frame::Request { body: Request::SubmitTask(spec), .. } => {
+            Frame::Request { body: Request::Head(HeadRequest::SubmitTask(spec)), .. } => {
                 visit_args(&mut spec.args, visit)
             }
-            Frame::Request { body: Request::CreateActor(spec), .. } => {
+            Frame::Request { body: Request::Head(HeadRequest::CreateActor(spec)), .. } => {
                 visit_args(&mut spec.ctor_args, visit)
             }
             Frame::Response { body: Response::Outcome(outcome), .. } => {
@@ -222,9 +224,27 @@ pub struct ActorStart {
     pub capture_group: Option<rtrun_placement::GroupId>,
 }
 
-/// Requests to the head, to an object's owner, or from the head to a worker.
+/// A request, by the service that answers it.
 #[derive(Debug, Serialize, Deserialize)]
 pub enum Request {
+    /// To the control plane.
+    Head(HeadRequest),
+    /// To a node's daemon (the head answers for its own node's logs).
+    Node(NodeRequest),
+    /// An operation on the node's object store, from a process on the node.
+    Store {
+        /// The process asking (its references and pins are accounted under this id).
+        holder: HolderId,
+        /// What to do.
+        op: StoreOp,
+    },
+    /// To an object's owner.
+    Owner(OwnerRequest),
+}
+
+/// Requests to the control plane (the head).
+#[derive(Debug, Serialize, Deserialize)]
+pub enum HeadRequest {
     /// A freshly started worker announces itself; answered with its assignment.
     RegisterWorker {
         /// Given to it at spawn.
@@ -294,25 +314,8 @@ pub enum Request {
         /// Kill the worker running it.
         force: bool,
     },
-    /// Ask an object's owner for its value.
-    FetchObject {
-        /// The object.
-        id: ObjectId,
-    },
-    /// Free objects owned by the receiver.
-    FreeObjects {
-        /// The objects.
-        ids: Vec<ObjectId>,
-    },
     /// Cluster summary, for `rtrun status` and tests.
     ClusterInfo,
-    /// An operation on the node's object store, from a process on the node.
-    Store {
-        /// The process asking (its references and pins are accounted under this id).
-        holder: HolderId,
-        /// What to do.
-        op: StoreOp,
-    },
     /// Create a placement group; answered at once with its state (pending or created).
     CreatePlacementGroup(Box<crate::placement_group::PlacementGroupOptions>),
     /// Answered with the group's state once it is created, or an error once it is removed.
@@ -339,20 +342,6 @@ pub enum Request {
     ListPlacementGroups,
     /// Every actor the control plane knows (`rtrun list actors`).
     ListActors,
-    /// Head → node daemon: start a worker (its binary is the job's, fetched from the head).
-    SpawnWorker {
-        /// Its id.
-        worker: WorkerId,
-        /// Its environment.
-        env: Vec<(String, String)>,
-        /// The digest of the job binary it runs.
-        job: Option<String>,
-    },
-    /// Head → node daemon: kill one of the node's worker processes.
-    KillProcess {
-        /// Its process id on that node.
-        pid: u32,
-    },
     /// Node daemon → head: a worker it spawned started.
     WorkerSpawned {
         /// The worker.
@@ -366,17 +355,6 @@ pub enum Request {
         worker: WorkerId,
         /// How it ended.
         status: WorkerExit,
-    },
-    /// Head → node daemons: a process of the cluster exited; drop its store references.
-    ProcessExited {
-        /// The process.
-        worker: WorkerId,
-    },
-    /// Head → node daemon: kill every worker and exit (0 when an operator stopped the cluster,
-    /// non-zero when `declared_dead` says why the head gave this node up).
-    StopNode {
-        /// Why the head declared the node dead (`None`: `rtrun stop`).
-        declared_dead: Option<String>,
     },
     /// Run a job's driver binary (uploaded before, by digest) on the head's node.
     SubmitJob {
@@ -407,6 +385,43 @@ pub enum Request {
     },
     /// Every submitted job.
     ListJobs,
+    /// Answered with `Done` while the node is alive, with the reason once it died.
+    NodeAlive {
+        /// The node.
+        node: u64,
+    },
+    /// Stop every node and the head.
+    StopCluster,
+}
+
+/// Requests to a node's daemon, from the head or a command-line client.
+#[derive(Debug, Serialize, Deserialize)]
+pub enum NodeRequest {
+    /// Head → node daemon: start a worker (its binary is the job's, fetched from the head).
+    SpawnWorker {
+        /// Its id.
+        worker: WorkerId,
+        /// Its environment.
+        env: Vec<(String, String)>,
+        /// The digest of the job binary it runs.
+        job: Option<String>,
+    },
+    /// Head → node daemon: kill one of the node's worker processes.
+    KillProcess {
+        /// Its process id on that node.
+        pid: u32,
+    },
+    /// Head → node daemons: a process of the cluster exited; drop its store references.
+    ProcessExited {
+        /// The process.
+        worker: WorkerId,
+    },
+    /// Head → node daemon: kill every worker and exit (0 when an operator stopped the cluster,
+    /// non-zero when `declared_dead` says why the head gave this node up).
+    StopNode {
+        /// Why the head declared the node dead (`None`: `rtrun stop`).
+        declared_dead: Option<String>,
+    },
     /// One of a node's log files (`worker-N.log`, `job-N.log`, rotated `….K`) from a byte
     /// offset; answered by the node's daemon (the head for its own node).
     ReadLog {
@@ -417,13 +432,39 @@ pub enum Request {
     },
     /// A node's log files and their sizes.
     ListLogs,
-    /// Answered with `Done` while the node is alive, with the reason once it died.
-    NodeAlive {
-        /// The node.
-        node: u64,
+}
+
+/// Requests to the owner of an object (the process that created it).
+#[derive(Debug, Serialize, Deserialize)]
+pub enum OwnerRequest {
+    /// Ask an object's owner for its value.
+    FetchObject {
+        /// The object.
+        id: ObjectId,
     },
-    /// Stop every node and the head.
-    StopCluster,
+    /// Free objects owned by the receiver.
+    FreeObjects {
+        /// The objects.
+        ids: Vec<ObjectId>,
+    },
+}
+
+impl From<HeadRequest> for Request {
+    fn from(request: HeadRequest) -> Request {
+        Request::Head(request)
+    }
+}
+
+impl From<NodeRequest> for Request {
+    fn from(request: NodeRequest) -> Request {
+        Request::Node(request)
+    }
+}
+
+impl From<OwnerRequest> for Request {
+    fn from(request: OwnerRequest) -> Request {
+        Request::Owner(request)
+    }
 }
 
 /// Operations a process asks of its node's object store.
@@ -541,9 +582,9 @@ pub enum Response {
 }
 
 /// What a typed call expects a [`Response`] to carry: each payload type names its variant, so
-/// a caller writes `runtime.call::<ClusterInfo>(request)` instead of matching the answer by
-/// hand with a fallback of its own.
-pub(crate) trait Reply: Sized {
+/// a caller writes `runtime.call::<ClusterInfo>(request)` (or
+/// [`crate::session::ask`]) instead of matching the answer by hand with a fallback of its own.
+pub trait Reply: Sized {
     /// The payload; the error the response carries; or an error naming what came instead.
     fn from_response(response: Response) -> crate::error::Result<Self>;
 }
@@ -577,6 +618,49 @@ replies! {
     Vec<crate::placement_group::PlacementGroupState> => PlacementGroups,
     Vec<ActorSummary> => Actors,
     Vec<JobInfo> => Jobs,
+    Option<serde_bytes::ByteBuf> => KvValue,
+    Vec<(String, u64)> => LogFiles,
+    Assignment => Assignment,
+    Allocation => Allocation,
+    Outcome => Outcome,
+}
+
+/// A job's output from an offset, and the job's state ([`Response::Logs`]).
+#[derive(Debug)]
+pub struct JobOutput {
+    /// The bytes.
+    pub bytes: Vec<u8>,
+    /// The job's state.
+    pub job: JobInfo,
+}
+
+impl Reply for JobOutput {
+    fn from_response(response: Response) -> crate::error::Result<Self> {
+        match response {
+            Response::Logs { bytes, job } => Ok(JobOutput { bytes, job }),
+            other => Err(unexpected("Logs", other)),
+        }
+    }
+}
+
+/// Part of a node's log file ([`Response::LogChunk`]).
+#[derive(Debug)]
+pub struct LogChunk {
+    /// The bytes (at most 1 MiB).
+    pub bytes: Vec<u8>,
+    /// The file's size now.
+    pub size: u64,
+    /// The file's inode: it changes when the name is rotated to a new file.
+    pub inode: u64,
+}
+
+impl Reply for LogChunk {
+    fn from_response(response: Response) -> crate::error::Result<Self> {
+        match response {
+            Response::LogChunk { bytes, size, inode } => Ok(LogChunk { bytes, size, inode }),
+            other => Err(unexpected("LogChunk", other)),
+        }
+    }
 }
 
 impl Reply for () {

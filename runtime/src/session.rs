@@ -66,7 +66,8 @@ fn describe(sessions: &[String]) -> String {
 
 /// Sends `request` to the node process of `session` (in an embedded session, the driver, which
 /// holds the control plane) and returns its answer; an error answer is an `Err`.
-pub fn query(session: &str, request: Request) -> Result<Response> {
+pub fn query(session: &str, request: impl Into<Request>) -> Result<Response> {
+    let request = request.into();
     let (tx, rx) = crossbeam_channel::bounded(1);
     let address =
         format!("unix:@rtrun-cli-{}-{:016x}", std::process::id(), crate::runtime::random_u64());
@@ -84,12 +85,16 @@ pub fn query(session: &str, request: Request) -> Result<Response> {
     }
 }
 
+/// Like [`query`], for a typed answer (see [`Reply`](crate::protocol::Reply)).
+pub fn ask<R: crate::protocol::Reply>(session: &str, request: impl Into<Request>) -> Result<R> {
+    R::from_response(query(session, request)?)
+}
+
 /// Asks the node process of `session` for its object-store snapshot.
 pub fn node_memory(session: &str) -> Result<NodeMemory> {
     let request =
         Request::Store { holder: rtrun_object_store::HolderId(u64::MAX), op: StoreOp::Stats };
-    <Box<NodeMemory> as crate::protocol::Reply>::from_response(query(session, request)?)
-        .map(|memory| *memory)
+    ask::<Box<NodeMemory>>(session, request).map(|memory| *memory)
 }
 
 /// Forwards the first response to the waiting query.

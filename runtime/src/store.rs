@@ -259,10 +259,7 @@ impl StoreClient {
     pub(crate) fn stats(&self) -> Result<StoreStats> {
         match &self.node {
             Some(node) => Ok(node.store.stats()),
-            None => match self.call(StoreOp::Stats)? {
-                Response::StoreStats(memory) => Ok(memory.stats),
-                other => Err(Error::Transport(format!("unexpected store response {other:?}"))),
-            },
+            None => self.ask::<Box<NodeMemory>>(StoreOp::Stats).map(|memory| memory.stats),
         }
     }
 
@@ -298,10 +295,12 @@ impl StoreClient {
     }
 
     fn allocation(&self, op: StoreOp) -> Result<Allocation> {
-        match self.call(op)? {
-            Response::Allocation(allocation) => Ok(allocation),
-            other => Err(Error::Transport(format!("unexpected store response {other:?}"))),
-        }
+        self.ask(op)
+    }
+
+    /// A store request to the node, waiting for its typed answer (worker only).
+    fn ask<R: crate::protocol::Reply>(&self, op: StoreOp) -> Result<R> {
+        self.call(op).and_then(R::from_response)
     }
 
     /// A store request to the node, waiting for the answer (worker only).

@@ -12,7 +12,7 @@ use crate::actor::ActorInfo;
 use crate::error::{Error, Result};
 use crate::ids::ActorId;
 use crate::object::{ObjectRef, Slot};
-use crate::protocol::{Arg, CallFrame, CallTarget, Frame, Request, Response};
+use crate::protocol::{Arg, CallFrame, CallTarget, Frame, HeadRequest, Response};
 use crate::runtime::Runtime;
 use crate::transport::Connection;
 
@@ -171,10 +171,10 @@ impl Submitter {
         let this = self.clone();
         let rt = runtime.clone();
         runtime.head_request(
-            Request::WaitActorAlive { actor: self.info.id, after },
+            HeadRequest::WaitActorAlive { actor: self.info.id, after },
             Box::new(move |response| match response {
                 Response::ActorAlive { address, incarnation } => {
-                    match rt.endpoint().and_then(|e| e.connect(&address)) {
+                    match rt.endpoint().connect(&address) {
                         Ok(conn) => {
                             let connection = conn.id();
                             this.on_alive(&rt, conn, incarnation);
@@ -225,7 +225,7 @@ impl Submitter {
         let this = self.clone();
         let rt = runtime.clone();
         runtime.head_request(
-            Request::WaitActorAlive { actor: self.info.id, after: Some(incarnation) },
+            HeadRequest::WaitActorAlive { actor: self.info.id, after: Some(incarnation) },
             Box::new(move |_| this.on_disconnect(&rt, connection)),
         );
     }
@@ -353,7 +353,7 @@ impl Runtime {
                 None => {}
             }
         }
-        self.head_request(Request::CancelTask { task: id, force }, Box::new(|_| {}));
+        self.head_request(HeadRequest::CancelTask { task: id, force }, Box::new(|_| {}));
         Ok(())
     }
 }

@@ -618,7 +618,7 @@ pub(crate) fn read_frame(reader: &mut impl Read, max_frame_bytes: usize) -> Resu
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::protocol::Request;
+    use crate::protocol::{HeadRequest, Request};
 
     #[test]
     fn malformed_and_oversized_frames_are_errors() {
@@ -634,13 +634,13 @@ mod tests {
 
     #[test]
     fn frames_round_trip() {
-        let frame = Frame::Request { req_id: 7, body: Request::ClusterInfo };
+        let frame = Frame::Request { req_id: 7, body: Request::Head(HeadRequest::ClusterInfo) };
         let body = codec::encode(&frame).unwrap();
         let mut bytes = (body.len() as u32).to_le_bytes().to_vec();
         bytes.extend_from_slice(&body);
         let mut slice: &[u8] = &bytes;
         match read_frame(&mut slice, 1024).unwrap() {
-            Some(Frame::Request { req_id: 7, body: Request::ClusterInfo }) => {}
+            Some(Frame::Request { req_id: 7, body: Request::Head(HeadRequest::ClusterInfo) }) => {}
             other => panic!("unexpected {other:?}"),
         }
     }

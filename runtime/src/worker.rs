@@ -16,9 +16,9 @@ use crate::error::{Error, Result};
 use crate::ids::WorkerId;
 use crate::object::{ObjectBytes, ObjectRef, Value};
 use crate::protocol::{
-    Address, Arg, Assignment, CallFrame, CallTarget, Frame, Outcome, Request, Response,
+    Address, Arg, Assignment, CallFrame, CallTarget, Frame, HeadRequest, Outcome,
 };
-use crate::runtime::Runtime;
+use crate::runtime::{Ending, Runtime};
 use crate::transport::Connection;
 
 /// The environment variable that marks a worker process and carries its [`WorkerSpec`].
@@ -58,46 +58,39 @@ impl WorkerSpec {
     }
 }
 
-/// Runs this process as a worker; never returns.
+/// Runs this process as a worker: the main of a worker process, which never returns. It
+/// serves its assignment until its part in the session ends, then exits with that ending's
+/// code.
 pub(crate) fn run(spec: WorkerSpec) -> ! {
-    // A worker's own children must not think they are workers of this session.
-    // SAFETY-free: removing our own variable before any thread of ours reads the environment.
-    match serve(&spec) {
-        Ok(()) => loop {
-            std::thread::park();
+    let ending = match Runtime::start_worker(&spec) {
+        // A registration that failed because the head went away ends as that did.
+        Ok(runtime) => match serve(&runtime, &spec) {
+            Ok(()) => runtime.wait_for_end(),
+            Err(e) => runtime.ended().unwrap_or_else(|| {
+                Ending::StartFailed(format!("rtrun worker {} failed to start: {e}", spec.worker))
+            }),
         },
-        Err(e) => {
-            eprintln!("rtrun worker {} failed to start: {e}", spec.worker);
-            std::process::exit(3);
-        }
-    }
+        Err(e) => Ending::StartFailed(format!("rtrun worker {} failed to start: {e}", spec.worker)),
+    };
+    ending.exit()
 }
 
-fn serve(spec: &WorkerSpec) -> Result<()> {
-    let runtime = Runtime::start_worker(spec)?;
-    let response = runtime.head_call(Request::RegisterWorker {
+fn serve(runtime: &Arc<Runtime>, spec: &WorkerSpec) -> Result<()> {
+    let assignment: Assignment = runtime.call(HeadRequest::RegisterWorker {
         worker: spec.worker,
         address: runtime.address().clone(),
         pid: std::process::id(),
     })?;
-    match response {
-        Response::Assignment(Assignment::Tasks) => task_executor(&runtime).map(|_| ()),
-        Response::Assignment(Assignment::Actor(start)) => {
+    match assignment {
+        Assignment::Tasks => task_executor(runtime).map(|_| ()),
+        Assignment::Actor(start) => {
             let actor = start.actor;
             let incarnation = start.incarnation;
             *runtime.actor_context.lock() = Some((*start).clone());
-            let result = host_actor(&runtime, &start).map_err(|e| e.to_string());
-            let ok = result.is_ok();
-            runtime.head_call(Request::ActorStarted { actor, incarnation, result })?;
-            if !ok {
-                // The head kills this process; wait for it.
-                loop {
-                    std::thread::park();
-                }
-            }
-            Ok(())
+            let result = host_actor(runtime, &start).map_err(|e| e.to_string());
+            // When the constructor failed, the head kills this process: it waits for that.
+            runtime.call(HeadRequest::ActorStarted { actor, incarnation, result })
         }
-        other => Err(Error::Transport(format!("unexpected registration response {other:?}"))),
     }
 }
 
@@ -107,7 +100,8 @@ fn host_actor(runtime: &Arc<Runtime>, start: &crate::protocol::ActorStart) -> Re
     })?;
     let args = resolve_args(&start.ctor_args)?;
     let hosted = (entry.host)(args, start.max_concurrency)?;
-    let _ = runtime.hosted.set(hosted);
+    let worker = runtime.worker().ok_or(Error::NotInitialised)?;
+    let _ = worker.hosted.set(hosted);
     Ok(())
 }
 
@@ -151,14 +145,15 @@ pub struct IncomingCall {
 /// This worker's task executor, started on first use.
 fn task_executor(runtime: &Arc<Runtime>) -> Result<&Arc<TaskExecutor>> {
     static START: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    if let Some(tasks) = runtime.tasks.get() {
+    if let Some(tasks) = runtime.tasks() {
         return Ok(tasks);
     }
     let _guard = START.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    if runtime.tasks.get().is_none() {
-        let _ = runtime.tasks.set(TaskExecutor::start(runtime.clone())?);
+    let worker = runtime.worker().ok_or(Error::NotInitialised)?;
+    if worker.tasks.get().is_none() {
+        let _ = worker.tasks.set(TaskExecutor::start(runtime.clone())?);
     }
-    runtime.tasks.get().ok_or(Error::NotInitialised)
+    runtime.tasks().ok_or(Error::NotInitialised)
 }
 
 /// Routes an incoming call to the hosted actor or the task executor.
@@ -169,7 +164,7 @@ pub(crate) fn on_call(runtime: &Arc<Runtime>, conn: &Arc<Connection>, call: Call
         args: call.args,
         reply_to: conn.clone(),
     };
-    match (&incoming.target, runtime.hosted.get()) {
+    match (&incoming.target, runtime.hosted()) {
         (CallTarget::Actor { .. }, Some(hosted)) => hosted.submit(incoming),
         // The head may dispatch a task before our registration call has returned, so the task
         // executor starts with the first task rather than with the assignment.

@@ -224,6 +224,8 @@ fn infeasible_specs_groups_and_actors_fail_naming_what_is_missing() {
     pg.remove().unwrap();
     let err = pg.remove().unwrap_err();
     assert!(err.to_string().contains("removed or never existed"), "{err}");
+    // Typed, so that a caller can tell "already gone" from a bad request without the text.
+    assert!(matches!(err, Error::NotFound(rtrun::Missing::Group(id)) if id == pg.id()), "{err:?}");
 }
 
 #[test]
@@ -330,6 +332,7 @@ fn pending_group_is_created_once_another_is_removed() {
     third.remove().unwrap();
     let err = ready.wait(Some(LONG)).unwrap_err();
     assert!(err.to_string().contains("`third` was removed before it was created"), "{err}");
+    assert!(matches!(&err, Error::GroupRemoved { name, .. } if name == "third"), "{err:?}");
     second.remove().unwrap();
     assert!(wait_until(LONG, all_free));
 }

@@ -401,6 +401,10 @@ fn named_actors_env_and_namespaces() {
     assert_eq!(found.value().get().unwrap(), 3);
     let err = Counter::remote_with(opts, 0u64).unwrap_err();
     assert!(err.to_string().contains("already exists"), "{err}");
+    assert!(
+        matches!(&err, Error::NameTaken { name, namespace } if name == "keeper" && namespace == "default"),
+        "{err:?}"
+    );
     let other_ns =
         Counter::remote_with(ActorOptions::default().name("keeper").namespace("other"), 4u64)
             .unwrap();
@@ -704,4 +708,24 @@ fn workers_start_after_the_driver_binary_is_replaced() {
         .parse()
         .unwrap();
     assert!(wait_until(LONG, || !process_alive(pid)), "the late worker outlived the driver");
+}
+
+#[test]
+fn requests_name_their_service_and_typed_answers_name_a_mismatch() {
+    use rtrun::protocol::{ClusterInfo, HeadRequest, JobInfo, NodeRequest};
+    init();
+    let session = rtrun::context().unwrap().session;
+    // The embedded driver holds the control plane and the node's store; it is no node daemon.
+    let err = rtrun::session::query(&session, NodeRequest::KillProcess { pid: 1 }).unwrap_err();
+    let message = err.to_string();
+    assert!(message.contains("not a node daemon") && message.contains("KillProcess"), "{message}");
+    // It answers for its own node's logs (an embedded session keeps none).
+    let files: Vec<(String, u64)> = rtrun::session::ask(&session, NodeRequest::ListLogs).unwrap();
+    assert!(files.is_empty(), "{files:?}");
+    let info: ClusterInfo = rtrun::session::ask(&session, HeadRequest::ClusterInfo).unwrap();
+    assert_eq!(info.nodes.len(), 1);
+    // A typed ask that gets another answer says which it expected and what came.
+    let err = rtrun::session::ask::<Vec<JobInfo>>(&session, HeadRequest::ClusterInfo).unwrap_err();
+    let message = err.to_string();
+    assert!(message.contains("expected a `Jobs` answer, found ClusterInfo"), "{message}");
 }

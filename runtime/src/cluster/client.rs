@@ -8,7 +8,8 @@ use crate::actor::ActorInfo;
 use crate::error::{Error, Result};
 use crate::placement_group::PlacementGroupState;
 use crate::protocol::{
-    ActorSummary, ClusterInfo, JobInfo, NodeInfo, NodeMemory, Request, Response, StoreOp,
+    ActorSummary, ClusterInfo, HeadRequest, JobInfo, JobOutput, LogChunk, NodeInfo, NodeMemory,
+    NodeRequest, Request, StoreOp,
 };
 use crate::runtime::{Config, Runtime};
 
@@ -67,10 +68,6 @@ impl Client {
         Ok(Client { runtime })
     }
 
-    fn call(&self, request: Request) -> Result<Response> {
-        self.runtime.head_call(request)
-    }
-
     /// Nodes, resources and counts.
     pub fn status(&self) -> Result<ClusterInfo> {
         self.runtime.cluster_info()
@@ -104,12 +101,11 @@ impl Client {
         let info = self.status()?;
         let mut nodes = Vec::new();
         for node in info.nodes.iter().filter(|n| n.alive) {
-            let conn = self.runtime.endpoint()?.connect(&node.address)?;
+            let conn = self.runtime.endpoint().connect(&node.address)?;
             let holder = crate::store::holder_of(self.runtime.worker_id);
-            match self.runtime.call_on(&conn, Request::Store { holder, op: StoreOp::Stats })? {
-                Response::StoreStats(memory) => nodes.push(*memory),
-                other => return Err(unexpected(other)),
-            }
+            let memory: Box<NodeMemory> =
+                self.runtime.ask_on(&conn, Request::Store { holder, op: StoreOp::Stats })?;
+            nodes.push(*memory);
         }
         Ok(nodes)
     }
@@ -138,7 +134,7 @@ impl Client {
         };
         let digest = super::binaries::digest_file(binary)?;
         super::driver::upload_binary(member, binary, &digest)?;
-        single_job(self.call(Request::SubmitJob {
+        single_job(self.runtime.call(HeadRequest::SubmitJob {
             binary: digest,
             args,
             env,
@@ -158,65 +154,53 @@ impl Client {
 
     /// Stops job `job` (its driver, its workers on every node, its placement groups).
     pub fn stop_job(&self, job: u64) -> Result<JobInfo> {
-        single_job(self.call(Request::StopJob { job })?)
+        single_job(self.runtime.call(HeadRequest::StopJob { job })?)
     }
 
     /// A job's output from `offset`, and its state.
     pub fn job_logs(&self, job: u64, offset: u64) -> Result<(Vec<u8>, JobInfo)> {
-        match self.call(Request::JobLogs { job, offset })? {
-            Response::Logs { bytes, job } => Ok((bytes, job)),
-            other => Err(unexpected(other)),
-        }
+        let JobOutput { bytes, job } = self.runtime.call(HeadRequest::JobLogs { job, offset })?;
+        Ok((bytes, job))
     }
 
     /// Removes the placement group named `name` (its actors and tasks are stopped, its
     /// resources freed), whoever created it.
     pub fn remove_placement_group(&self, name: &str) -> Result<PlacementGroupState> {
-        let group = match self.call(Request::GetPlacementGroupByName { name: name.to_owned() })? {
-            Response::PlacementGroup(group) => *group,
-            other => return Err(unexpected(other)),
-        };
-        self.call(Request::RemovePlacementGroup { group: group.id })?;
-        Ok(group)
+        let group: Box<PlacementGroupState> =
+            self.runtime.call(HeadRequest::GetPlacementGroupByName { name: name.to_owned() })?;
+        self.runtime.call::<()>(HeadRequest::RemovePlacementGroup { group: group.id })?;
+        Ok(*group)
     }
 
     /// Up to 1 MiB of the log `file` on `node` from `offset`, and the file's inode (see
     /// [`LogCursor`], which follows a log through its rotations).
     pub fn read_log(&self, node: &NodeInfo, file: &str, offset: u64) -> Result<(Vec<u8>, u64)> {
-        let conn = self.runtime.endpoint()?.connect(&node.address)?;
-        let request = Request::ReadLog { file: file.to_owned(), offset };
-        match self.runtime.call_on(&conn, request)? {
-            Response::LogChunk { bytes, inode, .. } => Ok((bytes, inode)),
-            other => Err(unexpected(other)),
-        }
+        let conn = self.runtime.endpoint().connect(&node.address)?;
+        let request = NodeRequest::ReadLog { file: file.to_owned(), offset };
+        let LogChunk { bytes, inode, .. } = self.runtime.ask_on(&conn, request)?;
+        Ok((bytes, inode))
     }
 
     /// The log files on `node` with their sizes.
     pub fn list_logs(&self, node: &NodeInfo) -> Result<Vec<(String, u64)>> {
-        let conn = self.runtime.endpoint()?.connect(&node.address)?;
-        match self.runtime.call_on(&conn, Request::ListLogs)? {
-            Response::LogFiles(files) => Ok(files),
-            other => Err(unexpected(other)),
-        }
+        let conn = self.runtime.endpoint().connect(&node.address)?;
+        self.runtime.ask_on(&conn, NodeRequest::ListLogs)
     }
 
     /// Stops every node and the head.
     pub fn stop(&self) -> Result<()> {
         // The head's connection closing after this is the expected end, not a lost head.
         self.runtime.expect_head_exit();
-        self.call(Request::StopCluster).map(|_| ())
+        self.runtime.call(HeadRequest::StopCluster)
     }
 }
 
-fn single_job(response: Response) -> Result<JobInfo> {
-    match response {
-        Response::Jobs(mut jobs) if jobs.len() == 1 => Ok(jobs.remove(0)),
-        other => Err(unexpected(other)),
+/// The one job a job request is answered with.
+fn single_job(mut jobs: Vec<JobInfo>) -> Result<JobInfo> {
+    match jobs.len() {
+        1 => Ok(jobs.remove(0)),
+        n => Err(Error::Transport(format!("expected one job in the head's answer, found {n}"))),
     }
-}
-
-fn unexpected(response: Response) -> Error {
-    Error::Transport(format!("unexpected answer from the head: {response:?}"))
 }
 
 /// A reader of one log on one node that loses nothing to rotation (while the log is rotated

@@ -112,14 +112,14 @@ pub fn start_head(options: HeadOptions) -> Result<HeadHandle> {
     );
     member.install();
     let runtime = Runtime::start_cluster_head(&options.config, session.clone(), address.clone())?;
-    runtime.endpoint()?.attach_net(link.clone());
+    runtime.endpoint().attach_net(link.clone());
     let _ = store_source.set(runtime.store_client()?.object_source()?);
     let binaries = Arc::new(BinaryCache::open(options.data_dir.join("binaries"))?);
     let log_dir = options.data_dir.join("logs");
     std::fs::create_dir_all(&log_dir)
         .map_err(|e| Error::System(format!("cannot create {}: {e}", log_dir.display())))?;
     let jobs_dir = options.data_dir.join("jobs");
-    let head = runtime.head.get().cloned().ok_or(Error::NotInitialised)?;
+    let head = runtime.head().cloned().ok_or(Error::NotInitialised)?;
     head.enable_cluster(
         Arc::new(ClusterHead {
             address: address.clone(),

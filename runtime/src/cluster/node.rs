@@ -12,7 +12,8 @@ use parking_lot::Mutex;
 use crate::error::{Error, Result};
 use crate::head::{SpawnEvents, SpawnRequest, Spawner, kill_process};
 use crate::ids::WorkerId;
-use crate::protocol::{Request, Response, WorkerExit};
+use crate::protocol::{HeadRequest, NodeRequest, Response, WorkerExit};
+use crate::runtime::Ending;
 use crate::runtime::Runtime;
 
 use super::binaries::BinaryCache;
@@ -52,11 +53,11 @@ impl NodeAgent {
     /// Handles a request from the head; `respond` gets the answer.
     pub(crate) fn handle(
         self: &Arc<Self>,
-        body: Request,
+        body: NodeRequest,
         respond: Box<dyn FnOnce(Response) + Send>,
     ) {
         match body {
-            Request::SpawnWorker { worker, env, job } => {
+            NodeRequest::SpawnWorker { worker, env, job } => {
                 // Fetching a binary may take a while: not on the connection's reader thread.
                 let agent = self.clone();
                 std::thread::spawn(move || {
@@ -66,45 +67,41 @@ impl NodeAgent {
                     })
                 });
             }
-            Request::KillProcess { pid } => {
+            NodeRequest::KillProcess { pid } => {
                 let ours = self.children.lock().values().any(|p| *p == Some(pid));
                 if ours {
                     kill_process(pid);
                 }
                 respond(Response::Done)
             }
-            Request::ProcessExited { worker } => {
+            NodeRequest::ProcessExited { worker } => {
                 if let Some(runtime) = self.runtime.upgrade() {
                     runtime.on_process_exit(worker);
                 }
                 respond(Response::Done)
             }
-            Request::StopNode { declared_dead: None } => {
+            NodeRequest::StopNode { declared_dead: None } => {
                 respond(Response::Done);
                 self.stop();
-                // The answer reaches the head (which waits for it) as the exit closes this
-                // process's connections gracefully (`close_on_exit`).
-                std::process::exit(0);
+                // `rtrun join`'s main exits; the answer reaches the head (which waits for it)
+                // as the exit closes this process's connections gracefully (`close_on_exit`).
+                self.end(Ending::Stopped);
             }
-            Request::StopNode { declared_dead: Some(reason) } => {
+            NodeRequest::StopNode { declared_dead: Some(reason) } => {
                 respond(Response::Done);
                 self.stop();
                 // The head gave this node up (it was paused or cut off past the heartbeat
                 // timeout) and has already restarted its actors elsewhere: rejoining under the
                 // old id could run them twice, so the node exits and a restarted `rtrun join`
                 // joins as a new node.
-                eprintln!(
+                self.end(Ending::HeadLost(format!(
                     "rtrun join: the head declared this node dead ({reason}); stopped its \
                      workers and exiting (restart `rtrun join` to rejoin as a new node)"
-                );
-                std::process::exit(crate::runtime::EXIT_HEAD_LOST);
+                )));
             }
-            request @ (Request::ReadLog { .. } | Request::ListLogs) => {
+            request @ (NodeRequest::ReadLog { .. } | NodeRequest::ListLogs) => {
                 respond(crate::logs::answer(&self.config.log_dir, &request))
             }
-            other => respond(Response::Error(Error::Invalid(format!(
-                "a node daemon does not answer {other:?}"
-            )))),
         }
     }
 
@@ -159,7 +156,13 @@ impl NodeAgent {
         }
     }
 
-    fn report(&self, request: Request) {
+    fn end(&self, ending: Ending) {
+        if let Some(runtime) = self.runtime.upgrade() {
+            runtime.end(ending);
+        }
+    }
+
+    fn report(&self, request: HeadRequest) {
         if let Some(runtime) = self.runtime.upgrade() {
             runtime.head_request(request, Box::new(|_| {}));
         }
@@ -169,7 +172,7 @@ impl NodeAgent {
 impl SpawnEvents for NodeAgent {
     fn on_spawned(&self, worker: WorkerId, pid: u32) {
         self.children.lock().insert(worker, Some(pid));
-        self.report(Request::WorkerSpawned { worker, pid });
+        self.report(HeadRequest::WorkerSpawned { worker, pid });
     }
 
     fn on_worker_exit(&self, worker: WorkerId, status: WorkerExit) {
@@ -177,7 +180,7 @@ impl SpawnEvents for NodeAgent {
         if let Some(runtime) = self.runtime.upgrade() {
             runtime.on_process_exit(worker);
         }
-        self.report(Request::WorkerExited { worker, status });
+        self.report(HeadRequest::WorkerExited { worker, status });
     }
 
     fn runtime(&self) -> Option<Arc<Runtime>> {

@@ -8,7 +8,9 @@ use serde::Serialize;
 
 use super::AppState;
 use crate::error::{Error, Result};
-use crate::protocol::{NodeInfo, Request, Response, StoreOp};
+use crate::protocol::{
+    HeadRequest, JobOutput, LogChunk, NodeInfo, NodeMemory, NodeRequest, Reply, Request, StoreOp,
+};
 use crate::runtime::Runtime;
 
 /// The bytes of a log shown at once (its end).
@@ -316,31 +318,24 @@ fn store_stats(
     }
     let request =
         Request::Store { holder: crate::store::holder_of(rt.worker_id), op: StoreOp::Stats };
-    match on_node(rt, node, request)? {
-        Response::StoreStats(memory) => Ok(Some(memory.stats)),
-        _ => Ok(None),
-    }
+    on_node::<Box<NodeMemory>>(rt, node, request).map(|memory| Some(memory.stats))
 }
 
 /// A request to `node`'s daemon (this process's own node answers in-process).
-fn on_node(rt: &Arc<Runtime>, node: &NodeInfo, request: Request) -> Result<Response> {
+fn on_node<R: Reply>(rt: &Arc<Runtime>, node: &NodeInfo, request: impl Into<Request>) -> Result<R> {
     if node.node == rt.node() {
-        return rt.node_call(request);
+        return rt.node_ask(request);
     }
-    let conn = rt.endpoint()?.connect(&node.address)?;
-    match rt.call_on(&conn, request)? {
-        Response::Error(e) => Err(e),
-        response => Ok(response),
-    }
+    let conn = rt.endpoint().connect(&node.address)?;
+    rt.ask_on(&conn, request)
 }
 
 /// The end of log `file` on `node`.
 fn log_tail(rt: &Arc<Runtime>, node: &NodeInfo, file: &str) -> Result<String> {
     let read = |offset: u64| -> Result<(Vec<u8>, u64)> {
-        match on_node(rt, node, Request::ReadLog { file: file.to_owned(), offset })? {
-            Response::LogChunk { bytes, size, .. } => Ok((bytes, size)),
-            other => Err(Error::Transport(format!("unexpected answer {other:?}"))),
-        }
+        let request = NodeRequest::ReadLog { file: file.to_owned(), offset };
+        let LogChunk { bytes, size, .. } = on_node(rt, node, request)?;
+        Ok((bytes, size))
     };
     let (first, size) = read(0)?;
     let bytes = if size <= first.len() as u64 { first } else { read(size - LOG_TAIL.min(size))?.0 };
@@ -388,10 +383,7 @@ pub(super) fn render_job(state: &AppState, name: &str) -> Result<String> {
     let mut text = Vec::new();
     let mut offset = 0;
     loop {
-        let (bytes, _) = match rt.head_call(Request::JobLogs { job: job.job, offset })? {
-            Response::Logs { bytes, job } => (bytes, job),
-            other => return Err(Error::Transport(format!("unexpected answer {other:?}"))),
-        };
+        let JobOutput { bytes, .. } = rt.call(HeadRequest::JobLogs { job: job.job, offset })?;
         if bytes.is_empty() {
             break;
         }

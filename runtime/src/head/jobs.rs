@@ -2,7 +2,7 @@
 //! working directory on disk), starting its driver, its log, stopping it. The core keeps each
 //! job's record (its driver's pid and exit are events like any worker's).
 
-use crate::error::{Error, Result};
+use crate::error::{Error, Missing, Result};
 use crate::ids::WorkerId;
 use crate::protocol::{JobInfo, JobState};
 
@@ -113,12 +113,8 @@ impl Head {
     pub(crate) fn job_logs(&self, job: u64, offset: u64, max: u64) -> Result<(Vec<u8>, JobInfo)> {
         let (log, info) = {
             let state = self.state.lock();
-            let entry = state
-                .core
-                .members
-                .jobs
-                .get(&job)
-                .ok_or_else(|| Error::Invalid(format!("no job {job}")))?;
+            let entry =
+                state.core.members.jobs.get(&job).ok_or(Error::NotFound(Missing::Job(job)))?;
             (entry.log.clone(), entry.info(job))
         };
         let bytes = read_from(&log, offset, max)?;
@@ -131,12 +127,8 @@ impl Head {
     pub(crate) fn stop_job(&self, job: u64) -> Result<JobInfo> {
         let (pid, info) = {
             let mut state = self.state.lock();
-            let entry = state
-                .core
-                .members
-                .jobs
-                .get_mut(&job)
-                .ok_or_else(|| Error::Invalid(format!("no job {job}")))?;
+            let entry =
+                state.core.members.jobs.get_mut(&job).ok_or(Error::NotFound(Missing::Job(job)))?;
             if entry.state != JobState::Running {
                 return Ok(entry.info(job));
             }

@@ -22,7 +22,7 @@ use parking_lot::Mutex;
 
 use crate::error::{Error, Result};
 use crate::ids::WorkerId;
-use crate::protocol::{Address, Frame, Outcome, Request, Response, WorkerExit};
+use crate::protocol::{Address, Frame, HeadRequest, NodeRequest, Outcome, Response, WorkerExit};
 use crate::runtime::Runtime;
 use crate::submit::PendingCall;
 use crate::transport::Connection;
@@ -234,20 +234,20 @@ impl Head {
     pub(crate) fn handle(
         &self,
         origin: Option<&Arc<Connection>>,
-        body: Request,
+        body: HeadRequest,
         responder: Responder,
     ) {
-        // Requests about jobs, logs and the cluster's end, answered outside the core.
+        // Requests about jobs and the cluster's end, answered outside the core.
         let body = match body {
-            Request::WorkerSpawned { worker, pid } => {
+            HeadRequest::WorkerSpawned { worker, pid } => {
                 self.on_spawned(worker, pid);
                 return responder.respond(Response::Done);
             }
-            Request::WorkerExited { worker, status } => {
+            HeadRequest::WorkerExited { worker, status } => {
                 self.on_worker_exit(worker, status);
                 return responder.respond(Response::Done);
             }
-            Request::SubmitJob { binary, args, env, submission_id, working_dir } => {
+            HeadRequest::SubmitJob { binary, args, env, submission_id, working_dir } => {
                 return responder.respond(
                     match self.submit_job(binary, args, env, submission_id, working_dir) {
                         Ok(info) => Response::Jobs(vec![info]),
@@ -255,39 +255,30 @@ impl Head {
                     },
                 );
             }
-            Request::StopJob { job } => {
+            HeadRequest::StopJob { job } => {
                 return responder.respond(match self.stop_job(job) {
                     Ok(info) => Response::Jobs(vec![info]),
                     Err(e) => Response::Error(e),
                 });
             }
-            request @ (Request::ReadLog { .. } | Request::ListLogs) => {
-                let dir = self.cluster.get().map(|c| c.log_dir.clone());
-                return responder.respond(match (dir, &request) {
-                    (Some(dir), _) => crate::logs::answer(&dir, &request),
-                    (None, Request::ListLogs) => Response::LogFiles(Vec::new()),
-                    (None, _) => Response::Error(Error::Invalid(
-                        "an embedded session keeps no log files (its workers print on the \
-                         driver's terminal)"
-                            .into(),
-                    )),
-                });
-            }
-            Request::JobLogs { job, offset } => {
+            HeadRequest::JobLogs { job, offset } => {
                 return responder.respond(match self.job_logs(job, offset, 1 << 20) {
                     Ok((bytes, info)) => Response::Logs { bytes, job: info },
                     Err(e) => Response::Error(e),
                 });
             }
-            Request::ListJobs => return responder.respond(Response::Jobs(self.jobs())),
-            Request::StopCluster => {
+            HeadRequest::ListJobs => return responder.respond(Response::Jobs(self.jobs())),
+            HeadRequest::StopCluster => {
                 responder.respond(Response::Done);
-                if let Some(weak) = self.weak.upgrade() {
+                if let Some(head) = self.weak.upgrade() {
                     std::thread::spawn(move || {
                         // Let the answer go out first.
                         std::thread::sleep(Duration::from_millis(200));
-                        weak.stop_cluster(STOP_ACK_TIMEOUT);
-                        std::process::exit(0);
+                        head.stop_cluster(STOP_ACK_TIMEOUT);
+                        // `rtrun head`'s main exits once it hears this.
+                        if let Some(runtime) = head.runtime() {
+                            runtime.end(crate::runtime::Ending::Stopped);
+                        }
                     });
                 }
                 return;
@@ -297,7 +288,9 @@ impl Head {
         // Only what a request creates needs to know its creator (its job and owner).
         let creates = matches!(
             body,
-            Request::CreateActor(_) | Request::SubmitTask(_) | Request::CreatePlacementGroup(_)
+            HeadRequest::CreateActor(_)
+                | HeadRequest::SubmitTask(_)
+                | HeadRequest::CreatePlacementGroup(_)
         );
         let from = Origin {
             conn: origin.map(|c| ConnToken(c.id())),
@@ -307,7 +300,7 @@ impl Head {
                 .and_then(|peer| crate::store::holder_of_address(&peer))
                 .map(|holder| WorkerId(holder.0)),
         };
-        let watch = matches!(body, Request::WaitActorAlive { .. });
+        let watch = matches!(body, HeadRequest::WaitActorAlive { .. });
         let actions = {
             let mut state = self.state.lock();
             let mut effects = if watch { state.sweep_abandoned_watches() } else { Vec::new() };
@@ -321,6 +314,23 @@ impl Head {
             state.resolve(effects, origin)
         };
         self.execute(actions);
+    }
+
+    /// Answers a request about the logs of the head's own node.
+    pub(crate) fn node_logs(&self, request: &NodeRequest) -> Response {
+        let dir = self.cluster.get().map(|c| c.log_dir.clone());
+        match (dir, request) {
+            (Some(dir), _) => crate::logs::answer(&dir, request),
+            (None, NodeRequest::ListLogs) => Response::LogFiles(Vec::new()),
+            (None, NodeRequest::ReadLog { .. }) => Response::Error(Error::Invalid(
+                "an embedded session keeps no log files (its workers print on the driver's \
+                 terminal)"
+                    .into(),
+            )),
+            (None, other) => Response::Error(Error::Invalid(format!(
+                "the control plane is not a node daemon; it cannot answer {other:?}"
+            ))),
+        }
     }
 
     /// Hands an event that came from no connection to the core and carries out its effects.
@@ -365,10 +375,11 @@ impl Head {
                     }
                 }
                 Action::Kill(node, pid) if node == self.local_node => kill_process(pid),
-                Action::Kill(node, pid) => self.send_to_node(node, Request::KillProcess { pid }),
+                Action::Kill(node, pid) => {
+                    self.send_to_node(node, NodeRequest::KillProcess { pid })
+                }
                 Action::Remember(address, conn) => {
-                    if let Some(endpoint) = self.runtime().and_then(|r| r.endpoint().ok().cloned())
-                    {
+                    if let Some(endpoint) = self.runtime().map(|r| r.endpoint().clone()) {
                         endpoint.remember(address, conn);
                     }
                 }

@@ -11,9 +11,9 @@ use rtrun_placement::NodeResources;
 use super::spawn::SpawnRequest;
 use super::{Event, Head};
 use crate::cluster::binaries::BinaryCache;
-use crate::error::{Error, Result};
+use crate::error::{Error, Missing, Result};
 use crate::ids::{NodeId, WorkerId};
-use crate::protocol::{Address, Request, Response, WorkerExit};
+use crate::protocol::{Address, NodeRequest, Request, Response, WorkerExit};
 
 /// What a cluster head needs besides the embedded control plane.
 pub(crate) struct ClusterHead {
@@ -86,10 +86,10 @@ impl Head {
     /// task, and a connection may have to be opened.
     pub(super) fn stop_dead_node(&self, address: Address, reason: String) {
         let Some(runtime) = self.runtime() else { return };
-        std::thread::spawn(move || match runtime.endpoint().and_then(|e| e.connect(&address)) {
+        std::thread::spawn(move || match runtime.endpoint().connect(&address) {
             Ok(conn) => runtime.request_on(
                 &conn,
-                Request::StopNode { declared_dead: Some(reason) },
+                Request::Node(NodeRequest::StopNode { declared_dead: Some(reason) }),
                 Box::new(|_| {}),
             ),
             Err(e) => tracing::debug!("cannot tell the dead node at {address}: {e}"),
@@ -133,7 +133,7 @@ impl Head {
         let worker = request.worker;
         let sent = self.node_request(
             node,
-            Request::SpawnWorker { worker, env: request.env, job: request.job },
+            NodeRequest::SpawnWorker { worker, env: request.env, job: request.job },
             Some(Box::new(move |head: &Head, response: Response| {
                 if let Response::Error(e) = response {
                     let why = WorkerExit::Lost(format!("its node could not start it: {e}"));
@@ -146,14 +146,10 @@ impl Head {
         }
     }
 
-    pub(super) fn send_to_node(&self, node: u64, request: Request) {
-        if node == self.local_node {
-            // Requests the head addresses to its own node are handled here.
-            if let Request::WorkerExited { worker, status } = request {
-                self.on_worker_exit(worker, status);
-            }
-            return;
-        }
+    /// Sends a request to a remote node's daemon, without waiting for its answer (the head's
+    /// own node has no daemon: its callers act on it directly).
+    pub(super) fn send_to_node(&self, node: u64, request: NodeRequest) {
+        debug_assert_ne!(node, self.local_node, "the head's own node has no daemon");
         if let Err(e) = self.node_request(node, request, None) {
             tracing::debug!(node = %NodeId(node), "request to a node failed: {e}");
         }
@@ -164,7 +160,7 @@ impl Head {
     fn node_request(
         &self,
         node: u64,
-        request: Request,
+        request: NodeRequest,
         on_answer: Option<Box<dyn FnOnce(&Head, Response) + Send>>,
     ) -> Result<()> {
         let runtime = self.runtime().ok_or(Error::NotInitialised)?;
@@ -175,17 +171,17 @@ impl Head {
                 .members
                 .nodes
                 .get(&node)
-                .ok_or_else(|| Error::Invalid(format!("no node {}", NodeId(node))))?;
+                .ok_or(Error::NotFound(Missing::Node(NodeId(node))))?;
             if let Some(reason) = &entry.dead {
                 return Err(Error::Transport(reason.clone()));
             }
             entry.address.clone()
         };
-        let conn = runtime.endpoint()?.connect(&address)?;
+        let conn = runtime.endpoint().connect(&address)?;
         let head = self.weak.clone();
         runtime.request_on(
             &conn,
-            request,
+            Request::Node(request),
             Box::new(move |response| {
                 if let (Some(on_answer), Some(head)) = (on_answer, head.upgrade()) {
                     on_answer(&head, response);
@@ -199,7 +195,7 @@ impl Head {
     pub(super) fn broadcast_exit(&self, worker: WorkerId) {
         let nodes = self.state.lock().core.members.live_remote_nodes();
         for node in nodes {
-            self.send_to_node(node, Request::ProcessExited { worker });
+            self.send_to_node(node, NodeRequest::ProcessExited { worker });
         }
     }
 
@@ -216,7 +212,7 @@ impl Head {
             });
             match self.node_request(
                 node,
-                Request::StopNode { declared_dead: None },
+                NodeRequest::StopNode { declared_dead: None },
                 Some(on_answer),
             ) {
                 Ok(()) => waiting += 1,

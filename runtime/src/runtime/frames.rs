@@ -2,14 +2,14 @@
 //! frame's stored values counted for this process; and what a closed connection means (a lost
 //! head ends a cluster process).
 
-use std::sync::{Arc, Weak};
+use std::sync::{Arc, OnceLock, Weak};
 
-use super::{EXIT_HEAD_LOST, ProcessKind, ResponseCallback, Runtime, outcome_to_result};
+use super::{Ending, ProcessRole, ResponseCallback, Runtime, outcome_to_result};
 use crate::error::{Error, Result};
 use crate::head::Responder;
 use crate::ids::WorkerId;
 use crate::object::Value;
-use crate::protocol::{Frame, Outcome, Request, Response};
+use crate::protocol::{Frame, HeadRequest, Outcome, OwnerRequest, Request, Response};
 use crate::store::Hold;
 use crate::submit::PendingCall;
 use crate::transport::{Connection, FrameHandler};
@@ -28,23 +28,36 @@ impl PendingRequest {
     }
 }
 
-pub(super) struct Handler(pub(super) Weak<Runtime>);
+/// The endpoint's handler: bound before the runtime exists (the endpoint is one of its
+/// parts), it serves the runtime once [`Handler::serve`] names it.
+#[derive(Default)]
+pub(super) struct Handler(OnceLock<Weak<Runtime>>);
+
+impl Handler {
+    pub(super) fn serve(&self, runtime: &Arc<Runtime>) {
+        let _ = self.0.set(Arc::downgrade(runtime));
+    }
+
+    fn runtime(&self) -> Option<Arc<Runtime>> {
+        self.0.get()?.upgrade()
+    }
+}
 
 impl FrameHandler for Handler {
     fn on_frame(&self, conn: &Arc<Connection>, frame: Frame) {
-        if let Some(runtime) = self.0.upgrade() {
+        if let Some(runtime) = self.runtime() {
             runtime.on_frame(conn, frame);
         }
     }
 
     fn on_close(&self, conn: &Arc<Connection>, reason: &str) {
-        if let Some(runtime) = self.0.upgrade() {
+        if let Some(runtime) = self.runtime() {
             runtime.on_close(conn, reason);
         }
     }
 
     fn on_sent(&self, conn: &Connection, frame: &Frame) {
-        if let Some(runtime) = self.0.upgrade() {
+        if let Some(runtime) = self.runtime() {
             runtime.on_sent(conn, frame);
         }
     }
@@ -53,7 +66,7 @@ impl FrameHandler for Handler {
         match frame {
             // Completing an actor call's slot wakes its waiters; a task reply to the head
             // would run the scheduler, which may block, so those stay on the thread.
-            Frame::Reply { call_id, .. } => self.0.upgrade().is_some_and(|runtime| {
+            Frame::Reply { call_id, .. } => self.runtime().is_some_and(|runtime| {
                 matches!(
                     runtime.calls.get(call_id).as_deref(),
                     Some(crate::submit::PendingCall::Actor(_))
@@ -62,7 +75,7 @@ impl FrameHandler for Handler {
             // A call to the actor this worker hosts only queues it for the actor's executor.
             Frame::Call(call) => {
                 matches!(call.target, crate::protocol::CallTarget::Actor { .. })
-                    && self.0.upgrade().is_some_and(|runtime| runtime.hosted.get().is_some())
+                    && self.runtime().is_some_and(|runtime| runtime.hosted().is_some())
             }
             _ => false,
         }
@@ -80,7 +93,7 @@ impl Runtime {
             if self.is_foreign(value) {
                 let home = value.home.clone().unwrap_or_default();
                 value.hold = Some(Hold::adopt_remote(self, home, value.id));
-            } else if let Some(store) = self.store.get() {
+            } else if let Some(store) = self.store() {
                 value.hold = Some(Hold::adopt(store, value.id));
             }
         });
@@ -89,13 +102,15 @@ impl Runtime {
             Frame::Call(call) => crate::worker::on_call(self, conn, call),
             Frame::Reply { call_id, outcome } => self.on_reply(call_id, outcome),
             Frame::Cancel { call_id } => {
-                if let Some(hosted) = self.hosted.get() {
+                if let Some(hosted) = self.hosted() {
                     hosted.cancel(call_id);
-                } else if let Some(tasks) = self.tasks.get() {
+                } else if let Some(tasks) = self.tasks() {
                     tasks.cancel(call_id);
                 }
             }
-            Frame::Request { req_id, body } => self.on_request(conn, req_id, body),
+            Frame::Request { req_id, body } => {
+                self.on_request(Some(conn), Responder::remote(conn.clone(), req_id), body)
+            }
             Frame::Response { req_id, body } => {
                 if let Some((_, pending)) = self.requests.remove(&req_id) {
                     pending.answer(body);
@@ -111,7 +126,7 @@ impl Runtime {
                 call.slot.complete(outcome_to_result(outcome))
             }
             Some((_, PendingCall::HeadTask)) => {
-                if let Some(head) = self.head.get() {
+                if let Some(head) = self.head() {
                     head.on_task_reply(call_id, outcome);
                 }
             }
@@ -119,10 +134,50 @@ impl Runtime {
         }
     }
 
-    fn on_request(self: &Arc<Self>, conn: &Arc<Connection>, req_id: u64, body: Request) {
-        let responder = Responder::remote(conn.clone(), req_id);
+    /// Routes a request to the service of this process that answers it; `origin` is the
+    /// connection it came on (None: from this process).
+    pub(super) fn on_request(
+        self: &Arc<Self>,
+        origin: Option<&Arc<Connection>>,
+        responder: Responder,
+        body: Request,
+    ) {
         match body {
-            Request::FetchObject { id } => match self.objects.find_slot(id) {
+            Request::Head(request) => match self.head() {
+                Some(head) => head.handle(origin, request, responder),
+                None => responder.respond(Response::Error(Error::Invalid(format!(
+                    "{} is not the control plane; cannot answer {request:?}",
+                    self.worker_id
+                )))),
+            },
+            Request::Node(request) => match (self.node_agent(), self.head()) {
+                (Some(agent), _) => agent.handle(request, Box::new(move |r| responder.respond(r))),
+                // The head serves its own node's logs.
+                (None, Some(head)) => responder.respond(head.node_logs(&request)),
+                (None, None) => responder.respond(Response::Error(Error::Invalid(format!(
+                    "{} is not a node daemon; cannot answer {request:?}",
+                    self.worker_id
+                )))),
+            },
+            Request::Store { holder, op: crate::protocol::StoreOp::Pull { id, from } } => {
+                // A transfer from another node: not on this connection's reader thread.
+                let runtime = self.clone();
+                std::thread::spawn(move || {
+                    responder.respond(
+                        match crate::cluster::pull_into_node(&runtime, id, &from, holder) {
+                            Ok(()) => Response::Done,
+                            Err(e) => Response::Error(e),
+                        },
+                    )
+                });
+            }
+            Request::Store { holder, op } => match self.store() {
+                Some(store) => responder.respond(store.handle_remote(self, holder, op)),
+                None => responder.respond(Response::Error(Error::ObjectStore(
+                    "this process has no object store".into(),
+                ))),
+            },
+            Request::Owner(OwnerRequest::FetchObject { id }) => match self.objects.find_slot(id) {
                 None => {
                     responder.respond(Response::Outcome(Outcome::Error(Error::ObjectFreed(id))))
                 }
@@ -138,53 +193,12 @@ impl Runtime {
                     }))
                 }),
             },
-            Request::Store { holder, op: crate::protocol::StoreOp::Pull { id, from } } => {
-                // A transfer from another node: not on this connection's reader thread.
-                let runtime = self.clone();
-                std::thread::spawn(move || {
-                    responder.respond(
-                        match crate::cluster::pull_into_node(&runtime, id, &from, holder) {
-                            Ok(()) => Response::Done,
-                            Err(e) => Response::Error(e),
-                        },
-                    )
-                });
-            }
-            Request::Store { holder, op } => match self.store.get() {
-                Some(store) => responder.respond(store.handle_remote(self, holder, op)),
-                None => responder.respond(Response::Error(Error::ObjectStore(
-                    "this process has no object store".into(),
-                ))),
-            },
-            Request::FreeObjects { ids } => {
+            Request::Owner(OwnerRequest::FreeObjects { ids }) => {
                 for id in ids {
                     self.objects.free_owned(id);
                 }
                 responder.respond(Response::Done);
             }
-            body @ (Request::SpawnWorker { .. }
-            | Request::KillProcess { .. }
-            | Request::ProcessExited { .. }
-            | Request::StopNode { .. }) => match self.node_agent.get() {
-                Some(agent) => agent.handle(body, Box::new(move |r| responder.respond(r))),
-                None => responder.respond(Response::Error(Error::Invalid(format!(
-                    "{} is not a node daemon; cannot answer {body:?}",
-                    self.worker_id
-                )))),
-            },
-            // A node's logs: its daemon's; the head serves its own node's.
-            body @ (Request::ReadLog { .. } | Request::ListLogs)
-                if let Some(agent) = self.node_agent.get() =>
-            {
-                agent.handle(body, Box::new(move |r| responder.respond(r)))
-            }
-            body => match self.head.get() {
-                Some(head) => head.handle(Some(conn), body, responder),
-                None => responder.respond(Response::Error(Error::Invalid(format!(
-                    "{} is not the control plane; cannot answer {body:?}",
-                    self.worker_id
-                )))),
-            },
         }
     }
 
@@ -196,7 +210,7 @@ impl Runtime {
                 tracing::warn!(object = %value.id, "a stored value was sent to a peer of unknown identity");
                 return;
             };
-            match (&value.home, self.store.get()) {
+            match (&value.home, self.store()) {
                 (Some(home), _) if self.is_foreign(value) => {
                     self.notify_store_at(home, crate::protocol::StoreOp::Lend { id: value.id, to: peer })
                 }
@@ -217,7 +231,7 @@ impl Runtime {
     /// Sends a store operation to the node daemon at `home` (answers are only logged).
     pub(crate) fn notify_store_at(&self, home: &str, op: crate::protocol::StoreOp) {
         let holder = crate::store::holder_of(self.worker_id);
-        match self.endpoint().and_then(|e| e.connect(&home.to_owned())) {
+        match self.endpoint().connect(&home.to_owned()) {
             Ok(conn) => self.request_on(
                 &conn,
                 Request::Store { holder, op },
@@ -243,11 +257,11 @@ impl Runtime {
         // after a connection attempt times out.
         if let Ok(crate::transport::Route::Quic { node, .. }) =
             crate::transport::Route::parse(&home)
-            && let Err(e) = self.head_call(Request::NodeAlive { node })
+            && let Err(e) = self.head_call(HeadRequest::NodeAlive { node })
         {
             return Err(lost(format!("its node is gone: {e}")));
         }
-        if let Some(store) = self.store.get() {
+        if let Some(store) = self.store() {
             let op = crate::protocol::StoreOp::Pull { id: stored.id, from: home.clone() };
             self.node_call(Request::Store { holder: crate::store::holder_of(self.worker_id), op })
                 .map_err(|e| lost(format!("copying it from {home}: {e}")))?;
@@ -263,7 +277,7 @@ impl Runtime {
     fn on_close(self: &Arc<Self>, conn: &Arc<Connection>, reason: &str) {
         // First, so that no caller that would see its request fail can exit with another code.
         // The head learns of worker deaths from the reaper (waitpid), not from closed sockets.
-        if self.head_connection.get().is_some_and(|h| h.id() == conn.id()) {
+        if self.head_connection().is_some_and(|h| h.id() == conn.id()) {
             self.on_head_lost(conn, reason);
         }
         let failed: Vec<u64> =
@@ -278,7 +292,7 @@ impl Runtime {
         }
         self.submitters.on_connection_closed(self, conn);
         // A driver of a cluster went away: its job's actors go with it.
-        if let Some(head) = self.head.get()
+        if let Some(head) = self.head()
             && let Some(holder) = conn.peer().as_deref().and_then(crate::store::holder_of_address)
         {
             head.on_driver_gone(WorkerId(holder.0));
@@ -292,14 +306,16 @@ impl Runtime {
     }
 
     /// The connection to the control plane closed. A process of a cluster cannot go on
-    /// without it: it says so and exits with [`EXIT_HEAD_LOST`] (schedulers, CI and
-    /// Kubernetes read exit codes), a node daemon after stopping its workers. A worker of an
-    /// embedded session exits quietly: its driver leaving is how a session ends.
+    /// without it: its part in the session ends with [`Ending::HeadLost`] (its main exits
+    /// with [`EXIT_HEAD_LOST`](super::EXIT_HEAD_LOST): schedulers, CI and Kubernetes read exit
+    /// codes), a node daemon's after stopping its workers. A worker of an embedded session
+    /// ends quietly: its driver leaving is how a session ends.
     pub(super) fn on_head_lost(&self, conn: &Connection, reason: &str) {
+        let Some(role) = self.role() else { return };
         let expected = self.head_exit_expected.load(std::sync::atomic::Ordering::Acquire);
         if expected || crate::cluster::exiting() {
-            if self.kind == ProcessKind::Worker {
-                std::process::exit(0);
+            if let ProcessRole::Worker(_) = role {
+                self.end(Ending::Stopped);
             }
             return;
         }
@@ -308,30 +324,28 @@ impl Runtime {
             Ok(crate::transport::Route::Quic { addr, .. }) => addr.to_string(),
             _ => peer,
         };
-        let message = match self.kind {
-            ProcessKind::Worker if crate::cluster::member().is_none() => std::process::exit(0),
-            ProcessKind::EmbeddedDriver | ProcessKind::ClusterHead => return,
-            ProcessKind::Worker => {
+        let message = match role {
+            ProcessRole::Worker(_) if crate::cluster::member().is_none() => {
+                return self.end(Ending::Stopped);
+            }
+            ProcessRole::ControlPlane { .. } => return,
+            ProcessRole::Worker(_) => {
                 format!(
                     "worker {}: lost the connection to the cluster head at {head}: {reason}; exiting",
                     self.worker_id
                 )
             }
-            ProcessKind::NodeDaemon => {
-                if let Some(agent) = self.node_agent.get() {
-                    agent.stop();
-                }
+            ProcessRole::NodeDaemon { agent, .. } => {
+                agent.stop();
                 format!(
                     "rtrun join: lost the connection to the cluster head at {head}: {reason}; \
                      stopped this node's workers and exiting (restart `rtrun join` to rejoin)"
                 )
             }
-            ProcessKind::ClusterDriver => {
+            ProcessRole::ClusterDriver { .. } => {
                 format!("rtrun: lost the connection to the cluster head at {head}: {reason}")
             }
         };
-        // Printed, not only logged: the process ends here, and it may have no log subscriber.
-        eprintln!("{message}");
-        std::process::exit(EXIT_HEAD_LOST);
+        self.end(Ending::HeadLost(message));
     }
 }

@@ -6,7 +6,11 @@
 
 mod frames;
 mod requests;
+mod role;
 mod start;
+
+pub use role::{EXIT_HEAD_LOST, Ending};
+pub(crate) use role::{ProcessRole, WorkerRole};
 
 use frames::PendingRequest;
 
@@ -18,14 +22,13 @@ use dashmap::DashMap;
 
 use crate::context::RuntimeContext;
 use crate::error::{Error, Result};
-use crate::head::Head;
 use crate::ids::{Counter, NodeId, ObjectId, WorkerId};
 use crate::object::{ObjectRef, ObjectTable, Slot, Value};
 use crate::protocol::{Address, Outcome, Response};
 use crate::store::StoreClient;
 use crate::submit::{PendingCall, Submitters};
-use crate::transport::{Connection, Endpoint, TransportConfig};
-use crate::worker::{HostedActor, TaskExecutor, WorkerSpec};
+use crate::transport::{Endpoint, TransportConfig};
+use crate::worker::WorkerSpec;
 
 /// Settings for [`init_with`] (Ray's `ray.init(...)` arguments).
 #[derive(Debug, Clone, Default)]
@@ -121,7 +124,7 @@ pub fn run_worker_if_requested() {
 
 /// Stops every worker process of an embedded session. Later calls fail.
 pub fn shutdown() {
-    if let Some(head) = current().ok().and_then(|runtime| runtime.head.get()) {
+    if let Some(head) = current().ok().and_then(|runtime| runtime.head()) {
         head.shutdown();
     }
 }
@@ -143,29 +146,12 @@ pub(crate) fn failed_ref<T>(error: Error) -> ObjectRef<T> {
 
 pub(super) type ResponseCallback = Box<dyn FnOnce(Response) + Send>;
 
-/// The exit code of a process that lost its cluster head, or that the head declared dead
-/// (`EX_TEMPFAIL` of sysexits.h: restarting it later may succeed; a restarted `rtrun join`
-/// joins as a new node).
-pub const EXIT_HEAD_LOST: i32 = 75;
-
-/// What this process is in its session; decides what losing the head means for it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum ProcessKind {
-    /// The driver of an embedded session: its own control plane.
-    EmbeddedDriver,
-    /// `rtrun head`.
-    ClusterHead,
-    /// `rtrun join`.
-    NodeDaemon,
-    /// A driver or command-line client of a cluster.
-    ClusterDriver,
-    /// A worker process, of an embedded session or of a cluster.
-    Worker,
-}
-
 /// One process's runtime.
 pub struct Runtime {
-    kind: ProcessKind,
+    /// What this process is, with what that role holds; set once as it starts.
+    role: OnceLock<ProcessRole>,
+    /// How this process's part in the session ended, once it has.
+    ended: role::EndSignal,
     /// Set when this process asked the head to exit (`rtrun stop`): its going is no error.
     head_exit_expected: std::sync::atomic::AtomicBool,
     pub(crate) session: String,
@@ -174,22 +160,12 @@ pub struct Runtime {
     address: Address,
     object_prefix: u64,
     counter: Counter,
-    endpoint: OnceLock<Arc<Endpoint>>,
+    endpoint: Arc<Endpoint>,
     pub(crate) objects: ObjectTable,
     pub(crate) calls: DashMap<u64, PendingCall>,
     pub(crate) submitters: Submitters,
     requests: DashMap<u64, PendingRequest>,
-    pub(crate) head: OnceLock<Arc<Head>>,
-    head_connection: OnceLock<Arc<Connection>>,
-    /// A cluster worker's connection to its node daemon (store operations go there).
-    node_connection: OnceLock<Arc<Connection>>,
-    /// A node daemon's worker supervision.
-    node_agent: OnceLock<Arc<crate::cluster::node::NodeAgent>>,
-    pub(crate) hosted: OnceLock<Arc<dyn HostedActor>>,
-    pub(crate) tasks: OnceLock<Arc<TaskExecutor>>,
     pub(crate) actor_context: parking_lot::Mutex<Option<crate::protocol::ActorStart>>,
-    /// This process's access to the node's object store.
-    store: OnceLock<Arc<StoreClient>>,
     namespace: String,
     tokio: tokio::runtime::Runtime,
 }
@@ -237,8 +213,8 @@ impl Runtime {
         &self.address
     }
 
-    pub(crate) fn endpoint(&self) -> Result<&Arc<Endpoint>> {
-        self.endpoint.get().ok_or(Error::NotInitialised)
+    pub(crate) fn endpoint(&self) -> &Arc<Endpoint> {
+        &self.endpoint
     }
 
     pub(crate) fn tokio(&self) -> &tokio::runtime::Runtime {
@@ -287,7 +263,7 @@ impl Runtime {
 
     /// This process's access to the node's object store.
     pub(crate) fn store_client(&self) -> Result<&Arc<StoreClient>> {
-        self.store.get().ok_or_else(|| {
+        self.store().ok_or_else(|| {
             Error::ObjectStore("this process is not attached to its node's object store".into())
         })
     }
@@ -302,7 +278,7 @@ impl Runtime {
         if !refs.is_empty() {
             return Ok(Value::Nested { bytes: Arc::new(bytes), refs: Arc::new(refs) });
         }
-        match self.store.get() {
+        match self.store() {
             Some(store) if bytes.len() > store.max_inline() => {
                 Ok(Value::Stored(store.put_bytes(self.new_object_id(), &bytes)?))
             }
@@ -340,7 +316,7 @@ impl Runtime {
         write: impl FnOnce(&mut [u8]) -> Result<()>,
     ) -> Result<ObjectRef<T>> {
         let id = self.new_object_id();
-        let value = match self.store.get() {
+        let value = match self.store() {
             Some(store) if size > store.max_inline() as u64 => {
                 Value::Stored(store.put_with(id, size, write)?)
             }
@@ -364,14 +340,14 @@ impl Runtime {
 
     /// A worker process exited: the node releases its store references and pins.
     pub(crate) fn on_process_exit(&self, worker: WorkerId) {
-        if let Some(store) = self.store.get() {
+        if let Some(store) = self.store() {
             store.process_exited(crate::store::holder_of(worker));
         }
     }
 
     /// The arena fd and environment that a spawned worker needs to attach to the store.
     pub(crate) fn store_inheritance(&self) -> Option<(std::os::fd::RawFd, Vec<(String, String)>)> {
-        self.store.get().map(|store| store.inheritance())
+        self.store().map(|store| store.inheritance())
     }
 
     /// Blocks the calling thread until `deadline` or until `condition` holds, polling.

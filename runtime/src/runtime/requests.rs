@@ -11,47 +11,57 @@ use crate::error::{Error, Result};
 use crate::head::Responder;
 use crate::ids::{ActorId, ObjectId};
 use crate::object::{ObjectRef, Slot};
-use crate::protocol::{Address, ClusterInfo, Frame, ObjectLocator, Reply, Request, Response};
+use crate::protocol::{
+    Address, ClusterInfo, Frame, HeadRequest, ObjectLocator, Outcome, OwnerRequest, Reply, Request,
+    Response,
+};
 use crate::task::TaskSpec;
 use crate::transport::Connection;
 
 impl Runtime {
     /// Sends a request to the control plane; `callback` gets the response (or an error response
     /// when the head connection closes first).
-    pub(crate) fn head_request(self: &Arc<Self>, body: Request, callback: ResponseCallback) {
-        if let Some(head) = self.head.get() {
+    pub(crate) fn head_request(self: &Arc<Self>, body: HeadRequest, callback: ResponseCallback) {
+        if let Some(head) = self.head() {
             head.handle(None, body, Responder::local(callback));
             return;
         }
-        match self.head_connection.get() {
-            Some(conn) => self.request_on(conn, body, callback),
+        match self.head_connection() {
+            Some(conn) => self.request_on(conn, Request::Head(body), callback),
             None => callback(Response::Error(Error::NotInitialised)),
         }
     }
 
-    /// Sends a request to this process's node (its store): the node daemon's connection in a
-    /// cluster worker, else the control plane's (which is also the node).
-    pub(crate) fn node_request(self: &Arc<Self>, body: Request, callback: ResponseCallback) {
-        match self.node_connection.get() {
+    /// Sends a request to this process's node (its store, its logs): on the node daemon's
+    /// connection in a cluster worker, on the head's in a worker of an embedded session (its
+    /// driver holds the node); in the process that holds the node (an embedded driver, a
+    /// head, a node daemon) it is answered here.
+    pub(crate) fn node_request(
+        self: &Arc<Self>,
+        body: impl Into<Request>,
+        callback: ResponseCallback,
+    ) {
+        let body = body.into();
+        match self.worker().map(|worker| worker.node.as_ref().unwrap_or(&worker.head)) {
             Some(conn) => self.request_on(conn, body, callback),
-            None => self.head_request(body, callback),
+            None => self.on_request(None, Responder::local(callback), body),
         }
     }
 
     /// Like [`Runtime::node_request`], blocking for the answer.
-    pub(crate) fn node_call(self: &Arc<Self>, body: Request) -> Result<Response> {
+    pub(crate) fn node_call(self: &Arc<Self>, body: impl Into<Request>) -> Result<Response> {
         wait_response("the node", |callback| self.node_request(body, callback))
     }
 
     /// Sends a request to the control plane and blocks for the response. Never call this from a
     /// connection's reader thread.
-    pub(crate) fn head_call(self: &Arc<Self>, body: Request) -> Result<Response> {
+    pub(crate) fn head_call(self: &Arc<Self>, body: HeadRequest) -> Result<Response> {
         let result =
             wait_response("the control plane", |callback| self.head_request(body, callback));
         // A request that failed because the head's connection closed (before its reader
         // thread got to say so) ends the process the same way.
         if let Err(e) = &result
-            && let Some(conn) = self.head_connection.get().filter(|c| c.is_closed())
+            && let Some(conn) = self.head_connection().filter(|c| c.is_closed())
         {
             self.on_head_lost(conn, &e.to_string());
         }
@@ -59,13 +69,31 @@ impl Runtime {
     }
 
     /// Sends a request to the control plane and blocks for its typed answer (see [`Reply`]).
-    pub(crate) fn call<R: Reply>(self: &Arc<Self>, body: Request) -> Result<R> {
+    pub(crate) fn call<R: Reply>(self: &Arc<Self>, body: HeadRequest) -> Result<R> {
         self.head_call(body).and_then(R::from_response)
     }
 
     /// Sends a request on `conn` and blocks for the response.
-    pub(crate) fn call_on(&self, conn: &Arc<Connection>, body: Request) -> Result<Response> {
-        wait_response("the peer", |callback| self.request_on(conn, body, callback))
+    pub(crate) fn call_on(
+        &self,
+        conn: &Arc<Connection>,
+        body: impl Into<Request>,
+    ) -> Result<Response> {
+        wait_response("the peer", |callback| self.request_on(conn, body.into(), callback))
+    }
+
+    /// Sends a request on `conn` and blocks for its typed answer (see [`Reply`]).
+    pub(crate) fn ask_on<R: Reply>(
+        &self,
+        conn: &Arc<Connection>,
+        body: impl Into<Request>,
+    ) -> Result<R> {
+        self.call_on(conn, body).and_then(R::from_response)
+    }
+
+    /// Sends a request to this process's node and blocks for its typed answer.
+    pub(crate) fn node_ask<R: Reply>(self: &Arc<Self>, body: impl Into<Request>) -> Result<R> {
+        self.node_call(body).and_then(R::from_response)
     }
 
     /// Sends a request on `conn`.
@@ -92,7 +120,7 @@ impl Runtime {
 
     /// Fetches an object's value from its owner into `slot`.
     pub(crate) fn fetch_object(&self, id: ObjectId, owner: &Address, slot: Arc<Slot>) {
-        let conn = match self.endpoint().and_then(|e| e.connect(owner)) {
+        let conn = match self.endpoint().connect(owner) {
             Ok(conn) => conn,
             Err(e) => {
                 slot.complete(Err(Error::ObjectLost {
@@ -104,13 +132,9 @@ impl Runtime {
         };
         self.request_on(
             &conn,
-            Request::FetchObject { id },
+            Request::Owner(OwnerRequest::FetchObject { id }),
             Box::new(move |response| {
-                let result = match response {
-                    Response::Outcome(outcome) => outcome_to_result(outcome),
-                    Response::Error(e) => Err(e),
-                    other => Err(Error::Transport(format!("unexpected fetch response {other:?}"))),
-                };
+                let result = Outcome::from_response(response).and_then(outcome_to_result);
                 let result = result.map_err(|e| match e {
                     Error::Transport(reason) => Error::ObjectLost { id, reason },
                     e => e,
@@ -124,10 +148,10 @@ impl Runtime {
     pub(crate) fn free_object(&self, locator: &ObjectLocator) {
         if &locator.owner == self.address() {
             self.objects.free_owned(locator.id);
-        } else if let Ok(conn) = self.endpoint().and_then(|e| e.connect(&locator.owner)) {
+        } else if let Ok(conn) = self.endpoint().connect(&locator.owner) {
             self.request_on(
                 &conn,
-                Request::FreeObjects { ids: vec![locator.id] },
+                Request::Owner(OwnerRequest::FreeObjects { ids: vec![locator.id] }),
                 Box::new(|_| {}),
             );
         }
@@ -143,7 +167,7 @@ impl Runtime {
         if spec.options.namespace.is_none() && spec.options.name.is_some() {
             spec.options.namespace = Some(self.namespace.clone());
         }
-        self.call(Request::CreateActor(Box::new(spec)))
+        self.call(HeadRequest::CreateActor(Box::new(spec)))
     }
 
     pub(crate) fn get_actor_by_name(
@@ -152,29 +176,29 @@ impl Runtime {
         namespace: Option<&str>,
     ) -> Result<ActorInfo> {
         let namespace = namespace.unwrap_or(&self.namespace).to_owned();
-        self.call(Request::GetActorByName { name: name.to_owned(), namespace })
+        self.call(HeadRequest::GetActorByName { name: name.to_owned(), namespace })
     }
 
     /// Every actor the control plane knows, dead ones included.
     pub(crate) fn list_actors(self: &Arc<Self>) -> Result<Vec<crate::protocol::ActorSummary>> {
-        self.call(Request::ListActors)
+        self.call(HeadRequest::ListActors)
     }
 
     /// Every live placement group.
     pub(crate) fn list_placement_groups(
         self: &Arc<Self>,
     ) -> Result<Vec<crate::placement_group::PlacementGroupState>> {
-        self.call(Request::ListPlacementGroups)
+        self.call(HeadRequest::ListPlacementGroups)
     }
 
     /// Every submitted job.
     pub(crate) fn list_jobs(self: &Arc<Self>) -> Result<Vec<crate::protocol::JobInfo>> {
-        self.call(Request::ListJobs)
+        self.call(HeadRequest::ListJobs)
     }
 
     /// Whether this process holds the control plane (a cluster head or an embedded driver).
     pub(crate) fn holds_control_plane(&self) -> bool {
-        self.head.get().is_some()
+        self.head().is_some()
     }
 
     /// The object store's snapshot when this process is a node (its store lives here).
@@ -189,7 +213,7 @@ impl Runtime {
     }
 
     pub(crate) fn kill_actor(self: &Arc<Self>, actor: ActorId, no_restart: bool) -> Result<()> {
-        self.call(Request::KillActor { actor, no_restart })
+        self.call(HeadRequest::KillActor { actor, no_restart })
     }
 
     /// Submits a task; its result arrives as the head's response.
@@ -208,17 +232,10 @@ impl Runtime {
         let spec = TaskSpec { task: id, function, args, options };
         let slot = Arc::new(Slot::default());
         let object = self.objects.create_owned(self, id, slot.clone());
-        let target = spec.function.clone();
         self.head_request(
-            Request::SubmitTask(Box::new(spec)),
+            HeadRequest::SubmitTask(Box::new(spec)),
             Box::new(move |response| {
-                slot.complete(match response {
-                    Response::Outcome(outcome) => outcome_to_result(outcome),
-                    Response::Error(e) => Err(e),
-                    other => Err(Error::Transport(format!(
-                        "unexpected response to task {target}: {other:?}"
-                    ))),
-                })
+                slot.complete(Outcome::from_response(response).and_then(outcome_to_result))
             }),
         );
         ObjectRef::from_local(object)
@@ -226,7 +243,7 @@ impl Runtime {
 
     /// A summary of the cluster's resources and workers.
     pub fn cluster_info(self: &Arc<Self>) -> Result<ClusterInfo> {
-        self.call(Request::ClusterInfo)
+        self.call(HeadRequest::ClusterInfo)
     }
 }
 

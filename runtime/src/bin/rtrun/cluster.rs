@@ -132,9 +132,8 @@ pub fn head(
     let _metrics = node.serve_metrics(bind)?;
     let _dashboard = dashboard.serve()?;
     std::io::stdout().flush()?;
-    loop {
-        std::thread::park();
-    }
+    // Runs until `rtrun stop` has stopped every node.
+    rtrun::current()?.wait_for_end().exit()
 }
 
 /// The web dashboard of a head.
@@ -193,10 +192,8 @@ pub fn join(
     let ip = bind_ip.unwrap_or(IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED));
     let _metrics = node.serve_metrics(ip)?;
     std::io::stdout().flush()?;
-    // The daemon exits when the head's connection closes or the head stops it.
-    loop {
-        std::thread::park();
-    }
+    // The daemon runs until the head stops it, declares it dead, or its connection is lost.
+    runtime.wait_for_end().exit()
 }
 
 /// How to reach the cluster from a command.

@@ -5,7 +5,8 @@
 use rtrun::ActorInfo;
 use rtrun::cluster::Client;
 use rtrun::placement_group::PlacementGroupState;
-use rtrun::protocol::{ActorSummary, ClusterInfo, JobInfo, NodeMemory, Request, Response};
+use rtrun::protocol::{ActorSummary, ClusterInfo, HeadRequest, JobInfo, NodeMemory};
+use rtrun::session::ask;
 
 /// The control plane a state query goes to.
 pub enum Inspect {
@@ -15,23 +16,12 @@ pub enum Inspect {
     Session(String),
 }
 
-fn unexpected(response: Response) -> anyhow::Error {
-    anyhow::anyhow!("unexpected answer from the session: {response:?}")
-}
-
 impl Inspect {
-    fn ask(session: &str, request: Request) -> anyhow::Result<Response> {
-        Ok(rtrun::session::query(session, request)?)
-    }
-
     /// Nodes, resources and counts.
     pub fn status(&self) -> anyhow::Result<ClusterInfo> {
         match self {
             Inspect::Cluster(client) => Ok(client.status()?),
-            Inspect::Session(s) => match Self::ask(s, Request::ClusterInfo)? {
-                Response::ClusterInfo(info) => Ok(info),
-                other => Err(unexpected(other)),
-            },
+            Inspect::Session(s) => Ok(ask(s, HeadRequest::ClusterInfo)?),
         }
     }
 
@@ -39,10 +29,7 @@ impl Inspect {
     pub fn actors(&self) -> anyhow::Result<Vec<ActorSummary>> {
         match self {
             Inspect::Cluster(client) => Ok(client.actors()?),
-            Inspect::Session(s) => match Self::ask(s, Request::ListActors)? {
-                Response::Actors(actors) => Ok(actors),
-                other => Err(unexpected(other)),
-            },
+            Inspect::Session(s) => Ok(ask(s, HeadRequest::ListActors)?),
         }
     }
 
@@ -50,10 +37,7 @@ impl Inspect {
     pub fn placement_groups(&self) -> anyhow::Result<Vec<PlacementGroupState>> {
         match self {
             Inspect::Cluster(client) => Ok(client.placement_groups()?),
-            Inspect::Session(s) => match Self::ask(s, Request::ListPlacementGroups)? {
-                Response::PlacementGroups(groups) => Ok(groups),
-                other => Err(unexpected(other)),
-            },
+            Inspect::Session(s) => Ok(ask(s, HeadRequest::ListPlacementGroups)?),
         }
     }
 
@@ -83,15 +67,12 @@ impl Inspect {
         match self {
             Inspect::Cluster(client) => Ok(client.kill_actor(name, namespace, restart)?),
             Inspect::Session(s) => {
-                let lookup = Request::GetActorByName {
+                let lookup = HeadRequest::GetActorByName {
                     name: name.to_owned(),
                     namespace: namespace.to_owned(),
                 };
-                let info = match Self::ask(s, lookup)? {
-                    Response::Actor(info) => info,
-                    other => return Err(unexpected(other)),
-                };
-                Self::ask(s, Request::KillActor { actor: info.id, no_restart: !restart })?;
+                let info: ActorInfo = ask(s, lookup)?;
+                ask::<()>(s, HeadRequest::KillActor { actor: info.id, no_restart: !restart })?;
                 Ok(info)
             }
         }

@@ -7,7 +7,7 @@ use super::{
     ActorEntry, ActorState, Effect, HeadCore, Lineage, Origin, ReplyToken, WorkerRole, groups,
 };
 use crate::actor::{ActorInfo, ActorSpec};
-use crate::error::{Error, Result};
+use crate::error::{Error, Missing, Result};
 use crate::head::config::{NOSET_CUDA_VISIBLE_DEVICES_ENV, opt_out};
 use crate::ids::ActorId;
 use crate::protocol::Response;
@@ -45,10 +45,7 @@ impl HeadCore {
                 let live = self.names.get(&key).and_then(|&id| Some((id, self.actors.get(&id)?)));
                 if let Some((id, existing)) = live {
                     if !options.get_if_exists {
-                        return Err(Error::Invalid(format!(
-                            "an actor named `{}` already exists in namespace `{}`",
-                            key.1, key.0
-                        )));
+                        return Err(Error::NameTaken { name: key.1, namespace: key.0 });
                     }
                     if existing.spec.type_name != spec.type_name {
                         return Err(Error::Invalid(format!(
@@ -120,7 +117,7 @@ impl HeadCore {
         reply: ReplyToken,
     ) -> Option<Response> {
         let Some(entry) = self.actors.get_mut(&actor) else {
-            return Some(Response::Error(Error::Invalid(format!("no actor with id {actor}"))));
+            return Some(Response::Error(Error::NotFound(Missing::Actor(actor))));
         };
         match &entry.state {
             ActorState::Alive { address, .. } if after.is_none_or(|a| entry.incarnation > a) => {
@@ -185,10 +182,7 @@ impl HeadCore {
         no_restart: bool,
         effects: &mut Vec<Effect>,
     ) -> Result<()> {
-        let entry = self
-            .actors
-            .get_mut(&actor)
-            .ok_or_else(|| Error::Invalid(format!("no actor with id {actor}")))?;
+        let entry = self.actors.get_mut(&actor).ok_or(Error::NotFound(Missing::Actor(actor)))?;
         if no_restart {
             entry.killed = true;
             entry.death_reason = Some("it was killed".into());

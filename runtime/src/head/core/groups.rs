@@ -11,7 +11,7 @@ use rtrun_placement::{
 };
 
 use super::{ActorState, Effect, GroupOwner, HeadCore, ReplyToken};
-use crate::error::{Error, Result};
+use crate::error::{Error, Missing, Result};
 use crate::ids::ActorId;
 use crate::placement_group::{
     BundleSchedule, PlacementGroupOptions, PlacementGroupState, PlacementGroupStatus,
@@ -62,9 +62,7 @@ impl HeadCore {
         match self.group_state(group) {
             None => effects.push(Effect::Respond(
                 reply,
-                Response::Error(Error::Invalid(format!(
-                    "no placement group {group}: it was removed or never existed"
-                ))),
+                Response::Error(Error::NotFound(Missing::Group(group))),
             )),
             Some(state) if state.status == PlacementGroupStatus::Created => {
                 effects.push(Effect::Respond(reply, Response::PlacementGroup(Box::new(state))))
@@ -117,9 +115,7 @@ impl HeadCore {
     /// bundles, and lets pending work use what was freed.
     pub(super) fn remove_group(&mut self, group: GroupId, effects: &mut Vec<Effect>) -> Result<()> {
         let removed = self.cluster.remove_group(group).map_err(|e| match e {
-            PlacementError::UnknownGroup(_) => Error::Invalid(format!(
-                "no placement group {group}: it was removed or never existed"
-            )),
+            PlacementError::UnknownGroup(_) => Error::NotFound(Missing::Group(group)),
             e => Error::Invalid(e.to_string()),
         })?;
         self.pending_groups.remove(&group);
@@ -128,10 +124,10 @@ impl HeadCore {
         for reply in self.group_waiters.remove(&group).unwrap_or_default() {
             effects.push(Effect::Respond(
                 reply,
-                Response::Error(Error::Invalid(format!(
-                    "placement group `{}` was removed before it was created",
-                    removed.name
-                ))),
+                Response::Error(Error::GroupRemoved {
+                    name: removed.name.clone(),
+                    when: " before it was created".into(),
+                }),
             ));
         }
         let released: BTreeSet<_> = removed.released.iter().map(|a| a.id).collect();
@@ -220,7 +216,7 @@ impl HeadCore {
         self.cluster
             .group_by_name(name)
             .and_then(|id| self.group_state(id))
-            .ok_or_else(|| Error::Invalid(format!("no placement group named `{name}`")))
+            .ok_or_else(|| Error::NotFound(Missing::GroupName(name.to_owned())))
     }
 
     pub(super) fn list_groups(&self) -> Vec<PlacementGroupState> {

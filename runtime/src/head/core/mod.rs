@@ -25,9 +25,9 @@ use rtrun_placement::{
 };
 
 use crate::actor::ActorSpec;
-use crate::error::{Error, Result};
+use crate::error::{Error, Missing, Result};
 use crate::ids::{ActorId, NodeId, WorkerId};
-use crate::protocol::{Address, Frame, Outcome, Request, Response, WorkerExit};
+use crate::protocol::{Address, Frame, HeadRequest, Outcome, Response, WorkerExit};
 use crate::task::TaskSpec;
 
 pub(crate) use members::{JobEntry, Members};
@@ -61,7 +61,7 @@ pub(crate) struct Origin {
 pub(crate) enum Event {
     /// A control-plane request (actors, tasks, placement groups, the key-value store, views),
     /// answered once with [`Effect::Respond`] to `reply`.
-    Request { reply: ReplyToken, body: Request },
+    Request { reply: ReplyToken, body: HeadRequest },
     /// A worker's (or a submitted job driver's) process started.
     WorkerSpawned { worker: WorkerId, pid: u32 },
     /// A worker's (or a submitted job driver's) process ended.
@@ -354,61 +354,61 @@ impl HeadCore {
         &mut self,
         from: Origin,
         reply: ReplyToken,
-        body: Request,
+        body: HeadRequest,
         effects: &mut Vec<Effect>,
     ) {
         let response = match body {
-            Request::RegisterWorker { worker, address, pid } => {
+            HeadRequest::RegisterWorker { worker, address, pid } => {
                 match self.register_worker(from, worker, address, pid, effects) {
                     Ok(assignment) => Response::Assignment(assignment),
                     Err(e) => Response::Error(e),
                 }
             }
-            Request::ActorStarted { actor, incarnation, result } => {
+            HeadRequest::ActorStarted { actor, incarnation, result } => {
                 self.actor_started(actor, incarnation, result, effects);
                 Response::Done
             }
-            Request::CreateActor(spec) => {
+            HeadRequest::CreateActor(spec) => {
                 let lineage = self.lineage_of(from);
                 match self.create_actor(*spec, lineage, effects) {
                     Ok(info) => Response::Actor(info),
                     Err(e) => Response::Error(e),
                 }
             }
-            Request::GetActorByName { name, namespace } => self.actor_by_name(name, namespace),
-            Request::WaitActorAlive { actor, after } => {
+            HeadRequest::GetActorByName { name, namespace } => self.actor_by_name(name, namespace),
+            HeadRequest::WaitActorAlive { actor, after } => {
                 match self.wait_actor_alive(actor, after, reply) {
                     Some(response) => response,
                     None => return,
                 }
             }
-            Request::KillActor { actor, no_restart } => {
+            HeadRequest::KillActor { actor, no_restart } => {
                 match self.kill_actor(actor, no_restart, effects) {
                     Ok(()) => Response::Done,
                     Err(e) => Response::Error(e),
                 }
             }
-            Request::SubmitTask(spec) => {
+            HeadRequest::SubmitTask(spec) => {
                 let lineage = self.lineage_of(from);
                 match self.submit_task(*spec, lineage, reply, effects) {
                     Ok(()) => return,
                     Err(e) => Response::Error(e),
                 }
             }
-            Request::CancelTask { task, force } => {
+            HeadRequest::CancelTask { task, force } => {
                 self.cancel_task(task, force, effects);
                 Response::Done
             }
-            Request::ClusterInfo => Response::ClusterInfo(self.cluster_info()),
-            Request::ListActors => Response::Actors(self.actor_summaries()),
-            Request::NodeAlive { node } => match self.members.nodes.get(&node) {
+            HeadRequest::ClusterInfo => Response::ClusterInfo(self.cluster_info()),
+            HeadRequest::ListActors => Response::Actors(self.actor_summaries()),
+            HeadRequest::NodeAlive { node } => match self.members.nodes.get(&node) {
                 Some(entry) => match &entry.dead {
                     None => Response::Done,
                     Some(reason) => Response::Error(Error::Transport(reason.clone())),
                 },
-                None => Response::Error(Error::Invalid(format!("no node {}", NodeId(node)))),
+                None => Response::Error(Error::NotFound(Missing::Node(NodeId(node)))),
             },
-            Request::CreatePlacementGroup(options) => match self.create_group(*options) {
+            HeadRequest::CreatePlacementGroup(options) => match self.create_group(*options) {
                 Ok(state) => {
                     let lineage = self.lineage_of(from);
                     let owner = match (lineage.owner, lineage.driver) {
@@ -423,38 +423,41 @@ impl HeadCore {
                 }
                 Err(e) => Response::Error(e),
             },
-            Request::WaitPlacementGroup { group } => {
+            HeadRequest::WaitPlacementGroup { group } => {
                 self.wait_group(group, reply, effects);
                 return;
             }
-            Request::RemovePlacementGroup { group } => match self.remove_group(group, effects) {
-                Ok(()) => Response::Done,
-                Err(e) => Response::Error(e),
-            },
-            Request::GetPlacementGroup { group } => match self.group_state(group) {
+            HeadRequest::RemovePlacementGroup { group } => {
+                match self.remove_group(group, effects) {
+                    Ok(()) => Response::Done,
+                    Err(e) => Response::Error(e),
+                }
+            }
+            HeadRequest::GetPlacementGroup { group } => match self.group_state(group) {
                 Some(state) => Response::PlacementGroup(Box::new(state)),
                 None => Response::Error(Error::Invalid(format!(
                     "no placement group {group}: it was removed or never existed"
                 ))),
             },
-            Request::GetPlacementGroupByName { name } => match self.group_by_name(&name) {
+            HeadRequest::GetPlacementGroupByName { name } => match self.group_by_name(&name) {
                 Ok(state) => Response::PlacementGroup(Box::new(state)),
                 Err(e) => Response::Error(e),
             },
-            Request::ListPlacementGroups => Response::PlacementGroups(self.list_groups()),
-            Request::KvPut { key, value } => {
+            HeadRequest::ListPlacementGroups => Response::PlacementGroups(self.list_groups()),
+            HeadRequest::KvPut { key, value } => {
                 self.kv.insert(key, value);
                 Response::Done
             }
-            Request::KvGet { key } => {
+            HeadRequest::KvGet { key } => {
                 Response::KvValue(self.kv.get(&key).cloned().map(serde_bytes::ByteBuf::from))
             }
-            Request::KvDelete { key } => {
+            HeadRequest::KvDelete { key } => {
                 Response::KvValue(self.kv.remove(&key).map(serde_bytes::ByteBuf::from))
             }
-            other => {
-                Response::Error(Error::Invalid(format!("not a control-plane request: {other:?}")))
-            }
+            // Jobs, spawn reports and the cluster's end are the shell's (`Head::handle`).
+            other => Response::Error(Error::Invalid(format!(
+                "the control plane's core does not answer {other:?}"
+            ))),
         };
         effects.push(Effect::Respond(reply, response));
     }

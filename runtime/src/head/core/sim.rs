@@ -32,7 +32,7 @@ use super::{ActorState, ConnToken, Effect, Event, HeadConfig, HeadCore, Origin, 
 use crate::actor::{ActorOptions, ActorSpec};
 use crate::ids::{ActorId, ObjectId, WorkerId};
 use crate::placement_group::{BundleSchedule, PlacementGroupOptions};
-use crate::protocol::{Assignment, Outcome, Request, Response, WorkerExit};
+use crate::protocol::{Assignment, HeadRequest, Outcome, Response, WorkerExit};
 use crate::task::{TaskOptions, TaskSpec};
 
 /// One step of a schedule. Selectors (`u8`) pick among what exists when the step runs, so
@@ -244,10 +244,10 @@ impl World {
     }
 
     /// A request from `from`; returns its answer when it came at once.
-    fn request(&mut self, from: Origin, body: Request) -> Option<Response> {
+    fn request(&mut self, from: Origin, body: HeadRequest) -> Option<Response> {
         let reply = ReplyToken(self.next_reply);
         self.next_reply += 1;
-        let asked = if matches!(body, Request::WaitActorAlive { .. }) {
+        let asked = if matches!(body, HeadRequest::WaitActorAlive { .. }) {
             Asked::Watch
         } else {
             Asked::Other
@@ -429,7 +429,7 @@ impl World {
                 let spec = ActorSpec { type_name: "Sim".into(), ctor_args: Vec::new(), options };
                 let from = self.origin(by);
                 if let Some(Response::Actor(info)) =
-                    self.request(from, Request::CreateActor(Box::new(spec)))
+                    self.request(from, HeadRequest::CreateActor(Box::new(spec)))
                     && !self.actors.contains(&info.id)
                 {
                     self.actors.push(info.id);
@@ -437,19 +437,19 @@ impl World {
             }
             Op::KillActor { actor, no_restart } => {
                 let Some(actor) = pick(&self.actors, actor) else { return };
-                self.request(Origin::default(), Request::KillActor { actor, no_restart });
+                self.request(Origin::default(), HeadRequest::KillActor { actor, no_restart });
             }
             Op::WatchActor { actor, after_current } => {
                 let Some(actor) = pick(&self.actors, actor) else { return };
                 let after = after_current
                     .then(|| self.core.actors.get(&actor).map(|a| a.incarnation))
                     .flatten();
-                self.request(Origin::default(), Request::WaitActorAlive { actor, after });
+                self.request(Origin::default(), HeadRequest::WaitActorAlive { actor, after });
             }
             Op::ActorByName(n) => {
                 let response = self.request(
                     Origin::default(),
-                    Request::GetActorByName {
+                    HeadRequest::GetActorByName {
                         name: format!("actor-{n}"),
                         namespace: "default".into(),
                     },
@@ -481,12 +481,12 @@ impl World {
                 let spec =
                     TaskSpec { task, function: "sim_task".into(), args: Vec::new(), options };
                 let from = self.origin(by);
-                self.request(from, Request::SubmitTask(Box::new(spec)));
+                self.request(from, HeadRequest::SubmitTask(Box::new(spec)));
                 self.tasks.push(task);
             }
             Op::CancelTask { task, force } => {
                 let Some(task) = pick(&self.tasks, task) else { return };
-                self.request(Origin::default(), Request::CancelTask { task, force });
+                self.request(Origin::default(), HeadRequest::CancelTask { task, force });
             }
             Op::CreateGroup { bundles, strategy, by } => {
                 let strategy = [
@@ -502,18 +502,18 @@ impl World {
                 };
                 let from = self.origin(by);
                 if let Some(Response::PlacementGroup(state)) =
-                    self.request(from, Request::CreatePlacementGroup(Box::new(options)))
+                    self.request(from, HeadRequest::CreatePlacementGroup(Box::new(options)))
                 {
                     self.groups.push(state.id);
                 }
             }
             Op::RemoveGroup(selector) => {
                 let Some(group) = pick(&self.groups, selector) else { return };
-                self.request(Origin::default(), Request::RemovePlacementGroup { group });
+                self.request(Origin::default(), HeadRequest::RemovePlacementGroup { group });
             }
             Op::WaitGroup(selector) => {
                 let Some(group) = pick(&self.groups, selector) else { return };
-                self.request(Origin::default(), Request::WaitPlacementGroup { group });
+                self.request(Origin::default(), HeadRequest::WaitPlacementGroup { group });
             }
             Op::ProcessStarts(selector) => {
                 let waiting: Vec<WorkerId> = self
@@ -548,7 +548,8 @@ impl World {
                 if let Some(p) = self.processes.get_mut(&worker) {
                     p.conn = Some(conn);
                 }
-                let response = self.request(from, Request::RegisterWorker { worker, address, pid });
+                let response =
+                    self.request(from, HeadRequest::RegisterWorker { worker, address, pid });
                 let Some(p) = self.processes.get_mut(&worker) else { return };
                 match response {
                     Some(Response::Assignment(Assignment::Actor(start))) => {
@@ -571,7 +572,7 @@ impl World {
                 let (actor, incarnation) = p.actor.expect("an actor's worker");
                 let from = Origin { conn: p.conn, process: Some(worker) };
                 let result = if ok { Ok(()) } else { Err("boom".into()) };
-                self.request(from, Request::ActorStarted { actor, incarnation, result });
+                self.request(from, HeadRequest::ActorStarted { actor, incarnation, result });
             }
             Op::ProcessCrashes { process, how } => {
                 let live: Vec<WorkerId> = self.processes.keys().copied().collect();
@@ -615,10 +616,10 @@ impl World {
                 self.handle(Origin::default(), Event::Abandoned(vec![reply]));
             }
             Op::Views => {
-                let info = self.request(Origin::default(), Request::ClusterInfo);
+                let info = self.request(Origin::default(), HeadRequest::ClusterInfo);
                 assert!(matches!(info, Some(Response::ClusterInfo(_))), "{info:?}");
-                self.request(Origin::default(), Request::ListActors);
-                self.request(Origin::default(), Request::ListPlacementGroups);
+                self.request(Origin::default(), HeadRequest::ListActors);
+                self.request(Origin::default(), HeadRequest::ListPlacementGroups);
             }
         }
     }
@@ -705,13 +706,13 @@ impl World {
             self.handle(Origin::default(), Event::DriverGone { driver });
         }
         for task in self.tasks.clone() {
-            self.request(Origin::default(), Request::CancelTask { task, force: true });
+            self.request(Origin::default(), HeadRequest::CancelTask { task, force: true });
         }
         for actor in self.actors.clone() {
-            self.request(Origin::default(), Request::KillActor { actor, no_restart: true });
+            self.request(Origin::default(), HeadRequest::KillActor { actor, no_restart: true });
         }
         for group in self.groups.clone() {
-            self.request(Origin::default(), Request::RemovePlacementGroup { group });
+            self.request(Origin::default(), HeadRequest::RemovePlacementGroup { group });
         }
         self.check();
         // Every process starts, registers and ends (killed ones as ordered; the rest are idle
