@@ -2,7 +2,10 @@
 //!
 //! Rows are plain vectors (serde) on the wire and become OpenRLHF's layout only inside a role:
 //! prompts left-padded to the longest prompt, responses right-padded to the longest response, so
-//! the last `R` columns of every row are response positions ([`ResponseBatch`]).
+//! the last `R` columns of every row are response positions ([`ResponseBatch`]). Or, with
+//! `train.share_prompt`, each prompt laid out once for all the responses to it that a
+//! micro-batch holds ([`SharedPromptBatch`]): GRPO samples several responses per prompt, and
+//! the prompt's forward and backward are then paid once instead of once per response.
 
 use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
@@ -76,6 +79,159 @@ pub fn response_batch(sequences: &[&Sequence], device: Device) -> Result<Respons
     })
 }
 
+/// Sequences laid out with each prompt once: row `g` holds the `g`-th distinct prompt (branch
+/// 0) followed by every response to it (branches 1, 2, ...), each response's positions
+/// continuing the prompt's. A response attends the prompt and its own earlier tokens only (see
+/// [`rtrun_rlhf_model::Backbone::forward_rows`]), so it gets exactly the hidden states it gets
+/// in the padded layout of [`response_batch`], while the prompt is computed once per row.
+/// Predictions come back in the sequences' order as `[batch, R]`, like [`ResponseBatch`]'s.
+#[derive(Debug)]
+pub struct SharedPromptBatch {
+    /// `[rows, width]` token ids (pad at padding).
+    pub input_ids: Tensor,
+    /// `[rows, width]`: 1 at real tokens, 0 at padding.
+    pub segment_ids: Tensor,
+    /// `[rows, width]`: 0 for prompt tokens, `k` for the `k`-th response of the row.
+    pub branch_ids: Tensor,
+    /// `[rows, width]`: each token's position in its own sequence.
+    pub position_ids: Tensor,
+    /// `[batch * R]`: the flat index (`row * width + column`) of the position that predicts
+    /// each response token (0 where the response is shorter than `R`; masked).
+    pub predict_positions: Tensor,
+    /// `[batch, R]` response token ids (pad past each response's end).
+    pub response_ids: Tensor,
+    /// `[batch, R]`: 1 for response tokens, 0 for padding.
+    pub action_mask: Tensor,
+}
+
+impl SharedPromptBatch {
+    /// The response columns `R`.
+    pub fn num_actions(&self) -> i64 {
+        self.action_mask.size()[1]
+    }
+
+    /// Logits predicting every response token, `[batch, R, vocab]`, from `model`.
+    pub fn response_logits(&self, model: &rtrun_rlhf_model::CausalLm) -> Result<Tensor> {
+        let hidden = model.backbone.forward_rows(
+            &self.input_ids,
+            &self.segment_ids,
+            Some(&self.branch_ids),
+            Some(&self.position_ids),
+            None,
+        )?;
+        let width = hidden.size()[2];
+        let [batch, responses] = [self.action_mask.size()[0], self.num_actions()];
+        let at = hidden
+            .f_reshape([-1, width])?
+            .f_index_select(0, &self.predict_positions)?
+            .f_view([batch, responses, width])?;
+        Ok(model.lm_logits(&at)?)
+    }
+
+    /// Log-probs of the response tokens under `model`, `[batch, R]`, zero at padding.
+    pub fn response_log_probs(&self, model: &rtrun_rlhf_model::CausalLm) -> Result<Tensor> {
+        let logits = self.response_logits(model)?;
+        let log_probs = rtrun_rlhf_model::logprobs::token_log_probs(&logits, &self.response_ids)?;
+        Ok(log_probs.f_mul(&self.action_mask.f_to_kind(Kind::Float)?)?)
+    }
+}
+
+/// Lays `sequences` out with each distinct prompt once (see [`SharedPromptBatch`]); rows in the
+/// order prompts first appear, responses in the sequences' order.
+pub fn shared_prompt_batch(sequences: &[&Sequence], device: Device) -> Result<SharedPromptBatch> {
+    if sequences.is_empty() {
+        return Err(TrainError::Data("a batch needs at least one sequence, found 0".into()));
+    }
+    if let Some(i) = sequences.iter().position(|s| s.prompt_ids.is_empty()) {
+        return Err(TrainError::Data(format!(
+            "every prompt needs at least one token, found none in sequence {i}"
+        )));
+    }
+    // Rows: distinct prompts in order of first appearance, each with its sequences.
+    let mut rows: Vec<(&[u32], Vec<usize>)> = Vec::new();
+    let mut row_of: std::collections::HashMap<&[u32], usize> = std::collections::HashMap::new();
+    for (i, s) in sequences.iter().enumerate() {
+        let row = *row_of.entry(&s.prompt_ids).or_insert_with(|| {
+            rows.push((&s.prompt_ids, Vec::new()));
+            rows.len() - 1
+        });
+        rows[row].1.push(i);
+    }
+    let row_len = |(prompt, members): &(&[u32], Vec<usize>)| {
+        prompt.len() + members.iter().map(|&i| sequences[i].response_ids.len()).sum::<usize>()
+    };
+    let width = rows.iter().map(row_len).max().unwrap_or(0);
+    let responses = sequences.iter().map(|s| s.response_ids.len()).max().unwrap_or(0).max(1);
+    let cells = rows.len() * width;
+    let mut ids = vec![i64::from(PAD_ID); cells];
+    let mut segments = vec![0i64; cells];
+    let mut branches = vec![0i64; cells];
+    let mut positions = vec![0i64; cells];
+    let mut predict = vec![0i64; sequences.len() * responses];
+    let mut response_ids = vec![i64::from(PAD_ID); sequences.len() * responses];
+    let mut actions = vec![0i64; sequences.len() * responses];
+    for (r, (prompt, members)) in rows.iter().enumerate() {
+        let base = r * width;
+        let mut put = |at: usize, tokens: &[u32], branch: i64, first_position: usize| {
+            for (k, &t) in tokens.iter().enumerate() {
+                ids[base + at + k] = i64::from(t);
+                segments[base + at + k] = 1;
+                branches[base + at + k] = branch;
+                positions[base + at + k] = (first_position + k) as i64;
+            }
+        };
+        put(0, prompt, 0, 0);
+        let mut at = prompt.len();
+        for (k, &i) in members.iter().enumerate() {
+            let response = &sequences[i].response_ids;
+            put(at, response, k as i64 + 1, prompt.len());
+            for (j, &t) in response.iter().enumerate() {
+                // The first token is predicted by the prompt's last, the others by their own
+                // response's previous token.
+                let from = if j == 0 { prompt.len() - 1 } else { at + j - 1 };
+                predict[i * responses + j] = (base + from) as i64;
+                response_ids[i * responses + j] = i64::from(t);
+                actions[i * responses + j] = 1;
+            }
+            at += response.len();
+        }
+    }
+    let grid = |v: &[i64]| -> Result<Tensor> {
+        Ok(Tensor::from_slice(v).f_view([rows.len() as i64, width as i64])?.f_to_device(device)?)
+    };
+    let per_action = |v: &[i64]| -> Result<Tensor> {
+        Ok(Tensor::from_slice(v)
+            .f_view([sequences.len() as i64, responses as i64])?
+            .f_to_device(device)?)
+    };
+    Ok(SharedPromptBatch {
+        input_ids: grid(&ids)?,
+        segment_ids: grid(&segments)?,
+        branch_ids: grid(&branches)?,
+        position_ids: grid(&positions)?,
+        predict_positions: Tensor::from_slice(&predict).f_to_device(device)?,
+        response_ids: per_action(&response_ids)?,
+        action_mask: per_action(&actions)?,
+    })
+}
+
+/// Indices of `sequences` reordered so that sequences answering the same prompt are adjacent
+/// (groups in order of first appearance, each in its original order): cut into micro-batches,
+/// this order lets [`shared_prompt_batch`] lay each prompt out once for as many responses as
+/// possible. A policy loss summed over micro-batches does not depend on which rows share one.
+pub fn grouped_by_prompt(sequences: &[&Sequence]) -> Vec<usize> {
+    let mut groups: Vec<Vec<usize>> = Vec::new();
+    let mut group_of: std::collections::HashMap<&[u32], usize> = std::collections::HashMap::new();
+    for (i, s) in sequences.iter().enumerate() {
+        let g = *group_of.entry(&s.prompt_ids).or_insert_with(|| {
+            groups.push(Vec::new());
+            groups.len() - 1
+        });
+        groups[g].push(i);
+    }
+    groups.into_iter().flatten().collect()
+}
+
 /// A `[rows, R]` tensor of per-response-token values from per-row vectors (right-padded with 0).
 pub fn pad_rows(rows: &[&[f32]], width: i64, device: Device) -> Result<Tensor> {
     let width_usize = usize::try_from(width)
@@ -139,6 +295,75 @@ mod tests {
         assert_eq!(batch.num_actions().unwrap(), 3);
         let response = Vec::<i64>::try_from(batch.response_ids().unwrap().reshape([-1])).unwrap();
         assert_eq!(response, vec![7, 2, 0, 8, 9, 2]);
+    }
+
+    fn sequence(prompt: &[u32], response: &[u32]) -> Sequence {
+        Sequence { prompt_ids: prompt.to_vec(), response_ids: response.to_vec() }
+    }
+
+    #[test]
+    fn shared_prompts_give_the_padded_layouts_log_probs_and_gradients() {
+        use rtrun_rlhf_model::{ModelFamily, tiny};
+        let config = tiny::tiny_config(ModelFamily::Qwen2);
+        let model = tiny::tiny_model(&config, 7).unwrap();
+        // Three prompts of different lengths, interleaved, with 3, 1 and 2 responses of
+        // different lengths (one of a single token).
+        let (p1, p2, p3) = (vec![1, 5, 6, 9], vec![1, 7], vec![1, 4, 4, 8, 3, 2]);
+        let sequences = [
+            sequence(&p1, &[10, 11, 2]),
+            sequence(&p2, &[12, 13, 14, 15, 2]),
+            sequence(&p1, &[16]),
+            sequence(&p3, &[17, 18]),
+            sequence(&p1, &[19, 20, 21, 22]),
+            sequence(&p3, &[23, 24, 25]),
+        ];
+        let refs: Vec<&Sequence> = sequences.iter().collect();
+        let shared = shared_prompt_batch(&refs, Device::Cpu).unwrap();
+        assert_eq!(shared.input_ids.size(), [3, 4 + 3 + 1 + 4]);
+        let padded = response_batch(&refs, Device::Cpu).unwrap();
+        assert_eq!(
+            Vec::<i64>::try_from(shared.action_mask.reshape([-1])).unwrap(),
+            Vec::<i64>::try_from(padded.action_mask.reshape([-1])).unwrap()
+        );
+        // Weights per token, so the gradients of both layouts can be compared.
+        let weights = Tensor::arange(6 * 5, (Kind::Float, Device::Cpu)).view([6, 5]).sin();
+        let run = |log_probs: Tensor| -> (Tensor, Vec<Tensor>) {
+            for (_, p) in model.named_parameters() {
+                p.shallow_clone().zero_grad();
+            }
+            log_probs.multiply(&weights).sum(Kind::Float).backward();
+            let grads = model.named_parameters().map(|(_, p)| p.grad().copy()).collect();
+            (log_probs.detach(), grads)
+        };
+        let (expected, expected_grads) = run(model.response_log_probs(&padded).unwrap());
+        let (found, found_grads) = run(shared.response_log_probs(&model).unwrap());
+        let gap = (&expected - &found).abs().max().double_value(&[]);
+        assert!(gap < 1e-5, "log-probs differ by {gap}");
+        assert!(expected.abs().sum(Kind::Float).double_value(&[]) > 1.0, "a vacuous comparison");
+        for ((name, _), (e, f)) in
+            model.named_parameters().zip(expected_grads.iter().zip(&found_grads))
+        {
+            let gap = (e - f).abs().max().double_value(&[]);
+            let scale = e.abs().max().double_value(&[]).max(1e-3);
+            assert!(gap <= 1e-4 * scale, "{name}: gradients differ by {gap} (scale {scale})");
+        }
+    }
+
+    #[test]
+    fn grouping_puts_the_responses_to_one_prompt_together_in_first_seen_order() {
+        let sequences = [
+            sequence(&[1, 2], &[3]),
+            sequence(&[1, 4], &[5]),
+            sequence(&[1, 2], &[6]),
+            sequence(&[1, 7], &[8]),
+            sequence(&[1, 4], &[9]),
+        ];
+        let refs: Vec<&Sequence> = sequences.iter().collect();
+        assert_eq!(grouped_by_prompt(&refs), vec![0, 2, 1, 4, 3]);
+        assert!(shared_prompt_batch(&[], Device::Cpu).is_err());
+        let empty = sequence(&[], &[3]);
+        let err = shared_prompt_batch(&[&empty], Device::Cpu).unwrap_err().to_string();
+        assert!(err.contains("sequence 0"), "{err}");
     }
 
     #[test]

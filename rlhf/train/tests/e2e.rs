@@ -533,6 +533,45 @@ fn old_log_probs_from_the_engine_change_no_metric() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// `train.share_prompt`: the policy and reference lay each prompt out once for the responses to
+/// it (and the policy groups those responses in its micro-batches); every metric of 11 steps
+/// is what the padded layout gives (the sums run in another order, so within 1e-4).
+#[test]
+fn shared_prompts_change_no_metric() {
+    let extra = "algo: {advantage_estimator: group_norm, use_kl_loss: true, kl_estimator: k3, init_kl_coef: 0.01}\n";
+    let dir = scratch("share-prompt");
+    let mut shared = small_config(&dir.join("shared"), extra);
+    shared.train.max_steps = Some(11);
+    // Four responses per prompt, eight rows per optimizer step in micro-batches of four, two
+    // epochs: micro-batches that mix prompts, before grouping.
+    shared.rollout.n_samples_per_prompt = 4;
+    shared.train.train_batch_size = 8;
+    shared.train.micro_batch_size = 4;
+    shared.train.max_epochs = 2;
+    assert!(shared.train.share_prompt, "shared prompts are the default");
+    let mut padded = shared.clone();
+    padded.run_dir = dir.join("padded");
+    padded.train.share_prompt = false;
+    for config in [&shared, &padded] {
+        let (trainer, report) = rtrun_rlhf::run::run(config, &mut NoProgress).unwrap();
+        assert_eq!(report.steps, 11);
+        trainer.roles.kill();
+    }
+    let (a, b) = (comparable(&dir.join("shared")), comparable(&dir.join("padded")));
+    assert_eq!(a.len(), b.len());
+    let mut checked = 0;
+    for ((step, a), (_, b)) in a.iter().zip(&b) {
+        for (name, y) in b {
+            let x = a.iter().find(|(n, _)| n == name).map(|(_, x)| *x);
+            let x = x.unwrap_or_else(|| panic!("step {step}: `{name}` missing"));
+            assert!((x - y).abs() <= 1e-4 * (1.0 + y.abs()), "step {step} `{name}`: {x} vs {y}");
+            checked += 1;
+        }
+    }
+    assert!(checked > 100, "compared {checked} values");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// `train --metrics-port --dashboard-port`: while the run goes, its metrics endpoint serves the
 /// newest step's metrics (the same values metrics.jsonl records for that step), its phase times
 /// and tokens/s, and the embedded session's runtime (its node, the role actors alive); its

@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::ids::WorkerId;
 use crate::protocol::{Address, Frame, HeadRequest, NodeRequest, Outcome, Response, WorkerExit};
 use crate::runtime::Runtime;
@@ -314,23 +314,6 @@ impl Head {
             state.resolve(effects, origin)
         };
         self.execute(actions);
-    }
-
-    /// Answers a request about the logs of the head's own node.
-    pub(crate) fn node_logs(&self, request: &NodeRequest) -> Response {
-        let dir = self.cluster.get().map(|c| c.log_dir.clone());
-        match (dir, request) {
-            (Some(dir), _) => crate::logs::answer(&dir, request),
-            (None, NodeRequest::ListLogs) => Response::LogFiles(Vec::new()),
-            (None, NodeRequest::ReadLog { .. }) => Response::Error(Error::Invalid(
-                "an embedded session keeps no log files (its workers print on the driver's \
-                 terminal)"
-                    .into(),
-            )),
-            (None, other) => Response::Error(Error::Invalid(format!(
-                "the control plane is not a node daemon; it cannot answer {other:?}"
-            ))),
-        }
     }
 
     /// Hands an event that came from no connection to the core and carries out its effects.

@@ -146,6 +146,23 @@ impl Head {
         }
     }
 
+    /// Answers a request about the logs of the head's own node.
+    pub(crate) fn node_logs(&self, request: &NodeRequest) -> Response {
+        let dir = self.cluster.get().map(|c| c.log_dir.clone());
+        match (dir, request) {
+            (Some(dir), _) => crate::logs::answer(&dir, request),
+            (None, NodeRequest::ListLogs) => Response::LogFiles(Vec::new()),
+            (None, NodeRequest::ReadLog { .. }) => Response::Error(Error::Invalid(
+                "an embedded session keeps no log files (its workers print on the driver's \
+                 terminal)"
+                    .into(),
+            )),
+            (None, other) => Response::Error(Error::Invalid(format!(
+                "the control plane is not a node daemon; it cannot answer {other:?}"
+            ))),
+        }
+    }
+
     /// Sends a request to a remote node's daemon, without waiting for its answer (the head's
     /// own node has no daemon: its callers act on it directly).
     pub(super) fn send_to_node(&self, node: u64, request: NodeRequest) {

@@ -418,6 +418,12 @@ pub struct TrainLoopConfig {
     pub train_batch_size: usize,
     /// Samples per forward/backward on one rank.
     pub micro_batch_size: usize,
+    /// Lay each prompt out once for all the responses to it in a micro-batch of the policy and
+    /// reference forwards (their responses attend it and their own tokens only, so every
+    /// log-prob is what it is in the padded layout); the policy's micro-batches group the
+    /// responses to one prompt. GRPO samples several responses per prompt, so this computes a
+    /// prompt once instead of once per response. `false`: OpenRLHF's padded layout.
+    pub share_prompt: bool,
     /// Passes over each step's experience.
     pub max_epochs: usize,
     /// Actor learning rate.
@@ -467,6 +473,7 @@ impl Default for TrainLoopConfig {
             max_steps: None,
             train_batch_size: 128,
             micro_batch_size: 32,
+            share_prompt: true,
             max_epochs: 1,
             actor_lr: 1e-6,
             critic_lr: 9e-6,

@@ -14,7 +14,10 @@ use rtrun_rlhf_model::CausalLm;
 use rtrun_rlhf_model::train::{AdamW, OptimizerConfig};
 
 use crate::algo::{self, ClipConfig, KlEstimator, LossAggregation};
-use crate::experience::{ExperienceRow, Sequence, pad_rows, response_batch, unpad_rows};
+use crate::experience::{
+    ExperienceRow, Sequence, grouped_by_prompt, pad_rows, response_batch, shared_prompt_batch,
+    unpad_rows,
+};
 use crate::roles::{DpComm, Phase, WorkerSetup};
 use rtrun_rlhf_engine::{WeightBucket, WeightMeta, WeightSyncGroup};
 
@@ -37,6 +40,14 @@ pub struct PolicyLossConfig {
     pub kl_estimator: KlEstimator,
     /// Sequences per forward/backward.
     pub micro_batch_size: usize,
+    /// Lay each prompt out once for all the responses to it in a micro-batch
+    /// ([`crate::experience::SharedPromptBatch`]; `train.share_prompt`).
+    #[serde(default = "share_prompt_default")]
+    pub share_prompt: bool,
+}
+
+fn share_prompt_default() -> bool {
+    true
 }
 
 /// Constructor argument of [`LmWorker`].
@@ -510,10 +521,14 @@ impl LmWorkerState {
         let mut out = Vec::with_capacity(sequences.len());
         let micro = self.loss.micro_batch_size.max(1);
         tch::no_grad(|| -> crate::Result<()> {
+            let device = self.model.params.device();
             for chunk in sequences.chunks(micro) {
                 let refs: Vec<&Sequence> = chunk.iter().collect();
-                let batch = response_batch(&refs, self.model.params.device())?;
-                let log_probs = self.model.response_log_probs(&batch)?;
+                let log_probs = if self.loss.share_prompt {
+                    shared_prompt_batch(&refs, device)?.response_log_probs(&self.model)?
+                } else {
+                    self.model.response_log_probs(&response_batch(&refs, device)?)?
+                };
                 let lengths: Vec<usize> = chunk.iter().map(|s| s.response_ids.len()).collect();
                 out.extend(unpad_rows(&log_probs, &lengths)?);
             }
@@ -545,21 +560,34 @@ impl LmWorkerState {
         optimizer.zero_grad();
         let local_tokens: usize = rows.iter().map(|r| r.sequence.response_ids.len()).sum();
         let mut stats = PolicyTrainStats::default();
+        // The loss sums over micro-batches, so which rows share one is free: with shared
+        // prompts, the responses to one prompt go together and the prompt is computed once.
+        let rows: Vec<&ExperienceRow> = if self.loss.share_prompt {
+            let sequences: Vec<&Sequence> = rows.iter().map(|r| &r.sequence).collect();
+            grouped_by_prompt(&sequences).into_iter().map(|i| &rows[i]).collect()
+        } else {
+            rows.iter().collect()
+        };
         for chunk in rows.chunks(self.loss.micro_batch_size.max(1)) {
             let sequences: Vec<&Sequence> = chunk.iter().map(|r| &r.sequence).collect();
-            let batch = response_batch(&sequences, device)?;
-            let width = batch.num_actions()?;
+            let (logits, response_ids, action_mask) = if self.loss.share_prompt {
+                let batch = shared_prompt_batch(&sequences, device)?;
+                (batch.response_logits(&self.model)?, batch.response_ids, batch.action_mask)
+            } else {
+                let batch = response_batch(&sequences, device)?;
+                let logits = self.model.response_logits(&batch)?;
+                (logits, batch.response_ids()?, batch.action_mask)
+            };
+            let width = action_mask.size()[1];
             let column = |f: fn(&ExperienceRow) -> &[f32]| -> crate::Result<Tensor> {
-                let rows: Vec<&[f32]> = chunk.iter().map(f).collect();
+                let rows: Vec<&[f32]> = chunk.iter().map(|r| f(r)).collect();
                 pad_rows(&rows, width, device)
             };
             let old_log_probs = column(|r| &r.old_log_probs)?;
             let advantages = column(|r| &r.advantages)?;
-            let mask = batch.action_mask.f_to_kind(Kind::Float)?;
-            let logits = self.model.response_logits(&batch)?;
-            let log_probs =
-                rtrun_rlhf_model::logprobs::token_log_probs(&logits, &batch.response_ids()?)?
-                    .f_mul(&mask)?;
+            let mask = action_mask.f_to_kind(Kind::Float)?;
+            let log_probs = rtrun_rlhf_model::logprobs::token_log_probs(&logits, &response_ids)?
+                .f_mul(&mask)?;
             let out = algo::policy_loss(
                 &log_probs,
                 &old_log_probs,

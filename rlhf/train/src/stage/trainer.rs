@@ -200,6 +200,7 @@ fn create_ranks(
             use_kl_loss: false,
             kl_estimator: Default::default(),
             micro_batch_size: t.micro_batch_size,
+            share_prompt: t.share_prompt,
         },
         with_reference: config.mode == Mode::Dpo,
     };

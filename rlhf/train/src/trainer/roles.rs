@@ -98,6 +98,7 @@ impl Roles {
             use_kl_loss: config.algo.use_kl_loss,
             kl_estimator: config.algo.kl_estimator,
             micro_batch_size: config.train.micro_batch_size,
+            share_prompt: config.train.share_prompt,
         };
         let actor_config = LmWorkerConfig {
             setup: WorkerSetup::on("actor", threads, &config.policy.device, config.policy.dtype),
