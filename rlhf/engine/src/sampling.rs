@@ -94,8 +94,16 @@ impl Sampler {
                 break;
             }
         }
+        // Without top-k or top-p every token was kept, in token order, so `kept_mass` is the
+        // very sum a second pass over the row would compute (the same terms in the same order):
+        // the log-prob needs no second round of `exp`.
+        let untruncated = !truncates(params, logits.len());
         let logprob = match params.logprob_mode {
+            LogprobMode::Raw if untruncated && params.temperature == 1.0 => {
+                f64::from(logits[token as usize]) - f64::from(max) - kept_mass.ln()
+            }
             LogprobMode::Raw => raw_logprob(logits, max, token),
+            LogprobMode::TemperatureScaled if untruncated => weight.ln() - kept_mass.ln(),
             LogprobMode::TemperatureScaled => {
                 let total: f64 = scaled_weights(logits, max, params.temperature).sum();
                 weight.ln() - total.ln()
@@ -143,7 +151,7 @@ impl Sampler {
             self.candidates.select_nth_unstable_by(top_k - 1, by_weight_desc);
             self.candidates.truncate(top_k);
         }
-        if top_k < logits.len() || params.top_p < 1.0 {
+        if truncates(params, logits.len()) {
             self.candidates.sort_unstable_by(by_weight_desc);
         }
         let mut total: f64 = self.candidates.iter().map(|c| c.1).sum();
@@ -163,6 +171,11 @@ impl Sampler {
         }
         total
     }
+}
+
+/// Whether `params` may drop tokens of a row of `vocab` (top-k below the row, or top-p).
+fn truncates(params: &SamplingParams, vocab: usize) -> bool {
+    params.top_k.is_some_and(|k| (k as usize) < vocab) || params.top_p < 1.0
 }
 
 /// Validates a row and returns its maximum.

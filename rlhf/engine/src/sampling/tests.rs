@@ -175,3 +175,28 @@ proptest! {
         prop_assert!((f64::from(got.logprob) - q.ln()).abs() < 1e-4);
     }
 }
+
+proptest! {
+    /// Untruncated sampling reuses the kept mass for the log-prob instead of a second pass of
+    /// `exp`; the value must be bit for bit the one the second pass gives.
+    #[test]
+    fn untruncated_logprobs_equal_a_second_pass_bit_for_bit(
+        logits in prop::collection::vec(-30.0f32..30.0, 1..300),
+        temperature in prop::sample::select(vec![1.0f32, 0.3, 0.7, 1.6]),
+        raw in any::<bool>(),
+        uniform in 0.0f64..1.0,
+    ) {
+        let mut p = params(temperature, None, 1.0);
+        p.logprob_mode = if raw { LogprobMode::Raw } else { LogprobMode::TemperatureScaled };
+        let got = Sampler::new().sample(&logits, &p, uniform).unwrap();
+        let max = checked_max(&logits).unwrap();
+        let expected = if raw {
+            raw_logprob(&logits, max, got.token)
+        } else {
+            let total: f64 = scaled_weights(&logits, max, temperature).sum();
+            let weight = scaled_weights(&logits, max, temperature).nth(got.token as usize).unwrap();
+            weight.ln() - total.ln()
+        };
+        prop_assert_eq!(got.logprob.to_bits(), (expected as f32).to_bits());
+    }
+}
