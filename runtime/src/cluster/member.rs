@@ -32,6 +32,8 @@ pub(crate) struct Member {
     pub(super) pulls: dashmap::DashMap<SocketAddr, rtrun_net::Connection>,
 }
 
+/// The process's membership: with `runtime::CURRENT`, the one process-global (decision 052 says
+/// why it is not part of the `ProcessRole`).
 static MEMBER: OnceLock<Arc<Member>> = OnceLock::new();
 
 impl Member {
