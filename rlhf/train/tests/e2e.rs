@@ -241,6 +241,30 @@ fn comparable(run_dir: &Path) -> Vec<(u64, Vec<(String, f64)>)> {
         .collect()
 }
 
+/// Asserts that every metric of run `a`'s steps is run `b`'s within 1e-4 relative, except those
+/// `special(step, name, a's value)` checks itself (returning true); returns the values compared.
+fn assert_same_metrics(
+    a: &Path,
+    b: &Path,
+    mut special: impl FnMut(u64, &str, Option<f64>) -> bool,
+) -> usize {
+    let (a, b) = (comparable(a), comparable(b));
+    assert_eq!(a.len(), b.len());
+    let mut checked = 0;
+    for ((step, a), (_, b)) in a.iter().zip(&b) {
+        for (name, y) in b {
+            let x = a.iter().find(|(n, _)| n == name).map(|(_, x)| *x);
+            if special(*step, name, x) {
+                continue;
+            }
+            let x = x.unwrap_or_else(|| panic!("step {step}: `{name}` missing"));
+            assert!((x - y).abs() <= 1e-4 * (1.0 + y.abs()), "step {step} `{name}`: {x} vs {y}");
+            checked += 1;
+        }
+    }
+    checked
+}
+
 fn train_command(config: &Path, run_dir: &Path, extra: &[&str]) -> std::process::Command {
     let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_train"));
     cmd.arg("--config").arg(config).arg("--set").arg(format!("run_dir={}", run_dir.display()));
@@ -512,23 +536,15 @@ fn old_log_probs_from_the_engine_change_no_metric() {
         assert_eq!(report.steps, 11);
         trainer.roles.kill();
     }
-    let (skipped, recomputed) = (comparable(&dir.join("engine")), comparable(&dir.join("policy")));
-    assert_eq!(skipped.len(), recomputed.len());
-    let mut checked = 0;
-    for ((step, a), (_, b)) in skipped.iter().zip(&recomputed) {
-        for (name, y) in b {
-            let x = a.iter().find(|(n, _)| n == name).map(|(_, x)| *x);
-            if name == "engine_logprob_gap" {
-                let measured = *step <= 2 || *step == 10;
-                assert_eq!(x.is_some(), measured, "step {step}: gap measured only on checks");
-                assert!(x.is_none_or(|g| g < 1e-5), "step {step}: gap {x:?}");
-                continue;
-            }
-            let x = x.unwrap_or_else(|| panic!("step {step}: `{name}` missing"));
-            assert!((x - y).abs() <= 1e-4 * (1.0 + y.abs()), "step {step} `{name}`: {x} vs {y}");
-            checked += 1;
+    let checked = assert_same_metrics(&dir.join("engine"), &dir.join("policy"), |step, name, x| {
+        if name != "engine_logprob_gap" {
+            return false;
         }
-    }
+        let measured = step <= 2 || step == 10;
+        assert_eq!(x.is_some(), measured, "step {step}: gap measured only on checks");
+        assert!(x.is_none_or(|g| g < 1e-5), "step {step}: gap {x:?}");
+        true
+    });
     assert!(checked > 100, "compared {checked} values");
     std::fs::remove_dir_all(&dir).unwrap();
 }
@@ -557,17 +573,7 @@ fn shared_prompts_change_no_metric() {
         assert_eq!(report.steps, 11);
         trainer.roles.kill();
     }
-    let (a, b) = (comparable(&dir.join("shared")), comparable(&dir.join("padded")));
-    assert_eq!(a.len(), b.len());
-    let mut checked = 0;
-    for ((step, a), (_, b)) in a.iter().zip(&b) {
-        for (name, y) in b {
-            let x = a.iter().find(|(n, _)| n == name).map(|(_, x)| *x);
-            let x = x.unwrap_or_else(|| panic!("step {step}: `{name}` missing"));
-            assert!((x - y).abs() <= 1e-4 * (1.0 + y.abs()), "step {step} `{name}`: {x} vs {y}");
-            checked += 1;
-        }
-    }
+    let checked = assert_same_metrics(&dir.join("shared"), &dir.join("padded"), |_, _, _| false);
     assert!(checked > 100, "compared {checked} values");
     std::fs::remove_dir_all(&dir).unwrap();
 }
