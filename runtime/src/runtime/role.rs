@@ -71,7 +71,7 @@ impl WorkerRole {
 }
 
 /// Why this process's part in its session ends; the process's main turns it into its exit
-/// code. Request handlers and connection threads report it ([`Runtime::end`]) and never exit
+/// code. Request handlers and connection threads report it (`Runtime::end`) and never exit
 /// themselves.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Ending {
@@ -97,7 +97,7 @@ impl Ending {
     /// Says why (printed, not only logged: the process may have no log subscriber) and ends
     /// the process with [`Ending::code`]. The one exit of the library: called by the mains
     /// that wait for their process's ending (`rtrun head`, `rtrun join`, a worker's entry
-    /// point), and by [`Runtime::end`] in a cluster driver, whose main is the user's.
+    /// point), and by `Runtime::end` in a cluster driver, whose main is the user's.
     pub fn exit(self) -> ! {
         if let Ending::HeadLost(message) | Ending::StartFailed(message) = &self {
             eprintln!("{message}");
