@@ -110,9 +110,10 @@ impl SharedPromptBatch {
         self.action_mask.size()[1]
     }
 
-    /// Logits predicting every response token, `[batch, R, vocab]`, from `model`.
-    pub fn response_logits(&self, model: &rtrun_rlhf_model::CausalLm) -> Result<Tensor> {
-        let hidden = model.backbone.forward_rows(
+    /// The final hidden states of `backbone` at the positions that predict each response
+    /// token (the states before it), `[batch, R, hidden]`.
+    pub fn response_hidden(&self, backbone: &rtrun_rlhf_model::Backbone) -> Result<Tensor> {
+        let hidden = backbone.forward_rows(
             &self.input_ids,
             &self.segment_ids,
             Some(&self.branch_ids),
@@ -121,11 +122,23 @@ impl SharedPromptBatch {
         )?;
         let width = hidden.size()[2];
         let [batch, responses] = [self.action_mask.size()[0], self.num_actions()];
-        let at = hidden
+        Ok(hidden
             .f_reshape([-1, width])?
             .f_index_select(0, &self.predict_positions)?
-            .f_view([batch, responses, width])?;
-        Ok(model.lm_logits(&at)?)
+            .f_view([batch, responses, width])?)
+    }
+
+    /// Logits predicting every response token, `[batch, R, vocab]`, from `model`.
+    pub fn response_logits(&self, model: &rtrun_rlhf_model::CausalLm) -> Result<Tensor> {
+        Ok(model.lm_logits(&self.response_hidden(&model.backbone)?)?)
+    }
+
+    /// A critic's values of the states before each response token, `[batch, R]` float32, zero
+    /// at padding (what `ScalarHeadModel::action_values` gives for the padded layout).
+    pub fn action_values(&self, model: &rtrun_rlhf_model::ScalarHeadModel) -> Result<Tensor> {
+        let hidden = self.response_hidden(&model.backbone)?;
+        let values = model.score.forward(&hidden)?.f_squeeze_dim(-1)?.f_to_kind(Kind::Float)?;
+        Ok(values.f_mul(&self.action_mask.f_to_kind(Kind::Float)?)?)
     }
 
     /// Log-probs of the response tokens under `model`, `[batch, R]`, zero at padding.
@@ -347,6 +360,28 @@ mod tests {
             let scale = e.abs().max().double_value(&[]).max(1e-3);
             assert!(gap <= 1e-4 * scale, "{name}: gradients differ by {gap} (scale {scale})");
         }
+    }
+
+    #[test]
+    fn shared_prompts_give_the_padded_layouts_critic_values() {
+        use rtrun_rlhf_model::{ModelFamily, ScalarHeadModel, tiny};
+        let config = tiny::tiny_config(ModelFamily::Qwen2);
+        let critic = ScalarHeadModel::new_random(&config, Device::Cpu, Kind::Float, 5).unwrap();
+        let (p1, p2) = (vec![1, 5, 6], vec![1, 7, 8, 9, 3]);
+        let sequences = [
+            sequence(&p1, &[10, 2]),
+            sequence(&p2, &[12, 13, 14]),
+            sequence(&p1, &[16, 17, 18, 19]),
+            sequence(&p2, &[20]),
+        ];
+        let refs: Vec<&Sequence> = sequences.iter().collect();
+        let expected = critic.action_values(&response_batch(&refs, Device::Cpu).unwrap()).unwrap();
+        let found =
+            shared_prompt_batch(&refs, Device::Cpu).unwrap().action_values(&critic).unwrap();
+        assert_eq!(found.size(), expected.size());
+        let gap = (&expected - &found).abs().max().double_value(&[]);
+        assert!(gap < 1e-5, "values differ by {gap}");
+        assert!(expected.abs().sum(Kind::Float).double_value(&[]) > 1e-3, "a vacuous comparison");
     }
 
     #[test]

@@ -549,13 +549,21 @@ fn old_log_probs_from_the_engine_change_no_metric() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// `train.share_prompt`: the policy and reference lay each prompt out once for the responses to
-/// it (and the policy groups those responses in its micro-batches); every metric of 11 steps
-/// is what the padded layout gives (the sums run in another order, so within 1e-4).
+/// `train.share_prompt`: the policy, reference and critic lay each prompt out once for the
+/// responses to it (and the trained roles group those responses in their micro-batches); every
+/// metric of 11 steps, GRPO and PPO with a critic, is what the padded layout gives (the sums run
+/// in another order, so within 1e-4).
 #[test]
 fn shared_prompts_change_no_metric() {
-    let extra = "algo: {advantage_estimator: group_norm, use_kl_loss: true, kl_estimator: k3, init_kl_coef: 0.01}\n";
-    let dir = scratch("share-prompt");
+    let grpo = "algo: {advantage_estimator: group_norm, use_kl_loss: true, kl_estimator: k3, init_kl_coef: 0.01}\n";
+    let ppo = "algo: {advantage_estimator: gae, init_kl_coef: 0.01}\n";
+    for (name, extra) in [("grpo", grpo), ("ppo", ppo)] {
+        compare_shared_prompts(name, extra);
+    }
+}
+
+fn compare_shared_prompts(name: &str, extra: &str) {
+    let dir = scratch(&format!("share-prompt-{name}"));
     let mut shared = small_config(&dir.join("shared"), extra);
     shared.train.max_steps = Some(11);
     // Four responses per prompt, eight rows per optimizer step in micro-batches of four, two
@@ -571,10 +579,11 @@ fn shared_prompts_change_no_metric() {
     for config in [&shared, &padded] {
         let (trainer, report) = rtrun_rlhf::run::run(config, &mut NoProgress).unwrap();
         assert_eq!(report.steps, 11);
+        assert_eq!(trainer.roles.critic.is_some(), name == "ppo", "{name}: critic");
         trainer.roles.kill();
     }
     let checked = assert_same_metrics(&dir.join("shared"), &dir.join("padded"), |_, _, _| false);
-    assert!(checked > 100, "compared {checked} values");
+    assert!(checked > 100, "{name}: compared {checked} values");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

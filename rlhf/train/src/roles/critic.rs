@@ -10,7 +10,10 @@ use rtrun_rlhf_model::ScalarHeadModel;
 use rtrun_rlhf_model::train::{AdamW, OptimizerConfig};
 
 use crate::algo::{self, LossAggregation};
-use crate::experience::{ExperienceRow, Sequence, pad_rows, response_batch, unpad_rows};
+use crate::experience::{
+    ExperienceRow, Sequence, grouped_by_prompt, pad_rows, response_batch, shared_prompt_batch,
+    unpad_rows,
+};
 use crate::roles::{DpComm, Phase, WorkerSetup};
 use crate::stage::losses::{PairStats, PreferenceLoss, pair_sums, preference_losses};
 use crate::stage::pack::{PackedRow, row_tensors};
@@ -28,6 +31,9 @@ pub struct CriticWorkerConfig {
     pub value_clip: f64,
     /// Sequences per forward/backward.
     pub micro_batch_size: usize,
+    /// Lay each prompt out once per micro-batch (`train.share_prompt`).
+    #[serde(default = "crate::roles::lm::share_prompt_default")]
+    pub share_prompt: bool,
     /// Seed of a fresh head.
     pub seed: u64,
 }
@@ -57,6 +63,7 @@ struct CriticWorkerState {
     optimizer: AdamW,
     value_clip: f64,
     micro_batch_size: usize,
+    share_prompt: bool,
     comm: DpComm,
 }
 
@@ -84,6 +91,7 @@ impl CriticWorkerState {
             optimizer,
             value_clip: config.value_clip,
             micro_batch_size: config.micro_batch_size.max(1),
+            share_prompt: config.share_prompt,
             comm: DpComm::default(),
         })
     }
@@ -94,10 +102,14 @@ impl CriticWorkerState {
         let run = || -> crate::Result<Vec<Vec<f32>>> {
             let mut out = Vec::with_capacity(sequences.len());
             tch::no_grad(|| -> crate::Result<()> {
+                let device = self.model.params.device();
                 for chunk in sequences.chunks(self.micro_batch_size) {
                     let refs: Vec<&Sequence> = chunk.iter().collect();
-                    let batch = response_batch(&refs, self.model.params.device())?;
-                    let values = self.model.action_values(&batch)?;
+                    let values = if self.share_prompt {
+                        shared_prompt_batch(&refs, device)?.action_values(&self.model)?
+                    } else {
+                        self.model.action_values(&response_batch(&refs, device)?)?
+                    };
                     let lengths: Vec<usize> = chunk.iter().map(|s| s.response_ids.len()).collect();
                     out.extend(unpad_rows(&values, &lengths)?);
                 }
@@ -339,18 +351,31 @@ impl CriticWorkerState {
         };
         self.optimizer.zero_grad();
         let mut stats = CriticTrainStats::default();
+        // As the policy's: the responses to one prompt share micro-batches, which leaves the
+        // summed loss as it is.
+        let rows: Vec<&ExperienceRow> = if self.share_prompt {
+            let sequences: Vec<&Sequence> = rows.iter().map(|r| &r.sequence).collect();
+            grouped_by_prompt(&sequences).into_iter().map(|i| &rows[i]).collect()
+        } else {
+            rows.iter().collect()
+        };
         for chunk in rows.chunks(self.micro_batch_size) {
             let sequences: Vec<&Sequence> = chunk.iter().map(|r| &r.sequence).collect();
-            let batch = response_batch(&sequences, device)?;
-            let width = batch.num_actions()?;
+            let (values, action_mask) = if self.share_prompt {
+                let batch = shared_prompt_batch(&sequences, device)?;
+                (batch.action_values(&self.model)?, batch.action_mask)
+            } else {
+                let batch = response_batch(&sequences, device)?;
+                (self.model.action_values(&batch)?, batch.action_mask)
+            };
+            let width = action_mask.size()[1];
             let column = |f: fn(&ExperienceRow) -> &[f32]| -> crate::Result<tch::Tensor> {
-                let rows: Vec<&[f32]> = chunk.iter().map(f).collect();
+                let rows: Vec<&[f32]> = chunk.iter().map(|r| f(r)).collect();
                 pad_rows(&rows, width, device)
             };
             let old_values = column(|r| &r.values)?;
             let returns = column(|r| &r.returns)?;
-            let mask = batch.action_mask.f_to_kind(Kind::Float)?;
-            let values = self.model.action_values(&batch)?;
+            let mask = action_mask.f_to_kind(Kind::Float)?;
             let loss = algo::value_loss(
                 &values,
                 &old_values,

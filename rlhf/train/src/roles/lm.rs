@@ -46,7 +46,7 @@ pub struct PolicyLossConfig {
     pub share_prompt: bool,
 }
 
-fn share_prompt_default() -> bool {
+pub(crate) fn share_prompt_default() -> bool {
     true
 }
 

@@ -181,6 +181,7 @@ fn create_ranks(
             optimizer,
             value_clip: 0.0,
             micro_batch_size: t.micro_batch_size,
+            share_prompt: t.share_prompt,
             seed: config.seed,
         };
         return Ok(Ranks::Scalar(ActorGroup::create(

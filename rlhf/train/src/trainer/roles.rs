@@ -147,6 +147,7 @@ impl Roles {
                 optimizer: optimizer(config, config.train.critic_lr, total_optimizer_steps),
                 value_clip: config.algo.value_clip,
                 micro_batch_size: config.train.micro_batch_size,
+                share_prompt: config.train.share_prompt,
                 seed: config.seed,
             };
             Some(ActorGroup::create(
