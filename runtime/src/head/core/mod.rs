@@ -296,7 +296,8 @@ impl HeadCore {
                         }
                     }
                     None => {
-                        self.worker_exited(worker, status.to_string(), &mut effects);
+                        let status = self.exit_reason(worker, &status);
+                        self.worker_exited(worker, status, &mut effects);
                         self.reschedule(&mut effects);
                     }
                 }

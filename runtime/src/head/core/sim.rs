@@ -848,3 +848,31 @@ fn an_actor_restarts_then_dies_and_frees_its_name() {
     assert!(world.core.names.is_empty());
     world.wind_down();
 }
+
+#[test]
+fn a_worker_that_dies_on_another_node_says_which() {
+    let mut world = World::new();
+    // The head offers 2 CPUs, so an actor of 3 goes to the node that joins with 3.
+    world.run(Op::JoinNode { cpus: 3, gpus: 0 });
+    world.run(Op::CreateActor {
+        by: 0,
+        cpus: 3,
+        gpus: 0,
+        name: None,
+        restarts: 0,
+        detached: false,
+        get_if_exists: false,
+        group: None,
+    });
+    world.run(Op::ProcessStarts(0));
+    world.run(Op::ProcessRegisters(0));
+    world.run(Op::ActorConstructed { process: 0, ok: true });
+    world.run(Op::ProcessCrashes { process: 0, how: 1 });
+    world.check();
+    let actor = world.actors[0];
+    let ActorState::Dead { reason } = &world.core.actors[&actor].state else {
+        panic!("the actor should be dead");
+    };
+    assert!(reason.contains("signal 11") && reason.contains(" on node-2 (node-0)"), "{reason}");
+    world.wind_down();
+}

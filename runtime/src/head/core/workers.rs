@@ -7,8 +7,8 @@ use std::collections::BTreeMap;
 
 use super::{ActorState, Effect, HeadCore, Lineage, Origin, WorkerEntry, WorkerRole};
 use crate::error::{Error, Result};
-use crate::ids::WorkerId;
-use crate::protocol::{ActorStart, Address, Assignment, Outcome};
+use crate::ids::{NodeId, WorkerId};
+use crate::protocol::{ActorStart, Address, Assignment, Outcome, WorkerExit};
 use crate::worker::WorkerSpec;
 
 impl HeadCore {
@@ -138,6 +138,20 @@ impl HeadCore {
     }
 
     /// A worker's process ended (`status` says how). The caller reschedules.
+    /// How a worker ended, naming its node when that is not the head's: on a cluster, where a
+    /// process died is where its operator looks (and a node killed with its workers may report
+    /// a worker's SIGKILL before the head declares the node dead).
+    pub(super) fn exit_reason(&self, worker: WorkerId, status: &WorkerExit) -> String {
+        let node = self.workers.get(&worker).map(|w| w.node);
+        match node.filter(|&n| n != self.members.head_node) {
+            Some(node) => match self.members.nodes.get(&node) {
+                Some(entry) => format!("{status} on {} ({})", NodeId(node), entry.name),
+                None => status.to_string(),
+            },
+            None => status.to_string(),
+        }
+    }
+
     pub(super) fn worker_exited(
         &mut self,
         worker: WorkerId,
