@@ -160,16 +160,7 @@ pub fn shared_prompt_batch(sequences: &[&Sequence], device: Device) -> Result<Sh
             "every prompt needs at least one token, found none in sequence {i}"
         )));
     }
-    // Rows: distinct prompts in order of first appearance, each with its sequences.
-    let mut rows: Vec<(&[u32], Vec<usize>)> = Vec::new();
-    let mut row_of: std::collections::HashMap<&[u32], usize> = std::collections::HashMap::new();
-    for (i, s) in sequences.iter().enumerate() {
-        let row = *row_of.entry(&s.prompt_ids).or_insert_with(|| {
-            rows.push((&s.prompt_ids, Vec::new()));
-            rows.len() - 1
-        });
-        rows[row].1.push(i);
-    }
+    let rows = prompt_groups(sequences);
     let row_len = |(prompt, members): &(&[u32], Vec<usize>)| {
         prompt.len() + members.iter().map(|&i| sequences[i].response_ids.len()).sum::<usize>()
     };
@@ -233,16 +224,32 @@ pub fn shared_prompt_batch(sequences: &[&Sequence], device: Device) -> Result<Sh
 /// this order lets [`shared_prompt_batch`] lay each prompt out once for as many responses as
 /// possible. A policy loss summed over micro-batches does not depend on which rows share one.
 pub fn grouped_by_prompt(sequences: &[&Sequence]) -> Vec<usize> {
-    let mut groups: Vec<Vec<usize>> = Vec::new();
+    prompt_groups(sequences).into_iter().flat_map(|(_, members)| members).collect()
+}
+
+/// A trained role's rows in the order its micro-batches take them: grouped by prompt with
+/// `share_prompt` (see [`grouped_by_prompt`]), else as they came.
+pub fn training_order(rows: &[ExperienceRow], share_prompt: bool) -> Vec<&ExperienceRow> {
+    if !share_prompt {
+        return rows.iter().collect();
+    }
+    let sequences: Vec<&Sequence> = rows.iter().map(|r| &r.sequence).collect();
+    grouped_by_prompt(&sequences).into_iter().map(|i| &rows[i]).collect()
+}
+
+/// The distinct prompts of `sequences` in order of first appearance, each with the indices of
+/// the sequences that answer it, in order.
+fn prompt_groups<'a>(sequences: &[&'a Sequence]) -> Vec<(&'a [u32], Vec<usize>)> {
+    let mut groups: Vec<(&[u32], Vec<usize>)> = Vec::new();
     let mut group_of: std::collections::HashMap<&[u32], usize> = std::collections::HashMap::new();
     for (i, s) in sequences.iter().enumerate() {
         let g = *group_of.entry(&s.prompt_ids).or_insert_with(|| {
-            groups.push(Vec::new());
+            groups.push((&s.prompt_ids, Vec::new()));
             groups.len() - 1
         });
-        groups[g].push(i);
+        groups[g].1.push(i);
     }
-    groups.into_iter().flatten().collect()
+    groups
 }
 
 /// A `[rows, R]` tensor of per-response-token values from per-row vectors (right-padded with 0).

@@ -11,7 +11,7 @@ use rtrun_rlhf_model::train::{AdamW, OptimizerConfig};
 
 use crate::algo::{self, LossAggregation};
 use crate::experience::{
-    ExperienceRow, Sequence, grouped_by_prompt, pad_rows, response_batch, shared_prompt_batch,
+    ExperienceRow, Sequence, pad_rows, response_batch, shared_prompt_batch, training_order,
     unpad_rows,
 };
 use crate::roles::{DpComm, Phase, WorkerSetup};
@@ -353,12 +353,7 @@ impl CriticWorkerState {
         let mut stats = CriticTrainStats::default();
         // As the policy's: the responses to one prompt share micro-batches, which leaves the
         // summed loss as it is.
-        let rows: Vec<&ExperienceRow> = if self.share_prompt {
-            let sequences: Vec<&Sequence> = rows.iter().map(|r| &r.sequence).collect();
-            grouped_by_prompt(&sequences).into_iter().map(|i| &rows[i]).collect()
-        } else {
-            rows.iter().collect()
-        };
+        let rows = training_order(rows, self.share_prompt);
         for chunk in rows.chunks(self.micro_batch_size) {
             let sequences: Vec<&Sequence> = chunk.iter().map(|r| &r.sequence).collect();
             let (values, action_mask) = if self.share_prompt {

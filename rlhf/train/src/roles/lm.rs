@@ -15,7 +15,7 @@ use rtrun_rlhf_model::train::{AdamW, OptimizerConfig};
 
 use crate::algo::{self, ClipConfig, KlEstimator, LossAggregation};
 use crate::experience::{
-    ExperienceRow, Sequence, grouped_by_prompt, pad_rows, response_batch, shared_prompt_batch,
+    ExperienceRow, Sequence, pad_rows, response_batch, shared_prompt_batch, training_order,
     unpad_rows,
 };
 use crate::roles::{DpComm, Phase, WorkerSetup};
@@ -562,12 +562,7 @@ impl LmWorkerState {
         let mut stats = PolicyTrainStats::default();
         // The loss sums over micro-batches, so which rows share one is free: with shared
         // prompts, the responses to one prompt go together and the prompt is computed once.
-        let rows: Vec<&ExperienceRow> = if self.loss.share_prompt {
-            let sequences: Vec<&Sequence> = rows.iter().map(|r| &r.sequence).collect();
-            grouped_by_prompt(&sequences).into_iter().map(|i| &rows[i]).collect()
-        } else {
-            rows.iter().collect()
-        };
+        let rows = training_order(rows, self.loss.share_prompt);
         for chunk in rows.chunks(self.loss.micro_batch_size.max(1)) {
             let sequences: Vec<&Sequence> = chunk.iter().map(|r| &r.sequence).collect();
             let (logits, response_ids, action_mask) = if self.loss.share_prompt {
