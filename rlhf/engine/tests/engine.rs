@@ -107,6 +107,25 @@ fn greedy_outputs_equal_the_reference_decode_at_several_batch_sizes_and_prompt_l
     }
 }
 
+/// Projections of at least 8M multiply-adds run on oneDNN in the engine and on MKL in the
+/// reference decode: the tokens stay identical (batch 16 decodes `[16, 256] x [256, 2048]` and
+/// prefills far larger products).
+#[test]
+fn greedy_outputs_equal_the_reference_decode_where_projections_run_on_onednn() {
+    let config = ModelConfig {
+        hidden_size: 256,
+        intermediate_size: 2048,
+        ..tiny::tiny_config(ModelFamily::Qwen2)
+    };
+    let all = requests(
+        &prompts(&[12, 30, 7, 21, 16, 9, 25, 14, 5, 18, 11, 27, 8, 20, 13, 24], 3),
+        &SamplingParams::greedy(12),
+    );
+    let expected = reference(&tiny::tiny_model(&config, 13).unwrap(), &all);
+    let mut engine = engine(tiny::tiny_model(&config, 13).unwrap(), self::config(256, 16));
+    assert_same(&engine.generate(all).unwrap(), &expected);
+}
+
 #[test]
 fn preemption_by_recompute_and_chunked_prefill_keep_outputs_identical() {
     let oracle = model(ModelFamily::Qwen2, 5);
