@@ -26,6 +26,7 @@ pub mod chat_template;
 pub mod config;
 pub mod cuda;
 pub mod error;
+pub mod host_memory;
 pub mod layers;
 pub mod logprobs;
 pub mod params;

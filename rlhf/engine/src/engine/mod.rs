@@ -95,6 +95,10 @@ impl LlmEngine {
         config: EngineConfig,
     ) -> Result<Self, EngineError> {
         weights::check_placement(&model, config.torch_device()?, config.torch_kind()?)?;
+        if config.torch_device()? == tch::Device::Cpu {
+            // Each step's activations are allocated afresh; see `host_memory`.
+            rtrun_rlhf_model::host_memory::keep_freed_memory();
+        }
         model.params.set_requires_grad(false)?;
         let shapes = weights::parameter_shapes(&model);
         let mut runner = ModelRunner::new(model, ShardSpec::WHOLE, config.block_size)?;

@@ -58,13 +58,17 @@ struct GroupTensors {
     q_len: i64,
     kv_len: i64,
     q_index: Tensor,
-    kv_slots: Tensor,
+    /// The [`KvCache::head_major`] rows of the group's key slots.
+    kv_rows: Tensor,
     mask: Tensor,
     valid_slots: Tensor,
     valid_rows: Tensor,
     /// The group covers every packed row, one query each, in packed order: its output rows
     /// are the attention output as they are.
     identity: bool,
+    /// For a decode group on the CPU: the additive mask (0 or -inf) of
+    /// [`decode_attention`], `[kv_heads * batch, 1, kv_len]`.
+    additive: Option<Tensor>,
 }
 
 impl ModelRunner {
@@ -179,18 +183,19 @@ impl ModelRunner {
         let total = batch.num_tokens() as i64;
         let input_ids = index(&batch.input_ids)?.f_view([1, total])?;
         let positions = index(&batch.positions)?.f_view([1, total])?;
-        let slots = index(&batch.slots)?;
-        let groups = batch
-            .groups
-            .iter()
-            .map(|g| group_tensors(g, total, device))
-            .collect::<Result<Vec<_>, _>>()?;
-
+        let slots = index(&cache.head_major(&batch.slots))?;
         let backbone = &self.model.backbone;
         let (heads, kv_heads, head_dim) = {
             let attn = &backbone.layers[0].self_attn;
             (attn.num_heads, attn.num_kv_heads, attn.head_dim)
         };
+        let decode_masks = (device == Device::Cpu).then_some((kv_heads, self.model.params.kind()));
+        let groups = batch
+            .groups
+            .iter()
+            .map(|g| group_tensors(g, total, cache, device, decode_masks))
+            .collect::<Result<Vec<_>, _>>()?;
+
         // `[T, hidden]`: the step's tokens are one packed row, so the runner works on 2-D rows.
         let mut hidden = Tensor::f_embedding(&backbone.embed_tokens, &input_ids, -1, false, false)?
             .f_squeeze_dim(0)?;
@@ -304,7 +309,9 @@ fn onednn_works() -> bool {
 fn group_tensors(
     g: &AttentionGroup,
     total: i64,
+    cache: &KvCache,
     device: Device,
+    decode_masks: Option<(i64, Kind)>,
 ) -> Result<GroupTensors, EngineError> {
     let index = |values: &[i64]| -> Result<Tensor, EngineError> {
         Ok(Tensor::f_from_slice(values)?.f_to_device(device)?)
@@ -313,18 +320,32 @@ fn group_tensors(
     let identity = q_len == 1
         && batch == total
         && g.valid_rows.iter().enumerate().all(|(i, &row)| row == i as i64);
+    let additive = match decode_masks {
+        Some((kv_heads, kind)) if q_len == 1 => {
+            let row: Vec<f32> =
+                g.mask.iter().map(|&keep| if keep { 0.0 } else { f32::NEG_INFINITY }).collect();
+            let mask = Tensor::f_from_slice(&row)?.f_view([1, batch, kv_len])?;
+            Some(
+                mask.f_expand([kv_heads, batch, kv_len], false)?
+                    .f_reshape([kv_heads * batch, 1, kv_len])?
+                    .f_to_kind(kind)?,
+            )
+        }
+        _ => None,
+    };
     Ok(GroupTensors {
         batch,
         q_len,
         kv_len,
         q_index: index(&g.q_index)?,
-        kv_slots: index(&g.kv_slots)?,
+        kv_rows: index(&cache.head_major(&g.kv_slots))?,
         mask: Tensor::f_from_slice(&g.mask)?
             .f_view([batch, 1, q_len, kv_len])?
             .f_to_device(device)?,
         valid_slots: index(&g.valid_slots)?,
         valid_rows: index(&g.valid_rows)?,
         identity,
+        additive,
     })
 }
 
@@ -339,11 +360,19 @@ fn paged_attention(
 ) -> Result<Tensor, EngineError> {
     let width = attn.num_heads * attn.head_dim;
     let attend_group = |g: &GroupTensors| -> Result<Tensor, EngineError> {
-        let qg = q_rows
-            .f_index_select(0, &g.q_index)?
+        let qg = match g.identity {
+            true => q_rows.shallow_clone(),
+            false => q_rows.f_index_select(0, &g.q_index)?,
+        };
+        // `[kv_heads, batch, kv_len, head_dim]`.
+        let (k, v) = cache.gather(&g.kv_rows, g.batch, g.kv_len)?;
+        if let Some(additive) = &g.additive {
+            return decode_attention(attn, &qg, &k, &v, additive, g.batch);
+        }
+        let qg = qg
             .f_view([g.batch, g.q_len, attn.num_heads, attn.head_dim])?
             .f_permute([0, 2, 1, 3])?;
-        let (k, v) = cache.gather(&g.kv_slots, g.batch, g.kv_len)?;
+        let (k, v) = (k.f_permute([1, 0, 2, 3])?, v.f_permute([1, 0, 2, 3])?);
         Ok(attn.attend(&qg, &k, &v, Some(&g.mask))?.f_reshape([g.batch * g.q_len, width])?)
     };
     if let [only] = groups
@@ -361,6 +390,38 @@ fn paged_attention(
     Ok(attended)
 }
 
+/// One query per sequence (`q: [batch, heads, head_dim]`) over its gathered context (`k, v:
+/// [kv_heads, batch, len, head_dim]`, contiguous): two batched products over the `kv_heads *
+/// batch` pairs, each multiplying the `heads / kv_heads` query heads that share a key/value
+/// head at once, with the padding masked by `additive`. On the CPU this is twice as fast as
+/// `scaled_dot_product_attention`, whose flash kernel runs one tiny product per query row and
+/// head; the arithmetic is the same softmax of the same scaled scores.
+fn decode_attention(
+    attn: &Attention,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    additive: &Tensor,
+    batch: i64,
+) -> Result<Tensor, EngineError> {
+    let (heads, kv_heads, head_dim) = (attn.num_heads, attn.num_kv_heads, attn.head_dim);
+    let (group, len) = (heads / kv_heads, k.size()[2]);
+    let pairs = kv_heads * batch;
+    let q = q
+        .f_view([batch, kv_heads, group, head_dim])?
+        .f_permute([1, 0, 2, 3])?
+        .f_reshape([pairs, group, head_dim])?;
+    let k = k.f_view([pairs, len, head_dim])?;
+    let v = v.f_view([pairs, len, head_dim])?;
+    let scale = 1.0 / (head_dim as f64).sqrt();
+    let scores = additive.f_baddbmm(&q, &k.f_transpose(1, 2)?, 1.0, scale)?;
+    let probs = scores.f_softmax(-1, q.f_kind()?)?;
+    Ok(probs
+        .f_bmm(&v)?
+        .f_view([kv_heads, batch, group, head_dim])?
+        .f_permute([1, 0, 2, 3])?
+        .f_reshape([batch, heads * head_dim])?)
+}
 #[cfg(test)]
 mod tests {
     use super::*;

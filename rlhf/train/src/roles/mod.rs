@@ -94,8 +94,10 @@ impl WorkerSetup {
     }
 
     /// Applies the process-wide settings (thread counts, those of the experience phase until
-    /// a call says otherwise).
+    /// a call says otherwise; freed tensor memory kept in the heap, see
+    /// [`rtrun_rlhf_model::host_memory`]).
     pub fn apply(&self) {
+        rtrun_rlhf_model::host_memory::keep_freed_memory();
         tch::set_num_interop_threads(1);
         self.enter(Phase::Experience);
     }
