@@ -269,6 +269,7 @@ impl LlmEngine {
         self.require_idle("sleep")?;
         self.runner.free_kv_cache();
         self.scheduler.reset_prefix_cache();
+        self.runner.unfuse();
         let residency = std::mem::replace(&mut self.weights, WeightResidency::Resident);
         self.weights = weights::put_to_sleep(self.runner.model(), residency, level)?;
         // Freed tensors go back to libtorch's cache, not to the GPU: give them back so the
@@ -285,6 +286,7 @@ impl LlmEngine {
         if all || targets.contains(&WakeTarget::Weights) {
             let residency = std::mem::replace(&mut self.weights, WeightResidency::Resident);
             self.weights = weights::wake(self.runner.model(), residency, &self.shapes)?;
+            self.runner.fuse()?;
         }
         if (all || targets.contains(&WakeTarget::KvCache)) && !self.runner.has_kv_cache() {
             self.runner.allocate_kv_cache(self.num_blocks)?;

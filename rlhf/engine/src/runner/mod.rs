@@ -50,6 +50,17 @@ pub struct ModelRunner {
     /// Large float32 projections go through oneDNN (on the CPU, where libtorch has it; see
     /// [`ModelRunner::linear`]).
     onednn: bool,
+    /// Per decoder layer, the projections that read the same input as one (on the CPU, see
+    /// [`ModelRunner::fuse`]); empty when unfused.
+    fused: Vec<FusedLayer>,
+}
+
+/// One decoder layer's query/key/value projections, and its gate/up projections, each
+/// concatenated along the output dimension. The model's own parameters are views into them.
+#[derive(Debug)]
+struct FusedLayer {
+    qkv: Linear,
+    gate_up: Linear,
 }
 
 /// The index tensors of one attention group, on the model's device.
@@ -95,7 +106,42 @@ impl ModelRunner {
         };
         let weight_left = model.backbone.device() == Device::Cpu;
         let onednn = weight_left && onednn_works();
-        Ok(Self { model, shard, cache_shape, cache: None, weight_left, onednn })
+        let mut runner =
+            Self { model, shard, cache_shape, cache: None, weight_left, onednn, fused: Vec::new() };
+        runner.fuse()?;
+        Ok(runner)
+    }
+
+    /// On the CPU, concatenates each layer's q/k/v projections and its gate/up projections into
+    /// one weight each and points the model's parameters at views of them: a step then runs
+    /// two products where it ran five, and a weight update that copies into the parameters
+    /// lands in the fused weights. Call again after the parameters' storage was replaced (a
+    /// wake-up); [`ModelRunner::unfuse`] before releasing it (a sleep). Layers whose q/k/v
+    /// mix biased and unbiased projections stay unfused.
+    pub fn fuse(&mut self) -> Result<(), EngineError> {
+        self.fused.clear();
+        if !self.weight_left {
+            return Ok(());
+        }
+        let mut fused = Vec::new();
+        for layer in &self.model.backbone.layers {
+            let attn = &layer.self_attn;
+            let (Some(qkv), Some(gate_up)) = (
+                fuse_linears(&[&attn.q_proj, &attn.k_proj, &attn.v_proj])?,
+                fuse_linears(&[&layer.mlp.gate_proj, &layer.mlp.up_proj])?,
+            ) else {
+                return Ok(());
+            };
+            fused.push(FusedLayer { qkv, gate_up });
+        }
+        self.fused = fused;
+        Ok(())
+    }
+
+    /// Drops the fused weights (the parameters keep their views until their storage is
+    /// replaced).
+    pub fn unfuse(&mut self) {
+        self.fused.clear();
     }
 
     /// The model.
@@ -202,13 +248,24 @@ impl ModelRunner {
         let (cos, sin) = backbone.rotary.cos_sin(&positions, hidden.f_kind()?)?;
         // `[T, 1, head_dim]`, broadcast over the heads of `[T, heads, head_dim]` rows.
         let (cos, sin) = (cos.f_view([total, 1, head_dim])?, sin.f_view([total, 1, head_dim])?);
-        for (layer, layer_cache) in backbone.layers.iter().zip(&cache.layers) {
+        for (index, (layer, layer_cache)) in backbone.layers.iter().zip(&cache.layers).enumerate() {
             let attn = &layer.self_attn;
             let normed = layer.input_layernorm.forward(&hidden)?;
             let rows = |t: Tensor, n: i64| t.f_view([total, n, head_dim]);
-            let q = rows(self.linear(&attn.q_proj, &normed)?, heads)?;
-            let k = rows(self.linear(&attn.k_proj, &normed)?, kv_heads)?;
-            let v = rows(self.linear(&attn.v_proj, &normed)?, kv_heads)?;
+            let (q, k, v) = match self.fused.get(index) {
+                Some(fused) => {
+                    let qkv = self.linear(&fused.qkv, &normed)?;
+                    let part = |start: i64, n: i64| {
+                        rows(qkv.f_narrow(1, start * head_dim, n * head_dim)?, n)
+                    };
+                    (part(0, heads)?, part(heads, kv_heads)?, part(heads + kv_heads, kv_heads)?)
+                }
+                None => (
+                    rows(self.linear(&attn.q_proj, &normed)?, heads)?,
+                    rows(self.linear(&attn.k_proj, &normed)?, kv_heads)?,
+                    rows(self.linear(&attn.v_proj, &normed)?, kv_heads)?,
+                ),
+            };
             let (q, k) = (apply_rotary(&q, &cos, &sin)?, apply_rotary(&k, &cos, &sin)?);
             // Every new K/V of this layer lands in the cache before any query reads it, which
             // lets a chunk read prefix blocks another chunk of the same step computes.
@@ -218,8 +275,18 @@ impl ModelRunner {
             // Tensor-parallel seam: all-reduce `out` across shards here.
             hidden = hidden.f_add(&out)?;
             let normed = layer.post_attention_layernorm.forward(&hidden)?;
-            let gate = self.linear(&layer.mlp.gate_proj, &normed)?.f_silu()?;
-            let up = self.linear(&layer.mlp.up_proj, &normed)?;
+            let (gate, up) = match self.fused.get(index) {
+                Some(fused) => {
+                    let gate_up = self.linear(&fused.gate_up, &normed)?;
+                    let width = gate_up.size()[1] / 2;
+                    (gate_up.f_narrow(1, 0, width)?, gate_up.f_narrow(1, width, width)?)
+                }
+                None => (
+                    self.linear(&layer.mlp.gate_proj, &normed)?,
+                    self.linear(&layer.mlp.up_proj, &normed)?,
+                ),
+            };
+            let gate = gate.f_silu()?;
             let mlp = self.linear(&layer.mlp.down_proj, &gate.f_mul(&up)?)?;
             // Tensor-parallel seam: all-reduce `mlp` across shards here.
             hidden = hidden.f_add(&mlp)?;
@@ -272,6 +339,34 @@ impl ModelRunner {
         };
         Ok(out.f_transpose(0, 1)?)
     }
+}
+
+/// `layers` (same input width) as one projection whose output is theirs side by side, with
+/// each layer's weight and bias pointed at its slice; `None` when some have a bias and some
+/// not.
+fn fuse_linears(layers: &[&Linear]) -> Result<Option<Linear>, EngineError> {
+    let biases: Vec<&Tensor> = layers.iter().filter_map(|l| l.bias.as_ref()).collect();
+    if !biases.is_empty() && biases.len() != layers.len() {
+        return Ok(None);
+    }
+    tch::no_grad(|| {
+        let weights: Vec<&Tensor> = layers.iter().map(|l| &l.weight).collect();
+        let weight = Tensor::f_cat(&weights, 0)?;
+        let bias = match biases.is_empty() {
+            true => None,
+            false => Some(Tensor::f_cat(&biases, 0)?),
+        };
+        let mut start = 0;
+        for layer in layers {
+            let n = layer.weight.size()[0];
+            layer.weight.shallow_clone().f_set_data(&weight.f_narrow(0, start, n)?)?;
+            if let (Some(own), Some(bias)) = (&layer.bias, &bias) {
+                own.shallow_clone().f_set_data(&bias.f_narrow(0, start, n)?)?;
+            }
+            start += n;
+        }
+        Ok(Some(Linear { weight, bias }))
+    })
 }
 
 /// The smallest product (rows x inputs x outputs) [`ModelRunner::linear`] sends to oneDNN: its
@@ -444,5 +539,26 @@ mod tests {
         assert_eq!(found.size(), [64, 1536]);
         let worst = (found - &expected).abs().max().double_value(&[]);
         assert!(worst < 1e-3, "{worst}");
+    }
+
+    #[test]
+    fn fused_projections_are_the_parameters_storage() {
+        use rtrun_rlhf_model::{ModelFamily, tiny};
+        for family in [ModelFamily::Llama, ModelFamily::Qwen2] {
+            let model = tiny::tiny_model(&tiny::tiny_config(family), 5).unwrap();
+            let runner = ModelRunner::new(model, ShardSpec::WHOLE, 4).unwrap();
+            let layers = &runner.model().backbone.layers;
+            assert_eq!(runner.fused.len(), layers.len(), "{family:?}");
+            // A weight update copies into the parameters; the fused weight sees it.
+            let k = &layers[1].self_attn.k_proj;
+            let name = "model.layers.1.self_attn.k_proj.weight";
+            let ones = Tensor::ones(k.weight.size(), (Kind::Float, Device::Cpu));
+            runner.model().params.copy_into(name, &ones).unwrap();
+            let q_rows = layers[1].self_attn.q_proj.weight.size()[0];
+            let fused_k = runner.fused[1].qkv.weight.narrow(0, q_rows, k.weight.size()[0]);
+            assert!(fused_k.equal(&ones), "{family:?}");
+            let bias = runner.fused[1].qkv.bias.is_some();
+            assert_eq!(bias, family == ModelFamily::Qwen2);
+        }
     }
 }
