@@ -126,6 +126,18 @@ fn greedy_outputs_equal_the_reference_decode_where_projections_run_on_onednn() {
     assert_same(&engine.generate(all).unwrap(), &expected);
 }
 
+/// The CPU runner looks RoPE rows up in a table of the model's `max_position_embeddings`
+/// positions; a sequence that runs past them gets its rows computed, the same values.
+#[test]
+fn positions_past_the_rope_table_give_the_reference_outputs() {
+    let config =
+        ModelConfig { max_position_embeddings: 16, ..tiny::tiny_config(ModelFamily::Qwen2) };
+    let all = requests(&prompts(&[5, 14, 21], 4), &SamplingParams::greedy(9));
+    let expected = reference(&tiny::tiny_model(&config, 17).unwrap(), &all);
+    let mut engine = engine(tiny::tiny_model(&config, 17).unwrap(), self::config(64, 4));
+    assert_same(&engine.generate(all).unwrap(), &expected);
+}
+
 #[test]
 fn preemption_by_recompute_and_chunked_prefill_keep_outputs_identical() {
     let oracle = model(ModelFamily::Qwen2, 5);

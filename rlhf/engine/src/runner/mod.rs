@@ -57,6 +57,10 @@ pub struct ModelRunner {
     threads: i32,
     /// Multiply-adds per token (the parameter count).
     macs_per_token: i64,
+    /// RoPE's `cos` and `sin` of every position below the model's maximum (capped at
+    /// [`ROPE_TABLE_MAX`]), `[positions, head_dim]` each in the model's kind: a step looks its
+    /// rows up instead of computing them (on the CPU).
+    rope_table: Option<(Tensor, Tensor)>,
 }
 
 /// One decoder layer's query/key/value projections, and its gate/up projections, each
@@ -121,7 +125,11 @@ impl ModelRunner {
             fused: Vec::new(),
             threads: tch::get_num_threads(),
             macs_per_token,
+            rope_table: None,
         };
+        if runner.weight_left {
+            runner.rope_table = Some(rope_table(&runner.model)?);
+        }
         runner.fuse()?;
         Ok(runner)
     }
@@ -277,7 +285,13 @@ impl ModelRunner {
         // `[T, hidden]`: the step's tokens are one packed row, so the runner works on 2-D rows.
         let mut hidden = Tensor::f_embedding(&backbone.embed_tokens, &input_ids, -1, false, false)?
             .f_squeeze_dim(0)?;
-        let (cos, sin) = backbone.rotary.cos_sin(&positions, hidden.f_kind()?)?;
+        let (cos, sin) = match &self.rope_table {
+            Some((cos, sin)) if batch.positions.iter().all(|&p| p < cos.size()[0]) => {
+                let flat = positions.f_view([total])?;
+                (cos.f_index_select(0, &flat)?, sin.f_index_select(0, &flat)?)
+            }
+            _ => backbone.rotary.cos_sin(&positions, hidden.f_kind()?)?,
+        };
         // `[T, 1, head_dim]`, broadcast over the heads of `[T, heads, head_dim]` rows.
         let (cos, sin) = (cos.f_view([total, 1, head_dim])?, sin.f_view([total, 1, head_dim])?);
         for (index, (layer, layer_cache)) in backbone.layers.iter().zip(&cache.layers).enumerate() {
@@ -286,19 +300,25 @@ impl ModelRunner {
             let rows = |t: Tensor, n: i64| t.f_view([total, n, head_dim]);
             let (q, k, v) = match self.fused.get(index) {
                 Some(fused) => {
+                    // Queries and keys are adjacent: one rotation turns both.
                     let qkv = self.linear(&fused.qkv, &normed)?;
-                    let part = |start: i64, n: i64| {
-                        rows(qkv.f_narrow(1, start * head_dim, n * head_dim)?, n)
-                    };
-                    (part(0, heads)?, part(heads, kv_heads)?, part(heads + kv_heads, kv_heads)?)
+                    let qk =
+                        rows(qkv.f_narrow(1, 0, (heads + kv_heads) * head_dim)?, heads + kv_heads)?;
+                    let qk = apply_rotary(&qk, &cos, &sin)?;
+                    let v = qkv.f_narrow(1, (heads + kv_heads) * head_dim, kv_heads * head_dim)?;
+                    (
+                        qk.f_narrow(1, 0, heads)?,
+                        qk.f_narrow(1, heads, kv_heads)?,
+                        rows(v, kv_heads)?,
+                    )
                 }
-                None => (
-                    rows(self.linear(&attn.q_proj, &normed)?, heads)?,
-                    rows(self.linear(&attn.k_proj, &normed)?, kv_heads)?,
-                    rows(self.linear(&attn.v_proj, &normed)?, kv_heads)?,
-                ),
+                None => {
+                    let q = rows(self.linear(&attn.q_proj, &normed)?, heads)?;
+                    let k = rows(self.linear(&attn.k_proj, &normed)?, kv_heads)?;
+                    let v = rows(self.linear(&attn.v_proj, &normed)?, kv_heads)?;
+                    (apply_rotary(&q, &cos, &sin)?, apply_rotary(&k, &cos, &sin)?, v)
+                }
             };
-            let (q, k) = (apply_rotary(&q, &cos, &sin)?, apply_rotary(&k, &cos, &sin)?);
             // Every new K/V of this layer lands in the cache before any query reads it, which
             // lets a chunk read prefix blocks another chunk of the same step computes.
             layer_cache.write(&slots, &k, &v)?;
@@ -399,6 +419,24 @@ fn fuse_linears(layers: &[&Linear]) -> Result<Option<Linear>, EngineError> {
         }
         Ok(Some(Linear { weight, bias }))
     })
+}
+
+/// The most positions [`ModelRunner`]'s RoPE table holds (a step with a later position
+/// computes its rows instead).
+const ROPE_TABLE_MAX: i64 = 1 << 16;
+
+/// RoPE's `cos` and `sin` of positions `0..min(max_position_embeddings, ROPE_TABLE_MAX)`,
+/// `[positions, head_dim]` each, computed by the model's own rotary embedding (so a looked-up
+/// row is the value a step would compute).
+fn rope_table(model: &CausalLm) -> Result<(Tensor, Tensor), EngineError> {
+    let config = model.config();
+    let positions = config.max_position_embeddings.clamp(1, ROPE_TABLE_MAX);
+    let backbone = &model.backbone;
+    let ids =
+        Tensor::f_arange(positions, (Kind::Int64, backbone.device()))?.f_view([1, positions])?;
+    let (cos, sin) = backbone.rotary.cos_sin(&ids, model.params.kind())?;
+    let flat = |t: Tensor| t.f_view([positions, config.head_dim]);
+    Ok((flat(cos)?, flat(sin)?))
 }
 
 /// Steps below this many multiply-adds run on one thread (see [`ModelRunner::choose_threads`]):
