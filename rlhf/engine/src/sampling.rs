@@ -14,7 +14,7 @@
 //! distribution.
 //!
 //! Arithmetic: each token's weight `exp((logit - max) / temperature)` is an `f32` from
-//! [`exp_nonpositive`], a branch-free `exp` the compiler vectorises (libm's scalar `f64` `exp`
+//! `exp_nonpositive`, a branch-free `exp` the compiler vectorises (libm's scalar `f64` `exp`
 //! was a tenth of the decode step at a vocabulary of 8192); sums, the CDF walk and log-probs are
 //! in `f64`, and a log-prob is `scaled logit - max - ln(total)`, never the log of a small weight,
 //! so a token of tiny probability still gets an accurate one. A weight is within 2 ulp of the
