@@ -292,6 +292,17 @@ fn a_killed_process_releases_its_references_and_borrowers_keep_theirs() {
         assert!(matches_pattern(&r.get_view().expect("borrowed"), 100 + seed as u64, len));
     }
     drop(refs);
+    // The keeper adds the driver's counts once its reply went out (`on_sent`), over its own
+    // connection to the node: the borrow is the store's only when they arrived. Killed before
+    // that, an owner takes the borrow with it (a known gap, written up in issue 15's stop-33
+    // note); this test kills it after.
+    let borrowed_ids: Vec<String> = borrowed.iter().map(|r| r.id().to_string()).collect();
+    let lent = wait_until(LONG, || {
+        let now = stats();
+        let held = now.per_object.iter().filter(|o| borrowed_ids.contains(&o.id.to_string()));
+        held.filter(|o| o.holders == 2).count() == 2
+    });
+    assert!(lent, "the driver's borrows reach the store:\n{}", stats());
     let before = stats();
     assert_eq!(before.objects, 4, "{before}");
     assert_eq!(before.pinned_objects, 1, "{before}");
