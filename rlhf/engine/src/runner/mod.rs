@@ -275,7 +275,7 @@ impl ModelRunner {
             let attn = &backbone.layers[0].self_attn;
             (attn.num_heads, attn.num_kv_heads, attn.head_dim)
         };
-        let decode_masks = (device == Device::Cpu).then_some((kv_heads, self.model.params.kind()));
+        let decode_masks = self.weight_left.then_some((kv_heads, self.model.params.kind()));
         let groups = batch
             .groups
             .iter()
@@ -285,8 +285,13 @@ impl ModelRunner {
         // `[T, hidden]`: the step's tokens are one packed row, so the runner works on 2-D rows.
         let mut hidden = Tensor::f_embedding(&backbone.embed_tokens, &input_ids, -1, false, false)?
             .f_squeeze_dim(0)?;
+        // The table's length once, not once per token (`size()` is a call and an allocation).
+        let in_table = |table: &Tensor| {
+            let rows = table.size()[0];
+            batch.positions.iter().all(|&p| p < rows)
+        };
         let (cos, sin) = match &self.rope_table {
-            Some((cos, sin)) if batch.positions.iter().all(|&p| p < cos.size()[0]) => {
+            Some((cos, sin)) if in_table(cos) => {
                 let flat = positions.f_view([total])?;
                 (cos.f_index_select(0, &flat)?, sin.f_index_select(0, &flat)?)
             }
