@@ -5,7 +5,8 @@
 //!
 //! Run: `cargo run --release -p rtrun-rlhf-engine --example engine_bench -- [--threads N]
 //! [--prompt-len P] [--max-tokens T] [--models tiny,25m] [--batches 1,16,64] [--prefix-len L]
-//! [--repeats R]`
+//! [--repeats R] [--reference on|off]`; `--reference off` times the engine alone (the
+//! reference's cost grows with the square of the length).
 //!
 //! With `--hf DIR` it instead runs the engine on the Hugging Face checkpoints and prompts that
 //! `scripts/bench/hf_generate.py make DIR` wrote (`--models` then names `DIR/<model>`), checks
@@ -32,6 +33,9 @@ struct Options {
     prefix_len: usize,
     repeats: usize,
     hf: Option<std::path::PathBuf>,
+    /// Whether throughput rows also time the full-recompute reference decode (its cost grows
+    /// with the square of the length: `--reference off` for long contexts).
+    reference: bool,
 }
 
 fn parse_options() -> Result<Options> {
@@ -44,6 +48,7 @@ fn parse_options() -> Result<Options> {
         prefix_len: 512,
         repeats: 1,
         hf: None,
+        reference: true,
     };
     let args: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
@@ -56,6 +61,13 @@ fn parse_options() -> Result<Options> {
             "--prefix-len" => options.prefix_len = value.parse()?,
             "--repeats" => options.repeats = value.parse::<usize>()?.max(1),
             "--hf" => options.hf = Some(value.into()),
+            "--reference" => {
+                options.reference = match value.as_str() {
+                    "on" => true,
+                    "off" => false,
+                    other => bail!("--reference is `on` or `off`, found `{other}`"),
+                }
+            }
             "--models" => options.models = value.split(',').map(str::to_owned).collect(),
             "--batches" => {
                 options.batches = value.split(',').map(str::parse).collect::<Result<_, _>>()?
@@ -132,17 +144,22 @@ fn throughput(options: &Options, name: &str) -> Result<()> {
             let start = Instant::now();
             fast = engine.generate(requests.clone())?;
             engine_rate = engine_rate.max(generated(&fast) as f64 / start.elapsed().as_secs_f64());
-            let start = Instant::now();
-            slow = reference_generate(engine.model(), &requests)?;
-            reference_rate =
-                reference_rate.max(generated(&slow) as f64 / start.elapsed().as_secs_f64());
+            if options.reference {
+                let start = Instant::now();
+                slow = reference_generate(engine.model(), &requests)?;
+                reference_rate =
+                    reference_rate.max(generated(&slow) as f64 / start.elapsed().as_secs_f64());
+            }
         }
-        let same = tokens(&fast) == tokens(&slow);
-        println!(
-            "| {batch} | {engine_rate:.0} | {reference_rate:.0} | {:.1}x | {} |",
-            engine_rate / reference_rate,
-            if same { "yes" } else { "NO" }
-        );
+        if options.reference {
+            let same = if tokens(&fast) == tokens(&slow) { "yes" } else { "NO" };
+            println!(
+                "| {batch} | {engine_rate:.0} | {reference_rate:.0} | {:.1}x | {same} |",
+                engine_rate / reference_rate
+            );
+        } else {
+            println!("| {batch} | {engine_rate:.0} | - | - | - |");
+        }
     }
     Ok(())
 }

@@ -12,7 +12,10 @@
 //! points in [`ModelRunner::execute`]. Today only `world_size == 1` is accepted.
 
 pub mod batch;
+pub mod decode_lanes;
 pub mod kv_cache;
+
+use std::cell::RefCell;
 
 use rtrun_rlhf_model::CausalLm;
 use rtrun_rlhf_model::layers::{Attention, Linear};
@@ -21,6 +24,7 @@ use tch::{Device, Kind, Tensor};
 
 use crate::error::EngineError;
 use batch::{AttentionGroup, StepBatch};
+use decode_lanes::{DecodeLanes, LaneStep};
 use kv_cache::{KvCache, KvCacheShape};
 
 /// Which tensor-parallel shard of the model a runner executes.
@@ -61,6 +65,12 @@ pub struct ModelRunner {
     /// [`ROPE_TABLE_MAX`]), `[positions, head_dim]` each in the model's kind: a step looks its
     /// rows up instead of computing them (on the CPU).
     rope_table: Option<(Tensor, Tensor)>,
+    /// The keys and values of the last decode step's sequences, contiguous (on the CPU, see
+    /// [`decode_lanes`]); `None` after any other step.
+    lanes: RefCell<Option<DecodeLanes>>,
+    /// Whether decode steps use [`ModelRunner::lanes`] (off only to compare with the paged
+    /// read in tests).
+    use_lanes: bool,
 }
 
 /// One decoder layer's query/key/value projections, and its gate/up projections, each
@@ -77,8 +87,9 @@ struct GroupTensors {
     q_len: i64,
     kv_len: i64,
     q_index: Tensor,
-    /// The [`KvCache::head_major`] rows of the group's key slots.
-    kv_rows: Tensor,
+    /// The [`KvCache::head_major`] rows of the group's key slots (`None` when the step reads
+    /// its keys from the decode lanes).
+    kv_rows: Option<Tensor>,
     mask: Tensor,
     valid_slots: Tensor,
     valid_rows: Tensor,
@@ -126,6 +137,8 @@ impl ModelRunner {
             threads: tch::get_num_threads(),
             macs_per_token,
             rope_table: None,
+            lanes: RefCell::new(None),
+            use_lanes: true,
         };
         if runner.weight_left {
             runner.rope_table = Some(rope_table(&runner.model)?);
@@ -189,6 +202,7 @@ impl ModelRunner {
     /// Allocates (zeroed) a cache of `num_blocks` blocks, replacing any previous one.
     pub fn allocate_kv_cache(&mut self, num_blocks: usize) -> Result<(), EngineError> {
         self.cache = None;
+        self.lanes = RefCell::new(None);
         self.cache = Some(KvCache::allocate(&self.cache_shape, num_blocks, self.device())?);
         Ok(())
     }
@@ -196,6 +210,7 @@ impl ModelRunner {
     /// Frees the cache (its K/V content is lost).
     pub fn free_kv_cache(&mut self) {
         self.cache = None;
+        self.lanes = RefCell::new(None);
     }
 
     /// Whether a cache is allocated.
@@ -276,10 +291,22 @@ impl ModelRunner {
             (attn.num_heads, attn.num_kv_heads, attn.head_dim)
         };
         let decode_masks = self.weight_left.then_some((kv_heads, self.model.params.kind()));
+        // A step of decodes only, on the CPU, reads keys and values from the lanes; any other
+        // step drops them (it may write slots they hold).
+        let mut lanes = match batch.groups.as_slice() {
+            [g] if self.use_lanes && self.weight_left && is_packed_decode(g, total) => {
+                Some(DecodeLanes::step(self.lanes.take(), &batch.positions, &g.kv_slots, g.kv_len)?)
+            }
+            _ => {
+                self.lanes.replace(None);
+                None
+            }
+        };
+        let appending = lanes.as_ref().is_some_and(|step| step.append_rows.is_some());
         let groups = batch
             .groups
             .iter()
-            .map(|g| group_tensors(g, total, cache, device, decode_masks))
+            .map(|g| group_tensors(g, total, cache, device, decode_masks, !appending))
             .collect::<Result<Vec<_>, _>>()?;
 
         // `[T, hidden]`: the step's tokens are one packed row, so the runner works on 2-D rows.
@@ -327,7 +354,10 @@ impl ModelRunner {
             // Every new K/V of this layer lands in the cache before any query reads it, which
             // lets a chunk read prefix blocks another chunk of the same step computes.
             layer_cache.write(&slots, &k, &v)?;
-            let attended = paged_attention(attn, &q, layer_cache, &groups, total)?;
+            let attended = match (lanes.as_mut(), groups.as_slice()) {
+                (Some(step), [g]) => lane_attention(attn, &q, &k, &v, index, layer_cache, step, g)?,
+                _ => paged_attention(attn, &q, layer_cache, &groups, total)?,
+            };
             let out = self.linear(&attn.o_proj, &attended)?;
             // Tensor-parallel seam: all-reduce `out` across shards here.
             hidden = hidden.f_add(&out)?;
@@ -347,6 +377,12 @@ impl ModelRunner {
             let mlp = self.linear(&layer.mlp.down_proj, &gate.f_mul(&up)?)?;
             // Tensor-parallel seam: all-reduce `mlp` across shards here.
             hidden = hidden.f_add(&mlp)?;
+        }
+        if let (Some(mut step), [g]) = (lanes, batch.groups.as_slice()) {
+            if step.append_rows.is_some() {
+                step.lanes.record_append(&batch.positions, &g.kv_slots, g.kv_len);
+            }
+            self.lanes.replace(Some(step.lanes));
         }
         let rows =
             backbone.norm.forward(&hidden.f_index_select(0, &index(&batch.sample_rows)?)?)?;
@@ -487,14 +523,13 @@ fn group_tensors(
     cache: &KvCache,
     device: Device,
     decode_masks: Option<(i64, Kind)>,
+    with_kv_rows: bool,
 ) -> Result<GroupTensors, EngineError> {
     let index = |values: &[i64]| -> Result<Tensor, EngineError> {
         Ok(Tensor::f_from_slice(values)?.f_to_device(device)?)
     };
     let (batch, q_len, kv_len) = (g.batch as i64, g.q_len as i64, g.kv_len as i64);
-    let identity = q_len == 1
-        && batch == total
-        && g.valid_rows.iter().enumerate().all(|(i, &row)| row == i as i64);
+    let identity = is_packed_decode(g, total);
     let additive = match decode_masks {
         Some((kv_heads, kind)) if q_len == 1 => {
             let row: Vec<f32> =
@@ -513,7 +548,10 @@ fn group_tensors(
         q_len,
         kv_len,
         q_index: index(&g.q_index)?,
-        kv_rows: index(&cache.head_major(&g.kv_slots))?,
+        kv_rows: match with_kv_rows {
+            true => Some(index(&cache.head_major(&g.kv_slots))?),
+            false => None,
+        },
         mask: Tensor::f_from_slice(&g.mask)?
             .f_view([batch, 1, q_len, kv_len])?
             .f_to_device(device)?,
@@ -522,6 +560,51 @@ fn group_tensors(
         identity,
         additive,
     })
+}
+
+/// Whether `g` is every packed row of a `total`-row step, one query each, in packed order (a
+/// step of decodes only).
+fn is_packed_decode(g: &AttentionGroup, total: i64) -> bool {
+    g.q_len == 1
+        && g.batch as i64 == total
+        && g.valid_rows.iter().enumerate().all(|(i, &row)| row == i as i64)
+}
+
+impl GroupTensors {
+    /// The gather rows; only a step that appends to the decode lanes is built without them,
+    /// and it gathers nothing.
+    fn kv_rows(&self) -> Result<&Tensor, EngineError> {
+        self.kv_rows.as_ref().ok_or_else(|| {
+            EngineError::InvalidArgument(
+                "a decode step that appends to the decode lanes has no gather rows".into(),
+            )
+        })
+    }
+}
+
+/// Attention of a decode step (`q: [batch, heads, head_dim]`, and its new keys and values `k,
+/// v: [batch, kv_heads, head_dim]` already in the paged cache) over contexts read from the
+/// decode lanes of layer `layer`: appended to, or rebuilt from `cache`. Falls back to the paged
+/// read for a group without an additive mask (not a CPU decode group).
+#[allow(clippy::too_many_arguments)]
+fn lane_attention(
+    attn: &Attention,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    layer: usize,
+    cache: &kv_cache::LayerCache,
+    step: &mut LaneStep,
+    g: &GroupTensors,
+) -> Result<Tensor, EngineError> {
+    let Some(additive) = &g.additive else {
+        return paged_attention(attn, q, cache, std::slice::from_ref(g), g.batch);
+    };
+    let (keys, values) = match &step.append_rows {
+        Some(rows) => step.lanes.append_layer(layer, rows, k, v, g.kv_len)?,
+        None => step.lanes.rebuild_layer(cache, g.kv_rows()?, g.kv_len)?,
+    };
+    decode_attention(attn, q, &keys, &values, additive, g.batch)
 }
 
 /// Attention of the packed queries `q_rows: [T, heads, head_dim]` over the cache, group by
@@ -540,7 +623,7 @@ fn paged_attention(
             false => q_rows.f_index_select(0, &g.q_index)?,
         };
         // `[kv_heads, batch, kv_len, head_dim]`.
-        let (k, v) = cache.gather(&g.kv_rows, g.batch, g.kv_len)?;
+        let (k, v) = cache.gather(g.kv_rows()?, g.batch, g.kv_len)?;
         if let Some(additive) = &g.additive {
             return decode_attention(attn, &qg, &k, &v, additive, g.batch);
         }
@@ -619,6 +702,91 @@ mod tests {
         assert_eq!(found.size(), [64, 1536]);
         let worst = (found - &expected).abs().max().double_value(&[]);
         assert!(worst < 1e-3, "{worst}");
+    }
+
+    /// Decode steps that read the lanes give bit-for-bit the logits of the paged read, through
+    /// every way the lanes are kept or rebuilt: appends, a lane that fills up, a finished
+    /// sequence, a prefill in between (which may reuse freed blocks), and a reordered batch.
+    #[test]
+    fn decode_lanes_give_the_logits_of_the_paged_read() {
+        use crate::block::BlockId;
+        use crate::{RequestId, SequenceId};
+        use rtrun_rlhf_model::{ModelFamily, tiny};
+
+        let config = tiny::tiny_config(ModelFamily::Qwen2);
+        let runner = |use_lanes: bool| {
+            let model = tiny::tiny_model(&config, 9).unwrap();
+            let mut runner = ModelRunner::new(model, ShardSpec::WHOLE, 4).unwrap();
+            runner.use_lanes = use_lanes;
+            runner.allocate_kv_cache(96).unwrap();
+            runner
+        };
+        let (lanes, paged) = (runner(true), runner(false));
+        let block_size = 4;
+        // Sequences 0..3; their tokens grow as they decode. Blocks are handed out in turn from
+        // a list, and a finished sequence's blocks go back to its front (as the block
+        // manager's free list would reuse them).
+        let vocab = config.vocab_size as u32;
+        let mut tokens: Vec<Vec<u32>> =
+            vec![vec![5, 9, 13, 2, 7], vec![3, 8, 1], vec![11, 4, 6, 10, 12, 14, 15]];
+        let mut free: Vec<BlockId> = (0..96).map(BlockId).collect();
+        let mut tables: Vec<Vec<BlockId>> = vec![Vec::new(); tokens.len()];
+        let step = |members: &[(usize, usize)],
+                    tokens: &mut Vec<Vec<u32>>,
+                    tables: &mut Vec<Vec<BlockId>>,
+                    free: &mut Vec<BlockId>| {
+            // `(sequence, start)`: the chunk runs from `start` to the sequence's end.
+            for &(i, _) in members {
+                while tables[i].len() * block_size < tokens[i].len() {
+                    tables[i].push(free.remove(0));
+                }
+            }
+            let chunks: Vec<batch::ChunkView<'_>> = members
+                .iter()
+                .map(|&(i, start)| batch::ChunkView {
+                    sequence: SequenceId { request: RequestId(i as u64), sample_index: 0 },
+                    tokens: &tokens[i],
+                    start,
+                    num_tokens: tokens[i].len() - start,
+                    block_table: &tables[i],
+                    sample: true,
+                })
+                .collect();
+            let batch = StepBatch::build(block_size, usize::MAX, &chunks).unwrap();
+            let found = lanes.execute(&batch).unwrap();
+            let expected = paged.execute(&batch).unwrap();
+            assert_eq!(found, expected, "step of {members:?}");
+            // Greedy next tokens, so the sequences run on as a generation would.
+            let width = found.len() / members.len();
+            for (row, &(i, _)) in members.iter().enumerate() {
+                let logits = &found[row * width..(row + 1) * width];
+                let next = (0..width).max_by(|&a, &b| logits[a].total_cmp(&logits[b])).unwrap();
+                tokens[i].push(next as u32 % vocab);
+            }
+            lanes.lanes.borrow().is_some()
+        };
+        let decode = |members: &[usize], tokens: &Vec<Vec<u32>>| -> Vec<(usize, usize)> {
+            members.iter().map(|&i| (i, tokens[i].len() - 1)).collect()
+        };
+        // Prefill 0 and 1: no lanes.
+        assert!(!step(&[(0, 0), (1, 0)], &mut tokens, &mut tables, &mut free));
+        // 70 decodes: built, appended to, rebuilt when a lane fills (at 64 positions).
+        for _ in 0..70 {
+            let members = decode(&[0, 1], &tokens);
+            assert!(step(&members, &mut tokens, &mut tables, &mut free));
+        }
+        assert!(tokens[1].len() > 64);
+        // 0 finishes: its blocks are freed; 1 decodes alone (rebuilt), then 2 prefills into
+        // 0's blocks, which drops the lanes.
+        free.splice(0..0, std::mem::take(&mut tables[0]));
+        let members = decode(&[1], &tokens);
+        assert!(step(&members, &mut tokens, &mut tables, &mut free));
+        assert!(!step(&[(2, 0)], &mut tokens, &mut tables, &mut free));
+        // Decode 1 and 2, then 2 and 1 (reordered: rebuilt), then appended again.
+        for order in [[1, 2], [1, 2], [2, 1], [2, 1], [2, 1]] {
+            let members = decode(&order, &tokens);
+            assert!(step(&members, &mut tokens, &mut tables, &mut free));
+        }
     }
 
     #[test]
