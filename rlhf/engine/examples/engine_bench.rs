@@ -219,7 +219,9 @@ fn against_hf(options: &Options, dir: &std::path::Path, name: &str) -> Result<()
             .with_context(|| format!("reading {}", path.display()))?;
         serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))
     };
+    let start = Instant::now();
     let model = CausalLm::from_pretrained(&dir.join(name), Device::Cpu, Kind::Float)?;
+    let load_seconds = start.elapsed().as_secs_f64();
     let prompts = read_json(dir.join(format!("prompts-{name}.json")))?;
     let max_batch = options.batches.iter().copied().max().unwrap_or(1);
     let prompt_len = prompts.first().map_or(0, Vec::len);
@@ -260,6 +262,7 @@ fn against_hf(options: &Options, dir: &std::path::Path, name: &str) -> Result<()
                 "engine": name, "batch": batch, "seconds": best,
                 "tokens_per_s": generated(&outputs) as f64 / best,
                 "threads": options.threads, "identical_to_hf": identical,
+                "load_seconds": load_seconds,
             })
         );
     }

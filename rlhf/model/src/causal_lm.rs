@@ -33,7 +33,10 @@ impl CausalLm {
     }
 
     fn build(config: &ModelConfig, device: Device, kind: Kind, seed: u64) -> Result<Self> {
-        let mut params = Parameters::new(device, kind, seed);
+        Self::build_into(config, Parameters::new(device, kind, seed))
+    }
+
+    fn build_into(config: &ModelConfig, mut params: Parameters) -> Result<Self> {
         let backbone = Backbone::new(&mut params, config)?;
         let lm_head = if config.tie_word_embeddings {
             None
@@ -53,7 +56,8 @@ impl CausalLm {
     /// Loads `config.json` and the safetensors weights of a Hugging Face checkpoint directory.
     pub fn from_pretrained(dir: &Path, device: Device, kind: Kind) -> Result<Self> {
         let config = ModelConfig::from_dir(dir)?;
-        let model = Self::build(&config, device, kind, 0)?;
+        // Every parameter is loaded (none may be missing), so none is drawn first.
+        let model = Self::build_into(&config, Parameters::for_loading(device, kind))?;
         load_into(&model.params, dir, &[])?;
         Ok(model)
     }

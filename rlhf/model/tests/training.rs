@@ -230,6 +230,20 @@ fn hostile_inputs_are_errors() -> Result<()> {
     std::fs::write(dir.join("config.json"), "{\"model_type\": \"llama\"}")?;
     assert!(CausalLm::from_pretrained(&dir, Device::Cpu, Kind::Float).is_err());
     std::fs::remove_dir_all(&dir)?;
+
+    // A checkpoint short of a layer the config declares: the load names the missing tensor
+    // (parameters are not drawn before a load, so none may stay unloaded).
+    let dir = temp_dir("short");
+    let config = tiny_config(ModelFamily::Qwen2);
+    tiny_model(&config, 3)?.save_pretrained(&dir, &SaveOptions::default())?;
+    let path = dir.join("config.json");
+    let mut json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path)?)?;
+    json["num_hidden_layers"] = serde_json::json!(config.num_hidden_layers + 1);
+    std::fs::write(&path, json.to_string())?;
+    let err = CausalLm::from_pretrained(&dir, Device::Cpu, Kind::Float).unwrap_err().to_string();
+    let layer = format!("model.layers.{}.", config.num_hidden_layers);
+    assert!(err.contains(&layer), "{err}");
+    std::fs::remove_dir_all(&dir)?;
     Ok(())
 }
 
