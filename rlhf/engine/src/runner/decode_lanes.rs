@@ -127,7 +127,7 @@ impl DecodeLanes {
         Ok((k, v))
     }
 
-    /// Appends `k, v: [lanes, kv_heads, head_dim]` (one new position per lane) to layer
+    /// Appends `k, v: [kv_heads, lanes, head_dim]` (one new position per lane) to layer
     /// `layer` at `rows` ([`LaneStep::append_rows`]) and returns the keys and values of the
     /// first `kv_len` positions, views `[kv_heads, lanes, kv_len, head_dim]` of the lanes.
     pub fn append_layer(
@@ -138,13 +138,17 @@ impl DecodeLanes {
         v: &Tensor,
         kv_len: i64,
     ) -> Result<(Tensor, Tensor), EngineError> {
-        let (keys, values) = &self.layers[layer];
+        let (keys, values) = self.layers.get(layer).ok_or_else(|| {
+            EngineError::InvalidArgument(format!(
+                "decode lanes hold {} layers, a step appended to layer {layer}",
+                self.layers.len()
+            ))
+        })?;
         let append = |lanes: &Tensor, new: &Tensor| -> Result<Tensor, EngineError> {
             let size = lanes.size();
             let (heads, width) = (size[0], size[3]);
             let mut flat = lanes.f_view([heads, size[1] * self.capacity, width])?;
-            let new = new.f_permute([1, 0, 2])?.f_contiguous()?;
-            let _ = flat.f_index_copy_(1, rows, &new)?;
+            let _ = flat.f_index_copy_(1, rows, new)?;
             Ok(lanes.f_narrow(2, 0, kv_len)?)
         };
         Ok((append(keys, k)?, append(values, v)?))

@@ -24,7 +24,7 @@ use tch::{Device, Kind, Tensor};
 
 use crate::error::EngineError;
 use batch::{AttentionGroup, StepBatch};
-use decode_lanes::{DecodeLanes, LaneStep};
+use decode_lanes::DecodeLanes;
 use kv_cache::{KvCache, KvCacheShape};
 
 /// Which tensor-parallel shard of the model a runner executes.
@@ -202,7 +202,7 @@ impl ModelRunner {
     /// Allocates (zeroed) a cache of `num_blocks` blocks, replacing any previous one.
     pub fn allocate_kv_cache(&mut self, num_blocks: usize) -> Result<(), EngineError> {
         self.cache = None;
-        self.lanes = RefCell::new(None);
+        *self.lanes.get_mut() = None;
         self.cache = Some(KvCache::allocate(&self.cache_shape, num_blocks, self.device())?);
         Ok(())
     }
@@ -210,7 +210,7 @@ impl ModelRunner {
     /// Frees the cache (its K/V content is lost).
     pub fn free_kv_cache(&mut self) {
         self.cache = None;
-        self.lanes = RefCell::new(None);
+        *self.lanes.get_mut() = None;
     }
 
     /// Whether a cache is allocated.
@@ -353,9 +353,16 @@ impl ModelRunner {
             };
             // Every new K/V of this layer lands in the cache before any query reads it, which
             // lets a chunk read prefix blocks another chunk of the same step computes.
+            let (k, v) = (kv_cache::head_major_rows(&k)?, kv_cache::head_major_rows(&v)?);
             layer_cache.write(&slots, &k, &v)?;
             let attended = match (lanes.as_mut(), groups.as_slice()) {
-                (Some(step), [g]) => lane_attention(attn, &q, &k, &v, index, layer_cache, step, g)?,
+                (Some(step), [g @ GroupTensors { additive: Some(additive), .. }]) => {
+                    let (keys, values) = match &step.append_rows {
+                        Some(rows) => step.lanes.append_layer(index, rows, &k, &v, g.kv_len)?,
+                        None => step.lanes.rebuild_layer(layer_cache, g.kv_rows()?, g.kv_len)?,
+                    };
+                    decode_attention(attn, &q, &keys, &values, additive, g.batch)?
+                }
                 _ => paged_attention(attn, &q, layer_cache, &groups, total)?,
             };
             let out = self.linear(&attn.o_proj, &attended)?;
@@ -580,31 +587,6 @@ impl GroupTensors {
             )
         })
     }
-}
-
-/// Attention of a decode step (`q: [batch, heads, head_dim]`, and its new keys and values `k,
-/// v: [batch, kv_heads, head_dim]` already in the paged cache) over contexts read from the
-/// decode lanes of layer `layer`: appended to, or rebuilt from `cache`. Falls back to the paged
-/// read for a group without an additive mask (not a CPU decode group).
-#[allow(clippy::too_many_arguments)]
-fn lane_attention(
-    attn: &Attention,
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    layer: usize,
-    cache: &kv_cache::LayerCache,
-    step: &mut LaneStep,
-    g: &GroupTensors,
-) -> Result<Tensor, EngineError> {
-    let Some(additive) = &g.additive else {
-        return paged_attention(attn, q, cache, std::slice::from_ref(g), g.batch);
-    };
-    let (keys, values) = match &step.append_rows {
-        Some(rows) => step.lanes.append_layer(layer, rows, k, v, g.kv_len)?,
-        None => step.lanes.rebuild_layer(cache, g.kv_rows()?, g.kv_len)?,
-    };
-    decode_attention(attn, q, &keys, &values, additive, g.batch)
 }
 
 /// Attention of the packed queries `q_rows: [T, heads, head_dim]` over the cache, group by
