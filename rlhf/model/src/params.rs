@@ -88,6 +88,13 @@ impl Parameters {
         Self { draw: false, ..Self::new(device, kind, 0) }
     }
 
+    /// Draws the normal-initialised parameters created from now on, from a fresh stream seeded
+    /// with `seed` (after [`Parameters::for_loading`]: a fresh part beside loaded ones).
+    pub fn draw_from(&mut self, seed: u64) {
+        self.rng = SeededNormal::new(seed);
+        self.draw = true;
+    }
+
     /// Creates, registers and returns a trainable parameter.
     pub fn create(&mut self, name: &str, shape: &[i64], init: Init) -> Result<Tensor> {
         if self.entries.iter().any(|(n, _)| n == name) {

@@ -42,17 +42,30 @@ impl ScalarHeadModel {
     fn build(config: &ModelConfig, device: Device, kind: Kind, seed: u64) -> Result<Self> {
         let mut params = Parameters::new(device, kind, seed);
         let backbone = Backbone::new(&mut params, config)?;
-        // OpenRLHF initialises a fresh value head with std 1 / (hidden + 1).
-        let std = 1.0 / (config.hidden_size as f64 + 1.0);
-        let score = Linear::new(&mut params, "score", config.hidden_size, 1, false, std)?;
+        let score = Self::head(&mut params, config)?;
         Ok(Self { params, backbone, score })
+    }
+
+    /// Registers the `[1, hidden]` head; OpenRLHF initialises a fresh value head with std
+    /// 1 / (hidden + 1).
+    fn head(params: &mut Parameters, config: &ModelConfig) -> Result<Linear> {
+        let std = 1.0 / (config.hidden_size as f64 + 1.0);
+        Linear::new(params, "score", config.hidden_size, 1, false, std)
     }
 
     /// Loads a checkpoint directory. A checkpoint without `score.weight` (a causal LM, which is
     /// how a critic usually starts) keeps a fresh head drawn from `seed`.
+    ///
+    /// The trunk is allocated without a random init first: the load fails unless the
+    /// checkpoint holds every trunk tensor (see [`Parameters::for_loading`]). The head alone is
+    /// drawn, from a stream of its own, so it does not depend on the trunk's size.
     pub fn from_pretrained(dir: &Path, device: Device, kind: Kind, seed: u64) -> Result<Self> {
         let config = ModelConfig::from_dir(dir)?;
-        let model = Self::build(&config, device, kind, seed)?;
+        let mut params = Parameters::for_loading(device, kind);
+        let backbone = Backbone::new(&mut params, &config)?;
+        params.draw_from(seed);
+        let score = Self::head(&mut params, &config)?;
+        let model = Self { params, backbone, score };
         let absent = load_into(&model.params, dir, &[SCORE_WEIGHT])?;
         if !absent.is_empty() {
             tracing::info!(dir = %dir.display(), "checkpoint has no score head; initialised a fresh one");

@@ -205,6 +205,15 @@ fn checkpoints_round_trip_and_seed_a_critic() -> Result<()> {
     assert!(trunk.is_some_and(|t| {
         t.equal(lm.params.get("model.layers.1.mlp.down_proj.weight").unwrap_or(&t))
     }));
+    // The fresh head is the seed's: the same seed draws it again, another seed does not.
+    let head = |seed| -> Result<Tensor> {
+        let model = ScalarHeadModel::from_pretrained(&dir, Device::Cpu, Kind::Float, seed)?;
+        Ok(model.score.weight.detach())
+    };
+    let first = critic.score.weight.detach();
+    assert!(first.equal(&head(1)?));
+    assert!(!first.equal(&head(2)?));
+    assert!(first.abs().sum(Kind::Float).double_value(&[]) > 0.0, "the head is drawn");
     let critic_dir = dir.join("critic");
     critic.save_pretrained(&critic_dir, &SaveOptions::default())?;
     let again = ScalarHeadModel::from_pretrained(&critic_dir, Device::Cpu, Kind::Float, 2)?;
@@ -242,6 +251,11 @@ fn hostile_inputs_are_errors() -> Result<()> {
     std::fs::write(&path, json.to_string())?;
     let err = CausalLm::from_pretrained(&dir, Device::Cpu, Kind::Float).unwrap_err().to_string();
     let layer = format!("model.layers.{}.", config.num_hidden_layers);
+    assert!(err.contains(&layer), "{err}");
+    // The same for a critic or reward model: only its head may be absent.
+    let err = ScalarHeadModel::from_pretrained(&dir, Device::Cpu, Kind::Float, 0)
+        .unwrap_err()
+        .to_string();
     assert!(err.contains(&layer), "{err}");
     std::fs::remove_dir_all(&dir)?;
     Ok(())
