@@ -203,7 +203,7 @@ fn truncates(params: &SamplingParams, vocab: usize) -> bool {
 
 /// Validates a row and returns its maximum. The scan runs in [`LANES`] independent lanes with
 /// no early exit (so it vectorises); only a bad row is scanned again to name its first bad entry.
-fn checked_max(logits: &[f32]) -> Result<f32, SamplingError> {
+pub(crate) fn checked_max(logits: &[f32]) -> Result<f32, SamplingError> {
     if logits.is_empty() {
         return Err(SamplingError::EmptyLogits);
     }

@@ -230,10 +230,12 @@ impl ModelRunner {
         Ok(Vec::<f32>::try_from(logits.f_view(-1)?)?)
     }
 
-    /// Runs one step and picks every sampled row's most likely token on the device, with its
+    /// Runs one step and picks every sampled row's most likely token with libtorch, with its
     /// log-prob (of the unscaled distribution): greedy decoding without copying `[rows,
     /// vocab]` logits to the host, which on a GPU costs more than the step itself at large
-    /// vocabularies. Ties go to the lowest token id, as the host sampler's.
+    /// vocabularies, and on the CPU runs the log-softmax on every intra-op thread. Ties go to
+    /// the lowest token id, as the host sampler's; a row with a NaN or `+inf` logit, or with
+    /// every logit `-inf`, is the host sampler's error.
     pub fn execute_greedy(&self, batch: &StepBatch) -> Result<Vec<(u32, f32)>, EngineError> {
         let Some(cache) = self.cache_for(batch)? else {
             return Ok(Vec::new());
@@ -241,8 +243,17 @@ impl ModelRunner {
         self.choose_threads(batch);
         let (tokens, logprobs) = tch::no_grad(|| -> Result<(Tensor, Tensor), EngineError> {
             let logits = self.execute_inner(batch, cache)?.f_to_kind(Kind::Float)?;
-            let tokens = logits.f_argmax(-1, true)?;
+            // A row's maximum is NaN when any of its logits is (and +inf, or -inf, when that is
+            // the largest), so a finiteness check of the maxima finds every row the host
+            // sampler would refuse.
+            let (maxima, tokens) = logits.f_max_dim(-1, true)?;
             let logprobs = logits.f_log_softmax(-1, Kind::Float)?.f_gather(-1, &tokens, false)?;
+            let finite =
+                Vec::<bool>::try_from(maxima.f_isfinite()?.f_view(-1)?.f_to_device(Device::Cpu)?)?;
+            if let Some(row) = finite.iter().position(|ok| !ok) {
+                let row = logits.f_get(row as i64)?.f_to_device(Device::Cpu)?.f_contiguous()?;
+                crate::sampling::checked_max(&Vec::<f32>::try_from(row)?)?;
+            }
             Ok((tokens.f_to_device(Device::Cpu)?, logprobs.f_to_device(Device::Cpu)?))
         })?;
         let tokens = Vec::<i64>::try_from(tokens.f_view(-1)?)?;
@@ -689,6 +700,55 @@ mod tests {
     /// Decode steps that read the lanes give bit-for-bit the logits of the paged read, through
     /// every way the lanes are kept or rebuilt: appends, a lane that fills up, a finished
     /// sequence, a prefill in between (which may reuse freed blocks), and a reordered batch.
+    #[test]
+    fn greedy_steps_pick_the_host_samplers_tokens_and_refuse_what_it_refuses() {
+        use crate::block::BlockId;
+        use crate::sampling::SamplingError;
+        use crate::{RequestId, SequenceId};
+        use rtrun_rlhf_model::{ModelFamily, tiny};
+
+        let config = tiny::tiny_config(ModelFamily::Qwen2);
+        let mut runner =
+            ModelRunner::new(tiny::tiny_model(&config, 4).unwrap(), ShardSpec::WHOLE, 4).unwrap();
+        runner.allocate_kv_cache(16).unwrap();
+        let tokens: Vec<Vec<u32>> = vec![vec![5, 9, 13, 2, 7], vec![3, 8, 1]];
+        let tables = [vec![BlockId(0), BlockId(1)], vec![BlockId(2)]];
+        let chunks: Vec<batch::ChunkView<'_>> = (0..2)
+            .map(|i| batch::ChunkView {
+                sequence: SequenceId { request: RequestId(i as u64), sample_index: 0 },
+                tokens: &tokens[i],
+                start: 0,
+                num_tokens: tokens[i].len(),
+                block_table: &tables[i],
+                sample: true,
+            })
+            .collect();
+        let batch = StepBatch::build(4, usize::MAX, &chunks).unwrap();
+        let logits = runner.execute(&batch).unwrap();
+        let picked = runner.execute_greedy(&batch).unwrap();
+        let width = logits.len() / 2;
+        let mut sampler = crate::sampling::Sampler::default();
+        for (row, &(token, logprob)) in picked.iter().enumerate() {
+            let host = sampler
+                .sample(&logits[row * width..][..width], &crate::SamplingParams::greedy(1), 0.5)
+                .unwrap();
+            assert_eq!(token, host.token, "row {row}");
+            assert!(
+                (logprob - host.logprob).abs() < 1e-5,
+                "row {row}: {logprob} vs {}",
+                host.logprob
+            );
+        }
+        // NaN weights make every logit NaN: the step is the host sampler's error, not token 0.
+        let norm = runner.model().params.get("model.norm.weight").unwrap().shallow_clone();
+        let _nan = tch::no_grad(|| norm.shallow_clone().f_fill_(f64::NAN)).unwrap();
+        let err = runner.execute_greedy(&batch).unwrap_err();
+        assert!(
+            matches!(err, EngineError::Sampling(SamplingError::NonFiniteLogit { .. })),
+            "{err}"
+        );
+    }
+
     #[test]
     fn decode_lanes_give_the_logits_of_the_paged_read() {
         use crate::block::BlockId;
