@@ -15,7 +15,6 @@ use rtrun_placement::spec::{PlacementSpec, parse_spec};
 use crate::config::TrainConfig;
 use crate::error::{Result, TrainError};
 
-/// Spec role names, as OpenRLHF names them.
 /// How long (in spins) an idle libgomp thread of a role's worker busy-waits for more work
 /// before it sleeps; libgomp's default is 300000, several milliseconds. The roles of a step take
 /// turns (generate, then reference and reward, then train), and on shared cores a role that
@@ -26,6 +25,7 @@ use crate::error::{Result, TrainError};
 /// see decision 055).
 pub const ROLE_GOMP_SPINCOUNT: &str = "10000";
 
+/// Spec role names, as OpenRLHF names them.
 pub const ROLE_NAMES: [&str; 5] = ["actor", "ref", "critic", "reward", "vllm_engine"];
 
 /// How the roles share devices.
@@ -159,6 +159,7 @@ impl RolePlacements {
 
     /// `options` (which carry the group membership) with rank `rank`'s bundle and share of role
     /// `role` (a spec role name), or unchanged placement without a deployed spec.
+    ///
     /// Every rank also gets [`ROLE_GOMP_SPINCOUNT`] unless the driver's environment sets
     /// libgomp's waiting itself.
     pub fn options(&self, role: &str, rank: usize, options: ActorOptions) -> Result<ActorOptions> {

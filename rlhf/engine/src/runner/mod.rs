@@ -230,12 +230,12 @@ impl ModelRunner {
         Ok(Vec::<f32>::try_from(logits.f_view(-1)?)?)
     }
 
-    /// Runs one step and picks every sampled row's most likely token with libtorch, with its
+    /// Runs one step and picks every sampled row's most likely token on the device, with its
     /// log-prob (of the unscaled distribution): greedy decoding without copying `[rows,
     /// vocab]` logits to the host, which on a GPU costs more than the step itself at large
-    /// vocabularies, and on the CPU runs the log-softmax on every intra-op thread. Ties go to
-    /// the lowest token id, as the host sampler's; a row with a NaN or `+inf` logit, or with
-    /// every logit `-inf`, is the host sampler's error.
+    /// vocabularies (the engine uses it on a GPU; on the CPU the host sampler stays the one
+    /// path). Ties go to the lowest token id, as the host sampler's; a row with a NaN or `+inf`
+    /// logit, or with every logit `-inf`, is the host sampler's error.
     pub fn execute_greedy(&self, batch: &StepBatch) -> Result<Vec<(u32, f32)>, EngineError> {
         let Some(cache) = self.cache_for(batch)? else {
             return Ok(Vec::new());
@@ -697,9 +697,8 @@ mod tests {
         assert!(worst < 1e-3, "{worst}");
     }
 
-    /// Decode steps that read the lanes give bit-for-bit the logits of the paged read, through
-    /// every way the lanes are kept or rebuilt: appends, a lane that fills up, a finished
-    /// sequence, a prefill in between (which may reuse freed blocks), and a reordered batch.
+    /// The greedy path picks the host sampler's tokens (log-probs within 1e-5) and refuses the
+    /// logits it refuses.
     #[test]
     fn greedy_steps_pick_the_host_samplers_tokens_and_refuse_what_it_refuses() {
         use crate::block::BlockId;
@@ -749,6 +748,9 @@ mod tests {
         );
     }
 
+    /// Decode steps that read the lanes give bit-for-bit the logits of the paged read, through
+    /// every way the lanes are kept or rebuilt: appends, a lane that fills up, a finished
+    /// sequence, a prefill in between (which may reuse freed blocks), and a reordered batch.
     #[test]
     fn decode_lanes_give_the_logits_of_the_paged_read() {
         use crate::block::BlockId;
