@@ -29,10 +29,6 @@ impl CausalLm {
     /// A randomly initialised model (normal with the config's `initializer_range`, norms one,
     /// biases zero); the same `seed` gives the same weights.
     pub fn new_random(config: &ModelConfig, device: Device, kind: Kind, seed: u64) -> Result<Self> {
-        Self::build(config, device, kind, seed)
-    }
-
-    fn build(config: &ModelConfig, device: Device, kind: Kind, seed: u64) -> Result<Self> {
         Self::build_into(config, Parameters::new(device, kind, seed))
     }
 

@@ -25,6 +25,12 @@ use crate::error::{Result, TrainError};
 /// see decision 055).
 pub const ROLE_GOMP_SPINCOUNT: &str = "10000";
 
+/// Whether this process's environment sets libgomp's waiting (then role workers inherit it
+/// instead of getting [`ROLE_GOMP_SPINCOUNT`]).
+fn driver_sets_gomp_waiting() -> bool {
+    ["GOMP_SPINCOUNT", "OMP_WAIT_POLICY"].iter().any(|k| std::env::var_os(k).is_some())
+}
+
 /// Spec role names, as OpenRLHF names them.
 pub const ROLE_NAMES: [&str; 5] = ["actor", "ref", "critic", "reward", "vllm_engine"];
 
@@ -164,7 +170,7 @@ impl RolePlacements {
     /// libgomp's waiting itself.
     pub fn options(&self, role: &str, rank: usize, options: ActorOptions) -> Result<ActorOptions> {
         let mut options = options.env("RTRUN_RLHF_ROLE", &format!("{role}:{rank}"));
-        if ["GOMP_SPINCOUNT", "OMP_WAIT_POLICY"].iter().all(|k| std::env::var_os(k).is_none()) {
+        if !driver_sets_gomp_waiting() {
             options = options.env("GOMP_SPINCOUNT", ROLE_GOMP_SPINCOUNT);
         }
         match &self.deployment {
@@ -301,9 +307,7 @@ mod tests {
         // Not deployed yet: the options only gain the role tag (and libgomp's spin count).
         let options = p.options("actor", 3, ActorOptions::default()).unwrap();
         assert_eq!(options.env.get("RTRUN_RLHF_ROLE").map(String::as_str), Some("actor:3"));
-        if std::env::var_os("GOMP_SPINCOUNT").is_none()
-            && std::env::var_os("OMP_WAIT_POLICY").is_none()
-        {
+        if !driver_sets_gomp_waiting() {
             let spins = options.env.get("GOMP_SPINCOUNT").map(String::as_str);
             assert_eq!(spins, Some(ROLE_GOMP_SPINCOUNT));
         }

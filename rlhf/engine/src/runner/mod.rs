@@ -241,24 +241,21 @@ impl ModelRunner {
             return Ok(Vec::new());
         };
         self.choose_threads(batch);
-        let (tokens, logprobs) = tch::no_grad(|| -> Result<(Tensor, Tensor), EngineError> {
+        tch::no_grad(|| {
             let logits = self.execute_inner(batch, cache)?.f_to_kind(Kind::Float)?;
-            // A row's maximum is NaN when any of its logits is (and +inf, or -inf, when that is
-            // the largest), so a finiteness check of the maxima finds every row the host
-            // sampler would refuse.
-            let (maxima, tokens) = logits.f_max_dim(-1, true)?;
+            let tokens = logits.f_argmax(-1, true)?;
             let logprobs = logits.f_log_softmax(-1, Kind::Float)?.f_gather(-1, &tokens, false)?;
-            let finite =
-                Vec::<bool>::try_from(maxima.f_isfinite()?.f_view(-1)?.f_to_device(Device::Cpu)?)?;
-            if let Some(row) = finite.iter().position(|ok| !ok) {
+            let tokens = Vec::<i64>::try_from(tokens.f_view(-1)?.f_to_device(Device::Cpu)?)?;
+            let logprobs = Vec::<f32>::try_from(logprobs.f_view(-1)?.f_to_device(Device::Cpu)?)?;
+            // The chosen token's log-prob is finite (at least -ln(vocab)) unless its row holds
+            // a NaN or +inf logit or none above -inf: exactly the rows the host sampler refuses,
+            // which then names the bad entry.
+            if let Some(row) = logprobs.iter().position(|lp| !lp.is_finite()) {
                 let row = logits.f_get(row as i64)?.f_to_device(Device::Cpu)?.f_contiguous()?;
                 crate::sampling::checked_max(&Vec::<f32>::try_from(row)?)?;
             }
-            Ok((tokens.f_to_device(Device::Cpu)?, logprobs.f_to_device(Device::Cpu)?))
-        })?;
-        let tokens = Vec::<i64>::try_from(tokens.f_view(-1)?)?;
-        let logprobs = Vec::<f32>::try_from(logprobs.f_view(-1)?)?;
-        Ok(tokens.into_iter().map(|t| t as u32).zip(logprobs).collect())
+            Ok(tokens.into_iter().map(|t| t as u32).zip(logprobs).collect())
+        })
     }
 
     /// On the CPU, runs a step of fewer than [`SMALL_STEP_MACS`] multiply-adds on one intra-op
