@@ -313,7 +313,10 @@ impl LlmEngine {
             return Err(EngineError::Asleep { operation, part: "weights" });
         }
         self.require_idle(operation)?;
-        let out = update(self.runner.model())?;
+        let out = update(self.runner.model());
+        // Even a failed update may have written some weights.
+        self.runner.weights_changed();
+        let out = out?;
         self.scheduler.reset_prefix_cache();
         self.counters.weight_updates += 1;
         Ok(out)

@@ -14,8 +14,10 @@
 pub mod batch;
 pub mod decode_lanes;
 pub mod kv_cache;
+mod onednn;
 
 use std::cell::RefCell;
+use std::collections::HashMap;
 
 use rtrun_rlhf_model::CausalLm;
 use rtrun_rlhf_model::layers::{Attention, Linear};
@@ -71,7 +73,16 @@ pub struct ModelRunner {
     /// Whether decode steps use [`ModelRunner::lanes`] (off only to compare with the paged
     /// read in tests).
     use_lanes: bool,
+    /// The weights [`ModelRunner::linear`] has packed for oneDNN, by [`WeightKey`], each with
+    /// the in-place version of the weight it was packed from (a copy into the weight bumps
+    /// the version, and the next product packs it again). Cleared whenever the weights'
+    /// storage changes hands ([`ModelRunner::fuse`], [`ModelRunner::unfuse`]) or the engine
+    /// updates them ([`ModelRunner::weights_changed`]).
+    packed: RefCell<HashMap<WeightKey, (i64, Tensor)>>,
 }
+
+/// A weight matrix by its storage address and shape (`[out, in]`).
+type WeightKey = (usize, i64, i64);
 
 /// One decoder layer's query/key/value projections, and its gate/up projections, each
 /// concatenated along the output dimension. The model's own parameters are views into them.
@@ -139,6 +150,7 @@ impl ModelRunner {
             rope_table: None,
             lanes: RefCell::new(None),
             use_lanes: true,
+            packed: RefCell::new(HashMap::new()),
         };
         if runner.weight_left {
             runner.rope_table = Some(rope_table(&runner.model)?);
@@ -155,6 +167,7 @@ impl ModelRunner {
     /// mix biased and unbiased projections stay unfused.
     pub fn fuse(&mut self) -> Result<(), EngineError> {
         self.fused.clear();
+        self.packed.get_mut().clear();
         if !self.weight_left {
             return Ok(());
         }
@@ -177,6 +190,14 @@ impl ModelRunner {
     /// replaced).
     pub fn unfuse(&mut self) {
         self.fused.clear();
+        self.packed.get_mut().clear();
+    }
+
+    /// Forgets the weights packed for oneDNN: the engine calls it after every weight update,
+    /// whatever wrote the new values (a transport that writes the storage directly does not
+    /// bump the weights' in-place versions).
+    pub fn weights_changed(&mut self) {
+        self.packed.get_mut().clear();
     }
 
     /// The model.
@@ -409,11 +430,11 @@ impl ModelRunner {
 
     /// `x W^T + b` for rows `x: [T, in]`, the same projection as [`Linear::forward`]. On the
     /// CPU:
-    /// - a float32 product of at least [`ONEDNN_MIN_MACS`] multiply-adds runs on oneDNN's
-    ///   inner-product kernel. libtorch sends float32 matmuls to MKL, whose kernels on this
-    ///   project's AMD machines are its AVX2 ones (~190 GFLOP/s on two Zen cores); oneDNN uses
-    ///   AVX-512 and reaches ~380 at the decode step's shapes, conversions included. It costs
-    ///   ~25 µs more per call, so small products stay on MKL.
+    /// - a float32 product of at least [`ONEDNN_MIN_MACS`] multiply-adds and
+    ///   [`ONEDNN_MIN_ROWS`] rows runs on oneDNN's inner-product kernel, with the weight packed
+    ///   once into oneDNN's layout ([`onednn`]). libtorch sends float32 matmuls to MKL, whose
+    ///   kernels on this project's AMD machines are its AVX2 ones (~190 GFLOP/s on two Zen
+    ///   cores); oneDNN uses AVX-512 and reaches ~450 at the decode step's shapes.
     /// - otherwise it is computed as `(W x^T)^T`: MKL packs the right-hand operand of every
     ///   product into its own layout first, and with the weight on the left that operand is
     ///   the small activation instead of the whole weight matrix (the decode step at batch 64
@@ -438,7 +459,7 @@ impl ModelRunner {
             && rows * inputs * weight.size()[0] >= ONEDNN_MIN_MACS
             && x.f_kind()? == Kind::Float
         {
-            return onednn_linear(x, weight, bias);
+            return onednn::linear(x, &self.packed_weight(weight)?, bias);
         }
         let x_t = x.f_transpose(0, 1)?;
         let out = match bias {
@@ -446,6 +467,25 @@ impl ModelRunner {
             None => weight.f_matmul(&x_t)?,
         };
         Ok(out.f_transpose(0, 1)?)
+    }
+}
+
+impl ModelRunner {
+    /// `weight` packed for oneDNN: the packing made for it before, unless the weight changed
+    /// in place since.
+    fn packed_weight(&self, weight: &Tensor) -> Result<Tensor, EngineError> {
+        let (outputs, inputs) = weight.size2()?;
+        let key = (weight.data_ptr() as usize, outputs, inputs);
+        let version = weight.f_internal_version()?;
+        let mut packed = self.packed.borrow_mut();
+        if let Some((at, tensor)) = packed.get(&key)
+            && *at == version
+        {
+            return Ok(tensor.shallow_clone());
+        }
+        let tensor = onednn::pack(weight)?;
+        packed.insert(key, (version, tensor.shallow_clone()));
+        Ok(tensor)
     }
 }
 
@@ -500,23 +540,13 @@ fn rope_table(model: &CausalLm) -> Result<(Tensor, Tensor), EngineError> {
 /// at batch 16 (8M), and faster on two at batch 64 (32M).
 const SMALL_STEP_MACS: i64 = 16 << 20;
 
-/// The smallest product (rows x inputs x outputs) [`ModelRunner::linear`] sends to oneDNN: its
-/// fixed cost per call is about that of 8M multiply-adds on MKL (measured on two Zen cores:
-/// `[32, 512] x [512, 512]` is even, larger products gain up to 1.9x).
-const ONEDNN_MIN_MACS: i64 = 1 << 23;
+/// The smallest product (rows x inputs x outputs) [`ModelRunner::linear`] sends to oneDNN with
+/// a packed weight: its fixed cost per call (~10 µs) is about that of 1M multiply-adds on MKL,
+/// on one thread or two (two Zen cores). The 0.5M-parameter benchmark model decodes at batch
+/// 64 at 73-76k tokens/s with a threshold of 256K-1M, and at 65-66k with every product on MKL.
+const ONEDNN_MIN_MACS: i64 = 1 << 20;
 /// Fewer rows than this stay on MKL whatever the product (MKL's narrow kernels are the faster).
 const ONEDNN_MIN_ROWS: i64 = 8;
-
-/// `x W^T + b` on oneDNN: `x` is converted to oneDNN's layout, multiplied with the plain
-/// weight, and the result converted back.
-fn onednn_linear(
-    x: &Tensor,
-    weight: &Tensor,
-    bias: Option<&Tensor>,
-) -> Result<Tensor, EngineError> {
-    let x = x.f_contiguous()?.f_to_mkldnn(None)?;
-    Ok(x.f_mkldnn_linear(weight, bias)?.f_to_dense(None::<Kind>, false)?)
-}
 
 /// Whether this libtorch runs oneDNN's inner product and agrees with `linear` on a small
 /// product (a build without oneDNN, or a CPU it rejects, keeps every projection on MKL).
@@ -526,7 +556,7 @@ fn onednn_works() -> bool {
         let w = Tensor::f_arange(4 * 5, (Kind::Float, Device::Cpu))?.f_view([4, 5])?;
         let b = Tensor::f_arange(4, (Kind::Float, Device::Cpu))?;
         let expected = x.f_linear(&w, Some(&b))?;
-        let found = onednn_linear(&x, &w, Some(&b))?;
+        let found = onednn::linear(&x, &onednn::pack(&w)?, Some(&b))?;
         Ok(found.f_allclose(&expected, 1e-5, 1e-5, false)?)
     };
     tch::no_grad(|| probe().unwrap_or(false))
@@ -687,11 +717,41 @@ mod tests {
         let b = Tensor::randn([1536], (Kind::Float, Device::Cpu));
         // A transposed view, as the weight-left projections leave their outputs.
         let x_view = x.transpose(0, 1).contiguous().transpose(0, 1);
-        let found = onednn_linear(&x_view, &w, Some(&b)).unwrap();
+        let found = onednn::linear(&x_view, &onednn::pack(&w).unwrap(), Some(&b)).unwrap();
         let expected = x.linear(&w, Some(&b));
         assert_eq!(found.size(), [64, 1536]);
         let worst = (found - &expected).abs().max().double_value(&[]);
         assert!(worst < 1e-3, "{worst}");
+    }
+
+    /// A weight packed for oneDNN is packed again after it changed in place, and after the
+    /// engine says the weights changed.
+    #[test]
+    fn packed_weights_follow_weight_updates() {
+        use rtrun_rlhf_model::{ModelFamily, tiny};
+
+        let config = tiny::tiny_config(ModelFamily::Qwen2);
+        let mut runner =
+            ModelRunner::new(tiny::tiny_model(&config, 4).unwrap(), ShardSpec::WHOLE, 4).unwrap();
+        if !runner.onednn {
+            return;
+        }
+        tch::manual_seed(5);
+        let x = Tensor::randn([64, 512], (Kind::Float, Device::Cpu));
+        let w = Tensor::randn([1024, 512], (Kind::Float, Device::Cpu));
+        let close = |found: Tensor, w: &Tensor| {
+            let worst = (found - x.linear(w, None::<&Tensor>)).abs().max().double_value(&[]);
+            assert!(worst < 1e-3, "{worst}");
+        };
+        close(runner.linear_weight(&w, None, &x).unwrap(), &w);
+        assert_eq!(runner.packed.borrow().len(), 1);
+        let updated = Tensor::randn([1024, 512], (Kind::Float, Device::Cpu));
+        tch::no_grad(|| w.shallow_clone().copy_(&updated));
+        close(runner.linear_weight(&w, None, &x).unwrap(), &updated);
+        assert_eq!(runner.packed.borrow().len(), 1);
+        runner.weights_changed();
+        assert!(runner.packed.borrow().is_empty());
+        close(runner.linear_weight(&w, None, &x).unwrap(), &updated);
     }
 
     /// The greedy path picks the host sampler's tokens (log-probs within 1e-5) and refuses the
