@@ -78,11 +78,23 @@ pub struct ModelRunner {
     /// the version, and the next product packs it again). Cleared whenever the weights'
     /// storage changes hands ([`ModelRunner::fuse`], [`ModelRunner::unfuse`]) or the engine
     /// updates them ([`ModelRunner::weights_changed`]).
-    packed: RefCell<HashMap<WeightKey, (i64, Tensor)>>,
+    packed: RefCell<HashMap<WeightKey, PackedWeight>>,
 }
 
-/// A weight matrix by its storage address and shape (`[out, in]`).
-type WeightKey = (usize, i64, i64);
+/// A weight matrix by its address, shape (`[out, in]`) and strides.
+type WeightKey = (usize, i64, i64, i64, i64);
+
+/// A weight packed for oneDNN.
+#[derive(Debug)]
+struct PackedWeight {
+    /// The weight itself, held so that its memory cannot be freed and reused by another
+    /// weight (which would then find this packing under its address).
+    _weight: Tensor,
+    /// The weight's in-place version when it was packed.
+    version: i64,
+    /// The packing.
+    packed: Tensor,
+}
 
 /// One decoder layer's query/key/value projections, and its gate/up projections, each
 /// concatenated along the output dimension. The model's own parameters are views into them.
@@ -475,16 +487,28 @@ impl ModelRunner {
     /// in place since.
     fn packed_weight(&self, weight: &Tensor) -> Result<Tensor, EngineError> {
         let (outputs, inputs) = weight.size2()?;
-        let key = (weight.data_ptr() as usize, outputs, inputs);
+        let strides = weight.stride();
+        let key = (weight.data_ptr() as usize, outputs, inputs, strides[0], strides[1]);
         let version = weight.f_internal_version()?;
         let mut packed = self.packed.borrow_mut();
-        if let Some((at, tensor)) = packed.get(&key)
-            && *at == version
+        if let Some(entry) = packed.get(&key)
+            && entry.version == version
         {
-            return Ok(tensor.shallow_clone());
+            return Ok(entry.packed.shallow_clone());
+        }
+        // A weight whose storage was replaced outside the engine's update paths leaves its old
+        // packing behind: never hold more than twice the projections.
+        let projections = 7 * self.model.backbone.layers.len() + 1;
+        if packed.len() >= 2 * projections {
+            packed.clear();
         }
         let tensor = onednn::pack(weight)?;
-        packed.insert(key, (version, tensor.shallow_clone()));
+        let entry = PackedWeight {
+            _weight: weight.shallow_clone(),
+            version,
+            packed: tensor.shallow_clone(),
+        };
+        packed.insert(key, entry);
         Ok(tensor)
     }
 }
@@ -752,6 +776,13 @@ mod tests {
         runner.weights_changed();
         assert!(runner.packed.borrow().is_empty());
         close(runner.linear_weight(&w, None, &x).unwrap(), &updated);
+        // Weights replaced again and again (new storage each time) do not pile up.
+        let cap = 2 * (7 * runner.model.backbone.layers.len() + 1);
+        for _ in 0..cap + 3 {
+            let fresh = Tensor::randn([1024, 512], (Kind::Float, Device::Cpu));
+            close(runner.linear_weight(&fresh, None, &x).unwrap(), &fresh);
+            assert!(runner.packed.borrow().len() <= cap);
+        }
     }
 
     /// The greedy path picks the host sampler's tokens (log-probs within 1e-5) and refuses the
