@@ -5,38 +5,21 @@
 //! rustc passes `--as-needed`, which would otherwise drop `libtorch.so` (and `libtorch_cuda.so`
 //! behind it) because no symbol of ours refers to them directly.
 
+#[cfg(feature = "cuda")]
+#[path = "../libtorch_shim.rs"]
+mod libtorch_shim;
+
 fn main() {
     println!("cargo:rerun-if-env-changed=DEP_TCH_LIBTORCH_LIB");
     if let Ok(lib_dir) = std::env::var("DEP_TCH_LIBTORCH_LIB") {
         println!("cargo:rustc-link-arg=-Wl,-rpath,{lib_dir}");
     }
     if std::env::var_os("CARGO_FEATURE_CUDA").is_some() {
-        build_cuda_shim();
+        // The caching allocator's empty_cache and statistics.
+        #[cfg(feature = "cuda")]
+        libtorch_shim::compile("src/cuda/shim.cpp", "rtrun_cuda_shim");
         println!("cargo:rustc-link-arg=-Wl,--no-as-needed");
         println!("cargo:rustc-link-arg=-ltorch");
         println!("cargo:rustc-link-arg=-Wl,--as-needed");
     }
 }
-
-/// Compiles `src/cuda/shim.cpp` (the CUDA caching allocator's `empty_cache` and statistics)
-/// against the libtorch headers next to the library directory torch-sys links.
-#[cfg(feature = "cuda")]
-fn build_cuda_shim() {
-    println!("cargo:rerun-if-changed=src/cuda/shim.cpp");
-    let Ok(lib_dir) = std::env::var("DEP_TCH_LIBTORCH_LIB") else {
-        panic!("torch-sys did not say where libtorch is (DEP_TCH_LIBTORCH_LIB)");
-    };
-    let root = std::path::Path::new(&lib_dir).parent().unwrap_or(std::path::Path::new("/"));
-    cc::Build::new()
-        .cpp(true)
-        .file("src/cuda/shim.cpp")
-        .include(root.join("include"))
-        .include(root.join("include/torch/csrc/api/include"))
-        .flag("-std=c++17")
-        .flag("-D_GLIBCXX_USE_CXX11_ABI=1")
-        .warnings(false)
-        .compile("rtrun_cuda_shim");
-}
-
-#[cfg(not(feature = "cuda"))]
-fn build_cuda_shim() {}
