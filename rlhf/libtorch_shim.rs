@@ -2,16 +2,23 @@
 //! with `#[path]`): compiles a C++ shim against the libtorch headers next to the library
 //! directory torch-sys links, for the parts of libtorch tch does not bind.
 
-/// Compiles `source` (relative to the crate) into the static library `name`.
-pub fn compile(source: &str, name: &str) {
-    println!("cargo:rerun-if-changed={source}");
+/// Compiles `sources` (relative to the crate) with the extra `flags` into the static library
+/// `name`.
+pub fn compile(sources: &[&str], flags: &[&str], name: &str) {
+    for source in sources {
+        println!("cargo:rerun-if-changed={source}");
+    }
     let Ok(lib_dir) = std::env::var("DEP_TCH_LIBTORCH_LIB") else {
         panic!("torch-sys did not say where libtorch is (DEP_TCH_LIBTORCH_LIB)");
     };
     let root = std::path::Path::new(&lib_dir).parent().unwrap_or(std::path::Path::new("/"));
-    cc::Build::new()
+    let mut build = cc::Build::new();
+    for flag in flags {
+        build.flag(flag);
+    }
+    build
         .cpp(true)
-        .file(source)
+        .files(sources)
         .include(root.join("include"))
         .include(root.join("include/torch/csrc/api/include"))
         .flag("-std=c++17")

@@ -1,6 +1,6 @@
 //! Build script: gives this crate's binaries (tests, examples) an rpath to libtorch so they run
 //! without `LD_LIBRARY_PATH` (`cargo:rustc-link-arg` does not propagate from `rtrun-rlhf-model`),
-//! and compiles the runner's oneDNN shim.
+//! and compiles the runner's C++ kernels.
 
 #[path = "../libtorch_shim.rs"]
 mod libtorch_shim;
@@ -10,8 +10,21 @@ fn main() {
     if let Ok(lib_dir) = std::env::var("DEP_TCH_LIBTORCH_LIB") {
         println!("cargo:rustc-link-arg=-Wl,-rpath,{lib_dir}");
     }
-    // oneDNN's packed-weight inner product, which tch does not bind.
-    libtorch_shim::compile("src/runner/onednn.cpp", "rtrun_onednn_shim");
+    // The runner's CPU kernels: oneDNN's packed-weight inner product, which tch does not bind,
+    // and the fused element-wise steps. The latter spread rows over threads with
+    // `at::parallel_for`, which libtorch's headers implement with OpenMP: hence `-fopenmp` and
+    // the OpenMP runtime libtorch ships. Multiplies and adds stay unfused so that the kernels'
+    // AVX2 and baseline builds agree bit for bit; without trapping maths (the default of no
+    // float exceptions trapping, which the code never enables) GCC vectorises their selects.
+    libtorch_shim::compile(
+        &["src/runner/onednn.cpp", "src/runner/fused.cpp"],
+        &["-O3", "-fopenmp", "-ffp-contract=off", "-fno-trapping-math", "-fno-math-errno"],
+        "rtrun_cpu_kernels",
+    );
+    if let Ok(lib_dir) = std::env::var("DEP_TCH_LIBTORCH_LIB") {
+        println!("cargo:rustc-link-search=native={lib_dir}");
+    }
+    println!("cargo:rustc-link-lib=dylib:+verbatim=libgomp.so.1");
     if std::env::var_os("CARGO_FEATURE_CUDA").is_some() {
         println!("cargo:rustc-link-arg=-Wl,--no-as-needed");
         println!("cargo:rustc-link-arg=-ltorch");

@@ -17,7 +17,7 @@ fn main() {
     if std::env::var_os("CARGO_FEATURE_CUDA").is_some() {
         // The caching allocator's empty_cache and statistics.
         #[cfg(feature = "cuda")]
-        libtorch_shim::compile("src/cuda/shim.cpp", "rtrun_cuda_shim");
+        libtorch_shim::compile(&["src/cuda/shim.cpp"], &[], "rtrun_cuda_shim");
         println!("cargo:rustc-link-arg=-Wl,--no-as-needed");
         println!("cargo:rustc-link-arg=-ltorch");
         println!("cargo:rustc-link-arg=-Wl,--as-needed");

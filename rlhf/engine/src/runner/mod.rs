@@ -12,15 +12,15 @@
 //! points in [`ModelRunner::execute`]. Today only `world_size == 1` is accepted.
 
 pub mod batch;
+mod cpu_kernels;
 pub mod decode_lanes;
 pub mod kv_cache;
-mod onednn;
 
 use std::cell::RefCell;
 use std::collections::HashMap;
 
 use rtrun_rlhf_model::CausalLm;
-use rtrun_rlhf_model::layers::{Attention, Linear};
+use rtrun_rlhf_model::layers::{Attention, Linear, RmsNorm};
 use rtrun_rlhf_model::rope::apply_rotary;
 use tch::{Device, Kind, Tensor};
 
@@ -53,6 +53,9 @@ pub struct ModelRunner {
     /// Projections computed with the weight as the left operand (on the CPU, see
     /// [`ModelRunner::linear`]).
     weight_left: bool,
+    /// RMSNorm, RoPE and SiLU-and-multiply run as the fused kernels of [`cpu_kernels`] (a
+    /// float32 model on the CPU) where their input's rows are contiguous.
+    fused_ops: bool,
     /// Large float32 projections go through oneDNN (on the CPU, where libtorch has it; see
     /// [`ModelRunner::linear`]).
     onednn: bool,
@@ -148,6 +151,7 @@ impl ModelRunner {
         };
         let weight_left = model.backbone.device() == Device::Cpu;
         let onednn = weight_left && onednn_works();
+        let fused_ops = weight_left && model.params.kind() == Kind::Float;
         let macs_per_token = model.params.numel();
         let mut runner = Self {
             model,
@@ -155,6 +159,7 @@ impl ModelRunner {
             cache_shape,
             cache: None,
             weight_left,
+            fused_ops,
             onednn,
             fused: Vec::new(),
             threads: tch::get_num_threads(),
@@ -365,11 +370,12 @@ impl ModelRunner {
             }
             _ => backbone.rotary.cos_sin(&positions, hidden.f_kind()?)?,
         };
+        let (cos_rows, sin_rows) = (cos.f_view([total, head_dim])?, sin.f_view([total, head_dim])?);
         // `[T, 1, head_dim]`, broadcast over the heads of `[T, heads, head_dim]` rows.
         let (cos, sin) = (cos.f_view([total, 1, head_dim])?, sin.f_view([total, 1, head_dim])?);
         for (index, (layer, layer_cache)) in backbone.layers.iter().zip(&cache.layers).enumerate() {
             let attn = &layer.self_attn;
-            let normed = layer.input_layernorm.forward(&hidden)?;
+            let normed = self.norm(&layer.input_layernorm, &hidden)?;
             let rows = |t: Tensor, n: i64| t.f_view([total, n, head_dim]);
             let (q, k, v) = match self.fused.get(index) {
                 Some(fused) => {
@@ -377,7 +383,10 @@ impl ModelRunner {
                     let qkv = self.linear(&fused.qkv, &normed)?;
                     let qk =
                         rows(qkv.f_narrow(1, 0, (heads + kv_heads) * head_dim)?, heads + kv_heads)?;
-                    let qk = apply_rotary(&qk, &cos, &sin)?;
+                    let qk = match self.fused_ops && last_contiguous(&qk) {
+                        true => cpu_kernels::rotary(&qk, &cos_rows, &sin_rows)?,
+                        false => apply_rotary(&qk, &cos, &sin)?,
+                    };
                     let v = qkv.f_narrow(1, (heads + kv_heads) * head_dim, kv_heads * head_dim)?;
                     (
                         qk.f_narrow(1, 0, heads)?,
@@ -409,20 +418,25 @@ impl ModelRunner {
             let out = self.linear(&attn.o_proj, &attended)?;
             // Tensor-parallel seam: all-reduce `out` across shards here.
             hidden = hidden.f_add(&out)?;
-            let normed = layer.post_attention_layernorm.forward(&hidden)?;
-            let (gate, up) = match self.fused.get(index) {
+            let normed = self.norm(&layer.post_attention_layernorm, &hidden)?;
+            let activated = match self.fused.get(index) {
                 Some(fused) => {
                     let gate_up = self.linear(&fused.gate_up, &normed)?;
-                    let width = gate_up.size()[1] / 2;
-                    (gate_up.f_narrow(1, 0, width)?, gate_up.f_narrow(1, width, width)?)
+                    match self.fused_ops && last_contiguous(&gate_up) {
+                        true => cpu_kernels::silu_mul(&gate_up)?,
+                        false => {
+                            let width = gate_up.size()[1] / 2;
+                            let gate = gate_up.f_narrow(1, 0, width)?.f_silu()?;
+                            gate.f_mul(&gate_up.f_narrow(1, width, width)?)?
+                        }
+                    }
                 }
-                None => (
-                    self.linear(&layer.mlp.gate_proj, &normed)?,
-                    self.linear(&layer.mlp.up_proj, &normed)?,
-                ),
+                None => {
+                    let gate = self.linear(&layer.mlp.gate_proj, &normed)?.f_silu()?;
+                    gate.f_mul(&self.linear(&layer.mlp.up_proj, &normed)?)?
+                }
             };
-            let gate = gate.f_silu()?;
-            let mlp = self.linear(&layer.mlp.down_proj, &gate.f_mul(&up)?)?;
+            let mlp = self.linear(&layer.mlp.down_proj, &activated)?;
             // Tensor-parallel seam: all-reduce `mlp` across shards here.
             hidden = hidden.f_add(&mlp)?;
         }
@@ -433,10 +447,18 @@ impl ModelRunner {
             self.lanes.replace(Some(step.lanes));
         }
         let rows =
-            backbone.norm.forward(&hidden.f_index_select(0, &index(&batch.sample_rows)?)?)?;
+            self.norm(&backbone.norm, &hidden.f_index_select(0, &index(&batch.sample_rows)?)?)?;
         match &self.model.lm_head {
             Some(head) => self.linear(head, &rows),
             None => self.linear_weight(&backbone.embed_tokens, None, &rows),
+        }
+    }
+
+    /// The model's RMSNorm of rows `x: [T, hidden]`, in one fused pass on the CPU.
+    fn norm(&self, norm: &RmsNorm, x: &Tensor) -> Result<Tensor, EngineError> {
+        match self.fused_ops && last_contiguous(x) {
+            true => cpu_kernels::rms_norm(x, &norm.weight, norm.eps),
+            false => Ok(norm.forward(x)?),
         }
     }
 
@@ -444,7 +466,7 @@ impl ModelRunner {
     /// CPU:
     /// - a float32 product of at least [`ONEDNN_MIN_MACS`] multiply-adds and
     ///   [`ONEDNN_MIN_ROWS`] rows runs on oneDNN's inner-product kernel, with the weight packed
-    ///   once into oneDNN's layout ([`onednn`]). libtorch sends float32 matmuls to MKL, whose
+    ///   once into oneDNN's layout ([`cpu_kernels`]). libtorch sends float32 matmuls to MKL, whose
     ///   kernels on this project's AMD machines are its AVX2 ones (~190 GFLOP/s on two Zen
     ///   cores); oneDNN uses AVX-512 and reaches ~450 at the decode step's shapes.
     /// - otherwise it is computed as `(W x^T)^T`: MKL packs the right-hand operand of every
@@ -471,7 +493,7 @@ impl ModelRunner {
             && rows * inputs * weight.size()[0] >= ONEDNN_MIN_MACS
             && x.f_kind()? == Kind::Float
         {
-            return onednn::linear(x, &self.packed_weight(weight)?, bias);
+            return cpu_kernels::linear(x, &self.packed_weight(weight)?, bias);
         }
         let x_t = x.f_transpose(0, 1)?;
         let out = match bias {
@@ -502,7 +524,7 @@ impl ModelRunner {
         if packed.len() >= 2 * projections {
             packed.clear();
         }
-        let tensor = onednn::pack(weight)?;
+        let tensor = cpu_kernels::pack(weight)?;
         let entry = PackedWeight {
             _weight: weight.shallow_clone(),
             version,
@@ -572,6 +594,12 @@ const ONEDNN_MIN_MACS: i64 = 1 << 20;
 /// Fewer rows than this stay on MKL whatever the product (MKL's narrow kernels are the faster).
 const ONEDNN_MIN_ROWS: i64 = 8;
 
+/// Whether `t`'s last dimension is contiguous (what the fused kernels read; a small projection's
+/// output on MKL is a transposed view).
+fn last_contiguous(t: &Tensor) -> bool {
+    t.stride().last() == Some(&1)
+}
+
 /// Whether this libtorch runs oneDNN's inner product and agrees with `linear` on a small
 /// product (a build without oneDNN, or a CPU it rejects, keeps every projection on MKL).
 fn onednn_works() -> bool {
@@ -580,7 +608,7 @@ fn onednn_works() -> bool {
         let w = Tensor::f_arange(4 * 5, (Kind::Float, Device::Cpu))?.f_view([4, 5])?;
         let b = Tensor::f_arange(4, (Kind::Float, Device::Cpu))?;
         let expected = x.f_linear(&w, Some(&b))?;
-        let found = onednn::linear(&x, &onednn::pack(&w)?, Some(&b))?;
+        let found = cpu_kernels::linear(&x, &cpu_kernels::pack(&w)?, Some(&b))?;
         Ok(found.f_allclose(&expected, 1e-5, 1e-5, false)?)
     };
     tch::no_grad(|| probe().unwrap_or(false))
@@ -741,11 +769,54 @@ mod tests {
         let b = Tensor::randn([1536], (Kind::Float, Device::Cpu));
         // A transposed view, as the weight-left projections leave their outputs.
         let x_view = x.transpose(0, 1).contiguous().transpose(0, 1);
-        let found = onednn::linear(&x_view, &onednn::pack(&w).unwrap(), Some(&b)).unwrap();
+        let found =
+            cpu_kernels::linear(&x_view, &cpu_kernels::pack(&w).unwrap(), Some(&b)).unwrap();
         let expected = x.linear(&w, Some(&b));
         assert_eq!(found.size(), [64, 1536]);
         let worst = (found - &expected).abs().max().double_value(&[]);
         assert!(worst < 1e-3, "{worst}");
+    }
+
+    /// The fused kernels give the results of the operators they replace: RoPE bit for bit,
+    /// RMSNorm and SiLU-and-multiply within float rounding, on row-strided inputs too; a wrong
+    /// input is an error.
+    #[test]
+    fn fused_kernels_equal_the_operators_they_replace() {
+        let o = (Kind::Float, Device::Cpu);
+        let worst = |found: &Tensor, expected: &Tensor| {
+            let scale = expected.abs().f_add_scalar(1.0).unwrap();
+            ((found - expected).abs() / scale).max().double_value(&[])
+        };
+        tch::manual_seed(11);
+        // Rows narrowed out of wider ones, as the fused projections leave them.
+        let wide = Tensor::randn([37, 100], o);
+        let x = wide.narrow(1, 3, 90);
+        let norm = RmsNorm { weight: Tensor::randn([90], o), eps: 1e-6 };
+        let found = cpu_kernels::rms_norm(&x, &norm.weight, norm.eps).unwrap();
+        assert!(worst(&found, &norm.forward(&x).unwrap()) < 1e-6);
+
+        let qkv = Tensor::randn([37, 7 * 16], o);
+        let qk = qkv.narrow(1, 0, 5 * 16).view([37, 5, 16]);
+        let (cos, sin) = (Tensor::randn([37, 16], o), Tensor::randn([37, 16], o));
+        let found = cpu_kernels::rotary(&qk, &cos, &sin).unwrap();
+        let expected = apply_rotary(&qk, &cos.view([37, 1, 16]), &sin.view([37, 1, 16])).unwrap();
+        assert!(found.equal(&expected));
+
+        // Gates far out on both sides reach the exponential's clamp.
+        let gate_up = Tensor::randn([37, 2 * 50], o) * 30.0;
+        let found = cpu_kernels::silu_mul(&gate_up).unwrap();
+        let expected = gate_up.narrow(1, 0, 50).silu() * gate_up.narrow(1, 50, 50);
+        assert!(worst(&found, &expected) < 1e-6);
+        // Large enough that the shim hands it to libtorch's operators.
+        let gate_up = Tensor::randn([64, 2 * 600], o);
+        let found = cpu_kernels::silu_mul(&gate_up).unwrap();
+        let expected = gate_up.narrow(1, 0, 600).silu() * gate_up.narrow(1, 600, 600);
+        assert!(found.equal(&expected));
+
+        assert!(cpu_kernels::rms_norm(&x, &Tensor::ones([3], o), 1e-6).is_err());
+        assert!(cpu_kernels::silu_mul(&Tensor::ones([2, 3], o)).is_err());
+        assert!(cpu_kernels::rotary(&qk.to_kind(Kind::Double), &cos, &sin).is_err());
+        assert!(cpu_kernels::rms_norm(&x.transpose(0, 1), &Tensor::ones([37], o), 1e-6).is_err());
     }
 
     /// A weight packed for oneDNN is packed again after it changed in place, and after the
