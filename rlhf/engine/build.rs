@@ -16,6 +16,7 @@ fn main() {
     // the OpenMP runtime libtorch ships. Multiplies and adds stay unfused so that the kernels'
     // AVX2 and baseline builds agree bit for bit; without trapping maths (the default of no
     // float exceptions trapping, which the code never enables) GCC vectorises their selects.
+    println!("cargo:rerun-if-changed=src/runner/shim.h");
     libtorch_shim::compile(
         &["src/runner/onednn.cpp", "src/runner/fused.cpp"],
         &["-O3", "-fopenmp", "-ffp-contract=off", "-fno-trapping-math", "-fno-math-errno"],

@@ -7,23 +7,15 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include "shim.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
-#include <exception>
 #include <stdexcept>
 #include <string>
 
 namespace {
-
-int fail(const std::exception& e, char* err, size_t len) {
-  if (len > 0) {
-    std::strncpy(err, e.what(), len - 1);
-    err[len - 1] = 0;
-  }
-  return -1;
-}
 
 void check_rows(const at::Tensor& t, const char* name, int64_t dims) {
   if (t.dim() != dims || t.scalar_type() != at::kFloat || !t.device().is_cpu() ||
@@ -164,7 +156,7 @@ extern "C" {
 // x: [rows, h] (row stride any), w: [h]; `*out` receives a new contiguous [rows, h].
 int rtrun_rms_norm(const at::Tensor* x, const at::Tensor* w, double eps, at::Tensor** out,
                    char* err, size_t len) {
-  try {
+  return rtrun::return_tensor(out, err, len, [&] {
     check_rows(*x, "the norm's input", 2);
     check_rows(*w, "the norm's weight", 1);
     const int64_t rows = x->size(0), h = x->size(1);
@@ -179,18 +171,15 @@ int rtrun_rms_norm(const at::Tensor* x, const at::Tensor* w, double eps, at::Ten
       if (avx2) rms_norm_avx2(xp, x_row, wp, yp, h, static_cast<float>(eps), b, e);
       else rms_norm_base(xp, x_row, wp, yp, h, static_cast<float>(eps), b, e);
     });
-    *out = new at::Tensor(std::move(y));
-    return 0;
-  } catch (const std::exception& e) {
-    return fail(e, err, len);
-  }
+    return y;
+  });
 }
 
 // x: [rows, heads, d] (last dimension contiguous), cos and sin: [rows, d] (rows strided as
 // they come); `*out` receives a new contiguous [rows, heads, d].
 int rtrun_rotary(const at::Tensor* x, const at::Tensor* cos, const at::Tensor* sin,
                  at::Tensor** out, char* err, size_t len) {
-  try {
+  return rtrun::return_tensor(out, err, len, [&] {
     check_rows(*x, "the rotated rows", 3);
     check_rows(*cos, "cos", 2);
     check_rows(*sin, "sin", 2);
@@ -212,16 +201,13 @@ int rtrun_rotary(const at::Tensor* x, const at::Tensor* cos, const at::Tensor* s
       if (avx2) rotary_avx2(xp, x_row, x_head, cp, c_row, sp, s_row, yp, heads, d, b, e);
       else rotary_base(xp, x_row, x_head, cp, c_row, sp, s_row, yp, heads, d, b, e);
     });
-    *out = new at::Tensor(std::move(y));
-    return 0;
-  } catch (const std::exception& e) {
-    return fail(e, err, len);
-  }
+    return y;
+  });
 }
 
 // x: [rows, 2 * width] (gate then up); `*out` receives a new contiguous [rows, width].
 int rtrun_silu_mul(const at::Tensor* x, at::Tensor** out, char* err, size_t len) {
-  try {
+  return rtrun::return_tensor(out, err, len, [&] {
     check_rows(*x, "the gate/up rows", 2);
     const int64_t rows = x->size(0), width = x->size(1) / 2;
     if (x->size(1) % 2 != 0) throw std::invalid_argument("the gate/up rows have an odd width");
@@ -230,8 +216,7 @@ int rtrun_silu_mul(const at::Tensor* x, at::Tensor** out, char* err, size_t len)
       // 19 µs against 27): they run an AVX-512 exp over every intra-op thread.
       at::Tensor y = at::silu(x->narrow(1, 0, width));
       y.mul_(x->narrow(1, width, width));
-      *out = new at::Tensor(std::move(y));
-      return 0;
+      return y;
     }
     at::Tensor y = at::empty({rows, width}, x->options());
     const float* xp = x->data_ptr<float>();
@@ -242,10 +227,7 @@ int rtrun_silu_mul(const at::Tensor* x, at::Tensor** out, char* err, size_t len)
       if (avx2) silu_mul_avx2(xp, x_row, yp, width, b, e);
       else silu_mul_base(xp, x_row, yp, width, b, e);
     });
-    *out = new at::Tensor(std::move(y));
-    return 0;
-  } catch (const std::exception& e) {
-    return fail(e, err, len);
-  }
+    return y;
+  });
 }
 }

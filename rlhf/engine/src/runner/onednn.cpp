@@ -1,26 +1,17 @@
 // oneDNN's inner product with a weight packed once into its blocked layout: what
 // `torch.compile` (inductor's mkldnn fusion) runs for a CPU linear, and what tch does not bind.
 // The two operators are registered by libtorch under the `mkldnn` namespace outside aten's
-// generated API, so they are called through the dispatcher by name. Built by build.rs on
-// x86-64; the Rust side is `runner/onednn.rs`.
+// generated API, so they are called through the dispatcher by name. Built by build.rs; the
+// Rust side is `runner/cpu_kernels.rs`.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 
+#include "shim.h"
+
 #include <cstdint>
-#include <cstring>
-#include <exception>
 #include <string>
 
 namespace {
-
-// Copies the exception's message into `err` (at most `len` bytes, NUL-terminated); returns -1.
-int fail(const std::exception& e, char* err, size_t len) {
-  if (len > 0) {
-    std::strncpy(err, e.what(), len - 1);
-    err[len - 1] = 0;
-  }
-  return -1;
-}
 
 c10::OperatorHandle op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
@@ -33,22 +24,19 @@ extern "C" {
 // `weight` ([out, in], float32, CPU, dense) reordered into oneDNN's blocked layout for an
 // inner product; `*out` receives a new tensor the caller owns.
 int rtrun_onednn_pack(const at::Tensor* weight, at::Tensor** out, char* err, size_t len) {
-  try {
+  return rtrun::return_tensor(out, err, len, [&] {
     static const c10::OperatorHandle reorder = op("mkldnn::_reorder_linear_weight");
     torch::jit::Stack stack{c10::IValue(*weight), c10::IValue()};
     reorder.callBoxed(&stack);
-    *out = new at::Tensor(stack.at(0).toTensor());
-    return 0;
-  } catch (const std::exception& e) {
-    return fail(e, err, len);
-  }
+    return stack.at(0).toTensor();
+  });
 }
 
 // `x W^T + b` for dense rows `x: [T, in]` and a weight packed by `rtrun_onednn_pack`; `bias`
 // may be null. `*out` receives a new dense `[T, out]` tensor the caller owns.
 int rtrun_onednn_linear(const at::Tensor* x, const at::Tensor* packed, const at::Tensor* bias,
                         at::Tensor** out, char* err, size_t len) {
-  try {
+  return rtrun::return_tensor(out, err, len, [&] {
     static const c10::OperatorHandle linear = op("mkldnn::_linear_pointwise");
     torch::jit::Stack stack{
         c10::IValue(*x),
@@ -59,10 +47,7 @@ int rtrun_onednn_linear(const at::Tensor* x, const at::Tensor* packed, const at:
         c10::IValue(),
     };
     linear.callBoxed(&stack);
-    *out = new at::Tensor(stack.at(0).toTensor());
-    return 0;
-  } catch (const std::exception& e) {
-    return fail(e, err, len);
-  }
+    return stack.at(0).toTensor();
+  });
 }
 }
