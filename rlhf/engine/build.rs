@@ -9,6 +9,8 @@ fn main() {
     println!("cargo:rerun-if-env-changed=DEP_TCH_LIBTORCH_LIB");
     if let Ok(lib_dir) = std::env::var("DEP_TCH_LIBTORCH_LIB") {
         println!("cargo:rustc-link-arg=-Wl,-rpath,{lib_dir}");
+        // Where the kernels' OpenMP runtime (below) is found.
+        println!("cargo:rustc-link-search=native={lib_dir}");
     }
     // The runner's CPU kernels: oneDNN's packed-weight inner product, which tch does not bind,
     // and the fused element-wise steps. The latter spread rows over threads with
@@ -22,9 +24,6 @@ fn main() {
         &["-O3", "-fopenmp", "-ffp-contract=off", "-fno-trapping-math", "-fno-math-errno"],
         "rtrun_cpu_kernels",
     );
-    if let Ok(lib_dir) = std::env::var("DEP_TCH_LIBTORCH_LIB") {
-        println!("cargo:rustc-link-search=native={lib_dir}");
-    }
     println!("cargo:rustc-link-lib=dylib:+verbatim=libgomp.so.1");
     if std::env::var_os("CARGO_FEATURE_CUDA").is_some() {
         println!("cargo:rustc-link-arg=-Wl,--no-as-needed");

@@ -502,9 +502,7 @@ impl ModelRunner {
         };
         Ok(out.f_transpose(0, 1)?)
     }
-}
 
-impl ModelRunner {
     /// `weight` packed for oneDNN: the packing made for it before, unless the weight changed
     /// in place since.
     fn packed_weight(&self, weight: &Tensor) -> Result<Tensor, EngineError> {
