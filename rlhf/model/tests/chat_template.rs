@@ -12,17 +12,15 @@ fn fixtures() -> PathBuf {
 }
 
 /// A checkpoint-like directory: the shared `tokenizer.json` plus one template's configs.
-/// A directory of its own per call: `cargo test` runs these tests on threads of one process,
-/// and one test removing a directory another is reading made the suite flaky.
-fn tokenizer_dir(template: &str) -> PathBuf {
-    static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-    let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+/// A directory of its own per call (`cargo test` runs these tests on threads of one process,
+/// and one test removing a directory another is reading made the suite flaky), removed when
+/// the guard drops, a failed assertion included.
+fn tokenizer_dir(template: &str) -> tempfile::TempDir {
     let dir =
-        std::env::temp_dir().join(format!("rtrun-chat-{template}-{}-{call}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    std::fs::copy(fixtures().join("tokenizer.json"), dir.join("tokenizer.json")).unwrap();
+        tempfile::Builder::new().prefix(&format!("rtrun-chat-{template}-")).tempdir().unwrap();
+    std::fs::copy(fixtures().join("tokenizer.json"), dir.path().join("tokenizer.json")).unwrap();
     for name in ["tokenizer_config.json", "generation_config.json"] {
-        std::fs::copy(fixtures().join(template).join(name), dir.join(name)).unwrap();
+        std::fs::copy(fixtures().join(template).join(name), dir.path().join(name)).unwrap();
     }
     dir
 }
@@ -57,7 +55,7 @@ fn rendered_text_and_ids_equal_transformers() {
     let mut checked = 0;
     for template in ["chatml", "llama3"] {
         let dir = tokenizer_dir(template);
-        let tok = PretrainedTokenizer::from_dir(&dir).unwrap();
+        let tok = PretrainedTokenizer::from_dir(dir.path()).unwrap();
         for case in &cases {
             let want = golden
                 .iter()
@@ -76,39 +74,40 @@ fn rendered_text_and_ids_equal_transformers() {
             }
             checked += 1;
         }
-        std::fs::remove_dir_all(&dir).unwrap();
     }
     assert_eq!(checked, golden.len());
 }
 
 #[test]
 fn eos_and_pad_ids_come_from_the_generation_and_tokenizer_configs() {
-    let chatml = PretrainedTokenizer::from_dir(&tokenizer_dir("chatml")).unwrap();
+    let chatml = PretrainedTokenizer::from_dir(tokenizer_dir("chatml").path()).unwrap();
     // generation_config.json [<|im_end|>, <|endoftext|>], then eos_token <|im_end|> (a repeat).
     assert_eq!(chatml.eos_token_ids, vec![3, 1]);
     assert_eq!(chatml.pad_token_id, 0);
     assert!(!chatml.special_tokens.contains_key("bos_token"));
-    let llama3 = PretrainedTokenizer::from_dir(&tokenizer_dir("llama3")).unwrap();
+    let llama3 = PretrainedTokenizer::from_dir(tokenizer_dir("llama3").path()).unwrap();
     assert_eq!(llama3.eos_token_ids, vec![5, 8]);
     assert_eq!(llama3.special_tokens["bos_token"], "<|begin_of_text|>");
 }
 
 #[test]
 fn broken_tokenizer_directories_name_the_file() {
-    let dir = tokenizer_dir("chatml");
+    let guard = tokenizer_dir("chatml");
+    let dir = guard.path();
     std::fs::remove_file(dir.join("tokenizer.json")).unwrap();
-    let err = PretrainedTokenizer::from_dir(&dir).unwrap_err().to_string();
+    let err = PretrainedTokenizer::from_dir(dir).unwrap_err().to_string();
     assert!(err.contains("tokenizer.json"), "{err}");
-    let dir = tokenizer_dir("llama3");
+    let guard = tokenizer_dir("llama3");
+    let dir = guard.path();
     std::fs::write(dir.join("tokenizer_config.json"), r#"{"chat_template": "{% if %}"}"#).unwrap();
     std::fs::write(dir.join("generation_config.json"), r#"{"eos_token_id": 5}"#).unwrap();
-    let err = PretrainedTokenizer::from_dir(&dir).unwrap_err().to_string();
+    let err = PretrainedTokenizer::from_dir(dir).unwrap_err().to_string();
     assert!(err.contains("tokenizer_config.json") && err.contains("chat template"), "{err}");
     std::fs::write(dir.join("tokenizer_config.json"), r#"{"eos_token": "<|nope|>"}"#).unwrap();
-    let err = PretrainedTokenizer::from_dir(&dir).unwrap_err().to_string();
+    let err = PretrainedTokenizer::from_dir(dir).unwrap_err().to_string();
     assert!(err.contains("<|nope|>"), "{err}");
     std::fs::write(dir.join("tokenizer_config.json"), "{}").unwrap();
     std::fs::remove_file(dir.join("generation_config.json")).unwrap();
-    let err = PretrainedTokenizer::from_dir(&dir).unwrap_err().to_string();
+    let err = PretrainedTokenizer::from_dir(dir).unwrap_err().to_string();
     assert!(err.contains("end-of-sequence"), "{err}");
 }

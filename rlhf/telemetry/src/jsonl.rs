@@ -207,15 +207,6 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    fn temp_path(name: &str) -> PathBuf {
-        let dir =
-            std::env::temp_dir().join(format!("rtrun-telemetry-jsonl-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join(name);
-        let _ = std::fs::remove_file(&path);
-        path
-    }
-
     fn record(step: u64, reward: f64) -> StepMetrics {
         let mut metrics = StepMetrics::with_wall_time(step, 1_700_000_000.5 + step as f64);
         metrics.set("reward/mean", reward).unwrap().set("kl", 0.01 * step as f64).unwrap();
@@ -255,7 +246,8 @@ mod tests {
 
     #[test]
     fn writes_reads_and_resumes() {
-        let path = temp_path("resume.jsonl");
+        let dir = tempfile::Builder::new().prefix("rtrun-telemetry-jsonl-").tempdir().unwrap();
+        let path = dir.path().join("resume.jsonl");
         let mut writer = JsonlWriter::create(&path, StartMode::New).unwrap();
         for step in 0..5 {
             writer.record(&record(step, step as f64 / 10.0)).unwrap();

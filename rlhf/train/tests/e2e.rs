@@ -666,4 +666,5 @@ fn a_running_train_serves_its_step_metrics_and_its_session_on_the_metrics_port()
     let recorded = metrics(&run_dir);
     let at_step = recorded.iter().find(|m| m.step() == step).expect("the scraped step recorded");
     assert_eq!(at_step.get("reward"), Some(reward), "the scrape serves metrics.jsonl's value");
+    std::fs::remove_dir_all(&dir).unwrap();
 }
