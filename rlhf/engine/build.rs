@@ -13,14 +13,15 @@ fn main() {
         println!("cargo:rustc-link-search=native={lib_dir}");
     }
     // The runner's CPU kernels: oneDNN's packed-weight inner product, which tch does not bind,
-    // and the fused element-wise steps. The latter spread rows over threads with
+    // the fused element-wise steps and the decode attention. The latter spread rows over threads with
     // `at::parallel_for`, which libtorch's headers implement with OpenMP: hence `-fopenmp` and
     // the OpenMP runtime libtorch ships. Multiplies and adds stay unfused so that the kernels'
     // AVX2 and baseline builds agree bit for bit; without trapping maths (the default of no
     // float exceptions trapping, which the code never enables) GCC vectorises their selects.
     println!("cargo:rerun-if-changed=src/runner/shim.h");
+    println!("cargo:rerun-if-changed=src/runner/attention_body.h");
     libtorch_shim::compile(
-        &["src/runner/onednn.cpp", "src/runner/fused.cpp"],
+        &["src/runner/onednn.cpp", "src/runner/fused.cpp", "src/runner/attention.cpp"],
         &["-O3", "-fopenmp", "-ffp-contract=off", "-fno-trapping-math", "-fno-math-errno"],
         "rtrun_cpu_kernels",
     );

@@ -4,6 +4,9 @@
 //!   `mkldnn::_reorder_linear_weight` nor `mkldnn::_linear_pointwise`.
 //! - [`rms_norm`], [`rotary`] and [`silu_mul`] (`fused.cpp`): element-wise steps that libtorch
 //!   runs as 2-7 operators each, whose fixed costs outweigh their arithmetic at decode sizes.
+//! - [`decode_attention`] (`attention.cpp`): one query per sequence over its decode lanes, in
+//!   one pass per key/value head and sequence, where MKL's batched products spend most of
+//!   their time packing small operands.
 //!
 //! Against the plain weight of `mkldnn_linear`, which oneDNN reorders on every call and which
 //! wants its input converted to and from oneDNN's layout, the packed product takes and returns
@@ -46,6 +49,17 @@ mod ffi {
         ) -> i32;
         pub fn rtrun_silu_mul(
             x: *const C_tensor,
+            out: *mut *mut C_tensor,
+            err: *mut u8,
+            len: usize,
+        ) -> i32;
+        pub fn rtrun_decode_attention_supported() -> i32;
+        pub fn rtrun_decode_attention(
+            q: *const C_tensor,
+            kt: *const C_tensor,
+            v: *const C_tensor,
+            keep: *const C_tensor,
+            scale: f64,
             out: *mut *mut C_tensor,
             err: *mut u8,
             len: usize,
@@ -126,5 +140,39 @@ pub fn silu_mul(x: &Tensor) -> Result<Tensor, EngineError> {
     // SAFETY: as in `rms_norm`.
     call("SiLU-and-multiply", |out, err, len| unsafe {
         ffi::rtrun_silu_mul(x.as_ptr(), out, err, len)
+    })
+}
+
+/// Whether this CPU runs [`decode_attention`] (AVX2 and FMA).
+pub fn decode_attention_supported() -> bool {
+    // SAFETY: the shim function takes no arguments and only reads CPU feature flags.
+    unsafe { ffi::rtrun_decode_attention_supported() == 1 }
+}
+
+/// Decode attention of one query per sequence: `q: [batch, heads, head_dim]`, keys transposed
+/// `kt: [kv_heads, batch, head_dim, len]`, `v: [kv_heads, batch, len, head_dim]` (float32, any
+/// strides but a contiguous last dimension) and `keep: [batch, len]` (bool, contiguous: the
+/// positions each query attends). Returns a contiguous `[batch, heads * head_dim]`:
+/// `softmax(q k^T * scale) v` per query head, query heads grouped over the key/value heads in
+/// order. Needs [`decode_attention_supported`].
+pub fn decode_attention(
+    q: &Tensor,
+    kt: &Tensor,
+    v: &Tensor,
+    keep: &Tensor,
+    scale: f64,
+) -> Result<Tensor, EngineError> {
+    // SAFETY: as in `rms_norm`.
+    call("decode attention", |out, err, len| unsafe {
+        ffi::rtrun_decode_attention(
+            q.as_ptr(),
+            kt.as_ptr(),
+            v.as_ptr(),
+            keep.as_ptr(),
+            scale,
+            out,
+            err,
+            len,
+        )
     })
 }

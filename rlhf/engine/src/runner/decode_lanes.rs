@@ -5,9 +5,11 @@
 //! tensor first: a copy of the batch's entire KV cache per layer per step, which took a sixth
 //! of the 0.4M-parameter model's decode step at batch 64. Between two decode steps of the same
 //! sequences, that tensor changes by one row per sequence. The lanes keep it: sequence `b` of
-//! the batch owns lane `b` of `[kv_heads, lanes, capacity, head_dim]` tensors (one key and one
-//! value per layer), a step appends its new keys and values there, and attention reads a view
-//! of them. The block table is consulted only when the lanes are (re)built.
+//! the batch owns lane `b` of a `[kv_heads, lanes, head_dim, capacity]` key tensor (keys
+//! transposed: the decode attention kernel reads a block of adjacent positions per width) and a
+//! `[kv_heads, lanes, capacity, head_dim]` value tensor per layer, a step appends its new keys
+//! and values there, and attention reads views of them. The block table is consulted only when
+//! the lanes are (re)built.
 //!
 //! The paged cache stays the source of truth (every step still writes it), and the lanes are a
 //! cache of it keyed by slots: a step reuses them only when its decode group lists, for each
@@ -17,7 +19,7 @@
 //! a sequence that finished or joined, a reordered batch, a full lane — rebuilds them with one
 //! gather, which is what every step cost before.
 
-use tch::Tensor;
+use tch::{Device, Tensor};
 
 use super::kv_cache::LayerCache;
 use crate::error::EngineError;
@@ -33,9 +35,10 @@ pub struct DecodeLanes {
     slots: Vec<Vec<i64>>,
     /// Positions each lane has room for.
     capacity: i64,
-    /// Per decoder layer, keys and values `[kv_heads, lanes, capacity, head_dim]`. Positions
-    /// past a lane's context hold zeros or the padding the rebuild gathered (slot 0, finite):
-    /// attention masks them, and multiplies them by zero weights.
+    /// Per decoder layer, keys `[kv_heads, lanes, head_dim, capacity]` and values `[kv_heads,
+    /// lanes, capacity, head_dim]`. Positions past a lane's context hold zeros or the padding
+    /// the rebuild gathered (slot 0, finite): attention masks them, and multiplies them by zero
+    /// weights.
     layers: Vec<(Tensor, Tensor)>,
 }
 
@@ -45,9 +48,9 @@ pub struct LaneStep {
     /// The lanes (with no layers yet when they are being rebuilt).
     pub lanes: DecodeLanes,
     /// When the lanes hold every sequence's context but the new position: where the step
-    /// appends, each lane's new position as a row of `[lanes * capacity]`. `None` when the
-    /// step rebuilds them from the paged cache ([`DecodeLanes::rebuild_layer`]).
-    pub append_rows: Option<Tensor>,
+    /// appends, the lanes `0..lanes` and each one's new position. `None` when the step rebuilds
+    /// them from the paged cache ([`DecodeLanes::rebuild_layer`]).
+    pub append_at: Option<[Tensor; 2]>,
 }
 
 impl DecodeLanes {
@@ -73,13 +76,10 @@ impl DecodeLanes {
         };
         match previous {
             Some(lanes) if holds_all_but_the_new_position(&lanes) => {
-                let rows: Vec<i64> = positions
-                    .iter()
-                    .enumerate()
-                    .map(|(b, &p)| b as i64 * lanes.capacity + p)
-                    .collect();
-                let append_rows = Some(Tensor::f_from_slice(&rows)?);
-                Ok(LaneStep { lanes, append_rows })
+                let lane =
+                    Tensor::f_arange(positions.len() as i64, (tch::Kind::Int64, Device::Cpu))?;
+                let append_at = Some([lane, Tensor::f_from_slice(positions)?]);
+                Ok(LaneStep { lanes, append_at })
             }
             _ => {
                 let capacity = (kv_len + LANE_HEADROOM).next_multiple_of(LANE_HEADROOM) as i64;
@@ -90,7 +90,7 @@ impl DecodeLanes {
                     .collect();
                 Ok(LaneStep {
                     lanes: Self { slots, capacity, layers: Vec::new() },
-                    append_rows: None,
+                    append_at: None,
                 })
             }
         }
@@ -105,7 +105,8 @@ impl DecodeLanes {
 
     /// Builds the next layer's lanes from its paged cache, reading `rows` (the
     /// [`super::kv_cache::KvCache::head_major`] rows of the group's `kv_len` slots per
-    /// sequence); returns the keys and values of the first `kv_len` positions.
+    /// sequence); returns views of the keys (transposed) and values of the first `kv_len`
+    /// positions, as [`DecodeLanes::append_layer`] does.
     pub fn rebuild_layer(
         &mut self,
         cache: &LayerCache,
@@ -114,26 +115,25 @@ impl DecodeLanes {
     ) -> Result<(Tensor, Tensor), EngineError> {
         let lanes = self.slots.len() as i64;
         let (k, v) = cache.gather(rows, lanes, kv_len)?;
-        let room = |t: &Tensor| -> Result<Tensor, EngineError> {
-            let size = t.size();
-            let full = Tensor::f_zeros(
-                [size[0], lanes, self.capacity, size[3]],
-                (t.f_kind()?, t.device()),
-            )?;
-            full.f_narrow(2, 0, kv_len)?.f_copy_(t)?;
-            Ok(full)
-        };
-        self.layers.push((room(&k)?, room(&v)?));
-        Ok((k, v))
+        let size = k.size();
+        let (heads, width, options) = (size[0], size[3], (k.f_kind()?, k.device()));
+        let keys = Tensor::f_zeros([heads, lanes, width, self.capacity], options)?;
+        keys.f_narrow(3, 0, kv_len)?.f_copy_(&k.f_transpose(2, 3)?)?;
+        let values = Tensor::f_zeros([heads, lanes, self.capacity, width], options)?;
+        values.f_narrow(2, 0, kv_len)?.f_copy_(&v)?;
+        let views = (keys.f_narrow(3, 0, kv_len)?, values.f_narrow(2, 0, kv_len)?);
+        self.layers.push((keys, values));
+        Ok(views)
     }
 
     /// Appends `k, v: [kv_heads, lanes, head_dim]` (one new position per lane) to layer
-    /// `layer` at `rows` ([`LaneStep::append_rows`]) and returns the keys and values of the
-    /// first `kv_len` positions, views `[kv_heads, lanes, kv_len, head_dim]` of the lanes.
+    /// `layer` at `at` ([`LaneStep::append_at`]) and returns the keys and values of the first
+    /// `kv_len` positions, views of the lanes: keys transposed `[kv_heads, lanes, head_dim,
+    /// kv_len]`, values `[kv_heads, lanes, kv_len, head_dim]`.
     pub fn append_layer(
         &self,
         layer: usize,
-        rows: &Tensor,
+        at: &[Tensor; 2],
         k: &Tensor,
         v: &Tensor,
         kv_len: i64,
@@ -144,14 +144,12 @@ impl DecodeLanes {
                 self.layers.len()
             ))
         })?;
-        let append = |lanes: &Tensor, new: &Tensor| -> Result<Tensor, EngineError> {
-            let size = lanes.size();
-            let (heads, width) = (size[0], size[3]);
-            let mut flat = lanes.f_view([heads, size[1] * self.capacity, width])?;
-            let _ = flat.f_index_copy_(1, rows, new)?;
-            Ok(lanes.f_narrow(2, 0, kv_len)?)
-        };
-        Ok((append(keys, k)?, append(values, v)?))
+        // Both as `[lanes, capacity, kv_heads, head_dim]` views, written at (lane, position).
+        let at = [Some(at[0].shallow_clone()), Some(at[1].shallow_clone())];
+        let new = |t: &Tensor| t.f_permute([1, 0, 2]);
+        let _ = keys.f_permute([1, 3, 0, 2])?.f_index_put_(&at, &new(k)?, false)?;
+        let _ = values.f_permute([1, 2, 0, 3])?.f_index_put_(&at, &new(v)?, false)?;
+        Ok((keys.f_narrow(3, 0, kv_len)?, values.f_narrow(2, 0, kv_len)?))
     }
 }
 
@@ -162,7 +160,7 @@ mod tests {
     /// The lanes of `positions`, as a step that built them leaves them (no layers needed).
     fn built(positions: &[i64], kv_slots: &[i64], kv_len: usize) -> DecodeLanes {
         let step = DecodeLanes::step(None, positions, kv_slots, kv_len).unwrap();
-        assert!(step.append_rows.is_none());
+        assert!(step.append_at.is_none());
         step.lanes
     }
 
@@ -175,8 +173,9 @@ mod tests {
         // Next step: both one position on, same slots, one new slot each.
         let next = [10, 11, 12, 13, 20, 21, 22, 0];
         let step = DecodeLanes::step(Some(lanes()), &[3, 2], &next, 4).unwrap();
-        let rows = step.append_rows.expect("the lanes hold both contexts");
-        assert_eq!(Vec::<i64>::try_from(&rows).unwrap(), vec![3, capacity + 2]);
+        let [lane, position] = step.append_at.expect("the lanes hold both contexts");
+        assert_eq!(Vec::<i64>::try_from(&lane).unwrap(), vec![0, 1]);
+        assert_eq!(Vec::<i64>::try_from(&position).unwrap(), vec![3, 2]);
         let mut kept = step.lanes;
         kept.record_append(&[3, 2], &next, 4);
         assert_eq!(kept.slots, vec![vec![10, 11, 12, 13], vec![20, 21, 22]]);
@@ -184,7 +183,7 @@ mod tests {
         let rebuilds = |positions: &[i64], kv_slots: &[i64], kv_len: usize| {
             DecodeLanes::step(Some(lanes()), positions, kv_slots, kv_len)
                 .unwrap()
-                .append_rows
+                .append_at
                 .is_none()
         };
         // A slot of a held position differs (the block was freed and handed out again).
@@ -206,7 +205,7 @@ mod tests {
         assert_eq!(lanes.capacity, 192);
         lanes.capacity = 127;
         let step = DecodeLanes::step(Some(lanes), &positions, &slots, 128).unwrap();
-        assert!(step.append_rows.is_none());
+        assert!(step.append_at.is_none());
         assert_eq!(step.lanes.capacity, 192);
     }
 }

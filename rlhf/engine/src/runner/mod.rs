@@ -76,6 +76,9 @@ pub struct ModelRunner {
     /// Whether decode steps use [`ModelRunner::lanes`] (off only to compare with the paged
     /// read in tests).
     use_lanes: bool,
+    /// Whether decode steps on the lanes run [`cpu_kernels::decode_attention`] (a float32 model
+    /// on a CPU with AVX2 and FMA) rather than libtorch's batched products.
+    attention_kernel: bool,
     /// The weights [`ModelRunner::linear`] has packed for oneDNN, by [`WeightKey`], each with
     /// the in-place version of the weight it was packed from (a copy into the weight bumps
     /// the version, and the next product packs it again). Cleared whenever the weights'
@@ -167,6 +170,7 @@ impl ModelRunner {
             rope_table: None,
             lanes: RefCell::new(None),
             use_lanes: true,
+            attention_kernel: fused_ops && cpu_kernels::decode_attention_supported(),
             packed: RefCell::new(HashMap::new()),
         };
         if runner.weight_left {
@@ -348,7 +352,7 @@ impl ModelRunner {
                 None
             }
         };
-        let appending = lanes.as_ref().is_some_and(|step| step.append_rows.is_some());
+        let appending = lanes.as_ref().is_some_and(|step| step.append_at.is_some());
         let groups = batch
             .groups
             .iter()
@@ -407,11 +411,28 @@ impl ModelRunner {
             layer_cache.write(&slots, &k, &v)?;
             let attended = match (lanes.as_mut(), groups.as_slice()) {
                 (Some(step), [g @ GroupTensors { additive: Some(additive), .. }]) => {
-                    let (keys, values) = match &step.append_rows {
-                        Some(rows) => step.lanes.append_layer(index, rows, &k, &v, g.kv_len)?,
+                    let (keys, values) = match &step.append_at {
+                        Some(at) => step.lanes.append_layer(index, at, &k, &v, g.kv_len)?,
                         None => step.lanes.rebuild_layer(layer_cache, g.kv_rows()?, g.kv_len)?,
                     };
-                    decode_attention(attn, &q, &keys, &values, additive, g.batch)?
+                    match self.attention_kernel {
+                        true => {
+                            let keep = g.mask.f_view([g.batch, g.kv_len])?;
+                            let scale = 1.0 / (head_dim as f64).sqrt();
+                            // Small products' outputs are transposed views (`linear`).
+                            let q = match last_contiguous(&q) {
+                                true => q,
+                                false => q.f_contiguous()?,
+                            };
+                            cpu_kernels::decode_attention(&q, &keys, &values, &keep, scale)?
+                        }
+                        false => {
+                            // Contiguous, as a gather leaves them: the same products, bit for
+                            // bit, as the paged read.
+                            let keys = keys.f_transpose(2, 3)?.f_contiguous()?;
+                            decode_attention(attn, &q, &keys, &values, additive, g.batch)?
+                        }
+                    }
                 }
                 _ => paged_attention(attn, &q, layer_cache, &groups, total)?,
             };
@@ -441,7 +462,7 @@ impl ModelRunner {
             hidden = hidden.f_add(&mlp)?;
         }
         if let (Some(mut step), [g]) = (lanes, batch.groups.as_slice()) {
-            if step.append_rows.is_some() {
+            if step.append_at.is_some() {
                 step.lanes.record_append(&batch.positions, &g.kv_slots, g.kv_len);
             }
             self.lanes.replace(Some(step.lanes));
@@ -817,6 +838,77 @@ mod tests {
         assert!(cpu_kernels::rms_norm(&x.transpose(0, 1), &Tensor::ones([37], o), 1e-6).is_err());
     }
 
+    /// The decode attention kernel gives libtorch's softmax attention within float rounding:
+    /// query groups of 1 to 8 heads (run four, two or one at a time), contexts shorter than,
+    /// equal to and longer than its blocks of keys, widths that are not a multiple of its
+    /// vectors, masks with holes, and strided inputs as the lanes and projections leave them.
+    #[test]
+    fn decode_attention_kernel_equals_softmax_attention() {
+        #[cfg(target_arch = "x86_64")]
+        assert_eq!(
+            cpu_kernels::decode_attention_supported(),
+            is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
+        );
+        if !cpu_kernels::decode_attention_supported() {
+            return;
+        }
+        let o = (Kind::Float, Device::Cpu);
+        tch::manual_seed(5);
+        // (heads, kv_heads, head_dim, len, batch)
+        for (heads, kv_heads, d, len, batch) in [
+            (8, 2, 64, 96, 5),
+            (4, 2, 32, 37, 3),
+            (3, 1, 48, 17, 2),
+            (8, 1, 16, 1, 1),
+            (2, 2, 64, 33, 4),
+            (7, 7, 8, 70, 2),
+        ] {
+            let group = heads / kv_heads;
+            // Queries narrowed out of wider rows; keys and values narrowed out of lanes.
+            let q = Tensor::randn([batch, heads + 3, d], o).narrow(1, 1, heads);
+            let keys = Tensor::randn([kv_heads, batch, d, len + 40], o).narrow(3, 0, len);
+            let values = Tensor::randn([kv_heads, batch, len + 40, d], o).narrow(2, 0, len);
+            // Ragged contexts, one with a hole; every query keeps its first position.
+            let mut keep = vec![false; (batch * len) as usize];
+            for b in 0..batch {
+                let kept = 1 + (b * 7) % len;
+                for t in 0..kept {
+                    keep[(b * len + t) as usize] = !(b == 1 && t == kept / 2 && t > 0);
+                }
+            }
+            let keep = Tensor::from_slice(&keep).view([batch, len]);
+            let scale = 1.0 / (d as f64).sqrt();
+            let found = cpu_kernels::decode_attention(&q, &keys, &values, &keep, scale).unwrap();
+
+            let qg = q.reshape([batch, kv_heads, group, d]);
+            let k = keys.permute([1, 0, 3, 2]); // [batch, kv_heads, len, d]
+            let scores = qg.matmul(&k.transpose(2, 3)) * scale;
+            let masked =
+                scores.masked_fill(&keep.logical_not().view([batch, 1, 1, len]), f64::NEG_INFINITY);
+            let expected = masked
+                .softmax(-1, Kind::Float)
+                .matmul(&values.permute([1, 0, 2, 3]))
+                .reshape([batch, heads * d]);
+            let error = (&found - &expected).abs().max().double_value(&[]);
+            assert!(error < 1e-5, "{heads}/{kv_heads} heads, d {d}, len {len}: {error}");
+        }
+        // Shapes that do not fit are errors, not reads out of bounds.
+        let q = Tensor::randn([2, 4, 8], o);
+        let keys = Tensor::randn([2, 2, 8, 5], o);
+        let values = Tensor::randn([2, 2, 5, 8], o);
+        let keep = Tensor::ones([2, 5], (Kind::Bool, Device::Cpu));
+        let attend = |q: &Tensor, k: &Tensor, v: &Tensor, keep: &Tensor| {
+            cpu_kernels::decode_attention(q, k, v, keep, 0.5).map_err(|e| e.to_string())
+        };
+        assert!(attend(&q, &keys, &values, &keep).is_ok());
+        let error = attend(&q, &keys, &values, &keep.narrow(1, 0, 4)).unwrap_err();
+        assert!(error.contains("decode attention wants"), "{error}");
+        assert!(attend(&q.narrow(1, 0, 3), &keys, &values, &keep).is_err());
+        assert!(attend(&q, &keys.transpose(2, 3), &values, &keep).is_err());
+        assert!(attend(&q.to_kind(Kind::Double), &keys, &values, &keep).is_err());
+        assert!(attend(&q, &keys, &values, &keep.to_kind(Kind::Float)).is_err());
+    }
+
     /// A weight packed for oneDNN is packed again after it changed in place, and after the
     /// engine says the weights changed.
     #[test]
@@ -908,6 +1000,7 @@ mod tests {
     /// Decode steps that read the lanes give bit-for-bit the logits of the paged read, through
     /// every way the lanes are kept or rebuilt: appends, a lane that fills up, a finished
     /// sequence, a prefill in between (which may reuse freed blocks), and a reordered batch.
+    /// With the decode attention kernel on the lanes, they agree within float rounding.
     #[test]
     fn decode_lanes_give_the_logits_of_the_paged_read() {
         use crate::block::BlockId;
@@ -915,14 +1008,16 @@ mod tests {
         use rtrun_rlhf_model::{ModelFamily, tiny};
 
         let config = tiny::tiny_config(ModelFamily::Qwen2);
-        let runner = |use_lanes: bool| {
+        let runner = |use_lanes: bool, attention_kernel: bool| {
             let model = tiny::tiny_model(&config, 9).unwrap();
             let mut runner = ModelRunner::new(model, ShardSpec::WHOLE, 4).unwrap();
             runner.use_lanes = use_lanes;
+            runner.attention_kernel &= attention_kernel;
             runner.allocate_kv_cache(96).unwrap();
             runner
         };
-        let (lanes, paged) = (runner(true), runner(false));
+        let (lanes, paged) = (runner(true, false), runner(false, false));
+        let kernel = runner(true, true);
         let block_size = 4;
         // Sequences 0..3; their tokens grow as they decode. Blocks are handed out in turn from
         // a list, and a finished sequence's blocks go back to its front (as the block
@@ -957,6 +1052,9 @@ mod tests {
             let found = lanes.execute(&batch).unwrap();
             let expected = paged.execute(&batch).unwrap();
             assert_eq!(found, expected, "step of {members:?}");
+            let close = kernel.execute(&batch).unwrap();
+            let error = close.iter().zip(&found).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+            assert!(error < 1e-4, "step of {members:?}: the kernel is {error} off");
             // Greedy next tokens, so the sequences run on as a generation would.
             let width = found.len() / members.len();
             for (row, &(i, _)) in members.iter().enumerate() {
