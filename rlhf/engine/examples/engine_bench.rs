@@ -24,59 +24,38 @@ use rtrun_rlhf_engine::{
 use rtrun_rlhf_model::tch::{Device, Kind};
 use rtrun_rlhf_model::{CausalLm, ModelConfig, ModelFamily, tiny};
 
+/// The engine's throughput against the reference decode (or, with `--hf`, against Hugging Face
+/// `generate`'s recorded tokens), and the speed-up of prefix caching.
+#[derive(clap::Parser)]
 struct Options {
+    /// libtorch intra-op threads.
+    #[arg(long, default_value_t = 1)]
     threads: i32,
+    /// Prompt tokens per request (random prompts; `--hf` uses the recorded ones).
+    #[arg(long, default_value_t = 32)]
     prompt_len: usize,
+    /// New tokens per request.
+    #[arg(long, default_value_t = 64)]
     max_tokens: u32,
+    /// Models, comma-separated: `tiny`, `25m` (or, with `--hf`, directories under it).
+    #[arg(long, value_delimiter = ',', default_values_t = ["tiny".to_string(), "25m".to_string()])]
     models: Vec<String>,
+    /// Batch sizes, comma-separated.
+    #[arg(long, value_delimiter = ',', default_values_t = [1, 16, 64])]
     batches: Vec<usize>,
+    /// Length of the shared prefix in the prefix-caching run.
+    #[arg(long, default_value_t = 512)]
     prefix_len: usize,
-    repeats: usize,
+    /// Timed rounds per row (the best is reported).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+    repeats: u64,
+    /// The directory `scripts/bench/hf_generate.py make` wrote: compare with `generate` there.
+    #[arg(long)]
     hf: Option<std::path::PathBuf>,
     /// Whether throughput rows also time the full-recompute reference decode (its cost grows
-    /// with the square of the length: `--reference off` for long contexts).
-    reference: bool,
-}
-
-fn parse_options() -> Result<Options> {
-    let mut options = Options {
-        threads: 1,
-        prompt_len: 32,
-        max_tokens: 64,
-        models: vec!["tiny".into(), "25m".into()],
-        batches: vec![1, 16, 64],
-        prefix_len: 512,
-        repeats: 1,
-        hf: None,
-        reference: true,
-    };
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let mut i = 0;
-    while i < args.len() {
-        let value = args.get(i + 1).with_context(|| format!("{} needs a value", args[i]))?;
-        match args[i].as_str() {
-            "--threads" => options.threads = value.parse()?,
-            "--prompt-len" => options.prompt_len = value.parse()?,
-            "--max-tokens" => options.max_tokens = value.parse()?,
-            "--prefix-len" => options.prefix_len = value.parse()?,
-            "--repeats" => options.repeats = value.parse::<usize>()?.max(1),
-            "--hf" => options.hf = Some(value.into()),
-            "--reference" => {
-                options.reference = match value.as_str() {
-                    "on" => true,
-                    "off" => false,
-                    other => bail!("--reference is `on` or `off`, found `{other}`"),
-                }
-            }
-            "--models" => options.models = value.split(',').map(str::to_owned).collect(),
-            "--batches" => {
-                options.batches = value.split(',').map(str::parse).collect::<Result<_, _>>()?
-            }
-            other => bail!("unknown option `{other}`"),
-        }
-        i += 2;
-    }
-    Ok(options)
+    /// with the square of the length: `off` for long contexts).
+    #[arg(long, default_value = "on", value_parser = ["on", "off"])]
+    reference: String,
 }
 
 fn build_model(name: &str) -> Result<(ModelConfig, CausalLm)> {
@@ -144,14 +123,14 @@ fn throughput(options: &Options, name: &str) -> Result<()> {
             let start = Instant::now();
             fast = engine.generate(requests.clone())?;
             engine_rate = engine_rate.max(generated(&fast) as f64 / start.elapsed().as_secs_f64());
-            if options.reference {
+            if options.reference == "on" {
                 let start = Instant::now();
                 slow = reference_generate(engine.model(), &requests)?;
                 reference_rate =
                     reference_rate.max(generated(&slow) as f64 / start.elapsed().as_secs_f64());
             }
         }
-        if options.reference {
+        if options.reference == "on" {
             let same = if tokens(&fast) == tokens(&slow) { "yes" } else { "NO" };
             println!(
                 "| {batch} | {engine_rate:.0} | {reference_rate:.0} | {:.1}x | {same} |",
@@ -270,7 +249,7 @@ fn against_hf(options: &Options, dir: &std::path::Path, name: &str) -> Result<()
 }
 
 fn main() -> Result<()> {
-    let options = parse_options()?;
+    let options = <Options as clap::Parser>::parse();
     rtrun_rlhf_model::tch::set_num_threads(options.threads);
     if let Some(dir) = &options.hf {
         for name in &options.models {
