@@ -1,3 +1,6 @@
+// The CPU decode step's attention-side kernels: writing a step's keys and values into the paged
+// cache and the decode lanes, and the decode attention.
+//
 // Decode attention on the CPU: one query per sequence over its decode lanes (keys transposed,
 // `decode_lanes.rs`), scores, softmax and the weighted sum of values in one pass per (key/value
 // head, sequence) pair, with the query heads that share the pair's keys in registers at once.
@@ -17,6 +20,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -109,9 +113,131 @@ void check(const at::Tensor& t, const char* name, int64_t dims, at::ScalarType k
   }
 }
 
+// Copies element `i` of `src` to element `i` of `dst`, for `n` elements of `sizeof(E)` bytes
+// `src_step` and `dst_step` bytes apart.
+template <typename E>
+void copy_elements(const char* src, int64_t src_step, char* dst, int64_t dst_step, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    E x;
+    std::memcpy(&x, src + i * src_step, sizeof(E));
+    std::memcpy(dst + i * dst_step, &x, sizeof(E));
+  }
+}
+
+void copy_strided(const char* src, int64_t src_step, char* dst, int64_t dst_step, int64_t n,
+                  int64_t size) {
+  if (src_step == size && dst_step == size) {
+    std::memcpy(dst, src, n * size);
+    return;
+  }
+  switch (size) {
+    case 2: copy_elements<uint16_t>(src, src_step, dst, dst_step, n); break;
+    case 4: copy_elements<uint32_t>(src, src_step, dst, dst_step, n); break;
+    case 8: copy_elements<uint64_t>(src, src_step, dst, dst_step, n); break;
+    default: throw std::invalid_argument("unsupported element size " + std::to_string(size));
+  }
+}
+
 }  // namespace
 
 extern "C" {
+
+// Writes a step's new keys and values, k and v: [T, kv_heads, d] (any strides, as the
+// projections leave them), into the paged cache rows `rows`: [kv_heads
+// * T] (int64, head-major: row of head h and token t at h * T + t) of cache_k, cache_v: [N, d]
+// (contiguous); and, when lane_k is given, also into the decode lanes lane_k: [kv_heads, T, d,
+// capacity] (keys transposed) and lane_v: [kv_heads, T, capacity, d] at `positions`: [T]
+// (int64; token t is lane t). One pass instead of a permuted copy and an index_copy_ per tensor.
+int rtrun_write_kv(const at::Tensor* k, const at::Tensor* v, const at::Tensor* rows,
+                   const at::Tensor* cache_k, const at::Tensor* cache_v,
+                   const at::Tensor* lane_k, const at::Tensor* lane_v,
+                   const at::Tensor* positions, char* err, size_t len) {
+  return rtrun::run(err, len, [&] {
+    const auto kind = k->scalar_type();
+    if (k->dim() != 3 || v->dim() != 3 || v->scalar_type() != kind || !k->device().is_cpu() ||
+        !v->device().is_cpu()) {
+      throw std::invalid_argument("the new keys and values should be 3-D CPU tensors of one "
+                                  "kind, found " + c10::str(k->sizes()) + " and " +
+                                  c10::str(v->sizes()));
+    }
+    check(*cache_k, "the key cache", 2, kind);
+    check(*cache_v, "the value cache", 2, kind);
+    check(*rows, "the cache rows", 1, at::kLong);
+    const int64_t tokens = k->size(0), kv_heads = k->size(1), d = k->size(2);
+    const int64_t slots = cache_k->size(0);
+    if (v->sizes() != k->sizes() || cache_k->size(1) != d || cache_v->sizes() != cache_k->sizes() ||
+        !cache_k->is_contiguous() || !cache_v->is_contiguous() ||
+        rows->size(0) != kv_heads * tokens) {
+      throw std::invalid_argument(
+          "writing keys and values wants k, v [T, kv_heads, d], contiguous caches [N, d] and "
+          "kv_heads * T rows; found " + c10::str(k->sizes()) + ", " + c10::str(v->sizes()) + ", " +
+          c10::str(cache_k->sizes()) + ", " + c10::str(rows->sizes()));
+    }
+    const int64_t* row = rows->data_ptr<int64_t>();
+    for (int64_t i = 0; i < kv_heads * tokens; ++i) {
+      if (row[i] < 0 || row[i] >= slots) {
+        throw std::invalid_argument("cache row " + std::to_string(row[i]) + " is outside the " +
+                                    std::to_string(slots) + " rows of the cache");
+      }
+    }
+    const int64_t* pos = nullptr;
+    int64_t capacity = 0;
+    // Every check before the first write: a refused step leaves the cache as it was.
+    if (lane_k != nullptr) {
+      check(*lane_k, "the key lanes", 4, kind);
+      check(*lane_v, "the value lanes", 4, kind);
+      check(*positions, "the lane positions", 1, at::kLong);
+      capacity = lane_v->size(2);
+      if (lane_k->size(0) != kv_heads || lane_k->size(1) != tokens || lane_k->size(2) != d ||
+          lane_k->size(3) != capacity || lane_v->size(0) != kv_heads ||
+          lane_v->size(1) != tokens || lane_v->size(3) != d || positions->size(0) != tokens) {
+        throw std::invalid_argument(
+            "writing the lanes wants key lanes [kv_heads, T, d, capacity], value lanes [kv_heads, "
+            "T, capacity, d] and T positions; found " + c10::str(lane_k->sizes()) + ", " +
+            c10::str(lane_v->sizes()) + ", " + c10::str(positions->sizes()) + " for " +
+            c10::str(k->sizes()));
+      }
+      pos = positions->data_ptr<int64_t>();
+      for (int64_t t = 0; t < tokens; ++t) {
+        if (pos[t] < 0 || pos[t] >= capacity) {
+          throw std::invalid_argument("lane position " + std::to_string(pos[t]) +
+                                      " is outside the lanes' " + std::to_string(capacity));
+        }
+      }
+    }
+    const int64_t size = k->element_size();
+    const char* kp = static_cast<const char*>(k->data_ptr());
+    const char* vp = static_cast<const char*>(v->data_ptr());
+    char* ckp = static_cast<char*>(cache_k->data_ptr());
+    char* cvp = static_cast<char*>(cache_v->data_ptr());
+    const int64_t k_tok = k->stride(0) * size, k_head = k->stride(1) * size;
+    const int64_t v_tok = v->stride(0) * size, v_head = v->stride(1) * size;
+    const int64_t k_el = k->stride(2) * size, v_el = v->stride(2) * size;
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      for (int64_t t = 0; t < tokens; ++t) {
+        const int64_t r = row[h * tokens + t];
+        copy_strided(kp + t * k_tok + h * k_head, k_el, ckp + r * d * size, size, d, size);
+        copy_strided(vp + t * v_tok + h * v_head, v_el, cvp + r * d * size, size, d, size);
+      }
+    }
+    if (lane_k == nullptr) return;
+    char* lkp = static_cast<char*>(lane_k->data_ptr());
+    char* lvp = static_cast<char*>(lane_v->data_ptr());
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      for (int64_t t = 0; t < tokens; ++t) {
+        const int64_t p = pos[t];
+        // Keys transposed: element e of the key goes to row e of the lane, column p.
+        copy_strided(kp + t * k_tok + h * k_head, k_el,
+                     lkp + (h * lane_k->stride(0) + t * lane_k->stride(1) + p) * size,
+                     lane_k->stride(2) * size, d, size);
+        copy_strided(vp + t * v_tok + h * v_head, v_el,
+                     lvp + (h * lane_v->stride(0) + t * lane_v->stride(1) +
+                            p * lane_v->stride(2)) * size,
+                     size, d, size);
+      }
+    }
+  });
+}
 
 // Whether this CPU runs the kernel (AVX2 and FMA).
 int rtrun_decode_attention_supported() { return has_avx2() ? 1 : 0; }

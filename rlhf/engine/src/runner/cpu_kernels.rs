@@ -6,7 +6,9 @@
 //!   runs as 2-7 operators each, whose fixed costs outweigh their arithmetic at decode sizes.
 //! - [`decode_attention`] (`attention.cpp`): one query per sequence over its decode lanes, in
 //!   one pass per key/value head and sequence, where MKL's batched products spend most of
-//!   their time packing small operands.
+//!   their time packing small operands; and [`write_kv`], a step's keys and values into the
+//!   paged cache and the lanes in one pass, where libtorch ran a copy and an index operator per
+//!   tensor, each on one thread.
 //!
 //! Against the plain weight of `mkldnn_linear`, which oneDNN reorders on every call and which
 //! wants its input converted to and from oneDNN's layout, the packed product takes and returns
@@ -54,6 +56,18 @@ mod ffi {
             len: usize,
         ) -> i32;
         pub fn rtrun_decode_attention_supported() -> i32;
+        pub fn rtrun_write_kv(
+            k: *const C_tensor,
+            v: *const C_tensor,
+            rows: *const C_tensor,
+            cache_k: *const C_tensor,
+            cache_v: *const C_tensor,
+            lane_k: *const C_tensor,
+            lane_v: *const C_tensor,
+            positions: *const C_tensor,
+            err: *mut u8,
+            len: usize,
+        ) -> i32;
         pub fn rtrun_decode_attention(
             q: *const C_tensor,
             kt: *const C_tensor,
@@ -86,6 +100,17 @@ fn call(
         // SAFETY: on success the shim stored a tensor it allocated with `new` and hands it over;
         // `from_ptr` takes ownership and frees it on drop.
         return Ok(unsafe { Tensor::from_ptr(out) });
+    }
+    let end = err.iter().position(|&b| b == 0).unwrap_or(err.len());
+    let message = String::from_utf8_lossy(&err[..end]);
+    Err(EngineError::Torch(tch::TchError::Torch(format!("{what}: {message}"))))
+}
+
+/// Runs a shim call that returns nothing, or the shim's error message.
+fn call_unit(what: &str, f: impl FnOnce(*mut u8, usize) -> i32) -> Result<(), EngineError> {
+    let mut err = [0u8; 512];
+    if f(err.as_mut_ptr(), err.len()) == 0 {
+        return Ok(());
     }
     let end = err.iter().position(|&b| b == 0).unwrap_or(err.len());
     let message = String::from_utf8_lossy(&err[..end]);
@@ -171,6 +196,53 @@ pub fn decode_attention(
             keep.as_ptr(),
             scale,
             out,
+            err,
+            len,
+        )
+    })
+}
+
+/// The decode lanes a step appends to: keys `[kv_heads, T, head_dim, capacity]` (transposed),
+/// values `[kv_heads, T, capacity, head_dim]`, and each token's position (`[T]`, int64; token
+/// `t` is lane `t`).
+pub struct LaneTarget<'a> {
+    /// The layer's key lanes.
+    pub keys: &'a Tensor,
+    /// The layer's value lanes.
+    pub values: &'a Tensor,
+    /// Where each lane's new position goes.
+    pub positions: &'a Tensor,
+}
+
+/// Writes a step's keys and values `k, v: [T, kv_heads, head_dim]` (CPU, one kind, any strides)
+/// into the paged cache `cache_k, cache_v: [N, head_dim]` (contiguous) at `rows: [kv_heads *
+/// T]` (int64, head-major, as [`super::kv_cache::KvCache::head_major`] gives them), and into
+/// the decode lanes when `lanes` is given. Rows and positions out of range are errors.
+pub fn write_kv(
+    k: &Tensor,
+    v: &Tensor,
+    rows: &Tensor,
+    cache_k: &Tensor,
+    cache_v: &Tensor,
+    lanes: Option<LaneTarget<'_>>,
+) -> Result<(), EngineError> {
+    let (lane_k, lane_v, positions) = match &lanes {
+        Some(l) => (l.keys.as_ptr(), l.values.as_ptr(), l.positions.as_ptr()),
+        None => (std::ptr::null(), std::ptr::null(), std::ptr::null()),
+    };
+    // SAFETY: every tensor outlives the call (null stands for no lanes); the shim checks kinds,
+    // shapes, strides, rows and positions before it writes, writes only inside the caches and
+    // the lanes, and writes at most `len` bytes into `err`.
+    call_unit("writing keys and values", |err, len| unsafe {
+        ffi::rtrun_write_kv(
+            k.as_ptr(),
+            v.as_ptr(),
+            rows.as_ptr(),
+            cache_k.as_ptr(),
+            cache_v.as_ptr(),
+            lane_k,
+            lane_v,
+            positions,
             err,
             len,
         )

@@ -126,6 +126,25 @@ impl DecodeLanes {
         Ok(views)
     }
 
+    /// Layer `layer`'s key lanes `[kv_heads, lanes, head_dim, capacity]` and value lanes
+    /// `[kv_heads, lanes, capacity, head_dim]`.
+    pub fn layer(&self, layer: usize) -> Result<&(Tensor, Tensor), EngineError> {
+        self.layers.get(layer).ok_or_else(|| {
+            EngineError::InvalidArgument(format!(
+                "decode lanes hold {} layers, a step appended to layer {layer}",
+                self.layers.len()
+            ))
+        })
+    }
+
+    /// The keys and values of layer `layer`'s first `kv_len` positions, views of the lanes:
+    /// keys transposed `[kv_heads, lanes, head_dim, kv_len]`, values `[kv_heads, lanes,
+    /// kv_len, head_dim]`.
+    pub fn views(&self, layer: usize, kv_len: i64) -> Result<(Tensor, Tensor), EngineError> {
+        let (keys, values) = self.layer(layer)?;
+        Ok((keys.f_narrow(3, 0, kv_len)?, values.f_narrow(2, 0, kv_len)?))
+    }
+
     /// Appends `k, v: [kv_heads, lanes, head_dim]` (one new position per lane) to layer
     /// `layer` at `at` ([`LaneStep::append_at`]) and returns the keys and values of the first
     /// `kv_len` positions, views of the lanes: keys transposed `[kv_heads, lanes, head_dim,
@@ -138,18 +157,13 @@ impl DecodeLanes {
         v: &Tensor,
         kv_len: i64,
     ) -> Result<(Tensor, Tensor), EngineError> {
-        let (keys, values) = self.layers.get(layer).ok_or_else(|| {
-            EngineError::InvalidArgument(format!(
-                "decode lanes hold {} layers, a step appended to layer {layer}",
-                self.layers.len()
-            ))
-        })?;
+        let (keys, values) = self.layer(layer)?;
         // Both as `[lanes, capacity, kv_heads, head_dim]` views, written at (lane, position).
         let at = [Some(at[0].shallow_clone()), Some(at[1].shallow_clone())];
         let new = |t: &Tensor| t.f_permute([1, 0, 2]);
         let _ = keys.f_permute([1, 3, 0, 2])?.f_index_put_(&at, &new(k)?, false)?;
         let _ = values.f_permute([1, 2, 0, 3])?.f_index_put_(&at, &new(v)?, false)?;
-        Ok((keys.f_narrow(3, 0, kv_len)?, values.f_narrow(2, 0, kv_len)?))
+        self.views(layer, kv_len)
     }
 }
 

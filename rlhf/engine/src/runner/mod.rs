@@ -26,7 +26,7 @@ use tch::{Device, Kind, Tensor};
 
 use crate::error::EngineError;
 use batch::{AttentionGroup, StepBatch};
-use decode_lanes::DecodeLanes;
+use decode_lanes::{DecodeLanes, LaneStep};
 use kv_cache::{KvCache, KvCacheShape};
 
 /// Which tensor-parallel shard of the model a runner executes.
@@ -407,11 +407,32 @@ impl ModelRunner {
             };
             // Every new K/V of this layer lands in the cache before any query reads it, which
             // lets a chunk read prefix blocks another chunk of the same step computes.
-            let (k, v) = (kv_cache::head_major_rows(&k)?, kv_cache::head_major_rows(&v)?);
-            layer_cache.write(&slots, &k, &v)?;
+            let mut appended = false;
+            if self.fused_ops {
+                // One pass from the projections' rows into the cache (and the lanes).
+                let lane_target = match lanes.as_ref() {
+                    Some(LaneStep { lanes, append_at: Some([_, positions]) }) => {
+                        let (keys, values) = lanes.layer(index)?;
+                        Some(cpu_kernels::LaneTarget { keys, values, positions })
+                    }
+                    _ => None,
+                };
+                appended = lane_target.is_some();
+                let (cache_k, cache_v) = (&layer_cache.keys, &layer_cache.values);
+                cpu_kernels::write_kv(&k, &v, &slots, cache_k, cache_v, lane_target)?;
+            }
+            let (k, v) = match self.fused_ops {
+                true => (k, v),
+                false => {
+                    let (k, v) = (kv_cache::head_major_rows(&k)?, kv_cache::head_major_rows(&v)?);
+                    layer_cache.write(&slots, &k, &v)?;
+                    (k, v)
+                }
+            };
             let attended = match (lanes.as_mut(), groups.as_slice()) {
                 (Some(step), [g @ GroupTensors { additive: Some(additive), .. }]) => {
                     let (keys, values) = match &step.append_at {
+                        Some(_) if appended => step.lanes.views(index, g.kv_len)?,
                         Some(at) => step.lanes.append_layer(index, at, &k, &v, g.kv_len)?,
                         None => step.lanes.rebuild_layer(layer_cache, g.kv_rows()?, g.kv_len)?,
                     };
@@ -907,6 +928,73 @@ mod tests {
         assert!(attend(&q, &keys.transpose(2, 3), &values, &keep).is_err());
         assert!(attend(&q.to_kind(Kind::Double), &keys, &values, &keep).is_err());
         assert!(attend(&q, &keys, &values, &keep.to_kind(Kind::Float)).is_err());
+    }
+
+    /// `write_kv` puts a step's keys and values where the copy, `index_copy_` and `index_put_`
+    /// it replaces put them, for strided inputs and two-byte kinds, and refuses rows and
+    /// positions outside the cache and the lanes before writing anything.
+    #[test]
+    fn write_kv_writes_what_the_index_operators_write() {
+        let (tokens, kv_heads, d, slots, capacity) = (5i64, 2i64, 6i64, 40i64, 9i64);
+        for kind in [Kind::Float, Kind::BFloat16] {
+            let o = (kind, Device::Cpu);
+            // As the projections leave them: [T, kv_heads, d] views, one transposed.
+            let k = Tensor::randn([tokens, kv_heads + 1, d], (Kind::Float, Device::Cpu))
+                .to_kind(kind)
+                .narrow(1, 1, kv_heads);
+            let v = Tensor::randn([kv_heads, d, tokens], (Kind::Float, Device::Cpu))
+                .to_kind(kind)
+                .permute([2, 0, 1]);
+            let rows: Vec<i64> = (0..kv_heads * tokens).map(|i| (i * 7 + 3) % slots).collect();
+            let rows = Tensor::from_slice(&rows);
+            let positions = Tensor::from_slice(&[0i64, 8, 3, 4, 1]);
+            let cache = || (Tensor::zeros([slots, d], o), Tensor::zeros([slots, d], o));
+            let lanes = || {
+                (
+                    Tensor::zeros([kv_heads, tokens, d, capacity], o),
+                    Tensor::zeros([kv_heads, tokens, capacity, d], o),
+                )
+            };
+            let (cache_k, cache_v) = cache();
+            let (lane_k, lane_v) = lanes();
+            let target =
+                cpu_kernels::LaneTarget { keys: &lane_k, values: &lane_v, positions: &positions };
+            cpu_kernels::write_kv(&k, &v, &rows, &cache_k, &cache_v, Some(target)).unwrap();
+
+            let (expected_k, expected_v) = cache();
+            let layer = kv_cache::LayerCache { keys: expected_k, values: expected_v };
+            let (hk, hv) =
+                (kv_cache::head_major_rows(&k).unwrap(), kv_cache::head_major_rows(&v).unwrap());
+            layer.write(&rows, &hk, &hv).unwrap();
+            assert!(cache_k.equal(&layer.keys) && cache_v.equal(&layer.values), "{kind:?}");
+            let (want_k, want_v) = lanes();
+            let lane = Tensor::arange(tokens, (Kind::Int64, Device::Cpu));
+            let at = [Some(lane), Some(positions.shallow_clone())];
+            let _ = want_k.permute([1, 3, 0, 2]).index_put_(&at, &hk.permute([1, 0, 2]), false);
+            let _ = want_v.permute([1, 2, 0, 3]).index_put_(&at, &hv.permute([1, 0, 2]), false);
+            assert!(lane_k.equal(&want_k) && lane_v.equal(&want_v), "{kind:?}");
+
+            // Out of range: nothing is written, and the error names the value.
+            let (fresh_k, fresh_v) = cache();
+            let bad_rows = rows.copy();
+            let _ = bad_rows.get(3).fill_(slots);
+            let err =
+                cpu_kernels::write_kv(&k, &v, &bad_rows, &fresh_k, &fresh_v, None).unwrap_err();
+            assert!(err.to_string().contains(&format!("cache row {slots}")), "{err}");
+            assert_eq!(fresh_k.abs().sum(Kind::Float).double_value(&[]), 0.0);
+            let (lane_k, lane_v) = lanes();
+            let far = Tensor::from_slice(&[0i64, 1, capacity, 2, 3]);
+            let target =
+                cpu_kernels::LaneTarget { keys: &lane_k, values: &lane_v, positions: &far };
+            let err =
+                cpu_kernels::write_kv(&k, &v, &rows, &fresh_k, &fresh_v, Some(target)).unwrap_err();
+            assert!(err.to_string().contains(&format!("lane position {capacity}")), "{err}");
+            assert_eq!(lane_k.abs().sum(Kind::Float).double_value(&[]), 0.0);
+            assert_eq!(fresh_k.abs().sum(Kind::Float).double_value(&[]), 0.0);
+            let err =
+                cpu_kernels::write_kv(&k, &v, &rows.narrow(0, 0, 4), &fresh_k, &fresh_v, None);
+            assert!(err.is_err());
+        }
     }
 
     /// A weight packed for oneDNN is packed again after it changed in place, and after the

@@ -26,4 +26,20 @@ int return_tensor(at::Tensor** out, char* err, size_t len, F&& make) {
   }
 }
 
+// Runs `work` (which returns nothing); returns 0, or -1 with the message of what it threw in
+// `err` as in `return_tensor`.
+template <typename F>
+int run(char* err, size_t len, F&& work) {
+  try {
+    std::forward<F>(work)();
+    return 0;
+  } catch (const std::exception& e) {
+    if (len > 0) {
+      std::strncpy(err, e.what(), len - 1);
+      err[len - 1] = 0;
+    }
+    return -1;
+  }
+}
+
 }  // namespace rtrun
