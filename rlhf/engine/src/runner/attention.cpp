@@ -44,41 +44,29 @@ struct Args {
   float scale;
 };
 
-// exp(x) for x <= 0, as in fused.cpp.
-inline __attribute__((always_inline)) float exp_nonpositive(float x) {
-  const float round = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer.
-  const float clamped = std::max(x, -87.33f);
-  const float shifted = clamped * 1.44269504088896341f + round;
-  const float n = shifted - round;
-  const float r = clamped - n * 0.693359375f - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float e = p * r * r + r + 1.0f;
-  const int32_t bits = __builtin_bit_cast(int32_t, shifted);
-  const float scale = __builtin_bit_cast(float, (bits - 0x4B400000 + 127) << 23);  // 2^n
-  return e * scale;
-}
+using rtrun::exp_nonpositive;
 
 #if defined(__x86_64__)
 bool has_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
 bool has_avx512() { return __builtin_cpu_supports("avx512f") && has_avx2(); }
 
+// The vector operations attention_body.h uses, from the intrinsics of prefix P (`_mm256`,
+// `_mm512`) on VEC, WIDTH floats wide.
+#define RTRUN_VECTOR_OPS(P, VEC, WIDTH)                                  \
+  constexpr int kWidth = WIDTH;                                          \
+  using Vec = VEC;                                                       \
+  inline Vec vzero() { return P##_setzero_ps(); }                        \
+  inline Vec vload(const float* p) { return P##_loadu_ps(p); }           \
+  inline void vstore(float* p, Vec x) { P##_storeu_ps(p, x); }           \
+  inline Vec vsplat(float x) { return P##_set1_ps(x); }                  \
+  inline Vec vfma(Vec a, Vec b, Vec c) { return P##_fmadd_ps(a, b, c); } \
+  inline Vec vmul(Vec a, Vec b) { return P##_mul_ps(a, b); }             \
+  inline Vec vmax(Vec a, Vec b) { return P##_max_ps(a, b); }
+
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
 namespace avx2 {
-constexpr int kWidth = 8;
-using Vec = __m256;
-inline Vec vzero() { return _mm256_setzero_ps(); }
-inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
-inline void vstore(float* p, Vec x) { _mm256_storeu_ps(p, x); }
-inline Vec vsplat(float x) { return _mm256_set1_ps(x); }
-inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
-inline Vec vmax(Vec a, Vec b) { return _mm256_max_ps(a, b); }
+RTRUN_VECTOR_OPS(_mm256, __m256, 8)
 #include "attention_body.h"
 }  // namespace avx2
 #pragma GCC pop_options
@@ -86,15 +74,7 @@ inline Vec vmax(Vec a, Vec b) { return _mm256_max_ps(a, b); }
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx2,fma")
 namespace avx512 {
-constexpr int kWidth = 16;
-using Vec = __m512;
-inline Vec vzero() { return _mm512_setzero_ps(); }
-inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
-inline void vstore(float* p, Vec x) { _mm512_storeu_ps(p, x); }
-inline Vec vsplat(float x) { return _mm512_set1_ps(x); }
-inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
-inline Vec vmax(Vec a, Vec b) { return _mm512_max_ps(a, b); }
+RTRUN_VECTOR_OPS(_mm512, __m512, 16)
 #include "attention_body.h"
 }  // namespace avx512
 #pragma GCC pop_options

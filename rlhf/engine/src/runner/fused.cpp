@@ -91,26 +91,7 @@ RTRUN_TWICE(rotary,
              int64_t end),
             (x, x_row, x_head, cos, c_row, sin, s_row, y, heads, d, begin, end))
 
-// exp(x) for x <= 0: Cody-Waite reduction and Cephes' polynomial, within 2 ulp; below -87.33
-// (where float32 leaves normal numbers) it gives exp(-87.33). Branch and select free, so that
-// loops over it vectorise.
-inline __attribute__((always_inline)) float exp_nonpositive(float x) {
-  const float round = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer.
-  const float clamped = std::max(x, -87.33f);
-  const float shifted = clamped * 1.44269504088896341f + round;
-  const float n = shifted - round;
-  const float r = clamped - n * 0.693359375f - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float e = p * r * r + r + 1.0f;
-  const int32_t bits = __builtin_bit_cast(int32_t, shifted);
-  const float scale = __builtin_bit_cast(float, (bits - 0x4B400000 + 127) << 23);  // 2^n
-  return e * scale;
-}
+using rtrun::exp_nonpositive;
 
 // y[r, :] = silu(x[r, :width]) * x[r, width:] for rows [begin, end); silu(g) = g * sigmoid(g),
 // with sigmoid from e = exp(-|g|) (1 / (1 + e), or e / (1 + e) below 0) so that the exponent

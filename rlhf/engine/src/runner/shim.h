@@ -1,8 +1,11 @@
-// What the runner's C++ shims share: the calling convention of their `extern "C"` functions.
+// What the runner's C++ shims share: the calling convention of their `extern "C"` functions, and
+// a vectorisable exp.
 #pragma once
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <exception>
 #include <utility>
@@ -12,22 +15,8 @@ namespace rtrun {
 // Runs `make` (which returns a tensor) and hands the result to the caller as a new tensor in
 // `*out`; returns 0. If it throws, copies the message into `err` (at most `len` bytes,
 // NUL-terminated) and returns -1.
-template <typename F>
-int return_tensor(at::Tensor** out, char* err, size_t len, F&& make) {
-  try {
-    *out = new at::Tensor(std::forward<F>(make)());
-    return 0;
-  } catch (const std::exception& e) {
-    if (len > 0) {
-      std::strncpy(err, e.what(), len - 1);
-      err[len - 1] = 0;
-    }
-    return -1;
-  }
-}
-
-// Runs `work` (which returns nothing); returns 0, or -1 with the message of what it threw in
-// `err` as in `return_tensor`.
+// Runs `work` (which returns nothing); returns 0. If it throws, copies the message into `err`
+// (at most `len` bytes, NUL-terminated) and returns -1.
 template <typename F>
 int run(char* err, size_t len, F&& work) {
   try {
@@ -40,6 +29,34 @@ int run(char* err, size_t len, F&& work) {
     }
     return -1;
   }
+}
+
+// Runs `make` (which returns a tensor) and hands the result to the caller as a new tensor in
+// `*out`, as `run` does.
+template <typename F>
+int return_tensor(at::Tensor** out, char* err, size_t len, F&& make) {
+  return run(err, len, [&] { *out = new at::Tensor(std::forward<F>(make)()); });
+}
+
+// exp(x) for x <= 0: Cody-Waite reduction and Cephes' polynomial, within 2 ulp; below -87.33
+// (where float32 leaves normal numbers) it gives exp(-87.33). Branch and select free, so that
+// loops over it vectorise.
+inline __attribute__((always_inline)) float exp_nonpositive(float x) {
+  const float round = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer.
+  const float clamped = std::max(x, -87.33f);
+  const float shifted = clamped * 1.44269504088896341f + round;
+  const float n = shifted - round;
+  const float r = clamped - n * 0.693359375f - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float e = p * r * r + r + 1.0f;
+  const int32_t bits = __builtin_bit_cast(int32_t, shifted);
+  const float scale = __builtin_bit_cast(float, (bits - 0x4B400000 + 127) << 23);  // 2^n
+  return e * scale;
 }
 
 }  // namespace rtrun
