@@ -89,6 +89,16 @@ inline __attribute__((always_inline)) void attend(const Args& a, const float* q,
       vstore(out + j * d_len + d0 + kWidth, vmul(acc[j][1], vsplat(inverse[j])));
     }
   }
+  // A width of one vector (a head of 16 floats on AVX-512), then single floats.
+  for (; d0 + kWidth <= d_len; d0 += kWidth) {
+    Vec acc[G];
+    for (int j = 0; j < G; ++j) acc[j] = vzero();
+    for (int64_t t = 0; t < len; ++t) {
+      const Vec x = vload(v + t * a.v_pos + d0);
+      for (int j = 0; j < G; ++j) acc[j] = vfma(vsplat(e[j * row + t]), x, acc[j]);
+    }
+    for (int j = 0; j < G; ++j) vstore(out + j * d_len + d0, vmul(acc[j], vsplat(inverse[j])));
+  }
   for (; d0 < d_len; ++d0) {
     for (int j = 0; j < G; ++j) {
       float s = 0.0f;
