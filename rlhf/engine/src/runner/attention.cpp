@@ -44,10 +44,11 @@ struct Args {
   float scale;
 };
 
+using rtrun::check;
 using rtrun::exp_nonpositive;
+using rtrun::has_avx2;
 
 #if defined(__x86_64__)
-bool has_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
 bool has_avx512() { return __builtin_cpu_supports("avx512f") && has_avx2(); }
 
 // The vector operations attention_body.h uses, from the intrinsics of prefix P (`_mm256`,
@@ -78,20 +79,7 @@ RTRUN_VECTOR_OPS(_mm512, __m512, 16)
 #include "attention_body.h"
 }  // namespace avx512
 #pragma GCC pop_options
-#else
-bool has_avx2() { return false; }
 #endif
-
-void check(const at::Tensor& t, const char* name, int64_t dims, at::ScalarType kind) {
-  if (t.dim() != dims || t.scalar_type() != kind || !t.device().is_cpu() ||
-      t.stride(-1) != 1) {
-    throw std::invalid_argument(std::string(name) + " should be a " + std::to_string(dims) +
-                                "-D " + c10::toString(kind) +
-                                " CPU tensor with a contiguous last dimension, found sizes " +
-                                c10::str(t.sizes()) + ", strides " + c10::str(t.strides()) +
-                                ", " + c10::toString(t.scalar_type()));
-  }
-}
 
 // Copies element `i` of `src` to element `i` of `dst`, for `n` elements of `sizeof(E)` bytes
 // `src_step` and `dst_step` bytes apart.

@@ -95,15 +95,15 @@ fn call(
     f: impl FnOnce(*mut *mut C_tensor, *mut u8, usize) -> i32,
 ) -> Result<Tensor, EngineError> {
     let mut out: *mut C_tensor = std::ptr::null_mut();
-    let mut err = [0u8; 512];
-    if f(&mut out, err.as_mut_ptr(), err.len()) == 0 && !out.is_null() {
-        // SAFETY: on success the shim stored a tensor it allocated with `new` and hands it over;
-        // `from_ptr` takes ownership and frees it on drop.
-        return Ok(unsafe { Tensor::from_ptr(out) });
+    call_unit(what, |err, len| f(&mut out, err, len))?;
+    if out.is_null() {
+        return Err(EngineError::Torch(tch::TchError::Torch(format!(
+            "{what}: no tensor came back"
+        ))));
     }
-    let end = err.iter().position(|&b| b == 0).unwrap_or(err.len());
-    let message = String::from_utf8_lossy(&err[..end]);
-    Err(EngineError::Torch(tch::TchError::Torch(format!("{what}: {message}"))))
+    // SAFETY: on success the shim stored a tensor it allocated with `new` and hands it over;
+    // `from_ptr` takes ownership and frees it on drop.
+    Ok(unsafe { Tensor::from_ptr(out) })
 }
 
 /// Runs a shim call that returns nothing, or the shim's error message.

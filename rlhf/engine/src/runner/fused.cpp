@@ -17,22 +17,17 @@
 
 namespace {
 
+// A float32 row argument (`rtrun::check`).
 void check_rows(const at::Tensor& t, const char* name, int64_t dims) {
-  if (t.dim() != dims || t.scalar_type() != at::kFloat || !t.device().is_cpu() ||
-      t.stride(-1) != 1) {
-    throw std::invalid_argument(std::string(name) + " should be a " + std::to_string(dims) +
-                                "-D float32 CPU tensor with a contiguous last dimension, found "
-                                "sizes " + c10::str(t.sizes()) + ", strides " +
-                                c10::str(t.strides()) + ", " + c10::toString(t.scalar_type()));
-  }
+  rtrun::check(t, name, dims, at::kFloat);
 }
+
+using rtrun::has_avx2;
 
 #if defined(__x86_64__)
 #define RTRUN_AVX2 __attribute__((target("avx2,fma")))
-bool has_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
 #else
 #define RTRUN_AVX2
-bool has_avx2() { return false; }
 #endif
 
 // Both builds of a kernel: `NAME##_avx2` and `NAME##_base`, from one always-inline body.

@@ -407,22 +407,21 @@ impl ModelRunner {
             };
             // Every new K/V of this layer lands in the cache before any query reads it, which
             // lets a chunk read prefix blocks another chunk of the same step computes.
-            let mut appended = false;
-            if self.fused_ops {
-                // One pass from the projections' rows into the cache (and the lanes).
-                let lane_target = match lanes.as_ref() {
-                    Some(LaneStep { lanes, append_at: Some([_, positions]) }) => {
-                        let (keys, values) = lanes.layer(index)?;
-                        Some(cpu_kernels::LaneTarget { keys, values, positions })
-                    }
-                    _ => None,
-                };
-                appended = lane_target.is_some();
-                let (cache_k, cache_v) = (&layer_cache.keys, &layer_cache.values);
-                cpu_kernels::write_kv(&k, &v, &slots, cache_k, cache_v, lane_target)?;
-            }
             let (k, v) = match self.fused_ops {
-                true => (k, v),
+                true => {
+                    // One pass from the projections' rows into the cache (and the lanes, which
+                    // the attention below then only reads).
+                    let lane_target = match lanes.as_ref() {
+                        Some(LaneStep { lanes, append_at: Some([_, positions]) }) => {
+                            let (keys, values) = lanes.layer(index)?;
+                            Some(cpu_kernels::LaneTarget { keys, values, positions })
+                        }
+                        _ => None,
+                    };
+                    let (cache_k, cache_v) = (&layer_cache.keys, &layer_cache.values);
+                    cpu_kernels::write_kv(&k, &v, &slots, cache_k, cache_v, lane_target)?;
+                    (k, v)
+                }
                 false => {
                     let (k, v) = (kv_cache::head_major_rows(&k)?, kv_cache::head_major_rows(&v)?);
                     layer_cache.write(&slots, &k, &v)?;
@@ -432,7 +431,7 @@ impl ModelRunner {
             let attended = match (lanes.as_mut(), groups.as_slice()) {
                 (Some(step), [g @ GroupTensors { additive: Some(additive), .. }]) => {
                     let (keys, values) = match &step.append_at {
-                        Some(_) if appended => step.lanes.views(index, g.kv_len)?,
+                        Some(_) if self.fused_ops => step.lanes.views(index, g.kv_len)?,
                         Some(at) => step.lanes.append_layer(index, at, &k, &v, g.kv_len)?,
                         None => step.lanes.rebuild_layer(layer_cache, g.kv_rows()?, g.kv_len)?,
                     };

@@ -1,5 +1,5 @@
-// What the runner's C++ shims share: the calling convention of their `extern "C"` functions, and
-// a vectorisable exp.
+// What the runner's C++ shims share: the calling convention of their `extern "C"` functions, the
+// check of their tensor arguments, the CPU feature test and a vectorisable exp.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <cstring>
 #include <exception>
+#include <stdexcept>
+#include <string>
 #include <utility>
 
 namespace rtrun {
@@ -36,6 +38,27 @@ int run(char* err, size_t len, F&& work) {
 template <typename F>
 int return_tensor(at::Tensor** out, char* err, size_t len, F&& make) {
   return run(err, len, [&] { *out = new at::Tensor(std::forward<F>(make)()); });
+}
+
+// Throws unless `t` is a `dims`-D CPU tensor of `kind` with a contiguous last dimension.
+inline void check(const at::Tensor& t, const char* name, int64_t dims, at::ScalarType kind) {
+  if (t.dim() != dims || t.scalar_type() != kind || !t.device().is_cpu() ||
+      t.stride(-1) != 1) {
+    throw std::invalid_argument(std::string(name) + " should be a " + std::to_string(dims) +
+                                "-D " + c10::toString(kind) +
+                                " CPU tensor with a contiguous last dimension, found sizes " +
+                                c10::str(t.sizes()) + ", strides " + c10::str(t.strides()) +
+                                ", " + c10::toString(t.scalar_type()));
+  }
+}
+
+// Whether this CPU has AVX2 and FMA (the kernels' vector builds).
+inline bool has_avx2() {
+#if defined(__x86_64__)
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+  return false;
+#endif
 }
 
 // exp(x) for x <= 0: Cody-Waite reduction and Cephes' polynomial, within 2 ulp; below -87.33
