@@ -209,7 +209,10 @@ fn truncates(params: &SamplingParams, vocab: usize) -> bool {
 
 /// Validates a row and returns its maximum. The scan runs in [`LANES`] independent lanes with
 /// no early exit (so it vectorises); only a bad row is scanned again to name its first bad entry.
-#[multiversion::multiversion(targets("x86_64+avx+avx2+fma"))]
+#[multiversion::multiversion(targets(
+    "x86_64+avx+avx2+fma+avx512f+avx512bw+avx512dq+avx512vl",
+    "x86_64+avx+avx2+fma"
+))]
 pub(crate) fn checked_max(logits: &[f32]) -> Result<f32, SamplingError> {
     if logits.is_empty() {
         return Err(SamplingError::EmptyLogits);
@@ -265,7 +268,10 @@ const BLOCK: usize = 256;
 const LANES: usize = 8;
 
 /// `weights[i] = exp((logits[i] - max) / temperature)`: the unnormalised scaled distribution.
-#[multiversion::multiversion(targets("x86_64+avx+avx2+fma"))]
+#[multiversion::multiversion(targets(
+    "x86_64+avx+avx2+fma+avx512f+avx512bw+avx512dq+avx512vl",
+    "x86_64+avx+avx2+fma"
+))]
 fn fill_weights(weights: &mut Vec<f32>, logits: &[f32], max: f32, temperature: f32) {
     let inverse_temperature = 1.0 / temperature;
     weights.clear();
@@ -285,7 +291,10 @@ fn sum_weights(weights: &[f32]) -> f64 {
     weights.chunks(BLOCK).map(lane_sum).sum()
 }
 
-#[multiversion::multiversion(targets("x86_64+avx+avx2+fma"))]
+#[multiversion::multiversion(targets(
+    "x86_64+avx+avx2+fma+avx512f+avx512bw+avx512dq+avx512vl",
+    "x86_64+avx+avx2+fma"
+))]
 fn lane_sum(values: &[f32]) -> f64 {
     let mut lanes = [0.0f64; LANES];
     let mut chunks = values.chunks_exact(LANES);
@@ -355,7 +364,10 @@ fn exp_nonpositive(x: f32) -> f32 {
 }
 
 /// `log_softmax(logits)[token]` at temperature 1.
-#[multiversion::multiversion(targets("x86_64+avx+avx2+fma"))]
+#[multiversion::multiversion(targets(
+    "x86_64+avx+avx2+fma+avx512f+avx512bw+avx512dq+avx512vl",
+    "x86_64+avx+avx2+fma"
+))]
 fn raw_logprob(logits: &[f32], max: f32, token: u32) -> f64 {
     let total: f64 = logits.chunks(BLOCK).map(|block| lane_sum_exp(block, max)).sum();
     f64::from(logits[token as usize]) - f64::from(max) - total.ln()
