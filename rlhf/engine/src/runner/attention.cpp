@@ -32,15 +32,15 @@
 namespace {
 
 struct Args {
-  const float* q;  // [batch, heads, head_dim]
-  int64_t q_seq, q_head;
+  const float* q;  // [batch * queries, heads, head_dim]: query row r is of sequence r / queries
+  int64_t q_row, q_head;
   const float* kt;  // [kv_heads, batch, head_dim, len]: keys transposed
   int64_t k_head, k_seq, k_dim;
   const float* v;  // [kv_heads, batch, len, head_dim]
   int64_t v_head, v_seq, v_pos;
-  const float* add;  // [batch, row]: 0 where a position is attended, else -inf
-  float* out;        // [batch, heads * head_dim]
-  int64_t batch, heads, group, head_dim, len, row;
+  const float* add;  // [batch * queries, row]: 0 where a position is attended, else -inf
+  float* out;        // [batch * queries, heads * head_dim]
+  int64_t batch, queries, heads, group, head_dim, len, row;
   float scale;
 };
 
@@ -174,6 +174,9 @@ int rtrun_write_kv(const at::Tensor* k, const at::Tensor* v, const at::Tensor* r
       }
     }
     const int64_t size = k->element_size();
+    if (size != 2 && size != 4 && size != 8) {
+      throw std::invalid_argument("unsupported element size " + std::to_string(size));
+    }
     const char* kp = static_cast<const char*>(k->data_ptr());
     const char* vp = static_cast<const char*>(v->data_ptr());
     char* ckp = static_cast<char*>(cache_k->data_ptr());
@@ -181,40 +184,46 @@ int rtrun_write_kv(const at::Tensor* k, const at::Tensor* v, const at::Tensor* r
     const int64_t k_tok = k->stride(0) * size, k_head = k->stride(1) * size;
     const int64_t v_tok = v->stride(0) * size, v_head = v->stride(1) * size;
     const int64_t k_el = k->stride(2) * size, v_el = v->stride(2) * size;
-    for (int64_t h = 0; h < kv_heads; ++h) {
-      for (int64_t t = 0; t < tokens; ++t) {
-        const int64_t r = row[h * tokens + t];
-        copy_strided(kp + t * k_tok + h * k_head, k_el, ckp + r * d * size, size, d, size);
-        copy_strided(vp + t * v_tok + h * v_head, v_el, cvp + r * d * size, size, d, size);
-      }
-    }
-    if (lane_k == nullptr) return;
-    char* lkp = static_cast<char*>(lane_k->data_ptr());
-    char* lvp = static_cast<char*>(lane_v->data_ptr());
-    for (int64_t h = 0; h < kv_heads; ++h) {
-      for (int64_t t = 0; t < tokens; ++t) {
+    char* lkp = lane_k == nullptr ? nullptr : static_cast<char*>(lane_k->data_ptr());
+    char* lvp = lane_v == nullptr ? nullptr : static_cast<char*>(lane_v->data_ptr());
+    const auto write = [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t h = i / tokens, t = i % tokens, r = row[i];
+        const char* key = kp + t * k_tok + h * k_head;
+        const char* value = vp + t * v_tok + h * v_head;
+        copy_strided(key, k_el, ckp + r * d * size, size, d, size);
+        copy_strided(value, v_el, cvp + r * d * size, size, d, size);
+        if (lkp == nullptr) continue;
         const int64_t p = pos[t];
         // Keys transposed: element e of the key goes to row e of the lane, column p.
-        copy_strided(kp + t * k_tok + h * k_head, k_el,
-                     lkp + (h * lane_k->stride(0) + t * lane_k->stride(1) + p) * size,
+        copy_strided(key, k_el, lkp + (h * lane_k->stride(0) + t * lane_k->stride(1) + p) * size,
                      lane_k->stride(2) * size, d, size);
-        copy_strided(vp + t * v_tok + h * v_head, v_el,
+        copy_strided(value, v_el,
                      lvp + (h * lane_v->stride(0) + t * lane_v->stride(1) +
                             p * lane_v->stride(2)) * size,
                      size, d, size);
       }
-    }
+    };
+    // (head, token) pairs in the order the attention kernel splits its (head, sequence) pairs
+    // over the intra-op threads, so each thread writes the lanes it then reads. A transposed
+    // key touches d cache lines of its lane: at 64 sequences a layer's writes are ~8k lines
+    // the core must fetch before it can store, which one thread waits out alone.
+    const int64_t pairs = kv_heads * tokens;
+    if (pairs * d < 4096) write(0, pairs);
+    else at::parallel_for(0, pairs, 1, write);
   });
 }
 
 // Whether this CPU runs the kernel (AVX2 and FMA).
 int rtrun_decode_attention_supported() { return has_avx2() ? 1 : 0; }
 
-// q: [batch, heads, head_dim]; kt: [kv_heads, batch, head_dim, len] (keys transposed); v:
-// [kv_heads, batch, len, head_dim]; keep: [batch, len] bool (positions each query attends). Any
-// strides but a contiguous last dimension (keep: contiguous). `*out` receives a new contiguous
-// [batch, heads * head_dim]: softmax(q k^T * scale) v per query head, query head i reading
-// key/value head i / (heads / kv_heads).
+// q: [batch * queries, heads, head_dim] (query row r of sequence r / queries: one row per
+// sequence in a decode step, a chunk's rows in a prefill); kt: [kv_heads, batch, head_dim, len]
+// (keys transposed); v: [kv_heads, batch, len, head_dim]; keep: [batch * queries, len] bool
+// (positions each query row attends). Any strides but a contiguous last dimension (keep:
+// contiguous). `*out` receives a new contiguous [batch * queries, heads * head_dim]: softmax(q
+// k^T * scale) v per query head, query head i reading key/value head i / (heads / kv_heads); a
+// row that attends nothing gets zeros.
 int rtrun_decode_attention(const at::Tensor* q, const at::Tensor* kt, const at::Tensor* v,
                            const at::Tensor* keep, double scale, at::Tensor** out, char* err,
                            size_t len) {
@@ -224,32 +233,35 @@ int rtrun_decode_attention(const at::Tensor* q, const at::Tensor* kt, const at::
     check(*v, "the values", 4, at::kFloat);
     check(*keep, "the attention mask", 2, at::kBool);
     Args a{};
-    a.batch = q->size(0);
+    const int64_t rows = q->size(0);
+    a.batch = kt->size(1);
+    a.queries = a.batch > 0 ? rows / a.batch : 0;
     a.heads = q->size(1);
     a.head_dim = q->size(2);
     a.len = kt->size(3);
     const int64_t kv_heads = kt->size(0);
-    const bool fits = kv_heads > 0 && a.heads % kv_heads == 0 && kt->size(1) == a.batch &&
-                      kt->size(2) == a.head_dim && v->size(0) == kv_heads &&
-                      v->size(1) == a.batch && v->size(2) == a.len && v->size(3) == a.head_dim &&
-                      keep->size(0) == a.batch && keep->size(1) == a.len && keep->is_contiguous();
+    const bool fits = kv_heads > 0 && a.heads % kv_heads == 0 && a.batch > 0 &&
+                      rows == a.batch * a.queries && kt->size(2) == a.head_dim &&
+                      v->size(0) == kv_heads && v->size(1) == a.batch && v->size(2) == a.len &&
+                      v->size(3) == a.head_dim && keep->size(0) == rows &&
+                      keep->size(1) == a.len && keep->is_contiguous();
     if (!fits || a.len == 0) {
       throw std::invalid_argument(
-          "decode attention wants q [batch, heads, d], keys [kv_heads, batch, d, len], values "
-          "[kv_heads, batch, len, d] and a contiguous mask [batch, len], len > 0, heads a "
-          "multiple of kv_heads; found " + c10::str(q->sizes()) + ", " + c10::str(kt->sizes()) +
-          ", " + c10::str(v->sizes()) + ", " + c10::str(keep->sizes()));
+          "attention wants q [batch * queries, heads, d], keys [kv_heads, batch, d, len], values "
+          "[kv_heads, batch, len, d] and a contiguous mask [batch * queries, len], len > 0, "
+          "heads a multiple of kv_heads; found " + c10::str(q->sizes()) + ", " +
+          c10::str(kt->sizes()) + ", " + c10::str(v->sizes()) + ", " + c10::str(keep->sizes()));
     }
     if (!has_avx2()) throw std::invalid_argument("decode attention needs AVX2 and FMA");
     a.group = a.heads / kv_heads;
     a.scale = static_cast<float>(scale);
     // Scores are padded to whole blocks of the widest vector's keys; the padding is masked.
     a.row = (a.len + 31) / 32 * 32;
-    at::Tensor add = at::full({a.batch, a.row}, -INFINITY, q->options());
+    at::Tensor add = at::full({rows, a.row}, -INFINITY, q->options());
     add.narrow(1, 0, a.len).masked_fill_(*keep, 0.0);
-    at::Tensor y = at::empty({a.batch, a.heads * a.head_dim}, q->options());
+    at::Tensor y = at::empty({rows, a.heads * a.head_dim}, q->options());
     a.q = q->data_ptr<float>();
-    a.q_seq = q->stride(0);
+    a.q_row = q->stride(0);
     a.q_head = q->stride(1);
     a.kt = kt->data_ptr<float>();
     a.k_head = kt->stride(0);
@@ -263,9 +275,9 @@ int rtrun_decode_attention(const at::Tensor* q, const at::Tensor* kt, const at::
     a.out = y.data_ptr<float>();
 #if defined(__x86_64__)
     const bool wide = has_avx512();
-    // A pair is ~4 * group * len * head_dim flops: split pairs over the intra-op threads
-    // from ~64k flops of work on.
-    const int64_t pairs = kv_heads * a.batch;
+    // A pair (key/value head, query row) is ~4 * group * len * head_dim flops: split pairs
+    // over the intra-op threads from ~64k flops of work on.
+    const int64_t pairs = kv_heads * rows;
     const int64_t per_pair = std::max<int64_t>(1, 4 * a.group * a.len * a.head_dim);
     const auto run = [&](int64_t begin, int64_t end) {
       if (wide) avx512::attend_pairs(a, begin, end);

@@ -68,7 +68,9 @@ inline __attribute__((always_inline)) void attend(const Args& a, const float* q,
     }
     float sum = 0.0f;
     for (int l = 0; l < kWidth; ++l) sum += lanes[l];
-    inverse[j] = 1.0f / sum;
+    // A row that attends nothing sums to 0: zeros out, not NaN (the runner's batches never
+    // hold one: a padding query attends key 0).
+    inverse[j] = sum > 0.0f ? 1.0f / sum : 0.0f;
   }
   // The weighted sum of the values, kKeys of the head's widths at a time.
   int64_t d0 = 0;
@@ -108,21 +110,22 @@ inline __attribute__((always_inline)) void attend(const Args& a, const float* q,
   }
 }
 
-// Pairs [begin, end) of the a.kv_heads * a.batch (head-major), each group's query rows four,
-// two or one at a time.
+// Pairs [begin, end) of the a.kv_heads * (a.batch * a.queries) (head-major), each group's
+// query heads four, two or one at a time.
 void attend_pairs(const Args& a, int64_t begin, int64_t end) {
   std::vector<float> scratch(4 * a.row + a.head_dim * kKeys);
   float* e = scratch.data();
   float* tail = e + 4 * a.row;
   for (int64_t p = begin; p < end; ++p) {
-    const int64_t h = p / a.batch, b = p % a.batch;
+    const int64_t rows = a.batch * a.queries;
+    const int64_t h = p / rows, r = p % rows, b = r / a.queries;
     const float* kt = a.kt + h * a.k_head + b * a.k_seq;
     const float* v = a.v + h * a.v_head + b * a.v_seq;
-    const float* add = a.add + b * a.row;
+    const float* add = a.add + r * a.row;
     for (int64_t j = 0; j < a.group;) {
       const int64_t head = h * a.group + j;
-      const float* q = a.q + b * a.q_seq + head * a.q_head;
-      float* out = a.out + (b * a.heads + head) * a.head_dim;
+      const float* q = a.q + r * a.q_row + head * a.q_head;
+      float* out = a.out + (r * a.heads + head) * a.head_dim;
       const int64_t left = a.group - j;
       if (left >= 4) {
         attend<4>(a, q, kt, v, add, out, e, tail);
