@@ -48,8 +48,9 @@ using rtrun::check;
 using rtrun::exp_nonpositive;
 using rtrun::has_avx2;
 
+using rtrun::has_avx512;
+
 #if defined(__x86_64__)
-bool has_avx512() { return __builtin_cpu_supports("avx512f") && has_avx2(); }
 
 // The vector operations attention_body.h uses, from the intrinsics of prefix P (`_mm256`,
 // `_mm512`) on VEC, WIDTH floats wide.

@@ -61,6 +61,15 @@ inline bool has_avx2() {
 #endif
 }
 
+// Whether this CPU also has AVX-512F (the kernels' widest builds).
+inline bool has_avx512() {
+#if defined(__x86_64__)
+  return has_avx2() && __builtin_cpu_supports("avx512f");
+#else
+  return false;
+#endif
+}
+
 // exp(x) for x <= 0: Cody-Waite reduction and Cephes' polynomial, within 2 ulp; below -87.33
 // (where float32 leaves normal numbers) it gives exp(-87.33). Branch and select free, so that
 // loops over it vectorise.
