@@ -2,7 +2,7 @@
 //! - [`pack`] and [`linear`] (`onednn.cpp`): oneDNN's inner product with the weight packed once
 //!   into its blocked layout (what `torch.compile` runs for a CPU linear). tch binds neither
 //!   `mkldnn::_reorder_linear_weight` nor `mkldnn::_linear_pointwise`.
-//! - [`rms_norm`], [`rotary`] and [`silu_mul`] (`fused.cpp`): element-wise steps that libtorch
+//! - [`rms_norm`], [`add_rms_norm`], [`rotary`] and [`silu_mul`] (`fused.cpp`): element-wise steps that libtorch
 //!   runs as 2-7 operators each, whose fixed costs outweigh their arithmetic at decode sizes.
 //! - [`decode_attention`] (`attention.cpp`): one query per sequence over its decode lanes, in
 //!   one pass per key/value head and sequence, where MKL's batched products spend most of
@@ -35,6 +35,7 @@ mod ffi {
         ) -> i32;
         pub fn rtrun_rms_norm(
             x: *const C_tensor,
+            add: *const C_tensor,
             w: *const C_tensor,
             eps: f64,
             out: *mut *mut C_tensor,
@@ -144,7 +145,23 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor, EngineError>
     // SAFETY: the tensors outlive the call, the shim checks their shapes, kinds and strides
     // before reading them, and it writes at most `len` bytes into `err`.
     call("RMSNorm", |out, err, len| unsafe {
-        ffi::rtrun_rms_norm(x.as_ptr(), w.as_ptr(), eps, out, err, len)
+        ffi::rtrun_rms_norm(x.as_ptr(), std::ptr::null(), w.as_ptr(), eps, out, err, len)
+    })
+}
+
+/// The residual sum and the next norm in one pass: `x += delta` in place (the bits of
+/// libtorch's add), then [`rms_norm`] of the new `x`. `x` and `delta` are `[rows, h]` float32
+/// with contiguous last dimensions, `x`'s rows its own memory.
+pub fn add_rms_norm(
+    x: &mut Tensor,
+    delta: &Tensor,
+    w: &Tensor,
+    eps: f64,
+) -> Result<Tensor, EngineError> {
+    // SAFETY: as in `rms_norm`; the shim writes `x` only after checking that its rows do not
+    // overlap, and `x` is borrowed mutably for the call.
+    call("residual add and RMSNorm", |out, err, len| unsafe {
+        ffi::rtrun_rms_norm(x.as_ptr(), delta.as_ptr(), w.as_ptr(), eps, out, err, len)
     })
 }
 

@@ -58,12 +58,18 @@ Isa isa() {
 
 constexpr int kLanes = 8;
 
-// y[r, :] = w * (x[r, :] * (1 / sqrt(mean(x[r, :]^2) + eps))) for rows [begin, end).
-inline __attribute__((always_inline)) void rms_norm_body(const float* x, int64_t x_row,
+// y[r, :] = w * (x[r, :] * (1 / sqrt(mean(x[r, :]^2) + eps))) for rows [begin, end), after
+// x[r, :] += add[r, :] in place when `add` is given (the residual sum the norm reads).
+inline __attribute__((always_inline)) void rms_norm_body(float* x, int64_t x_row,
+                                                         const float* add, int64_t add_row,
                                                          const float* w, float* y, int64_t h,
                                                          float eps, int64_t begin, int64_t end) {
   for (int64_t r = begin; r < end; ++r) {
-    const float* xr = x + r * x_row;
+    float* xr = x + r * x_row;
+    if (add != nullptr) {
+      const float* ar = add + r * add_row;
+      for (int64_t j = 0; j < h; ++j) xr[j] = xr[j] + ar[j];
+    }
     float lanes[kLanes] = {0, 0, 0, 0, 0, 0, 0, 0};
     int64_t i = 0;
     for (; i + kLanes <= h; i += kLanes) {
@@ -78,9 +84,9 @@ inline __attribute__((always_inline)) void rms_norm_body(const float* x, int64_t
   }
 }
 RTRUN_BUILDS(rms_norm,
-            (const float* x, int64_t x_row, const float* w, float* y, int64_t h, float eps,
-             int64_t begin, int64_t end),
-            (x, x_row, w, y, h, eps, begin, end))
+             (float* x, int64_t x_row, const float* add, int64_t add_row, const float* w,
+              float* y, int64_t h, float eps, int64_t begin, int64_t end),
+             (x, x_row, add, add_row, w, y, h, eps, begin, end))
 
 // RoPE (rotate-half form) on rows [begin, end) of x: [rows, heads, d] (row stride x_row, head
 // stride x_head); cos, sin: [rows, d] (row strides c_row, s_row). y: [rows, heads, d].
@@ -150,22 +156,36 @@ void for_rows(int64_t rows, int64_t per_row, const F& f) {
 
 extern "C" {
 
-// x: [rows, h] (row stride any), w: [h]; `*out` receives a new contiguous [rows, h].
-int rtrun_rms_norm(const at::Tensor* x, const at::Tensor* w, double eps, at::Tensor** out,
-                   char* err, size_t len) {
+// x: [rows, h] (row stride any), w: [h]; `*out` receives a new contiguous [rows, h]. With
+// `add` ([rows, h], row stride any), x becomes x + add in place first and is normed after: the
+// residual sum and the next norm in one pass, the sum the same bits as libtorch's add.
+int rtrun_rms_norm(const at::Tensor* x, const at::Tensor* add, const at::Tensor* w, double eps,
+                   at::Tensor** out, char* err, size_t len) {
   return rtrun::return_tensor(out, err, len, [&] {
     check_rows(*x, "the norm's input", 2);
     check_rows(*w, "the norm's weight", 1);
     const int64_t rows = x->size(0), h = x->size(1);
     if (w->size(0) != h) throw std::invalid_argument("the norm's weight does not fit its input");
-    const float* xp = x->data_ptr<float>();
-    const float* wp = w->data_ptr<float>();
+    const float* ap = nullptr;
+    int64_t a_row = 0;
+    if (add != nullptr) {
+      check_rows(*add, "the residual added before the norm", 2);
+      if (add->sizes() != x->sizes() || (rows > 1 && x->stride(0) < h)) {
+        throw std::invalid_argument("adding " + c10::str(add->sizes()) + " in place to rows " +
+                                    c10::str(x->sizes()) + " with strides " +
+                                    c10::str(x->strides()) + " that do not own their memory");
+      }
+      ap = add->data_ptr<float>();
+      a_row = add->stride(0);
+    }
     at::Tensor y = at::empty({rows, h}, x->options());
+    float* xp = x->data_ptr<float>();
+    const float* wp = w->data_ptr<float>();
     float* yp = y.data_ptr<float>();
     const int64_t x_row = x->stride(0);
     const Isa which = isa();
     for_rows(rows, h, [&](int64_t b, int64_t e) {
-      RTRUN_CALL(which, rms_norm, (xp, x_row, wp, yp, h, static_cast<float>(eps), b, e));
+      RTRUN_CALL(which, rms_norm, (xp, x_row, ap, a_row, wp, yp, h, static_cast<float>(eps), b, e));
     });
     return y;
   });

@@ -377,9 +377,11 @@ impl ModelRunner {
         let (cos_rows, sin_rows) = (cos.f_view([total, head_dim])?, sin.f_view([total, head_dim])?);
         // `[T, 1, head_dim]`, broadcast over the heads of `[T, heads, head_dim]` rows.
         let (cos, sin) = (cos.f_view([total, 1, head_dim])?, sin.f_view([total, 1, head_dim])?);
+        // The last layer's MLP output, added to `hidden` by the next layer's first norm.
+        let mut pending: Option<Tensor> = None;
         for (index, (layer, layer_cache)) in backbone.layers.iter().zip(&cache.layers).enumerate() {
             let attn = &layer.self_attn;
-            let normed = self.norm(&layer.input_layernorm, &hidden)?;
+            let normed = self.add_norm(&layer.input_layernorm, &mut hidden, pending.take())?;
             let rows = |t: Tensor, n: i64| t.f_view([total, n, head_dim]);
             let (q, k, v) = match self.fused.get(index) {
                 Some(fused) => {
@@ -461,8 +463,7 @@ impl ModelRunner {
             };
             let out = self.linear(&attn.o_proj, &attended)?;
             // Tensor-parallel seam: all-reduce `out` across shards here.
-            hidden = hidden.f_add(&out)?;
-            let normed = self.norm(&layer.post_attention_layernorm, &hidden)?;
+            let normed = self.add_norm(&layer.post_attention_layernorm, &mut hidden, Some(out))?;
             let activated = match self.fused.get(index) {
                 Some(fused) => {
                     let gate_up = self.linear(&fused.gate_up, &normed)?;
@@ -482,6 +483,9 @@ impl ModelRunner {
             };
             let mlp = self.linear(&layer.mlp.down_proj, &activated)?;
             // Tensor-parallel seam: all-reduce `mlp` across shards here.
+            pending = Some(mlp);
+        }
+        if let Some(mlp) = pending {
             hidden = hidden.f_add(&mlp)?;
         }
         if let (Some(mut step), [g]) = (lanes, batch.groups.as_slice()) {
@@ -495,6 +499,26 @@ impl ModelRunner {
         match &self.model.lm_head {
             Some(head) => self.linear(head, &rows),
             None => self.linear_weight(&backbone.embed_tokens, None, &rows),
+        }
+    }
+
+    /// The model's RMSNorm of `hidden: [T, hidden]` after `hidden += delta` (a residual
+    /// branch's output), the sum and the norm in one pass on the CPU.
+    fn add_norm(
+        &self,
+        norm: &RmsNorm,
+        hidden: &mut Tensor,
+        delta: Option<Tensor>,
+    ) -> Result<Tensor, EngineError> {
+        let Some(delta) = delta else {
+            return self.norm(norm, hidden);
+        };
+        match self.fused_ops && last_contiguous(hidden) && last_contiguous(&delta) {
+            true => cpu_kernels::add_rms_norm(hidden, &delta, &norm.weight, norm.eps),
+            false => {
+                *hidden = hidden.f_add(&delta)?;
+                self.norm(norm, hidden)
+            }
         }
     }
 
@@ -850,7 +874,8 @@ mod tests {
 
     /// The fused kernels give the results of the operators they replace: RoPE bit for bit,
     /// RMSNorm and SiLU-and-multiply within float rounding, on row-strided inputs too, and the
-    /// same bits however the rows are split over threads; a wrong input is an error.
+    /// same bits however the rows are split over threads; the residual sum before a norm bit
+    /// for bit; a wrong input is an error.
     #[test]
     fn fused_kernels_equal_the_operators_they_replace() {
         let o = (Kind::Float, Device::Cpu);
@@ -865,6 +890,20 @@ mod tests {
         let norm = RmsNorm { weight: Tensor::randn([90], o), eps: 1e-6 };
         let found = cpu_kernels::rms_norm(&x, &norm.weight, norm.eps).unwrap();
         assert!(worst(&found, &norm.forward(&x).unwrap()) < 1e-6);
+        // The residual sum in place (libtorch's add, bit for bit), then the same norm.
+        let delta = Tensor::randn([37, 95], o).narrow(1, 5, 90);
+        let sum = &x + &delta;
+        let mut hidden = x.copy();
+        let found = cpu_kernels::add_rms_norm(&mut hidden, &delta, &norm.weight, norm.eps).unwrap();
+        assert!(hidden.equal(&sum));
+        assert!(found.equal(&cpu_kernels::rms_norm(&sum, &norm.weight, norm.eps).unwrap()));
+        let mut shared = Tensor::randn([1, 90], o).expand([37, 90], false);
+        let error = cpu_kernels::add_rms_norm(&mut shared, &delta, &norm.weight, 1e-6).unwrap_err();
+        assert!(error.to_string().contains("do not own their memory"), "{error}");
+        assert!(
+            cpu_kernels::add_rms_norm(&mut hidden, &delta.narrow(0, 0, 5), &norm.weight, 1e-6)
+                .is_err()
+        );
 
         let qkv = Tensor::randn([37, 7 * 16], o);
         let qk = qkv.narrow(1, 0, 5 * 16).view([37, 5, 16]);
