@@ -4,6 +4,8 @@
 //!   `mkldnn::_reorder_linear_weight` nor `mkldnn::_linear_pointwise`.
 //! - [`rms_norm`], [`add_rms_norm`], [`rotary`] and [`silu_mul`] (`fused.cpp`): element-wise steps that libtorch
 //!   runs as 2-7 operators each, whose fixed costs outweigh their arithmetic at decode sizes.
+//! - [`parallel_for`] (`fused.cpp`): host work of a step (the sampler's rows) on the same
+//!   intra-op threads; [`with_floats`] lends it the step's logits in place.
 //! - [`decode_attention`] (`attention.cpp`): one query per sequence over its decode lanes, in
 //!   one pass per key/value head and sequence, where MKL's batched products spend most of
 //!   their time packing small operands; and [`write_kv`], a step's keys and values into the
@@ -30,6 +32,14 @@ mod ffi {
         pub fn rtrun_onednn_pack(
             weight: *const C_tensor,
             out: *mut *mut C_tensor,
+            err: *mut u8,
+            len: usize,
+        ) -> i32;
+        pub fn rtrun_parallel_for(
+            n: i64,
+            grain: i64,
+            body: extern "C" fn(*mut std::ffi::c_void, i64, i64),
+            ctx: *mut std::ffi::c_void,
             err: *mut u8,
             len: usize,
         ) -> i32;
@@ -116,6 +126,68 @@ fn call_unit(what: &str, f: impl FnOnce(*mut u8, usize) -> i32) -> Result<(), En
     let end = err.iter().position(|&b| b == 0).unwrap_or(err.len());
     let message = String::from_utf8_lossy(&err[..end]);
     Err(EngineError::Torch(tch::TchError::Torch(format!("{what}: {message}"))))
+}
+
+/// Calls `body(begin, end)` on chunks covering `0..n` on libtorch's intra-op threads (all of
+/// `0..n` on this thread when `n <= grain`); returns once every chunk ran. A panic in `body` is
+/// caught on its thread and comes back as an error (unwinding must not cross into C++).
+pub fn parallel_for<F: Fn(usize, usize) + Sync>(
+    n: usize,
+    grain: usize,
+    body: F,
+) -> Result<(), EngineError> {
+    struct Context<F> {
+        body: F,
+        panicked: std::sync::atomic::AtomicBool,
+    }
+    extern "C" fn trampoline<F: Fn(usize, usize) + Sync>(
+        ctx: *mut std::ffi::c_void,
+        begin: i64,
+        end: i64,
+    ) {
+        // SAFETY: `ctx` is the `Context<F>` that `parallel_for` below passed, alive for the
+        // whole call, and only read (`F: Sync`) from the threads that run chunks.
+        let context = unsafe { &*(ctx as *const Context<F>) };
+        let run = std::panic::AssertUnwindSafe(|| (context.body)(begin as usize, end as usize));
+        if std::panic::catch_unwind(run).is_err() {
+            context.panicked.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+    let context = Context { body, panicked: std::sync::atomic::AtomicBool::new(false) };
+    let ctx = &context as *const Context<F> as *mut std::ffi::c_void;
+    // SAFETY: `trampoline::<F>` reads `ctx` as the `Context<F>` it is, which outlives the call;
+    // the shim writes at most `len` bytes into `err`.
+    call_unit("parallel loop", |err, len| unsafe {
+        ffi::rtrun_parallel_for(n as i64, grain as i64, trampoline::<F>, ctx, err, len)
+    })?;
+    match context.panicked.load(std::sync::atomic::Ordering::Relaxed) {
+        true => Err(EngineError::InvalidArgument("a parallel loop's body panicked".into())),
+        false => Ok(()),
+    }
+}
+
+/// Calls `f` with the elements of `t` (a float32 CPU tensor, made contiguous first if it is
+/// not) as a slice, without copying them out: the host sampler reads a step's logits where the
+/// runner left them.
+pub fn with_floats<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R, EngineError> {
+    if t.f_kind()? != tch::Kind::Float || t.device() != tch::Device::Cpu {
+        return Err(EngineError::InvalidArgument(format!(
+            "expected float32 CPU values, found {:?} on {:?}",
+            t.f_kind()?,
+            t.device()
+        )));
+    }
+    let t = t.f_contiguous()?;
+    let numel = t.numel();
+    let data = t.data_ptr() as *const f32;
+    let values: &[f32] = match numel {
+        0 => &[],
+        // SAFETY: `t` is a contiguous float32 CPU tensor of `numel` elements at `data`, and it
+        // is held (so neither freed nor resized) and not written while `values` lives, which
+        // ends with `f`.
+        _ => unsafe { std::slice::from_raw_parts(data, numel) },
+    };
+    Ok(f(values))
 }
 
 /// `weight: [out, in]` (float32, CPU) reordered into oneDNN's blocked layout for

@@ -156,6 +156,24 @@ void for_rows(int64_t rows, int64_t per_row, const F& f) {
 
 extern "C" {
 
+// Runs body(ctx, begin, end) over chunks of [0, n) on the intra-op threads (on this thread alone
+// below `grain` items): host work of a step, such as sampling its rows, on the threads the
+// step's operators use, rather than on a second pool that would compete with them for the
+// cores. `body` must not throw or unwind.
+int rtrun_parallel_for(int64_t n, int64_t grain, void (*body)(void*, int64_t, int64_t),
+                       void* ctx, char* err, size_t len) {
+  return rtrun::run(err, len, [&] {
+    if (n <= 0) return;
+    if (n <= grain) {
+      body(ctx, 0, n);
+      return;
+    }
+    at::parallel_for(0, n, std::max<int64_t>(1, grain), [&](int64_t b, int64_t e) {
+      body(ctx, b, e);
+    });
+  });
+}
+
 // x: [rows, h] (row stride any), w: [h]; `*out` receives a new contiguous [rows, h]. With
 // `add` ([rows, h], row stride any), x becomes x + add in place first and is normed after: the
 // residual sum and the next norm in one pass, the sum the same bits as libtorch's add.

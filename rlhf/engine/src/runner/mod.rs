@@ -12,7 +12,7 @@
 //! points in [`ModelRunner::execute`]. Today only `world_size == 1` is accepted.
 
 pub mod batch;
-mod cpu_kernels;
+pub(crate) mod cpu_kernels;
 pub mod decode_lanes;
 pub mod kv_cache;
 
@@ -263,13 +263,20 @@ impl ModelRunner {
     /// Runs one step and returns the logits of the sampled rows as `[rows, vocab]` float32,
     /// row-major, in `batch.sample_rows` order.
     pub fn execute(&self, batch: &StepBatch) -> Result<Vec<f32>, EngineError> {
+        let logits = self.execute_logits(batch)?;
+        Ok(Vec::<f32>::try_from(logits.f_view(-1)?)?)
+    }
+
+    /// [`ModelRunner::execute`]'s logits as a contiguous float32 CPU tensor `[rows, vocab]`,
+    /// which the engine's host sampler reads in place ([`cpu_kernels::with_floats`]) rather
+    /// than copying them out.
+    pub fn execute_logits(&self, batch: &StepBatch) -> Result<Tensor, EngineError> {
         let Some(cache) = self.cache_for(batch)? else {
-            return Ok(Vec::new());
+            return Ok(Tensor::f_zeros([0], (Kind::Float, Device::Cpu))?);
         };
         self.choose_threads(batch);
         let logits = tch::no_grad(|| self.execute_inner(batch, cache))?;
-        let logits = logits.f_to_kind(Kind::Float)?.f_to_device(Device::Cpu)?.f_contiguous()?;
-        Ok(Vec::<f32>::try_from(logits.f_view(-1)?)?)
+        Ok(logits.f_to_kind(Kind::Float)?.f_to_device(Device::Cpu)?.f_contiguous()?)
     }
 
     /// Runs one step and picks every sampled row's most likely token on the device, with its
@@ -870,6 +877,38 @@ mod tests {
         assert_eq!(found.size(), [64, 1536]);
         let worst = (found - &expected).abs().max().double_value(&[]);
         assert!(worst < 1e-3, "{worst}");
+    }
+
+    /// `parallel_for` runs every index once (on this thread below its grain, never for an
+    /// empty range), and a panicking body comes back as an error instead of unwinding into
+    /// C++; `with_floats` lends a tensor's values in order (made contiguous first) and refuses
+    /// other kinds.
+    #[test]
+    fn parallel_loops_and_borrowed_floats() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        for (n, grain) in [(1000, 7), (1000, 5000), (3, 1)] {
+            let seen: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
+            cpu_kernels::parallel_for(n, grain, |begin, end| {
+                for count in &seen[begin..end] {
+                    count.fetch_add(1, Ordering::Relaxed);
+                }
+            })
+            .unwrap();
+            assert!(seen.iter().all(|count| count.load(Ordering::Relaxed) == 1), "{n}, {grain}");
+        }
+        cpu_kernels::parallel_for(0, 1, |_, _| panic!("an empty range runs nothing")).unwrap();
+        let error = cpu_kernels::parallel_for(10, 1, |begin, _| assert!(begin > 0)).unwrap_err();
+        assert!(error.to_string().contains("panicked"), "{error}");
+
+        let t = Tensor::arange(12, (Kind::Float, Device::Cpu)).view([3, 4]).transpose(0, 1);
+        let values = cpu_kernels::with_floats(&t, |values| values.to_vec()).unwrap();
+        assert_eq!(values, Vec::<f32>::try_from(t.contiguous().view(-1)).unwrap());
+        assert!(cpu_kernels::with_floats(&t.to_kind(Kind::Double), |v| v.len()).is_err());
+        assert_eq!(
+            cpu_kernels::with_floats(&Tensor::zeros([0], (Kind::Float, Device::Cpu)), |v| v.len())
+                .unwrap(),
+            0
+        );
     }
 
     /// The fused kernels give the results of the operators they replace: RoPE bit for bit,
