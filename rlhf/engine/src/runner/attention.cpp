@@ -41,6 +41,7 @@ struct Args {
   const float* add;  // [batch * queries, row]: 0 where a position is attended, else -inf
   float* out;        // [batch * queries, heads * head_dim]
   int64_t batch, queries, heads, group, head_dim, len, row;
+  int64_t readable;  // positions each key row holds finite values for (len or more)
   float scale;
 };
 
@@ -221,13 +222,14 @@ int rtrun_decode_attention_supported() { return has_avx2() ? 1 : 0; }
 // q: [batch * queries, heads, head_dim] (query row r of sequence r / queries: one row per
 // sequence in a decode step, a chunk's rows in a prefill); kt: [kv_heads, batch, head_dim, len]
 // (keys transposed); v: [kv_heads, batch, len, head_dim]; keep: [batch * queries, len] bool
-// (positions each query row attends). Any strides but a contiguous last dimension (keep:
-// contiguous). `*out` receives a new contiguous [batch * queries, heads * head_dim]: softmax(q
+// (positions each query row attends); readable: how many positions each key row may be read
+// at (at least len; more where the rows hold finite values past it, as the lanes do). Any
+// strides but a contiguous last dimension (keep: contiguous). `*out` receives a new contiguous [batch * queries, heads * head_dim]: softmax(q
 // k^T * scale) v per query head, query head i reading key/value head i / (heads / kv_heads); a
 // row that attends nothing gets zeros.
 int rtrun_decode_attention(const at::Tensor* q, const at::Tensor* kt, const at::Tensor* v,
-                           const at::Tensor* keep, double scale, at::Tensor** out, char* err,
-                           size_t len) {
+                           const at::Tensor* keep, int64_t readable, double scale,
+                           at::Tensor** out, char* err, size_t len) {
   return rtrun::return_tensor(out, err, len, [&]() -> at::Tensor {
     check(*q, "the queries", 3, at::kFloat);
     check(*kt, "the transposed keys", 4, at::kFloat);
@@ -258,6 +260,15 @@ int rtrun_decode_attention(const at::Tensor* q, const at::Tensor* kt, const at::
     a.scale = static_cast<float>(scale);
     // Scores are padded to whole blocks of the widest vector's keys; the padding is masked.
     a.row = (a.len + 31) / 32 * 32;
+    // Key rows that hold finite values past the context (the lanes' headroom, zeros or keys)
+    // are read in whole blocks; a last block beyond them is copied and zero-padded first.
+    a.readable = std::max(a.len, std::min(readable, kt->stride(2)));
+    if (a.readable > a.len) {
+      const int64_t last = kt->storage_offset() + (kv_heads - 1) * kt->stride(0) +
+                           (a.batch - 1) * kt->stride(1) + (a.head_dim - 1) * kt->stride(2);
+      const int64_t held = static_cast<int64_t>(kt->storage().nbytes()) / sizeof(float);
+      a.readable = std::max(a.len, std::min(a.readable, held - last));
+    }
     at::Tensor add = at::full({rows, a.row}, -INFINITY, q->options());
     add.narrow(1, 0, a.len).masked_fill_(*keep, 0.0);
     at::Tensor y = at::empty({rows, a.heads * a.head_dim}, q->options());

@@ -20,8 +20,9 @@ inline __attribute__((always_inline)) void attend(const Args& a, const float* q,
   for (int64_t t0 = 0; t0 < row; t0 += kKeys) {
     const float* k = kt + t0;
     int64_t k_dim = a.k_dim;
-    if (t0 + kKeys > len) {
-      // The last block reads past the context: a zero-padded copy (its scores are masked).
+    if (t0 + kKeys > a.readable) {
+      // The last block would read past what the key rows hold: a zero-padded copy (the
+      // scores past the context are masked either way).
       for (int64_t d = 0; d < d_len; ++d) {
         for (int64_t i = 0; i < kKeys; ++i) {
           tail[d * kKeys + i] = t0 + i < len ? kt[d * a.k_dim + t0 + i] : 0.0f;

@@ -84,6 +84,7 @@ mod ffi {
             kt: *const C_tensor,
             v: *const C_tensor,
             keep: *const C_tensor,
+            readable: i64,
             scale: f64,
             out: *mut *mut C_tensor,
             err: *mut u8,
@@ -263,26 +264,34 @@ pub fn decode_attention_supported() -> bool {
     unsafe { ffi::rtrun_decode_attention_supported() == 1 }
 }
 
-/// Decode attention of one query per sequence: `q: [batch, heads, head_dim]`, keys transposed
-/// `kt: [kv_heads, batch, head_dim, len]`, `v: [kv_heads, batch, len, head_dim]` (float32, any
-/// strides but a contiguous last dimension) and `keep: [batch, len]` (bool, contiguous: the
-/// positions each query attends). Returns a contiguous `[batch, heads * head_dim]`:
-/// `softmax(q k^T * scale) v` per query head, query heads grouped over the key/value heads in
-/// order. Needs [`decode_attention_supported`].
+/// Attention of query rows over their sequences' keys: `q: [batch * queries, heads, head_dim]`
+/// (row `r` of sequence `r / queries`: one row per sequence in a decode step, a chunk's rows in
+/// a prefill), keys transposed `kt: [kv_heads, batch, head_dim, len]`, `v: [kv_heads, batch,
+/// len, head_dim]` (float32, any strides but a contiguous last dimension) and `keep: [batch *
+/// queries, len]` (bool, contiguous: the positions each row attends). `readable` is how many
+/// positions each key row may be read at: `len`, or more where the rows hold finite values
+/// past it (the lanes' headroom), which spares the kernel a padded copy of the last block; the
+/// shim never reads past a row's stride or the keys' storage. Returns a contiguous `[batch *
+/// queries, heads * head_dim]`: `softmax(q k^T * scale) v` per query head, query heads grouped
+/// over the key/value heads in order; a row that attends nothing is zeros. Needs
+/// [`decode_attention_supported`].
 pub fn decode_attention(
     q: &Tensor,
     kt: &Tensor,
     v: &Tensor,
     keep: &Tensor,
+    readable: i64,
     scale: f64,
 ) -> Result<Tensor, EngineError> {
-    // SAFETY: as in `rms_norm`.
+    // SAFETY: as in `rms_norm`; the shim bounds its reads by `kt`'s strides and storage
+    // whatever `readable` says.
     call("decode attention", |out, err, len| unsafe {
         ffi::rtrun_decode_attention(
             q.as_ptr(),
             kt.as_ptr(),
             v.as_ptr(),
             keep.as_ptr(),
+            readable,
             scale,
             out,
             err,

@@ -96,6 +96,12 @@ impl DecodeLanes {
         }
     }
 
+    /// Positions each lane has room for (past its context: zeros, or keys and values a
+    /// rebuild gathered as padding, all finite).
+    pub fn capacity(&self) -> i64 {
+        self.capacity
+    }
+
     /// Records the slots an appending step wrote (`kv_slots` as in [`DecodeLanes::step`]).
     pub fn record_append(&mut self, positions: &[i64], kv_slots: &[i64], kv_len: usize) {
         for (b, (&p, held)) in positions.iter().zip(&mut self.slots).enumerate() {

@@ -453,7 +453,11 @@ impl ModelRunner {
                                 true => q,
                                 false => q.f_contiguous()?,
                             };
-                            cpu_kernels::decode_attention(&q, &keys, &values, &keep, scale)?
+                            // Past its context a lane holds zeros or keys: finite.
+                            let readable = step.lanes.capacity();
+                            cpu_kernels::decode_attention(
+                                &q, &keys, &values, &keep, readable, scale,
+                            )?
                         }
                         false => {
                             // Contiguous, as a gather leaves them: the same products, bit for
@@ -799,7 +803,7 @@ fn paged_attention(
                 true => qg,
                 false => qg.f_contiguous()?,
             };
-            return cpu_kernels::decode_attention(&qg, &keys, &v, &keep, scale);
+            return cpu_kernels::decode_attention(&qg, &keys, &v, &keep, g.kv_len, scale);
         }
         let qg = qg
             .f_view([g.batch, g.q_len, attn.num_heads, attn.head_dim])?
@@ -1019,7 +1023,15 @@ mod tests {
             }
             let keep = Tensor::from_slice(&keep).view([rows, len]);
             let scale = 1.0 / (d as f64).sqrt();
-            let found = cpu_kernels::decode_attention(&q, &keys, &values, &keep, scale).unwrap();
+            let found =
+                cpu_kernels::decode_attention(&q, &keys, &values, &keep, len + 40, scale).unwrap();
+            // Reading the last block in place (the rows hold 40 finite keys more) or through
+            // a padded copy gives the same bits; a claim past the keys' storage is bounded.
+            let attend = |keys: &Tensor, readable: i64| {
+                cpu_kernels::decode_attention(&q, keys, &values, &keep, readable, scale).unwrap()
+            };
+            assert!(attend(&keys, len).equal(&found));
+            assert!(attend(&keys.contiguous(), i64::MAX).equal(&found));
 
             // Each query row against its own sequence's keys and values.
             let sequence = Tensor::arange(rows, (Kind::Int64, Device::Cpu))
@@ -1045,7 +1057,7 @@ mod tests {
         let keep =
             Tensor::from_slice(&[true, false, false, false, false]).view([1, 5]).repeat([4, 1]);
         let _ = keep.get(2).fill_(0);
-        let found = cpu_kernels::decode_attention(&q, &keys, &values, &keep, 0.25).unwrap();
+        let found = cpu_kernels::decode_attention(&q, &keys, &values, &keep, 5, 0.25).unwrap();
         assert_eq!(found.get(2).abs().sum(Kind::Float).double_value(&[]), 0.0);
         assert_eq!(found.isfinite().all().int64_value(&[]), 1);
         let first = values.select(2, 0).repeat([1, 1, 2]).view([2, 32]);
@@ -1056,7 +1068,7 @@ mod tests {
         let values = Tensor::randn([2, 2, 5, 8], o);
         let keep = Tensor::ones([2, 5], (Kind::Bool, Device::Cpu));
         let attend = |q: &Tensor, k: &Tensor, v: &Tensor, keep: &Tensor| {
-            cpu_kernels::decode_attention(q, k, v, keep, 0.5).map_err(|e| e.to_string())
+            cpu_kernels::decode_attention(q, k, v, keep, 5, 0.5).map_err(|e| e.to_string())
         };
         assert!(attend(&q, &keys, &values, &keep).is_ok());
         let error = attend(&q, &keys, &values, &keep.narrow(1, 0, 4)).unwrap_err();
