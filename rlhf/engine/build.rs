@@ -21,7 +21,12 @@ fn main() {
     println!("cargo:rerun-if-changed=src/runner/shim.h");
     println!("cargo:rerun-if-changed=src/runner/attention_body.h");
     libtorch_shim::compile(
-        &["src/runner/onednn.cpp", "src/runner/fused.cpp", "src/runner/attention.cpp"],
+        &[
+            "src/runner/onednn.cpp",
+            "src/runner/gemm.cpp",
+            "src/runner/fused.cpp",
+            "src/runner/attention.cpp",
+        ],
         &["-O3", "-fopenmp", "-ffp-contract=off", "-fno-trapping-math", "-fno-math-errno"],
         "rtrun_cpu_kernels",
     );

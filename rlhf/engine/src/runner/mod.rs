@@ -56,9 +56,12 @@ pub struct ModelRunner {
     /// RMSNorm, RoPE and SiLU-and-multiply run as the fused kernels of [`cpu_kernels`] (a
     /// float32 model on the CPU) where their input's rows are contiguous.
     fused_ops: bool,
-    /// Large float32 projections go through oneDNN (on the CPU, where libtorch has it; see
-    /// [`ModelRunner::linear`]).
+    /// Large float32 projections go through oneDNN (on a CPU without AVX-512, where libtorch
+    /// has oneDNN; see [`ModelRunner::linear`]).
     onednn: bool,
+    /// Large float32 projections run [`cpu_kernels::gemm`] on weights packed into its panels
+    /// (on a CPU with AVX-512; decision 060).
+    gemm: bool,
     /// Per decoder layer, the projections that read the same input as one (on the CPU, see
     /// [`ModelRunner::fuse`]); empty when unfused.
     fused: Vec<FusedLayer>,
@@ -153,7 +156,8 @@ impl ModelRunner {
             kind: model.params.kind(),
         };
         let weight_left = model.backbone.device() == Device::Cpu;
-        let onednn = weight_left && onednn_works();
+        let gemm = weight_left && cpu_kernels::gemm_supported();
+        let onednn = weight_left && !gemm && onednn_works();
         let fused_ops = weight_left && model.params.kind() == Kind::Float;
         let macs_per_token = model.params.numel();
         let mut runner = Self {
@@ -164,6 +168,7 @@ impl ModelRunner {
             weight_left,
             fused_ops,
             onednn,
+            gemm,
             fused: Vec::new(),
             threads: tch::get_num_threads(),
             macs_per_token,
@@ -544,10 +549,12 @@ impl ModelRunner {
     /// `x W^T + b` for rows `x: [T, in]`, the same projection as [`Linear::forward`]. On the
     /// CPU:
     /// - a float32 product of at least [`ONEDNN_MIN_MACS`] multiply-adds and
-    ///   [`ONEDNN_MIN_ROWS`] rows runs on oneDNN's inner-product kernel, with the weight packed
-    ///   once into oneDNN's layout ([`cpu_kernels`]). libtorch sends float32 matmuls to MKL, whose
-    ///   kernels on this project's AMD machines are its AVX2 ones (~190 GFLOP/s on two Zen
-    ///   cores); oneDNN uses AVX-512 and reaches ~450 at the decode step's shapes.
+    ///   [`ONEDNN_MIN_ROWS`] rows runs on a weight packed once ([`cpu_kernels`]): the runner's
+    ///   own AVX-512 kernel where the CPU has it ([`cpu_kernels::gemm`], decision 060), else
+    ///   oneDNN's inner product. libtorch sends float32 matmuls to MKL, whose kernels on this
+    ///   project's AMD machines are its AVX2 ones (~190 GFLOP/s on two Zen cores); oneDNN uses
+    ///   AVX-512 and reaches ~350-450 at the decode step's shapes, the runner's kernel
+    ///   ~420-470 when the weights come from memory.
     /// - otherwise it is computed as `(W x^T)^T`: MKL packs the right-hand operand of every
     ///   product into its own layout first, and with the weight on the left that operand is
     ///   the small activation instead of the whole weight matrix (the decode step at batch 64
@@ -567,12 +574,17 @@ impl ModelRunner {
             return Ok(x.f_linear(weight, bias)?);
         }
         let (rows, inputs) = x.size2()?;
-        if self.onednn
+        let outputs = weight.size()[0];
+        if (self.gemm || self.onednn)
             && rows >= ONEDNN_MIN_ROWS
-            && rows * inputs * weight.size()[0] >= ONEDNN_MIN_MACS
+            && rows * inputs * outputs >= ONEDNN_MIN_MACS
             && x.f_kind()? == Kind::Float
         {
-            return cpu_kernels::linear(x, &self.packed_weight(weight)?, bias);
+            let packed = self.packed_weight(weight)?;
+            return match self.gemm {
+                true => cpu_kernels::gemm(x, &packed, bias, outputs),
+                false => cpu_kernels::linear(x, &packed, bias),
+            };
         }
         let x_t = x.f_transpose(0, 1)?;
         let out = match bias {
@@ -601,7 +613,10 @@ impl ModelRunner {
         if packed.len() >= 2 * projections {
             packed.clear();
         }
-        let tensor = cpu_kernels::pack(weight)?;
+        let tensor = match self.gemm {
+            true => cpu_kernels::gemm_pack(weight)?,
+            false => cpu_kernels::pack(weight)?,
+        };
         let entry = PackedWeight {
             _weight: weight.shallow_clone(),
             version,
@@ -883,6 +898,45 @@ mod tests {
         assert!(worst < 1e-3, "{worst}");
     }
 
+    /// The packed AVX-512 projection gives `linear`'s result within float rounding: rows
+    /// below, at and past its tiles (14, 8, 4, 2, 1) and its row chunk (256), outputs that
+    /// fill panels of 32 partly, with and without bias, and row-strided inputs; a packing that
+    /// does not fit is an error.
+    #[test]
+    fn packed_projections_equal_linear_up_to_rounding() {
+        if !cpu_kernels::gemm_supported() {
+            return;
+        }
+        let o = (Kind::Float, Device::Cpu);
+        tch::manual_seed(7);
+        for (rows, inputs, outputs) in
+            [(64, 512, 768), (1, 7, 1), (15, 33, 17), (300, 64, 100), (27, 129, 64), (8, 16, 33)]
+        {
+            let wide = Tensor::randn([rows, inputs + 5], o);
+            let x = wide.narrow(1, 2, inputs);
+            let w = Tensor::randn([outputs, inputs], o);
+            let b = Tensor::randn([outputs], o);
+            let packed = cpu_kernels::gemm_pack(&w).unwrap();
+            assert_eq!(packed.size(), [(outputs + 31) / 32, inputs, 32]);
+            for bias in [None, Some(&b)] {
+                let found = cpu_kernels::gemm(&x, &packed, bias, outputs).unwrap();
+                let expected = x.linear(&w, bias);
+                assert_eq!(found.size(), [rows, outputs]);
+                let scale = expected.abs().max().double_value(&[]) + 1.0;
+                let worst = (found - &expected).abs().max().double_value(&[]) / scale;
+                assert!(worst < 1e-5, "{rows}x{inputs}x{outputs}: {worst}");
+            }
+        }
+        let x = Tensor::randn([4, 16], o);
+        let packed = cpu_kernels::gemm_pack(&Tensor::randn([40, 16], o)).unwrap();
+        let error = cpu_kernels::gemm(&x, &packed, None, 80).unwrap_err();
+        assert!(error.to_string().contains("does not fit"), "{error}");
+        assert!(cpu_kernels::gemm(&x.narrow(1, 0, 8), &packed, None, 40).is_err());
+        assert!(cpu_kernels::gemm(&x, &packed, Some(&Tensor::ones([3], o)), 40).is_err());
+        assert!(cpu_kernels::gemm(&x.to_kind(Kind::Double), &packed, None, 40).is_err());
+        assert!(cpu_kernels::gemm_pack(&Tensor::ones([3], o)).is_err());
+    }
+
     /// `parallel_for` runs every index once (on this thread below its grain, never for an
     /// empty range), and a panicking body comes back as an error instead of unwinding into
     /// C++; `with_floats` lends a tensor's values in order (made contiguous first) and refuses
@@ -1155,7 +1209,7 @@ mod tests {
         let config = tiny::tiny_config(ModelFamily::Qwen2);
         let mut runner =
             ModelRunner::new(tiny::tiny_model(&config, 4).unwrap(), ShardSpec::WHOLE, 4).unwrap();
-        if !runner.onednn {
+        if !(runner.onednn || runner.gemm) {
             return;
         }
         tch::manual_seed(5);
