@@ -548,13 +548,15 @@ impl ModelRunner {
 
     /// `x W^T + b` for rows `x: [T, in]`, the same projection as [`Linear::forward`]. On the
     /// CPU:
-    /// - a float32 product of at least [`ONEDNN_MIN_MACS`] multiply-adds and
-    ///   [`ONEDNN_MIN_ROWS`] rows runs on a weight packed once ([`cpu_kernels`]): the runner's
-    ///   own AVX-512 kernel where the CPU has it ([`cpu_kernels::gemm`], decision 060), else
-    ///   oneDNN's inner product. libtorch sends float32 matmuls to MKL, whose kernels on this
-    ///   project's AMD machines are its AVX2 ones (~190 GFLOP/s on two Zen cores); oneDNN uses
-    ///   AVX-512 and reaches ~350-450 at the decode step's shapes, the runner's kernel
-    ///   ~420-470 when the weights come from memory.
+    /// - on a CPU with AVX-512, every float32 product runs the runner's own kernel on a weight
+    ///   packed once ([`cpu_kernels::gemm`], decision 060): ~420-470 GFLOP/s on two Zen 5
+    ///   cores at the decode step's shapes with the weights coming from memory, where oneDNN's
+    ///   inner product reaches ~350-400; its fixed cost is a parallel loop's, so small products
+    ///   and single rows gain too (the 27M model's batch-1 decode ran 2.7x faster than on MKL).
+    /// - elsewhere a float32 product of at least [`ONEDNN_MIN_MACS`] multiply-adds and
+    ///   [`ONEDNN_MIN_ROWS`] rows runs on oneDNN's inner product with the weight packed once
+    ///   into its layout. libtorch sends float32 matmuls to MKL, whose kernels on this
+    ///   project's AMD machines are its AVX2 ones (~190 GFLOP/s on two Zen cores).
     /// - otherwise it is computed as `(W x^T)^T`: MKL packs the right-hand operand of every
     ///   product into its own layout first, and with the weight on the left that operand is
     ///   the small activation instead of the whole weight matrix (the decode step at batch 64
@@ -575,16 +577,16 @@ impl ModelRunner {
         }
         let (rows, inputs) = x.size2()?;
         let outputs = weight.size()[0];
-        if (self.gemm || self.onednn)
+        let float = x.f_kind()? == Kind::Float;
+        if self.gemm && float {
+            return cpu_kernels::gemm(x, &self.packed_weight(weight)?, bias, outputs);
+        }
+        if self.onednn
+            && float
             && rows >= ONEDNN_MIN_ROWS
             && rows * inputs * outputs >= ONEDNN_MIN_MACS
-            && x.f_kind()? == Kind::Float
         {
-            let packed = self.packed_weight(weight)?;
-            return match self.gemm {
-                true => cpu_kernels::gemm(x, &packed, bias, outputs),
-                false => cpu_kernels::linear(x, &packed, bias),
-            };
+            return cpu_kernels::linear(x, &self.packed_weight(weight)?, bias);
         }
         let x_t = x.f_transpose(0, 1)?;
         let out = match bias {
@@ -899,9 +901,9 @@ mod tests {
     }
 
     /// The packed AVX-512 projection gives `linear`'s result within float rounding: rows
-    /// below, at and past its tiles (14, 8, 4, 2, 1) and its row chunk (256), outputs that
-    /// fill panels of 32 partly, with and without bias, and row-strided inputs; a packing that
-    /// does not fit is an error.
+    /// below, at and past its tiles (14, 8, 4, 2, 1) and its row chunk (256), inputs past its
+    /// slice of 256 and none at all, outputs that fill panels of 32 partly, with and without
+    /// bias, and row-strided inputs; a packing that does not fit is an error.
     #[test]
     fn packed_projections_equal_linear_up_to_rounding() {
         if !cpu_kernels::gemm_supported() {
@@ -909,9 +911,15 @@ mod tests {
         }
         let o = (Kind::Float, Device::Cpu);
         tch::manual_seed(7);
-        for (rows, inputs, outputs) in
-            [(64, 512, 768), (1, 7, 1), (15, 33, 17), (300, 64, 100), (27, 129, 64), (8, 16, 33)]
-        {
+        for (rows, inputs, outputs) in [
+            (64, 512, 768),
+            (1, 7, 1),
+            (15, 33, 17),
+            (300, 64, 100),
+            (27, 600, 64),
+            (8, 16, 33),
+            (3, 0, 5),
+        ] {
             let wide = Tensor::randn([rows, inputs + 5], o);
             let x = wide.narrow(1, 2, inputs);
             let w = Tensor::randn([outputs, inputs], o);
