@@ -12,8 +12,9 @@ fn main() {
         // Where the kernels' OpenMP runtime (below) is found.
         println!("cargo:rustc-link-search=native={lib_dir}");
     }
-    // The runner's CPU kernels: oneDNN's packed-weight inner product, which tch does not bind,
-    // the fused element-wise steps and the decode attention. The latter spread rows over threads with
+    // The runner's CPU kernels: the packed-weight projections (its own AVX-512 kernel, and
+    // oneDNN's inner product, which tch does not bind), the fused element-wise steps and the
+    // attention. The latter spread rows over threads with
     // `at::parallel_for`, which libtorch's headers implement with OpenMP: hence `-fopenmp` and
     // the OpenMP runtime libtorch ships. Multiplies and adds stay unfused so that the kernels'
     // AVX2 and baseline builds agree bit for bit; without trapping maths (the default of no
