@@ -35,12 +35,16 @@ constexpr int64_t kDepth = 512;     // inputs per slice of a tile's sums
 // of the panel's 32 columns are stored), plus bias (`cols` floats, or null). The inputs run in
 // slices of kDepth, each summed in registers and added to y after: a sum of ~k/256 partial
 // sums rounds closer to the exact product than one running sum over all k (within 1e-5 of
-// MKL's blocked sums on the engine's log-probs at k = 2048). `next`, when given, is the panel
-// after this one, asked for in L2 along the way.
+// MKL's blocked sums on the engine's log-probs at k = 2048). `ask`, when given, is this tile's
+// share of the next panel (`share` of its rows of 32 floats), asked for in L2 one row every
+// `every` inputs: the panel's tiles spread the next panel's lines between them, so the misses
+// in flight stay within what the core tracks.
 template <int R>
 inline __attribute__((always_inline)) void tile(const float* x, int64_t ldx, const float* p,
                                                 int64_t k, const float* bias, float* y,
-                                                int64_t ldy, int64_t cols, const float* next) {
+                                                int64_t ldy, int64_t cols, const float* ask,
+                                                int64_t share, int64_t every) {
+  int64_t asked = 0, wait = 0;
   const __mmask16 m0 = cols >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << cols) - 1);
   const __mmask16 m1 = cols >= 32 ? __mmask16(0xFFFF)
                        : cols > 16 ? __mmask16((1u << (cols - 16)) - 1)
@@ -52,9 +56,11 @@ inline __attribute__((always_inline)) void tile(const float* x, int64_t ldx, con
     for (int64_t i = k0; i < k1; ++i) {
       const __m512 w0 = _mm512_loadu_ps(p + i * kPanel);
       const __m512 w1 = _mm512_loadu_ps(p + i * kPanel + 16);
-      if (next != nullptr) {
-        _mm_prefetch(reinterpret_cast<const char*>(next + i * kPanel), _MM_HINT_T1);
-        _mm_prefetch(reinterpret_cast<const char*>(next + i * kPanel + 16), _MM_HINT_T1);
+      if (ask != nullptr && asked < share && --wait < 0) {
+        _mm_prefetch(reinterpret_cast<const char*>(ask + asked * kPanel), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(ask + asked * kPanel + 16), _MM_HINT_T1);
+        ++asked;
+        wait = every - 1;
       }
 #pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
@@ -81,22 +87,25 @@ inline __attribute__((always_inline)) void tile(const float* x, int64_t ldx, con
   }
 }
 
-// Rows [0, rows) of one panel: 14 at a time, then 8, 4, 2, 1.
+// Rows [0, rows) of one panel: 14 at a time, then 8, 4, 2, 1; `next` (or null) the panel to
+// ask for meanwhile, each tile its share in proportion to its rows (its time).
 void panel_rows(const float* x, int64_t ldx, int64_t rows, const float* p, int64_t k,
                 const float* bias, float* y, int64_t ldy, int64_t cols, const float* next) {
   int64_t r = 0;
-  for (; r + 14 <= rows; r += 14) {
-    tile<14>(x + r * ldx, ldx, p, k, bias, y + r * ldy, ldy, cols, r == 0 ? next : nullptr);
-  }
-  const auto rest = [&](auto size, const float* ask) {
+  const auto run = [&](auto size) {
     constexpr int kRows = decltype(size)::value;
-    tile<kRows>(x + r * ldx, ldx, p, k, bias, y + r * ldy, ldy, cols, ask);
+    const int64_t from = k * r / rows, to = k * (r + kRows) / rows;
+    const int64_t share = to - from;
+    const float* ask = next != nullptr && share > 0 ? next + from * kPanel : nullptr;
+    const int64_t every = std::max<int64_t>(1, k / std::max<int64_t>(1, share));
+    tile<kRows>(x + r * ldx, ldx, p, k, bias, y + r * ldy, ldy, cols, ask, share, every);
     r += kRows;
   };
-  if (r + 8 <= rows) rest(std::integral_constant<int, 8>(), r == 0 ? next : nullptr);
-  if (r + 4 <= rows) rest(std::integral_constant<int, 4>(), r == 0 ? next : nullptr);
-  if (r + 2 <= rows) rest(std::integral_constant<int, 2>(), r == 0 ? next : nullptr);
-  if (r + 1 <= rows) rest(std::integral_constant<int, 1>(), r == 0 ? next : nullptr);
+  while (r + 14 <= rows) run(std::integral_constant<int, 14>());
+  if (r + 8 <= rows) run(std::integral_constant<int, 8>());
+  if (r + 4 <= rows) run(std::integral_constant<int, 4>());
+  if (r + 2 <= rows) run(std::integral_constant<int, 2>());
+  if (r + 1 <= rows) run(std::integral_constant<int, 1>());
 }
 
 #pragma GCC pop_options
