@@ -427,7 +427,7 @@ impl LlmEngine {
             return Ok(());
         }
         let logits = self.runner.execute_logits(&batch)?;
-        let sampled = crate::runner::cpu_kernels::with_floats(&logits, |logits| {
+        let sampled = crate::runner::cpu_kernels::with_floats(logits, |logits| {
             self.sample_rows(&batch.sampled, logits)
         })??;
         for (&sequence, sampled) in batch.sampled.iter().zip(sampled) {

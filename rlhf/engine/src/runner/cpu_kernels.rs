@@ -4,8 +4,9 @@
 //!   `mkldnn::_reorder_linear_weight` nor `mkldnn::_linear_pointwise`.
 //! - [`gemm_pack`] and [`gemm`] (`gemm.cpp`): the same product on AVX-512 with the weight in
 //!   panels of 32 output columns, faster than oneDNN's where the weights stream from memory.
-//! - [`rms_norm`], [`add_rms_norm`], [`rotary`] and [`silu_mul`] (`fused.cpp`): element-wise steps that libtorch
-//!   runs as 2-7 operators each, whose fixed costs outweigh their arithmetic at decode sizes.
+//! - [`rms_norm`], [`add_rms_norm`], [`rotary`] and [`silu_mul`] (`fused.cpp`): element-wise
+//!   steps that libtorch runs as 2-7 operators each, whose fixed costs outweigh their
+//!   arithmetic at decode sizes.
 //! - [`parallel_for`] (`fused.cpp`): host work of a step (the sampler's rows) on the same
 //!   intra-op threads; [`with_floats`] lends it the step's logits in place.
 //! - [`decode_attention`] (`attention.cpp`): one query per sequence over its decode lanes, in
@@ -53,6 +54,7 @@ mod ffi {
             err: *mut u8,
             len: usize,
         ) -> i32;
+        pub fn rtrun_sole_owner(t: *const C_tensor) -> i32;
         pub fn rtrun_parallel_for(
             n: i64,
             grain: i64,
@@ -221,10 +223,11 @@ pub fn parallel_for<F: Fn(usize, usize) + Sync>(
     }
 }
 
-/// Calls `f` with the elements of `t` (a float32 CPU tensor, made contiguous first if it is
-/// not) as a slice, without copying them out: the host sampler reads a step's logits where the
-/// runner left them.
-pub fn with_floats<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R, EngineError> {
+/// Calls `f` with the elements of `t` (a float32 CPU tensor) as a slice: the host sampler reads
+/// a step's logits where the runner left them. `t` is taken by value, and lent in place only
+/// when it is contiguous and the one holder of its memory (as a step's fresh logits are), so no
+/// other handle can write what `f` reads; any other tensor is copied first.
+pub fn with_floats<R>(t: Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R, EngineError> {
     if t.f_kind()? != tch::Kind::Float || t.device() != tch::Device::Cpu {
         return Err(EngineError::InvalidArgument(format!(
             "expected float32 CPU values, found {:?} on {:?}",
@@ -232,14 +235,20 @@ pub fn with_floats<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R, Engi
             t.device()
         )));
     }
-    let t = t.f_contiguous()?;
+    // SAFETY: the shim only reads the tensor's and its storage's reference counts.
+    let sole = |t: &Tensor| unsafe { ffi::rtrun_sole_owner(t.as_ptr()) == 1 };
+    let t = match t.is_contiguous() && sole(&t) {
+        true => t,
+        false => t.f_contiguous()?.f_detach_copy()?,
+    };
     let numel = t.numel();
     let data = t.data_ptr() as *const f32;
     let values: &[f32] = match numel {
         0 => &[],
-        // SAFETY: `t` is a contiguous float32 CPU tensor of `numel` elements at `data`, and it
-        // is held (so neither freed nor resized) and not written while `values` lives, which
-        // ends with `f`.
+        // SAFETY: `t` is a contiguous float32 CPU tensor of `numel` elements at `data`, held
+        // here (neither freed nor resized) until `f` returns; it is the only handle to its
+        // tensor and that tensor the only holder of its storage, and `f` cannot reach `t`, so
+        // nothing writes the memory while `values` lives.
         _ => unsafe { std::slice::from_raw_parts(data, numel) },
     };
     Ok(f(values))

@@ -156,6 +156,12 @@ void for_rows(int64_t rows, int64_t per_row, const F& f) {
 
 extern "C" {
 
+// Whether `t` is the one handle to its tensor and the tensor the one holder of its storage:
+// then nothing else can write the memory while the Rust side lends it out as a slice.
+int rtrun_sole_owner(const at::Tensor* t) {
+  return t->defined() && t->use_count() == 1 && t->storage().use_count() == 1 ? 1 : 0;
+}
+
 // Runs body(ctx, begin, end) over chunks of [0, n) on the intra-op threads (on this thread alone
 // below `grain` items): host work of a step, such as sampling its rows, on the threads the
 // step's operators use, rather than on a second pool that would compete with them for the

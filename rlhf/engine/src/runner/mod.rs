@@ -812,7 +812,8 @@ fn paged_attention(
         }
         if kernel {
             // The chunk's query rows, each over its own sequence's keys (transposed, as the
-            // kernel reads them) under its row of the mask; padding rows come out zero.
+            // kernel reads them) under its row of the mask (a padding row attends key 0; the
+            // caller drops its output).
             let keys = k.f_transpose(2, 3)?.f_contiguous()?;
             let keep = g.mask.f_view([g.batch * g.q_len, g.kv_len])?;
             let scale = 1.0 / (attn.head_dim as f64).sqrt();
@@ -902,7 +903,7 @@ mod tests {
 
     /// The packed AVX-512 projection gives `linear`'s result within float rounding: rows
     /// below, at and past its tiles (14, 8, 4, 2, 1) and its row chunk (256), inputs past its
-    /// slice of 256 and none at all, outputs that fill panels of 32 partly, with and without
+    /// slice of 512 and none at all, outputs that fill panels of 32 partly, with and without
     /// bias, and row-strided inputs; a packing that does not fit is an error.
     #[test]
     fn packed_projections_equal_linear_up_to_rounding() {
@@ -947,8 +948,8 @@ mod tests {
 
     /// `parallel_for` runs every index once (on this thread below its grain, never for an
     /// empty range), and a panicking body comes back as an error instead of unwinding into
-    /// C++; `with_floats` lends a tensor's values in order (made contiguous first) and refuses
-    /// other kinds.
+    /// C++; `with_floats` lends a tensor's values in order, in place only where nothing else
+    /// holds them, and refuses other kinds.
     #[test]
     fn parallel_loops_and_borrowed_floats() {
         use std::sync::atomic::{AtomicUsize, Ordering};
@@ -966,12 +967,22 @@ mod tests {
         let error = cpu_kernels::parallel_for(10, 1, |begin, _| assert!(begin > 0)).unwrap_err();
         assert!(error.to_string().contains("panicked"), "{error}");
 
+        // A transposed view (copied first), a tensor with a second handle (copied: the other
+        // handle could write it), and a sole fresh one (lent in place).
         let t = Tensor::arange(12, (Kind::Float, Device::Cpu)).view([3, 4]).transpose(0, 1);
-        let values = cpu_kernels::with_floats(&t, |values| values.to_vec()).unwrap();
-        assert_eq!(values, Vec::<f32>::try_from(t.contiguous().view(-1)).unwrap());
-        assert!(cpu_kernels::with_floats(&t.to_kind(Kind::Double), |v| v.len()).is_err());
+        let expected = Vec::<f32>::try_from(t.contiguous().view(-1)).unwrap();
+        let values = cpu_kernels::with_floats(t.shallow_clone(), |v| v.to_vec()).unwrap();
+        assert_eq!(values, expected);
+        let shared = t.contiguous();
+        let at = |v: &[f32]| v.as_ptr() as usize;
+        let lent = cpu_kernels::with_floats(shared.shallow_clone(), at).unwrap();
+        assert_ne!(lent, shared.data_ptr() as usize);
+        let fresh = t.contiguous();
+        let address = fresh.data_ptr() as usize;
+        assert_eq!(cpu_kernels::with_floats(fresh, at).unwrap(), address);
+        assert!(cpu_kernels::with_floats(t.to_kind(Kind::Double), |v| v.len()).is_err());
         assert_eq!(
-            cpu_kernels::with_floats(&Tensor::zeros([0], (Kind::Float, Device::Cpu)), |v| v.len())
+            cpu_kernels::with_floats(Tensor::zeros([0], (Kind::Float, Device::Cpu)), |v| v.len())
                 .unwrap(),
             0
         );
