@@ -273,7 +273,7 @@ impl ModelRunner {
     }
 
     /// [`ModelRunner::execute`]'s logits as a contiguous float32 CPU tensor `[rows, vocab]`,
-    /// which the engine's host sampler reads in place ([`cpu_kernels::with_floats`]) rather
+    /// which the engine's host sampler reads in place (`cpu_kernels::with_floats`) rather
     /// than copying them out.
     pub fn execute_logits(&self, batch: &StepBatch) -> Result<Tensor, EngineError> {
         let Some(cache) = self.cache_for(batch)? else {
