@@ -769,9 +769,7 @@ fn covers_packed_rows(g: &AttentionGroup, total: i64) -> bool {
 /// Whether `g` is every packed row of a `total`-row step, one query each, in packed order (a
 /// step of decodes only).
 fn is_packed_decode(g: &AttentionGroup, total: i64) -> bool {
-    g.q_len == 1
-        && g.batch as i64 == total
-        && g.valid_rows.iter().enumerate().all(|(i, &row)| row == i as i64)
+    g.q_len == 1 && covers_packed_rows(g, total)
 }
 
 impl GroupTensors {
