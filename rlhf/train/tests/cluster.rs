@@ -319,18 +319,24 @@ fn sft_spreads_its_dp_ranks_over_two_nodes_with_a_placement_spec() {
 #[test]
 fn a_detached_run_outlives_its_driver_and_train_attach_follows_it_to_the_end() {
     let (cluster, dir, config, run) = job_on("detach");
+    // Long enough that the run is still training after the second driver's refusal and the
+    // heartbeat timeout, with margin: a step of this job takes ~50-100 ms on the 2-core
+    // machine, so the 240 steps left after the first 6 records take 12 s or more (the 4096
+    // training prompts make 256 steps of 16).
+    const STEPS: usize = 250;
     let sets = [
-        "--set",
-        "cluster.placement_spec=null",
-        "--set",
-        "train.max_steps=60",
-        "--set",
-        "checkpoint.every_steps=20",
-        "--set",
-        "eval.every_steps=20",
+        "--set".to_owned(),
+        "cluster.placement_spec=null".to_owned(),
+        "--set".to_owned(),
+        format!("train.max_steps={STEPS}"),
+        "--set".to_owned(),
+        "checkpoint.every_steps=100".to_owned(),
+        "--set".to_owned(),
+        "eval.every_steps=100".to_owned(),
     ];
+    let records = STEPS + 1; // step 0's evaluation, then one per step
     let log = dir.join("detached.log");
-    let mut driver = train(&cluster, &config, &log).args(sets).arg("--detach").spawn().unwrap();
+    let mut driver = train(&cluster, &config, &log).args(&sets).arg("--detach").spawn().unwrap();
     let deadline = Instant::now() + Duration::from_secs(240);
     while steps_done(&run) < 6 {
         let text = std::fs::read_to_string(&log).unwrap_or_default();
@@ -340,25 +346,25 @@ fn a_detached_run_outlives_its_driver_and_train_attach_follows_it_to_the_end() {
     }
     let text = std::fs::read_to_string(&log).unwrap();
     assert!(text.contains("detached: the run goes on") && text.contains("--attach"), "{text}");
-    driver.kill().unwrap();
-    driver.wait().unwrap();
-
-    // Past the heartbeat timeout (3 s) the head has declared the driver gone; steps go on.
-    std::thread::sleep(Duration::from_secs(5));
-    let after_gone = steps_done(&run);
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while steps_done(&run) < after_gone + 3 && steps_done(&run) < 62 {
-        assert!(Instant::now() < deadline, "no step after the driver left ({after_gone} records)");
-        std::thread::sleep(Duration::from_millis(50));
-    }
 
     // Another detached run in the same directory is refused while this one trains.
     let second_log = dir.join("second.log");
-    let out = train(&cluster, &config, &second_log).args(sets).arg("--detach").output().unwrap();
+    let out = train(&cluster, &config, &second_log).args(&sets).arg("--detach").output().unwrap();
     let text = std::fs::read_to_string(&second_log).unwrap();
-    if steps_done(&run) < 60 {
-        assert!(!out.status.success() && text.contains("already training"), "{text}");
-        assert!(text.contains("train --attach"), "{text}");
+    assert!(steps_done(&run) < records, "the run ended before the second driver was refused");
+    assert!(!out.status.success() && text.contains("already training"), "{text}");
+    assert!(text.contains("train --attach"), "{text}");
+
+    driver.kill().unwrap();
+    driver.wait().unwrap();
+    // Past the heartbeat timeout (3 s) the head has declared the driver gone; steps go on.
+    std::thread::sleep(Duration::from_secs(5));
+    let after_gone = steps_done(&run);
+    assert!(after_gone < records, "the run ended before its driver was declared gone");
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while steps_done(&run) < (after_gone + 3).min(records) {
+        assert!(Instant::now() < deadline, "no step after the driver left ({after_gone} records)");
+        std::thread::sleep(Duration::from_millis(50));
     }
 
     let attach_log = dir.join("attach.log");
@@ -374,13 +380,16 @@ fn a_detached_run_outlives_its_driver_and_train_attach_follows_it_to_the_end() {
     let summary = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "attach failed:\n{text}");
     assert!(text.contains("attached to the run in"), "{text}");
-    assert!(summary.contains("60 steps") && summary.contains("mean reward"), "{summary}");
+    assert!(
+        summary.contains(&format!("{STEPS} steps")) && summary.contains("mean reward"),
+        "{summary}"
+    );
     let steps: Vec<u64> = std::fs::read_to_string(run.join("metrics.jsonl"))
         .unwrap()
         .lines()
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()?["step"].as_u64())
         .collect();
-    assert_eq!(steps, (0..=60).collect::<Vec<u64>>(), "one record per step, none twice");
+    assert_eq!(steps, (0..=STEPS as u64).collect::<Vec<u64>>(), "one record per step, none twice");
     assert!(run.join("final_policy/model.safetensors").is_file());
     assert!(run.join("summary.md").is_file() && run.join("reward.png").is_file());
 
