@@ -599,8 +599,10 @@ fn a_running_train_serves_its_step_metrics_and_its_session_on_the_metrics_port()
     std::fs::write(&config_path, serde_json::to_string(&base).unwrap()).unwrap();
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let run_dir = dir.join("run");
+    // Long enough to outlast the scrape and the browser (the checks end it): 150 steps of this
+    // model ended 1.5 s after the browser's second page on a quiet machine.
     let mut cmd =
-        train_command(&config_path, &run_dir, &["train.max_steps=150", "train.num_episodes=10"]);
+        train_command(&config_path, &run_dir, &["train.max_steps=1000", "train.num_episodes=100"]);
     let dashboard =
         std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     cmd.arg("--metrics-port").arg(port.to_string());
@@ -623,7 +625,7 @@ fn a_running_train_serves_its_step_metrics_and_its_session_on_the_metrics_port()
         }
         std::thread::sleep(Duration::from_millis(20));
     };
-    assert_eq!(sample(&text, "rtrun_train_total_steps"), Some(150.0), "{text}");
+    assert_eq!(sample(&text, "rtrun_train_total_steps"), Some(1000.0), "{text}");
     // The dashboard, in a browser, while the run goes: the roles, then the run's own page.
     let shots = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("train-dashboard");
     std::fs::create_dir_all(&shots).unwrap();
@@ -631,7 +633,7 @@ fn a_running_train_serves_its_step_metrics_and_its_session_on_the_metrics_port()
     let actors = rtrun_tests::browse(&url("/actors"), &shots.join("actors.png"));
     assert!(actors.contains(">LmWorker<") && actors.contains(">EngineActor<"), "{actors}");
     let run_page = rtrun_tests::browse(&url("/panels/0"), &shots.join("training.png"));
-    assert!(run_page.contains("Training") && run_page.contains(" of 150"), "{run_page}");
+    assert!(run_page.contains("Training") && run_page.contains(" of 1000"), "{run_page}");
     assert_eq!(run_page.matches("data:image/png;base64,").count(), 2, "{run_page}");
     assert!(sample(&text, "rtrun_train_tokens_per_second").is_some_and(|t| t > 0.0), "{text}");
     assert!(sample(&text, r#"rtrun_train_phase_seconds{phase="generate"}"#).is_some(), "{text}");
@@ -661,10 +663,15 @@ fn a_running_train_serves_its_step_metrics_and_its_session_on_the_metrics_port()
         plotted += 1;
     }
     assert!(plotted >= 20, "{plotted} metric references in the dashboard");
-    let out = child.wait_with_output().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let recorded = metrics(&run_dir);
-    let at_step = recorded.iter().find(|m| m.step() == step).expect("the scraped step recorded");
+    // The scraped step's record, once in metrics.jsonl, holds the value the scrape served.
+    let recorded = || metrics(&run_dir).into_iter().find(|m| m.step() == step);
+    assert!(rtrun_tests::wait_until(Duration::from_secs(30), || recorded().is_some()));
+    let at_step = recorded().unwrap();
     assert_eq!(at_step.get("reward"), Some(reward), "the scrape serves metrics.jsonl's value");
-    std::fs::remove_dir_all(&dir).unwrap();
+    assert!(child.try_wait().unwrap().is_none(), "the run ended before the checks did");
+    child.kill().unwrap();
+    child.wait().unwrap();
+    // Its workers notice the driver's end within moments and stop writing the run directory.
+    let removed = || std::fs::remove_dir_all(&dir).is_ok() || !dir.exists();
+    assert!(rtrun_tests::wait_until(Duration::from_secs(30), removed), "{}", dir.display());
 }
