@@ -11,10 +11,75 @@
 //! creates a detached [`Counter`] named NAME and bumps it; `owned NAME` creates a counter named
 //! NAME that dies with this driver and bumps it; `lookup NAME` bumps an existing one.
 
+use std::ffi::OsString;
 use std::io::Write;
 
+use clap::{CommandFactory, Parser};
 use rtrun::placement_group::Strategy;
 use rtrun::{ActorOptions, PlacementGroupOptions};
+
+/// The driver of the multi-node test: joins the cluster named by `RTRUN_ADDRESS` (else runs an
+/// embedded session), spreads a placement group with one bundle per node, calls an actor in each
+/// bundle, moves an object between nodes and checks its checksum on both ends. With `shared`,
+/// `owned` or `lookup` it bumps a named counter actor instead and exits.
+///
+/// Every option may also be given without its dashes (`nodes 3 bytes 1000 hold 60`), the form
+/// the tests use.
+#[derive(Parser)]
+struct Args {
+    /// Bundles of the placement group, one per node.
+    #[arg(long, env = "CLUSTER_NODES", default_value_t = 3, value_name = "N")]
+    #[arg(value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    nodes: usize,
+    /// The placement group's name.
+    #[arg(long, default_value = "spread", value_name = "NAME")]
+    group: String,
+    /// Size of the object moved between nodes, in bytes.
+    #[arg(long, env = "CLUSTER_OBJECT_BYTES", default_value_t = 256 << 20, value_name = "N")]
+    bytes: usize,
+    /// Print the first line of FILE, relative to the current directory (a submitted job's
+    /// working directory).
+    #[arg(long, value_name = "FILE")]
+    read: Option<String>,
+    /// Have every actor print N lines on stdout and one on stderr.
+    #[arg(long, value_name = "N")]
+    say: Option<u32>,
+    /// Keep the placement group and actors this long after `ok`, then exit.
+    #[arg(long, value_name = "SECONDS")]
+    hold: Option<u64>,
+    /// Service mode: get or create a detached counter named NAME and bump it.
+    #[arg(long, value_name = "NAME", group = "service")]
+    shared: Option<String>,
+    /// Service mode: create a counter named NAME that dies with this driver and bump it.
+    #[arg(long, value_name = "NAME", group = "service")]
+    owned: Option<String>,
+    /// Service mode: bump the existing counter named NAME.
+    #[arg(long, value_name = "NAME", group = "service")]
+    lookup: Option<String>,
+}
+
+impl Args {
+    /// Parses the command line, where each `KEY VALUE` pair may also be spelled without the
+    /// dashes of `--KEY VALUE`.
+    fn parse_with_bare_keys() -> Args {
+        let keys: Vec<String> = Args::command()
+            .get_arguments()
+            .filter(|arg| arg.get_action().takes_values())
+            .filter_map(|arg| arg.get_long().map(str::to_owned))
+            .collect();
+        let is_key = |text: &str| keys.iter().any(|key| key == text);
+        let mut args: Vec<OsString> = Vec::new();
+        // Whether the argument before was a key, so this one is its value, kept as it is.
+        let mut value_next = false;
+        for (index, arg) in std::env::args_os().enumerate() {
+            let text = arg.to_str().unwrap_or_default();
+            let bare_key = index > 0 && !value_next && is_key(text);
+            value_next = bare_key || text.strip_prefix("--").is_some_and(is_key);
+            args.push(if bare_key { format!("--{text}").into() } else { arg });
+        }
+        Args::parse_from(args)
+    }
+}
 
 /// A deterministic 64-bit checksum (FNV-1a over 8-byte words).
 fn checksum(bytes: &[u8]) -> u64 {
@@ -102,13 +167,13 @@ impl Counter {
 }
 
 /// The service modes (see the module's documentation); `None` when no mode was asked for.
-fn service(out: &mut impl Write) -> anyhow::Result<Option<()>> {
-    let counter = if let Some(name) = argument("shared") {
-        Counter::remote_with(ActorOptions::default().name(&name).detached().get_if_exists())?
-    } else if let Some(name) = argument("owned") {
-        Counter::remote_with(ActorOptions::default().name(&name))?
-    } else if let Some(name) = argument("lookup") {
-        rtrun::get_actor::<Counter>(&name, None)?
+fn service(args: &Args, out: &mut impl Write) -> anyhow::Result<Option<()>> {
+    let counter = if let Some(name) = &args.shared {
+        Counter::remote_with(ActorOptions::default().name(name).detached().get_if_exists())?
+    } else if let Some(name) = &args.owned {
+        Counter::remote_with(ActorOptions::default().name(name))?
+    } else if let Some(name) = &args.lookup {
+        rtrun::get_actor::<Counter>(name, None)?
     } else {
         return Ok(None);
     };
@@ -122,20 +187,21 @@ fn service(out: &mut impl Write) -> anyhow::Result<Option<()>> {
 }
 
 fn main() -> anyhow::Result<()> {
+    // A worker process (this executable re-run by the runtime) serves its assignment here and
+    // never returns: only the driver reads the command line.
+    rtrun::run_worker_if_requested();
+    let args = Args::parse_with_bare_keys();
     rtrun::init()?;
     let mut out = std::io::stdout().lock();
-    if service(&mut out)?.is_some() {
+    if service(&args, &mut out)?.is_some() {
         return Ok(());
     }
-    let nodes: usize = argument("nodes")
-        .or_else(|| std::env::var("CLUSTER_NODES").ok())
-        .and_then(|n| n.parse().ok())
-        .unwrap_or(3);
-    let name = argument("group").unwrap_or_else(|| "spread".to_owned());
+    let nodes = args.nodes;
+    let name = &args.group;
     let group = rtrun::placement_group(
         PlacementGroupOptions::uniform(nodes, &[("CPU", 1.0)])?
             .strategy(Strategy::Spread)
-            .name(&name),
+            .name(name),
     )?;
     group.wait(std::time::Duration::from_secs(60))?;
     let probes = (0..nodes)
@@ -145,10 +211,7 @@ fn main() -> anyhow::Result<()> {
     let names: Vec<&str> = places.iter().map(|(node, _)| node.as_str()).collect();
     writeln!(out, "nodes {}", names.join(" "))?;
     out.flush()?;
-    let len = argument("bytes")
-        .or_else(|| std::env::var("CLUSTER_OBJECT_BYTES").ok())
-        .and_then(|n| n.parse().ok())
-        .unwrap_or(256 << 20);
+    let len = args.bytes;
     let made = probes[0].make(len, 0x9e37_79b9_7f4a_7c15);
     // Calls to one actor run in order: this answer means the object exists.
     probes[0].where_am_i().get()?;
@@ -195,7 +258,7 @@ fn main() -> anyhow::Result<()> {
         writeln!(out, "worker env {name}={worker}")?;
     }
     // `say N`: every probe prints N lines (its output reaches this driver's stderr, prefixed).
-    if let Some(lines) = argument("say").and_then(|n| n.parse::<u32>().ok()) {
+    if let Some(lines) = args.say {
         for probe in &probes {
             probe.say(lines).get()?;
         }
@@ -203,8 +266,8 @@ fn main() -> anyhow::Result<()> {
     }
     // `read FILE`: the first line of FILE, relative to the current directory (a submitted
     // job's working directory).
-    if let Some(file) = argument("read") {
-        let text = std::fs::read_to_string(&file)?;
+    if let Some(file) = &args.read {
+        let text = std::fs::read_to_string(file)?;
         let cwd = std::env::current_dir()?;
         writeln!(out, "read {file}: {} (in {})", text.lines().next().unwrap_or(""), cwd.display())?;
     }
@@ -279,7 +342,7 @@ fn main() -> anyhow::Result<()> {
     }
     // `hold SECONDS`: keeps its placement group and actors for that long after `ok`, then
     // exits normally.
-    if let Some(seconds) = argument("hold").and_then(|s| s.parse::<u64>().ok()) {
+    if let Some(seconds) = args.hold {
         writeln!(out, "holding")?;
         out.flush()?;
         std::thread::sleep(std::time::Duration::from_secs(seconds));
@@ -287,8 +350,6 @@ fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The value after `name` in the arguments (`bytes N`, `hold SECONDS`): arguments rather than
-/// environment variables, so that they reach a driver started by `rtrun submit`.
 /// Rounds of [`shared_reads`].
 const SHARED_READ_ROUNDS: u64 = 100;
 
@@ -324,9 +385,4 @@ fn shared_reads(
         start.elapsed().as_secs_f64()
     )?;
     Ok(())
-}
-
-fn argument(name: &str) -> Option<String> {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    args.windows(2).find(|pair| pair[0] == name).map(|pair| pair[1].clone())
 }
