@@ -6,7 +6,18 @@
 //! (dispatch → gather), and the server averages them and steps. Remote tasks evaluate the loss on
 //! held-out chunks. The run prints the loss per step and checks that it fell.
 
+use clap::Parser;
 use rtrun::{ActorGroup, ActorOptions, ObjectRef};
+
+/// The runtime demo: a small data-parallel training loop (a parameter-server actor, a group of
+/// two gradient workers, remote tasks for the held-out loss) that prints the loss per step and
+/// checks that it fell.
+#[derive(Parser)]
+struct Args {
+    /// Training steps to run.
+    #[arg(default_value_t = 30)]
+    steps: u64,
+}
 
 const TRUE_W: [f64; 3] = [2.0, -1.0, 0.5];
 const TRUE_B: f64 = 0.25;
@@ -100,8 +111,11 @@ fn eval_loss(params: [f64; 4], start: u64, count: u64) -> f64 {
 }
 
 fn main() -> anyhow::Result<()> {
+    // A worker process (this executable re-run by the runtime) serves its assignment here and
+    // never returns: only the driver reads the command line.
+    rtrun::run_worker_if_requested();
+    let Args { steps } = Args::parse();
     rtrun::init()?;
-    let steps: u64 = std::env::args().nth(1).and_then(|s| s.parse().ok()).unwrap_or(30);
     let server =
         ParameterServer::remote_with(ActorOptions::default().name("parameter-server"), 0.3)?;
     let group: ActorGroup<GradWorker> =

@@ -20,9 +20,31 @@ mod grpo;
 
 use std::time::Instant;
 
+use clap::Parser;
 use grpo::{GrpoStage, GrpoStageRef};
 use rtrun::{ActorOptions, ObjectRef};
 use rtrun_rlhf_dock::{PipelineSummary, RemoteDock, StageSpec, StageTimeline};
+
+/// How much the GRPO stages overlap when they stream through the TransferDock, against the same
+/// stages run one after another (the anchor), on worker processes with the tiny model.
+#[derive(Parser)]
+struct Args {
+    /// Prompts in the dock.
+    #[arg(default_value_t = 32)]
+    prompts: usize,
+    /// Samples per prompt.
+    #[arg(default_value_t = 8)]
+    samples: usize,
+    /// Most tokens rollout generates per sample.
+    #[arg(default_value_t = 24)]
+    max_new_tokens: usize,
+    /// Prompt groups per batch a stage takes from the dock.
+    #[arg(default_value_t = 2)]
+    groups_per_batch: usize,
+    /// Runs of each mode (sequential and pipelined alternate); 0 counts as 1.
+    #[arg(default_value_t = 5)]
+    repeats: usize,
+}
 
 struct Setup {
     prompts: usize,
@@ -112,17 +134,13 @@ fn median(mut values: Vec<f64>) -> f64 {
 }
 
 fn main() -> anyhow::Result<()> {
+    // A worker process (this executable re-run by the runtime) serves its assignment here and
+    // never returns: only the driver reads the command line.
+    rtrun::run_worker_if_requested();
+    let Args { prompts, samples, max_new_tokens, groups_per_batch, repeats } = Args::parse();
     rtrun::init()?;
-    let arg = |i: usize, default: usize| {
-        std::env::args().nth(i).and_then(|a| a.parse().ok()).unwrap_or(default)
-    };
-    let setup = Setup {
-        prompts: arg(1, 32),
-        samples: arg(2, 8),
-        max_new_tokens: arg(3, 24),
-        groups_per_batch: arg(4, 2),
-    };
-    let repeats = arg(5, 5).max(1);
+    let setup = Setup { prompts, samples, max_new_tokens, groups_per_batch };
+    let repeats = repeats.max(1);
     println!(
         "GRPO stages on the dock: {} prompts x {} samples, up to {} new tokens, batches of {} \
          groups, {} cpus, {repeats} repeats (sequential and pipelined alternate)",

@@ -5,25 +5,30 @@
 
 use std::time::Instant;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
+use clap::Parser;
 use rtrun_rlhf_model::tch::{self, Device, Kind, Tensor};
 use rtrun_rlhf_model::tiny::{bench_config_25m, tiny_config};
 use rtrun_rlhf_model::train::masked_cross_entropy;
 use rtrun_rlhf_model::{CausalLm, ModelConfig, ModelFamily};
+
+/// Forward and forward + backward throughput on CPU, in tokens/s, for the tiny config and a
+/// ~25M-parameter config.
+#[derive(Parser)]
+struct Args {
+    /// Timed iterations per case (after one warm-up).
+    #[arg(long, value_name = "N", default_value_t = 5, value_parser = clap::value_parser!(i64).range(1..))]
+    iters: i64,
+    /// libtorch's intra-op threads; 0 keeps libtorch's default.
+    #[arg(long, value_name = "T", default_value_t = 0, value_parser = clap::value_parser!(i32).range(0..))]
+    threads: i32,
+}
 
 struct Case {
     name: &'static str,
     config: ModelConfig,
     batch: i64,
     seq: i64,
-}
-
-fn arg(name: &str, default: i64) -> Result<i64> {
-    let args: Vec<String> = std::env::args().collect();
-    match args.iter().position(|a| a == name) {
-        Some(i) => args.get(i + 1).context("flag needs a value")?.parse().context("not a number"),
-        None => Ok(default),
-    }
 }
 
 fn run(model: &CausalLm, ids: &Tensor, backward: bool) -> Result<()> {
@@ -47,10 +52,9 @@ fn run(model: &CausalLm, ids: &Tensor, backward: bool) -> Result<()> {
 }
 
 fn main() -> Result<()> {
-    let iters = arg("--iters", 5)?;
-    let threads = arg("--threads", 0)?;
+    let Args { iters, threads } = Args::parse();
     if threads > 0 {
-        tch::set_num_threads(threads as i32);
+        tch::set_num_threads(threads);
     }
     let cases = [
         Case {

@@ -10,7 +10,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use anyhow::Context as _;
+use clap::Parser;
 use rtrun_rlhf_telemetry::{
     EvalRow, MetricsSink as _, MetricsWriter, PhaseTimer, ProgressOptions, RunProgress, RunSummary,
     StartMode, StepMetrics, jsonl, reward_curve,
@@ -19,12 +19,23 @@ use rtrun_rlhf_telemetry::{
 const STEPS: u64 = 30;
 const EVAL_EVERY: u64 = 5;
 
+/// A synthetic 30-step run through the telemetry crate, as the RLHF driver uses it: writes
+/// `metrics.jsonl`, a TensorBoard event file and `reward.png` into RUN_DIR, shows progress and
+/// prints the summary table.
+#[derive(Parser)]
+struct Args {
+    /// The run directory to write.
+    run_dir: PathBuf,
+    /// End the run after this step, as if it were killed.
+    #[arg(default_value_t = STEPS)]
+    stop_after_step: u64,
+    /// Continue the directory's run from this step, as a driver restarting from a checkpoint
+    /// would (the default starts afresh).
+    resume_from_step: Option<u64>,
+}
+
 fn main() -> anyhow::Result<()> {
-    let usage = "usage: telemetry_demo <run-dir> [<stop-after-step> [<resume-from-step>]]";
-    let mut args = std::env::args().skip(1);
-    let dir: PathBuf = args.next().context(usage)?.into();
-    let stop: u64 = args.next().map_or(Ok(STEPS), |arg| arg.parse()).context(usage)?;
-    let resume: Option<u64> = args.next().map(|arg| arg.parse()).transpose().context(usage)?;
+    let Args { run_dir: dir, stop_after_step: stop, resume_from_step: resume } = Args::parse();
     let started = std::time::Instant::now();
     let (mode, first_step) = match resume {
         Some(next_step) => (StartMode::Resume { next_step }, next_step.max(1)),

@@ -13,35 +13,102 @@
 //! says so and exits 2.
 
 use std::io::{BufRead, Write};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
+use clap::{Parser, Subcommand};
 use rtrun_rlhf_engine::weight_ipc::{self, IpcWeightBucket};
 use rtrun_rlhf_engine::{EngineConfig, GenerationRequest, LlmEngine, SamplingParams, WeightMeta};
 use rtrun_rlhf_model::CausalLm;
 use rtrun_rlhf_model::tch::{self, Device, Kind, Tensor};
 use serde_json::json;
 
+/// The GPU checks `scripts/gpu-check.sh` runs on a lent GPU machine. Each check prints one JSON
+/// line with its figures and `"ok"`; without a usable CUDA device it says so and exits 2.
+#[derive(Parser)]
+struct Args {
+    #[command(subcommand)]
+    check: Check,
+}
+
+#[derive(Subcommand)]
+enum Check {
+    /// Model forward: CUDA fp32 logits against CPU fp32 (limit 1e-4); bf16 against fp32.
+    Forward {
+        /// The Hugging Face checkpoint directory.
+        ckpt: PathBuf,
+    },
+    /// The engine on CUDA, greedy: tokens/s for each batch size; writes the largest batch's
+    /// outputs.
+    Engine {
+        /// The Hugging Face checkpoint directory.
+        ckpt: PathBuf,
+        /// The prompts: a JSON list of token-id lists.
+        prompts: PathBuf,
+        /// Where to write the largest batch's generated token ids (JSON).
+        out: PathBuf,
+        /// The engine's dtype.
+        #[arg(value_parser = ["f32", "bf16"])]
+        dtype: String,
+        /// Batch sizes, comma-separated (`1,64,256`): each generates for the first that many
+        /// prompts.
+        #[arg(value_parser = parse_batches)]
+        batches: BatchSizes,
+        /// Tokens generated per prompt.
+        new: u32,
+    },
+    /// Engine sleep and wake: the device memory freed against what the engine claims.
+    Sleep {
+        /// The Hugging Face checkpoint directory.
+        ckpt: PathBuf,
+    },
+    /// Weight sync by CUDA IPC to a second process started from this binary.
+    Ipc {
+        /// The Hugging Face checkpoint directory.
+        ckpt: PathBuf,
+        /// Size of each weight bucket, in bytes.
+        bucket_bytes: usize,
+    },
+    /// The receiving process of `ipc` (started by it).
+    #[command(hide = true)]
+    IpcReceive {
+        /// The Hugging Face checkpoint directory.
+        ckpt: PathBuf,
+    },
+    /// Two NCCL ranks on one GPU: the collective must refuse, not hang.
+    NcclSameGpu,
+    /// One rank of `nccl-same-gpu` (started by it).
+    #[command(hide = true)]
+    NcclRank {
+        /// This process's rank.
+        rank: usize,
+        /// The rendezvous port on 127.0.0.1.
+        port: u16,
+    },
+}
+
+/// The `engine` check's batch sizes.
+#[derive(Clone)]
+struct BatchSizes(Vec<usize>);
+
+fn parse_batches(value: &str) -> Result<BatchSizes, String> {
+    value
+        .split(',')
+        .map(|b| b.parse().map_err(|e| format!("batch size `{b}`: {e}")))
+        .collect::<Result<_, _>>()
+        .map(BatchSizes)
+}
+
 fn main() {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    if let Err(e) = run(&args) {
+    let Args { check } = Args::parse();
+    if let Err(e) = run(check) {
         eprintln!("gpu_check: {e:#}");
         std::process::exit(1);
     }
 }
 
-fn run(args: &[String]) -> Result<()> {
-    let arg = |i: usize| -> Result<&str> {
-        args.get(i)
-            .map(String::as_str)
-            .with_context(|| format!("argument {i} missing (see --help)"))
-    };
-    let sub = arg(0)?;
-    if sub == "--help" {
-        println!("usage: gpu_check forward|engine|sleep|ipc|nccl-same-gpu ... (see the source)");
-        return Ok(());
-    }
+fn run(check: Check) -> Result<()> {
     if !tch::Cuda::is_available() {
         eprintln!(
             "gpu_check: no usable CUDA device (this build: cuda feature {})",
@@ -49,22 +116,16 @@ fn run(args: &[String]) -> Result<()> {
         );
         std::process::exit(2);
     }
-    match sub {
-        "forward" => forward(Path::new(arg(1)?)),
-        "engine" => engine(
-            Path::new(arg(1)?),
-            Path::new(arg(2)?),
-            Path::new(arg(3)?),
-            arg(4)?,
-            arg(5)?,
-            arg(6)?.parse()?,
-        ),
-        "sleep" => sleep(Path::new(arg(1)?)),
-        "ipc" => ipc_send(Path::new(arg(1)?), arg(2)?.parse()?),
-        "ipc-receive" => ipc_receive(Path::new(arg(1)?)),
-        "nccl-same-gpu" => nccl_same_gpu(),
-        "nccl-rank" => nccl_rank(arg(1)?.parse()?, arg(2)?.parse()?).map_err(anyhow::Error::msg),
-        other => bail!("unknown subcommand `{other}`"),
+    match check {
+        Check::Forward { ckpt } => forward(&ckpt),
+        Check::Engine { ckpt, prompts, out, dtype, batches: BatchSizes(batches), new } => {
+            engine(&ckpt, &prompts, &out, &dtype, &batches, new)
+        }
+        Check::Sleep { ckpt } => sleep(&ckpt),
+        Check::Ipc { ckpt, bucket_bytes } => ipc_send(&ckpt, bucket_bytes),
+        Check::IpcReceive { ckpt } => ipc_receive(&ckpt),
+        Check::NcclSameGpu => nccl_same_gpu(),
+        Check::NcclRank { rank, port } => nccl_rank(rank, port).map_err(anyhow::Error::msg),
     }
 }
 
@@ -136,12 +197,10 @@ fn engine(
     prompts: &Path,
     out: &Path,
     dtype: &str,
-    batches: &str,
+    batches: &[usize],
     new: u32,
 ) -> Result<()> {
     let prompts: Vec<Vec<u32>> = serde_json::from_str(&std::fs::read_to_string(prompts)?)?;
-    let batches: Vec<usize> =
-        batches.split(',').map(|b| b.parse()).collect::<std::result::Result<_, _>>()?;
     let max_batch = *batches.iter().max().context("no batch sizes")?;
     let prompt_len = prompts.iter().map(Vec::len).max().unwrap_or(0);
     let model = CausalLm::from_pretrained(dir, Device::Cuda(0), kind_of(dtype)?)?;
@@ -169,7 +228,7 @@ fn engine(
     };
     let mut rows = Vec::new();
     let mut last = Vec::new();
-    for &b in &batches {
+    for &b in batches {
         // Warm-up at this batch size (kernel choices and allocator blocks per shape), as the
         // anchor does; the second run is timed.
         engine.generate(requests(b))?;

@@ -7,25 +7,26 @@
 
 use std::path::PathBuf;
 
+use clap::Parser;
 use rtrun_rlhf::walkthrough::{WalkthroughConfig, write_walkthrough};
 
+/// Writes the no-download walkthrough: a small Hugging Face Qwen2 checkpoint (BPE tokenizer,
+/// ChatML chat template, generation config, a short supervised warm-up) and GSM8K-format
+/// `train.jsonl` / `test.jsonl`, for `deploy/examples/rlhf/grpo-hf.yaml`.
+#[derive(Parser)]
+struct Args {
+    /// The directory to write.
+    #[arg(default_value = "walkthrough")]
+    out_dir: PathBuf,
+    /// Optimizer steps of the supervised warm-up (0 skips it: the checkpoint stays random).
+    #[arg(long, value_name = "N", default_value_t = WalkthroughConfig::default().warmup.steps)]
+    warmup_steps: u64,
+}
+
 fn main() -> anyhow::Result<()> {
-    let mut out = PathBuf::from("walkthrough");
+    let Args { out_dir: out, warmup_steps } = Args::parse();
     let mut config = WalkthroughConfig::default();
-    let mut args = std::env::args().skip(1);
-    while let Some(arg) = args.next() {
-        match arg.as_str() {
-            "--warmup-steps" => {
-                let value =
-                    args.next().ok_or_else(|| anyhow::anyhow!("--warmup-steps needs a number"))?;
-                config.warmup.steps = value.parse().map_err(|e| {
-                    anyhow::anyhow!("--warmup-steps: expected a number, found `{value}` ({e})")
-                })?;
-            }
-            flag if flag.starts_with("--") => anyhow::bail!("unknown flag `{flag}`"),
-            dir => out = PathBuf::from(dir),
-        }
-    }
+    config.warmup.steps = warmup_steps;
     let files = write_walkthrough(&out, &config)?;
     if files.warmup.steps == 0 {
         println!("checkpoint: {} (untrained: no warm-up)", files.model_dir.display());

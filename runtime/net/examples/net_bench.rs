@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use clap::Parser;
 use rtrun_net::{
     Endpoint, EndpointOptions, HeadCredentials, NetConfig, NodeCredentials, ObjectSource,
 };
@@ -16,6 +17,47 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
 const SIZE: usize = 256 << 20;
+
+/// Loopback benchmark of the network layer against plain TCP measured in the same run: request
+/// round trips per second with one in flight, and 256 MiB transfers (one multipart request and
+/// a chunked pull) in GB/s.
+#[derive(Parser)]
+struct Args {
+    /// Length of each round-trip window, in seconds.
+    #[arg(default_value_t = 3.0, value_parser = parse_seconds)]
+    seconds: f64,
+    /// Largest UDP payload MTU discovery may try, in bytes.
+    #[arg(default_value_t = NetConfig::default().mtu_upper_bound)]
+    mtu_upper_bound: u16,
+    /// UDP payload size used from the first packet on loopback, in bytes, or `off` for MTU
+    /// discovery as on any other path [default: `NetConfig`'s].
+    #[arg(value_name = "LOOPBACK_MTU|off", value_parser = parse_loopback_mtu)]
+    loopback_mtu: Option<LoopbackMtu>,
+}
+
+/// A `loopback_mtu` argument: a size, or `None` for `off`.
+#[derive(Clone, Copy)]
+struct LoopbackMtu(Option<u16>);
+
+fn parse_loopback_mtu(value: &str) -> Result<LoopbackMtu, String> {
+    match value {
+        "off" => Ok(LoopbackMtu(None)),
+        bytes => bytes
+            .parse()
+            .map(|mtu| LoopbackMtu(Some(mtu)))
+            .map_err(|e| format!("expected a size in bytes or `off` ({e})")),
+    }
+}
+
+/// A window length: finite and not negative (a `Duration` can hold nothing else).
+fn parse_seconds(value: &str) -> Result<f64, String> {
+    let seconds: f64 = value.parse().map_err(|e| format!("expected a number ({e})"))?;
+    if seconds.is_finite() && seconds >= 0.0 {
+        Ok(seconds)
+    } else {
+        Err(format!("expected a finite number of seconds, not below 0, found {seconds}"))
+    }
+}
 
 struct OneObject(Bytes);
 
@@ -34,18 +76,12 @@ async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .init();
-    let args: Vec<String> = std::env::args().collect();
-    let seconds: f64 = args.get(1).map(|s| s.parse()).transpose()?.unwrap_or(3.0);
-    let mtu: u16 =
-        args.get(2).map(|s| s.parse()).transpose()?.unwrap_or(NetConfig::default().mtu_upper_bound);
+    let Args { seconds, mtu_upper_bound: mtu, loopback_mtu } = Args::parse();
     let window = Duration::from_secs_f64(seconds);
     let data = Bytes::from((0..SIZE).map(|i| (i % 251) as u8).collect::<Vec<u8>>());
 
-    let loopback_mtu: Option<u16> = match args.get(3).map(String::as_str) {
-        None => NetConfig::default().loopback_mtu,
-        Some("off") => None,
-        Some(value) => Some(value.parse()?),
-    };
+    let loopback_mtu: Option<u16> =
+        loopback_mtu.map_or(NetConfig::default().loopback_mtu, |LoopbackMtu(mtu)| mtu);
     let config = NetConfig { mtu_upper_bound: mtu, loopback_mtu, ..NetConfig::default() };
     let head = HeadCredentials::generate("head")?;
     let (cert, key) = head.authority.issue_node("node")?;

@@ -12,11 +12,25 @@ use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
+use clap::Parser;
+use clap::builder::RangedU64ValueParser;
 use rtrun::collective::{Communicator, ReduceOp};
 use rtrun::{ActorGroup, ActorOptions, Config};
 
 /// Timed repetitions per size (after one warm-up), the median is reported.
 const REPETITIONS: usize = 5;
+
+/// Benchmark of the CPU collective: ring all-reduce bus bandwidth across worker processes, each
+/// size next to its anchor (the same ring traffic over bare TCP loopback sockets).
+#[derive(Parser)]
+struct Args {
+    /// Ranks of the ring (one worker process each).
+    #[arg(default_value_t = 4, value_parser = RangedU64ValueParser::<usize>::new().range(1..))]
+    ranks: usize,
+    /// Sizes of the all-reduced buffer, in MiB.
+    #[arg(value_name = "MIB", default_values_t = [1, 16, 64])]
+    sizes_mib: Vec<usize>,
+}
 
 struct BenchRank {
     comm: Option<Communicator>,
@@ -114,11 +128,11 @@ fn median(mut values: Vec<f64>) -> f64 {
 }
 
 fn main() -> anyhow::Result<()> {
+    // A worker process (this executable re-run by the runtime) serves its assignment here and
+    // never returns: only the driver reads the command line.
+    rtrun::run_worker_if_requested();
+    let Args { ranks, sizes_mib } = Args::parse();
     rtrun::init_with(Config { num_cpus: Some(2.0), ..Default::default() })?;
-    let mut args = std::env::args().skip(1);
-    let ranks: usize = args.next().map(|a| a.parse()).transpose()?.unwrap_or(4);
-    let sizes_mib: Vec<usize> = args.map(|a| a.parse()).collect::<Result<_, _>>()?;
-    let sizes_mib = if sizes_mib.is_empty() { vec![1, 16, 64] } else { sizes_mib };
 
     let group: ActorGroup<BenchRank> =
         ActorGroup::create("bench", ranks, ActorOptions::default(), |_, o| {

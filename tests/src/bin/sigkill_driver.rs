@@ -5,6 +5,18 @@
 
 use std::io::Write;
 
+use clap::Parser;
+
+/// A driver for the SIGKILL test: starts actors and task workers, prints their process ids and
+/// the session, then waits to be killed.
+#[derive(Parser)]
+struct Args {
+    /// Wait for a line on stdin, then start one more actor and print `late <pid>` (or
+    /// `late-error <error>`).
+    #[arg(long)]
+    late_actor: bool,
+}
+
 #[derive(Default)]
 struct Idle;
 
@@ -25,6 +37,10 @@ fn task_pid() -> u32 {
 }
 
 fn main() -> anyhow::Result<()> {
+    // A worker process (this executable re-run by the runtime) serves its assignment here and
+    // never returns: only the driver reads the command line.
+    rtrun::run_worker_if_requested();
+    let Args { late_actor } = Args::parse();
     rtrun::init_with(rtrun::Config { num_cpus: Some(2.0), ..Default::default() })?;
     let actors = (0..3).map(|_| Idle::remote()).collect::<Result<Vec<_>, _>>()?;
     let mut pids: Vec<u32> = actors.iter().map(|a| a.pid().get()).collect::<Result<_, _>>()?;
@@ -36,7 +52,7 @@ fn main() -> anyhow::Result<()> {
     writeln!(out, "session {session}")?;
     writeln!(out, "pids {}", pids.iter().map(u32::to_string).collect::<Vec<_>>().join(" "))?;
     out.flush()?;
-    if std::env::args().any(|a| a == "--late-actor") {
+    if late_actor {
         let mut line = String::new();
         std::io::stdin().read_line(&mut line)?;
         match Idle::remote().and_then(|late| late.pid().get()) {
