@@ -1,30 +1,26 @@
 //! The driver of the multi-node test: joins the cluster named by `RTRUN_ADDRESS`, creates a
 //! SPREAD placement group with one bundle per node, calls an actor in each bundle, moves a
 //! 256 MiB object between nodes and checks its checksum on both ends. Prints `nodes ...`,
-//! `checksum ...` and `ok` lines the test reads. Arguments: `nodes N` bundles (default 3),
-//! `group NAME` (default `spread`), `bytes N` for the object's size, `read FILE` to print a
-//! file's first line, `say N` to have every actor print N lines, `hold SECONDS` to keep
+//! `checksum ...` and `ok` lines the test reads. Arguments: `--nodes N` bundles (default 3),
+//! `--group NAME` (default `spread`), `--bytes N` for the object's size, `--read FILE` to print
+//! a file's first line, `--say N` to have every actor print N lines, `--hold SECONDS` to keep
 //! everything that long afterwards (the fault tests kill things meanwhile).
 //!
 //! Service modes, for actor lifetimes (each prints one `count N pid P` line, then the live named
-//! actors as `named NAMESPACE/NAME TYPE [detached]` lines, and exits): `shared NAME` gets or
-//! creates a detached [`Counter`] named NAME and bumps it; `owned NAME` creates a counter named
-//! NAME that dies with this driver and bumps it; `lookup NAME` bumps an existing one.
+//! actors as `named NAMESPACE/NAME TYPE [detached]` lines, and exits): `--shared NAME` gets or
+//! creates a detached [`Counter`] named NAME and bumps it; `--owned NAME` creates a counter
+//! named NAME that dies with this driver and bumps it; `--lookup NAME` bumps an existing one.
 
-use std::ffi::OsString;
 use std::io::Write;
 
-use clap::{CommandFactory, Parser};
+use clap::Parser;
 use rtrun::placement_group::Strategy;
 use rtrun::{ActorOptions, PlacementGroupOptions};
 
 /// The driver of the multi-node test: joins the cluster named by `RTRUN_ADDRESS` (else runs an
 /// embedded session), spreads a placement group with one bundle per node, calls an actor in each
-/// bundle, moves an object between nodes and checks its checksum on both ends. With `shared`,
-/// `owned` or `lookup` it bumps a named counter actor instead and exits.
-///
-/// Every option may also be given without its dashes (`nodes 3 bytes 1000 hold 60`), the form
-/// the tests use.
+/// bundle, moves an object between nodes and checks its checksum on both ends. With `--shared`,
+/// `--owned` or `--lookup` it bumps a named counter actor instead and exits.
 #[derive(Parser)]
 struct Args {
     /// Bundles of the placement group, one per node.
@@ -56,29 +52,6 @@ struct Args {
     /// Service mode: bump the existing counter named NAME.
     #[arg(long, value_name = "NAME", group = "service")]
     lookup: Option<String>,
-}
-
-impl Args {
-    /// Parses the command line, where each `KEY VALUE` pair may also be spelled without the
-    /// dashes of `--KEY VALUE`.
-    fn parse_with_bare_keys() -> Args {
-        let keys: Vec<String> = Args::command()
-            .get_arguments()
-            .filter(|arg| arg.get_action().takes_values())
-            .filter_map(|arg| arg.get_long().map(str::to_owned))
-            .collect();
-        let is_key = |text: &str| keys.iter().any(|key| key == text);
-        let mut args: Vec<OsString> = Vec::new();
-        // Whether the argument before was a key, so this one is its value, kept as it is.
-        let mut value_next = false;
-        for (index, arg) in std::env::args_os().enumerate() {
-            let text = arg.to_str().unwrap_or_default();
-            let bare_key = index > 0 && !value_next && is_key(text);
-            value_next = bare_key || text.strip_prefix("--").is_some_and(is_key);
-            args.push(if bare_key { format!("--{text}").into() } else { arg });
-        }
-        Args::parse_from(args)
-    }
 }
 
 /// A deterministic 64-bit checksum (FNV-1a over 8-byte words).
@@ -190,7 +163,7 @@ fn main() -> anyhow::Result<()> {
     // A worker process (this executable re-run by the runtime) serves its assignment here and
     // never returns: only the driver reads the command line.
     rtrun::run_worker_if_requested();
-    let args = Args::parse_with_bare_keys();
+    let args = Args::parse();
     rtrun::init()?;
     let mut out = std::io::stdout().lock();
     if service(&args, &mut out)?.is_some() {

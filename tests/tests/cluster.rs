@@ -319,7 +319,7 @@ fn jobs_carry_env_and_working_dirs_run_detached_and_stop_by_name() {
             .args(extra)
             .arg("--")
             .arg(driver_binary())
-            .args(["bytes", "100000", "hold", "120"])
+            .args(["--bytes", "100000", "--hold", "120"])
             .output()
             .unwrap()
     };
@@ -408,7 +408,7 @@ fn jobs_carry_env_and_working_dirs_run_detached_and_stop_by_name() {
             .arg(&files)
             .arg("--")
             .arg(driver_binary())
-            .args(["bytes", "1000", "read", "data/prompts.txt"])
+            .args(["--bytes", "1000", "--read", "data/prompts.txt"])
             .output()
             .unwrap()
     };
@@ -450,7 +450,7 @@ fn worker_output_reaches_its_driver_prefixed_and_rtrun_logs_reads_any_node() {
     }
     let cluster = start_cluster("logs", "5");
     let mut driver = Command::new(driver_binary())
-        .args(["bytes", "1000", "say", "400", "hold", "120"])
+        .args(["--bytes", "1000", "--say", "400", "--hold", "120"])
         .env("RTRUN_ADDRESS", &cluster.address)
         .env("RTRUN_CREDENTIALS_DIR", cluster.dir.join("head-credentials"))
         .stdout(Stdio::piped())
@@ -516,7 +516,7 @@ fn worker_output_reaches_its_driver_prefixed_and_rtrun_logs_reads_any_node() {
 
     // A driver that exits right after its actors printed still shows their last lines.
     let out = Command::new(driver_binary())
-        .args(["bytes", "1000", "say", "5", "group", "last-lines"])
+        .args(["--bytes", "1000", "--say", "5", "--group", "last-lines"])
         .env("RTRUN_ADDRESS", &cluster.address)
         .env("RTRUN_CREDENTIALS_DIR", cluster.dir.join("head-credentials"))
         .output()
@@ -535,7 +535,7 @@ fn worker_output_reaches_its_driver_prefixed_and_rtrun_logs_reads_any_node() {
 #[test]
 fn embedded_workers_print_on_the_drivers_terminal_prefixed() {
     let out = Command::new(driver_binary())
-        .args(["nodes", "1", "bytes", "1000", "say", "3"])
+        .args(["--nodes", "1", "--bytes", "1000", "--say", "3"])
         .env_remove("RTRUN_ADDRESS")
         .output()
         .unwrap();
@@ -579,20 +579,20 @@ fn detached_actors_outlive_their_driver_and_get_if_exists_makes_one() {
     };
     let run = |args: &[&str]| finish(driver(args));
 
-    let (count, service_pid, out) = run(&["shared", "svc"]);
+    let (count, service_pid, out) = run(&["--shared", "svc"]);
     assert_eq!(count, 1, "{out}");
     assert!(
         out.lines().any(|l| l == "named default/svc cluster_driver::Counter detached"),
         "{out}"
     );
     // Its driver exited; the next driver gets the same actor, state included.
-    let (count, pid, out) = run(&["shared", "svc"]);
+    let (count, pid, out) = run(&["--shared", "svc"]);
     assert_eq!((count, pid), (2, service_pid), "{out}");
-    let (count, pid, _) = run(&["lookup", "svc"]);
+    let (count, pid, _) = run(&["--lookup", "svc"]);
     assert_eq!((count, pid), (3, service_pid));
 
     // Two drivers at once: one actor, whatever the interleaving.
-    let (a, b) = (driver(&["shared", "race"]), driver(&["shared", "race"]));
+    let (a, b) = (driver(&["--shared", "race"]), driver(&["shared", "race"]));
     let ((count_a, pid_a, out_a), (count_b, pid_b, out_b)) = (finish(a), finish(b));
     let mut counts = [count_a, count_b];
     counts.sort_unstable();
@@ -600,12 +600,12 @@ fn detached_actors_outlive_their_driver_and_get_if_exists_makes_one() {
     assert_eq!(pid_a, pid_b);
 
     // An ordinary named actor dies with its driver, and its name is free again.
-    let (count, owned_pid, out) = run(&["owned", "tmp"]);
+    let (count, owned_pid, out) = run(&["--owned", "tmp"]);
     assert_eq!(count, 1);
     assert!(out.lines().any(|l| l == "named default/tmp cluster_driver::Counter"), "{out}");
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        let out = driver(&["lookup", "tmp"]).wait_with_output().unwrap();
+        let out = driver(&["--lookup", "tmp"]).wait_with_output().unwrap();
         if !out.status.success() {
             let stderr = String::from_utf8_lossy(&out.stderr);
             assert!(stderr.contains("tmp"), "{stderr}");
@@ -614,7 +614,7 @@ fn detached_actors_outlive_their_driver_and_get_if_exists_makes_one() {
         assert!(Instant::now() < deadline, "the owned actor outlived its driver");
         std::thread::sleep(Duration::from_millis(200));
     }
-    let (count, pid, _) = run(&["owned", "tmp"]);
+    let (count, pid, _) = run(&["--owned", "tmp"]);
     assert_eq!(count, 1);
     assert_ne!(pid, owned_pid);
 
@@ -627,7 +627,7 @@ fn detached_actors_outlive_their_driver_and_get_if_exists_makes_one() {
     assert!(ok && out.contains("killed actor svc"), "{out}{err}");
     let (_, err, ok) = head_rtrun(&cluster, &["kill", "svc"]);
     assert!(!ok && err.contains("svc"), "killing it twice: {err}");
-    let (count, pid, _) = run(&["shared", "svc"]);
+    let (count, pid, _) = run(&["--shared", "svc"]);
     assert_eq!(count, 1, "a new service after the kill");
     assert_ne!(pid, service_pid);
 }
@@ -688,8 +688,8 @@ fn metrics_endpoints_agree_with_rtrun_status() {
         assert!(out.status.success(), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
     };
     // An object moves between the two nodes; a detached actor stays alive afterwards.
-    driver(&["nodes", "2", "bytes", "3000000"]);
-    driver(&["shared", "svc"]);
+    driver(&["--nodes", "2", "--bytes", "3000000"]);
+    driver(&["--shared", "svc"]);
 
     let samples = scrape(&head_metrics);
     let status = status(&cluster);
@@ -782,14 +782,14 @@ fn the_dashboard_shows_nodes_actors_groups_jobs_and_logs_in_chromium() {
         .arg(cluster.dir.join("head-credentials"))
         .arg("--")
         .arg(driver_binary())
-        .args(["nodes", "2", "bytes", "100000", "say", "3", "hold", "120"])
+        .args(["--nodes", "2", "--bytes", "100000", "--say", "3", "--hold", "120"])
         .output()
         .unwrap();
     assert!(submit.status.success(), "{}", String::from_utf8_lossy(&submit.stderr));
     let service = Command::new(driver_binary())
         .env("RTRUN_ADDRESS", &cluster.address)
         .env("RTRUN_CREDENTIALS_DIR", cluster.dir.join("head-credentials"))
-        .args(["shared", "svc"])
+        .args(["--shared", "svc"])
         .output()
         .unwrap();
     assert!(service.status.success(), "{}", String::from_utf8_lossy(&service.stderr));

@@ -86,7 +86,7 @@ fn a_drivers_placement_groups_go_with_it_and_operators_can_remove_one() {
     // A submitted job that ends normally: its group `spread` goes with it, so the same job
     // can run again (before: "placement group name `spread` is already in use").
     for attempt in 0..2 {
-        let out = submit(&cluster, &["bytes", "100000"]);
+        let out = submit(&cluster, &["--bytes", "100000"]);
         let stdout = String::from_utf8_lossy(&out.stdout);
         assert!(
             out.status.success(),
@@ -102,7 +102,7 @@ fn a_drivers_placement_groups_go_with_it_and_operators_can_remove_one() {
     assert!(status(&cluster).contains("available: CPU: 3"), "every CPU is free again");
 
     // A driver killed with SIGKILL: its group goes once the head notices (its heartbeats stop).
-    let (mut driver, lines) = start_driver(&cluster, &["bytes", "100000", "hold", "300"]);
+    let (mut driver, lines) = start_driver(&cluster, &["--bytes", "100000", "--hold", "300"]);
     expect_line(&lines, "holding", "the holding driver");
     assert!(list_groups(&cluster).contains("spread"));
     kill9(driver.id());
@@ -113,7 +113,7 @@ fn a_drivers_placement_groups_go_with_it_and_operators_can_remove_one() {
     assert!(gone, "the killed driver's group is still there: {}", list_groups(&cluster));
 
     // An operator removes a live driver's group by name: its actors stop, its CPUs are free.
-    let (mut driver, lines) = start_driver(&cluster, &["bytes", "100000", "hold", "300"]);
+    let (mut driver, lines) = start_driver(&cluster, &["--bytes", "100000", "--hold", "300"]);
     expect_line(&lines, "holding", "the holding driver");
     let credentials = cluster.dir.join("head-credentials");
     let out = rtrun(&cluster, &["remove-placement-group", "spread"], &credentials);
@@ -172,7 +172,7 @@ fn a_killed_or_paused_driver_loses_its_workers_on_every_node_within_the_heartbea
     let cluster = start_cluster("driver-heartbeats", "2");
     let quic_idle = Duration::from_secs(10);
     for (how, sig) in [("SIGKILL", libc::SIGKILL), ("SIGSTOP", libc::SIGSTOP)] {
-        let (mut driver, lines) = start_driver(&cluster, &["bytes", "100000", "hold", "300"]);
+        let (mut driver, lines) = start_driver(&cluster, &["--bytes", "100000", "--hold", "300"]);
         expect_line(&lines, "holding", "the holding driver");
         let pids = live_actor_pids(&cluster);
         // One actor per node of the SPREAD group, at least.
@@ -202,15 +202,19 @@ fn a_killed_or_paused_driver_loses_its_workers_on_every_node_within_the_heartbea
 fn losing_the_head_fails_its_drivers_clients_and_nodes_and_dead_heads_are_reported_fast() {
     let mut cluster = start_cluster("headloss", "5");
     // One bundle each, so that both fit.
-    let (mut driver, lines) =
-        start_driver(&cluster, &["nodes", "1", "group", "a", "bytes", "100000", "hold", "300"]);
+    let (mut driver, lines) = start_driver(
+        &cluster,
+        &["--nodes", "1", "--group", "a", "--bytes", "100000", "--hold", "300"],
+    );
     expect_line(&lines, "holding", "the attached driver");
-    let mut submitted =
-        submit_command(&cluster, &["nodes", "1", "group", "b", "bytes", "100000", "hold", "300"])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
+    let mut submitted = submit_command(
+        &cluster,
+        &["--nodes", "1", "--group", "b", "--bytes", "100000", "--hold", "300"],
+    )
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .spawn()
+    .unwrap();
     let submitted_lines = read_lines(submitted.stdout.take().unwrap());
     expect_line(&submitted_lines, "holding", "the submitted job");
 
@@ -317,7 +321,7 @@ fn token_only_clients_leave_no_credentials_and_stop_waits_for_every_node() {
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let out = Command::new(driver_binary())
-        .args(["bytes", "100000"])
+        .args(["--bytes", "100000"])
         .env("RTRUN_ADDRESS", &cluster.address)
         .env("RTRUN_TOKEN", &cluster.token)
         .env("RTRUN_CREDENTIALS_DIR", &unused)
