@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 seconds="${1:-5}"
 source scripts/setup.sh >/dev/null
-cargo build --release -q -p rtrun --bin rtrun --example cluster_driver
+cargo build --release -q -p rtrun --bin rtrun -p rtrun-tests --bin cluster_driver
 target="${CARGO_TARGET_DIR:-target}/release"
 dir="$(mktemp -d)"
 pids=()
@@ -25,6 +25,6 @@ pids+=($!)
 for _ in $(seq 100); do grep -q "joined" "$dir/node.out" 2>/dev/null && break; sleep 0.1; done
 echo "== rtrun (release), head + 1 node on loopback QUIC"
 CLUSTER_NODES=2 CLUSTER_BENCH_SECONDS="$seconds" RTRUN_ADDRESS="127.0.0.1:$port" \
-  RTRUN_CREDENTIALS_DIR="$dir/hc" "$target/examples/cluster_driver" | grep -E "object pulls|per second|checksum"
+  RTRUN_CREDENTIALS_DIR="$dir/hc" "$target/cluster_driver" | grep -E "object pulls|per second|checksum"
 echo "== Ray (anchor, same-node)"
 ../shared/bench/ray-anchor.sh "1:1 actor calls sync" | grep -F "per second" || echo "Ray anchor unavailable"

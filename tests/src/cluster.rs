@@ -32,10 +32,6 @@ impl Drop for Cluster {
     }
 }
 
-pub fn driver_binary() -> PathBuf {
-    crate::cluster_driver_binary()
-}
-
 pub fn free_udp_port() -> u16 {
     std::net::UdpSocket::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }

@@ -119,12 +119,6 @@ pub fn rtrun_binary() -> std::path::PathBuf {
     runtime_artifact("--bin", "rtrun", "")
 }
 
-/// The `cluster_driver` example of the `rtrun` package (the multi-node tests' driver; also the
-/// cross-node benchmark), built like [`rtrun_binary`].
-pub fn cluster_driver_binary() -> std::path::PathBuf {
-    runtime_artifact("--example", "cluster_driver", "examples")
-}
-
 /// A binary or example of the `rtrun` package in this test's target and profile, built when
 /// missing.
 fn runtime_artifact(kind: &str, name: &str, subdir: &str) -> std::path::PathBuf {

@@ -12,7 +12,12 @@ use rtrun_tests::rtrun_binary;
 
 use rtrun_tests::cluster as common;
 
-use common::{driver_binary, rtrun, start_cluster, status, wait_line};
+use common::{rtrun, start_cluster, status, wait_line};
+
+/// The multi-node tests' driver (`src/bin/cluster_driver.rs`), built with these tests.
+fn driver_binary() -> &'static str {
+    env!("CARGO_BIN_EXE_cluster_driver")
+}
 
 #[test]
 fn a_three_node_cluster_spreads_actors_moves_objects_and_detects_a_killed_node() {
@@ -592,7 +597,7 @@ fn detached_actors_outlive_their_driver_and_get_if_exists_makes_one() {
     assert_eq!((count, pid), (3, service_pid));
 
     // Two drivers at once: one actor, whatever the interleaving.
-    let (a, b) = (driver(&["--shared", "race"]), driver(&["shared", "race"]));
+    let (a, b) = (driver(&["--shared", "race"]), driver(&["--shared", "race"]));
     let ((count_a, pid_a, out_a), (count_b, pid_b, out_b)) = (finish(a), finish(b));
     let mut counts = [count_a, count_b];
     counts.sort_unstable();

@@ -12,7 +12,12 @@ use rtrun_tests::{kill9, rtrun_binary, signal};
 
 use rtrun_tests::cluster as common;
 
-use common::{Cluster, driver_binary, rtrun, start_cluster, status, stderr_of, wait_exit};
+use common::{Cluster, rtrun, start_cluster, status, stderr_of, wait_exit};
+
+/// The multi-node tests' driver (`src/bin/cluster_driver.rs`), built with these tests.
+fn driver_binary() -> &'static str {
+    env!("CARGO_BIN_EXE_cluster_driver")
+}
 
 /// The exit code of a process that lost its head (`rtrun::EXIT_HEAD_LOST`).
 const HEAD_LOST: i32 = 75;
