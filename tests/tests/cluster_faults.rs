@@ -172,14 +172,30 @@ fn all_gone_after(pids: &[u32], t0: Instant, limit: Duration) -> Duration {
 /// A driver that dies without a word (SIGKILL) or stops answering (SIGSTOP) is declared gone
 /// by its heartbeats: its actors' worker processes on every node die within the heartbeat
 /// timeout (2 s here) plus a beat, not after the 10 s QUIC idle timeout, and its groups go.
+/// Another driver with the same credentials (the same peer name) beats on meanwhile: its
+/// beats keep only itself alive, and its actors live on.
 #[test]
 fn a_killed_or_paused_driver_loses_its_workers_on_every_node_within_the_heartbeat_timeout() {
-    let cluster = start_cluster("driver-heartbeats", "2");
+    // Two CPUs a node: one for the SPREAD group's bundle there, one for the bystander's.
+    let node = |name| common::NodeSpec { name, cpus: 2, gpus: 0, resources: None };
+    let cluster = common::start_cluster_with(
+        "driver-heartbeats",
+        "2",
+        &node("head"),
+        &[node("n1"), node("n2")],
+    );
     let quic_idle = Duration::from_secs(10);
+    let bystander_args =
+        ["--nodes", "1", "--group", "bystander", "--bytes", "1000", "--hold", "300"];
+    let (mut bystander, lines) = start_driver(&cluster, &bystander_args);
+    expect_line(&lines, "holding", "the bystanding driver");
+    let bystanders = live_actor_pids(&cluster);
+    assert!(!bystanders.is_empty(), "the bystander's actors");
     for (how, sig) in [("SIGKILL", libc::SIGKILL), ("SIGSTOP", libc::SIGSTOP)] {
         let (mut driver, lines) = start_driver(&cluster, &["--bytes", "100000", "--hold", "300"]);
         expect_line(&lines, "holding", "the holding driver");
-        let pids = live_actor_pids(&cluster);
+        let pids: Vec<u32> =
+            live_actor_pids(&cluster).into_iter().filter(|p| !bystanders.contains(p)).collect();
         // One actor per node of the SPREAD group, at least.
         assert!(pids.len() >= 3, "{how}: the driver's actors: {pids:?}");
         assert!(pids.iter().all(|&pid| running(pid)));
@@ -199,7 +215,12 @@ fn a_killed_or_paused_driver_loses_its_workers_on_every_node_within_the_heartbea
         signal(driver.id(), libc::SIGCONT);
         let _ = driver.kill();
         let _ = driver.wait();
+        assert!(bystanders.iter().all(|&pid| running(pid)), "{how}: the bystander lost actors");
+        assert!(list_groups(&cluster).contains("bystander"), "{}", list_groups(&cluster));
     }
+    assert!(bystander.try_wait().unwrap().is_none(), "the bystanding driver ended");
+    let _ = bystander.kill();
+    let _ = bystander.wait();
     assert!(status(&cluster).contains("nodes: 3 alive"), "{}", status(&cluster));
 }
 

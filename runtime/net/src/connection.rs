@@ -104,6 +104,13 @@ impl Connection {
         &self.inner.peer_name
     }
 
+    /// This connection's name, `PEER#ID`: processes that share credentials (drivers and the
+    /// CLI on one node) share a peer name, not a link name. The heartbeats the peer sends on
+    /// it count for both names.
+    pub fn link_name(&self) -> String {
+        link_name(&self.inner.peer_name, &self.inner.quinn)
+    }
+
     /// The underlying QUIC connection (statistics, raw streams for tests and tools).
     pub fn quinn(&self) -> &quinn::Connection {
         &self.inner.quinn
@@ -253,6 +260,7 @@ pub struct IncomingRequest {
     /// The request frame (head and parts).
     pub frame: Frame,
     peer: Arc<str>,
+    link: Arc<str>,
     responder: Responder,
 }
 
@@ -269,6 +277,11 @@ impl IncomingRequest {
     /// The sending node's name.
     pub fn peer(&self) -> &str {
         &self.peer
+    }
+
+    /// The name of the connection it came on ([`Connection::link_name`]).
+    pub fn link(&self) -> &str {
+        &self.link
     }
 
     /// Splits into the frame and the responder (to answer from another task).
@@ -327,6 +340,11 @@ pub(crate) fn remote_error(peer: &str, frame: &Frame) -> NetError {
     }
 }
 
+/// `PEER#ID`: the name of one connection from `peer`.
+fn link_name(peer: &str, quinn: &quinn::Connection) -> String {
+    format!("{peer}#{}", quinn.stable_id())
+}
+
 /// Accepts the peer's streams until the connection closes.
 async fn serve(
     shared: Arc<Shared>,
@@ -336,18 +354,19 @@ async fn serve(
     channels: mpsc::Sender<IncomingChannel>,
     budget: Arc<Semaphore>,
 ) {
+    let link: Arc<str> = Arc::from(link_name(&peer, &quinn));
     loop {
         tokio::select! {
             bi = quinn.accept_bi() => match bi {
                 Ok((send, recv)) => {
-                    let stream = serve_stream(shared.clone(), peer.clone(), send, recv, tx.clone(), channels.clone(), budget.clone());
+                    let stream = serve_stream(shared.clone(), (peer.clone(), link.clone()), send, recv, tx.clone(), channels.clone(), budget.clone());
                     tokio::spawn(stream.in_current_span());
                 }
                 Err(error) => return debug!(%peer, %error, "connection ended"),
             },
             uni = quinn.accept_uni() => match uni {
                 Ok(recv) => {
-                    let task = serve_heartbeats(shared.clone(), peer.clone(), recv);
+                    let task = serve_heartbeats(shared.clone(), peer.clone(), link.clone(), recv);
                     tokio::spawn(task.in_current_span());
                 }
                 Err(error) => return debug!(%peer, %error, "connection ended"),
@@ -359,7 +378,7 @@ async fn serve(
 /// Reads the first frame of a stream the peer opened and dispatches on its kind.
 async fn serve_stream(
     shared: Arc<Shared>,
-    peer: Arc<str>,
+    (peer, link): (Arc<str>, Arc<str>),
     mut send: quinn::SendStream,
     mut recv: quinn::RecvStream,
     tx: mpsc::Sender<IncomingRequest>,
@@ -430,6 +449,7 @@ async fn serve_stream(
             let request = IncomingRequest {
                 frame,
                 peer: peer.clone(),
+                link,
                 responder: Responder { send, correlation, limits, _budget: Some(permit) },
             };
             if let Err(unsent) = tx.send(request).await {
@@ -487,13 +507,20 @@ fn budget_units(bytes: u64) -> usize {
     usize::try_from(bytes.div_ceil(1024).min(u64::from(u32::MAX))).unwrap_or(u32::MAX as usize)
 }
 
-/// Reads a peer's heartbeat stream and feeds the endpoint's monitor.
-async fn serve_heartbeats(shared: Arc<Shared>, peer: Arc<str>, mut recv: quinn::RecvStream) {
+/// Reads a peer's heartbeat stream and feeds the endpoint's monitor, under the peer's name
+/// (nodes are watched so) and the connection's (drivers are: several may share a name).
+async fn serve_heartbeats(
+    shared: Arc<Shared>,
+    peer: Arc<str>,
+    link: Arc<str>,
+    mut recv: quinn::RecvStream,
+) {
     loop {
         match read_frame(&mut recv, &FrameLimits::HANDSHAKE).await {
             Ok(Some(frame)) if frame.kind == FrameKind::Heartbeat => {
                 if let Some(monitor) = &shared.monitor {
                     monitor.on_heartbeat(&peer);
+                    monitor.on_heartbeat(&link);
                 }
             }
             Ok(Some(frame)) => {

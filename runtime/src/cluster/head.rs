@@ -146,12 +146,15 @@ pub fn start_head(options: HeadOptions) -> Result<HeadHandle> {
             let Some(head) = dead_head.upgrade() else { continue };
             // A silent driver (killed, paused, cut off) takes its actors and groups with it
             // now, not when its connection times out.
+            // Drivers are watched by link name (`PEER#ID`; `#` is never in a node's name).
             let driver = drivers.lock().remove(&name);
             match driver {
                 Some(driver) => {
                     tracing::warn!(%name, "driver declared dead: no heartbeat for {timeout:?}");
                     head.on_driver_gone(driver);
                 }
+                // A driver whose connection closed meanwhile (it was handled then).
+                None if name.contains('#') => {}
                 None => head.on_node_dead(&name, &format!("no heartbeat for {timeout:?}")),
             }
         }
@@ -170,7 +173,7 @@ struct HeadService {
     session: String,
     binaries: Arc<BinaryCache>,
     monitor: rtrun_net::HeartbeatMonitor,
-    /// Drivers watched by the heartbeat monitor, by peer name.
+    /// Drivers watched by the heartbeat monitor, by link name (`PEER#ID`).
     drivers: Arc<parking_lot::Mutex<HashMap<String, WorkerId>>>,
 }
 
@@ -178,6 +181,7 @@ impl NetService for HeadService {
     fn serve(
         self: Arc<Self>,
         peer: String,
+        link: String,
         frame: rtrun_net::Frame,
     ) -> Result<(NetReply, Vec<Bytes>)> {
         let request: NetRequest = crate::codec::decode(&frame.head)?;
@@ -202,10 +206,11 @@ impl NetService for HeadService {
                 let watch = binary.is_some();
                 let joined = head.join(&self.session, JoinAs::Driver { binary, job })?;
                 // A driver (not a command-line client) sends heartbeats; it is watched like
-                // a node.
+                // a node, by its connection: drivers with the same credentials share a peer
+                // name, and one's beats must not keep another alive.
                 if watch {
-                    self.drivers.lock().insert(peer.clone(), joined.worker);
-                    self.monitor.watch(&peer);
+                    self.drivers.lock().insert(link.clone(), joined.worker);
+                    self.monitor.watch(&link);
                 }
                 Ok((joined.into(), Vec::new()))
             }
@@ -223,6 +228,26 @@ impl NetService for HeadService {
                 let bytes = self.binaries.read(&digest)?;
                 Ok((NetReply::Done, vec![Bytes::from(bytes)]))
             }
+        }
+    }
+
+    /// A driver's connection closed: it exited (its connections close with it) or it was cut
+    /// off; its actors and groups go now, and the monitor stops watching it.
+    fn link_closed(&self, link: &rtrun_net::Connection) {
+        let name = link.link_name();
+        let Some(driver) = self.drivers.lock().remove(&name) else { return };
+        self.monitor.forget(&name);
+        match link.quinn().close_reason() {
+            Some(quinn::ConnectionError::ApplicationClosed(_)) => {
+                tracing::debug!(link = %name, "driver disconnected");
+            }
+            reason => {
+                let reason = reason.map_or_else(|| "closed".to_owned(), |r| r.to_string());
+                tracing::warn!(link = %name, "driver's connection lost: {reason}");
+            }
+        }
+        if let Some(head) = self.head.upgrade() {
+            head.on_driver_gone(driver);
         }
     }
 }

@@ -95,22 +95,29 @@ pub(crate) fn control_request(
 
 /// What a [`NetLink`] does with requests peers send it.
 pub(crate) trait NetService: Send + Sync + 'static {
-    /// Answers one request (runs on the net runtime; blocking work goes to a thread).
+    /// Answers one request that came on the connection named `link` from `peer` (runs on a
+    /// blocking thread).
     fn serve(
         self: Arc<Self>,
         peer: String,
+        link: String,
         frame: rtrun_net::Frame,
     ) -> Result<(NetReply, Vec<Bytes>)>;
+
+    /// The connection `link` closed (the peer closed it, or it was lost); no more requests come
+    /// on it.
+    fn link_closed(&self, _link: &rtrun_net::Connection) {}
 }
 
 /// Serves a link's requests with `service` (spawned per link by the endpoint).
 pub(crate) async fn serve_requests(link: rtrun_net::Connection, service: Arc<dyn NetService>) {
     while let Some(request) = link.next_request().await {
         let service = service.clone();
-        let peer = request.peer().to_owned();
+        let (peer, link) = (request.peer().to_owned(), request.link().to_owned());
         let (frame, responder) = request.into_parts();
         tokio::spawn(async move {
-            let answer = tokio::task::spawn_blocking(move || service.serve(peer, frame)).await;
+            let answer =
+                tokio::task::spawn_blocking(move || service.serve(peer, link, frame)).await;
             let result = match answer {
                 Ok(Ok((reply, parts))) => match crate::codec::encode(&reply) {
                     Ok(head) => responder.respond(head, parts).await,
@@ -124,4 +131,5 @@ pub(crate) async fn serve_requests(link: rtrun_net::Connection, service: Arc<dyn
             }
         });
     }
+    service.link_closed(&link);
 }
