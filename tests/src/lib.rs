@@ -16,6 +16,20 @@ pub fn process_alive(pid: u32) -> bool {
     }
 }
 
+/// `len` deterministic bytes from the xorshift state `state` (non-zero), so any process can
+/// make or check every byte.
+pub fn xorshift_bytes(mut state: u64, len: usize) -> Vec<u8> {
+    let mut bytes = Vec::with_capacity(len + 8);
+    while bytes.len() < len {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        bytes.extend_from_slice(&state.to_le_bytes());
+    }
+    bytes.truncate(len);
+    bytes
+}
+
 /// Polls `condition` every few milliseconds until it holds or `timeout` passes.
 pub fn wait_until(timeout: Duration, mut condition: impl FnMut() -> bool) -> bool {
     let deadline = Instant::now() + timeout;

@@ -50,16 +50,7 @@ fn spill_files() -> usize {
 
 /// Deterministic bytes for `seed` (xorshift words), so any process can check every byte.
 fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let mut bytes = Vec::with_capacity(len + 8);
-    while bytes.len() < len {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        bytes.extend_from_slice(&state.to_le_bytes());
-    }
-    bytes.truncate(len);
-    bytes
+    rtrun_tests::xorshift_bytes(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1, len)
 }
 
 /// Whether `bytes` is exactly `pattern(seed, len)`.

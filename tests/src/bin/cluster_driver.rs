@@ -82,16 +82,7 @@ impl Probe {
 
     /// `len` pseudo-random bytes.
     pub fn make(&self, len: usize, seed: u64) -> Vec<u8> {
-        let mut state = seed;
-        let mut bytes = Vec::with_capacity(len);
-        while bytes.len() < len {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            bytes.extend_from_slice(&state.to_le_bytes());
-        }
-        bytes.truncate(len);
-        bytes
+        rtrun_tests::xorshift_bytes(seed, len)
     }
 
     /// Reads an object made on another node through its reference (a copy into this node's
