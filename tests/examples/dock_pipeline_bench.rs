@@ -29,6 +29,16 @@ use rtrun_rlhf_dock::{PipelineSummary, RemoteDock, StageSpec, StageTimeline};
 /// stages run one after another (the anchor), on worker processes with the tiny model.
 #[derive(Parser)]
 struct Args {
+    #[command(flatten)]
+    setup: Setup,
+    /// Runs of each mode (sequential and pipelined alternate); 0 counts as 1.
+    #[arg(default_value_t = 5)]
+    repeats: usize,
+}
+
+/// The dock and its stages.
+#[derive(clap::Args)]
+struct Setup {
     /// Prompts in the dock.
     #[arg(default_value_t = 32)]
     prompts: usize,
@@ -40,16 +50,6 @@ struct Args {
     max_new_tokens: usize,
     /// Prompt groups per batch a stage takes from the dock.
     #[arg(default_value_t = 2)]
-    groups_per_batch: usize,
-    /// Runs of each mode (sequential and pipelined alternate); 0 counts as 1.
-    #[arg(default_value_t = 5)]
-    repeats: usize,
-}
-
-struct Setup {
-    prompts: usize,
-    samples: usize,
-    max_new_tokens: usize,
     groups_per_batch: usize,
 }
 
@@ -137,9 +137,8 @@ fn main() -> anyhow::Result<()> {
     // A worker process (this executable re-run by the runtime) serves its assignment here and
     // never returns: only the driver reads the command line.
     rtrun::run_worker_if_requested();
-    let Args { prompts, samples, max_new_tokens, groups_per_batch, repeats } = Args::parse();
+    let Args { setup, repeats } = Args::parse();
     rtrun::init()?;
-    let setup = Setup { prompts, samples, max_new_tokens, groups_per_batch };
     let repeats = repeats.max(1);
     println!(
         "GRPO stages on the dock: {} prompts x {} samples, up to {} new tokens, batches of {} \

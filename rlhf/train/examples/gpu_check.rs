@@ -53,8 +53,8 @@ enum Check {
         dtype: String,
         /// Batch sizes, comma-separated (`1,64,256`): each generates for the first that many
         /// prompts.
-        #[arg(value_parser = parse_batches)]
-        batches: BatchSizes,
+        #[arg(num_args = 1, value_delimiter = ',', required = true)]
+        batches: Vec<usize>,
         /// Tokens generated per prompt.
         new: u32,
     },
@@ -88,18 +88,6 @@ enum Check {
     },
 }
 
-/// The `engine` check's batch sizes.
-#[derive(Clone)]
-struct BatchSizes(Vec<usize>);
-
-fn parse_batches(value: &str) -> Result<BatchSizes, String> {
-    value
-        .split(',')
-        .map(|b| b.parse().map_err(|e| format!("batch size `{b}`: {e}")))
-        .collect::<Result<_, _>>()
-        .map(BatchSizes)
-}
-
 fn main() {
     let Args { check } = Args::parse();
     if let Err(e) = run(check) {
@@ -118,7 +106,7 @@ fn run(check: Check) -> Result<()> {
     }
     match check {
         Check::Forward { ckpt } => forward(&ckpt),
-        Check::Engine { ckpt, prompts, out, dtype, batches: BatchSizes(batches), new } => {
+        Check::Engine { ckpt, prompts, out, dtype, batches, new } => {
             engine(&ckpt, &prompts, &out, &dtype, &batches, new)
         }
         Check::Sleep { ckpt } => sleep(&ckpt),
