@@ -5,7 +5,6 @@
 //! rustc passes `--as-needed`, which would otherwise drop `libtorch.so` (and `libtorch_cuda.so`
 //! behind it) because no symbol of ours refers to them directly.
 
-#[cfg(feature = "cuda")]
 #[path = "../libtorch_shim.rs"]
 mod libtorch_shim;
 
@@ -14,6 +13,8 @@ fn main() {
     if let Ok(lib_dir) = std::env::var("DEP_TCH_LIBTORCH_LIB") {
         println!("cargo:rustc-link-arg=-Wl,-rpath,{lib_dir}");
     }
+    // Storage release and re-allocation, `.grad` removal and host allocation counting.
+    libtorch_shim::compile(&["src/storage/shim.cpp"], &[], "rtrun_storage_shim");
     if std::env::var_os("CARGO_FEATURE_CUDA").is_some() {
         // The caching allocator's empty_cache and statistics.
         #[cfg(feature = "cuda")]

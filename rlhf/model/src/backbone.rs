@@ -11,6 +11,7 @@ use tch::{Device, Kind, Tensor};
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::layers::{DecoderLayer, RmsNorm};
+use crate::layerwise::Layerwise;
 use crate::params::{Init, Parameters};
 use crate::rope::RotaryEmbedding;
 
@@ -27,6 +28,9 @@ pub struct Backbone {
     pub norm: RmsNorm,
     /// Rotary embedding frequencies.
     pub rotary: RotaryEmbedding,
+    /// Layer-by-layer execution (activation checkpointing, sharded training's hooks); `None`
+    /// runs the trunk as one graph.
+    layerwise: std::cell::RefCell<Option<Layerwise>>,
 }
 
 /// A checked batch of inputs: ids and positions as int64, mask as bool, all `[batch, seq]`.
@@ -54,7 +58,64 @@ impl Backbone {
             .collect::<Result<Vec<_>>>()?;
         let norm = RmsNorm::new(params, "model.norm", config.hidden_size, config.rms_norm_eps)?;
         let rotary = RotaryEmbedding::new(config, params.device())?;
-        Ok(Self { config: config.clone(), embed_tokens, layers, norm, rotary })
+        Ok(Self {
+            config: config.clone(),
+            embed_tokens,
+            layers,
+            norm,
+            rotary,
+            layerwise: std::cell::RefCell::new(None),
+        })
+    }
+
+    /// Installs (or with `None` removes) layer-by-layer execution; passes recorded by the one
+    /// it replaces are dropped.
+    pub fn set_layerwise(&self, layerwise: Option<Layerwise>) {
+        *self.layerwise.borrow_mut() = layerwise;
+    }
+
+    /// Whether layers run one by one (see [`crate::layerwise`]).
+    pub fn is_layerwise(&self) -> bool {
+        self.layerwise.borrow().is_some()
+    }
+
+    /// Backpropagates `loss`: `loss.backward()`, or with layer-by-layer execution the head and
+    /// then each recorded forward pass layer by layer (recomputing checkpointed layers).
+    /// Either way every trained parameter's `.grad` ends up holding its gradient (or, with
+    /// sharding hooks, the rank's shard of it).
+    pub fn backward(&self, loss: &Tensor) -> Result<()> {
+        match self.layerwise.borrow_mut().as_mut() {
+            Some(layerwise) => layerwise.backward(self, loss),
+            None => Ok(loss.f_backward()?),
+        }
+    }
+
+    /// Releases parameters a forward left gathered for the head (sharded training, after a
+    /// forward without a backward) and drops its recorded passes. Nothing to do otherwise.
+    pub fn release_parameters(&self) -> Result<()> {
+        match self.layerwise.borrow_mut().as_mut() {
+            Some(layerwise) => layerwise.discard(),
+            None => Ok(()),
+        }
+    }
+
+    /// Embedding, decoder layers and final norm over checked ids and positions.
+    fn trunk(
+        &self,
+        input_ids: &Tensor,
+        position_ids: &Tensor,
+        mask: impl FnOnce() -> Result<Option<Tensor>>,
+    ) -> Result<Tensor> {
+        let mask = mask()?;
+        if let Some(layerwise) = self.layerwise.borrow_mut().as_mut() {
+            return layerwise.forward(self, input_ids, position_ids, mask.as_ref());
+        }
+        let mut hidden = Tensor::f_embedding(&self.embed_tokens, input_ids, -1, false, false)?;
+        let (cos, sin) = self.rotary.cos_sin(position_ids, hidden.f_kind()?)?;
+        for layer in &self.layers {
+            hidden = layer.forward(&hidden, &cos, &sin, mask.as_ref())?;
+        }
+        self.norm.forward(&hidden)
     }
 
     /// The device of the parameters.
@@ -127,17 +188,12 @@ impl Backbone {
 
     /// [`Backbone::forward`] on inputs that already passed [`Backbone::check_inputs`].
     pub fn forward_checked(&self, inputs: &CheckedInputs) -> Result<Tensor> {
-        let mut hidden =
-            Tensor::f_embedding(&self.embed_tokens, &inputs.input_ids, -1, false, false)?;
-        let (cos, sin) = self.rotary.cos_sin(&inputs.position_ids, hidden.f_kind()?)?;
-        // Without padding the mask is plain causal, and leaving it implicit lets libtorch use
-        // its fused attention kernel.
-        let all_real = inputs.attention_mask.f_all()?.f_int64_value(&[])? != 0;
-        let mask = if all_real { None } else { Some(causal_padding_mask(&inputs.attention_mask)?) };
-        for layer in &self.layers {
-            hidden = layer.forward(&hidden, &cos, &sin, mask.as_ref())?;
-        }
-        self.norm.forward(&hidden)
+        self.trunk(&inputs.input_ids, &inputs.position_ids, || {
+            // Without padding the mask is plain causal, and leaving it implicit lets libtorch
+            // use its fused attention kernel.
+            let all_real = inputs.attention_mask.f_all()?.f_int64_value(&[])? != 0;
+            Ok(if all_real { None } else { Some(causal_padding_mask(&inputs.attention_mask)?) })
+        })
     }
 }
 
@@ -184,24 +240,19 @@ impl Backbone {
             None => packed_position_ids(&segments)?,
         };
         let inputs = self.check_inputs(input_ids, &segments.f_ne(0)?, Some(&positions))?;
-        let mut hidden =
-            Tensor::f_embedding(&self.embed_tokens, &inputs.input_ids, -1, false, false)?;
-        let (cos, sin) = self.rotary.cos_sin(&inputs.position_ids, hidden.f_kind()?)?;
-        // Rows of one right-padded sample each need no mask beyond causality: a real token only
-        // sees earlier, real tokens, and padding outputs are never read. Leaving the mask
-        // implicit lets libtorch use its fused attention kernel.
-        let mask = match branch_ids {
-            Some(branches) => {
-                let branches = branches.f_to_device(device)?.f_to_kind(Kind::Int64)?;
-                Some(branched_attention_mask(&segments, &branches)?)
-            }
-            None if one_per_row.map_or_else(|| one_sample_per_row(&segments), Ok)? => None,
-            None => Some(packed_attention_mask(&segments)?),
-        };
-        for layer in &self.layers {
-            hidden = layer.forward(&hidden, &cos, &sin, mask.as_ref())?;
-        }
-        self.norm.forward(&hidden)
+        self.trunk(&inputs.input_ids, &inputs.position_ids, || {
+            // Rows of one right-padded sample each need no mask beyond causality: a real token
+            // only sees earlier, real tokens, and padding outputs are never read. Leaving the
+            // mask implicit lets libtorch use its fused attention kernel.
+            Ok(match branch_ids {
+                Some(branches) => {
+                    let branches = branches.f_to_device(device)?.f_to_kind(Kind::Int64)?;
+                    Some(branched_attention_mask(&segments, &branches)?)
+                }
+                None if one_per_row.map_or_else(|| one_sample_per_row(&segments), Ok)? => None,
+                None => Some(packed_attention_mask(&segments)?),
+            })
+        })
     }
 }
 

@@ -75,6 +75,12 @@ impl CausalLm {
         self.params.named()
     }
 
+    /// Backpropagates `loss` through the model ([`crate::Backbone::backward`]: layer by layer
+    /// when checkpointing or sharding is installed). Use it instead of `loss.backward()`.
+    pub fn backward(&self, loss: &Tensor) -> Result<()> {
+        self.backbone.backward(loss)
+    }
+
     /// Projects hidden states `[.., hidden]` to logits `[.., vocab]`.
     pub fn lm_logits(&self, hidden: &Tensor) -> Result<Tensor> {
         match &self.lm_head {

@@ -62,6 +62,9 @@ pub enum ModelError {
     /// An optimizer state file does not match the parameters it is loaded into.
     #[error("optimizer state mismatch: {0}")]
     OptimizerState(String),
+    /// A layer-by-layer hook failed (sharded training: a collective, a lost rank).
+    #[error("{0}")]
+    Hook(String),
     /// libtorch reported an error.
     #[error("libtorch error: {0}")]
     Torch(#[from] tch::TchError),

@@ -17,7 +17,7 @@
 //! The layers ([`layers`]) keep their projections public so the generation engine can run them
 //! around its own paged attention. libtorch comes from `scripts/setup-libtorch.sh`; CPU by
 //! default, CUDA (and bf16 kernels) with the `cuda` feature.
-// Denied, not forbidden: `cuda` (the allocator shim's FFI) is the one module allowed it.
+// Denied, not forbidden: `cuda` and `storage` (the C++ shims' FFI) are the modules allowed it.
 #![deny(unsafe_code)]
 
 pub mod backbone;
@@ -28,12 +28,14 @@ pub mod cuda;
 pub mod error;
 pub mod host_memory;
 pub mod layers;
+pub mod layerwise;
 pub mod logprobs;
 pub mod params;
 mod pretrained;
 pub mod rope;
 pub mod safetensors_io;
 pub mod scalar_head;
+pub mod storage;
 pub mod tiny;
 pub mod tokenizer;
 pub mod train;

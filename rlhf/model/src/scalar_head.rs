@@ -96,6 +96,12 @@ impl ScalarHeadModel {
         &self.backbone.config
     }
 
+    /// Backpropagates `loss` through the model ([`crate::Backbone::backward`]: layer by layer
+    /// when checkpointing or sharding is installed). Use it instead of `loss.backward()`.
+    pub fn backward(&self, loss: &Tensor) -> Result<()> {
+        self.backbone.backward(loss)
+    }
+
     /// `(name, tensor)` for every parameter, in a stable order.
     pub fn named_parameters(&self) -> impl Iterator<Item = (&str, &Tensor)> {
         self.params.named()

@@ -9,6 +9,9 @@
 //!   segment, so the ranks form a pipeline.
 //! - all-gather (and the barrier, an all-gather of nothing): `n − 1` steps, each passing one
 //!   rank's block to the right.
+//! - reduce-scatter and the in-place all-gather of a buffer's chunks (ZeRO's two halves): the
+//!   two halves of the all-reduce on their own, indexed so that rank `r` ends owning (or
+//!   starts from) chunk `r`.
 //!
 //! On any failure the communicator shuts its sockets down (so its neighbours fail at once
 //! instead of waiting for the timeout) and refuses further use.
@@ -241,6 +244,37 @@ impl Ring {
         self.poison(result)
     }
 
+    /// Ring reduce-scatter of `buffer` in place: afterwards `buffer[chunk_range(len, n, r)]`
+    /// holds the combination of every rank's chunk `r` (the rest holds partial sums).
+    pub(crate) fn reduce_scatter<T: ReduceElement>(
+        &mut self,
+        buffer: &mut [T],
+        op: ReduceOp,
+    ) -> Result<std::ops::Range<usize>, CollectiveError> {
+        let segment_elements = (self.segment_bytes / T::SIZE).max(1);
+        let owned = chunk_range(buffer.len(), self.world_size, self.rank);
+        let Some((call, links)) = self.begin(Op::ReduceScatter)? else {
+            return Ok(owned);
+        };
+        let result = ring_reduce_scatter(call, links, buffer, op, segment_elements);
+        self.poison(result).map(|()| owned)
+    }
+
+    /// Ring all-gather in place: rank `r` contributes `buffer[chunk_range(len, n, r)]` and
+    /// afterwards every rank's buffer holds every chunk.
+    pub(crate) fn all_gather_into(
+        &mut self,
+        buffer: &mut [u8],
+        element_bytes: usize,
+    ) -> Result<(), CollectiveError> {
+        let segment_bytes = self.segment_bytes.max(element_bytes);
+        let Some((call, links)) = self.begin(Op::AllGatherChunks)? else {
+            return Ok(());
+        };
+        let result = ring_all_gather_into(call, links, buffer, element_bytes, segment_bytes);
+        self.poison(result)
+    }
+
     /// Ring all-gather of variable-length blocks.
     pub(crate) fn all_gather(&mut self, mine: &[u8]) -> Result<Vec<Vec<u8>>, CollectiveError> {
         let Some((call, links)) = self.begin(Op::AllGather)? else {
@@ -253,7 +287,7 @@ impl Ring {
 
 /// The chunk of a buffer of `len` elements that rank-position `index` of `parts` owns: sizes
 /// differ by at most one, larger chunks first.
-fn chunk_range(len: usize, parts: usize, index: usize) -> std::ops::Range<usize> {
+pub(crate) fn chunk_range(len: usize, parts: usize, index: usize) -> std::ops::Range<usize> {
     let base = len / parts;
     let extra = len % parts;
     let start = index * base + index.min(extra);
@@ -313,6 +347,102 @@ fn ring_all_reduce<T: ReduceElement>(
         )?;
     }
     Ok(())
+}
+
+/// The reduce-scatter half on its own, shifted so that rank `r` ends with chunk `r`: at step
+/// `s` it sends chunk `r − s − 1` (its own at step 0, then what it reduced the step before)
+/// and receives and reduces chunk `r − s − 2`.
+fn ring_reduce_scatter<T: ReduceElement>(
+    call: Call<'_>,
+    links: &Links,
+    buffer: &mut [T],
+    op: ReduceOp,
+    segment_elements: usize,
+) -> Result<(), CollectiveError> {
+    let world = call.world;
+    let rank = call.rank;
+    let len = buffer.len();
+    for step in 0..world - 1 {
+        let send = (rank + 2 * world - step - 1) % world;
+        let receive = (rank + 2 * world - step - 2) % world;
+        exchange_chunks(
+            call,
+            links,
+            buffer,
+            chunk_range(len, world, send),
+            chunk_range(len, world, receive),
+            Apply::Reduce(op),
+            segment_elements,
+        )?;
+    }
+    if op == ReduceOp::Mean {
+        for value in &mut buffer[chunk_range(len, world, rank)] {
+            *value = value.divide(world);
+        }
+    }
+    Ok(())
+}
+
+/// The all-gather half on its own, over bytes: at step `s` rank `r` sends chunk `r − s` and
+/// receives chunk `r − s − 1` (chunks are counted in elements of `element_bytes`).
+fn ring_all_gather_into(
+    call: Call<'_>,
+    links: &Links,
+    buffer: &mut [u8],
+    element_bytes: usize,
+    segment_bytes: usize,
+) -> Result<(), CollectiveError> {
+    if element_bytes == 0 || buffer.len() % element_bytes != 0 {
+        return Err(call.protocol(format!(
+            "all_gather_into needs a whole number of {element_bytes}-byte elements, found {} \
+             bytes",
+            buffer.len()
+        )));
+    }
+    let world = call.world;
+    let rank = call.rank;
+    let elements = buffer.len() / element_bytes;
+    let bytes = |index: usize| {
+        let range = chunk_range(elements, world, index);
+        range.start * element_bytes..range.end * element_bytes
+    };
+    for step in 0..world - 1 {
+        let send = (rank + world - step) % world;
+        let receive = (rank + 2 * world - step - 1) % world;
+        exchange_bytes(call, links, buffer, bytes(send), bytes(receive), segment_bytes)?;
+    }
+    Ok(())
+}
+
+/// One all-gather step over bytes: sends `buffer[send]` to the right while the left
+/// neighbour's chunk is read straight into `buffer[receive]` (no scratch, no conversion).
+fn exchange_bytes(
+    call: Call<'_>,
+    links: &Links,
+    buffer: &mut [u8],
+    send: std::ops::Range<usize>,
+    receive: std::ops::Range<usize>,
+    segment_bytes: usize,
+) -> Result<(), CollectiveError> {
+    let (outgoing, incoming) = disjoint(buffer, send, receive);
+    std::thread::scope(|scope| {
+        let writer = scope.spawn(|| {
+            for segment in outgoing.chunks(segment_bytes) {
+                call.send(&links.right, segment)?;
+            }
+            Ok(())
+        });
+        let read = incoming.chunks_mut(segment_bytes).try_for_each(|segment| {
+            call.receive_exact(&links.left, segment, "an all-gather segment")
+        });
+        if read.is_err() {
+            let _ = links.right.shutdown(Shutdown::Both);
+        }
+        let written = writer
+            .join()
+            .unwrap_or_else(|_| Err(call.protocol("the ring writer thread panicked".into())));
+        read.and(written)
+    })
 }
 
 /// One ring step: sends `buffer[send]` to the right while receiving the left neighbour's chunk

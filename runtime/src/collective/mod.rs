@@ -1,4 +1,5 @@
-//! Collectives for data-parallel training: all-reduce, broadcast, all-gather and barrier over
+//! Collectives for data-parallel training: all-reduce, broadcast, all-gather, barrier, and
+//! ZeRO's reduce-scatter and in-place all-gather of a buffer's chunks, over
 //! the members of an actor group (what `torch.distributed` gives OpenRLHF's DeepSpeed ranks).
 //!
 //! A [`Communicator`] is created by every rank of a group with the same group name, world size
@@ -445,6 +446,43 @@ impl Communicator {
         self.all_reduce(buffer, op)
     }
 
+    /// Reduce-scatter (ZeRO's gradient reduction): every rank passes a buffer of the same
+    /// length; afterwards this rank's chunk of it, `buffer[shard_range(len, world_size, rank)]`
+    /// (the returned range), holds the combination of every rank's values there. The rest of
+    /// the buffer is left holding partial results. It is the first half of
+    /// [`Communicator::all_reduce`], so it sends `(n − 1)/n` of the buffer per rank.
+    ///
+    /// Host buffers always go over the ring (with NCCL, device buffers use
+    /// [`Communicator::reduce_scatter_device_f32`]).
+    pub fn reduce_scatter<T: ReduceElement>(
+        &mut self,
+        buffer: &mut [T],
+        op: ReduceOp,
+    ) -> Result<std::ops::Range<usize>, CollectiveError> {
+        self.ring.reduce_scatter(buffer, op)
+    }
+
+    /// [`Communicator::reduce_scatter`] on `f32`.
+    pub fn reduce_scatter_f32(
+        &mut self,
+        buffer: &mut [f32],
+        op: ReduceOp,
+    ) -> Result<std::ops::Range<usize>, CollectiveError> {
+        self.reduce_scatter(buffer, op)
+    }
+
+    /// In-place all-gather (ZeRO's parameter gather): this rank's chunk of `buffer`,
+    /// `shard_range(len, world_size, rank)`, is its contribution; afterwards every chunk holds
+    /// its owner's values on every rank. Every rank passes a buffer of the same length. Any
+    /// plain element type (f32, bf16 bits, bytes) works: nothing is combined.
+    pub fn all_gather_into<T: bytemuck::Pod>(
+        &mut self,
+        buffer: &mut [T],
+    ) -> Result<(), CollectiveError> {
+        let element_bytes = std::mem::size_of::<T>();
+        self.ring.all_gather_into(bytemuck::cast_slice_mut(buffer), element_bytes)
+    }
+
     /// Copies `root`'s `buffer` into every other rank's `buffer`; all buffers must have the
     /// same length (a mismatch is an error on the rank that has it).
     pub fn broadcast(&mut self, buffer: &mut [u8], root: usize) -> Result<(), CollectiveError> {
@@ -498,6 +536,50 @@ impl Communicator {
         }
     }
 
+    /// In-place reduce-scatter of `count_per_rank × world_size` f32 values in device memory
+    /// with NCCL: afterwards this rank's chunk (from `rank × count_per_rank`) holds the result.
+    ///
+    /// # Safety
+    /// `device_ptr` must point to `count_per_rank × world_size` `f32` values of live memory on
+    /// this communicator's CUDA device, not used by anything else until this returns.
+    #[cfg(feature = "cuda")]
+    #[allow(unsafe_code)] // On ARCHITECTURE.md's `unsafe` allow-list.
+    pub unsafe fn reduce_scatter_device_f32(
+        &mut self,
+        device_ptr: u64,
+        count_per_rank: usize,
+        op: ReduceOp,
+    ) -> Result<(), CollectiveError> {
+        match &mut self.nccl {
+            // SAFETY: forwarded from this function's contract.
+            Some(nccl) => unsafe { nccl.reduce_scatter_device_f32(device_ptr, count_per_rank, op) },
+            None => Err(CollectiveError::BackendUnavailable(
+                "device reduce-scatter needs a communicator created with the nccl backend".into(),
+            )),
+        }
+    }
+
+    /// In-place all-gather of `bytes_per_rank × world_size` bytes in device memory with NCCL:
+    /// this rank's chunk (from `rank × bytes_per_rank`) is its contribution.
+    ///
+    /// # Safety
+    /// As [`Communicator::reduce_scatter_device_f32`], for `bytes_per_rank × world_size` bytes.
+    #[cfg(feature = "cuda")]
+    #[allow(unsafe_code)] // On ARCHITECTURE.md's `unsafe` allow-list.
+    pub unsafe fn all_gather_device(
+        &mut self,
+        device_ptr: u64,
+        bytes_per_rank: usize,
+    ) -> Result<(), CollectiveError> {
+        match &mut self.nccl {
+            // SAFETY: forwarded from this function's contract.
+            Some(nccl) => unsafe { nccl.all_gather_device(device_ptr, bytes_per_rank) },
+            None => Err(CollectiveError::BackendUnavailable(
+                "device all-gather needs a communicator created with the nccl backend".into(),
+            )),
+        }
+    }
+
     fn check_root(&self, root: usize) -> Result<(), CollectiveError> {
         if root >= self.world_size() {
             return Err(CollectiveError::InvalidArgument(format!(
@@ -507,6 +589,14 @@ impl Communicator {
         }
         Ok(())
     }
+}
+
+/// The chunk of a buffer of `len` elements that `rank` of `world_size` owns in
+/// [`Communicator::reduce_scatter`] and contributes to [`Communicator::all_gather_into`]:
+/// sizes differ by at most one, larger chunks first (equal when `len` is a multiple of the
+/// world size, as ZeRO's padded flat buffers are).
+pub fn shard_range(len: usize, world_size: usize, rank: usize) -> std::ops::Range<usize> {
+    cpu::chunk_range(len, world_size.max(1), rank)
 }
 
 /// The first two ranks whose GPU UUIDs (as all-gathered before NCCL starts) are equal.
@@ -615,6 +705,49 @@ mod tests {
                 prop_assert_eq!(&outputs, &vec![sum.clone(), mean.clone(), max.clone(), min.clone()]);
                 prop_assert_eq!(bytes, vec![root as u8; len]);
                 prop_assert_eq!(&all, &gathered);
+            }
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+        /// Reduce-scatter leaves rank r exactly the combination of every rank's chunk r (its
+        /// shard_range), and the in-place all-gather of those chunks rebuilds the whole
+        /// reduced buffer on every rank: together they equal an all-reduce.
+        #[test]
+        fn reduce_scatter_then_all_gather_is_an_all_reduce(
+            world in 1usize..6,
+            len in 0usize..200,
+            segment_bytes in prop::sample::select(vec![8usize, 12, 64, 1 << 20]),
+            mean: bool,
+        ) {
+            let value = |rank: usize, i: usize| ((rank * 5 + i * 7) % 13) as f32 - 6.0;
+            let op = if mean { ReduceOp::Mean } else { ReduceOp::Sum };
+            let results = on_ranks(world, segment_bytes, |comm| {
+                let rank = comm.rank();
+                let mut data: Vec<f32> = (0..len).map(|i| value(rank, i)).collect();
+                let owned = comm.reduce_scatter_f32(&mut data, op).expect("reduce-scatter");
+                let shard = data[owned.clone()].to_vec();
+                comm.all_gather_into(&mut data).expect("all-gather");
+                let mut bytes: Vec<u8> = vec![0; 3 * len];
+                for b in &mut bytes[shard_range(3 * len, world, rank)] {
+                    *b = rank as u8 + 1;
+                }
+                comm.all_gather_into(&mut bytes).expect("byte all-gather");
+                (owned, shard, data, bytes)
+            });
+            let sum: Vec<f32> = (0..len).map(|i| (0..world).map(|r| value(r, i)).sum()).collect();
+            let reduced: Vec<f32> =
+                if mean { sum.iter().map(|s| s / world as f32).collect() } else { sum };
+            let owners: Vec<u8> = (0..world)
+                .flat_map(|r| std::iter::repeat_n(r as u8 + 1, shard_range(3 * len, world, r).len()))
+                .collect();
+            for (rank, (owned, shard, data, bytes)) in results.into_iter().enumerate() {
+                prop_assert_eq!(owned.clone(), shard_range(len, world, rank));
+                prop_assert_eq!(&shard[..], &reduced[owned]);
+                prop_assert_eq!(&data, &reduced);
+                prop_assert_eq!(&bytes, &owners);
             }
         }
     }

@@ -1,4 +1,5 @@
-//! The NCCL backend (cargo feature `cuda`): float all-reduce and byte broadcast on the GPU
+//! The NCCL backend (cargo feature `cuda`): float all-reduce, byte broadcast and the ZeRO
+//! pair (reduce-scatter, all-gather of a buffer's chunks) on the GPU
 //! through cudarc's NCCL bindings, bootstrapped over the CPU ring.
 //!
 //! Rank 0 creates the NCCL unique id and broadcasts it over the ring; every rank then joins
@@ -62,6 +63,15 @@ fn nccl_error(what: &str, error: nccl_result::NcclError) -> CollectiveError {
 
 fn cuda_error(what: &str, error: impl std::fmt::Display) -> CollectiveError {
     CollectiveError::Nccl(format!("{what}: {error}"))
+}
+
+fn nccl_op(op: ReduceOp) -> nccl_sys::ncclRedOp_t {
+    match op {
+        ReduceOp::Sum => nccl_sys::ncclRedOp_t::ncclSum,
+        ReduceOp::Mean => nccl_sys::ncclRedOp_t::ncclAvg,
+        ReduceOp::Max => nccl_sys::ncclRedOp_t::ncclMax,
+        ReduceOp::Min => nccl_sys::ncclRedOp_t::ncclMin,
+    }
 }
 
 fn as_i32(name: &str, value: usize) -> Result<i32, CollectiveError> {
@@ -245,6 +255,78 @@ impl NcclComm {
         self.finish(enqueued)
     }
 
+    /// In-place reduce-scatter of `count_per_rank × world_size` f32 values at `device_ptr`:
+    /// afterwards this rank's chunk (`rank × count_per_rank` onwards) holds the reduced values.
+    ///
+    /// # Safety
+    /// `device_ptr` must address `count_per_rank × world_size` f32 values of live memory on
+    /// this communicator's device, unused by anything else until this returns.
+    pub(crate) unsafe fn reduce_scatter_device_f32(
+        &mut self,
+        device_ptr: u64,
+        count_per_rank: usize,
+        op: ReduceOp,
+    ) -> Result<(), CollectiveError> {
+        self.check()?;
+        if count_per_rank == 0 {
+            return Ok(());
+        }
+        self.bind()?;
+        self.context.synchronize().map_err(|e| cuda_error("context synchronize", e))?;
+        let op = nccl_op(op);
+        let own = device_ptr + (self.rank * count_per_rank * std::mem::size_of::<f32>()) as u64;
+        // SAFETY: NCCL's in-place form (the receive buffer is this rank's chunk of the send
+        // buffer); both lie inside the caller's range; the handle is live (checked above).
+        let enqueued = unsafe {
+            nccl_result::reduce_scatter(
+                device_ptr as *const c_void,
+                own as *mut c_void,
+                count_per_rank,
+                nccl_sys::ncclDataType_t::ncclFloat32,
+                op,
+                self.comm,
+                self.stream.cu_stream() as _,
+            )
+        }
+        .map(|_| ())
+        .map_err(|e| nccl_error("ncclReduceScatter", e));
+        self.finish(enqueued)
+    }
+
+    /// In-place all-gather of `bytes_per_rank × world_size` bytes at `device_ptr`: this rank
+    /// contributes its chunk (`rank × bytes_per_rank` onwards) and receives every other.
+    ///
+    /// # Safety
+    /// As [`NcclComm::reduce_scatter_device_f32`], for `bytes_per_rank × world_size` bytes.
+    pub(crate) unsafe fn all_gather_device(
+        &mut self,
+        device_ptr: u64,
+        bytes_per_rank: usize,
+    ) -> Result<(), CollectiveError> {
+        self.check()?;
+        if bytes_per_rank == 0 {
+            return Ok(());
+        }
+        self.bind()?;
+        self.context.synchronize().map_err(|e| cuda_error("context synchronize", e))?;
+        let own = device_ptr + (self.rank * bytes_per_rank) as u64;
+        // SAFETY: NCCL's in-place form (the send buffer is this rank's chunk of the receive
+        // buffer), inside the caller's range; the handle is live (checked above).
+        let enqueued = unsafe {
+            nccl_result::all_gather(
+                own as *const c_void,
+                device_ptr as *mut c_void,
+                bytes_per_rank,
+                nccl_sys::ncclDataType_t::ncclUint8,
+                self.comm,
+                self.stream.cu_stream() as _,
+            )
+        }
+        .map(|_| ())
+        .map_err(|e| nccl_error("ncclAllGather", e));
+        self.finish(enqueued)
+    }
+
     /// Enqueues an in-place all-reduce on this communicator's stream.
     ///
     /// # Safety
@@ -260,12 +342,7 @@ impl NcclComm {
             ElementKind::F32 => nccl_sys::ncclDataType_t::ncclFloat32,
             ElementKind::F64 => nccl_sys::ncclDataType_t::ncclFloat64,
         };
-        let op = match op {
-            ReduceOp::Sum => nccl_sys::ncclRedOp_t::ncclSum,
-            ReduceOp::Mean => nccl_sys::ncclRedOp_t::ncclAvg,
-            ReduceOp::Max => nccl_sys::ncclRedOp_t::ncclMax,
-            ReduceOp::Min => nccl_sys::ncclRedOp_t::ncclMin,
-        };
+        let op = nccl_op(op);
         // SAFETY: the pointer contract is the caller's; the handle is live (callers check).
         unsafe {
             nccl_result::all_reduce(

@@ -26,6 +26,8 @@ pub(crate) enum Op {
     AllReduce = 1,
     Broadcast = 2,
     AllGather = 3,
+    ReduceScatter = 4,
+    AllGatherChunks = 5,
 }
 
 impl Op {
@@ -34,6 +36,8 @@ impl Op {
             Op::AllReduce => "all_reduce",
             Op::Broadcast => "broadcast",
             Op::AllGather => "all_gather",
+            Op::ReduceScatter => "reduce_scatter",
+            Op::AllGatherChunks => "all_gather_into",
         }
     }
 
@@ -42,6 +46,8 @@ impl Op {
             1 => Some(Op::AllReduce),
             2 => Some(Op::Broadcast),
             3 => Some(Op::AllGather),
+            4 => Some(Op::ReduceScatter),
+            5 => Some(Op::AllGatherChunks),
             _ => None,
         }
     }

@@ -8,7 +8,7 @@ mod schedule;
 use std::path::Path;
 
 pub use loss::{masked_cross_entropy, masked_mean, masked_mean_per_row};
-pub use optimizer::{AdamW, OptimizerConfig, StepStats};
+pub use optimizer::{AdamW, AdamWUpdate, OptimizerConfig, StepStats, clip_coefficient};
 pub use schedule::ScheduleConfig;
 
 use crate::causal_lm::CausalLm;

@@ -61,6 +61,70 @@ pub struct StepStats {
     pub grad_norm: f64,
 }
 
+/// The factor gradients are scaled by so their global norm is at most `max_grad_norm`
+/// (`torch.nn.utils.clip_grad_norm_`); 1 when clipping is off or not needed.
+pub fn clip_coefficient(max_grad_norm: f64, grad_norm: f64) -> f64 {
+    if max_grad_norm > 0.0 && grad_norm > max_grad_norm {
+        max_grad_norm / (grad_norm + CLIP_EPSILON)
+    } else {
+        1.0
+    }
+}
+
+/// One AdamW update's constants: the same element-wise arithmetic for a whole tensor
+/// ([`AdamW::step`]) or a rank's flat shard of many (ZeRO), so both give equal values.
+#[derive(Debug, Clone, Copy)]
+pub struct AdamWUpdate {
+    lr: f64,
+    clip: f64,
+    beta1: f64,
+    beta2: f64,
+    eps: f64,
+    weight_decay: f64,
+    bias1: f64,
+    bias2_sqrt: f64,
+}
+
+impl AdamWUpdate {
+    /// The constants of update number `step` (1-based) at rate `lr` with gradients scaled by
+    /// `clip`.
+    pub fn new(config: &OptimizerConfig, step: u64, lr: f64, clip: f64) -> Self {
+        let t = i32::try_from(step).unwrap_or(i32::MAX);
+        Self {
+            lr,
+            clip,
+            beta1: config.beta1,
+            beta2: config.beta2,
+            eps: config.eps,
+            weight_decay: config.weight_decay,
+            bias1: 1.0 - config.beta1.powi(t),
+            bias2_sqrt: (1.0 - config.beta2.powi(t)).sqrt(),
+        }
+    }
+
+    /// `value` after decoupled weight decay (applied to matrices only, by the caller's choice).
+    pub fn decayed(&self, value: &Tensor) -> Result<Tensor> {
+        Ok(value.f_mul_scalar(1.0 - self.lr * self.weight_decay)?)
+    }
+
+    /// Updates the float32 moments with gradient `grad` and returns `value` (float32) minus the
+    /// Adam step.
+    pub fn apply(
+        &self,
+        value: Tensor,
+        grad: &Tensor,
+        exp_avg: &mut Tensor,
+        exp_avg_sq: &mut Tensor,
+    ) -> Result<Tensor> {
+        let (b1, b2) = (self.beta1, self.beta2);
+        let g = grad.f_to_kind(Kind::Float)?.f_mul_scalar(self.clip)?;
+        let _ = exp_avg.f_mul_scalar_(b1)?.f_add_(&g.f_mul_scalar(1.0 - b1)?)?;
+        let _ = exp_avg_sq.f_mul_scalar_(b2)?.f_add_(&g.f_mul(&g)?.f_mul_scalar(1.0 - b2)?)?;
+        let denom = exp_avg_sq.f_sqrt()?.f_div_scalar(self.bias2_sqrt)?.f_add_scalar(self.eps)?;
+        Ok(value.f_sub(&exp_avg.f_div(&denom)?.f_mul_scalar(self.lr / self.bias1)?)?)
+    }
+}
+
 /// AdamW over a set of named parameters.
 #[derive(Debug)]
 pub struct AdamW {
@@ -156,33 +220,20 @@ impl AdamW {
                 "gradient norm should be finite, found {grad_norm}"
             )));
         }
-        let clip = if self.config.max_grad_norm > 0.0 && grad_norm > self.config.max_grad_norm {
-            self.config.max_grad_norm / (grad_norm + CLIP_EPSILON)
-        } else {
-            1.0
-        };
+        let clip = clip_coefficient(self.config.max_grad_norm, grad_norm);
         let lr = self.current_lr();
-        let t = (self.step + 1) as i32;
-        let (b1, b2) = (self.config.beta1, self.config.beta2);
-        let bias1 = 1.0 - b1.powi(t);
-        let bias2_sqrt = (1.0 - b2.powi(t)).sqrt();
+        let update = AdamWUpdate::new(&self.config, self.step + 1, lr, clip);
         tch::no_grad(|| -> Result<()> {
             for (i, (_, p)) in self.params.iter().enumerate() {
                 let g = p.grad();
                 if !g.defined() {
                     continue;
                 }
-                let g = g.f_to_kind(Kind::Float)?.f_mul_scalar(clip)?;
-                let m = &mut self.exp_avg[i];
-                let _ = m.f_mul_scalar_(b1)?.f_add_(&g.f_mul_scalar(1.0 - b1)?)?;
-                let v = &mut self.exp_avg_sq[i];
-                let _ = v.f_mul_scalar_(b2)?.f_add_(&g.f_mul(&g)?.f_mul_scalar(1.0 - b2)?)?;
-                let denom = v.f_sqrt()?.f_div_scalar(bias2_sqrt)?.f_add_scalar(self.config.eps)?;
                 let mut value = p.f_to_kind(Kind::Float)?;
                 if self.config.weight_decay > 0.0 && p.dim() > 1 {
-                    value = value.f_mul_scalar(1.0 - lr * self.config.weight_decay)?;
+                    value = update.decayed(&value)?;
                 }
-                let value = value.f_sub(&m.f_div(&denom)?.f_mul_scalar(lr / bias1)?)?;
+                let value = update.apply(value, &g, &mut self.exp_avg[i], &mut self.exp_avg_sq[i])?;
                 let mut target = p.shallow_clone();
                 target.f_copy_(&value)?;
             }

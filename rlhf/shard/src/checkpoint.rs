@@ -1,0 +1,1 @@
+//! Sharded checkpoints (written in the next step).

@@ -1,0 +1,293 @@
+//! [`ShardedModel`]: one rank's sharded view of one model.
+
+use std::sync::{Arc, Mutex};
+
+use serde::{Deserialize, Serialize};
+use tch::Tensor;
+
+use rtrun::collective::ReduceOp;
+use rtrun_rlhf_model::Backbone;
+use rtrun_rlhf_model::layerwise::{Layerwise, Segment, SegmentHooks};
+use rtrun_rlhf_model::storage::clear_grad;
+use rtrun_rlhf_model::train::{AdamW, OptimizerConfig, StepStats};
+
+use crate::ZeroStage;
+use crate::comm::GroupComm;
+use crate::error::{Result, ShardError};
+use crate::optim::ShardOptimizer;
+use crate::state::{HeldBytes, SharedState, ZeroState};
+
+/// How a role's ranks share their model (`train.zero_stage`, `train.gradient_checkpointing`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ShardConfig {
+    /// What each rank shards.
+    pub stage: ZeroStage,
+    /// Recompute each decoder layer in the backward pass instead of keeping its activations.
+    pub gradient_checkpointing: bool,
+}
+
+/// The optimizer of a trained model.
+enum Optimizer {
+    /// Stage 0: AdamW over the whole model after the gradient all-reduce.
+    Whole(AdamW),
+    /// Stages 1-3: AdamW over the rank's shards.
+    Sharded(ShardOptimizer),
+}
+
+/// One rank's part of a model trained (or evaluated) data-parallel at a [`ZeroStage`].
+///
+/// Built over a model's parameters, it lays them out in flat units (each parameter becomes a
+/// view into its unit's buffer) and, where the stage or activation checkpointing needs it,
+/// installs layer-by-layer execution on the model's [`Backbone`] with hooks that gather,
+/// release and reduce each unit. The model is then used as before, except that the loss is
+/// backpropagated with the model's `backward` (not `loss.backward()`) and the step is
+/// [`ShardedModel::step`].
+pub struct ShardedModel {
+    shared: SharedState,
+    optimizer: Option<Optimizer>,
+    config: ShardConfig,
+}
+
+impl std::fmt::Debug for ShardedModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShardedModel").field("config", &self.config).finish()
+    }
+}
+
+impl ShardedModel {
+    /// Shards the model whose trunk is `backbone` and whose parameters are `named` (in
+    /// registration order; `tied`: its head reads the embedding matrix) over `comm`'s group.
+    /// With `optimizer` the model trains; without, it is frozen (reference, reward model).
+    ///
+    /// Every rank must hold the same weights when this is called (they all loaded the same
+    /// checkpoint): each keeps its own shard without talking to the others.
+    pub fn new(
+        backbone: &Backbone,
+        named: &[(String, Tensor)],
+        tied: bool,
+        config: ShardConfig,
+        comm: GroupComm,
+        optimizer: Option<OptimizerConfig>,
+    ) -> Result<Self> {
+        let trains = optimizer.is_some();
+        let mut state = ZeroState::new(named, tied, config.stage, trains, comm)?;
+        let optimizer = match optimizer {
+            None => None,
+            Some(o) if config.stage == ZeroStage::Zero => {
+                let params = named.iter().map(|(n, t)| (n.as_str(), t));
+                let adamw = AdamW::new(params, o)?;
+                let numel: u64 = named.iter().map(|(_, t)| t.numel() as u64).sum();
+                state.optimizer_bytes = 2 * 4 * numel;
+                Some(Optimizer::Whole(adamw))
+            }
+            Some(o) => Some(Optimizer::Sharded(ShardOptimizer::new(&mut state, o)?)),
+        };
+        let shared = SharedState(Arc::new(Mutex::new(state)));
+        let checkpoint = config.gradient_checkpointing && trains;
+        let layerwise = checkpoint
+            || config.stage == ZeroStage::Three
+            || (trains && config.stage == ZeroStage::Two);
+        if layerwise {
+            backbone.set_layerwise(Some(Layerwise::new(checkpoint, Some(Box::new(shared.clone())))));
+        }
+        Ok(Self { shared, optimizer, config })
+    }
+
+    /// The settings.
+    pub fn config(&self) -> ShardConfig {
+        self.config
+    }
+
+    /// This rank and the group's size.
+    pub fn rank_and_world(&self) -> (usize, usize) {
+        let state = self.shared.lock();
+        (state.comm.rank(), state.comm.world_size())
+    }
+
+    /// Whether ranks must run the same number of forward passes (and backward passes) because
+    /// each issues collectives: stage 3, or a trained model at stage 2.
+    pub fn needs_balanced_passes(&self) -> bool {
+        let state = self.shared.lock();
+        state.comm.world_size() > 1
+            && (state.stage == ZeroStage::Three || state.reduces_per_segment())
+    }
+
+    /// The most passes any rank runs, given this rank's `mine` (every rank calls it with its
+    /// own count). Without per-pass collectives it is `mine` and nothing is exchanged.
+    pub fn balance(&self, mine: usize) -> Result<usize> {
+        if !self.needs_balanced_passes() {
+            return Ok(mine);
+        }
+        let state = self.shared.lock();
+        let mut most = [mine as f64];
+        state.comm.run(
+            || "agreeing on the number of passes".into(),
+            |c| c.all_reduce_f64(&mut most, ReduceOp::Max),
+        )?;
+        Ok(most[0] as usize)
+    }
+
+    /// Takes part in the collectives of a forward pass without gradients that this rank has
+    /// no data for (after [`ShardedModel::balance`]).
+    pub fn idle_forward(&self, layers: usize) -> Result<()> {
+        let mut hooks = self.shared.clone();
+        forward_sequence(&mut hooks, layers)?;
+        hooks.release(Segment::Head)?;
+        Ok(())
+    }
+
+    /// Takes part in the collectives of a forward and backward pass that this rank has no data
+    /// for: its gradient contribution is zero.
+    pub fn idle_training_pass(&self, layers: usize) -> Result<()> {
+        let mut hooks = self.shared.clone();
+        forward_sequence(&mut hooks, layers)?;
+        hooks.reduce(Segment::Head)?;
+        for index in (0..layers).rev() {
+            hooks.gather(Segment::Layer(index))?;
+            hooks.release(Segment::Layer(index))?;
+            hooks.reduce(Segment::Layer(index))?;
+        }
+        hooks.reduce(Segment::Embedding)?;
+        hooks.release(Segment::Head)?;
+        Ok(())
+    }
+
+    /// Makes every unit whole on this rank (stage 3: gathers them all; every rank must call
+    /// it), for an export or a weight sync that reads the whole model.
+    pub fn gather_all(&self) -> Result<()> {
+        let mut state = self.shared.lock();
+        for index in 0..state.units.len() {
+            state.gather_unit(index)?;
+        }
+        Ok(())
+    }
+
+    /// Frees what [`ShardedModel::gather_all`] gathered (stage 3).
+    pub fn release_all(&self) -> Result<()> {
+        let mut state = self.shared.lock();
+        for index in 0..state.units.len() {
+            state.release_unit(index)?;
+        }
+        Ok(())
+    }
+
+    /// Clears the gradients (whole ones and shards).
+    pub fn zero_grad(&mut self) -> Result<()> {
+        match &mut self.optimizer {
+            Some(Optimizer::Whole(adamw)) => adamw.zero_grad(),
+            Some(Optimizer::Sharded(_)) => {
+                let state = self.shared.lock();
+                for unit in &state.units {
+                    for param in &unit.params {
+                        clear_grad(param)?;
+                    }
+                    if let Some(g) = &unit.grad_shard {
+                        let _ = tch::no_grad(|| g.shallow_clone().f_zero_())?;
+                    }
+                }
+            }
+            None => {}
+        }
+        Ok(())
+    }
+
+    /// Finishes the gradients of the passes since the last step (stage 0: all-reduce; stage 1:
+    /// reduce-scatter into the shards; 2-3: already done) and takes one AdamW step.
+    pub fn step(&mut self) -> Result<StepStats> {
+        let mut state = self.shared.lock();
+        match &mut self.optimizer {
+            None => Err(ShardError::Config("this model is frozen (no optimizer)".into())),
+            Some(Optimizer::Whole(adamw)) => {
+                state.measure();
+                if state.comm.world_size() > 1 {
+                    let params: Vec<Tensor> = state
+                        .units
+                        .iter()
+                        .flat_map(|u| u.params.iter().map(Tensor::shallow_clone))
+                        .collect();
+                    let started = std::time::Instant::now();
+                    state.comm.with(|c| {
+                        rtrun_rlhf_algo::all_reduce_gradients(c, &params, &Default::default())
+                            .map_err(ShardError::from)
+                    })?;
+                    state.comm_seconds += started.elapsed().as_secs_f64();
+                }
+                Ok(adamw.step()?)
+            }
+            Some(Optimizer::Sharded(optimizer)) => {
+                if state.stage == ZeroStage::One {
+                    for index in 0..state.units.len() {
+                        state.reduce_unit(index)?;
+                    }
+                }
+                optimizer.step(&mut state)
+            }
+        }
+    }
+
+    /// Optimizer steps taken.
+    pub fn steps_taken(&self) -> u64 {
+        match &self.optimizer {
+            Some(Optimizer::Whole(adamw)) => adamw.steps_taken(),
+            Some(Optimizer::Sharded(o)) => o.step,
+            None => 0,
+        }
+    }
+
+    /// The stage-0 optimizer (its checkpoints keep today's format), if that is what trains.
+    pub fn whole_optimizer(&mut self) -> Option<&mut AdamW> {
+        match &mut self.optimizer {
+            Some(Optimizer::Whole(adamw)) => Some(adamw),
+            _ => None,
+        }
+    }
+
+    /// Tensor bytes of parameters, gradients and optimizer state held now.
+    pub fn held_bytes(&self) -> HeldBytes {
+        self.shared.lock().held()
+    }
+
+    /// The most bytes held at a measured point (every gather, every reduction, every step)
+    /// since construction or [`ShardedModel::reset_peak`].
+    pub fn peak_bytes(&self) -> HeldBytes {
+        let mut state = self.shared.lock();
+        state.measure();
+        state.peak
+    }
+
+    /// Starts a new peak from now.
+    pub fn reset_peak(&self) {
+        let mut state = self.shared.lock();
+        state.peak = HeldBytes::default();
+        state.measure();
+    }
+
+    /// Seconds spent in this model's collectives and their bytes, since construction.
+    pub fn collective_totals(&self) -> (f64, u64) {
+        let state = self.shared.lock();
+        (state.comm_seconds, state.comm_bytes)
+    }
+
+    pub(crate) fn shared(&self) -> &SharedState {
+        &self.shared
+    }
+
+    pub(crate) fn sharded_optimizer(&mut self) -> Option<&mut ShardOptimizer> {
+        match &mut self.optimizer {
+            Some(Optimizer::Sharded(o)) => Some(o),
+            _ => None,
+        }
+    }
+}
+
+/// The hook calls of a forward pass through `layers` layers, as [`Layerwise`] makes them.
+fn forward_sequence(hooks: &mut SharedState, layers: usize) -> rtrun_rlhf_model::Result<()> {
+    hooks.gather(Segment::Embedding)?;
+    hooks.release(Segment::Embedding)?;
+    for index in 0..layers {
+        hooks.gather(Segment::Layer(index))?;
+        hooks.release(Segment::Layer(index))?;
+    }
+    hooks.gather(Segment::Head)
+}

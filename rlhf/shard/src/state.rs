@@ -1,0 +1,326 @@
+//! A rank's flat units: where each parameter lives at each stage, gathering and releasing
+//! them around the segments that read them, and reducing their gradients into the rank's
+//! shard.
+//!
+//! | stage | parameters                   | gradients                         | AdamW moments |
+//! |-------|------------------------------|-----------------------------------|---------------|
+//! | 0     | whole, flat per unit         | whole (`.grad`), all-reduced      | whole         |
+//! | 1     | whole                        | whole until the step, then shard  | shard         |
+//! | 2     | whole                        | shard, reduced per segment        | shard         |
+//! | 3     | shard; a unit whole while read | shard, reduced per segment      | shard         |
+//!
+//! Every parameter of the model is a view into its unit's flat buffer (`full`), set once with
+//! `set_data`, so the layers read it in place. At stage 3 `full`'s storage is freed after each
+//! use and allocated again (in place, so autograd's saved views follow) before the next.
+
+use tch::{Device, Kind, Tensor};
+
+use rtrun::collective::ReduceOp;
+use rtrun_rlhf_model::layerwise::{Segment, SegmentHooks};
+use rtrun_rlhf_model::storage::{allocate_storage, clear_grad, free_storage, storage_bytes};
+
+use crate::ZeroStage;
+use crate::comm::GroupComm;
+use crate::error::{Result, ShardError};
+use crate::plan::{ShardPlan, UnitPlan};
+
+/// Tensor bytes a rank holds for a model, by kind.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct HeldBytes {
+    /// Parameters: whole units, shards and gathered units.
+    pub parameters: u64,
+    /// Gradients: full `.grad` tensors and gradient shards.
+    pub gradients: u64,
+    /// AdamW's two moments.
+    pub optimizer: u64,
+}
+
+impl HeldBytes {
+    /// The sum of the three.
+    pub fn total(&self) -> u64 {
+        self.parameters + self.gradients + self.optimizer
+    }
+}
+
+/// One flat unit of a rank.
+pub(crate) struct Unit {
+    pub(crate) plan: UnitPlan,
+    /// The model's parameters (shallow clones), by member.
+    pub(crate) params: Vec<Tensor>,
+    /// `[padded]` in the parameters' dtype; at stage 3 its storage exists only while gathered.
+    pub(crate) full: Tensor,
+    /// This rank's `[shard_len]` slice: a view of `full` below stage 3, its own storage at 3.
+    pub(crate) shard: Tensor,
+    /// The reduced gradient of the shard, float32 (stages 1-3 of a trained model).
+    pub(crate) grad_shard: Option<Tensor>,
+    /// Whether `full` holds the current parameters (always below stage 3).
+    pub(crate) gathered: bool,
+}
+
+/// Everything a rank holds of one sharded model.
+pub(crate) struct ZeroState {
+    pub(crate) stage: ZeroStage,
+    pub(crate) plan: ShardPlan,
+    pub(crate) units: Vec<Unit>,
+    pub(crate) comm: GroupComm,
+    /// Whether the model trains (has gradients and an optimizer).
+    pub(crate) trains: bool,
+    pub(crate) kind: Kind,
+    pub(crate) device: Device,
+    /// Seconds spent in collectives, and their payload bytes.
+    pub(crate) comm_seconds: f64,
+    pub(crate) comm_bytes: u64,
+    /// The most bytes held at any measured point since the last reset.
+    pub(crate) peak: HeldBytes,
+    /// Bytes of the optimizer's moments (kept here so every measurement counts them).
+    pub(crate) optimizer_bytes: u64,
+}
+
+impl ZeroState {
+    /// Lays the model's parameters (`named`, in registration order) out in flat units and
+    /// keeps this rank's shards.
+    pub(crate) fn new(
+        named: &[(String, Tensor)],
+        tied: bool,
+        stage: ZeroStage,
+        trains: bool,
+        comm: GroupComm,
+    ) -> Result<Self> {
+        let shapes: Vec<(String, Vec<i64>)> =
+            named.iter().map(|(n, t)| (n.clone(), t.size())).collect();
+        let plan = ShardPlan::new(&shapes, comm.world_size(), tied)?;
+        let (first_name, first) = named
+            .first()
+            .ok_or_else(|| ShardError::Config("the model has no parameters".into()))?;
+        let (kind, device) = (first.f_kind()?, first.device());
+        if let Some((name, t)) = named.iter().find(|(_, t)| t.kind() != kind || t.device() != device)
+        {
+            return Err(ShardError::Config(format!(
+                "flat units need one dtype and device: `{first_name}` is {kind:?} on {device:?}, \
+                 `{name}` is {:?} on {:?}",
+                t.kind(),
+                t.device()
+            )));
+        }
+        let by_name: std::collections::HashMap<&str, &Tensor> =
+            named.iter().map(|(n, t)| (n.as_str(), t)).collect();
+        let (rank, world) = (comm.rank(), comm.world_size());
+        let mut units = Vec::with_capacity(plan.units.len());
+        for unit_plan in &plan.units {
+            let params: Vec<Tensor> = unit_plan
+                .members
+                .iter()
+                .map(|m| by_name[m.name.as_str()].shallow_clone())
+                .collect();
+            let full = Tensor::f_zeros([unit_plan.padded as i64], (kind, device))?;
+            tch::no_grad(|| -> Result<()> {
+                for (member, param) in unit_plan.members.iter().zip(&params) {
+                    let view = full.f_narrow(0, member.offset as i64, member.numel as i64)?;
+                    let _ = view.shallow_clone().f_copy_(&param.f_reshape([-1])?)?;
+                    param.shallow_clone().f_set_data(&view.f_view(member.shape.as_slice())?)?;
+                }
+                Ok(())
+            })?;
+            let range = unit_plan.shard_range(world, rank);
+            let own = full.f_narrow(0, range.start as i64, range.len() as i64)?;
+            let (shard, gathered) = if stage == ZeroStage::Three {
+                let shard = Tensor::f_empty([range.len() as i64], (kind, device))?;
+                tch::no_grad(|| shard.shallow_clone().f_copy_(&own))?;
+                free_storage(&full)?;
+                (shard, false)
+            } else {
+                (own, true)
+            };
+            let grad_shard = if trains && stage != ZeroStage::Zero {
+                Some(Tensor::f_zeros([range.len() as i64], (Kind::Float, device))?)
+            } else {
+                None
+            };
+            units.push(Unit { plan: unit_plan.clone(), params, full, shard, grad_shard, gathered });
+        }
+        Ok(Self {
+            stage,
+            plan,
+            units,
+            comm,
+            trains,
+            kind,
+            device,
+            comm_seconds: 0.0,
+            comm_bytes: 0,
+            peak: HeldBytes::default(),
+            optimizer_bytes: 0,
+        })
+    }
+
+    /// Makes unit `index` whole (stage 3: allocate and all-gather; otherwise it already is).
+    pub(crate) fn gather_unit(&mut self, index: usize) -> Result<()> {
+        if self.units[index].gathered {
+            return Ok(());
+        }
+        let started = std::time::Instant::now();
+        let (rank, world) = (self.comm.rank(), self.comm.world_size());
+        let unit = &self.units[index];
+        let element = self.kind.elt_size_in_bytes();
+        let padded = unit.plan.padded;
+        allocate_storage(&unit.full, padded * element)?;
+        let range = unit.plan.shard_range(world, rank);
+        let mut host = vec![0u8; padded * element];
+        let shard = unit.shard.f_to_device(Device::Cpu)?;
+        shard.f_copy_data_u8(&mut host[range.start * element..range.end * element], range.len())?;
+        if world > 1 {
+            let name = &unit.plan.name;
+            self.comm.run(|| format!("gathering `{name}`"), |c| c.all_gather_into(&mut host))?;
+        }
+        let value = Tensor::f_from_data_size(&host, &[padded as i64], self.kind)?;
+        tch::no_grad(|| unit.full.shallow_clone().f_copy_(&value.f_to_device(self.device)?))?;
+        self.units[index].gathered = true;
+        self.comm_seconds += started.elapsed().as_secs_f64();
+        self.comm_bytes += (padded * element) as u64;
+        self.measure();
+        Ok(())
+    }
+
+    /// Frees unit `index`'s whole parameters (stage 3 only).
+    pub(crate) fn release_unit(&mut self, index: usize) -> Result<()> {
+        let unit = &mut self.units[index];
+        if self.stage == ZeroStage::Three && unit.gathered {
+            free_storage(&unit.full)?;
+            unit.gathered = false;
+        }
+        Ok(())
+    }
+
+    /// Reduce-scatters (mean over ranks) the `.grad` of unit `index`'s parameters into its
+    /// gradient shard and drops them. Members without a gradient count as zeros, so every
+    /// rank issues the same collective.
+    pub(crate) fn reduce_unit(&mut self, index: usize) -> Result<()> {
+        self.measure();
+        let started = std::time::Instant::now();
+        let (rank, world) = (self.comm.rank(), self.comm.world_size());
+        let unit = &self.units[index];
+        let Some(grad_shard) = &unit.grad_shard else {
+            return Ok(());
+        };
+        let mut host = vec![0f32; unit.plan.padded];
+        for (member, param) in unit.plan.members.iter().zip(&unit.params) {
+            let grad = param.grad();
+            if grad.defined() {
+                let flat = grad.f_detach()?.f_to_device(Device::Cpu)?.f_to_kind(Kind::Float)?;
+                flat.f_reshape([-1])?.f_copy_data(&mut host[member.range()], member.numel)?;
+            }
+        }
+        if world > 1 {
+            let name = &unit.plan.name;
+            self.comm.run(
+                || format!("reducing the gradients of `{name}`"),
+                |c| c.reduce_scatter_f32(&mut host, ReduceOp::Mean),
+            )?;
+        }
+        let range = unit.plan.shard_range(world, rank);
+        let reduced = Tensor::f_from_slice(&host[range])?.f_to_device(self.device)?;
+        let _ = tch::no_grad(|| grad_shard.shallow_clone().f_add_(&reduced))?;
+        for param in &unit.params {
+            clear_grad(param)?;
+        }
+        self.comm_seconds += started.elapsed().as_secs_f64();
+        self.comm_bytes += (unit.plan.padded * 4) as u64;
+        Ok(())
+    }
+
+    /// All-gathers every unit's full buffer from the ranks' shards in place (stages 1 and 2,
+    /// after the optimizer updated this rank's shard, which is a view of `full`).
+    pub(crate) fn refresh_full(&mut self, index: usize) -> Result<()> {
+        let world = self.comm.world_size();
+        if world == 1 {
+            return Ok(());
+        }
+        let started = std::time::Instant::now();
+        let unit = &self.units[index];
+        let element = self.kind.elt_size_in_bytes();
+        let padded = unit.plan.padded;
+        let mut host = vec![0u8; padded * element];
+        unit.full.f_to_device(Device::Cpu)?.f_copy_data_u8(&mut host, padded)?;
+        let name = &unit.plan.name;
+        self.comm.run(|| format!("gathering `{name}`"), |c| c.all_gather_into(&mut host))?;
+        let value = Tensor::f_from_data_size(&host, &[padded as i64], self.kind)?;
+        tch::no_grad(|| unit.full.shallow_clone().f_copy_(&value.f_to_device(self.device)?))?;
+        self.comm_seconds += started.elapsed().as_secs_f64();
+        self.comm_bytes += (padded * element) as u64;
+        Ok(())
+    }
+
+    /// The bytes held now.
+    pub(crate) fn held(&self) -> HeldBytes {
+        let mut held = HeldBytes { optimizer: self.optimizer_bytes, ..HeldBytes::default() };
+        for unit in &self.units {
+            held.parameters += storage_bytes(&unit.full) as u64;
+            if self.stage == ZeroStage::Three {
+                held.parameters += storage_bytes(&unit.shard) as u64;
+            }
+            if let Some(g) = &unit.grad_shard {
+                held.gradients += storage_bytes(g) as u64;
+            }
+            for param in &unit.params {
+                let grad = param.grad();
+                if grad.defined() {
+                    held.gradients += storage_bytes(&grad) as u64;
+                }
+            }
+        }
+        held
+    }
+
+    /// Records the bytes held now into the peak.
+    pub(crate) fn measure(&mut self) {
+        let now = self.held();
+        if now.total() > self.peak.total() {
+            self.peak = now;
+        }
+    }
+
+    /// Runs `f` on each unit a segment reads.
+    fn each_unit(&mut self, segment: Segment, f: fn(&mut Self, usize) -> Result<()>) -> Result<()> {
+        for index in self.plan.units_of(segment) {
+            f(self, index)?;
+        }
+        Ok(())
+    }
+
+    /// Whether gradients are reduced per segment during the backward (stages 2 and 3).
+    pub(crate) fn reduces_per_segment(&self) -> bool {
+        self.trains && matches!(self.stage, ZeroStage::Two | ZeroStage::Three)
+    }
+}
+
+impl SegmentHooks for SharedState {
+    fn gather(&mut self, segment: Segment) -> rtrun_rlhf_model::Result<()> {
+        let mut state = self.lock();
+        Ok(state.each_unit(segment, ZeroState::gather_unit)?)
+    }
+
+    fn release(&mut self, segment: Segment) -> rtrun_rlhf_model::Result<()> {
+        let mut state = self.lock();
+        Ok(state.each_unit(segment, ZeroState::release_unit)?)
+    }
+
+    fn reduce(&mut self, segment: Segment) -> rtrun_rlhf_model::Result<()> {
+        let mut state = self.lock();
+        if !state.reduces_per_segment() {
+            return Ok(());
+        }
+        Ok(state.each_unit(segment, ZeroState::reduce_unit)?)
+    }
+}
+
+/// The state shared by the model's hooks and the rank's [`crate::ShardedModel`].
+#[derive(Clone)]
+pub(crate) struct SharedState(pub(crate) std::sync::Arc<std::sync::Mutex<ZeroState>>);
+
+impl SharedState {
+    pub(crate) fn lock(&self) -> std::sync::MutexGuard<'_, ZeroState> {
+        // A panic mid-collective leaves the communicator poisoned, which reports itself; the
+        // tensors stay consistent enough to report errors, so a poisoned lock is taken over.
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
