@@ -65,12 +65,26 @@ struct Outcome {
 
 /// Trains `STEPS` steps on `world` thread ranks; returns each rank's outcome.
 fn train(family: ModelFamily, world: usize, config: ShardConfig) -> Vec<Outcome> {
+    train_steps(family, world, config, 0..STEPS, None, None)
+}
+
+/// Trains steps `steps` on `world` thread ranks, first loading a sharded save from `load`,
+/// at the end saving one into `save`.
+fn train_steps(
+    family: ModelFamily,
+    world: usize,
+    config: ShardConfig,
+    steps: std::ops::Range<usize>,
+    load: Option<&std::path::Path>,
+    save: Option<&std::path::Path>,
+) -> Vec<Outcome> {
     let port = free_port();
     let model_config = tiny_config(family);
     std::thread::scope(|scope| {
         let ranks: Vec<_> = (0..world)
             .map(|rank| {
                 let model_config = model_config.clone();
+                let steps = steps.clone();
                 scope.spawn(move || {
                     let collective = CollectiveConfig::new("zero", rank, world, "127.0.0.1", port)
                         .with_timeout(Duration::from_secs(30));
@@ -89,8 +103,11 @@ fn train(family: ModelFamily, world: usize, config: ShardConfig) -> Vec<Outcome>
                     )
                     .unwrap();
                     let layers = model.config().num_hidden_layers as usize;
+                    if let Some(dir) = load {
+                        sharded.load_sharded(dir).unwrap();
+                    }
                     let mut losses = Vec::new();
-                    for step in 0..STEPS {
+                    for step in steps {
                         let rows = batch(step);
                         // Uneven shares (5 rows): rank 0 of 2 has 3 rows in 2 micro-batches,
                         // rank 1 has 2 in one, so the balancing and idle passes are exercised.
@@ -111,6 +128,9 @@ fn train(family: ModelFamily, world: usize, config: ShardConfig) -> Vec<Outcome>
                         }
                         sharded.step().unwrap();
                         losses.push(total);
+                    }
+                    if let Some(dir) = save {
+                        sharded.save_sharded(dir).unwrap();
                     }
                     sharded.gather_all().unwrap();
                     let weights = model
@@ -184,4 +204,166 @@ fn every_stage_trains_as_todays_data_parallelism() {
             }
         }
     }
+}
+
+/// A save made on 4 ranks at stage 3 resumes on 2 (stage 3) and on 1 (stage 1) ranks: each
+/// continuation equals the uninterrupted run on as many ranks as it continues on, as an
+/// unsharded resume would.
+#[test]
+fn a_sharded_save_resumes_on_another_number_of_ranks() {
+    let dir = tempfile::tempdir().unwrap();
+    let three = ShardConfig { stage: ZeroStage::Three, gradient_checkpointing: false };
+    let one = ShardConfig { stage: ZeroStage::One, gradient_checkpointing: false };
+    let family = ModelFamily::Qwen2;
+    train_steps(family, 4, three, 0..2, None, Some(dir.path()));
+    let files = std::fs::read_dir(dir.path()).unwrap().count();
+    assert_eq!(files, 5, "four shards and the manifest");
+    for (world, config) in [(2, three), (1, one)] {
+        let resumed = train_steps(family, world, config, 2..STEPS, Some(dir.path()), None);
+        let whole = train(family, world, ShardConfig::default());
+        for (rank, outcome) in resumed.iter().enumerate() {
+            let (gap, _) = relative_gap(&outcome.weights, &whole[rank].weights);
+            assert!(gap < 1e-5, "resumed on {world}: rank {rank} differs by {gap:e}");
+        }
+        let loss: f64 = resumed.iter().map(|o| o.losses[0]).sum();
+        let expected: f64 = whole.iter().map(|o| o.losses[STEPS - 1]).sum();
+        assert!((loss - expected).abs() < 1e-5 * expected, "{loss} vs {expected}");
+    }
+}
+
+/// A save missing a shard, or loaded into another model, is refused with the file named.
+#[test]
+fn broken_sharded_saves_are_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let three = ShardConfig { stage: ZeroStage::Three, gradient_checkpointing: false };
+    train_steps(ModelFamily::Llama, 2, three, 0..1, None, Some(dir.path()));
+    let model = tiny_model(&tiny_config(ModelFamily::Qwen2), 1).unwrap();
+    let named: Vec<(String, Tensor)> =
+        model.named_parameters().map(|(n, t)| (n.to_string(), t.shallow_clone())).collect();
+    let mut sharded = ShardedModel::new(
+        &model.backbone,
+        &named,
+        true,
+        three,
+        GroupComm::solo(),
+        Some(optimizer()),
+    )
+    .unwrap();
+    let err = sharded.load_sharded(dir.path()).unwrap_err().to_string();
+    assert!(err.contains("zero-manifest.json") && err.contains("does not match"), "{err}");
+    std::fs::remove_file(dir.path().join(rtrun_rlhf_shard::checkpoint::shard_file(1, 2))).unwrap();
+    let err = sharded.load_sharded(dir.path()).unwrap_err().to_string();
+    assert!(err.contains("zero-shard-00001-of-00002") && err.contains("missing"), "{err}");
+    std::fs::remove_file(dir.path().join(rtrun_rlhf_shard::checkpoint::MANIFEST_FILE)).unwrap();
+    let err = sharded.load_sharded(dir.path()).unwrap_err().to_string();
+    assert!(err.contains("incomplete save"), "{err}");
+}
+
+/// Stage 3 on N ranks holds at most 1/N of stage 0's parameters, gradients and moments plus
+/// one unit gathered at a time (the head and a layer while both are read).
+#[test]
+fn stage_three_holds_a_shard_and_one_unit() {
+    let family = ModelFamily::Llama;
+    let peak = |world: usize, stage: ZeroStage| -> u64 {
+        let config = ShardConfig { stage, gradient_checkpointing: false };
+        let port = free_port();
+        let model_config = tiny_config(family);
+        std::thread::scope(|scope| {
+            let ranks: Vec<_> = (0..world)
+                .map(|rank| {
+                    let model_config = model_config.clone();
+                    scope.spawn(move || {
+                        let collective =
+                            CollectiveConfig::new("mem", rank, world, "127.0.0.1", port);
+                        let model = tiny_model(&model_config, 3).unwrap();
+                        let named: Vec<(String, Tensor)> = model
+                            .named_parameters()
+                            .map(|(n, t)| (n.to_string(), t.shallow_clone()))
+                            .collect();
+                        let mut sharded = ShardedModel::new(
+                            &model.backbone,
+                            &named,
+                            false,
+                            config,
+                            GroupComm::joining(collective),
+                            Some(optimizer()),
+                        )
+                        .unwrap();
+                        sharded.reset_peak();
+                        let rows: Vec<Vec<i64>> = batch(0).into_iter().take(world).collect();
+                        let nll = nll_sum(&model, &rows[rank..=rank]);
+                        model.backward(&nll).unwrap();
+                        sharded.step().unwrap();
+                        sharded.peak_bytes().total()
+                    })
+                })
+                .collect();
+            ranks.into_iter().map(|r| r.join().unwrap()).max().unwrap()
+        })
+    };
+    let model = tiny_model(&tiny_config(family), 3).unwrap();
+    let numel = model.params.numel() as u64;
+    let stage0 = peak(1, ZeroStage::Zero);
+    assert_eq!(stage0, 16 * numel, "parameters, gradients and two moments, 4 bytes each");
+    let plan = rtrun_rlhf_shard::plan::ShardPlan::new(
+        &model.named_parameters().map(|(n, t)| (n.to_string(), t.size())).collect::<Vec<_>>(),
+        1,
+        false,
+    )
+    .unwrap();
+    // A decoder layer and the head may be whole at once (the last layer's backward), each
+    // with its full gradient until it is reduced.
+    let head = plan.units.last().unwrap().padded as u64;
+    let layer = plan.units[1].padded as u64;
+    for world in [2u64, 4] {
+        let stage3 = peak(world as usize, ZeroStage::Three);
+        let bound = stage0 / world + 8 * (head + layer) + 64;
+        assert!(stage3 <= bound, "{world} ranks: {stage3} > {bound} (stage 0: {stage0})");
+    }
+}
+
+/// A rank that goes away mid-step (its sockets close, as when its process dies) fails the
+/// others' next gather at once with an error naming the unit and the lost peer, instead of
+/// hanging them.
+#[test]
+fn a_lost_rank_fails_the_gather_instead_of_hanging() {
+    let port = free_port();
+    let config = ShardConfig { stage: ZeroStage::Three, gradient_checkpointing: false };
+    let started = std::time::Instant::now();
+    let errors: Vec<Option<String>> = std::thread::scope(|scope| {
+        let ranks: Vec<_> = (0..2)
+            .map(|rank| {
+                scope.spawn(move || {
+                    let collective = CollectiveConfig::new("lost", rank, 2, "127.0.0.1", port)
+                        .with_timeout(Duration::from_secs(60));
+                    let model = tiny_model(&tiny_config(ModelFamily::Llama), 3).unwrap();
+                    let named: Vec<(String, Tensor)> = model
+                        .named_parameters()
+                        .map(|(n, t)| (n.to_string(), t.shallow_clone()))
+                        .collect();
+                    let sharded = ShardedModel::new(
+                        &model.backbone,
+                        &named,
+                        false,
+                        config,
+                        GroupComm::joining(collective),
+                        None,
+                    )
+                    .unwrap();
+                    sharded.balance(1).unwrap();
+                    if rank == 1 {
+                        return None; // Leaves: its communicator closes its sockets.
+                    }
+                    let ids = Tensor::from_slice(&[5i64, 6, 7]).view([1, 3]);
+                    let err = tch::no_grad(|| model.forward(&ids, &ids.ones_like(), None));
+                    Some(err.unwrap_err().to_string())
+                })
+            })
+            .collect();
+        ranks.into_iter().map(|r| r.join().unwrap()).collect()
+    });
+    let message = errors[0].as_ref().expect("rank 0 reports");
+    assert!(message.contains("gathering `model.embed_tokens`"), "{message}");
+    assert!(message.contains("rank 1"), "{message}");
+    assert!(started.elapsed() < Duration::from_secs(30), "took {:?}", started.elapsed());
 }
