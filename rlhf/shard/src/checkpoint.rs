@@ -50,21 +50,31 @@ fn checkpoint_error(path: &Path, message: impl Into<String>) -> ShardError {
     ShardError::Checkpoint { path: path.to_path_buf(), message: message.into() }
 }
 
-/// Whether `dir` holds a sharded save (its manifest).
+/// Whether `dir` holds a sharded save: its manifest, or shard files (a save cut short, which
+/// [`ShardedModel::load_sharded`] then refuses by name).
 pub fn is_sharded_checkpoint(dir: &Path) -> bool {
     dir.join(MANIFEST_FILE).is_file()
+        || std::fs::read_dir(dir).is_ok_and(|entries| {
+            entries.flatten().any(|e| e.file_name().to_string_lossy().starts_with("zero-shard-"))
+        })
 }
 
 /// Reads and checks `dir`'s manifest.
 pub fn read_manifest(dir: &Path) -> Result<Manifest> {
     let path = dir.join(MANIFEST_FILE);
     let text = std::fs::read_to_string(&path).map_err(|e| {
-        checkpoint_error(&path, format!("cannot read the manifest ({e}); an incomplete save has none"))
+        checkpoint_error(
+            &path,
+            format!("cannot read the manifest ({e}); an incomplete save has none"),
+        )
     })?;
     let manifest: Manifest = serde_json::from_str(&text)
         .map_err(|e| checkpoint_error(&path, format!("invalid manifest: {e}")))?;
     if manifest.format != 1 {
-        return Err(checkpoint_error(&path, format!("format should be 1, found {}", manifest.format)));
+        return Err(checkpoint_error(
+            &path,
+            format!("format should be 1, found {}", manifest.format),
+        ));
     }
     if manifest.shards.len() != manifest.world_size || manifest.world_size == 0 {
         return Err(checkpoint_error(
@@ -85,7 +95,9 @@ impl ShardedModel {
     pub fn save_sharded(&mut self, dir: &Path) -> Result<()> {
         let step = self.steps_taken();
         let moments: Vec<(Tensor, Tensor)> = match self.sharded_optimizer() {
-            Some(o) => o.moments.iter().map(|(m, v)| (m.shallow_clone(), v.shallow_clone())).collect(),
+            Some(o) => {
+                o.moments.iter().map(|(m, v)| (m.shallow_clone(), v.shallow_clone())).collect()
+            }
             None => Vec::new(),
         };
         let shared = self.shared().clone();
@@ -111,7 +123,10 @@ impl ShardedModel {
         write_file(&partial, named.iter().map(|(n, t)| (n.as_str(), t)), metadata)?;
         std::fs::rename(&partial, &file).map_err(|e| checkpoint_error(&file, e.to_string()))?;
         if world > 1 {
-            state.comm.run(|| format!("waiting for every rank's shard in {}", dir.display()), |c| c.barrier())?;
+            state.comm.run(
+                || format!("waiting for every rank's shard in {}", dir.display()),
+                |c| c.barrier(),
+            )?;
         }
         if rank == 0 {
             let manifest = Manifest {
@@ -126,7 +141,8 @@ impl ShardedModel {
             let text = serde_json::to_string_pretty(&manifest)
                 .map_err(|e| checkpoint_error(&path, e.to_string()))?;
             let partial = dir.join(format!(".{MANIFEST_FILE}.partial"));
-            std::fs::write(&partial, text).map_err(|e| checkpoint_error(&partial, e.to_string()))?;
+            std::fs::write(&partial, text)
+                .map_err(|e| checkpoint_error(&partial, e.to_string()))?;
             std::fs::rename(&partial, &path).map_err(|e| checkpoint_error(&path, e.to_string()))?;
         }
         Ok(())
@@ -182,9 +198,9 @@ impl ShardedModel {
                 let key = format!("{prefix}.{}", saved.name);
                 let mut parts = Vec::with_capacity(files.len());
                 for (path, tensors) in &files {
-                    let part = tensors.get(&key).ok_or_else(|| {
-                        checkpoint_error(path, format!("has no tensor `{key}`"))
-                    })?;
+                    let part = tensors
+                        .get(&key)
+                        .ok_or_else(|| checkpoint_error(path, format!("has no tensor `{key}`")))?;
                     parts.push(part.shallow_clone());
                 }
                 let flat = Tensor::f_cat(&parts, 0)?;
@@ -213,15 +229,15 @@ impl ShardedModel {
             if trains {
                 let take = |prefix: &str| -> Result<Tensor> {
                     let values = whole(prefix)?.f_to_kind(Kind::Float)?;
-                    Ok(values.f_narrow(0, own.start as i64, own.len() as i64)?.f_to_device(device)?)
+                    Ok(values
+                        .f_narrow(0, own.start as i64, own.len() as i64)?
+                        .f_to_device(device)?)
                 };
                 moments.push((take("exp_avg")?, take("exp_avg_sq")?));
             }
         }
         // Whatever was gathered holds the old values.
-        for index in 0..state.units.len() {
-            state.release_unit(index)?;
-        }
+        state.release_all_units()?;
         drop(state);
         if let Some(optimizer) = self.sharded_optimizer() {
             optimizer.moments = moments;
@@ -256,7 +272,12 @@ fn check_layout(path: &Path, model: &UnitPlan, saved: &UnitPlan) -> Result<()> {
     if model.members.len() != saved.members.len() {
         return Err(checkpoint_error(
             path,
-            format!("unit `{}` has {} parameters, the model's {}", saved.name, saved.members.len(), model.members.len()),
+            format!(
+                "unit `{}` has {} parameters, the model's {}",
+                saved.name,
+                saved.members.len(),
+                model.members.len()
+            ),
         ));
     }
     Ok(())

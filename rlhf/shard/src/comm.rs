@@ -41,9 +41,7 @@ impl GroupComm {
     pub fn from_group_context() -> Result<Self> {
         let context = rtrun::context().map_err(|e| ShardError::Config(e.to_string()))?;
         match context.group {
-            Some(membership) => {
-                Ok(Self::joining(CollectiveConfig::from_membership(&membership)))
-            }
+            Some(membership) => Ok(Self::joining(CollectiveConfig::from_membership(&membership))),
             None => Ok(Self::solo()),
         }
     }

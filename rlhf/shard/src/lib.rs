@@ -96,10 +96,16 @@ impl<'de> Deserialize<'de> for ZeroStage {
                 })
             }
 
+            fn visit_u8<E: serde::de::Error>(self, v: u8) -> Result<ZeroStage, E> {
+                self.visit_u64(u64::from(v))
+            }
+
             fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<ZeroStage, E> {
                 match u64::try_from(v) {
                     Ok(v) => self.visit_u64(v),
-                    Err(_) => Err(E::custom(format!("zero_stage should be 0, 1, 2 or 3, found {v}"))),
+                    Err(_) => {
+                        Err(E::custom(format!("zero_stage should be 0, 1, 2 or 3, found {v}")))
+                    }
                 }
             }
 
@@ -116,7 +122,12 @@ impl<'de> Deserialize<'de> for ZeroStage {
                 }
             }
         }
-        d.deserialize_any(Visitor)
+        if d.is_human_readable() {
+            d.deserialize_any(Visitor)
+        } else {
+            // Binary codecs (the runtime's) are not self-describing: the number it was written as.
+            d.deserialize_u8(Visitor)
+        }
     }
 }
 
@@ -135,5 +146,8 @@ mod tests {
         assert!(err.contains("0, 1, 2 or 3") && err.contains('4'), "{err}");
         assert!(parse("-1").is_err() && parse("\"zero9\"").is_err());
         assert_eq!(serde_json::to_string(&ZeroStage::Two).unwrap(), "2");
+        // The runtime's binary codec (not self-describing) round-trips it too.
+        let bytes = bitcode::serialize(&ZeroStage::Three).unwrap();
+        assert_eq!(bitcode::deserialize::<ZeroStage>(&bytes).unwrap(), ZeroStage::Three);
     }
 }

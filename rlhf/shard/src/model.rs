@@ -89,7 +89,8 @@ impl ShardedModel {
             || config.stage == ZeroStage::Three
             || (trains && config.stage == ZeroStage::Two);
         if layerwise {
-            backbone.set_layerwise(Some(Layerwise::new(checkpoint, Some(Box::new(shared.clone())))));
+            backbone
+                .set_layerwise(Some(Layerwise::new(checkpoint, Some(Box::new(shared.clone())))));
         }
         Ok(Self { shared, optimizer, config })
     }
@@ -105,18 +106,20 @@ impl ShardedModel {
         (state.comm.rank(), state.comm.world_size())
     }
 
-    /// Whether ranks must run the same number of forward passes (and backward passes) because
-    /// each issues collectives: stage 3, or a trained model at stage 2.
-    pub fn needs_balanced_passes(&self) -> bool {
+    /// Whether ranks must run the same number of passes because each issues collectives:
+    /// every pass at stage 3, training passes (forward and backward) of a trained model at
+    /// stage 2.
+    pub fn needs_balanced_passes(&self, training: bool) -> bool {
         let state = self.shared.lock();
         state.comm.world_size() > 1
-            && (state.stage == ZeroStage::Three || state.reduces_per_segment())
+            && (state.stage == ZeroStage::Three || (training && state.reduces_per_segment()))
     }
 
     /// The most passes any rank runs, given this rank's `mine` (every rank calls it with its
-    /// own count). Without per-pass collectives it is `mine` and nothing is exchanged.
-    pub fn balance(&self, mine: usize) -> Result<usize> {
-        if !self.needs_balanced_passes() {
+    /// own count, for `training` passes — forward and backward — or forward-only ones).
+    /// Without per-pass collectives it is `mine` and nothing is exchanged.
+    pub fn balance(&self, mine: usize, training: bool) -> Result<usize> {
+        if !self.needs_balanced_passes(training) {
             return Ok(mine);
         }
         let state = self.shared.lock();
@@ -137,11 +140,17 @@ impl ShardedModel {
         Ok(())
     }
 
-    /// Takes part in the collectives of a forward and backward pass that this rank has no data
-    /// for: its gradient contribution is zero.
-    pub fn idle_training_pass(&self, layers: usize) -> Result<()> {
+    /// Takes part in the collectives of a forward pass with gradients that this rank has no
+    /// data for; [`ShardedModel::idle_backward`] follows it where the real pass's backward
+    /// would.
+    pub fn idle_training_forward(&self, layers: usize) -> Result<()> {
+        Ok(forward_sequence(&mut self.shared.clone(), layers)?)
+    }
+
+    /// Takes part in the collectives of the backward pass of an idle training forward: this
+    /// rank's gradient contribution is zero.
+    pub fn idle_backward(&self, layers: usize) -> Result<()> {
         let mut hooks = self.shared.clone();
-        forward_sequence(&mut hooks, layers)?;
         hooks.reduce(Segment::Head)?;
         for index in (0..layers).rev() {
             hooks.gather(Segment::Layer(index))?;
@@ -151,6 +160,12 @@ impl ShardedModel {
         hooks.reduce(Segment::Embedding)?;
         hooks.release(Segment::Head)?;
         Ok(())
+    }
+
+    /// [`ShardedModel::idle_training_forward`] and then [`ShardedModel::idle_backward`].
+    pub fn idle_training_pass(&self, layers: usize) -> Result<()> {
+        self.idle_training_forward(layers)?;
+        self.idle_backward(layers)
     }
 
     /// Makes every unit whole on this rank (stage 3: gathers them all; every rank must call
@@ -166,8 +181,41 @@ impl ShardedModel {
     /// Frees what [`ShardedModel::gather_all`] gathered (stage 3).
     pub fn release_all(&self) -> Result<()> {
         let mut state = self.shared.lock();
-        for index in 0..state.units.len() {
-            state.release_unit(index)?;
+        state.release_all_units()?;
+        Ok(())
+    }
+
+    /// Lets `write` overwrite the whole model in place (every rank loading the same
+    /// checkpoint from disk), then keeps this rank's shards of what it wrote. At stage 3 the
+    /// units are given memory for it without a gather and freed after; nothing is exchanged.
+    pub fn overwrite_whole(
+        &self,
+        write: impl FnOnce() -> rtrun_rlhf_model::Result<()>,
+    ) -> Result<()> {
+        let mut state = self.shared.lock();
+        let three = state.stage == ZeroStage::Three;
+        let element = state.kind.elt_size_in_bytes();
+        if three {
+            for unit in &mut state.units {
+                if !unit.gathered {
+                    rtrun_rlhf_model::storage::allocate_storage(
+                        &unit.full,
+                        unit.plan.padded * element,
+                    )?;
+                    let _ = tch::no_grad(|| unit.full.shallow_clone().f_zero_())?;
+                    unit.gathered = true;
+                }
+            }
+        }
+        write()?;
+        if three {
+            let (rank, world) = (state.comm.rank(), state.comm.world_size());
+            for unit in &state.units {
+                let own = unit.plan.shard_range(world, rank);
+                let slice = unit.full.f_narrow(0, own.start as i64, own.len() as i64)?;
+                tch::no_grad(|| unit.shard.shallow_clone().f_copy_(&slice))?;
+            }
+            state.release_all_units()?;
         }
         Ok(())
     }

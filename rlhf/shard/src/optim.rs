@@ -52,9 +52,10 @@ impl ShardOptimizer {
             }
         }
         if state.comm.world_size() > 1 {
-            state
-                .comm
-                .run(|| "the global gradient norm".into(), |c| c.all_reduce_f64(&mut sum_sq, ReduceOp::Sum))?;
+            state.comm.run(
+                || "the global gradient norm".into(),
+                |c| c.all_reduce_f64(&mut sum_sq, ReduceOp::Sum),
+            )?;
         }
         let grad_norm = sum_sq[0].sqrt();
         if !grad_norm.is_finite() {
@@ -74,10 +75,13 @@ impl ShardOptimizer {
                 let value = unit.shard.f_to_kind(Kind::Float)?;
                 if decay {
                     for member in unit.plan.members.iter().filter(|m| m.decays()) {
-                        let (lo, hi) =
-                            (member.offset.max(own.start), (member.offset + member.numel).min(own.end));
+                        let (lo, hi) = (
+                            member.offset.max(own.start),
+                            (member.offset + member.numel).min(own.end),
+                        );
                         if lo < hi {
-                            let slice = value.f_narrow(0, (lo - own.start) as i64, (hi - lo) as i64)?;
+                            let slice =
+                                value.f_narrow(0, (lo - own.start) as i64, (hi - lo) as i64)?;
                             let decayed = update.decayed(&slice)?;
                             slice.shallow_clone().f_copy_(&decayed)?;
                         }
@@ -91,9 +95,7 @@ impl ShardOptimizer {
         })?;
         if state.stage == ZeroStage::Three {
             // Whatever is still gathered holds the old values.
-            for index in 0..state.units.len() {
-                state.release_unit(index)?;
-            }
+            state.release_all_units()?;
         } else {
             for index in 0..state.units.len() {
                 state.refresh_full(index)?;

@@ -74,6 +74,8 @@ pub(crate) struct ZeroState {
     pub(crate) peak: HeldBytes,
     /// Bytes of the optimizer's moments (kept here so every measurement counts them).
     pub(crate) optimizer_bytes: u64,
+    /// Whether the head's units were gathered and not yet released.
+    pub(crate) head_gathered: bool,
 }
 
 impl ZeroState {
@@ -93,7 +95,8 @@ impl ZeroState {
             .first()
             .ok_or_else(|| ShardError::Config("the model has no parameters".into()))?;
         let (kind, device) = (first.f_kind()?, first.device());
-        if let Some((name, t)) = named.iter().find(|(_, t)| t.kind() != kind || t.device() != device)
+        if let Some((name, t)) =
+            named.iter().find(|(_, t)| t.kind() != kind || t.device() != device)
         {
             return Err(ShardError::Config(format!(
                 "flat units need one dtype and device: `{first_name}` is {kind:?} on {device:?}, \
@@ -150,6 +153,7 @@ impl ZeroState {
             comm_bytes: 0,
             peak: HeldBytes::default(),
             optimizer_bytes: 0,
+            head_gathered: false,
         })
     }
 
@@ -188,6 +192,15 @@ impl ZeroState {
             free_storage(&unit.full)?;
             unit.gathered = false;
         }
+        Ok(())
+    }
+
+    /// Frees every gathered unit (stage 3), the head's too.
+    pub(crate) fn release_all_units(&mut self) -> Result<()> {
+        for index in 0..self.units.len() {
+            self.release_unit(index)?;
+        }
+        self.head_gathered = false;
         Ok(())
     }
 
@@ -296,12 +309,29 @@ impl ZeroState {
 impl SegmentHooks for SharedState {
     fn gather(&mut self, segment: Segment) -> rtrun_rlhf_model::Result<()> {
         let mut state = self.lock();
-        Ok(state.each_unit(segment, ZeroState::gather_unit)?)
+        state.each_unit(segment, ZeroState::gather_unit)?;
+        if segment == Segment::Head {
+            state.head_gathered = true;
+        }
+        Ok(())
     }
 
     fn release(&mut self, segment: Segment) -> rtrun_rlhf_model::Result<()> {
         let mut state = self.lock();
-        Ok(state.each_unit(segment, ZeroState::release_unit)?)
+        let head = state.plan.units_of(Segment::Head);
+        for index in state.plan.units_of(segment) {
+            // While the head is gathered, autograd may hold views of its units (a tied
+            // embedding read by the LM head of a pass still to be backpropagated): they stay
+            // until the head itself is released.
+            if segment != Segment::Head && state.head_gathered && head.contains(&index) {
+                continue;
+            }
+            state.release_unit(index)?;
+        }
+        if segment == Segment::Head {
+            state.head_gathered = false;
+        }
+        Ok(())
     }
 
     fn reduce(&mut self, segment: Segment) -> rtrun_rlhf_model::Result<()> {

@@ -27,7 +27,9 @@ fn free_port() -> u16 {
 /// The rows of step `step`: `ROWS` sequences of `SEQ` token ids.
 fn batch(step: usize) -> Vec<Vec<i64>> {
     (0..ROWS)
-        .map(|r| (0..SEQ).map(|t| ((step * 131 + r * 17 + t as usize * 7) % 380 + 3) as i64).collect())
+        .map(|r| {
+            (0..SEQ).map(|t| ((step * 131 + r * 17 + t as usize * 7) % 380 + 3) as i64).collect()
+        })
         .collect()
 }
 
@@ -115,7 +117,7 @@ fn train_steps(
                             rows.iter().skip(rank).step_by(world).cloned().collect();
                         let global_tokens = (ROWS as i64 * (SEQ - 1)) as f64;
                         let micro: Vec<&[Vec<i64>]> = mine.chunks(MICRO).collect();
-                        let passes = sharded.balance(micro.len()).unwrap();
+                        let passes = sharded.balance(micro.len(), true).unwrap();
                         sharded.zero_grad().unwrap();
                         let mut total = 0.0;
                         for rows in &micro {
@@ -135,7 +137,9 @@ fn train_steps(
                     sharded.gather_all().unwrap();
                     let weights = model
                         .named_parameters()
-                        .map(|(n, t)| (n.to_string(), Vec::<f32>::try_from(&t.reshape([-1])).unwrap()))
+                        .map(|(n, t)| {
+                            (n.to_string(), Vec::<f32>::try_from(&t.reshape([-1])).unwrap())
+                        })
                         .collect();
                     sharded.release_all().unwrap();
                     Outcome { losses, weights }
@@ -185,7 +189,10 @@ fn every_stage_trains_as_todays_data_parallelism() {
                             "{what}: step {step} loss {sum} vs {expected}"
                         );
                         let alone = single.losses[step];
-                        assert!((sum - alone).abs() <= 1e-5 * alone.abs(), "{what}: {sum} vs {alone}");
+                        assert!(
+                            (sum - alone).abs() <= 1e-5 * alone.abs(),
+                            "{what}: {sum} vs {alone}"
+                        );
                     }
                     for (rank, outcome) in outcomes.iter().enumerate() {
                         let (gap, worst) = relative_gap(&outcome.weights, &baseline[rank].weights);
@@ -350,7 +357,7 @@ fn a_lost_rank_fails_the_gather_instead_of_hanging() {
                         None,
                     )
                     .unwrap();
-                    sharded.balance(1).unwrap();
+                    sharded.balance(1, false).unwrap();
                     if rank == 1 {
                         return None; // Leaves: its communicator closes its sockets.
                     }

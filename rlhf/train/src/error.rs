@@ -41,6 +41,9 @@ pub enum TrainError {
     /// An RL maths routine rejected its inputs.
     #[error("algo: {0}")]
     Algo(#[from] rtrun_rlhf_algo::AlgoError),
+    /// Sharded training failed (a collective, a lost rank, a sharded checkpoint).
+    #[error("sharding: {0}")]
+    Shard(#[from] rtrun_rlhf_shard::ShardError),
     /// A runtime call failed (actor died, task failed, ...).
     #[error("runtime: {0}")]
     Runtime(#[from] rtrun::Error),

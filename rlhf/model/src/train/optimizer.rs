@@ -233,7 +233,8 @@ impl AdamW {
                 if self.config.weight_decay > 0.0 && p.dim() > 1 {
                     value = update.decayed(&value)?;
                 }
-                let value = update.apply(value, &g, &mut self.exp_avg[i], &mut self.exp_avg_sq[i])?;
+                let value =
+                    update.apply(value, &g, &mut self.exp_avg[i], &mut self.exp_avg_sq[i])?;
                 let mut target = p.shallow_clone();
                 target.f_copy_(&value)?;
             }

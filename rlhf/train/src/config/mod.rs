@@ -438,6 +438,15 @@ pub struct TrainLoopConfig {
     pub weight_decay: f64,
     /// Steps during which only the critic trains.
     pub freezing_actor_steps: u64,
+    /// What each data-parallel rank of the policy, critic, reference and reward model shards
+    /// (OpenRLHF's `--zero_stage`; verl's FSDP is stage 3, and `fsdp`, `shard_grad_op`,
+    /// `no_shard` are accepted): 0 nothing, 1 AdamW state, 2 also gradients, 3 also
+    /// parameters (each decoder layer gathered just before it runs and freed after).
+    pub zero_stage: rtrun_rlhf_shard::ZeroStage,
+    /// Recompute each decoder layer of the trained roles in the backward pass instead of
+    /// keeping its activations (OpenRLHF's `--gradient_checkpointing`, verl's
+    /// `enable_gradient_checkpointing`).
+    pub gradient_checkpointing: bool,
     /// How a step's experience is made: `sequential` (generate everything, then every role
     /// over the whole batch; the default) or `dock` (GRPO stages streaming prompt groups
     /// through a TransferDock actor, see [`crate::trainer::pipeline`]).
@@ -466,6 +475,16 @@ pub enum PipelineMode {
     Dock,
 }
 
+impl TrainLoopConfig {
+    /// The sharding of the role ranks.
+    pub fn shard(&self) -> rtrun_rlhf_shard::ShardConfig {
+        rtrun_rlhf_shard::ShardConfig {
+            stage: self.zero_stage,
+            gradient_checkpointing: self.gradient_checkpointing,
+        }
+    }
+}
+
 impl Default for TrainLoopConfig {
     fn default() -> Self {
         Self {
@@ -481,6 +500,8 @@ impl Default for TrainLoopConfig {
             max_grad_norm: 1.0,
             weight_decay: 0.0,
             freezing_actor_steps: 0,
+            zero_stage: rtrun_rlhf_shard::ZeroStage::Zero,
+            gradient_checkpointing: false,
             pipeline: PipelineMode::Sequential,
             dock_groups_per_batch: 4,
             dock_max_poll_pause_ms: 5,
@@ -968,6 +989,16 @@ impl TrainConfig {
                     "expected a divisor of rollout.prompts_per_step × n_samples_per_prompt = {samples}, found {}",
                     tr.train_batch_size
                 ),
+            ));
+        }
+        if tr.pipeline == PipelineMode::Dock && tr.zero_stage == rtrun_rlhf_shard::ZeroStage::Three
+        {
+            return Err(TrainError::config(
+                "train.zero_stage",
+                "expected 0, 1 or 2 with train.pipeline `dock`, found 3: dock stages call the \
+                 policy ranks from several threads (old log-probs and training), and at stage 3 \
+                 every forward gathers parameters across the ranks, which must then run their \
+                 passes in one order; use train.pipeline `sequential` for stage 3",
             ));
         }
         if tr.pipeline == PipelineMode::Dock {

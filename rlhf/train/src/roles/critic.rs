@@ -7,14 +7,15 @@ use serde::{Deserialize, Serialize};
 use tch::{Device, Kind};
 
 use rtrun_rlhf_model::ScalarHeadModel;
-use rtrun_rlhf_model::train::{AdamW, OptimizerConfig};
+use rtrun_rlhf_model::train::OptimizerConfig;
+use rtrun_rlhf_shard::{GroupComm, ShardConfig, ShardedModel, ZeroStage};
 
 use crate::algo::{self, LossAggregation};
 use crate::experience::{
     ExperienceRow, Sequence, pad_rows, response_batch, shared_prompt_batch, training_order,
     unpad_rows,
 };
-use crate::roles::{DpComm, Phase, WorkerSetup};
+use crate::roles::{Phase, WorkerSetup, named_parameters, shard_parts};
 use crate::stage::losses::{PairStats, PreferenceLoss, pair_sums, preference_losses};
 use crate::stage::pack::{PackedRow, row_tensors};
 
@@ -36,6 +37,9 @@ pub struct CriticWorkerConfig {
     pub share_prompt: bool,
     /// Seed of a fresh head.
     pub seed: u64,
+    /// ZeRO stage and activation checkpointing.
+    #[serde(default)]
+    pub shard: ShardConfig,
 }
 
 /// What one critic training call did.
@@ -60,11 +64,11 @@ struct CriticWorkerState {
     /// The directory the model was loaded from (its tokenizer files go with an export).
     source_dir: PathBuf,
     model: ScalarHeadModel,
-    optimizer: AdamW,
+    /// The model's shards, hooks and optimizer.
+    sharded: ShardedModel,
     value_clip: f64,
     micro_batch_size: usize,
     share_prompt: bool,
-    comm: DpComm,
 }
 
 fn to_string_error(e: impl std::fmt::Display) -> String {
@@ -82,17 +86,25 @@ impl CriticWorkerState {
             config.seed,
         )
         .map_err(|e| format!("loading {}: {e}", config.model_dir.display()))?;
-        let optimizer =
-            AdamW::new(model.named_parameters(), config.optimizer).map_err(to_string_error)?;
+        let group = GroupComm::from_group_context().map_err(to_string_error)?;
+        let named = named_parameters(model.named_parameters());
+        let sharded = shard_parts(
+            &model.backbone,
+            &named,
+            false,
+            config.shard,
+            group,
+            Some(config.optimizer),
+            &config.setup.role,
+        )?;
         Ok(CriticWorkerState {
             setup: config.setup,
             source_dir: config.model_dir,
             model,
-            optimizer,
+            sharded,
             value_clip: config.value_clip,
             micro_batch_size: config.micro_batch_size.max(1),
             share_prompt: config.share_prompt,
-            comm: DpComm::default(),
         })
     }
 
@@ -101,20 +113,26 @@ impl CriticWorkerState {
         self.setup.enter(Phase::Experience);
         let run = || -> crate::Result<Vec<Vec<f32>>> {
             let mut out = Vec::with_capacity(sequences.len());
+            let chunks: Vec<&[Sequence]> = sequences.chunks(self.micro_batch_size).collect();
+            let passes = self.sharded.balance(chunks.len(), false)?;
             tch::no_grad(|| -> crate::Result<()> {
                 let device = self.model.params.device();
-                for chunk in sequences.chunks(self.micro_batch_size) {
+                for chunk in &chunks {
                     let refs: Vec<&Sequence> = chunk.iter().collect();
                     let values = if self.share_prompt {
                         shared_prompt_batch(&refs, device)?.action_values(&self.model)?
                     } else {
                         self.model.action_values(&response_batch(&refs, device)?)?
                     };
+                    self.model.backbone.release_parameters()?;
                     let lengths: Vec<usize> = chunk.iter().map(|s| s.response_ids.len()).collect();
                     out.extend(unpad_rows(&values, &lengths)?);
                 }
                 Ok(())
             })?;
+            for _ in chunks.len()..passes {
+                self.sharded.idle_forward(self.layers())?;
+            }
             Ok(out)
         };
         run().map_err(to_string_error)
@@ -130,34 +148,66 @@ impl CriticWorkerState {
         self.train_impl(&rows, global_tokens).map_err(to_string_error)
     }
 
-    /// Saves the critic and its optimizer state.
-    pub fn save_checkpoint(&self, dir: PathBuf) -> Result<(), String> {
-        let run = || -> rtrun_rlhf_model::Result<()> {
-            self.model.save_pretrained(&dir, &Default::default())?;
-            self.optimizer.save(&dir.join(rtrun_rlhf_model::train::OPTIMIZER_FILE))
+    /// Saves the critic and its optimizer state: at stage 0 rank 0 writes the model and the
+    /// optimizer (the other ranks nothing), at stages 1-3 every rank its shards. Every rank of
+    /// the group is called.
+    pub fn save_checkpoint(&mut self, dir: PathBuf) -> Result<(), String> {
+        let rank = self.sharded.rank_and_world().0;
+        let saved = match self.sharded.whole_optimizer() {
+            Some(_) if rank != 0 => Ok(()),
+            Some(opt) => self
+                .model
+                .save_pretrained(&dir, &Default::default())
+                .and_then(|()| opt.save(&dir.join(rtrun_rlhf_model::train::OPTIMIZER_FILE)))
+                .map_err(to_string_error),
+            None => self.sharded.save_sharded(&dir).map_err(to_string_error),
         };
-        run().map_err(|e| format!("saving {}: {e}", dir.display()))
+        saved.map_err(|e| format!("saving {}: {e}", dir.display()))
     }
 
     /// Loads what [`CriticWorker::save_checkpoint`] saved.
     pub fn load_checkpoint(&mut self, dir: PathBuf) -> Result<(), String> {
-        let run = || -> rtrun_rlhf_model::Result<()> {
-            let loaded = ScalarHeadModel::from_pretrained(
-                &dir,
-                self.model.params.device(),
-                self.setup.kind(),
-                0,
-            )?;
-            tch::no_grad(|| -> rtrun_rlhf_model::Result<()> {
-                for (name, value) in loaded.named_parameters() {
-                    self.model.params.copy_into(name, value)?;
-                }
-                Ok(())
-            })?;
-            self.optimizer.load(&dir.join(rtrun_rlhf_model::train::OPTIMIZER_FILE))
+        let stage = self.sharded.config().stage;
+        let sharded_save = rtrun_rlhf_shard::checkpoint::is_sharded_checkpoint(&dir);
+        let loaded = match (sharded_save, stage) {
+            (true, ZeroStage::Zero) => Err(format!(
+                "it is a sharded (zero_stage >= 1) save; resume it with train.zero_stage 1, 2 or \
+                 3, not {stage}"
+            )),
+            (true, _) => self.sharded.load_sharded(&dir).map_err(to_string_error),
+            (false, ZeroStage::Zero) => self.load_whole(&dir).map_err(to_string_error),
+            (false, _) => Err(format!(
+                "it holds no sharded save ({} is missing): a zero_stage 0 save resumes with \
+                 train.zero_stage 0, not {stage}",
+                rtrun_rlhf_shard::checkpoint::MANIFEST_FILE
+            )),
         };
-        let mut run = run;
-        run().map_err(|e| format!("loading {}: {e}", dir.display()))
+        loaded.map_err(|e| format!("loading {}: {e}", dir.display()))
+    }
+
+    /// Loads a stage-0 save (the model and `optimizer.safetensors`).
+    fn load_whole(&mut self, dir: &std::path::Path) -> rtrun_rlhf_model::Result<()> {
+        let loaded = ScalarHeadModel::from_pretrained(
+            dir,
+            self.model.params.device(),
+            self.setup.kind(),
+            0,
+        )?;
+        tch::no_grad(|| -> rtrun_rlhf_model::Result<()> {
+            for (name, value) in loaded.named_parameters() {
+                self.model.params.copy_into(name, value)?;
+            }
+            Ok(())
+        })?;
+        match self.sharded.whole_optimizer() {
+            Some(opt) => opt.load(&dir.join(rtrun_rlhf_model::train::OPTIMIZER_FILE)),
+            None => Ok(()),
+        }
+    }
+
+    /// The model's decoder layers (what an idle pass walks through).
+    fn layers(&self) -> usize {
+        self.model.config().num_hidden_layers as usize
     }
 
     /// Moves parameters, gradients and AdamW state to host memory while the engines generate
@@ -180,7 +230,12 @@ impl CriticWorkerState {
         if self.setup.device() == Device::Cpu {
             return Ok(());
         }
-        self.optimizer.move_to(device).map_err(to_string_error)
+        match self.sharded.whole_optimizer() {
+            Some(opt) => opt.move_to(device).map_err(to_string_error),
+            None => Err("offloading a GPU rank's training state is not supported with \
+                         train.zero_stage >= 1 yet"
+                .into()),
+        }
     }
 }
 #[rtrun::actor(pub)]
@@ -234,7 +289,7 @@ impl CriticWorker {
         self.state().train(rows, global_tokens)
     }
 
-    /// Saves the critic and its optimizer state.
+    /// Saves the critic and its optimizer state (every rank of the group is called).
     pub fn save_checkpoint(&self, dir: PathBuf) -> Result<(), String> {
         self.state().save_checkpoint(dir)
     }
@@ -275,12 +330,10 @@ fn bradley_terry(loss: PreferenceLoss) -> Result<(), String> {
 }
 
 impl CriticWorkerState {
-    /// All-reduces (mean) the gradients over the rank's group, then one AdamW step.
+    /// Finishes the gradients over the rank's group (all-reduce or the shards' reductions),
+    /// then one AdamW step.
     fn reduce_and_step(&mut self) -> crate::Result<rtrun_rlhf_model::train::StepStats> {
-        let params: Vec<tch::Tensor> =
-            self.model.named_parameters().map(|(_, t)| t.shallow_clone()).collect();
-        self.comm.all_reduce(&params, &self.setup.role)?;
-        Ok(self.optimizer.step()?)
+        self.sharded.step().map_err(|e| crate::TrainError::role(&self.setup.role, e.to_string()))
     }
 
     /// Bradley–Terry on the pairs of `rows`: the score at each sample's last token (its EOS),
@@ -304,13 +357,17 @@ impl CriticWorkerState {
     ) -> crate::Result<PairStats> {
         self.setup.enter(Phase::Train);
         let dp_size = rtrun::context()?.group.map(|g| g.world_size).unwrap_or(1);
-        self.optimizer.zero_grad();
+        self.sharded.zero_grad()?;
+        let passes = self.sharded.balance(batches.len(), true)?;
         let scale = dp_size as f64 / global_pairs.max(1) as f64;
         let mut stats = PairStats::default();
         for rows in batches {
             let (losses, sums) = self.pair_losses(rows)?;
             stats = stats.plus(&sums);
-            losses.f_sum(Kind::Float)?.f_mul_scalar(scale)?.f_backward()?;
+            self.model.backward(&losses.f_sum(Kind::Float)?.f_mul_scalar(scale)?)?;
+        }
+        for _ in batches.len()..passes {
+            self.sharded.idle_training_pass(self.layers())?;
         }
         let step = self.reduce_and_step()?;
         stats.grad_norm = step.grad_norm;
@@ -320,22 +377,40 @@ impl CriticWorkerState {
 
     fn preference_eval(&self, batches: &[Vec<PackedRow>]) -> crate::Result<PairStats> {
         self.setup.enter(Phase::Experience);
-        tch::no_grad(|| {
+        let passes = self.sharded.balance(batches.len(), false)?;
+        let stats = tch::no_grad(|| -> crate::Result<PairStats> {
             let mut stats = PairStats::default();
             for rows in batches {
                 stats = stats.plus(&self.pair_losses(rows)?.1);
+                self.model.backbone.release_parameters()?;
             }
             Ok(stats)
-        })
+        })?;
+        for _ in batches.len()..passes {
+            self.sharded.idle_forward(self.layers())?;
+        }
+        Ok(stats)
     }
 
+    /// Every rank of the group is called: at stage 3 they gather the model, rank 0 writes it.
     fn export(&self, dir: PathBuf) -> Result<(), String> {
-        self.model
-            .save_pretrained(&dir, &Default::default())
-            .and_then(|()| {
-                crate::roles::lm::copy_tokenizer_files(&self.source_dir, &dir, self.model.config())
-            })
-            .map_err(|e| format!("saving {}: {e}", dir.display()))
+        let rank = self.sharded.rank_and_world().0;
+        self.sharded.gather_all().map_err(to_string_error)?;
+        let written = if rank == 0 {
+            self.model
+                .save_pretrained(&dir, &Default::default())
+                .and_then(|()| {
+                    crate::roles::lm::copy_tokenizer_files(
+                        &self.source_dir,
+                        &dir,
+                        self.model.config(),
+                    )
+                })
+                .map_err(|e| format!("saving {}: {e}", dir.display()))
+        } else {
+            Ok(())
+        };
+        written.and(self.sharded.release_all().map_err(to_string_error))
     }
 
     fn train_impl(
@@ -349,12 +424,14 @@ impl CriticWorkerState {
             batch_num_tokens: global_tokens.max(1) as f64,
             dp_size,
         };
-        self.optimizer.zero_grad();
+        self.sharded.zero_grad()?;
         let mut stats = CriticTrainStats::default();
         // As the policy's: the responses to one prompt share micro-batches, which leaves the
         // summed loss as it is.
         let rows = training_order(rows, self.share_prompt);
-        for chunk in rows.chunks(self.micro_batch_size) {
+        let chunks: Vec<&[&ExperienceRow]> = rows.chunks(self.micro_batch_size).collect();
+        let passes = self.sharded.balance(chunks.len(), true)?;
+        for chunk in chunks.iter().copied() {
             let sequences: Vec<&Sequence> = chunk.iter().map(|r| &r.sequence).collect();
             let (values, action_mask) = if self.share_prompt {
                 let batch = shared_prompt_batch(&sequences, device)?;
@@ -380,7 +457,10 @@ impl CriticWorkerState {
                 aggregation,
             )?;
             stats.value_loss += loss.f_double_value(&[])?;
-            loss.f_backward()?;
+            self.model.backward(&loss)?;
+        }
+        for _ in chunks.len()..passes {
+            self.sharded.idle_training_pass(self.layers())?;
         }
         let step = self.reduce_and_step()?;
         stats.grad_norm = step.grad_norm;
@@ -398,6 +478,9 @@ pub struct RewardModelConfig {
     pub model_dir: PathBuf,
     /// Sequences per forward.
     pub micro_batch_size: usize,
+    /// ZeRO stage (a reward model rank at stage 3 holds 1/N of the parameters).
+    #[serde(default)]
+    pub shard: ShardConfig,
 }
 
 /// A reward-model rank (OpenRLHF's model-based reward).
@@ -408,6 +491,7 @@ pub struct RewardModelWorker {
 /// The tensors and settings of a [`RewardModelWorker`].
 struct RewardModelWorkerState {
     model: ScalarHeadModel,
+    sharded: ShardedModel,
     micro_batch_size: usize,
 }
 
@@ -423,24 +507,40 @@ impl RewardModelWorkerState {
         )
         .map_err(|e| format!("loading {}: {e}", config.model_dir.display()))?;
         model.params.set_requires_grad(false).map_err(to_string_error)?;
-        Ok(RewardModelWorkerState { model, micro_batch_size: config.micro_batch_size.max(1) })
+        let group = GroupComm::from_group_context().map_err(to_string_error)?;
+        let named = named_parameters(model.named_parameters());
+        let shard = ShardConfig { gradient_checkpointing: false, ..config.shard };
+        let sharded =
+            shard_parts(&model.backbone, &named, false, shard, group, None, &config.setup.role)?;
+        Ok(RewardModelWorkerState {
+            model,
+            sharded,
+            micro_batch_size: config.micro_batch_size.max(1),
+        })
     }
 
     /// The score of each full sequence (read at its last real token).
     pub fn rewards(&self, sequences: Vec<Sequence>) -> Result<Vec<f32>, String> {
         let run = || -> crate::Result<Vec<f32>> {
             let mut out = Vec::with_capacity(sequences.len());
+            let chunks: Vec<&[Sequence]> = sequences.chunks(self.micro_batch_size).collect();
+            let passes = self.sharded.balance(chunks.len(), false)?;
             tch::no_grad(|| -> crate::Result<()> {
-                for chunk in sequences.chunks(self.micro_batch_size) {
+                for chunk in &chunks {
                     let refs: Vec<&Sequence> = chunk.iter().collect();
                     let batch = response_batch(&refs, self.model.params.device())?;
                     let scores = self.model.rewards(&batch.input_ids, &batch.attention_mask)?;
+                    self.model.backbone.release_parameters()?;
                     out.extend(Vec::<f32>::try_from(
                         scores.f_to_kind(Kind::Float)?.f_to_device(tch::Device::Cpu)?,
                     )?);
                 }
                 Ok(())
             })?;
+            let layers = self.model.config().num_hidden_layers as usize;
+            for _ in chunks.len()..passes {
+                self.sharded.idle_forward(layers)?;
+            }
             Ok(out)
         };
         run().map_err(to_string_error)

@@ -11,14 +11,15 @@ use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
 
 use rtrun_rlhf_model::CausalLm;
-use rtrun_rlhf_model::train::{AdamW, OptimizerConfig};
+use rtrun_rlhf_model::train::OptimizerConfig;
+use rtrun_rlhf_shard::{GroupComm, HeldBytes, ShardConfig, ShardedModel, ZeroStage};
 
 use crate::algo::{self, ClipConfig, KlEstimator, LossAggregation};
 use crate::experience::{
     ExperienceRow, Sequence, pad_rows, response_batch, shared_prompt_batch, training_order,
     unpad_rows,
 };
-use crate::roles::{DpComm, Phase, WorkerSetup};
+use crate::roles::{Phase, WorkerSetup, shard_model};
 use rtrun_rlhf_engine::{WeightBucket, WeightMeta, WeightSyncGroup};
 
 mod supervised;
@@ -63,6 +64,10 @@ pub struct LmWorkerConfig {
     pub loss: PolicyLossConfig,
     /// Also hold a frozen copy of the model as the reference (DPO ranks).
     pub with_reference: bool,
+    /// ZeRO stage and activation checkpointing (`train.zero_stage`,
+    /// `train.gradient_checkpointing`).
+    #[serde(default)]
+    pub shard: ShardConfig,
 }
 
 /// What one policy training call did (means over micro-batches, this rank).
@@ -95,11 +100,13 @@ struct LmWorkerState {
     /// The directory the model was loaded from (its tokenizer files go with every save).
     source_dir: PathBuf,
     model: CausalLm,
-    /// The frozen reference of a DPO rank.
-    reference: Option<CausalLm>,
-    optimizer: Option<AdamW>,
+    /// The model's shards, hooks and optimizer (stage 0: the whole model and AdamW).
+    sharded: ShardedModel,
+    /// The frozen reference of a DPO rank, sharded as the model is.
+    reference: Option<(CausalLm, ShardedModel)>,
+    /// Whether this rank trains (has an optimizer).
+    trains: bool,
     loss: PolicyLossConfig,
-    comm: DpComm,
     /// The weight-sync group with the engines (policy rank 0 only), once joined.
     weight_sync: Option<rtrun::collective::Communicator>,
     /// CUDA IPC weight sync: the bucket plan of the sync in progress and the exported buffer
@@ -119,22 +126,22 @@ impl LmWorkerState {
         let device = config.setup.device();
         let model = CausalLm::from_pretrained(&config.model_dir, device, config.setup.kind())
             .map_err(|e| format!("loading {}: {e}", config.model_dir.display()))?;
-        let optimizer = match &config.optimizer {
-            Some(o) => {
-                Some(AdamW::new(model.named_parameters(), o.clone()).map_err(to_string_error)?)
-            }
-            None => {
-                model.params.set_requires_grad(false).map_err(to_string_error)?;
-                None
-            }
-        };
+        let trains = config.optimizer.is_some();
+        if !trains {
+            model.params.set_requires_grad(false).map_err(to_string_error)?;
+        }
+        let group = GroupComm::from_group_context().map_err(to_string_error)?;
+        let role = &config.setup.role;
+        let sharded =
+            shard_model(&model, config.shard, group.clone(), config.optimizer.clone(), role)?;
         let reference = if config.with_reference {
             let frozen = CausalLm::from_pretrained(&config.model_dir, device, config.setup.kind())
                 .map_err(|e| {
                     format!("loading the reference {}: {e}", config.model_dir.display())
                 })?;
             frozen.params.set_requires_grad(false).map_err(to_string_error)?;
-            Some(frozen)
+            let sharded = shard_model(&frozen, config.shard, group, None, role)?;
+            Some((frozen, sharded))
         } else {
             None
         };
@@ -142,10 +149,10 @@ impl LmWorkerState {
             setup: config.setup,
             source_dir: config.model_dir,
             model,
+            sharded,
             reference,
-            optimizer,
+            trains,
             loss: config.loss,
-            comm: DpComm::default(),
             weight_sync: None,
             ipc_plans: Vec::new(),
             ipc_buffer: None,
@@ -253,41 +260,113 @@ impl LmWorkerState {
         rtrun_rlhf_model::cuda::memory_on(self.setup.device(), reset_peak)
     }
 
-    /// Saves the model (Hugging Face layout, with the tokenizer files of the directory it was
-    /// loaded from) and, for a policy rank, the optimizer state.
-    pub fn save_checkpoint(&self, dir: PathBuf) -> Result<(), String> {
-        let Some(opt) = &self.optimizer else {
+    /// Saves a training checkpoint into `dir`. Every rank of the group is called: at stage 0
+    /// rank 0 writes the model (Hugging Face layout, with the tokenizer files of the directory
+    /// it was loaded from) and the optimizer state, the others nothing (they hold the same);
+    /// at stages 1-3 every rank writes its shards ([`rtrun_rlhf_shard::checkpoint`]). A frozen
+    /// rank exports its model.
+    pub fn save_checkpoint(&mut self, dir: PathBuf) -> Result<(), String> {
+        if !self.trains {
             return self.export(dir);
+        }
+        let rank = self.sharded.rank_and_world().0;
+        let saved = match self.sharded.whole_optimizer() {
+            Some(_) if rank != 0 => Ok(()),
+            Some(opt) => rtrun_rlhf_model::train::save_training_checkpoint(
+                &dir,
+                &self.model,
+                opt,
+                &Default::default(),
+            )
+            .and_then(|()| copy_tokenizer_files(&self.source_dir, &dir, self.model.config()))
+            .map_err(to_string_error),
+            None => self.sharded.save_sharded(&dir).map_err(to_string_error),
         };
-        rtrun_rlhf_model::train::save_training_checkpoint(
-            &dir,
-            &self.model,
-            opt,
-            &Default::default(),
-        )
-        .and_then(|()| copy_tokenizer_files(&self.source_dir, &dir, self.model.config()))
-        .map_err(|e| format!("saving {}: {e}", dir.display()))
+        saved.map_err(|e| format!("saving {}: {e}", dir.display()))
     }
 
     /// Saves the model as a Hugging Face directory that `transformers` and `policy.pretrain`
-    /// load: config, safetensors, tokenizer files and generation config.
+    /// load: config, safetensors, tokenizer files and generation config. Every rank of the
+    /// group is called: at stage 3 they gather the model together, then rank 0 writes it.
     pub fn export(&self, dir: PathBuf) -> Result<(), String> {
-        self.model
-            .save_pretrained(&dir, &Default::default())
-            .and_then(|()| copy_tokenizer_files(&self.source_dir, &dir, self.model.config()))
-            .map_err(|e| format!("saving {}: {e}", dir.display()))
+        let rank = self.sharded.rank_and_world().0;
+        self.sharded.gather_all().map_err(to_string_error)?;
+        let written = if rank == 0 {
+            self.model
+                .save_pretrained(&dir, &Default::default())
+                .and_then(|()| copy_tokenizer_files(&self.source_dir, &dir, self.model.config()))
+                .map_err(|e| format!("saving {}: {e}", dir.display()))
+        } else {
+            Ok(())
+        };
+        let released = self.sharded.release_all().map_err(to_string_error);
+        written.and(released)
     }
 
-    /// Loads weights and optimizer state saved by [`LmWorker::save_checkpoint`].
+    /// Loads what [`LmWorker::save_checkpoint`] saved (sharded saves on any number of ranks).
     pub fn load_checkpoint(&mut self, dir: PathBuf) -> Result<(), String> {
-        match &mut self.optimizer {
-            Some(opt) => {
-                rtrun_rlhf_model::train::load_training_checkpoint(&dir, &self.model.params, opt)
+        let sharded_save = rtrun_rlhf_shard::checkpoint::is_sharded_checkpoint(&dir);
+        let stage = self.sharded.config().stage;
+        let loaded = match (self.trains, sharded_save, stage) {
+            (true, true, ZeroStage::Zero) => Err(format!(
+                "it is a sharded (zero_stage >= 1) save; resume it with train.zero_stage 1, 2 or \
+                 3, not {stage}"
+            )),
+            (true, true, _) => self.sharded.load_sharded(&dir).map_err(to_string_error),
+            (true, false, ZeroStage::Zero) => {
+                let params = &self.model.params;
+                match self.sharded.whole_optimizer() {
+                    Some(opt) => {
+                        rtrun_rlhf_model::train::load_training_checkpoint(&dir, params, opt)
+                            .map_err(to_string_error)
+                    }
+                    None => Err("a trained rank without an optimizer".into()),
+                }
             }
-            None => CausalLm::from_pretrained(&dir, self.model.params.device(), self.setup.kind())
-                .map(|loaded| self.model = loaded),
+            (true, false, _) => Err(format!(
+                "it holds no sharded save ({} is missing): a zero_stage 0 save resumes with \
+                 train.zero_stage 0, not {stage}",
+                rtrun_rlhf_shard::checkpoint::MANIFEST_FILE
+            )),
+            (false, _, _) => {
+                let device = self.model.params.device();
+                CausalLm::from_pretrained(&dir, device, self.setup.kind())
+                    .map_err(to_string_error)
+                    .and_then(|loaded| {
+                        self.sharded
+                            .overwrite_whole(|| {
+                                for (name, value) in loaded.named_parameters() {
+                                    self.model.params.copy_into(name, value)?;
+                                }
+                                Ok(())
+                            })
+                            .map_err(to_string_error)
+                    })
+            }
+        };
+        loaded.map_err(|e| format!("loading {}: {e}", dir.display()))
+    }
+
+    /// Gathers the whole model on every rank (stage 3; nothing below) for a weight sync that
+    /// reads it on rank 0. Every rank of the group is called.
+    pub fn gather_weights(&self) -> Result<(), String> {
+        self.sharded.gather_all().map_err(to_string_error)
+    }
+
+    /// Frees what [`LmWorker::gather_weights`] gathered.
+    pub fn release_weights(&self) -> Result<(), String> {
+        self.sharded.release_all().map_err(to_string_error)
+    }
+
+    /// Tensor bytes of parameters, gradients and optimizer state: held now, and the most held
+    /// since the last call with `reset_peak` (measured at every gather, reduction and step).
+    pub fn held_bytes(&self, reset_peak: bool) -> (HeldBytes, HeldBytes) {
+        let now = self.sharded.held_bytes();
+        let peak = self.sharded.peak_bytes();
+        if reset_peak {
+            self.sharded.reset_peak();
         }
-        .map_err(|e| format!("loading {}: {e}", dir.display()))
+        (now, peak)
     }
 
     /// Moves parameters and optimizer state to host memory (hybrid engine: while the engines
@@ -439,6 +518,23 @@ impl LmWorker {
         self.state().export(dir)
     }
 
+    /// Gathers the whole model on every rank (stage 3) before a weight sync or export that
+    /// reads it on rank 0; nothing below stage 3. Every rank is called.
+    pub fn gather_weights(&self) -> Result<(), String> {
+        self.state().gather_weights()
+    }
+
+    /// Frees what `gather_weights` gathered.
+    pub fn release_weights(&self) -> Result<(), String> {
+        self.state().release_weights()
+    }
+
+    /// Tensor bytes of parameters, gradients and optimizer state: now, and the peak since the
+    /// last call with `reset_peak`.
+    pub fn held_bytes(&self, reset_peak: bool) -> Result<(HeldBytes, HeldBytes), String> {
+        Ok(self.state().held_bytes(reset_peak))
+    }
+
     /// Offloads training state to host memory (hybrid engine, while the engines generate).
     pub fn offload(&mut self) -> Result<(), String> {
         self.state().offload()
@@ -505,7 +601,14 @@ impl LmWorkerState {
         if self.setup.device() == Device::Cpu {
             return Ok(());
         }
-        match &mut self.optimizer {
+        if self.sharded.config().stage != ZeroStage::Zero {
+            return Err(crate::TrainError::role(
+                &self.setup.role,
+                "offloading a GPU rank's training state is not supported with train.zero_stage \
+                 >= 1 yet; use zero_stage 0 with offload, or sharding without it",
+            ));
+        }
+        match self.sharded.whole_optimizer() {
             Some(opt) => opt.move_to(device)?,
             None => tch::no_grad(|| -> crate::Result<()> {
                 for (_, param) in self.model.named_parameters() {
@@ -517,23 +620,34 @@ impl LmWorkerState {
         Ok(())
     }
 
+    /// The model's decoder layers (what an idle pass walks through).
+    fn layers(&self) -> usize {
+        self.model.config().num_hidden_layers as usize
+    }
+
     fn log_probs_impl(&self, sequences: &[Sequence]) -> crate::Result<Vec<Vec<f32>>> {
         let mut out = Vec::with_capacity(sequences.len());
         let micro = self.loss.micro_batch_size.max(1);
+        let chunks: Vec<&[Sequence]> = sequences.chunks(micro).collect();
+        let passes = self.sharded.balance(chunks.len(), false)?;
         tch::no_grad(|| -> crate::Result<()> {
             let device = self.model.params.device();
-            for chunk in sequences.chunks(micro) {
+            for chunk in &chunks {
                 let refs: Vec<&Sequence> = chunk.iter().collect();
                 let log_probs = if self.loss.share_prompt {
                     shared_prompt_batch(&refs, device)?.response_log_probs(&self.model)?
                 } else {
                     self.model.response_log_probs(&response_batch(&refs, device)?)?
                 };
+                self.model.backbone.release_parameters()?;
                 let lengths: Vec<usize> = chunk.iter().map(|s| s.response_ids.len()).collect();
                 out.extend(unpad_rows(&log_probs, &lengths)?);
             }
             Ok(())
         })?;
+        for _ in chunks.len()..passes {
+            self.sharded.idle_forward(self.layers())?;
+        }
         Ok(out)
     }
 
@@ -544,10 +658,9 @@ impl LmWorkerState {
         global_tokens: usize,
     ) -> crate::Result<PolicyTrainStats> {
         let role = self.setup.role.clone();
-        let optimizer = self
-            .optimizer
-            .as_mut()
-            .ok_or_else(|| crate::TrainError::role(&role, "this rank is frozen (no optimizer)"))?;
+        if !self.trains {
+            return Err(crate::TrainError::role(&role, "this rank is frozen (no optimizer)"));
+        }
         let device = self.model.params.device();
         let dp_size = rtrun::context()?.group.map(|g| g.world_size).unwrap_or(1);
         // OpenRLHF's token-level loss over the global mini-batch: each micro-batch's token sum
@@ -557,13 +670,16 @@ impl LmWorkerState {
             dp_size,
         };
         let clip = self.loss.clip.clone();
-        optimizer.zero_grad();
+        self.sharded.zero_grad()?;
         let local_tokens: usize = rows.iter().map(|r| r.sequence.response_ids.len()).sum();
         let mut stats = PolicyTrainStats::default();
         // The loss sums over micro-batches, so which rows share one is free: with shared
         // prompts, the responses to one prompt go together and the prompt is computed once.
         let rows = training_order(rows, self.loss.share_prompt);
-        for chunk in rows.chunks(self.loss.micro_batch_size.max(1)) {
+        let chunks: Vec<&[&ExperienceRow]> =
+            rows.chunks(self.loss.micro_batch_size.max(1)).collect();
+        let passes = self.sharded.balance(chunks.len(), true)?;
+        for chunk in chunks.iter().copied() {
             let sequences: Vec<&Sequence> = chunk.iter().map(|r| &r.sequence).collect();
             let (logits, response_ids, action_mask) = if self.loss.share_prompt {
                 let batch = shared_prompt_batch(&sequences, device)?;
@@ -623,10 +739,13 @@ impl LmWorkerState {
             stats.policy_loss += out.loss.f_double_value(&[])?;
             stats.clip_fraction += out.clip_fraction.f_double_value(&[])? * share;
             stats.approx_kl += out.approx_kl.f_double_value(&[])? * share;
-            loss.f_backward()?;
+            self.model.backward(&loss)?;
         }
-        self.comm.all_reduce_gradients(&self.model, &role)?;
-        let step = optimizer.step()?;
+        for _ in chunks.len()..passes {
+            self.sharded.idle_training_pass(self.layers())?;
+        }
+        let step =
+            self.sharded.step().map_err(|e| crate::TrainError::role(&role, e.to_string()))?;
         stats.grad_norm = step.grad_norm;
         stats.lr = step.lr;
         Ok(stats)

@@ -1,6 +1,6 @@
 //! Role actors — policy (`actor`), reference (`ref`), critic, reward model — each a group of DP
 //! ranks on the runtime's [`rtrun::ActorGroup`] (OpenRLHF's `PPORayActorGroup`), plus what every
-//! rank shares: process setup and the data-parallel gradient all-reduce.
+//! rank shares: process setup and sharding the model over the data-parallel group.
 
 pub mod critic;
 pub mod lm;
@@ -9,9 +9,10 @@ use serde::{Deserialize, Serialize};
 use tch::Device;
 
 use rtrun_rlhf_model::CausalLm;
+use rtrun_rlhf_model::train::OptimizerConfig;
+use rtrun_rlhf_shard::{GroupComm, ShardConfig, ShardedModel};
 
 use crate::config::{DeviceName, ModelDtype};
-use crate::error::{Result, TrainError};
 
 /// Per-process settings every role rank applies first.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -119,39 +120,40 @@ impl WorkerSetup {
     }
 }
 
-/// The data-parallel collective of a rank, created on first use from the rank's group
-/// membership (rank, world size, master address and port).
-#[derive(Default)]
-pub struct DpComm {
-    comm: Option<rtrun::collective::Communicator>,
+/// Shards a causal LM over the rank's data-parallel group ([`rtrun_rlhf_shard`]): its
+/// parameters become views into flat units, and the stage's hooks (and activation
+/// checkpointing) are installed on its trunk. With `optimizer` it trains.
+pub(crate) fn shard_model(
+    model: &CausalLm,
+    config: ShardConfig,
+    group: GroupComm,
+    optimizer: Option<OptimizerConfig>,
+    role: &str,
+) -> std::result::Result<ShardedModel, String> {
+    let named = named_parameters(model.named_parameters());
+    shard_parts(&model.backbone, &named, model.lm_head.is_none(), config, group, optimizer, role)
 }
 
-impl DpComm {
-    /// All-reduces (mean) the gradients of `model` over the rank's group; a rank outside a group
-    /// or alone in it has nothing to do.
-    pub fn all_reduce_gradients(&mut self, model: &CausalLm, role: &str) -> Result<()> {
-        let params: Vec<tch::Tensor> =
-            model.named_parameters().map(|(_, t)| t.shallow_clone()).collect();
-        self.all_reduce(&params, role)
-    }
+/// [`shard_model`] for any model: its trunk, its parameters and whether its head reads the
+/// embedding matrix.
+pub(crate) fn shard_parts(
+    backbone: &rtrun_rlhf_model::Backbone,
+    named: &[(String, tch::Tensor)],
+    tied: bool,
+    config: ShardConfig,
+    group: GroupComm,
+    optimizer: Option<OptimizerConfig>,
+    role: &str,
+) -> std::result::Result<ShardedModel, String> {
+    ShardedModel::new(backbone, named, tied, config, group, optimizer)
+        .map_err(|e| format!("{role}: sharding the model (zero_stage {}): {e}", config.stage))
+}
 
-    /// All-reduces (mean) the gradients of `params`.
-    pub fn all_reduce(&mut self, params: &[tch::Tensor], role: &str) -> Result<()> {
-        let world = rtrun::context()?.group.map(|g| g.world_size).unwrap_or(1);
-        if world <= 1 {
-            return Ok(());
-        }
-        if self.comm.is_none() {
-            let comm = rtrun::collective::Communicator::from_group_context()
-                .map_err(|e| TrainError::role(role, format!("joining the DP collective: {e}")))?;
-            self.comm = Some(comm);
-        }
-        let comm =
-            self.comm.as_mut().ok_or_else(|| TrainError::role(role, "collective missing"))?;
-        rtrun_rlhf_algo::all_reduce_gradients(comm, params, &Default::default())
-            .map(|_| ())
-            .map_err(|e| TrainError::role(role, format!("gradient all-reduce: {e}")))
-    }
+/// `(name, tensor)` pairs with owned names and shallow clones.
+pub(crate) fn named_parameters<'a>(
+    params: impl Iterator<Item = (&'a str, &'a tch::Tensor)>,
+) -> Vec<(String, tch::Tensor)> {
+    params.map(|(n, t)| (n.to_string(), t.shallow_clone())).collect()
 }
 
 #[cfg(test)]

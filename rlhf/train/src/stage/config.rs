@@ -183,6 +183,21 @@ pub struct StageTrainConfig {
     pub weight_decay: f64,
     /// Gradient clipping (`--max_norm`; 0: off).
     pub max_grad_norm: f64,
+    /// What each data-parallel rank shards (`--zero_stage`; `fsdp` is stage 3): 0 nothing,
+    /// 1 AdamW state, 2 also gradients, 3 also parameters.
+    pub zero_stage: rtrun_rlhf_shard::ZeroStage,
+    /// Recompute each decoder layer in the backward pass (`--gradient_checkpointing`).
+    pub gradient_checkpointing: bool,
+}
+
+impl StageTrainConfig {
+    /// The sharding of the ranks.
+    pub fn shard(&self) -> rtrun_rlhf_shard::ShardConfig {
+        rtrun_rlhf_shard::ShardConfig {
+            stage: self.zero_stage,
+            gradient_checkpointing: self.gradient_checkpointing,
+        }
+    }
 }
 
 impl Default for StageTrainConfig {
@@ -199,6 +214,8 @@ impl Default for StageTrainConfig {
             min_lr_ratio: 0.1,
             weight_decay: 0.0,
             max_grad_norm: 1.0,
+            zero_stage: rtrun_rlhf_shard::ZeroStage::Zero,
+            gradient_checkpointing: false,
         }
     }
 }

@@ -183,6 +183,7 @@ fn create_ranks(
             micro_batch_size: t.micro_batch_size,
             share_prompt: t.share_prompt,
             seed: config.seed,
+            shard: t.shard(),
         };
         return Ok(Ranks::Scalar(ActorGroup::create(
             role,
@@ -204,6 +205,7 @@ fn create_ranks(
             share_prompt: t.share_prompt,
         },
         with_reference: config.mode == Mode::Dpo,
+        shard: t.shard(),
     };
     Ok(Ranks::Lm(ActorGroup::create(role, replicas, Default::default(), |r, o| {
         LmWorker::remote_with(placed(o, role, r, gpus, deployment)?, worker.clone())
@@ -382,8 +384,10 @@ impl StageTrainer {
     pub fn save_checkpoint(&self) -> Result<PathBuf> {
         let dir = step_dir(&self.paths.checkpoints, self.state.step)?;
         let model = dir.join("model");
-        // One argument: only rank 0 is called.
-        let saves = each_rank!(&self.ranks, self.role(), vec![model], |m, d| m.save_checkpoint(d));
+        // Every rank is called: at zero_stage 0 rank 0 writes (the replicas are equal) and the
+        // others return at once; at stages 1-3 each writes its shards.
+        let dirs = vec![model; self.world()];
+        let saves = each_rank!(&self.ranks, self.role(), dirs, |m, d| m.save_checkpoint(d));
         self.watch.wait("save_checkpoint", saves)?;
         write_state(&dir, &self.state)?;
         if let Some(keep) = self.config.checkpoint.keep_last {
@@ -478,9 +482,11 @@ impl StageTrainer {
     }
 
     /// Writes rank 0's model to `dir` as a Hugging Face directory (beside it, then renamed).
+    /// Every rank is called: at zero_stage 3 they gather the model for rank 0 to write.
     pub fn export(&self, dir: &Path) -> Result<PathBuf> {
         export_atomically(dir, |tmp| {
-            let call = each_rank!(&self.ranks, self.role(), vec![tmp], |m, d| m.export(d));
+            let dirs = vec![tmp; self.world()];
+            let call = each_rank!(&self.ranks, self.role(), dirs, |m, d| m.export(d));
             self.watch.wait("export", call).map(|_| ())
         })
     }

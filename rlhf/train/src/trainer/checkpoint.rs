@@ -118,15 +118,16 @@ impl Trainer {
     /// Saves the run's state after the current step.
     pub fn save_checkpoint(&self) -> Result<PathBuf> {
         let dir = step_dir(&self.paths.checkpoints, self.state.step)?;
-        // DP ranks hold identical replicas: rank 0 saves.
-        let actor = self.policy_rank0()?;
+        // Every rank is called: at zero_stage 0 rank 0 writes (the replicas are equal) and the
+        // others return at once; at stages 1-3 each writes its shards.
+        let actor = dir.join("actor");
         let mut saves =
-            vec![calls::actor_call("actor", 0, actor, actor.save_checkpoint(dir.join("actor")))];
-        if let Some(critic) = &self.roles.critic
-            && let Some(rank0) = critic.members().first()
-        {
-            let save = rank0.save_checkpoint(dir.join("critic"));
-            saves.push(calls::actor_call("critic", 0, rank0, save));
+            calls::each("actor", self.roles.actor.members(), |a| a.save_checkpoint(actor.clone()));
+        if let Some(critic) = &self.roles.critic {
+            let critic_dir = dir.join("critic");
+            saves.extend(calls::each("critic", critic.members(), |c| {
+                c.save_checkpoint(critic_dir.clone())
+            }));
         }
         self.watch.wait("save_checkpoint", saves)?;
         write_state(&dir, &self.state)?;

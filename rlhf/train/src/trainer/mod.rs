@@ -280,10 +280,29 @@ impl Trainer {
     /// safetensors, tokenizer files and generation config. Written beside `dir` and renamed, so a
     /// directory at `dir` is always complete.
     pub fn export_policy(&self, dir: &Path) -> Result<PathBuf> {
-        let rank0 = self.policy_rank0()?;
         checkpoint::export_atomically(dir, |tmp| {
-            self.watch.wait_one("export", calls::actor_call("actor", 0, rank0, rank0.export(tmp)))
+            // Every rank is called (at zero_stage 3 they gather the model for rank 0 to write).
+            let exports =
+                calls::each("actor", self.roles.actor.members(), |a| a.export(tmp.clone()));
+            self.watch.wait("export", exports).map(|_| ())
         })
+    }
+
+    /// Runs `sync` (calls that read the whole policy on rank 0) with the policy gathered on
+    /// every rank when it is sharded at zero_stage 3, and released after.
+    fn with_whole_policy<T>(&self, sync: impl FnOnce() -> Result<T>) -> Result<T> {
+        if self.config.train.zero_stage != rtrun_rlhf_shard::ZeroStage::Three {
+            return sync();
+        }
+        let members = self.roles.actor.members();
+        self.watch.wait("gather_weights", calls::each("actor", members, |a| a.gather_weights()))?;
+        let result = sync();
+        let released = self
+            .watch
+            .wait("release_weights", calls::each("actor", members, |a| a.release_weights()));
+        let out = result?;
+        released?;
+        Ok(out)
     }
 
     /// Runs `body` as phase `name` of the current step.
@@ -639,11 +658,11 @@ impl Trainer {
             let wakes = calls::each(ENGINE, engines, |e| e.wake_up(vec!["weights".to_owned()]));
             watch.wait("wake_up", wakes)?;
         }
-        match backend {
-            WeightSyncBackend::ObjectStore => self.send_weights_object_store()?,
-            WeightSyncBackend::Nccl => self.send_weights_collective()?,
-            WeightSyncBackend::CudaIpc => self.send_weights_ipc()?,
-        }
+        self.with_whole_policy(|| match backend {
+            WeightSyncBackend::ObjectStore => self.send_weights_object_store(),
+            WeightSyncBackend::Nccl => self.send_weights_collective(),
+            WeightSyncBackend::CudaIpc => self.send_weights_ipc(),
+        })?;
         if hybrid {
             watch.wait("sleep", calls::each(ENGINE, engines, |e| e.sleep(1)))?;
         }

@@ -106,6 +106,7 @@ impl Roles {
             optimizer: Some(optimizer(config, config.train.actor_lr, total_optimizer_steps)),
             loss: loss.clone(),
             with_reference: false,
+            shard: config.train.shard(),
         };
         let p = &placements;
         let actor =
@@ -149,6 +150,7 @@ impl Roles {
                 micro_batch_size: config.train.micro_batch_size,
                 share_prompt: config.train.share_prompt,
                 seed: config.seed,
+                shard: config.train.shard(),
             };
             Some(ActorGroup::create(
                 "critic",
@@ -175,6 +177,7 @@ impl Roles {
                     ),
                     model_dir: dir.to_path_buf(),
                     micro_batch_size: config.train.micro_batch_size,
+                    shard: config.train.shard(),
                 };
                 Some(ActorGroup::create(
                     "reward",

@@ -56,6 +56,8 @@ fn dpo_pairs(
     let t = row_tensors(rows, model.params.device())?;
     let policy = t.sum_per_sample(&response_log_probs(model, &t)?)?;
     let frozen = tch::no_grad(|| t.sum_per_sample(&response_log_probs(reference, &t)?))?;
+    // A sharded reference gathered its head for that forward; nothing reads it after.
+    reference.backbone.release_parameters()?;
     let mut ratio = policy.f_sub(&frozen)?;
     if let PreferenceLoss::Dpo { ipo: true, .. } = loss {
         // IPO compares mean log-probs per response token (OpenRLHF's `average_log_prob`).
@@ -81,11 +83,9 @@ impl LmWorkerState {
         self.setup.enter(Phase::Train);
         let role = self.setup.role.clone();
         let dp_size = rtrun::context()?.group.map(|g| g.world_size).unwrap_or(1);
-        let optimizer = self
-            .optimizer
-            .as_mut()
-            .ok_or_else(|| crate::TrainError::role(&role, "this rank is frozen (no optimizer)"))?;
-        optimizer.zero_grad();
+        self.require_optimizer()?;
+        self.sharded.zero_grad()?;
+        let passes = self.sharded.balance(batches.len(), true)?;
         // The gradients are averaged over ranks, so each rank's sum is scaled by dp_size.
         let scale = dp_size as f64 / global_tokens.max(1) as f64;
         let mut stats = SupervisedStats::default();
@@ -93,10 +93,13 @@ impl LmWorkerState {
             let (nll, tokens) = rows_nll(&self.model, rows)?;
             stats.nll_sum += nll.f_double_value(&[])?;
             stats.tokens += tokens;
-            nll.f_mul_scalar(scale)?.f_backward()?;
+            self.model.backward(&nll.f_mul_scalar(scale)?)?;
         }
-        self.comm.all_reduce_gradients(&self.model, &role)?;
-        let step = optimizer.step()?;
+        for _ in batches.len()..passes {
+            self.sharded.idle_training_pass(self.layers())?;
+        }
+        let step =
+            self.sharded.step().map_err(|e| crate::TrainError::role(&role, e.to_string()))?;
         stats.grad_norm = step.grad_norm;
         stats.lr = step.lr;
         Ok(stats)
@@ -108,21 +111,35 @@ impl LmWorkerState {
         batches: &[Vec<PackedRow>],
     ) -> crate::Result<(f64, usize)> {
         self.setup.enter(Phase::Experience);
-        tch::no_grad(|| {
+        let passes = self.sharded.balance(batches.len(), false)?;
+        let out = tch::no_grad(|| -> crate::Result<(f64, usize)> {
             let mut out = (0.0, 0);
             for rows in batches {
                 let (nll, tokens) = rows_nll(&self.model, rows)?;
+                self.model.backbone.release_parameters()?;
                 out.0 += nll.f_double_value(&[])?;
                 out.1 += tokens;
             }
             Ok(out)
-        })
+        })?;
+        for _ in batches.len()..passes {
+            self.sharded.idle_forward(self.layers())?;
+        }
+        Ok(out)
     }
 
     fn reference(&self) -> crate::Result<&CausalLm> {
-        self.reference.as_ref().ok_or_else(|| {
+        self.reference.as_ref().map(|(model, _)| model).ok_or_else(|| {
             crate::TrainError::role(&self.setup.role, "this rank holds no reference model")
         })
+    }
+
+    fn require_optimizer(&self) -> crate::Result<()> {
+        if self.trains {
+            Ok(())
+        } else {
+            Err(crate::TrainError::role(&self.setup.role, "this rank is frozen (no optimizer)"))
+        }
     }
 
     /// One DPO optimizer step over this rank's micro-batches of a global batch of
@@ -136,24 +153,29 @@ impl LmWorkerState {
         self.setup.enter(Phase::Train);
         let role = self.setup.role.clone();
         let dp_size = rtrun::context()?.group.map(|g| g.world_size).unwrap_or(1);
-        let reference = self
+        self.require_optimizer()?;
+        let (reference, frozen) = self
             .reference
             .as_ref()
             .ok_or_else(|| crate::TrainError::role(&role, "this rank holds no reference model"))?;
-        let optimizer = self
-            .optimizer
-            .as_mut()
-            .ok_or_else(|| crate::TrainError::role(&role, "this rank is frozen (no optimizer)"))?;
-        optimizer.zero_grad();
+        self.sharded.zero_grad()?;
+        let passes = self.sharded.balance(batches.len(), true)?;
         let scale = dp_size as f64 / global_pairs.max(1) as f64;
         let mut stats = PairStats::default();
         for rows in batches {
             let (losses, sums) = dpo_pairs(&self.model, reference, rows, loss)?;
             stats = stats.plus(&sums);
-            losses.f_sum(tch::Kind::Float)?.f_mul_scalar(scale)?.f_backward()?;
+            self.model.backward(&losses.f_sum(tch::Kind::Float)?.f_mul_scalar(scale)?)?;
         }
-        self.comm.all_reduce_gradients(&self.model, &role)?;
-        let step = optimizer.step()?;
+        let layers = self.layers();
+        for _ in batches.len()..passes {
+            // The collectives of `dpo_pairs` and the backward, in their order.
+            self.sharded.idle_training_forward(layers)?;
+            frozen.idle_forward(layers)?;
+            self.sharded.idle_backward(layers)?;
+        }
+        let step =
+            self.sharded.step().map_err(|e| crate::TrainError::role(&role, e.to_string()))?;
         stats.grad_norm = step.grad_norm;
         stats.lr = step.lr;
         Ok(stats)
@@ -167,13 +189,23 @@ impl LmWorkerState {
     ) -> crate::Result<PairStats> {
         self.setup.enter(Phase::Experience);
         let reference = self.reference()?;
-        tch::no_grad(|| {
+        let passes = self.sharded.balance(batches.len(), false)?;
+        let stats = tch::no_grad(|| -> crate::Result<PairStats> {
             let mut stats = PairStats::default();
             for rows in batches {
                 stats = stats.plus(&dpo_pairs(&self.model, reference, rows, loss)?.1);
+                self.model.backbone.release_parameters()?;
             }
             Ok(stats)
-        })
+        })?;
+        let layers = self.layers();
+        for _ in batches.len()..passes {
+            self.sharded.idle_forward(layers)?;
+            if let Some((_, frozen)) = &self.reference {
+                frozen.idle_forward(layers)?;
+            }
+        }
+        Ok(stats)
     }
 }
 
