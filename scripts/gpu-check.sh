@@ -15,6 +15,8 @@
 #   sleep     engine sleep/wake frees what it claims (driver-level used memory)
 #   ipc       weight sync by CUDA IPC into another process: weights equal, GB/s
 #   nccl      two NCCL ranks on one GPU are refused with a clear error, not a hang
+#   zero      NCCL device reduce-scatter / all-gather (one rank: one GPU cannot host two) and
+#             stage 3 + activation checkpointing training steps on CUDA against stage 0
 #   grpo      the GRPO main job with every role on the GPU in bf16, hybrid (engine sleeps
 #             while training, training state offloaded while generating); asked for `nccl`,
 #             the one-GPU hybrid spec syncs weights by CUDA IPC (the log says so)
@@ -68,6 +70,7 @@ step greedy-bf16 "$py" scripts/gpu/hf_anchor.py compare "$work/ours-bf16.json" "
 step sleep "$bin/gpu_check" sleep "$ckpt"
 step ipc "$bin/gpu_check" ipc "$ckpt" $((64 << 20))
 step nccl timeout 120 "$bin/gpu_check" nccl-same-gpu
+step zero timeout 180 "$bin/gpu_check" zero "$ckpt"
 
 # The GRPO main job on the GPU, with a trace of the device's used memory.
 nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader,nounits -lms 200 \

@@ -14,8 +14,13 @@
 //! issued per segment): [`ShardedModel::balance`] and the idle passes make ranks with fewer
 //! micro-batches take part in the others' collectives.
 
+// Denied, not forbidden: `device` (NCCL on a tensor's memory, feature `cuda`) allows it.
+#![deny(unsafe_code)]
+
 pub mod checkpoint;
 mod comm;
+#[cfg(feature = "cuda")]
+pub mod device;
 mod error;
 mod model;
 mod optim;
@@ -25,7 +30,7 @@ mod state;
 pub use comm::GroupComm;
 pub use error::{Result, ShardError};
 pub use model::{ShardConfig, ShardedModel};
-pub use state::HeldBytes;
+pub use state::{HeldBytes, ShardStats};
 
 use serde::{Deserialize, Serialize};
 

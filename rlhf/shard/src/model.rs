@@ -311,6 +311,21 @@ impl ShardedModel {
         state.measure();
     }
 
+    /// Held bytes (now and peak) and collective totals; `reset_peak` starts a new peak after.
+    pub fn stats(&self, reset_peak: bool) -> crate::ShardStats {
+        let (collective_seconds, collective_bytes) = self.collective_totals();
+        let stats = crate::ShardStats {
+            now: self.held_bytes(),
+            peak: self.peak_bytes(),
+            collective_seconds,
+            collective_bytes,
+        };
+        if reset_peak {
+            self.reset_peak();
+        }
+        stats
+    }
+
     /// Seconds spent in this model's collectives and their bytes, since construction.
     pub fn collective_totals(&self) -> (f64, u64) {
         let state = self.shared.lock();

@@ -35,6 +35,19 @@ pub struct HeldBytes {
     pub optimizer: u64,
 }
 
+/// What a rank's sharded model held and exchanged (for benchmarks and metrics).
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct ShardStats {
+    /// Bytes held now.
+    pub now: HeldBytes,
+    /// The most bytes held at a measured point since the last reset.
+    pub peak: HeldBytes,
+    /// Seconds spent in the model's collectives since construction.
+    pub collective_seconds: f64,
+    /// Payload bytes of those collectives.
+    pub collective_bytes: u64,
+}
+
 impl HeldBytes {
     /// The sum of the three.
     pub fn total(&self) -> u64 {
@@ -119,7 +132,7 @@ impl ZeroState {
             tch::no_grad(|| -> Result<()> {
                 for (member, param) in unit_plan.members.iter().zip(&params) {
                     let view = full.f_narrow(0, member.offset as i64, member.numel as i64)?;
-                    let _ = view.shallow_clone().f_copy_(&param.f_reshape([-1])?)?;
+                    view.shallow_clone().f_copy_(&param.f_reshape([-1])?)?;
                     param.shallow_clone().f_set_data(&view.f_view(member.shape.as_slice())?)?;
                 }
                 Ok(())

@@ -8,6 +8,9 @@
 //! gpu_check sleep CKPT                        engine sleep/wake: memory freed vs claimed
 //! gpu_check ipc CKPT BUCKET_BYTES             weight sync by CUDA IPC to a second process
 //! gpu_check nccl-same-gpu                     2 NCCL ranks on one GPU: refused, not a hang
+//! gpu_check zero CKPT                         ZeRO on CUDA: NCCL device reduce-scatter and
+//!                                             all-gather (one rank), stage 3 + checkpointing
+//!                                             training steps against stage 0
 //! ```
 //! Built without `cuda` (as the workspace tests build it) every subcommand that needs a GPU
 //! says so and exits 2.
@@ -78,6 +81,13 @@ enum Check {
     },
     /// Two NCCL ranks on one GPU: the collective must refuse, not hang.
     NcclSameGpu,
+    /// Sharded training on CUDA: NCCL's in-place reduce-scatter and all-gather on device memory
+    /// (one rank: one GPU cannot host two), and two training steps at stage 3 with activation
+    /// checkpointing against stage 0 (storages freed and re-allocated on the device).
+    Zero {
+        /// The Hugging Face checkpoint directory.
+        ckpt: PathBuf,
+    },
     /// One rank of `nccl-same-gpu` (started by it).
     #[command(hide = true)]
     NcclRank {
@@ -113,6 +123,7 @@ fn run(check: Check) -> Result<()> {
         Check::Ipc { ckpt, bucket_bytes } => ipc_send(&ckpt, bucket_bytes),
         Check::IpcReceive { ckpt } => ipc_receive(&ckpt),
         Check::NcclSameGpu => nccl_same_gpu(),
+        Check::Zero { ckpt } => zero(&ckpt),
         Check::NcclRank { rank, port } => nccl_rank(rank, port).map_err(anyhow::Error::msg),
     }
 }
@@ -407,4 +418,78 @@ fn nccl_rank(rank: usize, port: u16) -> Result<(), String> {
         );
     }
     result
+}
+
+/// NCCL's device reduce-scatter and all-gather on one rank, then stage 3 (+ checkpointing)
+/// against stage 0 for two training steps on CUDA.
+fn zero(ckpt: &Path) -> Result<()> {
+    use rtrun::collective::{Backend, CollectiveConfig, Communicator};
+    use rtrun_rlhf_model::train::OptimizerConfig;
+    use rtrun_rlhf_shard::{GroupComm, ShardConfig, ShardedModel, ZeroStage};
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    let config = CollectiveConfig::new("zero", 0, 1, "127.0.0.1", port).with_backend(Backend::Nccl);
+    let comm = Communicator::init(config)?;
+    let values = Tensor::arange(1024, (Kind::Float, Device::Cuda(0)));
+    let expected = values.copy();
+    device_collectives(comm, &values)?;
+    let collectives_equal = values.equal(&expected);
+
+    let steps = |stage: ZeroStage, checkpoint: bool| -> Result<(Vec<f64>, Vec<Tensor>)> {
+        let model = CausalLm::from_pretrained(ckpt, Device::Cuda(0), Kind::Float)?;
+        let named: Vec<(String, Tensor)> =
+            model.named_parameters().map(|(n, t)| (n.to_string(), t.shallow_clone())).collect();
+        let shard = ShardConfig { stage, gradient_checkpointing: checkpoint };
+        let mut sharded = ShardedModel::new(
+            &model.backbone,
+            &named,
+            model.lm_head.is_none(),
+            shard,
+            GroupComm::solo(),
+            Some(OptimizerConfig::default()),
+        )?;
+        let ids = ids(model.config().vocab_size, 4, 64).to_device(Device::Cuda(0));
+        let mut losses = Vec::new();
+        for _ in 0..2 {
+            sharded.zero_grad()?;
+            let logits = model.forward(&ids, &ids.ones_like(), None)?;
+            let loss = logits.log_softmax(-1, Kind::Float).mean(Kind::Float).neg();
+            losses.push(loss.double_value(&[]));
+            model.backward(&loss)?;
+            sharded.step()?;
+        }
+        sharded.gather_all()?;
+        let weights = model.named_parameters().map(|(_, t)| t.to_device(Device::Cpu)).collect();
+        Ok((losses, weights))
+    };
+    let (base_losses, base) = steps(ZeroStage::Zero, false)?;
+    let (losses, sharded) = steps(ZeroStage::Three, true)?;
+    let (mut gap, mut norm) = (0.0, 0.0);
+    for (a, b) in sharded.iter().zip(&base) {
+        gap += (a - b).square().sum(Kind::Double).double_value(&[]);
+        norm += b.square().sum(Kind::Double).double_value(&[]);
+    }
+    let gap = (gap / norm).sqrt();
+    emit(json!({
+        "check": "zero",
+        "nccl_device_collectives_equal": collectives_equal,
+        "stage0_losses": base_losses,
+        "stage3_checkpointed_losses": losses,
+        "weight_gap": gap,
+        "ok": collectives_equal && gap < 1e-5,
+    }));
+    Ok(())
+}
+
+/// NCCL's in-place reduce-scatter (sum) then all-gather of `values` on one rank: the identity.
+#[cfg(feature = "cuda")]
+fn device_collectives(mut comm: rtrun::collective::Communicator, values: &Tensor) -> Result<()> {
+    use rtrun::collective::ReduceOp;
+    rtrun_rlhf_shard::device::reduce_scatter_on_device(&mut comm, values, ReduceOp::Sum)?;
+    rtrun_rlhf_shard::device::all_gather_on_device(&mut comm, values)?;
+    Ok(())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn device_collectives(_comm: rtrun::collective::Communicator, _values: &Tensor) -> Result<()> {
+    bail!("device collectives need a build with the cuda feature")
 }

@@ -392,7 +392,7 @@ fn ring_all_gather_into(
     element_bytes: usize,
     segment_bytes: usize,
 ) -> Result<(), CollectiveError> {
-    if element_bytes == 0 || buffer.len() % element_bytes != 0 {
+    if element_bytes == 0 || !buffer.len().is_multiple_of(element_bytes) {
         return Err(call.protocol(format!(
             "all_gather_into needs a whole number of {element_bytes}-byte elements, found {} \
              bytes",

@@ -431,7 +431,7 @@ impl CriticWorkerState {
         let rows = training_order(rows, self.share_prompt);
         let chunks: Vec<&[&ExperienceRow]> = rows.chunks(self.micro_batch_size).collect();
         let passes = self.sharded.balance(chunks.len(), true)?;
-        for chunk in chunks.iter().copied() {
+        for &chunk in &chunks {
             let sequences: Vec<&Sequence> = chunk.iter().map(|r| &r.sequence).collect();
             let (values, action_mask) = if self.share_prompt {
                 let batch = shared_prompt_batch(&sequences, device)?;

@@ -12,7 +12,7 @@ use tch::{Device, Kind, Tensor};
 
 use rtrun_rlhf_model::CausalLm;
 use rtrun_rlhf_model::train::OptimizerConfig;
-use rtrun_rlhf_shard::{GroupComm, HeldBytes, ShardConfig, ShardedModel, ZeroStage};
+use rtrun_rlhf_shard::{GroupComm, ShardConfig, ShardStats, ShardedModel, ZeroStage};
 
 use crate::algo::{self, ClipConfig, KlEstimator, LossAggregation};
 use crate::experience::{
@@ -358,15 +358,11 @@ impl LmWorkerState {
         self.sharded.release_all().map_err(to_string_error)
     }
 
-    /// Tensor bytes of parameters, gradients and optimizer state: held now, and the most held
-    /// since the last call with `reset_peak` (measured at every gather, reduction and step).
-    pub fn held_bytes(&self, reset_peak: bool) -> (HeldBytes, HeldBytes) {
-        let now = self.sharded.held_bytes();
-        let peak = self.sharded.peak_bytes();
-        if reset_peak {
-            self.sharded.reset_peak();
-        }
-        (now, peak)
+    /// Tensor bytes of parameters, gradients and optimizer state, held now and the most held
+    /// since the last call with `reset_peak` (measured at every gather, reduction and step),
+    /// and the time in collectives.
+    pub fn shard_stats(&self, reset_peak: bool) -> ShardStats {
+        self.sharded.stats(reset_peak)
     }
 
     /// Moves parameters and optimizer state to host memory (hybrid engine: while the engines
@@ -529,10 +525,10 @@ impl LmWorker {
         self.state().release_weights()
     }
 
-    /// Tensor bytes of parameters, gradients and optimizer state: now, and the peak since the
-    /// last call with `reset_peak`.
-    pub fn held_bytes(&self, reset_peak: bool) -> Result<(HeldBytes, HeldBytes), String> {
-        Ok(self.state().held_bytes(reset_peak))
+    /// Tensor bytes of parameters, gradients and optimizer state (now, and the peak since the
+    /// last call with `reset_peak`) and the time spent in collectives.
+    pub fn shard_stats(&self, reset_peak: bool) -> Result<ShardStats, String> {
+        Ok(self.state().shard_stats(reset_peak))
     }
 
     /// Offloads training state to host memory (hybrid engine, while the engines generate).
@@ -679,7 +675,7 @@ impl LmWorkerState {
         let chunks: Vec<&[&ExperienceRow]> =
             rows.chunks(self.loss.micro_batch_size.max(1)).collect();
         let passes = self.sharded.balance(chunks.len(), true)?;
-        for chunk in chunks.iter().copied() {
+        for &chunk in &chunks {
             let sequences: Vec<&Sequence> = chunk.iter().map(|r| &r.sequence).collect();
             let (logits, response_ids, action_mask) = if self.loss.share_prompt {
                 let batch = shared_prompt_batch(&sequences, device)?;
