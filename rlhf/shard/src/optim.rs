@@ -93,6 +93,12 @@ impl ShardOptimizer {
             }
             Ok(())
         })?;
+        if state.stage == ZeroStage::One {
+            // Rebuilt from the whole gradients at the next step.
+            for unit in &mut state.units {
+                unit.grad_shard = None;
+            }
+        }
         if state.stage == ZeroStage::Three {
             // Whatever is still gathered holds the old values.
             state.release_all_units()?;

@@ -147,7 +147,9 @@ impl ZeroState {
             } else {
                 (own, true)
             };
-            let grad_shard = if trains && stage != ZeroStage::Zero {
+            // Stage 1 reduces only at the step: its gradient shards exist from then until the
+            // update, not beside the whole gradients during the backward.
+            let grad_shard = if trains && matches!(stage, ZeroStage::Two | ZeroStage::Three) {
                 Some(Tensor::f_zeros([range.len() as i64], (Kind::Float, device))?)
             } else {
                 None
@@ -224,6 +226,14 @@ impl ZeroState {
         self.measure();
         let started = std::time::Instant::now();
         let (rank, world) = (self.comm.rank(), self.comm.world_size());
+        if !self.trains || self.stage == ZeroStage::Zero {
+            return Ok(());
+        }
+        let range = self.units[index].plan.shard_range(world, rank);
+        if self.units[index].grad_shard.is_none() {
+            let zeros = Tensor::f_zeros([range.len() as i64], (Kind::Float, self.device))?;
+            self.units[index].grad_shard = Some(zeros);
+        }
         let unit = &self.units[index];
         let Some(grad_shard) = &unit.grad_shard else {
             return Ok(());
@@ -243,7 +253,6 @@ impl ZeroState {
                 |c| c.reduce_scatter_f32(&mut host, ReduceOp::Mean),
             )?;
         }
-        let range = unit.plan.shard_range(world, rank);
         let reduced = Tensor::f_from_slice(&host[range])?.f_to_device(self.device)?;
         let _ = tch::no_grad(|| grad_shard.shallow_clone().f_add_(&reduced))?;
         for param in &unit.params {
