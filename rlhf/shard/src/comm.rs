@@ -16,6 +16,11 @@ pub struct GroupComm {
     rank: usize,
     world_size: usize,
     slot: Arc<Mutex<Slot>>,
+    /// A second ring of the same ranks for stage 3's prefetching gathers, which run on a
+    /// thread of their own while the first ring serves the layer being computed. The first
+    /// sharded model of the rank to ask takes it (a ring's collectives must come from one
+    /// thread in one order), the others gather without prefetching.
+    prefetch: Arc<Mutex<Option<CollectiveConfig>>>,
 }
 
 impl std::fmt::Debug for GroupComm {
@@ -41,7 +46,21 @@ impl GroupComm {
     pub fn from_group_context() -> Result<Self> {
         let context = rtrun::context().map_err(|e| ShardError::Config(e.to_string()))?;
         match context.group {
-            Some(membership) => Ok(Self::joining(CollectiveConfig::from_membership(&membership))),
+            Some(membership) => {
+                let config = CollectiveConfig::from_membership(&membership);
+                // An actor group's rank 0 picks its port and publishes it under the group's
+                // key: the prefetch ring does the same under a key of its own.
+                let prefetch = config.rendezvous_key.as_ref().map(|key| CollectiveConfig {
+                    group_name: format!("{}-prefetch", config.group_name),
+                    rendezvous_key: Some(format!("{key}-prefetch")),
+                    ..config.clone()
+                });
+                let comm = Self::joining(config);
+                Ok(match prefetch {
+                    Some(prefetch) => comm.with_prefetch(prefetch),
+                    None => comm,
+                })
+            }
             None => Ok(Self::solo()),
         }
     }
@@ -52,7 +71,22 @@ impl GroupComm {
             rank: config.rank,
             world_size: config.world_size,
             slot: Arc::new(Mutex::new(Slot::Pending(Box::new(config)))),
+            prefetch: Arc::new(Mutex::new(None)),
         }
+    }
+
+    /// Adds the ring stage 3's prefetching gathers use (same ranks, another group name and
+    /// rendezvous); without one, every gather runs when its layer needs it.
+    pub fn with_prefetch(self, config: CollectiveConfig) -> Self {
+        *self.prefetch.lock().unwrap_or_else(|p| p.into_inner()) = Some(config);
+        self
+    }
+
+    /// Takes the prefetch ring's group (joined on first use, by the thread that runs it); the
+    /// first caller of the rank gets it.
+    pub(crate) fn take_prefetch_group(&self) -> Option<GroupComm> {
+        let taken = self.prefetch.lock().unwrap_or_else(|p| p.into_inner()).take();
+        taken.map(Self::joining)
     }
 
     /// A group of one (no collective is ever needed).

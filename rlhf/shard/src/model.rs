@@ -72,6 +72,7 @@ impl ShardedModel {
     ) -> Result<Self> {
         let trains = optimizer.is_some();
         let mut state = ZeroState::new(named, tied, config.stage, trains, comm)?;
+        state.start_prefetch()?;
         let optimizer = match optimizer {
             None => None,
             Some(o) if config.stage == ZeroStage::Zero => {
@@ -319,6 +320,7 @@ impl ShardedModel {
             peak: self.peak_bytes(),
             collective_seconds,
             collective_bytes,
+            prefetched_gathers: self.shared.lock().prefetched_gathers,
         };
         if reset_peak {
             self.reset_peak();

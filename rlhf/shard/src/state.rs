@@ -46,6 +46,8 @@ pub struct ShardStats {
     pub collective_seconds: f64,
     /// Payload bytes of those collectives.
     pub collective_bytes: u64,
+    /// Gathers served by the prefetch (already done when their layer needed them).
+    pub prefetched_gathers: u64,
 }
 
 impl HeldBytes {
@@ -89,6 +91,51 @@ pub(crate) struct ZeroState {
     pub(crate) optimizer_bytes: u64,
     /// Whether the head's units were gathered and not yet released.
     pub(crate) head_gathered: bool,
+    /// Stage 3's gathers of the next layer, on a ring and thread of their own.
+    prefetch: Option<Prefetcher>,
+    /// The decoder layer gathered last (which way the passes run, for the prefetch).
+    last_layer: Option<usize>,
+    /// Gathers the prefetch served.
+    pub(crate) prefetched_gathers: u64,
+}
+
+/// A thread that all-gathers units on the prefetch ring while the model computes, one at a
+/// time, in the order they were asked for (the same on every rank: the hooks are).
+struct Prefetcher {
+    jobs: std::sync::mpsc::Sender<(String, Vec<u8>)>,
+    done: std::sync::mpsc::Receiver<Result<Vec<u8>>>,
+    /// The unit whose gather is in flight.
+    pending: Option<usize>,
+}
+
+impl Prefetcher {
+    fn start(comm: GroupComm) -> Result<Self> {
+        let (jobs, inbox) = std::sync::mpsc::channel::<(String, Vec<u8>)>();
+        let (outbox, done) = std::sync::mpsc::channel();
+        std::thread::Builder::new()
+            .name("zero-prefetch".into())
+            .spawn(move || {
+                for (name, mut host) in inbox {
+                    let gathered = comm
+                        .run(|| format!("prefetching `{name}`"), |c| c.all_gather_into(&mut host))
+                        .map(|()| host);
+                    if outbox.send(gathered).is_err() {
+                        break;
+                    }
+                }
+            })
+            .map_err(|e| ShardError::Config(format!("starting the prefetch thread: {e}")))?;
+        Ok(Self { jobs, done, pending: None })
+    }
+
+    /// Waits for the gather in flight, if any.
+    fn finish(&mut self) -> Option<(usize, Result<Vec<u8>>)> {
+        let unit = self.pending.take()?;
+        let result = self.done.recv().unwrap_or_else(|_| {
+            Err(ShardError::Config("the prefetch thread ended (a collective failed)".into()))
+        });
+        Some((unit, result))
+    }
 }
 
 impl ZeroState {
@@ -169,7 +216,84 @@ impl ZeroState {
             peak: HeldBytes::default(),
             optimizer_bytes: 0,
             head_gathered: false,
+            prefetch: None,
+            last_layer: None,
+            prefetched_gathers: 0,
         })
+    }
+
+    /// Starts prefetching (stage 3 on several ranks, when the group has a prefetch ring).
+    pub(crate) fn start_prefetch(&mut self) -> Result<()> {
+        if self.stage == ZeroStage::Three
+            && self.comm.world_size() > 1
+            && let Some(group) = self.comm.take_prefetch_group()
+        {
+            self.prefetch = Some(Prefetcher::start(group)?);
+        }
+        tracing::debug!(
+            stage = %self.stage,
+            world = self.comm.world_size(),
+            prefetch = self.prefetch.is_some(),
+            "sharded model ready"
+        );
+        Ok(())
+    }
+
+    /// Waits out (and drops) a prefetch in flight: before the shards change, or when the next
+    /// gather is not the one prefetched.
+    pub(crate) fn drain_prefetch(&mut self) -> Result<()> {
+        if let Some(prefetch) = &mut self.prefetch
+            && let Some((_, result)) = prefetch.finish()
+        {
+            result?;
+        }
+        Ok(())
+    }
+
+    /// This rank's shard of unit `index` in a host buffer of the unit's whole size.
+    fn staged_shard(&self, index: usize) -> Result<Vec<u8>> {
+        let (rank, world) = (self.comm.rank(), self.comm.world_size());
+        let unit = &self.units[index];
+        let element = self.kind.elt_size_in_bytes();
+        let range = unit.plan.shard_range(world, rank);
+        let mut host = vec![0u8; unit.plan.padded * element];
+        let shard = unit.shard.f_to_device(Device::Cpu)?;
+        shard.f_copy_data_u8(&mut host[range.start * element..range.end * element], range.len())?;
+        Ok(host)
+    }
+
+    /// After decoder layer `layer` was gathered: starts gathering the layer the passes read
+    /// next (the following one going forward, the previous one going backward).
+    fn prefetch_after(&mut self, layer: usize) -> Result<()> {
+        let layers = self.plan.units_of(Segment::Layer(layer)).len();
+        let previous = self.last_layer.replace(layer);
+        let Some(prefetch) = &self.prefetch else { return Ok(()) };
+        if layers == 0 || prefetch.pending.is_some() {
+            return Ok(());
+        }
+        let count =
+            (1..).take_while(|&i| !self.plan.units_of(Segment::Layer(i - 1)).is_empty()).count();
+        let backward = match previous {
+            Some(p) if p == layer + 1 => true,
+            Some(p) if p == layer => layer + 1 == count,
+            _ => false,
+        };
+        let next =
+            if backward { layer.checked_sub(1) } else { Some(layer + 1).filter(|&n| n < count) };
+        let Some(next) = next else { return Ok(()) };
+        let Some(&unit) = self.plan.units_of(Segment::Layer(next)).first() else { return Ok(()) };
+        if self.units[unit].gathered {
+            return Ok(());
+        }
+        let host = self.staged_shard(unit)?;
+        let name = self.units[unit].plan.name.clone();
+        if let Some(prefetch) = &mut self.prefetch {
+            prefetch.jobs.send((name, host)).map_err(|_| {
+                ShardError::Config("the prefetch thread ended (a collective failed)".into())
+            })?;
+            prefetch.pending = Some(unit);
+        }
+        Ok(())
     }
 
     /// Makes unit `index` whole (stage 3: allocate and all-gather; otherwise it already is).
@@ -178,19 +302,32 @@ impl ZeroState {
             return Ok(());
         }
         let started = std::time::Instant::now();
-        let (rank, world) = (self.comm.rank(), self.comm.world_size());
-        let unit = &self.units[index];
+        let world = self.comm.world_size();
         let element = self.kind.elt_size_in_bytes();
-        let padded = unit.plan.padded;
+        let padded = self.units[index].plan.padded;
+        // A prefetch of another unit stays in flight on its own ring until its unit is
+        // gathered or the shards change (`release_all_units`).
+        let prefetched = match self.prefetch.as_mut().filter(|p| p.pending == Some(index)) {
+            Some(prefetch) => prefetch.finish().map(|(_, result)| result).transpose()?,
+            None => None,
+        };
+        let host = match prefetched {
+            Some(host) => {
+                self.prefetched_gathers += 1;
+                host
+            }
+            None => {
+                let mut host = self.staged_shard(index)?;
+                if world > 1 {
+                    let name = &self.units[index].plan.name;
+                    self.comm
+                        .run(|| format!("gathering `{name}`"), |c| c.all_gather_into(&mut host))?;
+                }
+                host
+            }
+        };
+        let unit = &self.units[index];
         allocate_storage(&unit.full, padded * element)?;
-        let range = unit.plan.shard_range(world, rank);
-        let mut host = vec![0u8; padded * element];
-        let shard = unit.shard.f_to_device(Device::Cpu)?;
-        shard.f_copy_data_u8(&mut host[range.start * element..range.end * element], range.len())?;
-        if world > 1 {
-            let name = &unit.plan.name;
-            self.comm.run(|| format!("gathering `{name}`"), |c| c.all_gather_into(&mut host))?;
-        }
         let value = Tensor::f_from_data_size(&host, &[padded as i64], self.kind)?;
         tch::no_grad(|| unit.full.shallow_clone().f_copy_(&value.f_to_device(self.device)?))?;
         self.units[index].gathered = true;
@@ -210,8 +347,10 @@ impl ZeroState {
         Ok(())
     }
 
-    /// Frees every gathered unit (stage 3), the head's too.
+    /// Frees every gathered unit (stage 3), the head's too, and drops a prefetch in flight.
     pub(crate) fn release_all_units(&mut self) -> Result<()> {
+        self.drain_prefetch()?;
+        self.last_layer = None;
         for index in 0..self.units.len() {
             self.release_unit(index)?;
         }
@@ -332,8 +471,10 @@ impl SegmentHooks for SharedState {
     fn gather(&mut self, segment: Segment) -> rtrun_rlhf_model::Result<()> {
         let mut state = self.lock();
         state.each_unit(segment, ZeroState::gather_unit)?;
-        if segment == Segment::Head {
-            state.head_gathered = true;
+        match segment {
+            Segment::Head => state.head_gathered = true,
+            Segment::Layer(layer) => state.prefetch_after(layer)?,
+            Segment::Embedding => {}
         }
         Ok(())
     }

@@ -63,6 +63,8 @@ fn optimizer() -> OptimizerConfig {
 struct Outcome {
     losses: Vec<f64>,
     weights: Vec<(String, Vec<f32>)>,
+    /// Gathers the prefetch ring had done before their layer asked.
+    prefetched: u64,
 }
 
 /// Trains `STEPS` steps on `world` thread ranks; returns each rank's outcome.
@@ -80,7 +82,7 @@ fn train_steps(
     load: Option<&std::path::Path>,
     save: Option<&std::path::Path>,
 ) -> Vec<Outcome> {
-    let port = free_port();
+    let (port, prefetch_port) = (free_port(), free_port());
     let model_config = tiny_config(family);
     std::thread::scope(|scope| {
         let ranks: Vec<_> = (0..world)
@@ -90,6 +92,10 @@ fn train_steps(
                 scope.spawn(move || {
                     let collective = CollectiveConfig::new("zero", rank, world, "127.0.0.1", port)
                         .with_timeout(Duration::from_secs(30));
+                    // Stage 3 gathers the next layer on a second ring while one is computed.
+                    let prefetch =
+                        CollectiveConfig::new("zero-next", rank, world, "127.0.0.1", prefetch_port)
+                            .with_timeout(Duration::from_secs(30));
                     let model = tiny_model(&model_config, 11).unwrap();
                     let named: Vec<(String, Tensor)> = model
                         .named_parameters()
@@ -100,7 +106,7 @@ fn train_steps(
                         &named,
                         model.lm_head.is_none(),
                         config,
-                        GroupComm::joining(collective),
+                        GroupComm::joining(collective).with_prefetch(prefetch),
                         Some(optimizer()),
                     )
                     .unwrap();
@@ -134,6 +140,7 @@ fn train_steps(
                     if let Some(dir) = save {
                         sharded.save_sharded(dir).unwrap();
                     }
+                    let prefetched = sharded.stats(false).prefetched_gathers;
                     sharded.gather_all().unwrap();
                     let weights = model
                         .named_parameters()
@@ -142,7 +149,7 @@ fn train_steps(
                         })
                         .collect();
                     sharded.release_all().unwrap();
-                    Outcome { losses, weights }
+                    Outcome { losses, weights, prefetched }
                 })
             })
             .collect();
@@ -195,6 +202,10 @@ fn every_stage_trains_as_todays_data_parallelism() {
                         );
                     }
                     for (rank, outcome) in outcomes.iter().enumerate() {
+                        if stage == ZeroStage::Three && world > 1 {
+                            // Forward L0 prefetches L1; backward L1 prefetches L0: per pass.
+                            assert!(outcome.prefetched > 0, "{what}: rank {rank} never prefetched");
+                        }
                         let (gap, worst) = relative_gap(&outcome.weights, &baseline[rank].weights);
                         // Recomputed layers sum a layer's output gradient in another order
                         // (its gradients agree to 1e-6, see the model crate), which three

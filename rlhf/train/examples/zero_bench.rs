@@ -244,8 +244,10 @@ fn time(args: &Args) -> anyhow::Result<()> {
         "## Step time on 2 ranks, {} × {} tokens per step, model {}\n",
         args.rows, args.len, args.time_model
     );
-    println!("| stage | s/step | ratio to stage 0 | collectives s/step (share) |");
-    println!("|---|---|---|---|");
+    println!(
+        "| stage | s/step | ratio to stage 0 | collectives waited for, s/step (share) | gathers prefetched |"
+    );
+    println!("|---|---|---|---|---|");
     let mut base = None;
     for stage in [ZeroStage::Zero, ZeroStage::Three] {
         let shard = ShardConfig { stage, gradient_checkpointing: false };
@@ -254,8 +256,9 @@ fn time(args: &Args) -> anyhow::Result<()> {
         let collective =
             run.stats.iter().map(|s| s.collective_seconds).fold(0.0, f64::max) / args.steps as f64;
         let base = *base.get_or_insert(run.step_seconds);
+        let prefetched: u64 = run.stats.iter().map(|s| s.prefetched_gathers).sum();
         println!(
-            "| {stage} | {:.2} | {:.2}× | {:.2} ({:.0}%) |",
+            "| {stage} | {:.2} | {:.2}× | {:.2} ({:.0}%) | {prefetched} |",
             run.step_seconds,
             run.step_seconds / base,
             collective,
