@@ -1,8 +1,9 @@
 //! `train.zero_stage` and `train.gradient_checkpointing` as a user runs them: the real `train`
 //! driver with its DP worker processes on the walkthrough's Hugging Face checkpoint. SFT, DPO,
-//! GRPO and PPO with a critic give, at every stage, the metrics and final weights of today's
-//! data parallelism (stage 0) on the same ranks; a stage-3 save from 4 ranks resumes on 2; bad
-//! settings and saves are errors naming the key or file.
+//! GRPO and PPO with a critic give, at stages 1, 2 and 3 on 1, 2 and 4 ranks (and stage 3 with
+//! activation checkpointing on 2), the metrics and final weights of today's data parallelism
+//! (stage 0) on the same ranks; a stage-3 save from 4 ranks resumes on 2; bad settings and
+//! saves are errors naming the key or file.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -77,7 +78,7 @@ fn rl_config(dir: &Path, files: &WalkthroughFiles, ppo: bool) -> PathBuf {
          cluster: {{num_cpus: 16, threads_per_worker: 1, actor_replicas: 2, ref_replicas: 2, critic_replicas: 2}}\n\
          rollout: {{prompts_per_step: 4, n_samples_per_prompt: 3, max_new_tokens: 10}}\n\
          algo: {algo}\n\
-         train: {{max_steps: 2, train_batch_size: 6, micro_batch_size: 2, actor_lr: 0.0005, critic_lr: 0.0005}}\n\
+         train: {{max_steps: 2, train_batch_size: 12, micro_batch_size: 2, actor_lr: 0.0005, critic_lr: 0.0005}}\n\
          reward: {{kind: rule, name: math_answer}}\n\
          eval: {{every_steps: 0}}\n",
         files.model_dir.display(),
@@ -168,8 +169,8 @@ fn weight_gap(a: &Path, b: &Path) -> f64 {
 }
 
 /// Runs `config` at stage 0 and at each of `variants` (`--set`s) on the same ranks; each
-/// gives stage 0's metrics (within `tolerance`) and final weights (1e-6, 1e-5 with
-/// checkpointing).
+/// gives stage 0's metrics (within `tolerance`) and final weights (1e-6; 1e-5 with
+/// checkpointing or in RL).
 fn every_variant_equals_stage_zero(
     dir: &Path,
     config: &Path,
@@ -187,8 +188,11 @@ fn every_variant_equals_stage_zero(
         let what = format!("{} {variant:?}", config.display());
         assert_same_metrics(&baseline, &run, tolerance, &what);
         let gap = weight_gap(&run.join("final_policy"), &baseline.join("final_policy"));
-        let bound =
-            if variant.iter().any(|s| s.contains("checkpointing=true")) { 1e-5 } else { 1e-6 };
+        // Checkpointing sums a layer output's gradient in another order; in RL (tolerance above
+        // 1e-5) the second step's rollouts come from synced weights that already differ by
+        // rounding: both carry a little further into the final weights.
+        let loose = tolerance > 1e-5 || variant.iter().any(|s| s.contains("checkpointing=true"));
+        let bound = if loose { 1e-5 } else { 1e-6 };
         assert!(gap < bound, "{what}: final weights differ by {gap:e}");
     }
 }
@@ -198,48 +202,84 @@ const STAGE_2: &[&str] = &["train.zero_stage=2"];
 const STAGE_3: &[&str] = &["train.zero_stage=3"];
 const FSDP_CHECKPOINTED: &[&str] = &["train.zero_stage=fsdp", "train.gradient_checkpointing=true"];
 
+/// Stages 1, 2 and 3 against stage 0 on each of `ranks` (`--set`s that give every role that
+/// many ranks), plus stage 3 with checkpointing on 2 ranks.
+fn stages_on_ranks(dir: &Path, config: &Path, ranks: &[&[&str]], tolerance: f64) {
+    for (index, ranks) in ranks.iter().enumerate() {
+        let mut variants = vec![STAGE_1, STAGE_2, STAGE_3];
+        if ranks.iter().any(|s| s.ends_with("=2")) {
+            variants.push(FSDP_CHECKPOINTED);
+        }
+        every_variant_equals_stage_zero(
+            &dir.join(index.to_string()),
+            config,
+            ranks,
+            &variants,
+            tolerance,
+        );
+    }
+}
+
+const ONE: &[&str] = &["cluster.replicas=1"];
+const TWO: &[&str] = &["cluster.replicas=2"];
+const FOUR: &[&str] = &["cluster.replicas=4"];
+const RL_ONE: &[&str] =
+    &["cluster.actor_replicas=1", "cluster.ref_replicas=1", "cluster.critic_replicas=1"];
+const RL_TWO: &[&str] =
+    &["cluster.actor_replicas=2", "cluster.ref_replicas=2", "cluster.critic_replicas=2"];
+const RL_FOUR: &[&str] =
+    &["cluster.actor_replicas=4", "cluster.ref_replicas=4", "cluster.critic_replicas=4"];
+
 #[test]
-fn sft_on_two_ranks_gives_stage_zeros_numbers_at_every_stage() {
+fn sft_gives_stage_zeros_numbers_at_every_stage_on_one_two_and_four_ranks() {
     let dir = scratch("sft");
     let files = walkthrough(&dir);
     let config = stage_config(&dir, &files, "sft");
-    every_variant_equals_stage_zero(
-        &dir,
-        &config,
-        &[],
-        &[STAGE_1, STAGE_2, STAGE_3, FSDP_CHECKPOINTED],
-        1e-5,
-    );
+    stages_on_ranks(&dir, &config, &[ONE, TWO, FOUR], 1e-5);
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
-fn sft_on_four_ranks_and_dpo_on_two_give_stage_zeros_numbers_at_stage_three() {
-    let dir = scratch("sft4-dpo");
+fn dpo_gives_stage_zeros_numbers_at_every_stage_on_one_two_and_four_ranks() {
+    let dir = scratch("dpo");
     let files = walkthrough(&dir);
-    let sft = stage_config(&dir, &files, "sft");
-    every_variant_equals_stage_zero(
-        &dir.join("sft"),
-        &sft,
-        &["cluster.replicas=4"],
-        &[STAGE_3],
-        1e-5,
-    );
-    let dpo = stage_config(&dir, &files, "dpo");
-    every_variant_equals_stage_zero(&dir.join("dpo"), &dpo, &[], &[STAGE_3], 1e-5);
+    let config = stage_config(&dir, &files, "dpo");
+    stages_on_ranks(&dir, &config, &[ONE, TWO, FOUR], 1e-5);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+// The engines sample from the synced weights, which differ from stage 0's by rounding after
+// the first step: the RL tolerance allows for that, not for a fault.
+
+#[test]
+fn grpo_gives_stage_zeros_numbers_at_every_stage_on_one_and_two_ranks() {
+    let dir = scratch("grpo12");
+    let files = walkthrough(&dir);
+    stages_on_ranks(&dir, &rl_config(&dir, &files, false), &[RL_ONE, RL_TWO], 1e-4);
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
-fn grpo_and_ppo_with_a_critic_give_stage_zeros_numbers_sharded() {
-    let dir = scratch("rl");
+fn grpo_gives_stage_zeros_numbers_at_every_stage_on_four_ranks() {
+    let dir = scratch("grpo4");
     let files = walkthrough(&dir);
-    // The engines sample from the synced weights, which differ from stage 0's by rounding
-    // after the first step: the tolerance allows for that, not for a fault.
-    let grpo = rl_config(&dir, &files, false);
-    every_variant_equals_stage_zero(&dir.join("grpo"), &grpo, &[], &[STAGE_3], 1e-4);
-    let ppo = rl_config(&dir, &files, true);
-    every_variant_equals_stage_zero(&dir.join("ppo"), &ppo, &[], &[FSDP_CHECKPOINTED], 1e-4);
+    stages_on_ranks(&dir, &rl_config(&dir, &files, false), &[RL_FOUR], 1e-4);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn ppo_with_a_critic_gives_stage_zeros_numbers_at_every_stage_on_one_and_two_ranks() {
+    let dir = scratch("ppo12");
+    let files = walkthrough(&dir);
+    stages_on_ranks(&dir, &rl_config(&dir, &files, true), &[RL_ONE, RL_TWO], 1e-4);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn ppo_with_a_critic_gives_stage_zeros_numbers_at_every_stage_on_four_ranks() {
+    let dir = scratch("ppo4");
+    let files = walkthrough(&dir);
+    stages_on_ranks(&dir, &rl_config(&dir, &files, true), &[RL_FOUR], 1e-4);
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
