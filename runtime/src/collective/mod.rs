@@ -452,8 +452,8 @@ impl Communicator {
     /// the buffer is left holding partial results. It is the first half of
     /// [`Communicator::all_reduce`], so it sends `(n − 1)/n` of the buffer per rank.
     ///
-    /// Host buffers always go over the ring (with NCCL, device buffers use
-    /// [`Communicator::reduce_scatter_device_f32`]).
+    /// Host buffers always go over the ring (with NCCL and the `cuda` feature, device buffers
+    /// use `Communicator::reduce_scatter_device_f32`).
     pub fn reduce_scatter<T: ReduceElement>(
         &mut self,
         buffer: &mut [T],
