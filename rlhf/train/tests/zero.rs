@@ -283,6 +283,30 @@ fn ppo_with_a_critic_gives_stage_zeros_numbers_at_every_stage_on_four_ranks() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// PPO rewarded by a reward-model role (a fresh scalar head on the walkthrough's shape) whose
+/// two frozen ranks hold half the model each at stage 3, beside a sharded policy, reference and
+/// critic.
+#[test]
+fn a_sharded_reward_model_role_scores_as_a_whole_one() {
+    let dir = scratch("rm");
+    let files = walkthrough(&dir);
+    let rm_dir = dir.join("reward-model");
+    let config = rtrun_rlhf_model::ModelConfig::from_dir(&files.model_dir).unwrap();
+    let rm = rtrun_rlhf_model::ScalarHeadModel::new_random(
+        &config,
+        tch::Device::Cpu,
+        tch::Kind::Float,
+        3,
+    )
+    .unwrap();
+    rm.save_pretrained(&rm_dir, &Default::default()).unwrap();
+    let ppo = rl_config(&dir, &files, true);
+    let reward = format!("reward.model_dir={}", rm_dir.display());
+    let base: &[&str] = &["reward.kind=model", &reward, "cluster.reward_replicas=2"];
+    every_variant_equals_stage_zero(&dir.join("runs"), &ppo, base, &[STAGE_3], 1e-4);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// A stage-3 SFT run on 4 ranks, killed after its step-2 checkpoint, resumes on 2 ranks and
 /// ends as an uninterrupted stage-3 run on 2 ranks does (its steps 3-4 on 2 ranks).
 #[test]
