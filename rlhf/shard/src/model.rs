@@ -96,6 +96,19 @@ impl ShardedModel {
         Ok(Self { shared, optimizer, config })
     }
 
+    /// [`ShardedModel::new`] for a causal LM (its parameters, and tied when it has no
+    /// separate LM head).
+    pub fn for_causal_lm(
+        model: &rtrun_rlhf_model::CausalLm,
+        config: ShardConfig,
+        comm: GroupComm,
+        optimizer: Option<OptimizerConfig>,
+    ) -> Result<Self> {
+        let named: Vec<(String, Tensor)> =
+            model.named_parameters().map(|(n, t)| (n.to_string(), t.shallow_clone())).collect();
+        Self::new(&model.backbone, &named, model.lm_head.is_none(), config, comm, optimizer)
+    }
+
     /// The settings.
     pub fn config(&self) -> ShardConfig {
         self.config
@@ -132,11 +145,16 @@ impl ShardedModel {
         Ok(most[0] as usize)
     }
 
+    /// The model's decoder layers (what an idle pass walks through).
+    fn layers(&self) -> usize {
+        self.shared.lock().plan.layers()
+    }
+
     /// Takes part in the collectives of a forward pass without gradients that this rank has
     /// no data for (after [`ShardedModel::balance`]).
-    pub fn idle_forward(&self, layers: usize) -> Result<()> {
+    pub fn idle_forward(&self) -> Result<()> {
         let mut hooks = self.shared.clone();
-        forward_sequence(&mut hooks, layers)?;
+        forward_sequence(&mut hooks, self.layers())?;
         hooks.release(Segment::Head)?;
         Ok(())
     }
@@ -144,16 +162,16 @@ impl ShardedModel {
     /// Takes part in the collectives of a forward pass with gradients that this rank has no
     /// data for; [`ShardedModel::idle_backward`] follows it where the real pass's backward
     /// would.
-    pub fn idle_training_forward(&self, layers: usize) -> Result<()> {
-        Ok(forward_sequence(&mut self.shared.clone(), layers)?)
+    pub fn idle_training_forward(&self) -> Result<()> {
+        Ok(forward_sequence(&mut self.shared.clone(), self.layers())?)
     }
 
     /// Takes part in the collectives of the backward pass of an idle training forward: this
     /// rank's gradient contribution is zero.
-    pub fn idle_backward(&self, layers: usize) -> Result<()> {
+    pub fn idle_backward(&self) -> Result<()> {
         let mut hooks = self.shared.clone();
         hooks.reduce(Segment::Head)?;
-        for index in (0..layers).rev() {
+        for index in (0..self.layers()).rev() {
             hooks.gather(Segment::Layer(index))?;
             hooks.release(Segment::Layer(index))?;
             hooks.reduce(Segment::Layer(index))?;
@@ -164,9 +182,9 @@ impl ShardedModel {
     }
 
     /// [`ShardedModel::idle_training_forward`] and then [`ShardedModel::idle_backward`].
-    pub fn idle_training_pass(&self, layers: usize) -> Result<()> {
-        self.idle_training_forward(layers)?;
-        self.idle_backward(layers)
+    pub fn idle_training_pass(&self) -> Result<()> {
+        self.idle_training_forward()?;
+        self.idle_backward()
     }
 
     /// Makes every unit whole on this rank (stage 3: gathers them all; every rank must call

@@ -174,6 +174,11 @@ impl ShardPlan {
         }
     }
 
+    /// Decoder layers.
+    pub fn layers(&self) -> usize {
+        self.layers
+    }
+
     /// Elements of all parameters.
     pub fn numel(&self) -> usize {
         self.units.iter().map(|u| u.numel).sum()

@@ -265,14 +265,12 @@ impl ZeroState {
     /// After decoder layer `layer` was gathered: starts gathering the layer the passes read
     /// next (the following one going forward, the previous one going backward).
     fn prefetch_after(&mut self, layer: usize) -> Result<()> {
-        let layers = self.plan.units_of(Segment::Layer(layer)).len();
         let previous = self.last_layer.replace(layer);
         let Some(prefetch) = &self.prefetch else { return Ok(()) };
-        if layers == 0 || prefetch.pending.is_some() {
+        if prefetch.pending.is_some() {
             return Ok(());
         }
-        let count =
-            (1..).take_while(|&i| !self.plan.units_of(Segment::Layer(i - 1)).is_empty()).count();
+        let count = self.plan.layers();
         let backward = match previous {
             Some(p) if p == layer + 1 => true,
             Some(p) if p == layer => layer + 1 == count,

@@ -97,20 +97,13 @@ fn train_steps(
                         CollectiveConfig::new("zero-next", rank, world, "127.0.0.1", prefetch_port)
                             .with_timeout(Duration::from_secs(30));
                     let model = tiny_model(&model_config, 11).unwrap();
-                    let named: Vec<(String, Tensor)> = model
-                        .named_parameters()
-                        .map(|(n, t)| (n.to_string(), t.shallow_clone()))
-                        .collect();
-                    let mut sharded = ShardedModel::new(
-                        &model.backbone,
-                        &named,
-                        model.lm_head.is_none(),
+                    let mut sharded = ShardedModel::for_causal_lm(
+                        &model,
                         config,
                         GroupComm::joining(collective).with_prefetch(prefetch),
                         Some(optimizer()),
                     )
                     .unwrap();
-                    let layers = model.config().num_hidden_layers as usize;
                     if let Some(dir) = load {
                         sharded.load_sharded(dir).unwrap();
                     }
@@ -132,7 +125,7 @@ fn train_steps(
                             model.backward(&(nll * (world as f64 / global_tokens))).unwrap();
                         }
                         for _ in micro.len()..passes {
-                            sharded.idle_training_pass(layers).unwrap();
+                            sharded.idle_training_pass().unwrap();
                         }
                         sharded.step().unwrap();
                         losses.push(total);
@@ -256,17 +249,8 @@ fn broken_sharded_saves_are_named() {
     let three = ShardConfig { stage: ZeroStage::Three, gradient_checkpointing: false };
     train_steps(ModelFamily::Llama, 2, three, 0..1, None, Some(dir.path()));
     let model = tiny_model(&tiny_config(ModelFamily::Qwen2), 1).unwrap();
-    let named: Vec<(String, Tensor)> =
-        model.named_parameters().map(|(n, t)| (n.to_string(), t.shallow_clone())).collect();
-    let mut sharded = ShardedModel::new(
-        &model.backbone,
-        &named,
-        true,
-        three,
-        GroupComm::solo(),
-        Some(optimizer()),
-    )
-    .unwrap();
+    let mut sharded =
+        ShardedModel::for_causal_lm(&model, three, GroupComm::solo(), Some(optimizer())).unwrap();
     let err = sharded.load_sharded(dir.path()).unwrap_err().to_string();
     assert!(err.contains("zero-manifest.json") && err.contains("does not match"), "{err}");
     std::fs::remove_file(dir.path().join(rtrun_rlhf_shard::checkpoint::shard_file(1, 2))).unwrap();
@@ -294,14 +278,8 @@ fn stage_three_holds_a_shard_and_one_unit() {
                         let collective =
                             CollectiveConfig::new("mem", rank, world, "127.0.0.1", port);
                         let model = tiny_model(&model_config, 3).unwrap();
-                        let named: Vec<(String, Tensor)> = model
-                            .named_parameters()
-                            .map(|(n, t)| (n.to_string(), t.shallow_clone()))
-                            .collect();
-                        let mut sharded = ShardedModel::new(
-                            &model.backbone,
-                            &named,
-                            false,
+                        let mut sharded = ShardedModel::for_causal_lm(
+                            &model,
                             config,
                             GroupComm::joining(collective),
                             Some(optimizer()),
@@ -355,14 +333,8 @@ fn a_lost_rank_fails_the_gather_instead_of_hanging() {
                     let collective = CollectiveConfig::new("lost", rank, 2, "127.0.0.1", port)
                         .with_timeout(Duration::from_secs(60));
                     let model = tiny_model(&tiny_config(ModelFamily::Llama), 3).unwrap();
-                    let named: Vec<(String, Tensor)> = model
-                        .named_parameters()
-                        .map(|(n, t)| (n.to_string(), t.shallow_clone()))
-                        .collect();
-                    let sharded = ShardedModel::new(
-                        &model.backbone,
-                        &named,
-                        false,
+                    let sharded = ShardedModel::for_causal_lm(
+                        &model,
                         config,
                         GroupComm::joining(collective),
                         None,

@@ -436,13 +436,9 @@ fn zero(ckpt: &Path) -> Result<()> {
 
     let steps = |stage: ZeroStage, checkpoint: bool| -> Result<(Vec<f64>, Vec<Tensor>)> {
         let model = CausalLm::from_pretrained(ckpt, Device::Cuda(0), Kind::Float)?;
-        let named: Vec<(String, Tensor)> =
-            model.named_parameters().map(|(n, t)| (n.to_string(), t.shallow_clone())).collect();
         let shard = ShardConfig { stage, gradient_checkpointing: checkpoint };
-        let mut sharded = ShardedModel::new(
-            &model.backbone,
-            &named,
-            model.lm_head.is_none(),
+        let mut sharded = ShardedModel::for_causal_lm(
+            &model,
             shard,
             GroupComm::solo(),
             Some(OptimizerConfig::default()),

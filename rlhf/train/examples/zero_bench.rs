@@ -314,13 +314,9 @@ fn checkpointing(args: &Args) -> anyhow::Result<()> {
     let mut results = Vec::new();
     for checkpoint in [false, true] {
         let model = CausalLm::new_random(&config, tch::Device::Cpu, Kind::Float, 1)?;
-        let named: Vec<(String, Tensor)> =
-            model.named_parameters().map(|(n, t)| (n.to_string(), t.shallow_clone())).collect();
         let shard = ShardConfig { stage: ZeroStage::Zero, gradient_checkpointing: checkpoint };
-        let mut sharded = ShardedModel::new(
-            &model.backbone,
-            &named,
-            true,
+        let mut sharded = ShardedModel::for_causal_lm(
+            &model,
             shard,
             GroupComm::solo(),
             Some(OptimizerConfig::default()),

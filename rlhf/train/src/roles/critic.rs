@@ -15,7 +15,7 @@ use crate::experience::{
     ExperienceRow, Sequence, pad_rows, response_batch, shared_prompt_batch, training_order,
     unpad_rows,
 };
-use crate::roles::{Phase, WorkerSetup, named_parameters, shard_parts};
+use crate::roles::{Phase, WorkerSetup, shard_scalar_head};
 use crate::stage::losses::{PairStats, PreferenceLoss, pair_sums, preference_losses};
 use crate::stage::pack::{PackedRow, row_tensors};
 
@@ -87,11 +87,8 @@ impl CriticWorkerState {
         )
         .map_err(|e| format!("loading {}: {e}", config.model_dir.display()))?;
         let group = GroupComm::from_group_context().map_err(to_string_error)?;
-        let named = named_parameters(model.named_parameters());
-        let sharded = shard_parts(
-            &model.backbone,
-            &named,
-            false,
+        let sharded = shard_scalar_head(
+            &model,
             config.shard,
             group,
             Some(config.optimizer),
@@ -131,7 +128,7 @@ impl CriticWorkerState {
                 Ok(())
             })?;
             for _ in chunks.len()..passes {
-                self.sharded.idle_forward(self.layers())?;
+                self.sharded.idle_forward()?;
             }
             Ok(out)
         };
@@ -203,11 +200,6 @@ impl CriticWorkerState {
             Some(opt) => opt.load(&dir.join(rtrun_rlhf_model::train::OPTIMIZER_FILE)),
             None => Ok(()),
         }
-    }
-
-    /// The model's decoder layers (what an idle pass walks through).
-    fn layers(&self) -> usize {
-        self.model.config().num_hidden_layers as usize
     }
 
     /// Moves parameters, gradients and AdamW state to host memory while the engines generate
@@ -367,7 +359,7 @@ impl CriticWorkerState {
             self.model.backward(&losses.f_sum(Kind::Float)?.f_mul_scalar(scale)?)?;
         }
         for _ in batches.len()..passes {
-            self.sharded.idle_training_pass(self.layers())?;
+            self.sharded.idle_training_pass()?;
         }
         let step = self.reduce_and_step()?;
         stats.grad_norm = step.grad_norm;
@@ -387,7 +379,7 @@ impl CriticWorkerState {
             Ok(stats)
         })?;
         for _ in batches.len()..passes {
-            self.sharded.idle_forward(self.layers())?;
+            self.sharded.idle_forward()?;
         }
         Ok(stats)
     }
@@ -460,7 +452,7 @@ impl CriticWorkerState {
             self.model.backward(&loss)?;
         }
         for _ in chunks.len()..passes {
-            self.sharded.idle_training_pass(self.layers())?;
+            self.sharded.idle_training_pass()?;
         }
         let step = self.reduce_and_step()?;
         stats.grad_norm = step.grad_norm;
@@ -508,10 +500,8 @@ impl RewardModelWorkerState {
         .map_err(|e| format!("loading {}: {e}", config.model_dir.display()))?;
         model.params.set_requires_grad(false).map_err(to_string_error)?;
         let group = GroupComm::from_group_context().map_err(to_string_error)?;
-        let named = named_parameters(model.named_parameters());
         let shard = ShardConfig { gradient_checkpointing: false, ..config.shard };
-        let sharded =
-            shard_parts(&model.backbone, &named, false, shard, group, None, &config.setup.role)?;
+        let sharded = shard_scalar_head(&model, shard, group, None, &config.setup.role)?;
         Ok(RewardModelWorkerState {
             model,
             sharded,
@@ -537,9 +527,8 @@ impl RewardModelWorkerState {
                 }
                 Ok(())
             })?;
-            let layers = self.model.config().num_hidden_layers as usize;
             for _ in chunks.len()..passes {
-                self.sharded.idle_forward(layers)?;
+                self.sharded.idle_forward()?;
             }
             Ok(out)
         };

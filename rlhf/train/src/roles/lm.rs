@@ -616,11 +616,6 @@ impl LmWorkerState {
         Ok(())
     }
 
-    /// The model's decoder layers (what an idle pass walks through).
-    fn layers(&self) -> usize {
-        self.model.config().num_hidden_layers as usize
-    }
-
     fn log_probs_impl(&self, sequences: &[Sequence]) -> crate::Result<Vec<Vec<f32>>> {
         let mut out = Vec::with_capacity(sequences.len());
         let micro = self.loss.micro_batch_size.max(1);
@@ -642,7 +637,7 @@ impl LmWorkerState {
             Ok(())
         })?;
         for _ in chunks.len()..passes {
-            self.sharded.idle_forward(self.layers())?;
+            self.sharded.idle_forward()?;
         }
         Ok(out)
     }
@@ -738,7 +733,7 @@ impl LmWorkerState {
             self.model.backward(&loss)?;
         }
         for _ in chunks.len()..passes {
-            self.sharded.idle_training_pass(self.layers())?;
+            self.sharded.idle_training_pass()?;
         }
         let step =
             self.sharded.step().map_err(|e| crate::TrainError::role(&role, e.to_string()))?;

@@ -130,30 +130,22 @@ pub(crate) fn shard_model(
     optimizer: Option<OptimizerConfig>,
     role: &str,
 ) -> std::result::Result<ShardedModel, String> {
-    let named = named_parameters(model.named_parameters());
-    shard_parts(&model.backbone, &named, model.lm_head.is_none(), config, group, optimizer, role)
+    ShardedModel::for_causal_lm(model, config, group, optimizer)
+        .map_err(|e| format!("{role}: sharding the model (zero_stage {}): {e}", config.stage))
 }
 
-/// [`shard_model`] for any model: its trunk, its parameters and whether its head reads the
-/// embedding matrix.
-pub(crate) fn shard_parts(
-    backbone: &rtrun_rlhf_model::Backbone,
-    named: &[(String, tch::Tensor)],
-    tied: bool,
+/// [`shard_model`] for a scalar-head model (critic, reward model): its trunk and parameters.
+pub(crate) fn shard_scalar_head(
+    model: &rtrun_rlhf_model::ScalarHeadModel,
     config: ShardConfig,
     group: GroupComm,
     optimizer: Option<OptimizerConfig>,
     role: &str,
 ) -> std::result::Result<ShardedModel, String> {
-    ShardedModel::new(backbone, named, tied, config, group, optimizer)
+    let named: Vec<(String, tch::Tensor)> =
+        model.named_parameters().map(|(n, t)| (n.to_string(), t.shallow_clone())).collect();
+    ShardedModel::new(&model.backbone, &named, false, config, group, optimizer)
         .map_err(|e| format!("{role}: sharding the model (zero_stage {}): {e}", config.stage))
-}
-
-/// `(name, tensor)` pairs with owned names and shallow clones.
-pub(crate) fn named_parameters<'a>(
-    params: impl Iterator<Item = (&'a str, &'a tch::Tensor)>,
-) -> Vec<(String, tch::Tensor)> {
-    params.map(|(n, t)| (n.to_string(), t.shallow_clone())).collect()
 }
 
 #[cfg(test)]

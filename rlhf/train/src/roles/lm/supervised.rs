@@ -96,7 +96,7 @@ impl LmWorkerState {
             self.model.backward(&nll.f_mul_scalar(scale)?)?;
         }
         for _ in batches.len()..passes {
-            self.sharded.idle_training_pass(self.layers())?;
+            self.sharded.idle_training_pass()?;
         }
         let step =
             self.sharded.step().map_err(|e| crate::TrainError::role(&role, e.to_string()))?;
@@ -123,7 +123,7 @@ impl LmWorkerState {
             Ok(out)
         })?;
         for _ in batches.len()..passes {
-            self.sharded.idle_forward(self.layers())?;
+            self.sharded.idle_forward()?;
         }
         Ok(out)
     }
@@ -167,12 +167,11 @@ impl LmWorkerState {
             stats = stats.plus(&sums);
             self.model.backward(&losses.f_sum(tch::Kind::Float)?.f_mul_scalar(scale)?)?;
         }
-        let layers = self.layers();
         for _ in batches.len()..passes {
             // The collectives of `dpo_pairs` and the backward, in their order.
-            self.sharded.idle_training_forward(layers)?;
-            frozen.idle_forward(layers)?;
-            self.sharded.idle_backward(layers)?;
+            self.sharded.idle_training_forward()?;
+            frozen.idle_forward()?;
+            self.sharded.idle_backward()?;
         }
         let step =
             self.sharded.step().map_err(|e| crate::TrainError::role(&role, e.to_string()))?;
@@ -198,11 +197,10 @@ impl LmWorkerState {
             }
             Ok(stats)
         })?;
-        let layers = self.layers();
         for _ in batches.len()..passes {
-            self.sharded.idle_forward(layers)?;
+            self.sharded.idle_forward()?;
             if let Some((_, frozen)) = &self.reference {
-                frozen.idle_forward(layers)?;
+                frozen.idle_forward()?;
             }
         }
         Ok(stats)
