@@ -1,7 +1,7 @@
 //! The CPU backend: every collective over the ring of TCP connections the rendezvous built.
 //!
 //! - all-reduce: the buffer is cut into `world_size` chunks; `n − 1` reduce-scatter steps leave
-//!   each rank with one fully reduced chunk, `n − 1` all-gather steps hand it around. Each rank
+//!   rank `r` with the fully reduced chunk `r`, `n − 1` all-gather steps hand it around. Each rank
 //!   sends `2(n − 1)/n` of the buffer, the bandwidth optimum. Within a step the chunk travels in
 //!   segments, written by a scoped thread while the calling thread reads and reduces the
 //!   incoming ones, so sending, receiving and reducing overlap and no step can deadlock.
@@ -308,34 +308,14 @@ fn ring_all_reduce<T: ReduceElement>(
     op: ReduceOp,
     segment_elements: usize,
 ) -> Result<(), CollectiveError> {
-    let world = call.world;
-    let rank = call.rank;
-    let len = buffer.len();
-    // Reduce-scatter: at step s send chunk (r − s), receive and reduce chunk (r − s − 1).
+    // Reduce-scatter: this rank ends with the fully reduced chunk r (a mean finished there).
+    ring_reduce_scatter(call, links, buffer, op, segment_elements)?;
+    // All-gather of the elements (in their wire form): at step s send chunk (r − s), receive
+    // chunk (r − s − 1).
+    let (world, rank, len) = (call.world, call.rank, buffer.len());
     for step in 0..world - 1 {
         let send = (rank + world - step) % world;
-        let receive = (rank + world - step - 1) % world;
-        exchange_chunks(
-            call,
-            links,
-            buffer,
-            chunk_range(len, world, send),
-            chunk_range(len, world, receive),
-            Apply::Reduce(op),
-            segment_elements,
-        )?;
-    }
-    // This rank now owns the fully reduced chunk (r + 1); finish a mean there once.
-    let owned = chunk_range(len, world, (rank + 1) % world);
-    if op == ReduceOp::Mean {
-        for value in &mut buffer[owned] {
-            *value = value.divide(world);
-        }
-    }
-    // All-gather: at step s send chunk (r + 1 − s), receive chunk (r − s).
-    for step in 0..world - 1 {
-        let send = (rank + 1 + world - step) % world;
-        let receive = (rank + world - step) % world;
+        let receive = (rank + 2 * world - step - 1) % world;
         exchange_chunks(
             call,
             links,
