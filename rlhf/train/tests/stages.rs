@@ -6,14 +6,17 @@
 //! change no number; a killed run resumes identically; bad records are errors naming their file
 //! and line; the example chain SFT -> RM -> PPO (and -> DPO) runs on the example configs.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::{run_to_end, train, walkthrough};
 use rtrun_rlhf::config::Mode;
 use rtrun_rlhf::stage::StageConfig;
 use rtrun_rlhf::stage::pack::{Sample, Unit};
-use rtrun_rlhf::walkthrough::{WalkthroughConfig, WalkthroughFiles, write_walkthrough};
+use rtrun_rlhf::walkthrough::WalkthroughFiles;
 use rtrun_rlhf_model::CausalLm;
 use rtrun_rlhf_telemetry::StepMetrics;
 use tch::Kind;
@@ -23,19 +26,6 @@ fn scratch(name: &str) -> PathBuf {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     dir
-}
-
-/// An untrained walkthrough checkpoint (no warm-up) and 240 + 24 problems.
-fn walkthrough(dir: &Path) -> WalkthroughFiles {
-    tch::set_num_threads(1);
-    let config = WalkthroughConfig {
-        train_problems: 240,
-        test_problems: 24,
-        vocab_size: 400,
-        warmup: rtrun_rlhf::config::WarmupConfig { steps: 0, batch_size: 1, lr: 1e-3 },
-        ..WalkthroughConfig::default()
-    };
-    write_walkthrough(&dir.join("walkthrough"), &config).unwrap()
 }
 
 /// An SFT config file over the walkthrough's files (`mode: sft` unless `with_mode` is false,
@@ -76,24 +66,6 @@ fn write_pair_config(dir: &Path, files: &WalkthroughFiles, mode: &str) -> PathBu
     );
     std::fs::write(&path, yaml).unwrap();
     path
-}
-
-fn train(config: &Path, run_dir: &Path, sets: &[&str]) -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_train"));
-    cmd.arg("--config").arg(config).arg("--set").arg(format!("run_dir={}", run_dir.display()));
-    for s in sets {
-        cmd.arg("--set").arg(s);
-    }
-    cmd.stdout(Stdio::null()).stderr(Stdio::piped());
-    cmd
-}
-
-/// Runs the driver to its end; returns its stderr.
-fn run_to_end(cmd: &mut Command) -> String {
-    let out = cmd.output().unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert!(out.status.success(), "train failed: {stderr}");
-    stderr
 }
 
 fn metrics(run_dir: &Path) -> Vec<StepMetrics> {

@@ -5,11 +5,14 @@
 //! (stage 0) on the same ranks; a stage-3 save from 4 ranks resumes on 2; bad settings and
 //! saves are errors naming the key or file.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use rtrun_rlhf::walkthrough::{WalkthroughConfig, WalkthroughFiles, write_walkthrough};
+use common::{run_to_end, train, walkthrough};
+use rtrun_rlhf::walkthrough::WalkthroughFiles;
 use rtrun_rlhf_model::CausalLm;
 use rtrun_rlhf_telemetry::StepMetrics;
 
@@ -18,19 +21,6 @@ fn scratch(name: &str) -> PathBuf {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     dir
-}
-
-/// An untrained walkthrough checkpoint and 240 + 24 problems.
-fn walkthrough(dir: &Path) -> WalkthroughFiles {
-    tch::set_num_threads(1);
-    let config = WalkthroughConfig {
-        train_problems: 240,
-        test_problems: 24,
-        vocab_size: 400,
-        warmup: rtrun_rlhf::config::WarmupConfig { steps: 0, batch_size: 1, lr: 1e-3 },
-        ..WalkthroughConfig::default()
-    };
-    write_walkthrough(&dir.join("walkthrough"), &config).unwrap()
 }
 
 /// `mode: sft | dpo` over the walkthrough's problems or pairs, on 2 ranks unless `--set`.
@@ -87,24 +77,6 @@ fn rl_config(dir: &Path, files: &WalkthroughFiles, ppo: bool) -> PathBuf {
     );
     std::fs::write(&path, yaml).unwrap();
     path
-}
-
-fn train(config: &Path, run_dir: &Path, sets: &[&str]) -> Command {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_train"));
-    cmd.arg("--config").arg(config).arg("--set").arg(format!("run_dir={}", run_dir.display()));
-    for s in sets {
-        cmd.arg("--set").arg(s);
-    }
-    cmd.stdout(Stdio::null()).stderr(Stdio::piped());
-    cmd
-}
-
-/// Runs the driver to its end; returns its stderr.
-fn run_to_end(cmd: &mut Command) -> String {
-    let out = cmd.output().unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-    assert!(out.status.success(), "train failed: {stderr}");
-    stderr
 }
 
 /// Runs the driver expecting it to fail; returns its stderr.
