@@ -150,12 +150,25 @@ impl WeightBucket {
         max_bucket_bytes: usize,
         dtype: Option<Kind>,
     ) -> Result<Vec<Self>, EngineError> {
+        let named =
+            model.named_parameters().map(|(name, t)| Ok((name.to_owned(), t.shallow_clone())));
+        Self::split(named, max_bucket_bytes, dtype)
+    }
+
+    /// `tensors` in order, split into buckets of at most `max_bucket_bytes` of data each (a
+    /// tensor larger than that travels alone), optionally cast to `dtype` first.
+    pub fn split(
+        tensors: impl IntoIterator<Item = Result<(String, Tensor), EngineError>>,
+        max_bucket_bytes: usize,
+        dtype: Option<Kind>,
+    ) -> Result<Vec<Self>, EngineError> {
         let mut buckets = Vec::new();
         let mut current = WeightBucket::default();
-        for (name, tensor) in model.named_parameters() {
+        for named in tensors {
+            let (name, tensor) = named?;
             let named = match dtype {
                 Some(kind) => NamedTensor::from_tensor(name, &tensor.f_to_kind(kind)?)?,
-                None => NamedTensor::from_tensor(name, tensor)?,
+                None => NamedTensor::from_tensor(name, &tensor)?,
             };
             if !current.tensors.is_empty()
                 && current.num_bytes() + named.data.len() > max_bucket_bytes

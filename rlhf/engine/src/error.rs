@@ -62,6 +62,15 @@ pub enum EngineError {
     /// loop would spin forever, so the engine aborts them instead).
     #[error("the scheduler made no progress with {0} unfinished requests; they were aborted")]
     Stalled(usize),
+    /// A rank of a tensor-parallel engine failed (a collective broke, or the rank's process
+    /// died or refused a command); the whole engine's step fails with it.
+    #[error("tensor-parallel rank {rank}: {message}")]
+    TensorParallel {
+        /// The rank that failed (or whose collective broke).
+        rank: usize,
+        /// What happened, with the rank's node where known.
+        message: String,
+    },
     /// A chunk's positions reach past its sequence's block table (a scheduler/runner mismatch).
     #[error("{sequence}: chunk needs {needed} kv slots, its block table covers {covered}")]
     BlockTableTooShort {

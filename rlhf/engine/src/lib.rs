@@ -48,6 +48,7 @@ pub mod routing;
 pub mod runner;
 pub mod sampling;
 pub mod scheduler;
+pub mod tp;
 pub mod weight_ipc;
 pub mod weight_sync;
 

@@ -32,6 +32,13 @@ impl CausalLm {
         Self::build_into(config, Parameters::new(device, kind, seed))
     }
 
+    /// A model of `config` whose every parameter is allocated but not initialised, to be
+    /// overwritten next (a tensor-parallel shard filled from the whole model's tensors).
+    pub fn uninitialised(config: &ModelConfig, device: Device, kind: Kind) -> Result<Self> {
+        config.validate()?;
+        Self::build_into(config, Parameters::for_loading(device, kind))
+    }
+
     fn build_into(config: &ModelConfig, mut params: Parameters) -> Result<Self> {
         let backbone = Backbone::new(&mut params, config)?;
         let lm_head = if config.tie_word_embeddings {

@@ -28,10 +28,11 @@ use crate::block::BlockManagerConfig;
 use crate::config::EngineConfig;
 use crate::error::EngineError;
 use crate::rng::token_uniform;
+use crate::runner::ModelRunner;
 use crate::runner::batch::{ChunkView, StepBatch};
-use crate::runner::{ModelRunner, ShardSpec};
 use crate::sampling::{SampledToken, Sampler, SamplingError};
 use crate::scheduler::{RequestOutput, Scheduler, SchedulerConfig};
+use crate::tp::{Followers, RankCommand};
 use crate::{RequestId, SequenceId};
 use weights::WeightResidency;
 
@@ -91,6 +92,8 @@ pub struct LlmEngine {
     weights: WeightResidency,
     shapes: Vec<Vec<i64>>,
     counters: Counters,
+    /// The other ranks of a tensor-parallel engine.
+    followers: Option<Box<dyn Followers>>,
 }
 
 impl LlmEngine {
@@ -101,6 +104,39 @@ impl LlmEngine {
         tokenizer: Option<TextTokenizer>,
         config: EngineConfig,
     ) -> Result<Self, EngineError> {
+        Self::build(model, None, tokenizer, config)
+    }
+
+    /// Rank 0 of a tensor-parallel engine: `model` is its shard ([`crate::tp::shard_model`]),
+    /// `tp` its group and `followers` the link to the other ranks, which run every step this
+    /// engine runs ([`crate::tp::Follower`]).
+    pub fn tensor_parallel(
+        model: CausalLm,
+        tp: crate::tp::TensorParallel,
+        followers: Box<dyn Followers>,
+        tokenizer: Option<TextTokenizer>,
+        config: EngineConfig,
+    ) -> Result<Self, EngineError> {
+        if tp.rank() != 0 || tp.world_size() != followers.len() + 1 {
+            return Err(EngineError::InvalidArgument(format!(
+                "rank 0 of a tensor-parallel engine needs rank 0 of the group and a link to the \
+                 {} other ranks, found rank {} and {} followers",
+                tp.world_size().saturating_sub(1),
+                tp.rank(),
+                followers.len()
+            )));
+        }
+        let mut engine = Self::build(model, Some(tp), tokenizer, config)?;
+        engine.followers = Some(followers);
+        Ok(engine)
+    }
+
+    fn build(
+        model: CausalLm,
+        tp: Option<crate::tp::TensorParallel>,
+        tokenizer: Option<TextTokenizer>,
+        config: EngineConfig,
+    ) -> Result<Self, EngineError> {
         weights::check_placement(&model, config.torch_device()?, config.torch_kind()?)?;
         if config.torch_device()? == tch::Device::Cpu {
             // Each step's activations are allocated afresh; see `host_memory`.
@@ -108,20 +144,8 @@ impl LlmEngine {
         }
         model.params.set_requires_grad(false)?;
         let shapes = weights::parameter_shapes(&model);
-        let mut runner = ModelRunner::new(model, ShardSpec::WHOLE, config.block_size)?;
-        let num_blocks = match config.num_gpu_blocks {
-            Some(blocks) => blocks,
-            None => usize::try_from(config.kv_cache_bytes / runner.kv_bytes_per_block())
-                .unwrap_or(usize::MAX),
-        };
-        if num_blocks == 0 {
-            return Err(EngineError::InvalidConfig(format!(
-                "the kv cache must hold at least one block of {} bytes, found num_gpu_blocks {:?} and kv_cache_bytes {}",
-                runner.kv_bytes_per_block(),
-                config.num_gpu_blocks,
-                config.kv_cache_bytes
-            )));
-        }
+        let mut runner = ModelRunner::new(model, tp, config.block_size)?;
+        let num_blocks = weights::kv_blocks(&config, &runner)?;
         let scheduler = Scheduler::new(SchedulerConfig {
             max_num_batched_tokens: config.max_num_batched_tokens,
             max_num_seqs: config.max_num_seqs,
@@ -149,6 +173,7 @@ impl LlmEngine {
             weights: WeightResidency::Resident,
             shapes,
             counters: Counters::default(),
+            followers: None,
         })
     }
 
@@ -276,14 +301,10 @@ impl LlmEngine {
             )));
         }
         self.require_idle("sleep")?;
-        self.runner.free_kv_cache();
         self.scheduler.reset_prefix_cache();
-        self.runner.unfuse();
-        let residency = std::mem::replace(&mut self.weights, WeightResidency::Resident);
-        self.weights = weights::put_to_sleep(self.runner.model(), residency, level)?;
-        // Freed tensors go back to libtorch's cache, not to the GPU: give them back so the
-        // training roles colocated on this GPU can use the memory.
-        rtrun_rlhf_model::cuda::empty_cache()?;
+        self.on_every_rank(RankCommand::Sleep(level), |engine| {
+            weights::sleep_rank(&mut engine.runner, &mut engine.weights, level)
+        })?;
         self.counters.sleeps += 1;
         tracing::debug!(level, "engine asleep");
         Ok(())
@@ -291,16 +312,40 @@ impl LlmEngine {
 
     /// Wakes the weights and/or the KV cache (an empty list wakes both); weights always first.
     pub fn wake_up(&mut self, targets: &[WakeTarget]) -> Result<(), EngineError> {
-        let all = targets.is_empty();
-        if all || targets.contains(&WakeTarget::Weights) {
-            let residency = std::mem::replace(&mut self.weights, WeightResidency::Resident);
-            self.weights = weights::wake(self.runner.model(), residency, &self.shapes)?;
-            self.runner.fuse()?;
-        }
-        if (all || targets.contains(&WakeTarget::KvCache)) && !self.runner.has_kv_cache() {
-            self.runner.allocate_kv_cache(self.num_blocks)?;
-        }
-        Ok(())
+        self.on_every_rank(RankCommand::WakeUp(targets.to_vec()), |engine| {
+            let (runner, weights) = (&mut engine.runner, &mut engine.weights);
+            weights::wake_rank(runner, weights, &engine.shapes, engine.num_blocks, targets)
+        })
+    }
+
+    /// Runs `local` on this rank and `command` on every other rank of a tensor-parallel engine
+    /// at the same time (just `local` without one). When a rank fails, its error (naming the
+    /// rank and its node) is the one returned: this rank's is then usually a broken collective.
+    fn on_every_rank<T>(
+        &mut self,
+        command: RankCommand,
+        local: impl FnOnce(&mut Self) -> Result<T, EngineError>,
+    ) -> Result<T, EngineError> {
+        let Some(mut followers) = self.followers.take() else {
+            return local(self);
+        };
+        let result = match followers.start(&command) {
+            Ok(()) => {
+                let mine = local(self);
+                match (followers.finish(), mine) {
+                    (Err(theirs), _) => Err(theirs),
+                    (Ok(()), mine) => mine,
+                }
+            }
+            Err(error) => Err(error),
+        };
+        self.followers = Some(followers);
+        result
+    }
+
+    /// Ranks of the engine (1 without tensor parallelism).
+    pub fn tensor_parallel_size(&self) -> usize {
+        self.runner.shard().world_size
     }
 
     /// Copies a bucket of weights into the model (all-or-nothing per bucket) and resets the
@@ -308,6 +353,30 @@ impl LlmEngine {
     /// sequence. Returns the number of tensors updated.
     pub fn update_weights(&mut self, bucket: &WeightBucket) -> Result<usize, EngineError> {
         self.update_in_place("update_weights", |model| weights::apply_bucket(model, bucket))
+    }
+
+    /// A tensor-parallel engine's update by rank: `buckets[r]` is rank `r`'s shard
+    /// ([`crate::tp::reshard::engine_buckets`]); rank 0 applies its own and hands every other
+    /// rank its bucket. Without tensor parallelism `buckets` is the one bucket of rank 0.
+    pub fn update_weights_by_rank(
+        &mut self,
+        buckets: &[WeightBucket],
+    ) -> Result<usize, EngineError> {
+        let (mine, theirs) = buckets.split_first().ok_or_else(|| {
+            EngineError::InvalidArgument("update_weights_by_rank needs rank 0's bucket".into())
+        })?;
+        let updated = self.update_weights(mine)?;
+        match self.followers.as_mut() {
+            Some(followers) => followers.update_weights(theirs)?,
+            None if theirs.is_empty() => {}
+            None => {
+                return Err(EngineError::InvalidArgument(format!(
+                    "{} buckets for an engine of one rank",
+                    buckets.len()
+                )));
+            }
+        }
+        Ok(updated)
     }
 
     /// A weight update of any transport: needs resident weights and no running sequence, runs
@@ -419,14 +488,19 @@ impl LlmEngine {
             .sampled
             .iter()
             .all(|&s| self.scheduler.sampling_context(s).is_some_and(|c| c.params.is_greedy()));
+        let command = match self.followers.is_some() {
+            true => RankCommand::Step(batch.clone()),
+            false => RankCommand::Step(StepBatch::default()),
+        };
         if self.runner.device().is_cuda() && all_greedy {
-            let picked = self.runner.execute_greedy(&batch)?;
+            let picked =
+                self.on_every_rank(command, |engine| engine.runner.execute_greedy(&batch))?;
             for (&sequence, (token, logprob)) in batch.sampled.iter().zip(picked) {
                 self.record(sequence, SampledToken { token, logprob })?;
             }
             return Ok(());
         }
-        let logits = self.runner.execute_logits(&batch)?;
+        let logits = self.on_every_rank(command, |engine| engine.runner.execute_logits(&batch))?;
         let sampled = crate::runner::cpu_kernels::with_floats(logits, |logits| {
             self.sample_rows(&batch.sampled, logits)
         })??;

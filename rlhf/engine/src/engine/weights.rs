@@ -118,22 +118,47 @@ pub fn wake(
 }
 
 /// Copies a bucket into the resident weights after checking every tensor of it: on any error
-/// nothing is changed. Returns the number of tensors updated.
+/// nothing is changed. A packed name of the tensor-parallel name map (`…qkv_proj.*`,
+/// `…gate_up_proj.*`, see [`crate::tp::reshard`]) is split back into its members by their
+/// rows. Returns the number of tensors updated.
 pub fn apply_bucket(model: &CausalLm, bucket: &WeightBucket) -> Result<usize, EngineError> {
     let mut staged = Vec::with_capacity(bucket.tensors.len());
     for named in &bucket.tensors {
-        let target = model.params.get(&named.name).ok_or_else(|| EngineError::InvalidWeight {
-            name: named.name.clone(),
-            message: "the model has no parameter of this name".into(),
-        })?;
         let value = named.to_tensor()?;
-        if value.size() != target.size() {
+        let targets = match model.params.get(&named.name) {
+            Some(_) => vec![named.name.clone()],
+            None => crate::tp::reshard::unpacked_names(&named.name)
+                .map(|members| members.into_iter().map(|(_, name)| name).collect())
+                .ok_or_else(|| EngineError::InvalidWeight {
+                    name: named.name.clone(),
+                    message: "the model has no parameter of this name".into(),
+                })?,
+        };
+        let mut rows = Vec::with_capacity(targets.len());
+        let mut expected = Vec::new();
+        for name in &targets {
+            let target = model.params.get(name).ok_or_else(|| EngineError::InvalidWeight {
+                name: named.name.clone(),
+                message: format!("the model has no parameter `{name}` to unpack it into"),
+            })?;
+            let size = target.size();
+            rows.push(size.first().copied().unwrap_or(1));
+            match expected.is_empty() {
+                true => expected = size,
+                false => expected[0] += size[0],
+            }
+        }
+        if value.size() != expected {
             return Err(EngineError::InvalidWeight {
                 name: named.name.clone(),
-                message: format!("shape should be {:?}, found {:?}", target.size(), value.size()),
+                message: format!("shape should be {expected:?}, found {:?}", value.size()),
             });
         }
-        staged.push((named.name.as_str(), value));
+        let parts = match targets.len() {
+            1 => vec![value],
+            _ => crate::tp::reshard::unpack(&value, &rows)?,
+        };
+        staged.extend(targets.into_iter().zip(parts));
     }
     for (name, value) in &staged {
         model.params.copy_into(name, value)?;
@@ -155,4 +180,64 @@ pub fn check_placement(model: &CausalLm, device: Device, kind: Kind) -> Result<(
         )));
     }
     Ok(())
+}
+
+/// Puts one rank's weights and KV cache to sleep (level 1: offload the weights, level 2:
+/// release them): the cache is freed and the fused projections dropped first.
+pub(crate) fn sleep_rank(
+    runner: &mut crate::runner::ModelRunner,
+    residency: &mut WeightResidency,
+    level: u32,
+) -> Result<(), EngineError> {
+    runner.free_kv_cache();
+    runner.unfuse();
+    let current = std::mem::replace(residency, WeightResidency::Resident);
+    *residency = put_to_sleep(runner.model(), current, level)?;
+    // Freed tensors go back to libtorch's cache, not to the GPU: give them back so the
+    // training roles colocated on this GPU can use the memory.
+    rtrun_rlhf_model::cuda::empty_cache()?;
+    Ok(())
+}
+
+/// Wakes one rank's weights and/or KV cache (an empty list wakes both; weights first).
+pub(crate) fn wake_rank(
+    runner: &mut crate::runner::ModelRunner,
+    residency: &mut WeightResidency,
+    shapes: &[Vec<i64>],
+    num_blocks: usize,
+    targets: &[crate::WakeTarget],
+) -> Result<(), EngineError> {
+    use crate::WakeTarget;
+    let all = targets.is_empty();
+    if all || targets.contains(&WakeTarget::Weights) {
+        let current = std::mem::replace(residency, WeightResidency::Resident);
+        *residency = wake(runner.model(), current, shapes)?;
+        runner.fuse()?;
+    }
+    if (all || targets.contains(&WakeTarget::KvCache)) && !runner.has_kv_cache() {
+        runner.allocate_kv_cache(num_blocks)?;
+    }
+    Ok(())
+}
+
+/// The KV blocks `config` asks for on `runner` (every tensor-parallel rank computes the same
+/// number: each holds as many key/value heads).
+pub(crate) fn kv_blocks(
+    config: &crate::EngineConfig,
+    runner: &crate::runner::ModelRunner,
+) -> Result<usize, EngineError> {
+    let num_blocks = match config.num_gpu_blocks {
+        Some(blocks) => blocks,
+        None => usize::try_from(config.kv_cache_bytes / runner.kv_bytes_per_block())
+            .unwrap_or(usize::MAX),
+    };
+    if num_blocks == 0 {
+        return Err(EngineError::InvalidConfig(format!(
+            "the kv cache must hold at least one block of {} bytes, found num_gpu_blocks {:?} and kv_cache_bytes {}",
+            runner.kv_bytes_per_block(),
+            config.num_gpu_blocks,
+            config.kv_cache_bytes
+        )));
+    }
+    Ok(num_blocks)
 }

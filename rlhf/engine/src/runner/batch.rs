@@ -10,6 +10,8 @@
 //! prefill with many decodes does not pad every decode to the prefill's length. Within a group, sequence `b` has `Q` query slots and
 //! `L` key slots (the group's longest chunk and longest context); missing ones are padding.
 
+use serde::{Deserialize, Serialize};
+
 use crate::SequenceId;
 use crate::block::BlockId;
 use crate::error::EngineError;
@@ -32,7 +34,7 @@ pub struct ChunkView<'a> {
 }
 
 /// The padded attention problem of one group of chunks.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct AttentionGroup {
     /// Sequences in the group.
     pub batch: usize,
@@ -53,8 +55,9 @@ pub struct AttentionGroup {
     pub valid_rows: Vec<i64>,
 }
 
-/// Everything the runner needs for one step.
-#[derive(Debug, Clone, Default, PartialEq)]
+/// Everything the runner needs for one step (what a tensor-parallel engine's rank 0 sends its
+/// other ranks once per step).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct StepBatch {
     /// `[T]` token id of each packed row.
     pub input_ids: Vec<i64>,

@@ -254,6 +254,28 @@ pub fn with_floats<R>(t: Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R, Engin
     Ok(f(values))
 }
 
+/// Runs `f` on the values of `t`, a contiguous float32 CPU tensor, writable in place (a
+/// tensor-parallel all-reduce into a layer's partial output).
+pub fn with_floats_mut<R>(t: &Tensor, f: impl FnOnce(&mut [f32]) -> R) -> Result<R, EngineError> {
+    if t.f_kind()? != tch::Kind::Float || t.device() != tch::Device::Cpu || !t.is_contiguous() {
+        return Err(EngineError::InvalidArgument(format!(
+            "expected contiguous float32 CPU values, found {:?} on {:?}",
+            t.f_kind()?,
+            t.device()
+        )));
+    }
+    let numel = t.numel();
+    let data = t.data_ptr() as *mut f32;
+    let values: &mut [f32] = match numel {
+        0 => &mut [],
+        // SAFETY: `t` is a contiguous float32 CPU tensor of `numel` elements at `data`, borrowed
+        // (so neither freed nor resized) until `f` returns; the runner that owns it is single-
+        // threaded and reads it only after `f`, so nothing else touches the memory meanwhile.
+        _ => unsafe { std::slice::from_raw_parts_mut(data, numel) },
+    };
+    Ok(f(values))
+}
+
 /// `weight: [out, in]` (float32, CPU) reordered into oneDNN's blocked layout for
 /// [`linear`]. The result is a copy: a later change to `weight` does not reach it.
 pub fn pack(weight: &Tensor) -> Result<Tensor, EngineError> {

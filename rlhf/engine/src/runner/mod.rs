@@ -5,11 +5,11 @@
 //! its sequence's context through the block table ([`batch::StepBatch`] turns tables into gather
 //! indices). Logits are computed only for the rows that are sampled.
 //!
-//! Model-sharding seam: a runner executes one [`ShardSpec`] of the model. Tensor parallelism
-//! (a later issue) gives each shard `num_heads / world_size` attention heads and a slice of the
-//! MLP, sizes the KV cache with the shard's key/value heads (already done through
-//! [`KvCacheShape`]), and all-reduces the outputs of `o_proj` and `down_proj` at the two marked
-//! points in [`ModelRunner::execute`]. Today only `world_size == 1` is accepted.
+//! Tensor parallelism: a runner executes one [`ShardSpec`] of the model. A shard's model (built by
+//! [`crate::tp::shard_model`]) has the rank's query and key/value heads and its slice of the
+//! MLP, the KV cache holds that many key/value heads, and the partial outputs of `o_proj` and
+//! `down_proj` are all-reduced over the group ([`crate::tp::TensorParallel`]) at the two points
+//! marked in `execute_inner`. Only rank 0 computes logits.
 
 pub mod batch;
 pub(crate) mod cpu_kernels;
@@ -25,6 +25,7 @@ use rtrun_rlhf_model::rope::apply_rotary;
 use tch::{Device, Kind, Tensor};
 
 use crate::error::EngineError;
+use crate::tp::TensorParallel;
 use batch::{AttentionGroup, StepBatch};
 use decode_lanes::{DecodeLanes, LaneStep};
 use kv_cache::{KvCache, KvCacheShape};
@@ -48,6 +49,8 @@ impl ShardSpec {
 pub struct ModelRunner {
     model: CausalLm,
     shard: ShardSpec,
+    /// The tensor-parallel group, when the runner is one rank of several.
+    tp: Option<TensorParallel>,
     cache_shape: KvCacheShape,
     cache: Option<KvCache>,
     /// Projections computed with the weight as the left operand (on the CPU, see
@@ -134,14 +137,18 @@ struct GroupTensors {
 }
 
 impl ModelRunner {
-    /// A runner for `shard` of `model` with `block_size`-slot KV blocks (no cache allocated yet).
-    pub fn new(model: CausalLm, shard: ShardSpec, block_size: usize) -> Result<Self, EngineError> {
-        if shard.world_size != 1 || shard.rank != 0 {
-            return Err(EngineError::InvalidConfig(format!(
-                "tensor parallelism is not implemented yet: expected shard 0 of 1, found shard {} of {}",
-                shard.rank, shard.world_size
-            )));
-        }
+    /// A runner of `model` with `block_size`-slot KV blocks (no cache allocated yet): the whole
+    /// model without `tp`, else the rank's shard of it ([`crate::tp::shard_model`]) whose
+    /// partial outputs are all-reduced over `tp`.
+    pub fn new(
+        model: CausalLm,
+        tp: Option<TensorParallel>,
+        block_size: usize,
+    ) -> Result<Self, EngineError> {
+        let shard = match &tp {
+            Some(tp) => ShardSpec { rank: tp.rank(), world_size: tp.world_size() },
+            None => ShardSpec::WHOLE,
+        };
         if block_size == 0 {
             return Err(EngineError::InvalidConfig(
                 "block_size must be at least 1, found 0".into(),
@@ -150,7 +157,7 @@ impl ModelRunner {
         let config = model.config();
         let cache_shape = KvCacheShape {
             num_layers: model.backbone.layers.len(),
-            num_kv_heads: config.num_key_value_heads / shard.world_size as i64,
+            num_kv_heads: config.num_key_value_heads,
             head_dim: config.head_dim,
             block_size,
             kind: model.params.kind(),
@@ -163,6 +170,7 @@ impl ModelRunner {
         let mut runner = Self {
             model,
             shard,
+            tp,
             cache_shape,
             cache: None,
             weight_left,
@@ -234,6 +242,12 @@ impl ModelRunner {
     /// The shard this runner executes.
     pub fn shard(&self) -> ShardSpec {
         self.shard
+    }
+
+    /// All-reduces issued by this rank and the bytes it contributed (zeros without tensor
+    /// parallelism).
+    pub fn tp_totals(&self) -> (u64, u64) {
+        self.tp.as_ref().map_or((0, 0), TensorParallel::totals)
     }
 
     /// The device of the model and the cache.
@@ -339,6 +353,31 @@ impl ModelRunner {
 
     /// The forward step; logits of the sampled rows on the device, `[rows, vocab]`.
     fn execute_inner(&self, batch: &StepBatch, cache: &KvCache) -> Result<Tensor, EngineError> {
+        self.head(batch, &self.forward(batch, cache)?)
+    }
+
+    /// Runs one step on a tensor-parallel rank other than 0: its share of every layer (K/V
+    /// written into its cache, partial outputs all-reduced with the other ranks), no logits.
+    pub fn execute_shard(&self, batch: &StepBatch) -> Result<(), EngineError> {
+        let Some(cache) = self.cache_for(batch)? else {
+            return Ok(());
+        };
+        self.choose_threads(batch);
+        tch::no_grad(|| self.forward(batch, cache).map(drop))
+    }
+
+    /// The all-reduce of a row-parallel projection's partial output over the tensor-parallel
+    /// group (the output as it is without one).
+    fn reduce(&self, partial: Tensor) -> Result<Tensor, EngineError> {
+        match &self.tp {
+            Some(tp) => tp.all_reduce(partial),
+            None => Ok(partial),
+        }
+    }
+
+    /// The decoder layers of one step: the last hidden states `[T, hidden]` (before the final
+    /// norm), with every scheduled token's K/V written into the cache.
+    fn forward(&self, batch: &StepBatch, cache: &KvCache) -> Result<Tensor, EngineError> {
         let device = self.device();
         let index = |values: &[i64]| -> Result<Tensor, EngineError> {
             Ok(Tensor::f_from_slice(values)?.f_to_device(device)?)
@@ -477,8 +516,7 @@ impl ModelRunner {
                     paged_attention(attn, &q, layer_cache, &groups, total, kernel)?
                 }
             };
-            let out = self.linear(&attn.o_proj, &attended)?;
-            // Tensor-parallel seam: all-reduce `out` across shards here.
+            let out = self.reduce(self.linear(&attn.o_proj, &attended)?)?;
             let normed = self.add_norm(&layer.post_attention_layernorm, &mut hidden, Some(out))?;
             let activated = match self.fused.get(index) {
                 Some(fused) => {
@@ -497,8 +535,7 @@ impl ModelRunner {
                     gate.f_mul(&self.linear(&layer.mlp.up_proj, &normed)?)?
                 }
             };
-            let mlp = self.linear(&layer.mlp.down_proj, &activated)?;
-            // Tensor-parallel seam: all-reduce `mlp` across shards here.
+            let mlp = self.reduce(self.linear(&layer.mlp.down_proj, &activated)?)?;
             pending = Some(mlp);
         }
         if let Some(mlp) = pending {
@@ -510,8 +547,14 @@ impl ModelRunner {
             }
             self.lanes.replace(Some(step.lanes));
         }
-        let rows =
-            self.norm(&backbone.norm, &hidden.f_index_select(0, &index(&batch.sample_rows)?)?)?;
+        Ok(hidden)
+    }
+
+    /// The logits of the sampled rows of the last hidden states `hidden: [T, hidden]`.
+    fn head(&self, batch: &StepBatch, hidden: &Tensor) -> Result<Tensor, EngineError> {
+        let backbone = &self.model.backbone;
+        let sample_rows = Tensor::f_from_slice(&batch.sample_rows)?.f_to_device(self.device())?;
+        let rows = self.norm(&backbone.norm, &hidden.f_index_select(0, &sample_rows)?)?;
         match &self.model.lm_head {
             Some(head) => self.linear(head, &rows),
             None => self.linear_weight(&backbone.embed_tokens, None, &rows),
@@ -1225,7 +1268,7 @@ mod tests {
 
         let config = tiny::tiny_config(ModelFamily::Qwen2);
         let mut runner =
-            ModelRunner::new(tiny::tiny_model(&config, 4).unwrap(), ShardSpec::WHOLE, 4).unwrap();
+            ModelRunner::new(tiny::tiny_model(&config, 4).unwrap(), None, 4).unwrap();
         if !(runner.onednn || runner.gemm) {
             return;
         }
@@ -1265,7 +1308,7 @@ mod tests {
 
         let config = tiny::tiny_config(ModelFamily::Qwen2);
         let mut runner =
-            ModelRunner::new(tiny::tiny_model(&config, 4).unwrap(), ShardSpec::WHOLE, 4).unwrap();
+            ModelRunner::new(tiny::tiny_model(&config, 4).unwrap(), None, 4).unwrap();
         runner.allocate_kv_cache(16).unwrap();
         let tokens: Vec<Vec<u32>> = vec![vec![5, 9, 13, 2, 7], vec![3, 8, 1]];
         let tables = [vec![BlockId(0), BlockId(1)], vec![BlockId(2)]];
@@ -1318,7 +1361,7 @@ mod tests {
         let config = tiny::tiny_config(ModelFamily::Qwen2);
         let runner = |use_lanes: bool, attention_kernel: bool| {
             let model = tiny::tiny_model(&config, 9).unwrap();
-            let mut runner = ModelRunner::new(model, ShardSpec::WHOLE, 4).unwrap();
+            let mut runner = ModelRunner::new(model, None, 4).unwrap();
             runner.use_lanes = use_lanes;
             runner.attention_kernel &= attention_kernel;
             runner.allocate_kv_cache(96).unwrap();
@@ -1401,7 +1444,7 @@ mod tests {
         use rtrun_rlhf_model::{ModelFamily, tiny};
         for family in [ModelFamily::Llama, ModelFamily::Qwen2] {
             let model = tiny::tiny_model(&tiny::tiny_config(family), 5).unwrap();
-            let runner = ModelRunner::new(model, ShardSpec::WHOLE, 4).unwrap();
+            let runner = ModelRunner::new(model, None, 4).unwrap();
             let layers = &runner.model().backbone.layers;
             assert_eq!(runner.fused.len(), layers.len(), "{family:?}");
             // A weight update copies into the parameters; the fused weight sees it.
