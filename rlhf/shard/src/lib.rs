@@ -9,6 +9,9 @@
 //!   done (stages 2-3), the optimizer step (stage 0: all-reduce and AdamW as before; 1-3:
 //!   AdamW on the rank's shards), pass balancing between ranks, sharded checkpoints that
 //!   resume on another number of ranks, and the bytes held.
+//! - [`manager`]: the sharding manager of a colocated (hybrid-engine) rank — per-dtype flat
+//!   buffers of the parameters, gradients and AdamW moments, and the train / infer / forward
+//!   state machine that offloads them to host memory and back.
 //!
 //! Every rank must run the same sequence of forwards and backwards (the collectives are
 //! issued per segment): [`ShardedModel::balance`] and the idle passes make ranks with fewer
@@ -22,6 +25,7 @@ mod comm;
 #[cfg(feature = "cuda")]
 pub mod device;
 mod error;
+pub mod manager;
 mod model;
 mod optim;
 pub mod plan;

@@ -180,6 +180,18 @@ impl AdamW {
         })
     }
 
+    /// `(parameter name, exp_avg, exp_avg_sq)` for every parameter, in order: for a sharding
+    /// manager that lays the moments out in flat buffers and moves them between the device
+    /// and host memory. It repoints them with `set_data` on shallow clones, which keeps these
+    /// tensors (the step updates them in place); [`AdamW::load`] and [`AdamW::move_to`]
+    /// replace them with new tensors instead.
+    pub fn moments(&self) -> impl Iterator<Item = (&str, &Tensor, &Tensor)> {
+        self.params
+            .iter()
+            .zip(self.exp_avg.iter().zip(&self.exp_avg_sq))
+            .map(|((name, _), (avg, avg_sq))| (name.as_str(), avg, avg_sq))
+    }
+
     /// Clears every gradient.
     pub fn zero_grad(&mut self) {
         for (_, p) in &mut self.params {
