@@ -35,6 +35,10 @@ pub struct EngineConfig {
     /// longest context` stays within this many elements (attention scores of that size are
     /// materialised per head). Default 2^20.
     pub max_prefill_group_area: usize,
+    /// Ranks of one engine (vLLM's `tensor_parallel_size`): 1 runs the whole model in one
+    /// process; N runs an [`crate::EngineActor`] group of N processes, each with its share of
+    /// the heads and of the MLP ([`crate::tp`]). Default 1.
+    pub tensor_parallel_size: usize,
 }
 
 impl Default for EngineConfig {
@@ -51,6 +55,7 @@ impl Default for EngineConfig {
             dtype: "f32".to_owned(),
             watermark: 0.01,
             max_prefill_group_area: 1 << 20,
+            tensor_parallel_size: 1,
         }
     }
 }

@@ -497,7 +497,7 @@ fn engine_actor_routes_two_ranks_through_the_runtime() {
     assert!(actor.wake_up(vec!["gpu".to_owned()]).get().unwrap().is_err());
     let generated = actor.generate(rank1.clone()).get().unwrap().unwrap();
     assert_eq!(token_ids(&generated), token_ids(&reference(&new_model, &rank1)));
-    let stats = actor.stats().get().unwrap();
+    let stats = actor.stats().get().unwrap().unwrap();
     assert_eq!(stats.requests_finished, 7);
     assert_eq!(stats.weight_updates, 1);
     assert!(stats.generated_tokens_per_second > 0.0);

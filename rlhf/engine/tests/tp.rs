@@ -3,12 +3,20 @@
 //! on the tiny models, the ~25M benchmark model and GQA layouts that replicate kv heads; and
 //! sleep / wake-up, prefix caching and weight updates by shard on every rank.
 
+use std::time::{Duration, Instant};
+
 use rtrun_rlhf_engine::tp::{ThreadFollowers, TpLayout, reshard};
 use rtrun_rlhf_engine::{
-    EngineConfig, GenerationOutput, GenerationRequest, LlmEngine, NamedTensor, SamplingParams,
-    WeightBucket,
+    EngineActor, EngineActorConfig, EngineConfig, GenerationOutput, GenerationRequest, LlmEngine,
+    NamedTensor, SamplingParams, WeightBucket,
 };
-use rtrun_rlhf_model::{CausalLm, ModelConfig, ModelFamily, tiny};
+use rtrun_rlhf_model::{CausalLm, ModelConfig, ModelFamily, SaveOptions, tiny};
+
+#[ctor::ctor]
+fn serve_worker_processes() {
+    // Worker processes are this test binary re-run: they serve here and never reach the harness.
+    rtrun::run_worker_if_requested();
+}
 
 /// A second model with `model`'s weights.
 fn copy(model: &CausalLm) -> CausalLm {
@@ -188,4 +196,58 @@ fn update_by_shard(engine: &mut LlmEngine, model: &CausalLm, world: usize) {
             .unwrap();
     let by_rank: Vec<WeightBucket> = buckets.into_iter().map(|mut b| b.remove(0)).collect();
     engine.update_weights_by_rank(&by_rank).unwrap();
+}
+
+fn temp_dir(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("rtrun-tp-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+/// A TP = 2 engine as two actor processes: the same tokens as the whole model, sleep and
+/// wake-up on both ranks, each rank updated with its own shard; then a rank killed mid-run
+/// fails generation with an error naming the rank and its node, instead of hanging.
+#[test]
+fn an_engine_of_two_actor_processes_matches_the_whole_model_and_fails_cleanly() {
+    rtrun::init().expect("runtime starts");
+    let dir = temp_dir("actor");
+    let family = tiny::tiny_config(ModelFamily::Qwen2);
+    let saved = tiny::write_tiny_model(&dir, &family, 23, &SaveOptions::default()).unwrap();
+    let engine = EngineConfig { tensor_parallel_size: 2, ..config() };
+    let actor_config = EngineActorConfig { model_dir: dir.clone(), engine };
+    let group = EngineActor::create_group("tp-test", &actor_config, |_, o| Ok(o)).unwrap();
+    let (rank0, rank1) = (&group.members()[0], &group.members()[1]);
+    let vocab = family.vocab_size as u32;
+    let greedy = requests(&prompts(&[4, 11, 6, 20], vocab, 3), &SamplingParams::greedy(8));
+    let mut whole = LlmEngine::new(copy(&saved), None, config()).unwrap();
+    let want = whole.generate(greedy.clone()).unwrap();
+    assert_same(&want, &rank0.generate(greedy.clone()).get().unwrap().unwrap(), 1e-5, "actors");
+    // Rank 1 is not the engine's handle.
+    let refused = rank1.generate(greedy.clone()).get().unwrap().unwrap_err();
+    assert!(refused.contains("rank 1") && refused.contains("rank 0"), "{refused}");
+
+    rank0.sleep(1).get().unwrap().unwrap();
+    rank0.wake_up(vec![]).get().unwrap().unwrap();
+    let updated = tiny::tiny_model(&family, 24).unwrap();
+    whole.update_weights(&whole_bucket(&updated)).unwrap();
+    let want = whole.generate(greedy.clone()).unwrap();
+    let layout = TpLayout::new(&family, 2).unwrap();
+    let params: Vec<_> = updated.named_parameters().collect();
+    let buckets = reshard::engine_buckets(&layout, &params, usize::MAX).unwrap();
+    let whole_bytes = whole_bucket(&updated).num_bytes();
+    for (member, mut buckets) in group.members().iter().zip(buckets) {
+        let bucket = buckets.remove(0);
+        // Each rank receives its shard plus the replicated parts, less than the whole model.
+        assert!(bucket.num_bytes() < whole_bytes);
+        member.update_weights(bucket).get().unwrap().unwrap();
+    }
+    assert_same(&want, &rank0.generate(greedy.clone()).get().unwrap().unwrap(), 1e-5, "updated");
+
+    rank1.kill().unwrap();
+    let started = Instant::now();
+    let err = rank0.generate(greedy).get().unwrap().unwrap_err();
+    eprintln!("rank 1 killed: {err}");
+    assert!(err.contains("tensor-parallel rank 1") && err.contains("on node"), "{err}");
+    assert!(started.elapsed() < Duration::from_secs(50), "failed after {:?}", started.elapsed());
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -352,7 +352,7 @@ impl LlmEngine {
     /// prefix cache, whose K/V the old weights computed. Needs resident weights and no running
     /// sequence. Returns the number of tensors updated.
     pub fn update_weights(&mut self, bucket: &WeightBucket) -> Result<usize, EngineError> {
-        self.update_in_place("update_weights", |model| weights::apply_bucket(model, bucket))
+        self.update_with("update_weights", |model| weights::apply_bucket(model, bucket))
     }
 
     /// A tensor-parallel engine's update by rank: `buckets[r]` is rank `r`'s shard
@@ -382,7 +382,7 @@ impl LlmEngine {
     /// A weight update of any transport: needs resident weights and no running sequence, runs
     /// `update` on the model, then resets the prefix cache (whose K/V the old weights computed)
     /// and counts the update.
-    fn update_in_place<T>(
+    pub fn update_with<T>(
         &mut self,
         operation: &'static str,
         update: impl FnOnce(&CausalLm) -> Result<T, EngineError>,
@@ -409,7 +409,7 @@ impl LlmEngine {
         metas: &[crate::weight_sync::WeightMeta],
         bucket_bytes: usize,
     ) -> Result<usize, EngineError> {
-        self.update_in_place("receive_weights", |model| {
+        self.update_with("receive_weights", |model| {
             crate::weight_sync::receive_weights(comm, model, metas, bucket_bytes)
         })
     }
@@ -421,7 +421,7 @@ impl LlmEngine {
         &mut self,
         bucket: &crate::weight_ipc::IpcWeightBucket,
     ) -> Result<u64, EngineError> {
-        self.update_in_place("receive_ipc_bucket", |model| {
+        self.update_with("receive_ipc_bucket", |model| {
             crate::weight_ipc::receive_bucket(model, bucket)
         })
     }

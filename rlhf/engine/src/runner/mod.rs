@@ -1267,8 +1267,7 @@ mod tests {
         use rtrun_rlhf_model::{ModelFamily, tiny};
 
         let config = tiny::tiny_config(ModelFamily::Qwen2);
-        let mut runner =
-            ModelRunner::new(tiny::tiny_model(&config, 4).unwrap(), None, 4).unwrap();
+        let mut runner = ModelRunner::new(tiny::tiny_model(&config, 4).unwrap(), None, 4).unwrap();
         if !(runner.onednn || runner.gemm) {
             return;
         }
@@ -1307,8 +1306,7 @@ mod tests {
         use rtrun_rlhf_model::{ModelFamily, tiny};
 
         let config = tiny::tiny_config(ModelFamily::Qwen2);
-        let mut runner =
-            ModelRunner::new(tiny::tiny_model(&config, 4).unwrap(), None, 4).unwrap();
+        let mut runner = ModelRunner::new(tiny::tiny_model(&config, 4).unwrap(), None, 4).unwrap();
         runner.allocate_kv_cache(16).unwrap();
         let tokens: Vec<Vec<u32>> = vec![vec![5, 9, 13, 2, 7], vec![3, 8, 1]];
         let tables = [vec![BlockId(0), BlockId(1)], vec![BlockId(2)]];
