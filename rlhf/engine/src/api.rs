@@ -86,6 +86,14 @@ pub fn dtype_kind(name: &str) -> Option<Kind> {
     DTYPES.iter().find(|(n, _)| *n == name).map(|(_, kind)| *kind)
 }
 
+/// The libtorch kind whose `Debug` name is `name` (how [`crate::WeightMeta::dtype`] spells it:
+/// `Float`, `BFloat16`, ...), for the kinds a weight can have.
+pub fn kind_from_debug(name: &str) -> Option<Kind> {
+    [Kind::Float, Kind::BFloat16, Kind::Half, Kind::Double]
+        .into_iter()
+        .find(|k| format!("{k:?}") == name)
+}
+
 impl NamedTensor {
     /// Copies a tensor (any device; f32, bf16 or f16) into a named byte buffer.
     pub fn from_tensor(name: impl Into<String>, tensor: &Tensor) -> Result<Self, EngineError> {

@@ -94,17 +94,104 @@ pub fn send_weights(
 
 /// An engine's half: receives the parameters `metas` describes into `model`'s tensors of the
 /// same names, in place. Every name must exist with the same shape and dtype (checked before
-/// anything is received, so a mismatch leaves the weights untouched). Returns the bytes
-/// received.
+/// anything is received, so a mismatch leaves the weights untouched); a packed name of the
+/// tensor-parallel name map (`…qkv_proj.*`, `…gate_up_proj.*`, what a rank of a
+/// tensor-parallel engine is sent, see [`send_tensors`]) is received into a staging tensor and
+/// split into its members after. Returns the bytes received.
 pub fn receive_weights(
     comm: &mut Communicator,
     model: &CausalLm,
     metas: &[WeightMeta],
     bucket_bytes: usize,
 ) -> Result<usize, EngineError> {
-    let targets =
-        metas.iter().map(|meta| matching_param(model, meta)).collect::<Result<Vec<_>, _>>()?;
-    broadcast(comm, &targets, bucket_bytes)
+    let mut staged = Vec::new();
+    let mut targets = Vec::with_capacity(metas.len());
+    for meta in metas {
+        match model.params.get(&meta.name) {
+            Some(_) => targets.push(matching_param(model, meta)?),
+            None => {
+                let members = packed_members(model, meta)?;
+                let kind = crate::api::kind_from_debug(&meta.dtype).ok_or_else(|| {
+                    EngineError::InvalidWeight {
+                        name: meta.name.clone(),
+                        message: format!("unknown dtype `{}`", meta.dtype),
+                    }
+                })?;
+                let staging =
+                    Tensor::f_empty(meta.shape.as_slice(), (kind, model.params.device()))?;
+                targets.push(staging.shallow_clone());
+                staged.push((staging, members));
+            }
+        }
+    }
+    let bytes = broadcast(comm, &targets, bucket_bytes)?;
+    for (staging, members) in staged {
+        let rows: Vec<i64> = members.iter().map(|(_, rows)| *rows).collect();
+        for ((name, _), part) in members.iter().zip(crate::tp::reshard::unpack(&staging, &rows)?) {
+            model.params.copy_into(name, &part)?;
+        }
+    }
+    Ok(bytes)
+}
+
+/// The members (name, rows) a packed `meta` splits into on `model`, after checking that they
+/// stack to the sent shape and dtype.
+fn packed_members(model: &CausalLm, meta: &WeightMeta) -> Result<Vec<(String, i64)>, EngineError> {
+    let invalid = |message: String| EngineError::InvalidWeight { name: meta.name.clone(), message };
+    let names = crate::tp::reshard::unpacked_names(&meta.name)
+        .ok_or_else(|| invalid("the engine's model has no parameter of this name".into()))?;
+    let mut members = Vec::with_capacity(names.len());
+    let mut stacked: Vec<i64> = Vec::new();
+    for (_, name) in names {
+        let param = model.params.get(&name).ok_or_else(|| {
+            invalid(format!("the engine's model has no parameter `{name}` to unpack it into"))
+        })?;
+        let (size, dtype) = (param.size(), format!("{:?}", param.f_kind()?));
+        if dtype != meta.dtype {
+            return Err(invalid(format!(
+                "expected {} as sent, found {dtype} in `{name}`",
+                meta.dtype
+            )));
+        }
+        match stacked.is_empty() {
+            true => stacked = size.clone(),
+            false => stacked[0] += size[0],
+        }
+        members.push((name, size[0]));
+    }
+    if stacked != meta.shape {
+        return Err(invalid(format!(
+            "expected {:?} as sent, found its members stacking to {stacked:?}",
+            meta.shape
+        )));
+    }
+    Ok(members)
+}
+
+/// Rank 0's half for tensor-parallel engines: broadcasts `tensors` (one engine rank's shard in
+/// the engine layout, [`crate::tp::reshard::engine_tensors`]) in their order, in buckets of
+/// about `bucket_bytes`. Returns the bytes sent.
+pub fn send_tensors(
+    comm: &mut Communicator,
+    tensors: &[(String, Tensor)],
+    bucket_bytes: usize,
+) -> Result<usize, EngineError> {
+    let params: Vec<Tensor> = tensors.iter().map(|(_, t)| t.shallow_clone()).collect();
+    broadcast(comm, &params, bucket_bytes)
+}
+
+/// Describes `tensors` as [`WeightMeta`]s, in order.
+pub fn metas_of(tensors: &[(String, Tensor)]) -> Result<Vec<WeightMeta>, EngineError> {
+    tensors
+        .iter()
+        .map(|(name, t)| {
+            Ok(WeightMeta {
+                name: name.clone(),
+                shape: t.size(),
+                dtype: format!("{:?}", t.f_kind()?),
+            })
+        })
+        .collect()
 }
 
 /// The engine's parameter `meta` names, after checking it has the sender's shape and dtype.
@@ -184,6 +271,41 @@ mod tests {
                 assert!(want.equal(got), "{name} differs after the sync");
             }
         }
+    }
+
+    #[test]
+    fn a_tensor_parallel_rank_receives_its_packed_shard_in_place() {
+        let config = tiny_config(ModelFamily::Qwen2);
+        let layout = crate::tp::TpLayout::new(&config, 2).unwrap();
+        let sender = tiny_model(&config, 1).unwrap();
+        let params: Vec<_> = sender.named_parameters().collect();
+        let tensors = crate::tp::reshard::engine_tensors(&layout, 1, params).unwrap();
+        let metas = metas_of(&tensors).unwrap();
+        assert!(metas.iter().any(|m| m.name.ends_with("qkv_proj.weight")));
+        let port = free_port();
+        let receiver = std::thread::spawn({
+            let (config, metas) = (config.clone(), metas.clone());
+            move || {
+                let whole = tiny_model(&config, 2).unwrap();
+                let shard =
+                    crate::tp::shard_model(&whole, &layout, 1, tch::Device::Cpu, tch::Kind::Float)
+                        .unwrap();
+                let mut comm = group2(1, port).join().unwrap();
+                receive_weights(&mut comm, &shard, &metas, 4096).unwrap();
+                shard.named_parameters().map(|(n, t)| (n.to_owned(), t.copy())).collect::<Vec<_>>()
+            }
+        });
+        let mut comm = group2(0, port).join().unwrap();
+        send_tensors(&mut comm, &tensors, 4096).unwrap();
+        let want = crate::tp::shard_model(&sender, &layout, 1, tch::Device::Cpu, tch::Kind::Float)
+            .unwrap();
+        for (name, got) in receiver.join().unwrap() {
+            assert!(want.params.get(&name).unwrap().equal(&got), "{name} differs after the sync");
+        }
+    }
+
+    fn group2(rank: usize, port: u16) -> WeightSyncGroup {
+        WeightSyncGroup { world_size: 2, ..group(rank, port) }
     }
 
     #[test]

@@ -884,6 +884,18 @@ impl TrainConfig {
             WeightSyncBackend::Nccl => Some("nccl"),
             WeightSyncBackend::CudaIpc => Some("cuda_ipc"),
         };
+        if r.weight_sync_backend == WeightSyncBackend::CudaIpc
+            && self.engine.tensor_parallel_size > 1
+        {
+            return Err(TrainError::config(
+                "rollout.weight_sync_backend",
+                format!(
+                    "cuda_ipc maps one GPU's memory into one engine process, found \
+                     engine.tensor_parallel_size {} (use nccl or object_store)",
+                    self.engine.tensor_parallel_size
+                ),
+            ));
+        }
         if let Some(name) = gpu_sync {
             if !cfg!(feature = "cuda") {
                 return Err(TrainError::config(

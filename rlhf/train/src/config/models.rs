@@ -110,6 +110,10 @@ pub struct EngineSection {
     /// libtorch intra-op threads of each engine process (absent: libtorch's default, every
     /// core).
     pub threads: Option<i32>,
+    /// Ranks (processes) of each engine (vLLM's `tensor_parallel_size`, OpenRLHF's
+    /// `--vllm_tensor_parallel_size`): each holds its share of the heads and of the MLP. Must
+    /// divide the policy's query heads and intermediate size. Default 1.
+    pub tensor_parallel_size: usize,
 }
 
 impl Default for EngineSection {
@@ -121,6 +125,7 @@ impl Default for EngineSection {
             kv_cache_bytes: engine.kv_cache_bytes,
             max_num_seqs: engine.max_num_seqs,
             threads: None,
+            tensor_parallel_size: 1,
         }
     }
 }
@@ -180,6 +185,12 @@ impl TrainConfig {
             ("reward.device", &config.reward.device),
         ] {
             device.validate(key)?;
+        }
+        if config.engine.tensor_parallel_size == 0 {
+            return Err(TrainError::config(
+                "engine.tensor_parallel_size",
+                "expected at least 1, found 0",
+            ));
         }
         if let Some(threads) = config.engine.threads
             && threads < 1

@@ -20,6 +20,7 @@ use crate::experience::{
     unpad_rows,
 };
 use crate::roles::{Phase, WorkerSetup, shard_model};
+use rtrun_rlhf_engine::tp::{TpLayout, reshard};
 use rtrun_rlhf_engine::{WeightBucket, WeightMeta, WeightSyncGroup};
 
 mod supervised;
@@ -107,8 +108,10 @@ struct LmWorkerState {
     /// Whether this rank trains (has an optimizer).
     trains: bool,
     loss: PolicyLossConfig,
-    /// The weight-sync group with the engines (policy rank 0 only), once joined.
-    weight_sync: Option<rtrun::collective::Communicator>,
+    /// The weight-sync groups with the engines (policy rank 0 only), once joined: one group,
+    /// or with tensor-parallel engines one per engine rank (`weight_sync[r]` carries rank `r`'s
+    /// shards to rank `r` of every engine), in the order joined.
+    weight_sync: Vec<rtrun::collective::Communicator>,
     /// CUDA IPC weight sync: the bucket plan of the sync in progress and the exported buffer
     /// of its current bucket (kept until the engines have copied it).
     ipc_plans: Vec<rtrun_rlhf_engine::weight_ipc::IpcBucketPlan>,
@@ -153,7 +156,7 @@ impl LmWorkerState {
             reference,
             trains,
             loss: config.loss,
-            weight_sync: None,
+            weight_sync: Vec::new(),
             ipc_plans: Vec::new(),
             ipc_buffer: None,
         })
@@ -204,7 +207,7 @@ impl LmWorkerState {
 
     /// Joins the weight-sync group as its rank 0.
     pub fn join_weight_sync(&mut self, group: WeightSyncGroup) -> Result<(), String> {
-        self.weight_sync = Some(group.join().map_err(to_string_error)?);
+        self.weight_sync.push(group.join().map_err(to_string_error)?);
         Ok(())
     }
 
@@ -213,12 +216,91 @@ impl LmWorkerState {
         WeightMeta::of_model(&self.model).map_err(to_string_error)
     }
 
+    /// The weights for engines of `tp` ranks: every engine rank's own buckets of at most
+    /// `bucket_bytes` (its shard in the engine layout, q/k/v and gate/up packed, see
+    /// [`rtrun_rlhf_engine::tp::reshard`]), put into the object store by this rank, with the
+    /// bytes each rank receives and the time the resharding took. With `tp` 1 the one rank's
+    /// buckets are [`LmWorkerState::weight_buckets`]'.
+    pub fn engine_weight_buckets(
+        &self,
+        bucket_bytes: usize,
+        tp: usize,
+    ) -> Result<EngineBuckets, String> {
+        let started = std::time::Instant::now();
+        if tp <= 1 {
+            let by_rank = vec![self.weight_buckets(bucket_bytes)?];
+            let bytes = self.model.named_parameters().map(|(_, t)| tensor_bytes(t)).sum();
+            let seconds = started.elapsed().as_secs_f64();
+            return Ok(EngineBuckets {
+                by_rank,
+                bytes_by_rank: vec![bytes],
+                reshard_seconds: seconds,
+            });
+        }
+        let layout = TpLayout::new(self.model.config(), tp).map_err(to_string_error)?;
+        let params: Vec<(&str, &Tensor)> = self.model.named_parameters().collect();
+        let buckets = tch::no_grad(|| reshard::engine_buckets(&layout, &params, bucket_bytes))
+            .map_err(to_string_error)?;
+        let reshard_seconds = started.elapsed().as_secs_f64();
+        let bytes_by_rank =
+            buckets.iter().map(|rank| rank.iter().map(|b| b.num_bytes() as u64).sum()).collect();
+        let by_rank = buckets
+            .iter()
+            .map(|rank| rank.iter().map(|b| rtrun::put(b).map_err(to_string_error)).collect())
+            .collect::<Result<_, String>>()?;
+        Ok(EngineBuckets { by_rank, bytes_by_rank, reshard_seconds })
+    }
+
     /// Broadcasts the weights to the weight-sync group in buckets of about `bucket_bytes`
     /// (the engines call `receive_weights` at the same time). Returns the bytes sent.
     pub fn broadcast_weights(&mut self, bucket_bytes: usize) -> Result<usize, String> {
         let comm =
-            self.weight_sync.as_mut().ok_or("broadcast_weights needs join_weight_sync first")?;
+            self.weight_sync.first_mut().ok_or("broadcast_weights needs join_weight_sync first")?;
         rtrun_rlhf_engine::weight_sync::send_weights(comm, &self.model, bucket_bytes)
+            .map_err(to_string_error)
+    }
+
+    /// Rank `rank` of engines of `tp` ranks: its shard in the engine layout
+    /// ([`rtrun_rlhf_engine::tp::reshard::engine_tensors`]), with names, from this rank's
+    /// whole weights.
+    fn engine_tensors(
+        &self,
+        tp: usize,
+        rank: usize,
+    ) -> Result<Vec<(String, Tensor)>, rtrun_rlhf_engine::EngineError> {
+        let layout = TpLayout::new(self.model.config(), tp)?;
+        let params: Vec<(&str, &Tensor)> = self.model.named_parameters().collect();
+        tch::no_grad(|| reshard::engine_tensors(&layout, rank, params))
+    }
+
+    /// The metadata of every engine rank's shard, for engines of `tp` ranks (`result[r]` is
+    /// what rank `r` of every engine receives).
+    pub fn engine_weight_metadata(&self, tp: usize) -> Result<Vec<Vec<WeightMeta>>, String> {
+        (0..tp)
+            .map(|rank| {
+                let tensors = self.engine_tensors(tp, rank).map_err(to_string_error)?;
+                rtrun_rlhf_engine::weight_sync::metas_of(&tensors).map_err(to_string_error)
+            })
+            .collect()
+    }
+
+    /// Broadcasts engine rank `rank`'s shard (engines of `tp` ranks) over the weight-sync group
+    /// joined for that rank (rank `rank` of every engine calls `receive_weights` with its
+    /// metadata at the same time). Returns the bytes sent.
+    pub fn broadcast_engine_weights(
+        &mut self,
+        bucket_bytes: usize,
+        tp: usize,
+        rank: usize,
+    ) -> Result<usize, String> {
+        let tensors = self.engine_tensors(tp, rank).map_err(to_string_error)?;
+        let joined = self.weight_sync.len();
+        let comm = self.weight_sync.get_mut(rank).ok_or_else(|| {
+            format!(
+                "broadcast_engine_weights for engine rank {rank} needs its group, {joined} joined"
+            )
+        })?;
+        rtrun_rlhf_engine::weight_sync::send_tensors(comm, &tensors, bucket_bytes)
             .map_err(to_string_error)
     }
 
@@ -453,6 +535,16 @@ impl LmWorker {
         self.state().weight_buckets(bucket_bytes)
     }
 
+    /// Every engine rank's own weight buckets for engines of `tp` ranks (see
+    /// [`LmWorkerState::engine_weight_buckets`]).
+    pub fn engine_weight_buckets(
+        &self,
+        bucket_bytes: usize,
+        tp: usize,
+    ) -> Result<EngineBuckets, String> {
+        self.state().engine_weight_buckets(bucket_bytes, tp)
+    }
+
     /// A free rendezvous endpoint for the weight-sync group this rank hosts.
     pub fn weight_sync_endpoint(&self) -> Result<(String, u16), String> {
         self.state().weight_sync_endpoint()
@@ -461,6 +553,21 @@ impl LmWorker {
     /// Joins the weight-sync group with the engines as its rank 0.
     pub fn join_weight_sync(&mut self, group: WeightSyncGroup) -> Result<(), String> {
         self.state().join_weight_sync(group)
+    }
+
+    /// The metadata of every engine rank's shard for engines of `tp` ranks.
+    pub fn engine_weight_metadata(&self, tp: usize) -> Result<Vec<Vec<WeightMeta>>, String> {
+        self.state().engine_weight_metadata(tp)
+    }
+
+    /// Broadcasts engine rank `rank`'s shard over the group joined for it.
+    pub fn broadcast_engine_weights(
+        &mut self,
+        bucket_bytes: usize,
+        tp: usize,
+        rank: usize,
+    ) -> Result<usize, String> {
+        self.state().broadcast_engine_weights(bucket_bytes, tp, rank)
     }
 
     /// Name, shape and dtype of every parameter, in broadcast order.
@@ -741,4 +848,21 @@ impl LmWorkerState {
         stats.lr = step.lr;
         Ok(stats)
     }
+}
+
+/// A weight sync's buckets for tensor-parallel engines: `by_rank[r]` goes to rank `r` of every
+/// engine.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct EngineBuckets {
+    /// Each engine rank's buckets, in the object store.
+    pub by_rank: Vec<Vec<rtrun::ObjectRef<WeightBucket>>>,
+    /// Bytes each engine rank receives.
+    pub bytes_by_rank: Vec<u64>,
+    /// Seconds the policy spent resharding (and splitting into buckets).
+    pub reshard_seconds: f64,
+}
+
+/// Bytes of a tensor's elements.
+fn tensor_bytes(t: &Tensor) -> u64 {
+    (t.numel() * t.kind().elt_size_in_bytes()) as u64
 }

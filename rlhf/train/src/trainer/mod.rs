@@ -145,9 +145,11 @@ pub struct Trainer {
     /// `train.pipeline: dock`: every stage rank's timeline of the last step.
     pub pipeline_timelines: Vec<StageTimeline>,
     /// `rollout.weight_sync_backend: nccl`: the weight metadata once the group is formed.
-    weight_sync_metas: std::sync::OnceLock<Vec<rtrun_rlhf_engine::WeightMeta>>,
-    /// GPU runs: the memory figures of this step's phases (`record_gpu_memory`).
-    gpu_metrics: std::sync::Mutex<Vec<(String, f64)>>,
+    /// (per engine rank with tensor-parallel engines).
+    weight_sync_metas: std::sync::OnceLock<Vec<Vec<rtrun_rlhf_engine::WeightMeta>>>,
+    /// Figures of this step's phases added to its metrics: GPU memory (`record_gpu_memory`)
+    /// and the weight sync's bytes per engine rank and resharding time.
+    phase_metrics: std::sync::Mutex<Vec<(String, f64)>>,
     /// Whether the switch from `nccl` to CUDA IPC on one GPU was reported.
     ipc_noted: std::sync::atomic::AtomicBool,
     /// Deadlines of the calls to role ranks and engines.
@@ -192,7 +194,7 @@ impl Trainer {
             timer: PhaseTimer::new(),
             pipeline_timelines: Vec::new(),
             weight_sync_metas: std::sync::OnceLock::new(),
-            gpu_metrics: std::sync::Mutex::new(Vec::new()),
+            phase_metrics: std::sync::Mutex::new(Vec::new()),
             ipc_noted: std::sync::atomic::AtomicBool::new(false),
             old_logprobs_from_engine,
             gap_measured: true,
@@ -507,7 +509,7 @@ impl Trainer {
             .set(rtrun_rlhf_telemetry::live::GENERATED_TOKENS, generated)
             .map_err(telemetry_error)?;
         for (name, value) in
-            self.gpu_metrics.lock().map(|mut m| std::mem::take(&mut *m)).unwrap_or_default()
+            self.phase_metrics.lock().map(|mut m| std::mem::take(&mut *m)).unwrap_or_default()
         {
             metrics.set(&name, value).map_err(telemetry_error)?;
         }
@@ -621,7 +623,7 @@ impl Trainer {
             )?;
             found.push(("engine", memory));
         }
-        if let Ok(mut metrics) = self.gpu_metrics.lock() {
+        if let Ok(mut metrics) = self.phase_metrics.lock() {
             for (role, memory) in found {
                 if let Some(m) = memory {
                     metrics.push((format!("gpu/{phase}_{role}_peak_mib"), mib(m.peak_allocated)));
@@ -673,22 +675,51 @@ impl Trainer {
     /// store, every engine copies them in, then the engines reset their prefix caches.
     fn send_weights_object_store(&self) -> Result<()> {
         let source = self.policy_rank0()?;
-        let (watch, engines) = (&self.watch, &self.roles.engines);
+        let watch = &self.watch;
         let bucket_bytes = self.config.rollout.weight_bucket_bytes;
+        let tp = self.config.engine.tensor_parallel_size;
         let buckets = watch.wait_one(
-            "weight_buckets",
-            calls::actor_call("actor", 0, source, source.weight_buckets(bucket_bytes)),
+            "engine_weight_buckets",
+            calls::actor_call("actor", 0, source, source.engine_weight_buckets(bucket_bytes, tp)),
         )?;
-        for bucket in &buckets {
-            watch.wait(
-                "update_weights",
-                calls::each(ENGINE, engines, |e| e.update_weights(bucket)),
-            )?;
+        // Rank r of every engine takes rank r's buckets, one bucket at a time.
+        for (rank, rank_buckets) in buckets.by_rank.iter().enumerate() {
+            let members: Vec<_> =
+                self.roles.engine_ranks.iter().filter_map(|ranks| ranks.get(rank)).collect();
+            for bucket in rank_buckets {
+                let updates = members
+                    .iter()
+                    .enumerate()
+                    .map(|(engine, m)| {
+                        calls::actor_call(ENGINE, engine, *m, m.update_weights(bucket))
+                    })
+                    .collect();
+                watch.wait("update_weights", updates)?;
+            }
         }
+        let engines = &self.roles.engines;
         watch
             .wait("reset_prefix_cache", calls::each(ENGINE, engines, |e| e.reset_prefix_cache()))?;
-        rtrun::free(&buckets)?;
+        for rank in &buckets.by_rank {
+            rtrun::free(rank)?;
+        }
+        self.record_sync(&buckets.bytes_by_rank, buckets.reshard_seconds);
         Ok(())
+    }
+
+    /// The weight sync's figures in this step's metrics: `weight_sync/bytes_per_rank` (the
+    /// most any engine rank received; each rank gets only its shard), `weight_sync/bytes_rank{r}`
+    /// per rank of a tensor-parallel engine, and `weight_sync/reshard_s`.
+    fn record_sync(&self, bytes_by_rank: &[u64], reshard_seconds: f64) {
+        let Ok(mut metrics) = self.phase_metrics.lock() else { return };
+        let most = bytes_by_rank.iter().copied().max().unwrap_or(0);
+        metrics.push(("weight_sync/bytes_per_rank".to_owned(), most as f64));
+        if bytes_by_rank.len() > 1 {
+            for (rank, bytes) in bytes_by_rank.iter().enumerate() {
+                metrics.push((format!("weight_sync/bytes_rank{rank}"), *bytes as f64));
+            }
+        }
+        metrics.push(("weight_sync/reshard_s".to_owned(), reshard_seconds));
     }
 
     /// `rollout.weight_sync_backend: cuda_ipc`: policy rank 0 exports one packed bucket at a
@@ -723,46 +754,97 @@ impl Trainer {
     /// reset their prefix caches (part of `receive_weights`).
     fn send_weights_collective(&self) -> Result<()> {
         let source = self.policy_rank0()?;
-        let engines = &self.roles.engines;
+        let tp = self.config.engine.tensor_parallel_size;
         let metas = match self.weight_sync_metas.get() {
             Some(metas) => metas,
-            None => {
-                let (addr, port) = self.watch.wait_one(
-                    "weight_sync_endpoint",
-                    calls::actor_call("actor", 0, source, source.weight_sync_endpoint()),
-                )?;
-                let group = |rank| rtrun_rlhf_engine::WeightSyncGroup {
-                    group_name: "rlhf-weight-sync".to_owned(),
-                    rank,
-                    world_size: engines.len() + 1,
-                    master_addr: addr.clone(),
-                    master_port: port,
-                    backend: rtrun::collective::Backend::Nccl,
-                };
-                let policy =
-                    calls::actor_call("actor", 0, source, source.join_weight_sync(group(0)));
-                let mut rank = 0;
-                let joins = calls::each(ENGINE, engines, |e| {
-                    rank += 1;
-                    e.join_weight_sync(group(rank))
-                });
-                self.watch.wait_one("join_weight_sync", policy)?;
-                self.watch.wait("join_weight_sync", joins)?;
-                let metas = self.watch.wait_one(
-                    "weight_metadata",
-                    calls::actor_call("actor", 0, source, source.weight_metadata()),
-                )?;
-                self.weight_sync_metas.get_or_init(|| metas)
-            }
+            None => self.join_weight_sync_groups(tp)?,
         };
         let watch = &self.watch;
         let bucket_bytes = self.config.rollout.weight_bucket_bytes;
-        let send = calls::actor_call("actor", 0, source, source.broadcast_weights(bucket_bytes));
-        let receives =
-            calls::each(ENGINE, engines, |e| e.receive_weights(metas.clone(), bucket_bytes));
-        watch.wait_one("broadcast_weights", send)?;
-        watch.wait("receive_weights", receives)?;
+        // One engine rank at a time: policy rank 0 broadcasts rank r's shard over rank r's
+        // group while rank r of every engine receives it.
+        let mut bytes_by_rank = Vec::with_capacity(metas.len());
+        for (rank, rank_metas) in metas.iter().enumerate() {
+            let send = match tp {
+                1 => source.broadcast_weights(bucket_bytes),
+                _ => source.broadcast_engine_weights(bucket_bytes, tp, rank),
+            };
+            let send = calls::actor_call("actor", 0, source, send);
+            let members: Vec<_> =
+                self.roles.engine_ranks.iter().filter_map(|ranks| ranks.get(rank)).collect();
+            let receives = members
+                .iter()
+                .enumerate()
+                .map(|(engine, m)| {
+                    let receive = m.receive_weights(rank_metas.clone(), bucket_bytes);
+                    calls::actor_call(ENGINE, engine, *m, receive)
+                })
+                .collect();
+            bytes_by_rank.push(watch.wait_one("broadcast_weights", send)? as u64);
+            watch.wait("receive_weights", receives)?;
+        }
+        if tp > 1 {
+            // Rank 0's receive resets the prefix cache of a whole engine; with tensor
+            // parallelism every rank has received its shard only now.
+            let engines = &self.roles.engines;
+            watch.wait(
+                "reset_prefix_cache",
+                calls::each(ENGINE, engines, |e| e.reset_prefix_cache()),
+            )?;
+        }
+        self.record_sync(&bytes_by_rank, 0.0);
         Ok(())
+    }
+
+    /// Forms the weight-sync groups (the first `nccl` sync): one of policy rank 0 and every
+    /// engine, or with engines of `tp` ranks one per engine rank (policy rank 0 and rank r of
+    /// every engine). Returns what each group's receivers are sent.
+    fn join_weight_sync_groups(
+        &self,
+        tp: usize,
+    ) -> Result<&Vec<Vec<rtrun_rlhf_engine::WeightMeta>>> {
+        let source = self.policy_rank0()?;
+        let engines = self.roles.engine_ranks.len();
+        for rank in 0..tp {
+            let (addr, port) = self.watch.wait_one(
+                "weight_sync_endpoint",
+                calls::actor_call("actor", 0, source, source.weight_sync_endpoint()),
+            )?;
+            let group = |member| rtrun_rlhf_engine::WeightSyncGroup {
+                group_name: match tp {
+                    1 => "rlhf-weight-sync".to_owned(),
+                    _ => format!("rlhf-weight-sync-rank{rank}"),
+                },
+                rank: member,
+                world_size: engines + 1,
+                master_addr: addr.clone(),
+                master_port: port,
+                backend: rtrun::collective::Backend::Nccl,
+            };
+            let policy = calls::actor_call("actor", 0, source, source.join_weight_sync(group(0)));
+            let members: Vec<_> =
+                self.roles.engine_ranks.iter().filter_map(|ranks| ranks.get(rank)).collect();
+            let joins = members
+                .iter()
+                .enumerate()
+                .map(|(engine, m)| {
+                    calls::actor_call(ENGINE, engine, *m, m.join_weight_sync(group(engine + 1)))
+                })
+                .collect();
+            self.watch.wait_one("join_weight_sync", policy)?;
+            self.watch.wait("join_weight_sync", joins)?;
+        }
+        let metas = match tp {
+            1 => vec![self.watch.wait_one(
+                "weight_metadata",
+                calls::actor_call("actor", 0, source, source.weight_metadata()),
+            )?],
+            _ => self.watch.wait_one(
+                "engine_weight_metadata",
+                calls::actor_call("actor", 0, source, source.engine_weight_metadata(tp)),
+            )?,
+        };
+        Ok(self.weight_sync_metas.get_or_init(|| metas))
     }
 }
 

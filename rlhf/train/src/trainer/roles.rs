@@ -28,8 +28,11 @@ pub struct Roles {
     pub critic: Option<ActorGroup<CriticWorker>>,
     /// Reward-model ranks (`reward.kind: model`).
     pub reward_model: Option<ActorGroup<RewardModelWorker>>,
-    /// Generation engines.
+    /// Generation engines: each engine's rank 0, the handle callers generate through.
     pub engines: Vec<EngineActorRef>,
+    /// Every rank of each engine (`engine_ranks[e][r]`; one per engine without tensor
+    /// parallelism): weight syncs give each rank its own shard.
+    pub engine_ranks: Vec<Vec<EngineActorRef>>,
     /// Where everything was placed.
     pub placements: RolePlacements,
     /// The TransferDock actor of `train.pipeline: dock`.
@@ -109,6 +112,9 @@ impl Roles {
             shard: config.train.shard(),
         };
         let p = &placements;
+        // Engine shapes first, before any actor starts.
+        engine_count(config, p)?;
+        check_tensor_parallel(policy_dir, config.engine.tensor_parallel_size)?;
         let actor =
             ActorGroup::create("actor", p.actor.replicas, Default::default(), |rank, options| {
                 LmWorker::remote_with(placed(p, "actor", rank, options)?, actor_config.clone())
@@ -208,23 +214,30 @@ impl Roles {
                 dtype: e.dtype.engine_name().to_owned(),
                 kv_cache_bytes: e.kv_cache_bytes,
                 max_num_seqs: e.max_num_seqs,
+                tensor_parallel_size: e.tensor_parallel_size,
                 ..EngineConfig::default()
             },
         };
         // libtorch reads its intra-op thread count from OMP_NUM_THREADS when the engine's
         // process starts; without `engine.threads` it uses every core.
-        let engines = (0..p.engine.replicas)
-            .map(|rank| {
-                let base = match e.threads {
-                    Some(n) => {
-                        rtrun::ActorOptions::default().env("OMP_NUM_THREADS", &n.to_string())
-                    }
-                    None => rtrun::ActorOptions::default(),
-                };
-                let options = p.options("vllm_engine", rank, base)?;
-                Ok(EngineActor::remote_with(options, engine_config.clone())?)
+        let tp = engine_config.engine.tensor_parallel_size;
+        let num_engines = engine_count(config, p)?;
+        let engine_ranks = (0..num_engines)
+            .map(|engine| {
+                let name = format!("vllm_engine-{engine}");
+                let group = EngineActor::create_group(&name, &engine_config, |rank, base| {
+                    let base = match e.threads {
+                        Some(n) => base.env("OMP_NUM_THREADS", &n.to_string()),
+                        None => base,
+                    };
+                    p.options("vllm_engine", engine * tp + rank, base)
+                        .map_err(|e| rtrun::Error::Invalid(e.to_string()))
+                })
+                .map_err(|e| TrainError::role("vllm_engine", e))?;
+                Ok(group.members().to_vec())
             })
             .collect::<Result<Vec<_>>>()?;
+        let engines = engine_ranks.iter().filter_map(|ranks| ranks.first().cloned()).collect();
         let dock = match config.train.pipeline {
             PipelineMode::Dock => Some(
                 RemoteDock::create(
@@ -235,7 +248,16 @@ impl Roles {
             ),
             PipelineMode::Sequential => None,
         };
-        Ok(Roles { actor, reference, critic, reward_model, engines, placements, dock })
+        Ok(Roles {
+            actor,
+            reference,
+            critic,
+            reward_model,
+            engines,
+            engine_ranks,
+            placements,
+            dock,
+        })
     }
 
     /// Kills every role actor.
@@ -250,7 +272,7 @@ impl Roles {
         if let Some(g) = &self.reward_model {
             let _ = g.kill();
         }
-        for e in &self.engines {
+        for e in self.engine_ranks.iter().flatten() {
             let _ = e.kill();
         }
         if let Some(dock) = &self.dock {
@@ -258,6 +280,40 @@ impl Roles {
         }
         let _ = self.placements.remove();
     }
+}
+
+/// The number of engines: `cluster.engine_replicas` without a placement spec; with one, the
+/// spec's `vllm_engine` bundles divided by `engine.tensor_parallel_size` (each engine takes that
+/// many consecutive bundles).
+fn engine_count(config: &TrainConfig, p: &RolePlacements) -> Result<usize> {
+    let tp = config.engine.tensor_parallel_size;
+    if p.spec.is_none() {
+        return Ok(p.engine.replicas);
+    }
+    let bundles = p.engine.replicas;
+    if bundles < tp || bundles % tp != 0 {
+        return Err(TrainError::config(
+            "engine.tensor_parallel_size",
+            format!(
+                "{tp} ranks per engine need a multiple of {tp} vllm_engine bundles in the placement \
+                 spec, found {bundles}"
+            ),
+        ));
+    }
+    Ok(bundles / tp)
+}
+
+/// Checks that the policy's heads and MLP divide among `tp` engine ranks.
+fn check_tensor_parallel(policy_dir: &Path, tp: usize) -> Result<()> {
+    if tp <= 1 {
+        return Ok(());
+    }
+    let key = "engine.tensor_parallel_size";
+    let model = rtrun_rlhf_model::ModelConfig::from_dir(policy_dir)
+        .map_err(|e| TrainError::config(key, format!("reading the policy's config: {e}")))?;
+    rtrun_rlhf_engine::tp::TpLayout::new(&model, tp)
+        .map(drop)
+        .map_err(|e| TrainError::config(key, e.to_string()))
 }
 
 /// A rank's options: its group membership plus its bundle and share from the placement.
