@@ -17,6 +17,8 @@
 #   nccl      two NCCL ranks on one GPU are refused with a clear error, not a hang
 #   zero      NCCL device reduce-scatter / all-gather (one rank: one GPU cannot host two) and
 #             stage 3 + activation checkpointing training steps on CUDA against stage 0
+#   tp        a tensor-parallel engine (2 ranks on the one GPU, all-reduces over the CPU ring)
+#             against the whole model: greedy tokens equal, log-probs within 1e-4
 #   grpo      the GRPO main job with every role on the GPU in bf16, hybrid (engine sleeps
 #             while training, training state offloaded while generating); asked for `nccl`,
 #             the one-GPU hybrid spec syncs weights by CUDA IPC (the log says so)
@@ -71,6 +73,7 @@ step sleep "$bin/gpu_check" sleep "$ckpt"
 step ipc "$bin/gpu_check" ipc "$ckpt" $((64 << 20))
 step nccl timeout 120 "$bin/gpu_check" nccl-same-gpu
 step zero timeout 180 "$bin/gpu_check" zero "$ckpt"
+step tp timeout 120 "$bin/gpu_check" tp "$ckpt"
 
 # The GRPO main job on the GPU, with a trace of the device's used memory.
 nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader,nounits -lms 200 \

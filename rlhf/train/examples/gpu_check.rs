@@ -88,6 +88,13 @@ enum Check {
         /// The Hugging Face checkpoint directory.
         ckpt: PathBuf,
     },
+    /// A tensor-parallel engine on CUDA: two ranks on the one GPU (threads, their all-reduces
+    /// staged through the CPU ring, since one GPU cannot host two NCCL ranks) against the whole
+    /// model, greedy, fp32: tokens equal, log-probs within 1e-4.
+    Tp {
+        /// The Hugging Face checkpoint directory.
+        ckpt: PathBuf,
+    },
     /// One rank of `nccl-same-gpu` (started by it).
     #[command(hide = true)]
     NcclRank {
@@ -124,6 +131,7 @@ fn run(check: Check) -> Result<()> {
         Check::IpcReceive { ckpt } => ipc_receive(&ckpt),
         Check::NcclSameGpu => nccl_same_gpu(),
         Check::Zero { ckpt } => zero(&ckpt),
+        Check::Tp { ckpt } => tp(&ckpt),
         Check::NcclRank { rank, port } => nccl_rank(rank, port).map_err(anyhow::Error::msg),
     }
 }
@@ -488,4 +496,46 @@ fn device_collectives(mut comm: rtrun::collective::Communicator, values: &Tensor
 #[cfg(not(feature = "cuda"))]
 fn device_collectives(_comm: rtrun::collective::Communicator, _values: &Tensor) -> Result<()> {
     bail!("device collectives need a build with the cuda feature")
+}
+
+/// The `tp` check.
+fn tp(dir: &Path) -> Result<()> {
+    let whole = CausalLm::from_pretrained(dir, Device::Cuda(0), Kind::Float)?;
+    let config = EngineConfig {
+        num_gpu_blocks: Some(256),
+        device: "cuda".into(),
+        dtype: "f32".into(),
+        ..EngineConfig::default()
+    };
+    let vocab = whole.config().vocab_size as u32;
+    let prompts: Vec<Vec<u32>> = (0..8u32)
+        .map(|i| (0..24).map(|j| 3 + (i * 7919 + j * 104_729) % (vocab - 3)).collect())
+        .collect();
+    let params = SamplingParams::greedy(32);
+    let requests: Vec<GenerationRequest> =
+        prompts.iter().map(|p| GenerationRequest::new(p.clone(), params.clone())).collect();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    let mut split =
+        rtrun_rlhf_engine::tp::ThreadFollowers::engine(&whole, None, config.clone(), 2, port)?;
+    let started = Instant::now();
+    let got = split.generate(requests.clone())?;
+    let tp_seconds = started.elapsed().as_secs_f64();
+    drop(split);
+    let mut engine = LlmEngine::new(whole, None, config)?;
+    let started = Instant::now();
+    let want = engine.generate(requests)?;
+    let whole_seconds = started.elapsed().as_secs_f64();
+    let mut worst = 0f32;
+    for (a, b) in want.iter().zip(&got) {
+        anyhow::ensure!(a.samples[0].token_ids == b.samples[0].token_ids, "tp=2 tokens differ");
+        for (x, y) in a.samples[0].log_probs.iter().zip(&b.samples[0].log_probs) {
+            worst = worst.max((x - y).abs());
+        }
+    }
+    anyhow::ensure!(worst <= 1e-4, "tp=2 log-probs differ by {worst}");
+    emit(json!({
+        "check": "tp", "ok": true, "max_logprob_diff": worst,
+        "tp2_seconds": tp_seconds, "tp1_seconds": whole_seconds,
+    }));
+    Ok(())
 }
