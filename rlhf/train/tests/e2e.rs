@@ -154,6 +154,46 @@ fn grpo_with_kl_loss_and_entropy_bonus() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// A placement spec's `vllm_engine` bundles hold tensor-parallel engine ranks: two bundles make
+/// one engine of two ranks (trained with the policy's weights on every step), and one bundle
+/// for two ranks is a config error naming both numbers.
+#[test]
+fn tensor_parallel_engine_ranks_take_the_specs_bundles() {
+    let dir = scratch("tp-spec");
+    let stock = repo_root().join("deploy/examples/rlhf/placement/separate.yaml");
+    let two = std::fs::read_to_string(&stock)
+        .unwrap()
+        .replace(
+            "  vllm:\n    bundles: [{resources: {GPU: 1, CPU: 1}}]",
+            "  vllm:\n    bundles: [{count: 2, resources: {GPU: 1, CPU: 1}}]",
+        )
+        .replace("vllm_engine: {replicas: 1,", "vllm_engine: {replicas: 2,");
+    let spec = dir.join("tp.yaml");
+    std::fs::write(&spec, two).unwrap();
+    let extra = |spec: &Path| {
+        format!(
+            "cluster: {{num_gpus: 8, placement_spec: {}}}\nengine: {{tensor_parallel_size: 2}}\n\
+             algo: {{advantage_estimator: group_norm}}\n",
+            spec.display()
+        )
+    };
+    let refused = small_config(&dir.join("refused"), &extra(&stock));
+    let err = rtrun_rlhf::run::run(&refused, &mut NoProgress).err().unwrap().to_string();
+    assert!(
+        err.contains("engine.tensor_parallel_size")
+            && err.contains("2 ranks per engine")
+            && err.contains("found 1"),
+        "{err}"
+    );
+    let config = small_config(&dir.join("run"), &extra(&spec));
+    let (trainer, report) = rtrun_rlhf::run::run(&config, &mut NoProgress).unwrap();
+    assert_eq!(report.steps, 2);
+    assert_eq!(trainer.roles.engine_ranks.iter().map(Vec::len).collect::<Vec<_>>(), vec![2]);
+    assert_trained(&dir.join("run"), 2);
+    trainer.roles.kill();
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// A one-thread HTTP reward server: answers each POST with one reward per query (1 for an
 /// answer equal to the label, else 0.25) and counts the requests it served.
 fn start_reward_server() -> (String, std::sync::Arc<std::sync::atomic::AtomicUsize>) {

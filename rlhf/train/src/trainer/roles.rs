@@ -86,8 +86,24 @@ fn optimizer(config: &TrainConfig, lr: f64, total_steps: u64) -> OptimizerConfig
 
 impl Roles {
     /// Creates every group from `policy_dir` (the initial policy; also the reference and the
-    /// critic's trunk) and `reward_dir` (a reward model, when the reward is model-based).
+    /// critic's trunk) and `reward_dir` (a reward model, when the reward is model-based). On an
+    /// error the spec's placement groups are removed again (with the actors already in them),
+    /// so a refused run leaves the cluster's resources free.
     pub fn create(
+        config: &TrainConfig,
+        placements: RolePlacements,
+        policy_dir: &Path,
+        reward_dir: Option<&Path>,
+        total_optimizer_steps: u64,
+    ) -> Result<Roles> {
+        let deployed = placements.clone();
+        Self::create_in(config, placements, policy_dir, reward_dir, total_optimizer_steps)
+            .inspect_err(|_| {
+                let _ = deployed.remove();
+            })
+    }
+
+    fn create_in(
         config: &TrainConfig,
         placements: RolePlacements,
         policy_dir: &Path,
