@@ -129,6 +129,28 @@ fn a_killed_worker_fails_the_run_with_an_error_naming_its_role_and_rank() {
     }
 }
 
+/// A tensor-parallel engine whose rank 1 is SIGKILLed mid-run: the run fails (no hang in the
+/// rank's collectives) with an error naming the engine, the tensor-parallel rank and its node.
+#[test]
+fn a_killed_tensor_parallel_rank_fails_the_run_naming_the_rank_and_its_node() {
+    let dir = scratch("kill-tp-rank");
+    let (mut running, stderr) = start_long_run(&dir, &["engine.tensor_parallel_size=2"]);
+    // Engine 0's ranks are `vllm_engine:0` and `vllm_engine:1`.
+    let pid = worker_pid(running.child.id(), "vllm_engine", 1).expect("the engine's rank 1");
+    signal(pid, libc::SIGKILL);
+    let (ok, err) = wait_exit(&mut running, &stderr, Duration::from_secs(60));
+    assert!(!ok, "the run must fail when a tensor-parallel rank dies: {err}");
+    let line = err.lines().find(|l| l.starts_with("Error:")).unwrap_or_default();
+    assert!(
+        line.contains("vllm_engine rank 0 (actor-")
+            && line.contains("tensor-parallel rank 1")
+            && line.contains("on node"),
+        "{err}"
+    );
+    drop(running);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn a_stopped_worker_fails_the_step_at_the_call_deadline_naming_its_role_and_rank() {
     let dir = scratch("stop");
