@@ -10,7 +10,8 @@ use rtrun_rlhf_engine::{
     EngineActor, EngineActorConfig, EngineConfig, GenerationOutput, GenerationRequest, LlmEngine,
     NamedTensor, SamplingParams, WeightBucket,
 };
-use rtrun_rlhf_model::{CausalLm, ModelConfig, ModelFamily, SaveOptions, tiny};
+use rtrun_rlhf_model::tch::{Device, Kind, Tensor};
+use rtrun_rlhf_model::{CausalLm, ModelConfig, ModelFamily, ResponseBatch, SaveOptions, tiny};
 
 #[ctor::ctor]
 fn serve_worker_processes() {
@@ -178,7 +179,34 @@ fn sleep_wake_prefix_caching_and_shard_updates_work_on_every_rank() {
     whole.update_weights(&whole_bucket(&updated)).unwrap();
     let after = whole.generate(greedy.clone()).unwrap();
     update_by_shard(&mut split, &updated, 2);
-    assert_same(&after, &split.generate(greedy).unwrap(), 1e-5, "after an update");
+    let got = split.generate(greedy).unwrap();
+    assert_same(&after, &got, 1e-5, "after an update");
+    // The policy's own log-probs of what the updated TP = 2 engine generated (a training
+    // forward of the whole model), token by token.
+    let mut worst = 0f32;
+    for output in &got {
+        let sample = &output.samples[0];
+        let sequence: Vec<i64> = output
+            .prompt_token_ids
+            .iter()
+            .chain(&sample.token_ids)
+            .map(|&t| i64::from(t))
+            .collect();
+        let (len, r) = (sequence.len() as i64, sample.token_ids.len() as i64);
+        let ones = |n| Tensor::ones([1, n], (Kind::Int64, Device::Cpu));
+        let batch = ResponseBatch {
+            input_ids: Tensor::from_slice(&sequence).view([1, len]),
+            attention_mask: ones(len),
+            action_mask: ones(r),
+        };
+        let policy =
+            Vec::<f32>::try_from(updated.response_log_probs(&batch).unwrap().view(-1)).unwrap();
+        for (a, b) in sample.log_probs.iter().zip(&policy) {
+            worst = worst.max((a - b).abs());
+        }
+    }
+    eprintln!("TP = 2 engine vs the policy's forward after a sync: max |Δ log-prob| {worst:.2e}");
+    assert!(worst <= 1e-5, "engine and policy log-probs differ by {worst}");
 }
 
 /// The whole model as one bucket.
