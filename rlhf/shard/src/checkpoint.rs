@@ -90,9 +90,23 @@ pub fn read_manifest(dir: &Path) -> Result<Manifest> {
 }
 
 impl ShardedModel {
+    /// Sharded checkpoints are made of the units' shards, which stage 0 does not keep (its
+    /// parameters live in the sharding manager's buffers).
+    fn require_units(&self, what: &str) -> Result<()> {
+        let stage = self.config().stage;
+        if stage == crate::ZeroStage::Zero {
+            return Err(ShardError::Config(format!(
+                "{what} a sharded checkpoint needs zero_stage 1, 2 or 3, found {stage} (a \
+                 zero_stage 0 rank saves the whole model and its optimizer)"
+            )));
+        }
+        Ok(())
+    }
+
     /// Writes this rank's shards into `dir` (every rank calls it; rank 0 writes the manifest
     /// after all have written theirs).
     pub fn save_sharded(&mut self, dir: &Path) -> Result<()> {
+        self.require_units("saving")?;
         let step = self.steps_taken();
         let moments: Vec<(Tensor, Tensor)> = match self.sharded_optimizer() {
             Some(o) => {
@@ -151,6 +165,7 @@ impl ShardedModel {
     /// Loads a sharded save from `dir`, made on any number of ranks, into this rank's shards
     /// (and, below stage 3, its whole parameters) and optimizer state.
     pub fn load_sharded(&mut self, dir: &Path) -> Result<()> {
+        self.require_units("loading")?;
         let manifest = read_manifest(dir)?;
         let mut files: Vec<(PathBuf, HashMap<String, Tensor>)> = Vec::new();
         for (rank, name) in manifest.shards.iter().enumerate() {

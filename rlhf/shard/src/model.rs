@@ -14,6 +14,9 @@ use rtrun_rlhf_model::train::{AdamW, OptimizerConfig, StepStats};
 use crate::ZeroStage;
 use crate::comm::GroupComm;
 use crate::error::{Result, ShardError};
+use crate::manager::{
+    Bucket, FlatBuffers, HeldByResidency, ManagerConfig, Mode, ShardingManager, TransitionReport,
+};
 use crate::optim::ShardOptimizer;
 use crate::state::{HeldBytes, SharedState, ZeroState};
 
@@ -43,9 +46,19 @@ enum Optimizer {
 /// release and reduce each unit. The model is then used as before, except that the loss is
 /// backpropagated with the model's `backward` (not `loss.backward()`) and the step is
 /// [`ShardedModel::step`].
+///
+/// At stage 0 a [`ShardingManager`] built with the model lays the parameters out instead (one
+/// buffer per dtype; AdamW's moments too, the gradients at the first offload), so that a
+/// colocated rank moves its training state to host memory and back with
+/// [`ShardedModel::transition`] and the weight sync reads whole slices of the buffers
+/// ([`ShardedModel::param_buckets`]).
 pub struct ShardedModel {
     shared: SharedState,
     optimizer: Option<Optimizer>,
+    /// Stage 0: owns the buffers the parameters, their gradients and AdamW's moments are
+    /// views of. Built with the model rather than at the first offload, so the parameters are
+    /// laid out once, never in two places, and every weight sync reads the same buffers.
+    manager: Option<ShardingManager>,
     config: ShardConfig,
 }
 
@@ -84,6 +97,17 @@ impl ShardedModel {
             }
             Some(o) => Some(Optimizer::Sharded(ShardOptimizer::new(&mut state, o)?)),
         };
+        let manager = match config.stage {
+            ZeroStage::Zero => {
+                let adamw = match &optimizer {
+                    Some(Optimizer::Whole(adamw)) => Some(adamw),
+                    _ => None,
+                };
+                let params = named.iter().map(|(n, t)| (n.as_str(), t));
+                Some(ShardingManager::new(params, adamw, ManagerConfig::default())?)
+            }
+            _ => None,
+        };
         let shared = SharedState(Arc::new(Mutex::new(state)));
         let checkpoint = config.gradient_checkpointing && trains;
         let layerwise = checkpoint
@@ -93,7 +117,7 @@ impl ShardedModel {
             backbone
                 .set_layerwise(Some(Layerwise::new(checkpoint, Some(Box::new(shared.clone())))));
         }
-        Ok(Self { shared, optimizer, config })
+        Ok(Self { shared, optimizer, manager, config })
     }
 
     /// [`ShardedModel::new`] for a causal LM (its parameters, and tied when it has no
@@ -310,6 +334,79 @@ impl ShardedModel {
         }
     }
 
+    /// The stage-0 sharding manager (`None` at stages 1-3).
+    pub fn manager(&self) -> Option<&ShardingManager> {
+        self.manager.as_ref()
+    }
+
+    /// The mode the stage-0 training state is in (`None` at stages 1-3).
+    pub fn mode(&self) -> Option<Mode> {
+        self.manager.as_ref().map(ShardingManager::mode)
+    }
+
+    /// Moves the training state for `target` (stage 0 only): [`Mode::Infer`] offloads the
+    /// parameters, gradients and AdamW's moments into separate host buffers and drops the
+    /// device ones, [`Mode::Train`] brings them back (see [`crate::manager`]).
+    pub fn transition(&mut self, target: Mode) -> Result<TransitionReport> {
+        self.transition_with_sync(target, |_| Ok(()))
+    }
+
+    /// [`ShardedModel::transition`], calling `sync` with the parameters' buffers (still
+    /// resident) where the plan syncs the engines' weights (leaving `Train` for `Infer`).
+    pub fn transition_with_sync(
+        &mut self,
+        target: Mode,
+        sync: impl FnOnce(&FlatBuffers) -> Result<()>,
+    ) -> Result<TransitionReport> {
+        let stage = self.config.stage;
+        let adamw = match &self.optimizer {
+            Some(Optimizer::Whole(adamw)) => Some(adamw),
+            _ => None,
+        };
+        let manager = self.manager.as_mut().ok_or_else(|| {
+            ShardError::Config(format!(
+                "moving the training state between the device and host memory needs \
+                 zero_stage 0, found {stage}"
+            ))
+        })?;
+        let report = manager.transition_with_sync(target, adamw, sync)?;
+        self.shared.lock().measure();
+        Ok(report)
+    }
+
+    /// Lays the stage-0 training state out again after something replaced tensors instead
+    /// of writing into them ([`AdamW::load`] through [`ShardedModel::whole_optimizer`]), so
+    /// the stale buffers are dropped; nothing at stages 1-3. Returns the bytes laid out.
+    pub fn relayout(&mut self) -> Result<u64> {
+        let adamw = match &self.optimizer {
+            Some(Optimizer::Whole(adamw)) => Some(adamw),
+            _ => None,
+        };
+        match &mut self.manager {
+            Some(manager) => manager.relayout(adamw),
+            None => Ok(0),
+        }
+    }
+
+    /// The parameters as slices of the stage-0 manager's buffers of at most `max_bytes` each
+    /// (cut at parameter boundaries, in `named_parameters` order within each dtype): what a
+    /// weight sync reads with one copy per bucket. `None` at stages 1-3, or when a parameter
+    /// is no longer a view of the buffers.
+    pub fn param_buckets(&self, max_bytes: u64) -> Result<Option<Vec<Bucket>>> {
+        match &self.manager {
+            Some(manager) if manager.params_laid_out() => {
+                Ok(Some(manager.params().bucket_slices(max_bytes)?))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// Bytes of the stage-0 training state in device and in host buffers (`None` at stages
+    /// 1-3).
+    pub fn held_by_residency(&self) -> Option<HeldByResidency> {
+        self.manager.as_ref().map(ShardingManager::held)
+    }
+
     /// Tensor bytes of parameters, gradients and optimizer state held now.
     pub fn held_bytes(&self) -> HeldBytes {
         self.shared.lock().held()
@@ -339,6 +436,11 @@ impl ShardedModel {
             collective_seconds,
             collective_bytes,
             prefetched_gathers: self.shared.lock().prefetched_gathers,
+            offloaded: self.held_by_residency().map_or_else(HeldBytes::default, |held| HeldBytes {
+                parameters: held.host.params,
+                gradients: held.host.grads,
+                optimizer: held.host.optimizer,
+            }),
         };
         if reset_peak {
             self.reset_peak();

@@ -4,14 +4,17 @@
 //!
 //! | stage | parameters                   | gradients                         | AdamW moments |
 //! |-------|------------------------------|-----------------------------------|---------------|
-//! | 0     | whole, flat per unit         | whole (`.grad`), all-reduced      | whole         |
+//! | 0     | whole, flat per dtype        | whole (`.grad`), all-reduced      | whole         |
 //! | 1     | whole                        | whole until the step, then shard  | shard         |
 //! | 2     | whole                        | shard, reduced per segment        | shard         |
 //! | 3     | shard; a unit whole while read | shard, reduced per segment      | shard         |
 //!
-//! Every parameter of the model is a view into its unit's flat buffer (`full`), set once with
-//! `set_data`, so the layers read it in place. At stage 3 `full`'s storage is freed after each
-//! use and allocated again (in place, so autograd's saved views follow) before the next.
+//! At stages 1-3 every parameter of the model is a view into its unit's flat buffer (`full`),
+//! set once with `set_data`, so the layers read it in place. At stage 3 `full`'s storage is
+//! freed after each use and allocated again (in place, so autograd's saved views follow)
+//! before the next. At stage 0 the units hold no buffer: the parameters are views of the
+//! rank's [`crate::manager::ShardingManager`]'s per-dtype buffers (its gradients and AdamW's
+//! moments too), which it moves between the device and host memory.
 
 use tch::{Device, Kind, Tensor};
 
@@ -48,6 +51,10 @@ pub struct ShardStats {
     pub collective_bytes: u64,
     /// Gathers served by the prefetch (already done when their layer needed them).
     pub prefetched_gathers: u64,
+    /// The part of `now` in host buffers (stage 0 with the training state offloaded: the
+    /// sharding manager's; zero otherwise).
+    #[serde(default)]
+    pub offloaded: HeldBytes,
 }
 
 impl HeldBytes {
@@ -57,14 +64,21 @@ impl HeldBytes {
     }
 }
 
+/// `numel × element size` of `tensor` (its own bytes, not its storage's).
+fn tensor_bytes(tensor: &Tensor) -> u64 {
+    tensor.numel() as u64 * tensor.kind().elt_size_in_bytes() as u64
+}
+
 /// One flat unit of a rank.
 pub(crate) struct Unit {
     pub(crate) plan: UnitPlan,
     /// The model's parameters (shallow clones), by member.
     pub(crate) params: Vec<Tensor>,
-    /// `[padded]` in the parameters' dtype; at stage 3 its storage exists only while gathered.
+    /// `[padded]` in the parameters' dtype; at stage 3 its storage exists only while gathered;
+    /// empty at stage 0, where the sharding manager's buffers hold the parameters.
     pub(crate) full: Tensor,
-    /// This rank's `[shard_len]` slice: a view of `full` below stage 3, its own storage at 3.
+    /// This rank's `[shard_len]` slice: a view of `full` at stages 1-2, its own storage at 3;
+    /// empty at stage 0.
     pub(crate) shard: Tensor,
     /// The reduced gradient of the shard, float32 (stages 1-3 of a trained model).
     pub(crate) grad_shard: Option<Tensor>,
@@ -175,24 +189,33 @@ impl ZeroState {
                 .iter()
                 .map(|m| by_name[m.name.as_str()].shallow_clone())
                 .collect();
-            let full = Tensor::f_zeros([unit_plan.padded as i64], (kind, device))?;
-            tch::no_grad(|| -> Result<()> {
-                for (member, param) in unit_plan.members.iter().zip(&params) {
-                    let view = full.f_narrow(0, member.offset as i64, member.numel as i64)?;
-                    view.shallow_clone().f_copy_(&param.f_reshape([-1])?)?;
-                    param.shallow_clone().f_set_data(&view.f_view(member.shape.as_slice())?)?;
-                }
-                Ok(())
-            })?;
             let range = unit_plan.shard_range(world, rank);
-            let own = full.f_narrow(0, range.start as i64, range.len() as i64)?;
-            let (shard, gathered) = if stage == ZeroStage::Three {
-                let shard = Tensor::f_empty([range.len() as i64], (kind, device))?;
-                tch::no_grad(|| shard.shallow_clone().f_copy_(&own))?;
-                free_storage(&full)?;
-                (shard, false)
+            let (full, shard, gathered) = if stage == ZeroStage::Zero {
+                // Stage 0's parameters are laid out by the rank's sharding manager (one buffer
+                // per dtype that moves between the device and host memory as one): a unit
+                // buffer beside it would hold a second copy, and keep the device memory of an
+                // offloaded model.
+                let empty = Tensor::f_empty([0], (kind, device))?;
+                (empty.shallow_clone(), empty, true)
             } else {
-                (own, true)
+                let full = Tensor::f_zeros([unit_plan.padded as i64], (kind, device))?;
+                tch::no_grad(|| -> Result<()> {
+                    for (member, param) in unit_plan.members.iter().zip(&params) {
+                        let view = full.f_narrow(0, member.offset as i64, member.numel as i64)?;
+                        view.shallow_clone().f_copy_(&param.f_reshape([-1])?)?;
+                        param.shallow_clone().f_set_data(&view.f_view(member.shape.as_slice())?)?;
+                    }
+                    Ok(())
+                })?;
+                let own = full.f_narrow(0, range.start as i64, range.len() as i64)?;
+                if stage == ZeroStage::Three {
+                    let shard = Tensor::f_empty([range.len() as i64], (kind, device))?;
+                    tch::no_grad(|| shard.shallow_clone().f_copy_(&own))?;
+                    free_storage(&full)?;
+                    (full, shard, false)
+                } else {
+                    (full, own, true)
+                }
             };
             // Stage 1 reduces only at the step: its gradient shards exist from then until the
             // update, not beside the whole gradients during the backward.
@@ -426,6 +449,19 @@ impl ZeroState {
     pub(crate) fn held(&self) -> HeldBytes {
         let mut held = HeldBytes { optimizer: self.optimizer_bytes, ..HeldBytes::default() };
         for unit in &self.units {
+            if self.stage == ZeroStage::Zero {
+                // Views of the sharding manager's flat buffers, gradients too once it laid
+                // them out: each counts its own elements, not its storage (the whole buffer,
+                // which would be counted once per parameter), wherever it is now.
+                for param in &unit.params {
+                    held.parameters += tensor_bytes(param);
+                    let grad = param.grad();
+                    if grad.defined() {
+                        held.gradients += tensor_bytes(&grad);
+                    }
+                }
+                continue;
+            }
             held.parameters += storage_bytes(&unit.full) as u64;
             if self.stage == ZeroStage::Three {
                 held.parameters += storage_bytes(&unit.shard) as u64;

@@ -1,15 +1,17 @@
 //! The sharding manager on a real (tiny, CPU) model after a real backward and AdamW step:
 //! every parameter, gradient and moment comes back bit-identical from Train → Infer → Train
 //! and Train → Forward → Train, the forward is unchanged, the bytes accounted are the model's,
-//! and nothing is held in device buffers while offloaded.
+//! and nothing is held in device buffers while offloaded. A stage-0 `ShardedModel` runs on it:
+//! offloaded and back, it trains on bit for bit as a twin that never was.
 
 use rtrun_rlhf_model::logprobs::token_log_probs;
 use rtrun_rlhf_model::tiny::{tiny_config, tiny_model};
 use rtrun_rlhf_model::train::{AdamW, OptimizerConfig};
 use rtrun_rlhf_model::{CausalLm, ModelFamily};
 use rtrun_rlhf_shard::manager::{
-    Action, ClassBytes, IdleGrads, ManagerConfig, Mode, ShardingManager, TensorClass,
+    Action, ClassBytes, IdleGrads, ManagerConfig, Mode, Residency, ShardingManager, TensorClass,
 };
+use rtrun_rlhf_shard::{GroupComm, HeldBytes, ShardConfig, ShardedModel, ZeroStage};
 use tch::{Device, Kind, Tensor};
 
 const SEQ: i64 = 10;
@@ -295,4 +297,146 @@ fn a_rank_with_an_optimizer_needs_it_to_move() {
     // Nothing was moved: the same transition with the optimizer does it all.
     let report = manager.transition(Mode::Infer, Some(&adamw)).unwrap();
     assert_eq!(report.plan.actions.len(), 4);
+}
+
+fn build_sharded(family: ModelFamily, stage: ZeroStage) -> (CausalLm, ShardedModel) {
+    let model = tiny_model(&tiny_config(family), 11).unwrap();
+    let config = ShardConfig { stage, gradient_checkpointing: false };
+    let optimizer = Some(OptimizerConfig::default());
+    let sharded =
+        ShardedModel::for_causal_lm(&model, config, GroupComm::solo(), optimizer).unwrap();
+    (model, sharded)
+}
+
+/// Whether every parameter and every gradient reads from `class`'s buffer now.
+fn all_in(model: &CausalLm, sharded: &ShardedModel, class: TensorClass) -> bool {
+    let manager = sharded.manager().unwrap();
+    let buffers = match class {
+        TensorClass::Params => manager.params(),
+        TensorClass::Grads => manager.grads().unwrap(),
+        TensorClass::Optimizer => manager.moments().unwrap(),
+    };
+    let range = data_range(buffers.buffer(Kind::Float).unwrap());
+    model.named_parameters().all(|(_, t)| {
+        let t = if class == TensorClass::Grads { t.grad() } else { t.shallow_clone() };
+        range.contains(&(t.data_ptr() as usize))
+    })
+}
+
+#[test]
+fn a_stage_zero_model_offloads_and_trains_on_as_its_twin() {
+    for family in [ModelFamily::Llama, ModelFamily::Qwen2] {
+        let (model, mut sharded) = build_sharded(family, ZeroStage::Zero);
+        let (twin_model, mut twin) = build_sharded(family, ZeroStage::Zero);
+        // One step and one more backward: non-zero moments and gradients.
+        for (model, sharded) in [(&model, &mut sharded), (&twin_model, &mut twin)] {
+            backward(model);
+            sharded.step().unwrap();
+            backward(model);
+        }
+        let bytes = param_bytes(&model);
+        let all = ClassBytes { params: bytes, grads: bytes, optimizer: 2 * bytes };
+        let held = HeldBytes { parameters: bytes, gradients: bytes, optimizer: 2 * bytes };
+        assert_eq!(sharded.mode(), Some(Mode::Train));
+        assert_eq!(sharded.held_bytes(), held);
+        assert!(all_in(&model, &sharded, TensorClass::Params), "laid out at construction");
+        let before = snapshot(&model, sharded.whole_optimizer().unwrap());
+
+        let report = sharded.transition(Mode::Infer).unwrap();
+        assert_eq!((report.to_host, report.to_device), (all, ClassBytes::default()));
+        let residency = sharded.held_by_residency().unwrap();
+        assert_eq!((residency.device.total(), residency.host), (0, all), "nothing on the device");
+        assert_eq!(sharded.manager().unwrap().params().residency(), Residency::Host);
+        // Counted once: the gradients are views of one buffer now, not one buffer each.
+        assert_eq!(sharded.held_bytes(), held);
+        assert_eq!(sharded.stats(false).offloaded, held);
+        assert!(all_in(&model, &sharded, TensorClass::Params));
+        assert!(all_in(&model, &sharded, TensorClass::Grads));
+        assert_unchanged(&before, &model, sharded.whole_optimizer().unwrap());
+
+        let report = sharded.transition(Mode::Train).unwrap();
+        assert_eq!((report.to_device, report.to_host), (all, ClassBytes::default()));
+        let residency = sharded.held_by_residency().unwrap();
+        assert_eq!((residency.device, residency.host.total()), (all, 0));
+        assert_eq!(
+            (sharded.held_bytes(), sharded.stats(false).offloaded),
+            (held, HeldBytes::default())
+        );
+        assert!(all_in(&model, &sharded, TensorClass::Params));
+        assert!(all_in(&model, &sharded, TensorClass::Grads));
+        assert_unchanged(&before, &model, sharded.whole_optimizer().unwrap());
+
+        // Training goes on in the buffers exactly as on the twin that never moved.
+        for (model, sharded) in [(&model, &mut sharded), (&twin_model, &mut twin)] {
+            sharded.step().unwrap();
+            sharded.zero_grad().unwrap();
+            backward(model);
+            sharded.step().unwrap();
+        }
+        assert!(all_in(&model, &sharded, TensorClass::Grads), "the backward wrote the views");
+        let ours = snapshot(&model, sharded.whole_optimizer().unwrap());
+        let theirs = snapshot(&twin_model, twin.whole_optimizer().unwrap());
+        for ((name, a), (_, b)) in ours.iter().zip(&theirs) {
+            assert!(a.equal(b), "`{name}` differs from the twin's");
+        }
+        assert!(logits(&model).equal(&logits(&twin_model)));
+        assert_eq!(sharded.steps_taken(), 3);
+    }
+}
+
+#[test]
+fn weight_buckets_are_slices_of_the_stage_zero_buffers_only() {
+    let (model, sharded) = build_sharded(ModelFamily::Llama, ZeroStage::Zero);
+    let buckets = sharded.param_buckets(64 << 10).unwrap().unwrap();
+    let names: Vec<&str> =
+        buckets.iter().flat_map(|b| b.tensors.iter().map(|m| m.name.as_str())).collect();
+    assert_eq!(names, model.named_parameters().map(|(n, _)| n).collect::<Vec<_>>());
+    // A parameter pointed elsewhere: the buckets would not read it, so there are none.
+    let (_, first) = model.named_parameters().next().unwrap();
+    first.shallow_clone().set_data(&first.detach().copy());
+    assert!(sharded.param_buckets(64 << 10).unwrap().is_none());
+
+    // Stages 1-3 have no manager: no buckets, and offloading is refused by name.
+    let (_, mut one) = build_sharded(ModelFamily::Llama, ZeroStage::One);
+    assert!(one.param_buckets(64 << 10).unwrap().is_none() && one.mode().is_none());
+    let err = one.transition(Mode::Infer).unwrap_err().to_string();
+    assert!(err.contains("needs zero_stage 0, found 1"), "{err}");
+}
+
+#[test]
+fn moments_replaced_while_offloaded_are_laid_out_again() {
+    let (model, mut sharded) = build_sharded(ModelFamily::Qwen2, ZeroStage::Zero);
+    backward(&model);
+    sharded.step().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("optimizer.safetensors");
+    sharded.whole_optimizer().unwrap().save(&path).unwrap();
+    let saved: Vec<Tensor> =
+        sharded.whole_optimizer().unwrap().moments().map(|(_, a, _)| a.copy()).collect();
+    sharded.transition(Mode::Infer).unwrap();
+    // `AdamW::load` replaces the moments with new tensors (not views of any buffer).
+    sharded.whole_optimizer().unwrap().load(&path).unwrap();
+    let report = sharded.transition(Mode::Train).unwrap();
+    assert_eq!(report.to_device.optimizer, 2 * param_bytes(&model));
+    assert!(all_in(&model, &sharded, TensorClass::Params));
+    let adamw = sharded.whole_optimizer().unwrap();
+    for ((_, a, _), was) in adamw.moments().zip(&saved) {
+        assert!(a.equal(was));
+    }
+    let moments: Vec<(String, Tensor)> = adamw
+        .moments()
+        .flat_map(|(n, a, b)| {
+            let avg = (format!("exp_avg.{n}"), a.shallow_clone());
+            [avg, (format!("exp_avg_sq.{n}"), b.shallow_clone())]
+        })
+        .collect();
+    let buffers = sharded.manager().unwrap().moments().unwrap();
+    assert_eq!(buffers.residency(), Residency::Device);
+    assert!(buffers.is_laid_out(&moments), "the loaded moments are views of the buffers");
+    // Replaced while training: `relayout` drops the stale buffers.
+    sharded.whole_optimizer().unwrap().load(&path).unwrap();
+    assert_eq!(sharded.relayout().unwrap(), 2 * param_bytes(&model));
+    assert_eq!(sharded.relayout().unwrap(), 0, "nothing left to lay out");
+    let err = sharded.save_sharded(dir.path()).unwrap_err().to_string();
+    assert!(err.contains("needs zero_stage 1, 2 or 3, found 0"), "{err}");
 }

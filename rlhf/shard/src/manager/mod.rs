@@ -11,9 +11,12 @@
 //!
 //! Offloading is a real copy into a separate host buffer (pinned on a GPU) after which the
 //! device buffer is dropped and the tensors point at the host copy; on a CPU device it is
-//! still a separate allocation, so the whole path runs in CPU tests. Tensors must not be
-//! replaced while offloaded (their storage may change, which the next offload notices: a
-//! class whose tensors are no longer views of its buffers is laid out again from them).
+//! still a separate allocation, so the whole path runs in CPU tests. A class whose tensors
+//! were replaced (not written into) is noticed at its next offload or onload, which lays it
+//! out again from the tensors as they are; [`ShardingManager::relayout`] does it at once.
+//!
+//! A stage-0 [`crate::ShardedModel`] owns one, built with the model: its buffers are the
+//! parameters' only storage.
 
 pub mod buffers;
 pub mod plan;
@@ -164,6 +167,38 @@ impl ShardingManager {
         self.moment_buffers.as_ref()
     }
 
+    /// Whether the parameters are still the views of [`ShardingManager::params`] it made
+    /// (none replaced or repointed since), so its [`FlatBuffers::bucket_slices`] read them.
+    pub fn params_laid_out(&self) -> bool {
+        self.param_buffers.is_laid_out(&self.params)
+    }
+
+    /// Lays out again, where they are now, the classes whose tensors are no longer views of
+    /// their buffers ([`AdamW::load`] replaces the moments), dropping the stale buffers so
+    /// that they hold no memory beside the new tensors. Gradients not laid out yet are left
+    /// to the next offload. Returns the bytes laid out again.
+    pub fn relayout(&mut self, optimizer: Option<&AdamW>) -> Result<u64> {
+        let mut bytes = 0;
+        for class in TensorClass::ALL {
+            let Some(buffers) = self.buffers(class) else { continue };
+            let residency = buffers.residency();
+            let current = self.current(class, optimizer)?;
+            if buffers.is_laid_out(&current) {
+                continue;
+            }
+            let rebuilt = match (class, current.is_empty(), residency) {
+                (TensorClass::Grads, true, _) => None,
+                (_, _, Residency::Host) => {
+                    Some(FlatBuffers::build_offloaded(current, self.device())?)
+                }
+                _ => Some(FlatBuffers::build(current, self.device())?),
+            };
+            bytes += rebuilt.as_ref().map_or(0, FlatBuffers::bytes);
+            self.replace(class, rebuilt);
+        }
+        Ok(bytes)
+    }
+
     /// Bytes held now in device and in host buffers, by class.
     pub fn held(&self) -> HeldByResidency {
         let mut held = HeldByResidency::default();
@@ -210,10 +245,7 @@ impl ShardingManager {
                     report.to_host.add(class, bytes);
                 }
                 Action::Onload(class) => {
-                    let bytes = match self.buffers_mut(class) {
-                        Some(buffers) => buffers.onload()?,
-                        None => 0,
-                    };
+                    let bytes = self.onload(class, optimizer)?;
                     report.to_device.add(class, bytes);
                 }
                 Action::Free(class) => report.freed.add(class, self.free(class)?),
@@ -298,6 +330,35 @@ impl ShardingManager {
             _ => Some(FlatBuffers::build_offloaded(current, device)?),
         };
         let bytes = rebuilt.as_ref().map_or(0, FlatBuffers::bytes);
+        self.replace(class, rebuilt);
+        Ok(bytes)
+    }
+
+    /// Onloads `class`: its buffers as they are, or, when its tensors are no longer views of
+    /// them (replaced while offloaded, as [`AdamW::load`] replaces the moments), laid out
+    /// again from the tensors straight into device buffers (the stale host buffers dropped).
+    fn onload(&mut self, class: TensorClass, optimizer: Option<&AdamW>) -> Result<u64> {
+        if self.buffers(class).is_none() {
+            return Ok(0);
+        }
+        let current = self.current(class, optimizer)?;
+        let laid_out = self.buffers(class).is_some_and(|b| b.is_laid_out(&current));
+        if laid_out {
+            return match self.buffers_mut(class) {
+                Some(buffers) => buffers.onload(),
+                None => Ok(0),
+            };
+        }
+        let rebuilt = match (class, current.is_empty()) {
+            (TensorClass::Grads, true) => None,
+            _ => Some(FlatBuffers::build(current, self.device())?),
+        };
+        let bytes = rebuilt.as_ref().map_or(0, FlatBuffers::bytes);
+        self.replace(class, rebuilt);
+        Ok(bytes)
+    }
+
+    fn replace(&mut self, class: TensorClass, rebuilt: Option<FlatBuffers>) {
         match class {
             TensorClass::Params => {
                 if let Some(rebuilt) = rebuilt {
@@ -307,7 +368,6 @@ impl ShardingManager {
             TensorClass::Grads => self.grad_buffers = rebuilt,
             TensorClass::Optimizer => self.moment_buffers = rebuilt,
         }
-        Ok(bytes)
     }
 
     /// Drops `class`'s tensors without a copy (gradients only: `.grad` is cleared).

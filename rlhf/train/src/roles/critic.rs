@@ -8,6 +8,7 @@ use tch::{Device, Kind};
 
 use rtrun_rlhf_model::ScalarHeadModel;
 use rtrun_rlhf_model::train::OptimizerConfig;
+use rtrun_rlhf_shard::manager::Mode;
 use rtrun_rlhf_shard::{GroupComm, ShardConfig, ShardedModel, ZeroStage};
 
 use crate::algo::{self, LossAggregation};
@@ -196,38 +197,41 @@ impl CriticWorkerState {
             }
             Ok(())
         })?;
-        match self.sharded.whole_optimizer() {
-            Some(opt) => opt.load(&dir.join(rtrun_rlhf_model::train::OPTIMIZER_FILE)),
-            None => Ok(()),
+        if let Some(opt) = self.sharded.whole_optimizer() {
+            opt.load(&dir.join(rtrun_rlhf_model::train::OPTIMIZER_FILE))?;
         }
+        // The loaded moments are new tensors: the sharding manager's stale buffers go.
+        self.sharded.relayout()?;
+        Ok(())
     }
 
     /// Moves parameters, gradients and AdamW state to host memory while the engines generate
-    /// (see [`crate::roles::lm::LmWorker::offload`]); a no-op on a CPU rank.
+    /// (see [`crate::roles::lm::LmWorker::offload`]): at stage 0 the sharding manager's
+    /// `Infer` mode, a copy into separate host buffers on a CPU rank too.
     pub fn offload(&mut self) -> Result<(), String> {
         self.setup.offloaded = true;
-        self.move_to(Device::Cpu)?;
+        self.move_to(Mode::Infer)?;
         rtrun_rlhf_model::cuda::empty_cache().map_err(to_string_error)
     }
 
     /// Brings training state back to the training device.
     pub fn onload(&mut self) -> Result<(), String> {
         self.setup.offloaded = false;
-        let device = self.setup.device();
-        self.move_to(device)
+        self.move_to(Mode::Train)
     }
 
-    fn move_to(&mut self, device: Device) -> Result<(), String> {
-        // As the policy's: a CPU rank has nothing to move.
-        if self.setup.device() == Device::Cpu {
-            return Ok(());
+    /// As the policy's: stage 0 through the sharding manager; at stages 1-3 a CPU rank has
+    /// nothing to move and a GPU rank is refused.
+    fn move_to(&mut self, mode: Mode) -> Result<(), String> {
+        if self.sharded.config().stage != ZeroStage::Zero {
+            if self.setup.device() == Device::Cpu {
+                return Ok(());
+            }
+            return Err("offloading a GPU rank's training state is not supported with \
+                        train.zero_stage >= 1 yet"
+                .into());
         }
-        match self.sharded.whole_optimizer() {
-            Some(opt) => opt.move_to(device).map_err(to_string_error),
-            None => Err("offloading a GPU rank's training state is not supported with \
-                         train.zero_stage >= 1 yet"
-                .into()),
-        }
+        self.sharded.transition(mode).map(drop).map_err(to_string_error)
     }
 }
 #[rtrun::actor(pub)]

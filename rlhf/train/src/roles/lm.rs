@@ -12,6 +12,7 @@ use tch::{Device, Kind, Tensor};
 
 use rtrun_rlhf_model::CausalLm;
 use rtrun_rlhf_model::train::OptimizerConfig;
+use rtrun_rlhf_shard::manager::Mode;
 use rtrun_rlhf_shard::{GroupComm, ShardConfig, ShardStats, ShardedModel, ZeroStage};
 
 use crate::algo::{self, ClipConfig, KlEstimator, LossAggregation};
@@ -24,6 +25,7 @@ use rtrun_rlhf_engine::tp::{TpLayout, reshard};
 use rtrun_rlhf_engine::{WeightBucket, WeightMeta, WeightSyncGroup};
 
 mod supervised;
+mod weight_slices;
 pub use supervised::SupervisedStats;
 
 use crate::stage::losses::{PairStats, PreferenceLoss};
@@ -189,9 +191,18 @@ impl LmWorkerState {
         bucket_bytes: usize,
     ) -> Result<Vec<rtrun::ObjectRef<WeightBucket>>, String> {
         // f32 as trained: the engines' weights must equal the policy's bit for bit (the run
-        // logs the engine/policy log-prob gap every step).
-        let buckets =
-            WeightBucket::split_model(&self.model, bucket_bytes, None).map_err(to_string_error)?;
+        // logs the engine/policy log-prob gap every step). At stage 0 the parameters are
+        // views of the sharding manager's buffers: a bucket is one read of one slice.
+        let slices =
+            self.sharded.param_buckets(bucket_bytes.max(1) as u64).map_err(to_string_error)?;
+        let buckets = match slices {
+            Some(slices) => slices
+                .iter()
+                .map(weight_slices::bucket_from_slice)
+                .collect::<Result<Vec<_>, String>>()?,
+            None => WeightBucket::split_model(&self.model, bucket_bytes, None)
+                .map_err(to_string_error)?,
+        };
         buckets.iter().map(|b| rtrun::put(b).map_err(to_string_error)).collect()
     }
 
@@ -404,6 +415,8 @@ impl LmWorkerState {
                     }
                     None => Err("a trained rank without an optimizer".into()),
                 }
+                // The loaded moments are new tensors: the manager's stale buffers go.
+                .and_then(|()| self.sharded.relayout().map(drop).map_err(to_string_error))
             }
             (true, false, _) => Err(format!(
                 "it holds no sharded save ({} is missing): a zero_stage 0 save resumes with \
@@ -447,11 +460,13 @@ impl LmWorkerState {
         self.sharded.stats(reset_peak)
     }
 
-    /// Moves parameters and optimizer state to host memory (hybrid engine: while the engines
-    /// generate). On a CPU-only run the tensors already live in host memory and stay put.
+    /// Moves parameters, gradients and optimizer state to host memory (hybrid engine: while
+    /// the engines generate). At stage 0 this is the sharding manager's `Infer` mode, a copy
+    /// into separate host buffers on a CPU rank too; at stages 1-3 a CPU rank's tensors stay
+    /// put (they already live in host memory).
     pub fn offload(&mut self) -> Result<(), String> {
         self.setup.offloaded = true;
-        self.move_to(Device::Cpu).map_err(to_string_error)?;
+        self.move_to(Mode::Infer).map_err(to_string_error)?;
         // The moved tensors' GPU memory is in libtorch's cache until given back.
         rtrun_rlhf_model::cuda::empty_cache().map_err(to_string_error)
     }
@@ -459,8 +474,7 @@ impl LmWorkerState {
     /// Brings parameters and optimizer state back to the training device.
     pub fn onload(&mut self) -> Result<(), String> {
         self.setup.offloaded = false;
-        let device = self.setup.device();
-        self.move_to(device).map_err(to_string_error)
+        self.move_to(Mode::Train).map_err(to_string_error)
     }
 
     /// Whether training state is offloaded now.
@@ -697,29 +711,29 @@ impl LmWorker {
 }
 
 impl LmWorkerState {
-    /// Moves parameters, gradients and optimizer state to `device`; a no-op on a CPU rank,
-    /// whose home device already is host memory.
-    fn move_to(&mut self, device: Device) -> crate::Result<()> {
-        // A CPU rank has nothing to move (its state already lives in host memory).
-        if self.setup.device() == Device::Cpu {
-            return Ok(());
-        }
+    /// Puts parameters, gradients and optimizer state where `mode` wants them: at stage 0
+    /// through the sharding manager ([`ShardedModel::transition`]; a frozen rank moves its
+    /// parameters only); at stages 1-3 a CPU rank has nothing to move (its state already
+    /// lives in host memory) and a GPU rank is refused.
+    fn move_to(&mut self, mode: Mode) -> crate::Result<()> {
         if self.sharded.config().stage != ZeroStage::Zero {
+            if self.setup.device() == Device::Cpu {
+                return Ok(());
+            }
             return Err(crate::TrainError::role(
                 &self.setup.role,
                 "offloading a GPU rank's training state is not supported with train.zero_stage \
                  >= 1 yet; use zero_stage 0 with offload, or sharding without it",
             ));
         }
-        match self.sharded.whole_optimizer() {
-            Some(opt) => opt.move_to(device)?,
-            None => tch::no_grad(|| -> crate::Result<()> {
-                for (_, param) in self.model.named_parameters() {
-                    param.shallow_clone().f_set_data(&param.f_to_device(device)?)?;
-                }
-                Ok(())
-            })?,
-        }
+        let report = self.sharded.transition(mode)?;
+        tracing::debug!(
+            role = %self.setup.role,
+            %mode,
+            to_host = report.to_host.total(),
+            to_device = report.to_device.total(),
+            "moved the training state"
+        );
         Ok(())
     }
 
