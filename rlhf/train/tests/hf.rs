@@ -203,7 +203,7 @@ fn grpo_with_tensor_parallel_engines_trains_and_matches_the_policy() {
             let bytes = r.get(&format!("weight_sync/bytes_rank{rank}")).unwrap();
             assert!(bytes > 0.0 && bytes < whole as f64, "rank {rank} got {bytes} of {whole}");
         }
-        assert!(r.get("weight_sync/reshard_s").is_some_and(|s| s >= 0.0));
+        assert!(r.get("time/sync_reshard").is_some_and(|s| s >= 0.0));
     }
     let train: Vec<f64> =
         records.iter().filter(|r| r.step() > 0).map(|r| r.get("reward").unwrap()).collect();

@@ -169,7 +169,7 @@ mod tests {
     #[test]
     fn every_local_query_head_reads_the_kv_head_it_reads_in_the_whole_model() {
         for (heads, kv_heads) in [(4, 1), (4, 2), (6, 3), (8, 2), (12, 3), (12, 4), (16, 16)] {
-            for world in (1..=heads as usize).filter(|w| heads as usize % w == 0) {
+            for world in (1..=heads as usize).filter(|w| (heads as usize).is_multiple_of(*w)) {
                 let Ok(l) = TpLayout::new(
                     &ModelConfig {
                         num_attention_heads: heads,

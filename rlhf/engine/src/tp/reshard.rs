@@ -354,7 +354,7 @@ mod tests {
         ) {
             let config = config(heads, kv_heads, bias);
             let model = tiny_model(&config, seed).unwrap();
-            for world in (1..=heads as usize).filter(|w| heads as usize % w == 0 && 48 % w == 0) {
+            for world in (1..=heads as usize).filter(|w| (heads as usize).is_multiple_of(*w) && 48usize.is_multiple_of(*w)) {
                 let layout = TpLayout::new(&config, world).unwrap();
                 for (name, full) in model.named_parameters() {
                     let shards: Vec<Tensor> =

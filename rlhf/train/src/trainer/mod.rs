@@ -703,14 +703,15 @@ impl Trainer {
         for rank in &buckets.by_rank {
             rtrun::free(rank)?;
         }
-        self.record_sync(&buckets.bytes_by_rank, buckets.reshard_seconds);
+        self.record_sync(&buckets.bytes_by_rank, Some(buckets.reshard_seconds));
         Ok(())
     }
 
     /// The weight sync's figures in this step's metrics: `weight_sync/bytes_per_rank` (the
     /// most any engine rank received; each rank gets only its shard), `weight_sync/bytes_rank{r}`
-    /// per rank of a tensor-parallel engine, and `weight_sync/reshard_s`.
-    fn record_sync(&self, bytes_by_rank: &[u64], reshard_seconds: f64) {
+    /// per rank of a tensor-parallel engine, and `time/sync_reshard` (the object-store path: the
+    /// policy's resharding and bucketing).
+    fn record_sync(&self, bytes_by_rank: &[u64], reshard_seconds: Option<f64>) {
         let Ok(mut metrics) = self.phase_metrics.lock() else { return };
         let most = bytes_by_rank.iter().copied().max().unwrap_or(0);
         metrics.push(("weight_sync/bytes_per_rank".to_owned(), most as f64));
@@ -719,7 +720,9 @@ impl Trainer {
                 metrics.push((format!("weight_sync/bytes_rank{rank}"), *bytes as f64));
             }
         }
-        metrics.push(("weight_sync/reshard_s".to_owned(), reshard_seconds));
+        if let Some(seconds) = reshard_seconds {
+            metrics.push(("time/sync_reshard".to_owned(), seconds));
+        }
     }
 
     /// `rollout.weight_sync_backend: cuda_ipc`: policy rank 0 exports one packed bucket at a
@@ -792,7 +795,8 @@ impl Trainer {
                 calls::each(ENGINE, engines, |e| e.reset_prefix_cache()),
             )?;
         }
-        self.record_sync(&bytes_by_rank, 0.0);
+        // The resharding happens inside each broadcast, not timed apart.
+        self.record_sync(&bytes_by_rank, None);
         Ok(())
     }
 

@@ -307,7 +307,7 @@ fn engine_count(config: &TrainConfig, p: &RolePlacements) -> Result<usize> {
         return Ok(p.engine.replicas);
     }
     let bundles = p.engine.replicas;
-    if bundles < tp || bundles % tp != 0 {
+    if bundles < tp || !bundles.is_multiple_of(tp) {
         return Err(TrainError::config(
             "engine.tensor_parallel_size",
             format!(
