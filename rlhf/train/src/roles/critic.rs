@@ -220,6 +220,13 @@ impl CriticWorkerState {
         self.move_to(Mode::Train)
     }
 
+    /// Brings the parameters back for forward passes only (gradients and AdamW state stay in
+    /// host buffers until `train`).
+    pub fn prepare_forward(&mut self) -> Result<(), String> {
+        self.setup.offloaded = false;
+        self.move_to(Mode::Forward)
+    }
+
     /// As the policy's: stage 0 through the sharding manager; at stages 1-3 a CPU rank has
     /// nothing to move and a GPU rank is refused.
     fn move_to(&mut self, mode: Mode) -> Result<(), String> {
@@ -303,6 +310,12 @@ impl CriticWorker {
     /// Brings training state back to the training device.
     pub fn onload(&mut self) -> Result<(), String> {
         self.state().onload()
+    }
+
+    /// Brings the parameters back for forward passes only (the hybrid engine's experience
+    /// phase); `train` brings the rest.
+    pub fn prepare_forward(&mut self) -> Result<(), String> {
+        self.state().prepare_forward()
     }
 }
 
@@ -414,6 +427,11 @@ impl CriticWorkerState {
         rows: &[ExperienceRow],
         global_tokens: usize,
     ) -> crate::Result<CriticTrainStats> {
+        // Hybrid engine: the experience passes ran in `Forward` (gradients and AdamW state
+        // still in host buffers); training needs them back.
+        if self.sharded.mode().is_some_and(|mode| mode != Mode::Train) {
+            self.sharded.transition(Mode::Train)?;
+        }
         let device = self.model.params.device();
         let dp_size = rtrun::context()?.group.map(|g| g.world_size).unwrap_or(1);
         let aggregation = LossAggregation::GlobalTokenMean {

@@ -477,6 +477,13 @@ impl LmWorkerState {
         self.move_to(Mode::Train).map_err(to_string_error)
     }
 
+    /// Brings the parameters back for forward passes only (the sharding manager's `Forward`
+    /// mode: gradients and AdamW state stay in host buffers until `train`).
+    pub fn prepare_forward(&mut self) -> Result<(), String> {
+        self.setup.offloaded = false;
+        self.move_to(Mode::Forward).map_err(to_string_error)
+    }
+
     /// Whether training state is offloaded now.
     pub fn is_offloaded(&self) -> bool {
         self.setup.offloaded
@@ -662,6 +669,12 @@ impl LmWorker {
         self.state().onload()
     }
 
+    /// Brings the parameters back for forward passes only (the hybrid engine's experience
+    /// phase); `train` brings the rest.
+    pub fn prepare_forward(&mut self) -> Result<(), String> {
+        self.state().prepare_forward()
+    }
+
     /// Whether training state is offloaded now.
     pub fn is_offloaded(&self) -> bool {
         self.state().is_offloaded()
@@ -769,6 +782,11 @@ impl LmWorkerState {
         kl_coef: f64,
         global_tokens: usize,
     ) -> crate::Result<PolicyTrainStats> {
+        // Hybrid engine: the experience passes ran in `Forward` (gradients and AdamW state
+        // still in host buffers); training needs them back.
+        if self.sharded.mode().is_some_and(|mode| mode != Mode::Train) {
+            self.sharded.transition(Mode::Train)?;
+        }
         let role = self.setup.role.clone();
         if !self.trains {
             return Err(crate::TrainError::role(&role, "this rank is frozen (no optimizer)"));

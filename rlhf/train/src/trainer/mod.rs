@@ -419,16 +419,20 @@ impl Trainer {
         Ok(())
     }
 
-    /// Hybrid engine: engines release their memory and training state comes back.
+    /// Hybrid engine: engines release their memory and the trained roles' parameters come back
+    /// for the experience passes (the sharding manager's `Forward` mode); their gradients and
+    /// AdamW state follow when they train.
     fn sleep_engines_if_hybrid(&self) -> Result<()> {
         if !self.roles.placements.hybrid() {
             return Ok(());
         }
         let watch = &self.watch;
         watch.wait("sleep", calls::each(ENGINE, &self.roles.engines, |e| e.sleep(1)))?;
-        watch.wait("onload", calls::each("actor", self.roles.actor.members(), |a| a.onload()))?;
+        let actor = self.roles.actor.members();
+        watch.wait("prepare_forward", calls::each("actor", actor, |a| a.prepare_forward()))?;
         if let Some(critic) = &self.roles.critic {
-            watch.wait("onload", calls::each("critic", critic.members(), |c| c.onload()))?;
+            let forward = calls::each("critic", critic.members(), |c| c.prepare_forward());
+            watch.wait("prepare_forward", forward)?;
         }
         Ok(())
     }
