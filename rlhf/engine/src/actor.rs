@@ -253,13 +253,7 @@ impl Followers for ActorFollowers {
     }
 
     fn update_weights(&mut self, buckets: &[WeightBucket]) -> Result<(), EngineError> {
-        if buckets.len() != self.ranks.len() {
-            return Err(EngineError::InvalidArgument(format!(
-                "expected a weight bucket for each of the {} other ranks, found {}",
-                self.ranks.len(),
-                buckets.len()
-            )));
-        }
+        crate::tp::follower::check_bucket_count(self.ranks.len(), buckets.len())?;
         self.pending = self
             .ranks
             .iter()

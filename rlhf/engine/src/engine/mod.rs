@@ -137,15 +137,7 @@ impl LlmEngine {
         tokenizer: Option<TextTokenizer>,
         config: EngineConfig,
     ) -> Result<Self, EngineError> {
-        weights::check_placement(&model, config.torch_device()?, config.torch_kind()?)?;
-        if config.torch_device()? == tch::Device::Cpu {
-            // Each step's activations are allocated afresh; see `host_memory`.
-            rtrun_rlhf_model::host_memory::keep_freed_memory();
-        }
-        model.params.set_requires_grad(false)?;
-        let shapes = weights::parameter_shapes(&model);
-        let mut runner = ModelRunner::new(model, tp, config.block_size)?;
-        let num_blocks = weights::kv_blocks(&config, &runner)?;
+        let (runner, shapes, num_blocks) = weights::rank_runner(model, tp, &config)?;
         let scheduler = Scheduler::new(SchedulerConfig {
             max_num_batched_tokens: config.max_num_batched_tokens,
             max_num_seqs: config.max_num_seqs,
@@ -157,7 +149,6 @@ impl LlmEngine {
             },
             seed: config.seed,
         })?;
-        runner.allocate_kv_cache(num_blocks)?;
         Ok(Self {
             config,
             runner,

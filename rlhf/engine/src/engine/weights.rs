@@ -241,3 +241,24 @@ pub(crate) fn kv_blocks(
     }
     Ok(num_blocks)
 }
+
+/// One rank's runner over `model` (the whole model, or its shard with `tp`) as `config` asks,
+/// with its KV cache allocated; also the parameters' shapes (to wake discarded weights) and the
+/// cache's blocks.
+pub(crate) fn rank_runner(
+    model: CausalLm,
+    tp: Option<crate::tp::TensorParallel>,
+    config: &crate::EngineConfig,
+) -> Result<(crate::runner::ModelRunner, Vec<Vec<i64>>, usize), EngineError> {
+    check_placement(&model, config.torch_device()?, config.torch_kind()?)?;
+    if config.torch_device()? == Device::Cpu {
+        // Each step's activations are allocated afresh; see `host_memory`.
+        rtrun_rlhf_model::host_memory::keep_freed_memory();
+    }
+    model.params.set_requires_grad(false)?;
+    let shapes = parameter_shapes(&model);
+    let mut runner = crate::runner::ModelRunner::new(model, tp, config.block_size)?;
+    let num_blocks = kv_blocks(config, &runner)?;
+    runner.allocate_kv_cache(num_blocks)?;
+    Ok((runner, shapes, num_blocks))
+}

@@ -72,15 +72,7 @@ impl Follower {
         tp: TensorParallel,
         config: &EngineConfig,
     ) -> Result<Self, EngineError> {
-        weights::check_placement(&model, config.torch_device()?, config.torch_kind()?)?;
-        if config.torch_device()? == tch::Device::Cpu {
-            rtrun_rlhf_model::host_memory::keep_freed_memory();
-        }
-        model.params.set_requires_grad(false)?;
-        let shapes = weights::parameter_shapes(&model);
-        let mut runner = ModelRunner::new(model, Some(tp), config.block_size)?;
-        let num_blocks = weights::kv_blocks(config, &runner)?;
-        runner.allocate_kv_cache(num_blocks)?;
+        let (runner, shapes, num_blocks) = weights::rank_runner(model, Some(tp), config)?;
         Ok(Self { runner, weights: WeightResidency::Resident, shapes, num_blocks })
     }
 
@@ -231,13 +223,7 @@ impl Followers for ThreadFollowers {
     }
 
     fn update_weights(&mut self, buckets: &[WeightBucket]) -> Result<(), EngineError> {
-        if buckets.len() != self.ranks.len() {
-            return Err(EngineError::InvalidArgument(format!(
-                "expected a weight bucket for each of the {} other ranks, found {}",
-                self.ranks.len(),
-                buckets.len()
-            )));
-        }
+        check_bucket_count(self.ranks.len(), buckets.len())?;
         for (index, (rank, bucket)) in self.ranks.iter().zip(buckets).enumerate() {
             let command = RankCommand::UpdateWeights(bucket.clone());
             rank.commands.send(command).map_err(|_| EngineError::TensorParallel {
@@ -275,5 +261,15 @@ impl Drop for ThreadFollowers {
                 let _ = thread.join();
             }
         }
+    }
+}
+
+/// Checks that a weight update by rank has one bucket for each of the `ranks` other ranks.
+pub(crate) fn check_bucket_count(ranks: usize, buckets: usize) -> Result<(), EngineError> {
+    match ranks == buckets {
+        true => Ok(()),
+        false => Err(EngineError::InvalidArgument(format!(
+            "expected a weight bucket for each of the {ranks} other ranks, found {buckets}"
+        ))),
     }
 }
