@@ -12,17 +12,26 @@
 //! `scripts/bench/hf_generate.py make DIR` wrote (`--models` then names `DIR/<model>`), checks
 //! its greedy tokens against the `DIR/hf-<model>-b<batch>.json` that `generate` left, and prints
 //! one JSON line per batch size: the engine's side of `scripts/bench-rlhf.sh`.
+//!
+//! With `--tp 1,2,4` it instead times tensor-parallel engines (issue 40, item 7): for each model
+//! of `--tp-models` (`25m`, `110m`, or `tiny` for a smoke run) and each size N, one engine of N
+//! actor processes (`EngineActor::create_group`, each rank with `max(1, cores / N)` libtorch
+//! threads), greedy tokens/s of `--tp-batch` prompts of `--prompt-len` tokens × `--tp-new-tokens`
+//! new tokens (best of `--tp-repeats` after a warm-up), checked token-identical to TP 1; and the
+//! resharding per weight sync (`reshard::engine_buckets`, mean of 3) with the bytes each rank
+//! receives. `scripts/bench-tp.sh` runs it.
 
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use rtrun_rlhf_engine::rng::SplitMix64;
+use rtrun_rlhf_engine::tp::{TpLayout, reshard};
 use rtrun_rlhf_engine::{
-    EngineConfig, GenerationOutput, GenerationRequest, LlmEngine, SamplingParams,
-    reference_generate,
+    EngineActor, EngineActorConfig, EngineConfig, GenerationOutput, GenerationRequest, LlmEngine,
+    SamplingParams, reference_generate,
 };
 use rtrun_rlhf_model::tch::{Device, Kind};
-use rtrun_rlhf_model::{CausalLm, ModelConfig, ModelFamily, tiny};
+use rtrun_rlhf_model::{CausalLm, ModelConfig, ModelFamily, SaveOptions, tiny};
 
 /// The engine's throughput against the reference decode (or, with `--hf`, against Hugging Face
 /// `generate`'s recorded tokens), and the speed-up of prefix caching.
@@ -56,6 +65,26 @@ struct Options {
     /// with the square of the length: `off` for long contexts).
     #[arg(long, default_value = "on", value_parser = ["on", "off"])]
     reference: String,
+    /// Tensor-parallel sizes, comma-separated or repeated (`--tp 1,2,4`): time engines of that
+    /// many actor processes instead of the runs above (TP 1 always runs, as the anchor).
+    #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u64).range(1..))]
+    tp: Vec<u64>,
+    /// Models of the `--tp` run, comma-separated: `25m`, `110m`, `tiny`.
+    #[arg(long, value_delimiter = ',', default_values_t = ["25m".to_string(), "110m".to_string()])]
+    tp_models: Vec<String>,
+    /// Prompts per timed `generate` call of the `--tp` run.
+    #[arg(long, default_value_t = 32)]
+    tp_batch: usize,
+    /// New tokens per prompt in the `--tp` run.
+    #[arg(long, default_value_t = 32)]
+    tp_new_tokens: u32,
+    /// Timed `generate` calls per row of the `--tp` run (after one warm-up; the best counts).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..))]
+    tp_repeats: u64,
+    /// Bucket size of the timed resharding (the trainer's `rollout.weight_bucket_bytes`
+    /// default).
+    #[arg(long, default_value_t = 32 << 20)]
+    tp_bucket_bytes: usize,
 }
 
 fn build_model(name: &str) -> Result<(ModelConfig, CausalLm)> {
@@ -248,9 +277,254 @@ fn against_hf(options: &Options, dir: &std::path::Path, name: &str) -> Result<()
     Ok(())
 }
 
+/// A ~110M-parameter Qwen2-style config: 12 layers, hidden 768, 12 query heads over 4
+/// key/value heads (no replication at TP 2 or 4), vocabulary 32000, tied embeddings. The MLP
+/// width 2432 (19 × 128, a multiple of 8 ranks) puts it at 110.7M parameters.
+fn config_110m() -> ModelConfig {
+    ModelConfig {
+        vocab_size: 32_000,
+        hidden_size: 768,
+        intermediate_size: 2432,
+        num_hidden_layers: 12,
+        num_attention_heads: 12,
+        num_key_value_heads: 4,
+        head_dim: 64,
+        ..tiny::bench_config_25m()
+    }
+}
+
+/// One row of the `--tp` table.
+struct TpRow {
+    world: usize,
+    threads_per_rank: usize,
+    tokens_per_second: f64,
+    reshard_ms: f64,
+    bytes_per_rank: usize,
+}
+
+/// One model's rows of the `--tp` table.
+struct TpModel {
+    name: String,
+    num_parameters: i64,
+    /// Bytes of every parameter of the whole model (one copy of tied embeddings).
+    whole_bytes: usize,
+    rows: Vec<TpRow>,
+}
+
+/// The TP sizes to run: TP 1 first (the anchor every other size is compared with), then the
+/// others in increasing order, each once.
+fn tp_sizes(requested: &[u64]) -> Vec<usize> {
+    let mut sizes: Vec<usize> = requested.iter().map(|&n| n as usize).collect();
+    sizes.push(1);
+    sizes.sort_unstable();
+    sizes.dedup();
+    sizes
+}
+
+/// Mean milliseconds of `reshard::engine_buckets` for `world` ranks over `model`'s parameters
+/// (3 rounds after one warm-up), and the most bytes any rank receives.
+fn time_reshard(model: &CausalLm, world: usize, bucket_bytes: usize) -> Result<(f64, usize)> {
+    let layout = TpLayout::new(model.config(), world)?;
+    let params: Vec<_> = model.named_parameters().collect();
+    let mut buckets = reshard::engine_buckets(&layout, &params, bucket_bytes)?;
+    let rounds = 3;
+    let start = Instant::now();
+    for _ in 0..rounds {
+        buckets = reshard::engine_buckets(&layout, &params, bucket_bytes)?;
+    }
+    let ms = start.elapsed().as_secs_f64() * 1e3 / rounds as f64;
+    let bytes = buckets
+        .iter()
+        .map(|rank| rank.iter().map(|b| b.num_bytes()).sum::<usize>())
+        .max()
+        .unwrap_or(0);
+    Ok((ms, bytes))
+}
+
+/// Greedy tokens of one engine of `world` actor processes on the checkpoint in `dir`: the best
+/// tokens/s of `repeats` timed calls after a warm-up, and the tokens of the last call. The
+/// group is killed before this returns, also on an error.
+fn time_tp_engine(
+    options: &Options,
+    name: &str,
+    dir: &std::path::Path,
+    world: usize,
+    threads_per_rank: usize,
+    requests: &[GenerationRequest],
+) -> Result<(f64, Vec<GenerationOutput>)> {
+    let blocks_per_seq = (options.prompt_len + options.tp_new_tokens as usize).div_ceil(16);
+    let config = EngineActorConfig {
+        model_dir: dir.to_path_buf(),
+        engine: EngineConfig {
+            num_gpu_blocks: Some(blocks_per_seq * requests.len() + 8),
+            // Every call prefills its prompts again: the repeats time the same work.
+            enable_prefix_caching: false,
+            tensor_parallel_size: world,
+            ..EngineConfig::default()
+        },
+    };
+    let group = EngineActor::create_group(&format!("bench-{name}-tp{world}"), &config, |_, o| {
+        // libtorch reads its intra-op thread count from OMP_NUM_THREADS as the process starts.
+        Ok(o.env("OMP_NUM_THREADS", &threads_per_rank.to_string()))
+    })
+    .with_context(|| format!("starting the {name} engine at TP {world}"))?;
+    let run = || -> Result<(f64, Vec<GenerationOutput>)> {
+        let engine = &group.members()[0];
+        let generate = || -> Result<Vec<GenerationOutput>> {
+            engine
+                .generate(requests.to_vec())
+                .get()?
+                .map_err(|e| anyhow::anyhow!("{name} at TP {world}: generate failed: {e}"))
+        };
+        generate()?;
+        let (mut best, mut outputs) = (0.0f64, Vec::new());
+        for _ in 0..options.tp_repeats {
+            let start = Instant::now();
+            outputs = generate()?;
+            best = best.max(generated(&outputs) as f64 / start.elapsed().as_secs_f64());
+        }
+        Ok((best, outputs))
+    };
+    let result = run();
+    let _ = group.kill();
+    result
+}
+
+/// The `--tp` run over one model: its rows, TP 1 first.
+fn tp_model(options: &Options, name: &str, sizes: &[usize]) -> Result<TpModel> {
+    let config = match name {
+        "tiny" => tiny::tiny_config(ModelFamily::Qwen2),
+        "25m" => tiny::bench_config_25m(),
+        "110m" => config_110m(),
+        other => bail!("--tp-models are `tiny`, `25m` or `110m`, found `{other}`"),
+    };
+    let model = tiny::tiny_model(&config, 5)?;
+    let num_parameters = config.num_parameters();
+    let numel = model.params.numel() as i64;
+    if numel != num_parameters {
+        bail!("{name}: ModelConfig::num_parameters() says {num_parameters}, the model has {numel}");
+    }
+    let whole_bytes = model.named_parameters().map(|(_, t)| tensor_bytes(t)).sum();
+    let dir = std::env::temp_dir().join(format!("rtrun-tp-bench-{name}-{}", std::process::id()));
+    model.save_pretrained(&dir, &SaveOptions::default())?;
+    let prompts = random_prompts(options.tp_batch, options.prompt_len, config.vocab_size, 40);
+    // `min_tokens` keeps an end-of-sequence token from shortening a sequence: every call
+    // generates exactly batch × new tokens.
+    let params = SamplingParams {
+        min_tokens: options.tp_new_tokens,
+        ..SamplingParams::greedy(options.tp_new_tokens)
+    };
+    let requests: Vec<GenerationRequest> =
+        prompts.into_iter().map(|p| GenerationRequest::new(p, params.clone())).collect();
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut rows = Vec::new();
+    let mut anchor: Option<Vec<GenerationOutput>> = None;
+    for &world in sizes {
+        let threads_per_rank = (cores / world).max(1);
+        let timed = time_tp_engine(options, name, &dir, world, threads_per_rank, &requests);
+        let (tokens_per_second, outputs) = match timed {
+            Ok(timed) => timed,
+            Err(error) => {
+                let _ = std::fs::remove_dir_all(&dir);
+                return Err(error);
+            }
+        };
+        match &anchor {
+            None => anchor = Some(outputs),
+            Some(want) => {
+                let (want, got) = (tokens(want), tokens(&outputs));
+                if let Some(i) = (0..want.len()).find(|&i| got.get(i) != want.get(i)) {
+                    let _ = std::fs::remove_dir_all(&dir);
+                    bail!(
+                        "{name}: TP {world} generated other greedy tokens than TP 1 for prompt \
+                         {i}: TP 1 {:?}, TP {world} {:?}",
+                        want[i],
+                        got.get(i)
+                    );
+                }
+            }
+        }
+        let (reshard_ms, bytes_per_rank) = time_reshard(&model, world, options.tp_bucket_bytes)?;
+        eprintln!("  {name} TP {world}: {tokens_per_second:.0} tok/s");
+        rows.push(TpRow { world, threads_per_rank, tokens_per_second, reshard_ms, bytes_per_rank });
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(TpModel { name: name.to_owned(), num_parameters, whole_bytes, rows })
+}
+
+fn tensor_bytes(tensor: &rtrun_rlhf_model::tch::Tensor) -> usize {
+    tensor.numel() * tensor.kind().elt_size_in_bytes()
+}
+
+/// `--tp`: tokens/s and resharding cost of tensor-parallel engines, one table.
+fn tensor_parallel(options: &Options) -> Result<()> {
+    let started = Instant::now();
+    let sizes = tp_sizes(&options.tp);
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    println!(
+        "engine_bench --tp: cpu, {cores} core(s), f32; TP sizes {sizes:?}, each rank an actor \
+         process with max(1, {cores} / N) libtorch threads; {} prompts × {} prompt tokens × {} \
+         new tokens, greedy, prefix caching off (tokens/s counts new tokens over prefill and \
+         decode), best of {} calls after a warm-up; resharding: reshard::engine_buckets over \
+         the whole model into {} MiB buckets for every rank, mean of 3; resharding in the \
+         driver with {} thread(s)",
+        options.tp_batch,
+        options.prompt_len,
+        options.tp_new_tokens,
+        options.tp_repeats,
+        options.tp_bucket_bytes >> 20,
+        options.threads
+    );
+    println!(
+        "note: the ranks share this machine's {cores} CPU core(s). On a CPU-only machine TP N \
+         splits the same cores over N processes and adds two all-reduces per layer, so TP is \
+         overhead here and TP N slower than TP 1 is the expected, honest result; TP pays where \
+         every rank has its own accelerator (and memory)."
+    );
+    let mut table = Vec::new();
+    for name in &options.tp_models {
+        table.push(tp_model(options, name, &sizes)?);
+    }
+    println!(
+        "\n| model | params | TP | threads/rank | tokens/s | vs TP 1 | reshard ms | bytes/rank \
+         (of whole) |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|");
+    for TpModel { name, num_parameters, whole_bytes, rows } in &table {
+        let anchor = rows.first().map_or(f64::NAN, |r| r.tokens_per_second);
+        for row in rows {
+            println!(
+                "| {name} | {:.1}M | {} | {} | {:.0} | {:.2}x | {:.1} | {:.1} MB ({:.2}) |",
+                *num_parameters as f64 / 1e6,
+                row.world,
+                row.threads_per_rank,
+                row.tokens_per_second,
+                row.tokens_per_second / anchor,
+                row.reshard_ms,
+                row.bytes_per_rank as f64 / 1e6,
+                row.bytes_per_rank as f64 / *whole_bytes as f64
+            );
+        }
+    }
+    println!(
+        "\ngreedy tokens of every TP size identical to TP 1's: yes ({:.0} s in all)",
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
 fn main() -> Result<()> {
+    // A worker process (this executable re-run by the runtime for an engine actor) serves its
+    // assignment here and never returns: only the driver reads the command line.
+    rtrun::run_worker_if_requested();
     let options = <Options as clap::Parser>::parse();
     rtrun_rlhf_model::tch::set_num_threads(options.threads);
+    if !options.tp.is_empty() {
+        rtrun::init()?;
+        let result = tensor_parallel(&options);
+        rtrun::shutdown();
+        return result;
+    }
     if let Some(dir) = &options.hf {
         for name in &options.models {
             against_hf(&options, dir, name)?;
