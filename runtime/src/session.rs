@@ -20,11 +20,18 @@ use crate::transport::{Connection, Endpoint, FrameHandler, TransportConfig};
 /// How long a query waits for the node's answer.
 pub const QUERY_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// The sessions whose node process is running on this machine, sorted.
+/// The sessions of this user whose node process is running on this machine, sorted (another
+/// user's sessions are neither listed nor reachable: their sockets admit only their user).
 pub fn list_sessions() -> Result<Vec<String>> {
     let table = std::fs::read_to_string("/proc/net/unix")
         .map_err(|e| Error::System(format!("cannot read /proc/net/unix: {e}")))?;
-    Ok(sessions_in(&table).into_iter().collect())
+    let me = rustix::process::geteuid().as_raw();
+    Ok(sessions_in(&table).into_iter().filter(|s| session_owner(s).ok() == Some(me)).collect())
+}
+
+/// The user id of the node process of `session`.
+fn session_owner(session: &str) -> Result<u32> {
+    crate::transport::listener_uid(&crate::runtime::worker_address(session, DRIVER_WORKER_ID))
 }
 
 /// Session names of node sockets (`@rtrun-<16 hex>-0`) in a `/proc/net/unix` table.
@@ -44,6 +51,10 @@ pub fn pick_session(wanted: Option<&str>) -> Result<String> {
     let sessions = list_sessions()?;
     match wanted {
         Some(session) if sessions.iter().any(|s| s == session) => Ok(session.to_owned()),
+        Some(session) if session_owner(session).is_ok() => Err(Error::Invalid(format!(
+            "session `{session}` belongs to another user; yours: {}",
+            describe(&sessions)
+        ))),
         Some(session) => Err(Error::Invalid(format!(
             "no running session `{session}`; running: {}",
             describe(&sessions)

@@ -292,6 +292,34 @@ impl std::fmt::Debug for Endpoint {
     }
 }
 
+/// Whether the process at the other end of `stream` runs as this process's user (or as root,
+/// which can reach every process anyway): the only peers a local socket admits. Processes of
+/// other nodes and cluster clients come in over QUIC with the cluster's credentials instead.
+pub(crate) fn same_user(stream: &UnixStream) -> bool {
+    match rustix::net::sockopt::socket_peercred(stream) {
+        Ok(peer) => peer.uid == rustix::process::geteuid() || peer.uid.is_root(),
+        Err(_) => false,
+    }
+}
+
+/// The peer's pid and uid, for a log line.
+pub(crate) fn describe_peer(stream: &UnixStream) -> String {
+    match rustix::net::sockopt::socket_peercred(stream) {
+        Ok(peer) => format!("pid {} uid {}", peer.pid.as_raw_nonzero(), peer.uid.as_raw()),
+        Err(e) => format!("unknown peer: {e}"),
+    }
+}
+
+/// The user id the process listening on the abstract socket of `address` runs as, or why it
+/// cannot be told (nobody listens there).
+pub(crate) fn listener_uid(address: &str) -> Result<u32> {
+    let stream = UnixStream::connect_addr(&socket_addr(address)?)
+        .map_err(|e| Error::Transport(format!("cannot connect to {address}: {e}")))?;
+    let peer = rustix::net::sockopt::socket_peercred(&stream)
+        .map_err(|e| Error::Transport(format!("cannot read the credentials of {address}: {e}")))?;
+    Ok(peer.uid.as_raw())
+}
+
 /// Builds the abstract socket address of an address's process.
 fn socket_addr(address: &str) -> Result<SocketAddr> {
     let route = Route::parse(address)?;
@@ -323,6 +351,14 @@ impl Endpoint {
                 for stream in listener.incoming() {
                     let Some(endpoint) = weak.upgrade() else { return };
                     match stream {
+                        Ok(stream) if !same_user(&stream) => {
+                            // Abstract sockets have no file permissions: anyone in the network
+                            // namespace can connect. Only this user's processes may.
+                            tracing::warn!(
+                                "refused a local connection from another user ({})",
+                                describe_peer(&stream)
+                            );
+                        }
                         Ok(stream) => {
                             if let Err(e) = endpoint.adopt(stream, None) {
                                 tracing::warn!("dropping incoming connection: {e}");

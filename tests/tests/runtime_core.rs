@@ -509,6 +509,77 @@ fn rtrun_status_list_and_kill_inspect_the_embedded_session() {
     assert!(!ok && err.contains("no actor named `nobody`"), "{err}");
 }
 
+/// Another local user (uid 65534, no credentials) can neither see nor reach this user's
+/// session. Before, as that user `rtrun status/list/kill --session HEX` answered and killed
+/// actors, and `rtrun status` listed every user's sessions: abstract sockets have no file
+/// permissions. Needs root (to run as another user).
+#[test]
+fn another_local_user_can_neither_see_nor_reach_the_session() {
+    init();
+    assert_eq!(effective_uid(), 0, "this test runs as root, to start processes as another user");
+    let counter = Counter::remote_with(ActorOptions::default().name("guarded"), 1u64).unwrap();
+    let session = rtrun::context().unwrap().session;
+    // The binary where uid 65534 can run it.
+    let dir = std::env::temp_dir().join(format!("rtrun-other-user-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let binary = dir.join("rtrun");
+    std::fs::copy(rtrun_tests::rtrun_binary(), &binary).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::process::CommandExt;
+    for path in [&dir, &binary] {
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    let as_nobody = |args: &[&str]| {
+        let out = std::process::Command::new(&binary)
+            .args(args)
+            .uid(65534)
+            .gid(65534)
+            .env_remove("RTRUN_ADDRESS")
+            .env("HOME", &dir)
+            .current_dir(&dir)
+            .output()
+            .unwrap();
+        let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+        (text(&out.stdout), text(&out.stderr), out.status.success())
+    };
+    let (_, err, ok) = as_nobody(&["status", "--session", &session]);
+    assert!(!ok && err.contains("belongs to another user"), "{err}");
+    let (_, err, ok) = as_nobody(&["kill", "guarded", "--session", &session]);
+    assert!(!ok && err.contains("belongs to another user"), "{err}");
+    let (out, err, ok) = as_nobody(&["status"]);
+    assert!(!ok && !out.contains(&session) && !err.contains(&session), "{out}{err}");
+    // The socket itself refuses the user (not only the CLI): a raw connection as uid 65534 is
+    // closed at once, where this user's stays open waiting for its first frame.
+    let probe = format!(
+        "import socket\ns = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)\n\
+         s.connect('\\0rtrun-{session}-0')\ns.settimeout(3)\n\
+         try:\n    print('closed' if s.recv(64) == b'' else 'answered')\n\
+         except socket.timeout:\n    print('open')\n"
+    );
+    let out = std::process::Command::new("python3")
+        .args(["-c", &probe])
+        .uid(65534)
+        .gid(65534)
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(said.trim(), "closed", "{}", String::from_utf8_lossy(&out.stderr));
+    // The actor lives on, and this user still reaches the session.
+    assert_eq!(counter.add(1).get().unwrap(), 2);
+    let mine = std::process::Command::new(rtrun_tests::rtrun_binary())
+        .args(["status", "--session", &session])
+        .env_remove("RTRUN_ADDRESS")
+        .output()
+        .unwrap();
+    assert!(mine.status.success(), "{}", String::from_utf8_lossy(&mine.stderr));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// This process's effective user id.
+fn effective_uid() -> u32 {
+    std::fs::metadata("/proc/self").map(|m| std::os::unix::fs::MetadataExt::uid(&m)).unwrap_or(1)
+}
+
 #[test]
 fn a_worker_killed_mid_call_gives_actor_died_for_pending_and_later_calls() {
     init();

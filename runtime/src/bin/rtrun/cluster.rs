@@ -230,7 +230,10 @@ impl ClientArgs {
         match cluster::client::resolve_address(self.address.as_deref(), &dir) {
             Ok(_) => Ok(Inspect::Cluster(self.connect()?)),
             Err(no_cluster) => match rtrun::session::pick_session(None) {
-                Ok(session) => Ok(Inspect::Session(session)),
+                Ok(session) => {
+                    eprintln!("rtrun: session {session} (the only one of yours on this machine)");
+                    Ok(Inspect::Session(session))
+                }
                 Err(no_session) => bail!("{no_cluster}; and {no_session}"),
             },
         }
