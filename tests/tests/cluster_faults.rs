@@ -320,6 +320,34 @@ fn a_node_paused_past_the_heartbeat_timeout_exits_instead_of_living_on_as_a_zomb
     assert!(status(&cluster).contains("nodes: 2 alive, 1 dead"));
 }
 
+/// The head paused (SIGSTOP) for twice the heartbeat timeout, then resumed: its own pause is
+/// not read as every peer's death (the audit's head declared both nodes and the driver dead at
+/// once after such a pause). The pause stays under the cluster's 10 s QUIC idle timeout, past
+/// which the connections themselves end (see the closing note); whether the head's
+/// failure detector polls before or after it reads the queued heartbeats is a race here, which
+/// `rtrun-net`'s `its_own_stall_is_not_read_as_the_nodes_death` decides deterministically.
+#[test]
+fn a_head_paused_for_twice_the_heartbeat_timeout_keeps_every_node_and_driver() {
+    let mut cluster = start_cluster("head-paused", "2");
+    let (mut driver, lines) =
+        start_driver(&cluster, &["--nodes", "3", "--bytes", "1000", "--hold", "14"]);
+    expect_line(&lines, "holding", "the holding driver");
+    let head = cluster.head.id();
+    signal(head, libc::SIGSTOP);
+    std::thread::sleep(Duration::from_secs(4));
+    signal(head, libc::SIGCONT);
+    // Long enough for a verdict on the paused time, and for a real one after it.
+    std::thread::sleep(Duration::from_secs(5));
+    let info = status(&cluster);
+    assert!(info.contains("nodes: 3 alive, 0 dead"), "{info}");
+    for node in &mut cluster.nodes {
+        assert!(node.try_wait().unwrap().is_none(), "a node exited after the head's pause");
+    }
+    let ended = wait_exit(&mut driver, Duration::from_secs(30)).expect("the driver ends");
+    let stderr = stderr_of(&mut driver);
+    assert!(ended.success(), "the driver failed after the head's pause: {stderr}");
+}
+
 /// A child killed when dropped (a test that fails must not leave a stopped process).
 struct Guard(Child);
 

@@ -96,6 +96,16 @@ impl<K: Ord + Clone> FailureDetector<K> {
         expired
     }
 
+    /// The detector's own process stalled (paused, starved, swapped out) until `now`: the
+    /// heartbeats of that time could not be read, so silence during it says nothing about the
+    /// nodes. Every watched node counts as heard at `now`: judgement is suspended for one
+    /// timeout, after which a node that really is silent is declared dead as before.
+    pub fn suspend_judgement(&mut self, now: Instant) {
+        for last in self.last_heard.values_mut() {
+            *last = (*last).max(now);
+        }
+    }
+
     /// When the next node would be declared dead if nothing is heard (the driver sleeps until
     /// then).
     pub fn next_deadline(&self) -> Option<Instant> {
@@ -118,6 +128,22 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
+
+    #[test]
+    fn a_stall_of_the_detector_suspends_judgement_for_one_timeout() {
+        let start = Instant::now();
+        let at = |ms: u64| start + Duration::from_millis(ms);
+        let mut detector = FailureDetector::new(Duration::from_millis(100));
+        detector.watch("beating", at(0));
+        detector.watch("silent", at(0));
+        // The detector's process was paused from 50 to 250 ms: nobody is judged on that time.
+        detector.suspend_judgement(at(250));
+        assert!(detector.poll(at(250)).is_empty());
+        assert_eq!(detector.on_heartbeat(&"beating", at(300)), HeartbeatOutcome::Alive);
+        // One timeout after the stall, a node still silent is dead as before.
+        assert_eq!(detector.poll(at(350)), vec!["silent"]);
+        assert!(detector.is_alive(&"beating"));
+    }
 
     #[test]
     fn silence_for_the_timeout_kills_once_and_heartbeats_after_death_are_stale() {

@@ -93,7 +93,20 @@ async fn detect(state: Arc<State>, config: HeartbeatConfig, tx: mpsc::UnboundedS
         let deadline =
             deadline.map(Instant::from_std).unwrap_or_else(|| Instant::now() + config.timeout);
         tokio::select! {
-            _ = tokio::time::sleep_until(deadline) => {}
+            _ = tokio::time::sleep_until(deadline) => {
+                // Woken much later than asked: this process did not run meanwhile (SIGSTOP, a
+                // stall of the machine), and neither did the connections that read heartbeats.
+                // Its own pause must not be read as every peer's death.
+                let late = Instant::now().saturating_duration_since(deadline);
+                if late > config.interval {
+                    tracing::warn!(
+                        ?late,
+                        "the failure detector ran late (this process stalled): no node is \
+                         judged on that time; judgement resumes after one timeout"
+                    );
+                    state.detector.lock().suspend_judgement(now());
+                }
+            }
             _ = state.wake.notified() => {}
         }
     }
@@ -104,6 +117,34 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
+
+    /// A monitor whose process stalls for twice the timeout (the runtime's clock jumps with no
+    /// task run meanwhile, as after SIGSTOP/SIGCONT) declares nobody dead; a node that stays
+    /// silent after the stall is declared dead one timeout later.
+    #[tokio::test(start_paused = true)]
+    async fn its_own_stall_is_not_read_as_the_nodes_death() {
+        let config = HeartbeatConfig {
+            interval: Duration::from_millis(100),
+            timeout: Duration::from_millis(500),
+        };
+        let (monitor, mut dead) = HeartbeatMonitor::start(config);
+        monitor.watch("beating");
+        monitor.watch("silent");
+        tokio::task::yield_now().await;
+        // The stall: the clock moves 2 timeouts on while no task (ticker, heartbeat readers)
+        // runs; then the queued heartbeat is read.
+        tokio::time::advance(config.timeout * 2).await;
+        monitor.on_heartbeat("beating");
+        tokio::task::yield_now().await;
+        assert!(dead.try_recv().is_err(), "a node was declared dead for the monitor's own stall");
+        for _ in 0..4 {
+            tokio::time::sleep(config.interval).await;
+            monitor.on_heartbeat("beating");
+        }
+        assert!(dead.try_recv().is_err());
+        assert_eq!(dead.recv().await.unwrap(), "silent");
+        assert!(monitor.is_alive("beating"));
+    }
 
     #[tokio::test(start_paused = true)]
     async fn a_silent_node_is_reported_once_after_the_timeout_and_a_beating_one_never() {
