@@ -362,6 +362,14 @@ fn jobs_carry_env_and_working_dirs_run_detached_and_stop_by_name() {
     };
     assert!(log.contains("driver env JOB_MARK=42"), "{log}");
     assert!(log.contains("worker env JOB_MARK=42"), "{log}");
+    let task_pid = |log: &str, mark: &str| -> u32 {
+        let line = log
+            .lines()
+            .find(|l| l.contains(&format!("task env JOB_MARK={mark} pid ")))
+            .unwrap_or_else(|| panic!("no task line with JOB_MARK={mark}: {log}"));
+        line.rsplit(' ').next().unwrap().parse().unwrap()
+    };
+    let first_task_worker = task_pid(&log, "42");
     let (state, _, ok) = head_rtrun(&cluster, &["job", "status", "echo-1"]);
     assert!(ok && state.contains("(echo-1): RUNNING"), "{state}");
     let number = state.split_whitespace().nth(1).unwrap().to_owned();
@@ -386,6 +394,37 @@ fn jobs_carry_env_and_working_dirs_run_detached_and_stop_by_name() {
         std::thread::sleep(Duration::from_millis(100));
     }
     eprintln!("job stopped, actors and group gone after {:?}", stopped.elapsed());
+    // Its pooled task worker ends with it (it lived on until `rtrun stop`), and the next job's
+    // task runs in a worker of its own, with its own environment (it ran in the first job's
+    // worker and saw JOB_MARK=42).
+    assert!(
+        rtrun_tests::wait_until(Duration::from_secs(15), || {
+            !rtrun_tests::process_alive(first_task_worker)
+        }),
+        "the stopped job's task worker {first_task_worker} lives on"
+    );
+    let second = submit(&[
+        "--no-wait",
+        "--submission-id",
+        "echo-2",
+        "--env",
+        "CLUSTER_ECHO_ENV=JOB_MARK",
+        "--env",
+        "JOB_MARK=43",
+    ]);
+    assert!(second.status.success(), "{}", String::from_utf8_lossy(&second.stderr));
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let log2 = loop {
+        let (log, _, _) = head_rtrun(&cluster, &["job", "logs", "echo-2"]);
+        if log.contains("holding") {
+            break log;
+        }
+        assert!(Instant::now() < deadline, "the second job did not reach `holding`: {log}");
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert_ne!(task_pid(&log2, "43"), first_task_worker, "{log2}");
+    let (_, err, ok) = head_rtrun(&cluster, &["job", "stop", "echo-2"]);
+    assert!(ok, "{err}");
     // A finished job's log stays readable; the listing shows it stopped.
     let (log, _, ok) = head_rtrun(&cluster, &["job", "logs", &number]);
     assert!(ok && log.contains("holding"), "{log}");
@@ -397,8 +436,9 @@ fn jobs_carry_env_and_working_dirs_run_detached_and_stop_by_name() {
     assert!(!ok && err.contains("no job `nope`"), "{err}");
 
     // --working-dir: the job starts in a copy of the directory, made on the head's node from
-    // a package uploaded once by content (a second submission of the same files adds nothing
-    // to the head's cache); a missing directory is refused before anything is uploaded.
+    // a package uploaded by content; when the job ends its copy and the package are removed
+    // (they stayed until after `rtrun stop`: two jobs of a 490 MiB directory left 1.2 GB), its
+    // log stays. A missing directory is refused before anything is uploaded.
     let files = cluster.dir.join("job-files");
     std::fs::create_dir_all(files.join("data")).unwrap();
     std::fs::write(files.join("data/prompts.txt"), "reverse 4071\nreverse 123\n").unwrap();
@@ -418,6 +458,7 @@ fn jobs_carry_env_and_working_dirs_run_detached_and_stop_by_name() {
             .unwrap()
     };
     let mut seen = Vec::new();
+    let before = cached();
     for attempt in 0..2 {
         let out = run_in_dir();
         let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
@@ -426,11 +467,17 @@ fn jobs_carry_env_and_working_dirs_run_detached_and_stop_by_name() {
         assert!(line.starts_with("read data/prompts.txt: reverse 4071 (in "), "{line}");
         let dir = line.rsplit_once("(in ").unwrap().1.trim_end_matches(')').to_owned();
         assert!(dir.starts_with(&*cluster.dir.join("head-data").join("jobs").to_string_lossy()));
-        seen.push((dir, cached()));
+        let cleaned = rtrun_tests::wait_until(Duration::from_secs(10), || {
+            !std::path::Path::new(&dir).exists() && cached() == before
+        });
+        assert!(cleaned, "job {attempt}'s copy {dir} or its package outlived it");
+        seen.push(dir);
         eprintln!("working-dir submission {attempt}: {line}");
     }
-    assert_ne!(seen[0].0, seen[1].0, "each job has its own copy");
-    assert_eq!(seen[0].1, seen[1].1, "the same files are uploaded once");
+    assert_ne!(seen[0], seen[1], "each job has its own copy");
+    let (list, _, _) = head_rtrun(&cluster, &["job", "list"]);
+    let ended = list.lines().filter(|l| l.contains("SUCCEEDED")).count();
+    assert!(ended >= 2, "the ended jobs are still listed: {list}");
     let out = Command::new(rtrun_binary())
         .args(["submit", "--address", &cluster.address])
         .arg("--credentials-dir")
@@ -863,6 +910,33 @@ fn the_dashboard_shows_nodes_actors_groups_jobs_and_logs_in_chromium() {
         .header("Authorization", "Bearer s3cret-token")
         .call();
     assert!(matches!(missing, Err(ureq::Error::StatusCode(404))), "{missing:?}");
+
+    // An actor that is no longer ALIVE renders on every page (the actors page answered 503:
+    // its template called a `startswith` method minijinja does not have).
+    let (_, err, killed) = head_rtrun(&cluster, &["kill", "svc"]);
+    assert!(killed, "{err}");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let (out, _, _) = head_rtrun(&cluster, &["list", "actors"]);
+        if out.lines().any(|l| l.contains("svc") && l.contains("DEAD")) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "svc is not DEAD yet: {out}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let actors = page("/actors", "actors-with-a-dead-one");
+    let dead_row = actors.split("<tr>").find(|row| row.contains(">svc<")).unwrap_or_default();
+    assert!(dead_row.contains("class=\"dead\"") && dead_row.contains("DEAD"), "{actors}");
+    for (path, name) in [
+        ("/", "overview-dead"),
+        ("/nodes", "nodes-dead"),
+        ("/placement-groups", "groups-dead"),
+        ("/jobs", "jobs-dead"),
+        ("/objects", "objects-dead"),
+    ] {
+        let html = page(path, name);
+        assert!(!html.contains("unknown method") && html.contains("</table>"), "{path}: {html}");
+    }
     let (_, _, stopped) = head_rtrun(&cluster, &["job", "stop", "dash-job"]);
     assert!(stopped);
 }

@@ -81,6 +81,7 @@ impl Head {
                 pid: None,
                 driver: None,
                 stop_requested: false,
+                package: working_dir.clone(),
             };
             let info = entry.info(id);
             state.core.members.jobs.insert(id, entry);
@@ -139,6 +140,26 @@ impl Head {
             super::spawn::kill_process(pid);
         }
         Ok(info)
+    }
+
+    /// Removes an ended job's unpacked working directory and, when given, its package (the
+    /// head's disk held every job's copy until `rtrun stop`, and after). Its log stays.
+    pub(crate) fn remove_job_files(&self, job: u64, package: Option<String>) {
+        let Some(cluster) = self.cluster.get() else { return };
+        let dir = cluster.jobs_dir.join(format!("job-{job}"));
+        if dir.exists()
+            && let Err(e) = std::fs::remove_dir_all(&dir)
+        {
+            tracing::warn!(job, "cannot remove the job's directory {}: {e}", dir.display());
+        }
+        if let Some(digest) = package {
+            let path = cluster.binaries.path(&digest);
+            if let Err(e) = std::fs::remove_file(&path)
+                && e.kind() != std::io::ErrorKind::NotFound
+            {
+                tracing::warn!(job, "cannot remove the job's package {}: {e}", path.display());
+            }
+        }
     }
 
     /// Every job.

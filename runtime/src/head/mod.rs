@@ -96,6 +96,7 @@ enum Action {
     Kill(u64, u32),
     Remember(Address, Arc<Connection>),
     StopNode(Address, String),
+    RemoveJobFiles(u64, Option<String>),
 }
 
 impl Shared {
@@ -140,6 +141,9 @@ impl Shared {
                 }
                 Effect::StopNode { address, reason } => {
                     actions.push(Action::StopNode(address, reason))
+                }
+                Effect::RemoveJobFiles { job, package } => {
+                    actions.push(Action::RemoveJobFiles(job, package))
                 }
             }
         }
@@ -367,6 +371,7 @@ impl Head {
                     }
                 }
                 Action::StopNode(address, reason) => self.stop_dead_node(address, reason),
+                Action::RemoveJobFiles(job, package) => self.remove_job_files(job, package),
             }
         }
     }

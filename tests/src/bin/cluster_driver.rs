@@ -150,6 +150,12 @@ fn service(args: &Args, out: &mut impl Write) -> anyhow::Result<Option<()>> {
     Ok(Some(()))
 }
 
+/// The variable `name` as a task worker sees it, and the worker's pid.
+#[rtrun::remote]
+fn env_in_task(name: String) -> (Option<String>, u32) {
+    (std::env::var(&name).ok(), std::process::id())
+}
+
 fn main() -> anyhow::Result<()> {
     // A worker process (this executable re-run by the runtime) serves its assignment here and
     // never returns: only the driver reads the command line.
@@ -220,6 +226,10 @@ fn main() -> anyhow::Result<()> {
         let worker = probes[nodes - 1].env(name.clone()).get()?.unwrap_or_default();
         writeln!(out, "driver env {name}={driver}")?;
         writeln!(out, "worker env {name}={worker}")?;
+        // No CPU: the placement group holds every node's.
+        let free = rtrun::TaskOptions { num_cpus: 0.0, ..Default::default() };
+        let (task, pid) = env_in_task::remote_with(free, name.clone()).get()?;
+        writeln!(out, "task env {name}={} pid {pid}", task.unwrap_or_default())?;
     }
     // `say N`: every probe prints N lines (its output reaches this driver's stderr, prefixed).
     if let Some(lines) = args.say {

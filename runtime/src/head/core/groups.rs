@@ -12,7 +12,7 @@ use rtrun_placement::{
 
 use super::{ActorState, Effect, GroupOwner, HeadCore, ReplyToken};
 use crate::error::{Error, Missing, Result};
-use crate::ids::ActorId;
+use crate::ids::{ActorId, WorkerId};
 use crate::placement_group::{
     BundleSchedule, PlacementGroupOptions, PlacementGroupState, PlacementGroupStatus,
 };
@@ -93,6 +93,18 @@ impl HeadCore {
                 }
             }
             self.remove_groups_of(GroupOwner::Actor(owner), effects);
+            // Idle task workers started for the owner's tasks (a detached trainer's reward
+            // tasks) end with it, as a driver's do; a busy one finishes its task first.
+            let idle: Vec<WorkerId> = self
+                .idle_task_workers
+                .iter()
+                .copied()
+                .filter(|w| self.workers.get(w).is_some_and(|e| e.lineage.owner == Some(owner)))
+                .collect();
+            for worker in idle {
+                self.idle_task_workers.retain(|w| *w != worker);
+                self.kill_worker(worker, effects);
+            }
         }
     }
 

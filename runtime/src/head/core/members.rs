@@ -43,6 +43,8 @@ pub(crate) struct JobEntry {
     pub(crate) driver: Option<WorkerId>,
     /// `rtrun job stop` asked for it.
     pub(crate) stop_requested: bool,
+    /// The digest of its working-directory package, unpacked into its own directory.
+    pub(crate) package: Option<String>,
 }
 
 impl JobEntry {
@@ -132,19 +134,26 @@ impl Members {
     }
 
     /// Records a job driver's exit; `None` when `worker` is not a job, else the driver it had
-    /// joined as (which is gone now).
+    /// joined as (which is gone now) and the job's files to remove.
     pub(super) fn job_exited(
         &mut self,
         worker: WorkerId,
         status: &WorkerExit,
-    ) -> Option<Option<WorkerId>> {
-        let entry = self.jobs.values_mut().find(|j| j.worker == worker)?;
+    ) -> Option<(Option<WorkerId>, Effect)> {
+        let (&job, entry) = self.jobs.iter_mut().find(|(_, j)| j.worker == worker)?;
         entry.state = match status {
             _ if entry.stop_requested => JobState::Stopped,
             WorkerExit::Code(code) => JobState::Exited { code: *code },
             other => JobState::Failed { reason: other.to_string() },
         };
-        Some(entry.driver)
+        let (driver, package) = (entry.driver, entry.package.clone());
+        // A package another running job was made from stays for it.
+        let package = package.filter(|digest| {
+            !self.jobs.values().any(|j| {
+                j.state == JobState::Running && j.package.as_deref() == Some(digest.as_str())
+            })
+        });
+        Some((driver, Effect::RemoveJobFiles { job, package }))
     }
 }
 
@@ -261,6 +270,7 @@ impl HeadCore {
         for actor in actors {
             let _ = self.kill_actor(actor, true, effects);
         }
+        self.end_tasks_of(driver, effects);
         self.remove_groups_of(GroupOwner::Driver(driver), effects);
     }
 

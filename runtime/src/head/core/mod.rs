@@ -101,6 +101,9 @@ pub(crate) enum Effect {
     /// Tell a node declared dead to stop its workers and exit, in case it is only paused or
     /// cut off and would otherwise live on as a zombie.
     StopNode { address: Address, reason: String },
+    /// A job ended: remove its unpacked working directory (its log stays) and, when no running
+    /// job uses it, its working-directory package.
+    RemoveJobFiles { job: u64, package: Option<String> },
 }
 
 /// Control-plane settings.
@@ -290,10 +293,11 @@ impl HeadCore {
                 match self.members.job_exited(worker, &status) {
                     // A submitted job's driver was reaped: the driver is gone now, so its actors
                     // and groups go at once rather than when its connection times out.
-                    Some(driver) => {
+                    Some((driver, files)) => {
                         if let Some(driver) = driver {
                             self.driver_gone(driver, &mut effects);
                         }
+                        effects.push(files);
                     }
                     None => {
                         let status = self.exit_reason(worker, &status);

@@ -311,7 +311,7 @@ impl World {
                 Effect::Forget(conn) => {
                     self.conns.remove(&conn);
                 }
-                Effect::StopNode { .. } => {}
+                Effect::StopNode { .. } | Effect::RemoveJobFiles { .. } => {}
             }
         }
         answers

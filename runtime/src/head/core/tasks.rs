@@ -108,7 +108,7 @@ impl HeadCore {
             let lineage = self.task_queue[index].lineage.clone();
             let idle = self.idle_task_workers.iter().rposition(|w| {
                 self.workers.get(w).is_some_and(|entry| {
-                    entry.node == node && entry.lineage.job == lineage.job && entry.conn.is_some()
+                    entry.node == node && same_job(&entry.lineage, &lineage) && entry.conn.is_some()
                 })
             });
             let Some(position) = idle else {
@@ -151,19 +151,19 @@ impl HeadCore {
         wanted: Vec<(u64, Lineage)>,
         effects: &mut Vec<Effect>,
     ) {
-        let mut asked: Vec<(u64, Option<String>, usize)> = Vec::new();
+        let mut asked: Vec<(u64, Lineage, usize)> = Vec::new();
         for (node, lineage) in wanted {
-            let key = (node, lineage.job.clone());
-            let asked_now = match asked.iter_mut().find(|(n, j, _)| (*n, j.clone()) == key) {
-                Some(entry) => {
-                    entry.2 += 1;
-                    entry.2
-                }
-                None => {
-                    asked.push((node, lineage.job.clone(), 1));
-                    1
-                }
-            };
+            let asked_now =
+                match asked.iter_mut().find(|(n, l, _)| *n == node && same_job(l, &lineage)) {
+                    Some(entry) => {
+                        entry.2 += 1;
+                        entry.2
+                    }
+                    None => {
+                        asked.push((node, lineage.clone(), 1));
+                        1
+                    }
+                };
             let starting = self
                 .workers
                 .values()
@@ -171,7 +171,7 @@ impl HeadCore {
                     matches!(w.role, WorkerRole::Tasks { .. })
                         && w.conn.is_none()
                         && w.node == node
-                        && w.lineage.job == lineage.job
+                        && same_job(&w.lineage, &lineage)
                 })
                 .count();
             if asked_now <= starting || task_workers >= self.config.max_task_workers {
@@ -181,6 +181,50 @@ impl HeadCore {
             self.starting_task_workers += 1;
             let role = WorkerRole::Tasks { running: None };
             self.new_worker(role, node, lineage, &Default::default(), effects);
+        }
+    }
+
+    /// The driver `driver` is gone: its tasks, queued or running, are dropped (failed with the
+    /// reason) and its task workers end with it. A pooled worker carries its job's environment
+    /// and working directory, so the next job must never run in it.
+    pub(super) fn end_tasks_of(&mut self, driver: WorkerId, effects: &mut Vec<Effect>) {
+        let of_driver = |l: &Lineage| l.driver == Some(driver) && !l.detached;
+        let gone = || Outcome::Error(Error::Cancelled);
+        let mut index = 0;
+        while index < self.task_queue.len() {
+            match of_driver(&self.task_queue[index].lineage) {
+                true => {
+                    if let Some(task) = self.task_queue.remove(index) {
+                        self.answer_task(task.reply, gone(), effects);
+                    }
+                }
+                false => index += 1,
+            }
+        }
+        let running: Vec<u64> = self
+            .running_tasks
+            .iter()
+            .filter(|(_, r)| of_driver(&r.task.lineage))
+            .map(|(call_id, _)| *call_id)
+            .collect();
+        for call_id in running {
+            if let Some(run) = self.running_tasks.remove(&call_id) {
+                self.release(run.allocation);
+                if let Some(entry) = self.workers.get_mut(&run.worker) {
+                    entry.role = WorkerRole::Tasks { running: None };
+                }
+                self.answer_task(run.task.reply, gone(), effects);
+            }
+        }
+        let workers: Vec<WorkerId> = self
+            .workers
+            .iter()
+            .filter(|(_, w)| matches!(w.role, WorkerRole::Tasks { .. }) && of_driver(&w.lineage))
+            .map(|(id, _)| *id)
+            .collect();
+        for worker in workers {
+            self.idle_task_workers.retain(|w| *w != worker);
+            self.kill_worker(worker, effects);
         }
     }
 
@@ -261,4 +305,10 @@ impl HeadCore {
         }
         effects.push(Effect::Respond(reply, Response::Outcome(outcome)));
     }
+}
+
+/// Whether a task worker of `worker`'s lineage may run a task of `task`'s: the same job binary
+/// and the same driver (one run of the job, with its environment and working directory).
+fn same_job(worker: &Lineage, task: &Lineage) -> bool {
+    worker.job == task.job && worker.driver == task.driver
 }
