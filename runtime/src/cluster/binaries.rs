@@ -84,7 +84,12 @@ impl BinaryCache {
         if path.is_file() {
             return Ok(path);
         }
-        let temp = self.dir.join(format!(".{digest}.{}.part", std::process::id()));
+        // One temporary file per upload: two drivers of the same binary uploading at once reach
+        // the head's one process, and with one name per process the second truncated the
+        // first's file (or wrote into it after its rename: `Text file busy` at the spawn).
+        static UPLOADS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let upload = UPLOADS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let temp = self.dir.join(format!(".{digest}.{}.{upload}.part", std::process::id()));
         let io = |e: std::io::Error| Error::System(format!("cannot write {}: {e}", temp.display()));
         std::fs::write(&temp, bytes).map_err(io)?;
         std::fs::set_permissions(&temp, std::fs::Permissions::from_mode(0o755)).map_err(io)?;
@@ -120,6 +125,36 @@ mod tests {
         assert!(wrong.contains("does not match"), "{wrong}");
         assert!(cache.insert("../../etc/passwd", &bytes).is_err());
         assert!(!cache.contains("../x"));
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// Uploads of one binary at the same time from threads of one process (what two drivers
+    /// starting together do to the head) all succeed, and leave one complete file.
+    #[test]
+    fn concurrent_uploads_of_one_binary_all_succeed() {
+        let dir = std::env::temp_dir().join(format!("rtrun-bin-race-{}", std::process::id()));
+        let cache = std::sync::Arc::new(BinaryCache::open(&dir).unwrap());
+        let bytes: Vec<u8> = (0..4 << 20).map(|i| (i % 251) as u8).collect();
+        let digest = digest_of(&bytes);
+        for _ in 0..5 {
+            let _ = std::fs::remove_file(cache.path(&digest));
+            let uploads: Vec<_> = (0..4)
+                .map(|_| {
+                    let (cache, bytes, digest) = (cache.clone(), bytes.clone(), digest.clone());
+                    std::thread::spawn(move || cache.insert(&digest, &bytes).map(drop))
+                })
+                .collect();
+            for upload in uploads {
+                upload.join().unwrap().unwrap();
+            }
+            assert_eq!(digest_file(&cache.path(&digest)).unwrap(), digest);
+        }
+        let leftovers: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .filter(|e| e.file_name().to_string_lossy().ends_with(".part"))
+            .collect();
+        assert!(leftovers.is_empty(), "temporary files left: {leftovers:?}");
         std::fs::remove_dir_all(dir).unwrap();
     }
 }

@@ -67,7 +67,7 @@ const NODES: &str = r#"{% extends "base.html" %}{% block body %}
 const ACTORS: &str = r#"{% extends "base.html" %}{% block body %}
 <table><tr><th>actor</th><th>type</th><th>name</th><th>lifetime</th><th>state</th><th>node</th><th>pid</th><th>restarts</th><th>log</th></tr>
 {% for a in actors %}<tr><td>{{ a.actor }}</td><td>{{ a.type_name }}</td><td>{{ a.name or '' }}</td>
-<td>{{ 'detached' if a.detached }}</td><td class="{{ 'alive' if a.state == 'ALIVE' else ('dead' if a.state.startswith('DEAD')) }}">{{ a.state }}</td>
+<td>{{ 'detached' if a.detached }}</td><td class="{{ 'alive' if a.state == 'ALIVE' else ('dead' if a.state is startingwith('DEAD')) }}">{{ a.state }}</td>
 <td>{{ a.node or '' }}</td><td>{{ a.pid or '' }}</td><td>{{ a.restarts }}</td>
 <td>{% if a.worker %}<a href="/actors/{{ a.actor }}/log">{{ a.worker }}.log</a>{% endif %}</td></tr>{% endfor %}
 </table>{% endblock %}"#;
