@@ -556,8 +556,9 @@ impl LmWorker {
         self.state().weight_buckets(bucket_bytes)
     }
 
-    /// Every engine rank's own weight buckets for engines of `tp` ranks (see
-    /// [`LmWorkerState::engine_weight_buckets`]).
+    /// Every engine rank's own weight buckets for engines of `tp` ranks: `by_rank[r]` is rank
+    /// `r`'s shard in the engine layout, put into the object store by this rank, with the bytes
+    /// each rank receives and the resharding time.
     pub fn engine_weight_buckets(
         &self,
         bucket_bytes: usize,
