@@ -67,6 +67,9 @@ enum Writer {
         /// Keeps the QUIC connection open as long as this runtime connection.
         link: rtrun_net::Connection,
     },
+    /// Shut down: its socket (or QUIC stream) is released, so a connection object that lives on
+    /// in a cache holds no file descriptor.
+    Closed,
 }
 
 impl Writer {
@@ -77,6 +80,10 @@ impl Writer {
             // the net runtime) moves the bytes, this thread only fills the stream's buffer.
             Writer::Quic { send, .. } => futures::executor::block_on(send.write_all(buf))
                 .map_err(|e| std::io::Error::new(std::io::ErrorKind::BrokenPipe, e)),
+            Writer::Closed => Err(std::io::Error::new(
+                std::io::ErrorKind::BrokenPipe,
+                "the connection is shut down",
+            )),
         }
     }
 
@@ -89,7 +96,9 @@ impl Writer {
                 let _ = send.finish();
                 link.close();
             }
+            Writer::Closed => {}
         }
+        *self = Writer::Closed;
     }
 }
 
@@ -454,13 +463,20 @@ impl Endpoint {
         };
         // The acceptor learns who we are from the first frame.
         conn.send(&Frame::Hello { address: self.address.clone() })?;
-        self.connections.insert(peer.clone(), conn.clone());
+        self.cache(peer.clone(), conn.clone());
         Ok(conn)
     }
 
     /// Makes `conn` the cached connection for `peer` (a peer that connected to us).
     pub(crate) fn remember(&self, peer: Address, conn: Arc<Connection>) {
         conn.set_peer(peer.clone());
+        self.cache(peer, conn);
+    }
+
+    /// Caches `conn` for `peer`, dropping the closed connections of peers that went away (a
+    /// head kept one per actor ever created: 200 actors created and killed left 200).
+    fn cache(&self, peer: Address, conn: Arc<Connection>) {
+        self.connections.retain(|_, cached| !cached.is_closed());
         self.connections.insert(peer, conn);
     }
 
