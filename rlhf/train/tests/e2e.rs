@@ -230,13 +230,15 @@ fn start_reward_server() -> (String, std::sync::Arc<std::sync::atomic::AtomicUsi
                 })
                 .collect();
             let answer = serde_json::json!({ "rewards": rewards }).to_string();
+            // Counted before the answer leaves: counted after, the run could end (and the test
+            // read the count) before this thread got to the last one.
+            counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             let mut stream = stream;
             let _ = write!(
                 stream,
                 "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{answer}",
                 answer.len()
             );
-            counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         }
     });
     (url, served)
