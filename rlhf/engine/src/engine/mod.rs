@@ -378,9 +378,7 @@ impl LlmEngine {
         operation: &'static str,
         update: impl FnOnce(&CausalLm) -> Result<T, EngineError>,
     ) -> Result<T, EngineError> {
-        if !matches!(self.weights, WeightResidency::Resident) {
-            return Err(EngineError::Asleep { operation, part: "weights" });
-        }
+        self.weights.require_resident(operation)?;
         self.require_idle(operation)?;
         let out = update(self.runner.model());
         // Even a failed update may have written some weights.
@@ -435,9 +433,7 @@ impl LlmEngine {
     }
 
     fn require_awake(&self, operation: &'static str) -> Result<(), EngineError> {
-        if !matches!(self.weights, WeightResidency::Resident) {
-            return Err(EngineError::Asleep { operation, part: "weights" });
-        }
+        self.weights.require_resident(operation)?;
         if !self.runner.has_kv_cache() {
             return Err(EngineError::Asleep { operation, part: "kv cache" });
         }

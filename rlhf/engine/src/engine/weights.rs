@@ -41,6 +41,14 @@ pub enum WeightState {
 }
 
 impl WeightResidency {
+    /// Refuses `operation` unless the weights are resident.
+    pub(crate) fn require_resident(&self, operation: &'static str) -> Result<(), EngineError> {
+        match self {
+            WeightResidency::Resident => Ok(()),
+            _ => Err(EngineError::Asleep { operation, part: "weights" }),
+        }
+    }
+
     /// The state word.
     pub fn state(&self) -> WeightState {
         match self {

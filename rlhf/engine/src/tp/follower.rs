@@ -80,12 +80,7 @@ impl Follower {
     pub fn handle(&mut self, command: &RankCommand) -> Result<(), EngineError> {
         match command {
             RankCommand::Step(batch) => {
-                if !matches!(self.weights, WeightResidency::Resident) {
-                    return Err(EngineError::Asleep {
-                        operation: "a forward step",
-                        part: "weights",
-                    });
-                }
+                self.weights.require_resident("a forward step")?;
                 self.runner.execute_shard(batch)
             }
             RankCommand::Sleep(level) => {
@@ -114,9 +109,7 @@ impl Follower {
         operation: &'static str,
         update: impl FnOnce(&CausalLm) -> Result<T, EngineError>,
     ) -> Result<T, EngineError> {
-        if !matches!(self.weights, WeightResidency::Resident) {
-            return Err(EngineError::Asleep { operation, part: "weights" });
-        }
+        self.weights.require_resident(operation)?;
         let out = update(self.runner.model());
         self.runner.weights_changed();
         out
