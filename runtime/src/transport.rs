@@ -216,14 +216,22 @@ impl NetLink {
 /// Connects to a QUIC endpoint, trying again when a handshake times out: on a loaded host a
 /// lost Initial packet is only retransmitted after a backed-off probe timeout, which can
 /// exhaust one attempt's budget although the peer is there. Refusals are not retried.
+/// A `control` connection (to the head) gets the control plane's longer idle timeout
+/// ([`rtrun_net::Endpoint::connect_control`]).
 pub(crate) async fn connect_with_retries(
     endpoint: &rtrun_net::Endpoint,
     addr: NetAddr,
+    control: bool,
 ) -> std::result::Result<rtrun_net::Connection, rtrun_net::NetError> {
     const ATTEMPTS: usize = 3;
     let mut attempt = 1;
     loop {
-        match endpoint.connect(addr).await {
+        let connected = if control {
+            endpoint.connect_control(addr).await
+        } else {
+            endpoint.connect(addr).await
+        };
+        match connected {
             Err(rtrun_net::NetError::Timeout { .. }) if attempt < ATTEMPTS => {
                 tracing::warn!(%addr, attempt, "QUIC handshake timed out; trying again");
                 attempt += 1;
@@ -293,6 +301,9 @@ pub(crate) struct Endpoint {
     connections: DashMap<Address, Arc<Connection>>,
     config: TransportConfig,
     net: std::sync::OnceLock<Arc<NetLink>>,
+    /// The head's address, once [`Endpoint::connect_head`] named it: connections to it are the
+    /// control plane's.
+    head: std::sync::OnceLock<Address>,
 }
 
 impl std::fmt::Debug for Endpoint {
@@ -352,6 +363,7 @@ impl Endpoint {
             connections: DashMap::new(),
             config,
             net: std::sync::OnceLock::new(),
+            head: std::sync::OnceLock::new(),
         });
         let weak = Arc::downgrade(&endpoint);
         std::thread::Builder::new()
@@ -420,6 +432,14 @@ impl Endpoint {
         });
     }
 
+    /// The connection to the cluster head at `head`: [`Endpoint::connect`], and every later
+    /// connection to it, with the control plane's idle timeout, so that a head that stalls for
+    /// longer than the ordinary idle timeout does not lose every peer.
+    pub(crate) fn connect_head(&self, head: &Address) -> Result<Arc<Connection>> {
+        let _ = self.head.set(head.clone());
+        self.connect(head)
+    }
+
     /// The connection to `peer`, connecting when there is none (or the cached one closed).
     pub(crate) fn connect(&self, peer: &Address) -> Result<Arc<Connection>> {
         if let Some(conn) = self.connections.get(peer)
@@ -441,12 +461,13 @@ impl Endpoint {
             }
             _ => None,
         };
+        let control = self.head.get() == Some(peer);
         let conn = match remote {
             Some((addr, net)) => {
                 let opened = net.wait({
                     let net = net.clone();
                     async move {
-                        let link = connect_with_retries(&net.endpoint, addr).await?;
+                        let link = connect_with_retries(&net.endpoint, addr, control).await?;
                         let (send, recv) = link.open_channel(bytes::Bytes::new()).await?;
                         Ok::<_, rtrun_net::NetError>((link, send, recv))
                     }

@@ -247,7 +247,8 @@ fn losing_the_head_fails_its_drivers_clients_and_nodes_and_dead_heads_are_report
     kill9(cluster.head.id());
     let _ = cluster.head.wait();
     let killed = Instant::now();
-    // Each notices within the QUIC idle timeout (10 s) and exits non-zero, saying why.
+    // Each notices within the control plane's QUIC idle timeout (30 s) and exits non-zero,
+    // saying why.
     let head = &cluster.address;
     let mut processes: Vec<(&str, &mut Child)> =
         vec![("the attached driver", &mut driver), ("rtrun submit", &mut submitted)];
@@ -320,32 +321,43 @@ fn a_node_paused_past_the_heartbeat_timeout_exits_instead_of_living_on_as_a_zomb
     assert!(status(&cluster).contains("nodes: 2 alive, 1 dead"));
 }
 
-/// The head paused (SIGSTOP) for twice the heartbeat timeout, then resumed: its own pause is
-/// not read as every peer's death (the audit's head declared both nodes and the driver dead at
-/// once after such a pause). The pause stays under the cluster's 10 s QUIC idle timeout, past
-/// which the connections themselves end (see the closing note); whether the head's
-/// failure detector polls before or after it reads the queued heartbeats is a race here, which
+/// The head paused (SIGSTOP) for twice the default heartbeat timeout (5 s), then resumed, with
+/// an attached driver and a submitted job running: its own pause is not read as every peer's
+/// death. Before, the head declared both nodes and both drivers dead at once after such a
+/// pause (`no heartbeat for 5s`), the nodes exited 75 and the job failed; with the failure
+/// detector alone fixed, the 10 s of silence still ended every connection with the head (QUIC
+/// idle timeout 10 s), which now lasts 30 s on the control plane. Whether the head's failure
+/// detector polls before or after it reads the queued heartbeats is a race here, which
 /// `rtrun-net`'s `its_own_stall_is_not_read_as_the_nodes_death` decides deterministically.
 #[test]
-fn a_head_paused_for_twice_the_heartbeat_timeout_keeps_every_node_and_driver() {
-    let mut cluster = start_cluster("head-paused", "2");
-    let (mut driver, lines) =
-        start_driver(&cluster, &["--nodes", "3", "--bytes", "1000", "--hold", "14"]);
+fn a_head_paused_for_twice_the_heartbeat_timeout_keeps_every_node_driver_and_job() {
+    let mut cluster = start_cluster("head-paused", "5");
+    let hold = ["--nodes", "1", "--bytes", "1000", "--hold", "30"];
+    let (mut driver, lines) = start_driver(&cluster, &[&hold[..], &["--group", "a"]].concat());
     expect_line(&lines, "holding", "the holding driver");
+    let mut submitted = submit_command(&cluster, &[&hold[..], &["--group", "b"]].concat())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let submitted_lines = read_lines(submitted.stdout.take().unwrap());
+    expect_line(&submitted_lines, "holding", "the submitted job");
     let head = cluster.head.id();
     signal(head, libc::SIGSTOP);
-    std::thread::sleep(Duration::from_secs(4));
+    std::thread::sleep(Duration::from_secs(10));
     signal(head, libc::SIGCONT);
     // Long enough for a verdict on the paused time, and for a real one after it.
-    std::thread::sleep(Duration::from_secs(5));
+    std::thread::sleep(Duration::from_secs(8));
     let info = status(&cluster);
     assert!(info.contains("nodes: 3 alive, 0 dead"), "{info}");
     for node in &mut cluster.nodes {
         assert!(node.try_wait().unwrap().is_none(), "a node exited after the head's pause");
     }
-    let ended = wait_exit(&mut driver, Duration::from_secs(30)).expect("the driver ends");
-    let stderr = stderr_of(&mut driver);
-    assert!(ended.success(), "the driver failed after the head's pause: {stderr}");
+    for (what, child) in [("the driver", &mut driver), ("the submitted job", &mut submitted)] {
+        let ended = wait_exit(child, Duration::from_secs(60)).expect("it ends");
+        let stderr = stderr_of(child);
+        assert!(ended.success(), "{what} failed after the head's pause: {stderr}");
+    }
 }
 
 /// A child killed when dropped (a test that fails must not leave a stopped process).

@@ -22,6 +22,13 @@ pub struct NetConfig {
     pub request_read_timeout: Duration,
     /// A connection silent for this long is closed (QUIC idle timeout). Default 30 s.
     pub idle_timeout: Duration,
+    /// The idle timeout of control-plane connections (one end is the cluster head, see
+    /// [`crate::Endpoint::connect_control`]). Default 30 s. Longer than `idle_timeout`: a head
+    /// that stalls (SIGSTOP, a slow disk, a long pause of its machine) sends nothing meanwhile,
+    /// and every node would otherwise drop it, and exit, after `idle_timeout`; the cost is that a
+    /// head killed outright is noticed this late by its nodes. QUIC uses the smaller of both
+    /// ends' values, so servers advertise the larger of the two timeouts and each client picks.
+    pub control_idle_timeout: Duration,
     /// QUIC keep-alive interval, well under the idle timeout. Default 5 s.
     pub keep_alive: Duration,
     /// Concurrent bidirectional streams a peer may open (requests and pulls in flight).
@@ -72,6 +79,7 @@ impl Default for NetConfig {
             handshake_timeout: Duration::from_secs(10),
             request_read_timeout: Duration::from_secs(60),
             idle_timeout: Duration::from_secs(30),
+            control_idle_timeout: Duration::from_secs(30),
             keep_alive: Duration::from_secs(5),
             max_concurrent_streams: 1024,
             stream_receive_window: 32 << 20,
@@ -94,15 +102,20 @@ impl NetConfig {
     /// that has not been admitted (no certificate, wrong token) can make us buffer almost
     /// nothing. `NetConfig::open_admitted` raises both once the hello succeeds.
     pub fn transport(&self) -> Result<Arc<TransportConfig>> {
-        self.transport_for(false)
+        self.transport_for(false, self.idle_timeout)
     }
 
     /// [`NetConfig::transport`] for a peer on a loopback address: a fixed, known MTU.
     pub fn loopback_transport(&self) -> Result<Arc<TransportConfig>> {
-        self.transport_for(true)
+        self.transport_for(true, self.idle_timeout)
     }
 
-    fn transport_for(&self, loopback: bool) -> Result<Arc<TransportConfig>> {
+    /// The transport of a connection with `idle_timeout`, to a loopback peer or not.
+    pub(crate) fn transport_for(
+        &self,
+        loopback: bool,
+        idle_timeout: Duration,
+    ) -> Result<Arc<TransportConfig>> {
         let bad = |what: &str, value: u64| {
             NetError::Config(format!("{what} of {value} is out of the range QUIC allows"))
         };
@@ -117,8 +130,8 @@ impl NetConfig {
             .receive_window(VarInt::from_u32(PRE_ADMISSION_RECEIVE_WINDOW))
             .send_window(self.send_window)
             .max_idle_timeout(Some(
-                IdleTimeout::try_from(self.idle_timeout)
-                    .map_err(|_| bad("idle_timeout (ms)", self.idle_timeout.as_millis() as u64))?,
+                IdleTimeout::try_from(idle_timeout)
+                    .map_err(|_| bad("idle_timeout (ms)", idle_timeout.as_millis() as u64))?,
             ))
             .keep_alive_interval(Some(self.keep_alive));
         let mut mtu = MtuDiscoveryConfig::default();

@@ -50,8 +50,8 @@ pub(crate) struct Shared {
     pub(crate) authority: Option<Arc<ClusterAuthority>>,
     pub(crate) source: Option<Arc<dyn ObjectSource>>,
     pub(crate) monitor: Option<HeartbeatMonitor>,
-    client_config: quinn::ClientConfig,
-    loopback_client_config: quinn::ClientConfig,
+    /// Client configurations: `[loopback as usize][control as usize]`.
+    client_configs: [[quinn::ClientConfig; 2]; 2],
     loopback_server_config: Arc<quinn::ServerConfig>,
 }
 
@@ -80,14 +80,22 @@ impl Endpoint {
         options: EndpointOptions,
     ) -> Result<Endpoint> {
         let node_name = node.node_name()?;
-        let transport = options.config.transport()?;
+        let config = &options.config;
         let bootstrap = options.authority.is_some();
-        let server_config = tls::server_config(&node, bootstrap, transport.clone())?;
-        let client_config = tls::client_config(&node, transport)?;
-        let loopback = options.config.loopback_transport()?;
+        // A server offers the longer timeout; the client's choice is the one that holds.
+        let serving = config.idle_timeout.max(config.control_idle_timeout);
+        let server_config =
+            tls::server_config(&node, bootstrap, config.transport_for(false, serving)?)?;
         let loopback_server_config =
-            Arc::new(tls::server_config(&node, bootstrap, loopback.clone())?);
-        let loopback_client_config = tls::client_config(&node, loopback)?;
+            Arc::new(tls::server_config(&node, bootstrap, config.transport_for(true, serving)?)?);
+        let client = |loopback, idle| -> Result<quinn::ClientConfig> {
+            tls::client_config(&node, config.transport_for(loopback, idle)?)
+        };
+        let (idle, control) = (config.idle_timeout, config.control_idle_timeout);
+        let client_configs = [
+            [client(false, idle)?, client(false, control)?],
+            [client(true, idle)?, client(true, control)?],
+        ];
         let bind_error = |e| NetError::io(format!("binding a QUIC endpoint on {addr}"), e);
         let socket = std::net::UdpSocket::bind(addr).map_err(bind_error)?;
         let buffers = socket2::SockRef::from(&socket);
@@ -108,8 +116,7 @@ impl Endpoint {
             authority: options.authority,
             source: options.object_source,
             monitor: options.monitor,
-            client_config,
-            loopback_client_config,
+            client_configs,
             loopback_server_config,
         });
         let (tx, rx) = mpsc::channel(64);
@@ -139,8 +146,18 @@ impl Endpoint {
 
     /// Connects to the node at `addr`: mutual TLS, then the hello with the join token.
     pub async fn connect(&self, addr: SocketAddr) -> Result<Connection> {
+        self.connect_as(addr, false).await
+    }
+
+    /// [`Endpoint::connect`] for a control-plane connection (to the cluster head): idle for
+    /// `control_idle_timeout` instead of `idle_timeout` before it is dropped.
+    pub async fn connect_control(&self, addr: SocketAddr) -> Result<Connection> {
+        self.connect_as(addr, true).await
+    }
+
+    async fn connect_as(&self, addr: SocketAddr, control: bool) -> Result<Connection> {
         let timeout = self.shared.config.handshake_timeout;
-        tokio::time::timeout(timeout, self.connect_inner(addr)).await.map_err(|_| {
+        tokio::time::timeout(timeout, self.connect_inner(addr, control)).await.map_err(|_| {
             NetError::Timeout {
                 during: "connecting (handshake and hello)",
                 after_ms: timeout.as_millis(),
@@ -148,13 +165,11 @@ impl Endpoint {
         })?
     }
 
-    async fn connect_inner(&self, addr: SocketAddr) -> Result<Connection> {
+    async fn connect_inner(&self, addr: SocketAddr, control: bool) -> Result<Connection> {
         let peer = addr.to_string();
-        let client_config = if addr.ip().is_loopback() {
-            self.shared.loopback_client_config.clone()
-        } else {
-            self.shared.client_config.clone()
-        };
+        let client_config = self.shared.client_configs[usize::from(addr.ip().is_loopback())]
+            [usize::from(control)]
+        .clone();
         let connecting = self
             .quinn
             .connect_with(client_config, addr, CLUSTER_SERVER_NAME)

@@ -64,6 +64,8 @@ pub fn start_head(options: HeadOptions) -> Result<HeadHandle> {
             interval: (options.heartbeat_timeout / 5).max(Duration::from_millis(100)),
             timeout: options.heartbeat_timeout,
         },
+        // Every connection of the head is a control-plane one, those it opens too.
+        idle_timeout: super::HEAD_IDLE_TIMEOUT,
         ..net_config()
     };
     let (monitor, mut dead) = {

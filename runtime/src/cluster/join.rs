@@ -136,7 +136,8 @@ pub(super) fn connect_to_head(
     let connect_link = link.clone();
     let control = link
         .wait(async move {
-            let connect = crate::transport::connect_with_retries(&connect_link.endpoint, head);
+            let connect =
+                crate::transport::connect_with_retries(&connect_link.endpoint, head, true);
             tokio::time::timeout(timeout, connect).await
         })?
         .map_err(|_| head_unreachable(head, timeout))?

@@ -104,12 +104,19 @@ pub fn default_credentials_dir() -> PathBuf {
     home.join(".rtrun").join("credentials")
 }
 
+/// The idle timeout of connections with the head (see [`net_config`]).
+pub(super) const HEAD_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// The network settings of cluster processes: `rtrun-net`'s defaults with a 10 s idle timeout
 /// (2 s keep-alives), so that a peer process killed without closing its connections (a worker
-/// of a dead node, a SIGKILLed driver) is noticed within seconds by those connected to it.
+/// of a dead node, a SIGKILLed driver) is noticed within seconds by those connected to it —
+/// except on connections with the head, which stay up through 30 s of silence: a head paused
+/// for 10 s (its failure detector then suspends judgement) must not lose every node, and a
+/// killed head is noticed by its nodes within those 30 s (Ray's raylets wait 60 s for theirs).
 pub(super) fn net_config() -> NetConfig {
     NetConfig {
         idle_timeout: Duration::from_secs(10),
+        control_idle_timeout: HEAD_IDLE_TIMEOUT,
         keep_alive: Duration::from_secs(2),
         ..NetConfig::default()
     }

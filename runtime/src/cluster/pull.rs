@@ -17,10 +17,13 @@ fn pull_link(member: &Member, home: &str) -> Result<rtrun_net::Connection> {
         return Ok(link.clone());
     }
     let link = member.link.clone();
-    let connection = member
-        .link
-        .wait(async move { crate::transport::connect_with_retries(&link.endpoint, addr).await })?
-        .map_err(net_error(&format!("connecting to the node at {addr}")))?;
+    let connection =
+        member
+            .link
+            .wait(async move {
+                crate::transport::connect_with_retries(&link.endpoint, addr, false).await
+            })?
+            .map_err(net_error(&format!("connecting to the node at {addr}")))?;
     member.pulls.insert(addr, connection.clone());
     Ok(connection)
 }

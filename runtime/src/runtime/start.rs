@@ -106,7 +106,7 @@ impl Runtime {
         )?;
         let store = runtime.open_store(config, worker)?;
         let agent = crate::cluster::node::NodeAgent::start(&runtime, agent)?;
-        let head = runtime.endpoint().connect(&head_address)?;
+        let head = runtime.endpoint().connect_head(&head_address)?;
         runtime.install_role(ProcessRole::NodeDaemon { head, store, agent })?;
         let _ = CURRENT.set(runtime.clone());
         Ok(runtime)
@@ -129,7 +129,7 @@ impl Runtime {
             namespace_of(config),
             config.transport.clone(),
         )?;
-        let head = runtime.endpoint().connect(&head_address)?;
+        let head = runtime.endpoint().connect_head(&head_address)?;
         runtime.install_role(ProcessRole::ClusterDriver { head })?;
         Ok(runtime)
     }
@@ -200,7 +200,7 @@ impl Runtime {
             Some(node_address) => Some(runtime.endpoint().connect(&node_address)?),
             None => None,
         };
-        let head = runtime.endpoint().connect(&spec.head_address)?;
+        let head = runtime.endpoint().connect_head(&spec.head_address)?;
         runtime.install_role(ProcessRole::Worker(WorkerRole::new(head, node_connection, store)))?;
         let _ = CURRENT.set(runtime.clone());
         Ok(runtime)
