@@ -122,7 +122,10 @@ pub fn resumed_from(stderr: &str) -> Option<u64> {
         .lines()
         .find_map(|l| l.strip_prefix("resuming from "))
         .and_then(|dir| dir.rsplit("step_").next())
-        .and_then(|step| step.trim().parse().ok())
+        .and_then(|step| {
+            let digits = step.find(|c: char| !c.is_ascii_digit()).unwrap_or(step.len());
+            step[..digits].parse().ok()
+        })
 }
 
 /// The `rtrun` binary of this build, built first when it is missing (the workspace test run

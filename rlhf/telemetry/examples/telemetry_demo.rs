@@ -69,7 +69,7 @@ fn main() -> anyhow::Result<()> {
     }
     progress.finish();
 
-    let records = jsonl::read_jsonl(writer.jsonl_path())?;
+    let records = jsonl::read_jsonl(&writer.jsonl_path())?;
     let chart =
         reward_curve(&records, &[("train reward", "reward"), ("held-out reward", "eval/reward")]);
     chart.write_png(&dir.join("reward.png"))?;

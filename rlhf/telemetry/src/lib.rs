@@ -47,7 +47,7 @@
 //! }
 //! progress.finish();
 //!
-//! let records = jsonl::read_jsonl(metrics_writer.jsonl_path())?;
+//! let records = jsonl::read_jsonl(&metrics_writer.jsonl_path())?;
 //! reward_curve(&records, &[("train reward", "reward")]).write_png(&run_dir.join("reward.png"))?;
 //! let summary = RunSummary {
 //!     title: "grpo".into(),

@@ -179,7 +179,20 @@ impl Default for MetricsWriterOptions {
 
 /// The sink of a run directory: each step goes to the JSONL file (one object per line) and to
 /// a TensorBoard event file, both flushed before [`MetricsSink::record`] returns.
+///
+/// Nothing in the directory changes before the first record: a run that fails before it has a
+/// step to record (a resume whose checkpoint turns out bad, a run with nothing left to do)
+/// leaves the previous run's metrics and event files as they were. Only [`StartMode::New`]'s
+/// check that there is no earlier run is made at once.
 pub struct MetricsWriter {
+    dir: PathBuf,
+    mode: StartMode,
+    options: MetricsWriterOptions,
+    open: Option<OpenFiles>,
+}
+
+/// The files of a writer that has recorded.
+struct OpenFiles {
     jsonl: JsonlWriter,
     tensorboard: Option<EventFileWriter>,
 }
@@ -197,51 +210,72 @@ impl MetricsWriter {
         options: &MetricsWriterOptions,
     ) -> Result<Self> {
         std::fs::create_dir_all(dir).map_err(io_error("create directory", dir))?;
-        let jsonl_path = dir.join(&options.jsonl_file_name);
-        let old_event_files = if options.tensorboard { event_files_in(dir)? } else { Vec::new() };
-        match mode {
-            StartMode::New => {
-                if let Some(path) = old_event_files.first() {
-                    return Err(TelemetryError::AlreadyExists { path: path.clone() });
-                }
+        if mode == StartMode::New {
+            let jsonl_path = dir.join(&options.jsonl_file_name);
+            if jsonl_path.exists() {
+                return Err(TelemetryError::AlreadyExists { path: jsonl_path });
             }
-            StartMode::Overwrite => {
-                for path in &old_event_files {
-                    std::fs::remove_file(path).map_err(io_error("remove", path))?;
-                }
+            if options.tensorboard
+                && let Some(path) = event_files_in(dir)?.into_iter().next()
+            {
+                return Err(TelemetryError::AlreadyExists { path });
             }
-            StartMode::Resume { .. } => {}
         }
-        let jsonl = JsonlWriter::create(&jsonl_path, mode)?;
-        let tensorboard = if options.tensorboard {
-            let now = unix_time_now();
-            let mut writer = EventFileWriter::create(dir, now)?;
-            if let StartMode::Resume { next_step } = mode {
-                writer.write_session_start(next_step, now)?;
-                writer.flush()?;
+        Ok(Self { dir: dir.to_owned(), mode, options: options.clone(), open: None })
+    }
+
+    /// The files, opened as `mode` says at the first record.
+    fn files(&mut self) -> Result<&mut OpenFiles> {
+        if self.open.is_none() {
+            let (dir, mode) = (&self.dir, self.mode);
+            let old_event_files =
+                if self.options.tensorboard { event_files_in(dir)? } else { Vec::new() };
+            match mode {
+                StartMode::New => {
+                    if let Some(path) = old_event_files.first() {
+                        return Err(TelemetryError::AlreadyExists { path: path.clone() });
+                    }
+                }
+                StartMode::Overwrite => {
+                    for path in &old_event_files {
+                        std::fs::remove_file(path).map_err(io_error("remove", path))?;
+                    }
+                }
+                StartMode::Resume { .. } => {}
             }
-            Some(writer)
-        } else {
-            None
-        };
-        Ok(Self { jsonl, tensorboard })
+            let jsonl = JsonlWriter::create(&self.jsonl_path(), mode)?;
+            let tensorboard = if self.options.tensorboard {
+                let now = unix_time_now();
+                let mut writer = EventFileWriter::create(dir, now)?;
+                if let StartMode::Resume { next_step } = mode {
+                    writer.write_session_start(next_step, now)?;
+                    writer.flush()?;
+                }
+                Some(writer)
+            } else {
+                None
+            };
+            self.open = Some(OpenFiles { jsonl, tensorboard });
+        }
+        Ok(self.open.as_mut().expect("opened above"))
     }
 
     /// The JSONL file.
-    pub fn jsonl_path(&self) -> &Path {
-        self.jsonl.path()
+    pub fn jsonl_path(&self) -> PathBuf {
+        self.dir.join(&self.options.jsonl_file_name)
     }
 
-    /// The event file this writer appends to, if TensorBoard output is on.
+    /// The event file this writer appends to, once it recorded, if TensorBoard output is on.
     pub fn event_file_path(&self) -> Option<PathBuf> {
-        self.tensorboard.as_ref().map(|writer| writer.path().to_owned())
+        self.open.as_ref()?.tensorboard.as_ref().map(|writer| writer.path().to_owned())
     }
 }
 
 impl MetricsSink for MetricsWriter {
     fn record(&mut self, metrics: &StepMetrics) -> Result<()> {
-        self.jsonl.record(metrics)?;
-        if let Some(writer) = &mut self.tensorboard {
+        let files = self.files()?;
+        files.jsonl.record(metrics)?;
+        if let Some(writer) = &mut files.tensorboard {
             let scalars = metrics.scalars().iter().map(|(name, value)| (name.as_str(), *value));
             writer.write_scalars(metrics.step(), metrics.wall_time(), scalars)?;
             writer.flush()?;

@@ -54,7 +54,7 @@ fn fresh_killed_resumed_and_overwritten_runs() {
         writer.record(&step(index, index as f64)).unwrap();
     }
     // Each record is on disk as soon as `record` returns: read while the writer is alive.
-    assert_eq!(read_jsonl(writer.jsonl_path()).unwrap().len(), 6);
+    assert_eq!(read_jsonl(&writer.jsonl_path()).unwrap().len(), 6);
     assert_eq!(tensorboard_rewards(&dir).0.len(), 6);
     drop(writer);
 
@@ -62,12 +62,21 @@ fn fresh_killed_resumed_and_overwritten_runs() {
     let error = MetricsWriter::create(&dir, StartMode::New).err().unwrap();
     assert!(matches!(error, TelemetryError::AlreadyExists { .. }), "{error}");
 
+    // A resume or an overwrite that ends before its first record (a bad checkpoint, nothing
+    // left to do) changes nothing: no line dropped, no event file added or removed.
+    let before = std::fs::read(dir.join("metrics.jsonl")).unwrap();
+    for mode in [StartMode::Resume { next_step: 2 }, StartMode::Overwrite] {
+        drop(MetricsWriter::create(&dir, mode).unwrap());
+        assert_eq!(std::fs::read(dir.join("metrics.jsonl")).unwrap(), before, "{mode:?}");
+        assert_eq!(event_files_in(&dir).unwrap().len(), 1, "{mode:?}");
+    }
+
     // Resume from a checkpoint taken before step 4 with different values.
     let mut writer = MetricsWriter::create(&dir, StartMode::Resume { next_step: 4 }).unwrap();
     for index in 4..=8 {
         writer.record(&step(index, 10.0 * index as f64)).unwrap();
     }
-    let records = read_jsonl(writer.jsonl_path()).unwrap();
+    let records = read_jsonl(&writer.jsonl_path()).unwrap();
     let jsonl: Vec<(u64, f64)> =
         records.iter().map(|r| (r.step(), r.get("reward").unwrap())).collect();
     assert_eq!(
@@ -88,7 +97,7 @@ fn fresh_killed_resumed_and_overwritten_runs() {
     writer.record(&step(1, 0.25)).unwrap();
     assert_eq!(event_files_in(&dir).unwrap().len(), 1);
     assert_eq!(tensorboard_rewards(&dir), (vec![(1, 0.25)], vec![]));
-    assert_eq!(read_jsonl(writer.jsonl_path()).unwrap(), [step(1, 0.25)]);
+    assert_eq!(read_jsonl(&writer.jsonl_path()).unwrap(), [step(1, 0.25)]);
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -101,6 +110,7 @@ fn jsonl_only_and_custom_file_name() {
     writer.record(&step(1, 0.5)).unwrap();
     assert_eq!(writer.event_file_path(), None);
     assert_eq!(writer.jsonl_path(), dir.join("train.jsonl"));
+    assert!(writer.event_file_path().is_none());
     assert!(event_files_in(&dir).unwrap().is_empty());
     std::fs::remove_dir_all(&dir).unwrap();
 }

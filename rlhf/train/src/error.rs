@@ -24,6 +24,9 @@ pub enum TrainError {
     /// A dataset or record was malformed.
     #[error("data: {0}")]
     Data(String),
+    /// A checkpoint cannot be resumed from (a file changed since it was saved, or is missing).
+    #[error("checkpoint: {0}")]
+    Checkpoint(String),
     /// A file could not be read or written.
     #[error("{}: {source}", path.display())]
     Io {

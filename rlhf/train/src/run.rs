@@ -376,15 +376,18 @@ pub fn run(
     let paths = RunPaths::new(&config.run_dir);
     let placements = preflight(config, &paths)?;
     let prepared = prepare(config, &paths)?;
-    run_prepared(config, prepared, placements, progress)
+    let resume = checkpoint::resume_from(config.checkpoint.resume, &paths.checkpoints)?;
+    run_prepared(config, prepared, placements, resume.as_ref(), progress)
 }
 
-/// Everything after [`prepare`]: the runtime, roles, trainer (resumed when possible), fit.
-/// `placements` are the ones [`preflight`] checked (the spec against the GPUs).
+/// Everything after [`prepare`]: the runtime, roles, trainer (resumed from `resume`, the
+/// checkpoint [`checkpoint::resume_from`] chose), fit. `placements` are the ones [`preflight`]
+/// checked (the spec against the GPUs).
 pub fn run_prepared(
     config: &TrainConfig,
     prepared: Prepared,
     mut placements: RolePlacements,
+    resume: Option<&checkpoint::ResumePoint>,
     progress: &mut dyn ProgressObserver,
 ) -> Result<(Trainer, FitReport)> {
     let paths = RunPaths::new(&config.run_dir);
@@ -409,9 +412,9 @@ pub fn run_prepared(
         reward_dir.as_deref(),
         steps_hint,
     )?;
-    let resuming = config.checkpoint.resume && checkpoint::newest(&paths.checkpoints)?.is_some();
-    let mut trainer = Trainer::new(config.clone(), paths.clone(), train, eval, roles)?;
-    let mode = if resuming {
+    let resume_dir = resume.map(|point| point.dir.as_path());
+    let mut trainer = Trainer::new(config.clone(), paths.clone(), train, eval, roles, resume_dir)?;
+    let mode = if resume.is_some() {
         StartMode::Resume { next_step: trainer.state.step + 1 }
     } else {
         StartMode::Overwrite

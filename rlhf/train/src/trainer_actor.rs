@@ -24,6 +24,7 @@ use rtrun_rlhf_telemetry::{
 };
 
 use crate::config::{ConfigTree, Mode};
+use crate::trainer::checkpoint::{self, ResumePoint};
 use crate::trainer::{ProgressObserver, RunPaths};
 
 /// The namespace trainer actors are named in.
@@ -154,15 +155,18 @@ impl Reporter {
         self.0.push(Event::Note(line.into()));
     }
 
-    /// The newest checkpoint when the run resumes from it (`resume`), said as a note.
-    fn resuming(&self, paths: &RunPaths, resume: bool) -> crate::Result<Option<PathBuf>> {
-        match crate::trainer::checkpoint::newest(&paths.checkpoints)? {
-            Some(dir) if resume => {
-                self.note(format!("resuming from {}", dir.display()));
-                Ok(Some(dir))
+    /// The checkpoint the run resumes from (`resume`: the config's `checkpoint.resume`), checked
+    /// against its checksums, said as a note with the newer ones skipped and why.
+    fn resuming(&self, paths: &RunPaths, resume: bool) -> crate::Result<Option<ResumePoint>> {
+        let point = checkpoint::resume_from(resume, &paths.checkpoints)?;
+        if let Some(point) = &point {
+            for reason in &point.skipped {
+                self.note(format!("skipping a checkpoint: {reason}"));
             }
-            _ => Ok(None),
+            let checked = if point.checked { "" } else { " (no checksums to check)" };
+            self.note(format!("resuming from {}{checked}", point.dir.display()));
         }
+        Ok(point)
     }
 
     fn start(&self, total: u64, done: u64, shown: &[ProgressField]) {
@@ -321,10 +325,25 @@ fn dropped((train, eval): (usize, usize), key: &str, limit: usize) -> String {
 }
 
 /// Steps already recorded in the run directory's `metrics.jsonl` when resuming.
-fn steps_done(resuming_from: Option<&Path>) -> u64 {
-    resuming_from
-        .and_then(|dir| dir.file_name()?.to_str()?.strip_prefix("step_")?.parse().ok())
-        .unwrap_or(0)
+fn steps_done(resuming_from: Option<&ResumePoint>) -> u64 {
+    resuming_from.map_or(0, |point| point.step)
+}
+
+/// What a rerun of a finished run says, when `resuming` is at or past the run's `total` steps:
+/// nothing is trained and nothing in the run directory is written (its summary, metrics, event
+/// files and final model stay the finished run's).
+fn already_finished(root: &Path, resuming: Option<&ResumePoint>, total: u64) -> Option<String> {
+    let point = resuming.filter(|point| point.step >= total)?;
+    Some(format!(
+        "the run in {} has already finished: its checkpoint {} is at step {} and this run has \
+         {total} steps; nothing was trained or changed (its summary: {}). Raise \
+         train.max_steps or train.num_episodes to train on, or set overwrite: true to start \
+         over.",
+        root.display(),
+        point.dir.display(),
+        point.step,
+        root.join("summary.md").display()
+    ))
 }
 
 /// The trainers beside RL (`mode: sft | rm | dpo`).
@@ -348,6 +367,9 @@ fn run_stage(request: &RunRequest, reporter: &mut Reporter) -> anyhow::Result<St
     ));
     let resuming = reporter.resuming(&paths, config.checkpoint.resume)?;
     let total = trainer::total_steps(&config, samples.train.len());
+    if let Some(said) = already_finished(&paths.root, resuming.as_ref(), total) {
+        return Ok(said);
+    }
     let mut shown = vec![ProgressField::new("loss", "loss")];
     if pairs {
         shown.push(ProgressField::new("acc", "accuracy"));
@@ -357,8 +379,8 @@ fn run_stage(request: &RunRequest, reporter: &mut Reporter) -> anyhow::Result<St
         shown.push(ProgressField::new("eval", "eval/loss"));
     }
     shown.push(ProgressField::new("tok/s", "tokens_per_s"));
-    reporter.start(total, steps_done(resuming.as_deref()), &shown);
-    let (trainer, report) = trainer::run_prepared(&config, samples, reporter)?;
+    reporter.start(total, steps_done(resuming.as_ref()), &shown);
+    let (trainer, report) = trainer::run_prepared(&config, samples, resuming.as_ref(), reporter)?;
     trainer.kill();
     reporter.note(format!("final model (Hugging Face format): {}", report.exported.display()));
     let records =
@@ -452,15 +474,19 @@ fn run_rl(request: &RunRequest, reporter: &mut Reporter) -> anyhow::Result<Strin
         let total = per_episode * config.train.num_episodes as u64;
         config.train.max_steps.map_or(total, |m| m.min(total))
     };
+    if let Some(said) = already_finished(&paths.root, resuming.as_ref(), total) {
+        return Ok(said);
+    }
     let shown = [
         ProgressField::new("reward", "reward"),
         ProgressField::new("acc", "accuracy"),
         ProgressField::new("kl", "kl"),
         ProgressField::new("eval", "eval/reward"),
     ];
-    reporter.start(total, steps_done(resuming.as_deref()), &shown);
+    reporter.start(total, steps_done(resuming.as_ref()), &shown);
     let held_out_prompts = prepared.eval_prompts();
-    let (trainer, report) = run_prepared(&config, prepared, placements, reporter)?;
+    let (trainer, report) =
+        run_prepared(&config, prepared, placements, resuming.as_ref(), reporter)?;
     trainer.roles.kill();
     if let Some(dir) = &report.exported {
         reporter.note(format!("final policy (Hugging Face format): {}", dir.display()));

@@ -389,7 +389,99 @@ fn killed_then_resumed_run_matches_an_uninterrupted_one() {
     let stderr = run_to_end(&mut train_command(&config_path, &orphaned, &settings));
     assert!(rtrun_tests::resumed_from(&stderr).is_some_and(|s| s >= 2), "{stderr}");
     assert_eq!(a, comparable(&orphaned), "resumed after the trainer actor was killed");
+
+    reruns_of_a_finished_run_and_of_bad_checkpoints(&config_path, &straight, &settings);
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// What a rerun may change in a run directory: its metrics, summary and event files.
+fn run_outputs(run: &Path) -> Vec<(String, Vec<u8>)> {
+    let mut outputs: Vec<(String, Vec<u8>)> = std::fs::read_dir(run)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.is_file())
+        .map(|p| {
+            (p.file_name().unwrap().to_string_lossy().into_owned(), std::fs::read(&p).unwrap())
+        })
+        .collect();
+    outputs.sort();
+    outputs
+}
+
+/// Reruns of the finished 4-step run `run` (checkpoints at steps 1-4): (issue 46, items 6, 7
+/// and 10; before, the first rewrote `summary.md` and added an event file, the second
+/// truncated `metrics.jsonl` before failing, the third loaded flipped bits silently).
+fn reruns_of_a_finished_run_and_of_bad_checkpoints(config: &Path, run: &Path, settings: &[&str]) {
+    let finished = run_outputs(run);
+    assert!(finished.iter().any(|(name, _)| name == "summary.md"));
+    fn with<'a>(settings: &[&'a str], extra: &'a str) -> Vec<&'a str> {
+        [settings, &[extra]].concat()
+    }
+
+    // 1. Rerun as it was, and with fewer steps than its checkpoint: it says so, changes nothing.
+    for extra in ["train.max_steps=4", "train.max_steps=2"] {
+        let out = train_command(config, run, &with(settings, extra))
+            .stdout(std::process::Stdio::piped())
+            .output()
+            .unwrap();
+        let said = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{extra}: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(said.contains("has already finished") && said.contains("step_000004"), "{said}");
+        assert!(run_outputs(run) == finished, "{extra}: a rerun of a finished run changed it");
+    }
+
+    // 2. A checkpoint whose weights are NaN (saved so, its checksums matching): the resume
+    // fails, and the metrics, summary and event files are as they were.
+    let step4 = run.join("checkpoints/step_000004");
+    let weights = step4.join("actor/model.safetensors");
+    let saved = std::fs::read(&weights).unwrap();
+    let named = tch::Tensor::read_safetensors(&weights).unwrap();
+    for (_, tensor) in &named {
+        let _ = tensor.shallow_clone().fill_(f64::NAN);
+    }
+    tch::Tensor::write_safetensors(&named, &weights).unwrap();
+    rtrun_rlhf::trainer::checkpoint::write_checksums(&step4).unwrap();
+    let out = train_command(config, run, &with(settings, "train.max_steps=6")).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "a resume from NaN weights succeeded: {stderr}");
+    assert!(
+        stderr.contains("holds NaN or infinite values") && stderr.contains("step_000004"),
+        "{stderr}"
+    );
+    assert_eq!(rtrun_tests::resumed_from(&stderr), Some(4), "{stderr}");
+    assert!(run_outputs(run) == finished, "a failed resume changed the run's outputs: {stderr}");
+
+    // 3. Flipped bits in that checkpoint's weights (checksums not rewritten): it is skipped,
+    // naming the file; the run resumes from step 3 and keeps steps 0-3 of its metrics.
+    let mut flipped = saved;
+    for byte in flipped.iter_mut().skip(4096).step_by(7) {
+        *byte ^= 1;
+    }
+    std::fs::write(&weights, &flipped).unwrap();
+    let before = comparable(run);
+    let stderr = run_to_end(&mut train_command(config, run, &with(settings, "train.max_steps=5")));
+    assert!(
+        stderr.contains("skipping a checkpoint")
+            && stderr.contains(&weights.display().to_string())
+            && stderr.contains("changed since the checkpoint was saved"),
+        "{stderr}"
+    );
+    assert_eq!(rtrun_tests::resumed_from(&stderr), Some(3), "{stderr}");
+    let after = comparable(run);
+    assert_eq!(after.iter().map(|(s, _)| *s).collect::<Vec<_>>(), vec![0, 1, 2, 3, 4, 5]);
+    assert_eq!(after[..4], before[..4], "the steps before the resume point were rewritten");
+
+    // 4. Every checkpoint bad: the run refuses with the reasons and changes nothing.
+    for entry in std::fs::read_dir(run.join("checkpoints")).unwrap() {
+        let dir = entry.unwrap().path();
+        let _ = std::fs::remove_file(dir.join("actor/config.json"));
+    }
+    let outputs = run_outputs(run);
+    let out = train_command(config, run, &with(settings, "train.max_steps=6")).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("no checkpoint under") && stderr.contains("is missing"), "{stderr}");
+    assert!(run_outputs(run) == outputs, "a refused resume changed the run's outputs");
 }
 
 /// A custom reward function registered by name in this binary (the workers, which are this

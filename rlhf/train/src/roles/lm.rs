@@ -5,7 +5,7 @@
 //! of its group with the runtime's collective, then one AdamW step; and it serves its weights in
 //! buckets for the engines.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
@@ -396,21 +396,36 @@ impl LmWorkerState {
         written.and(released)
     }
 
-    /// Loads what [`LmWorker::save_checkpoint`] saved (sharded saves on any number of ranks).
+    /// Loads what [`LmWorker::save_checkpoint`] saved (sharded saves on any number of ranks),
+    /// and refuses weights that are not finite.
     pub fn load_checkpoint(&mut self, dir: PathBuf) -> Result<(), String> {
-        let sharded_save = rtrun_rlhf_shard::checkpoint::is_sharded_checkpoint(&dir);
+        let loaded = self.load_checkpoint_files(&dir).and_then(|()| {
+            if !self.trains {
+                return Ok(());
+            }
+            // Every rank looks at the whole model (stage 3 gathers it, as a weight sync does).
+            self.sharded.gather_all().map_err(to_string_error)?;
+            let finite = super::require_finite(self.model.named_parameters());
+            let released = self.sharded.release_all().map_err(to_string_error);
+            finite.and(released)
+        });
+        loaded.map_err(|e| format!("loading {}: {e}", dir.display()))
+    }
+
+    fn load_checkpoint_files(&mut self, dir: &Path) -> Result<(), String> {
+        let sharded_save = rtrun_rlhf_shard::checkpoint::is_sharded_checkpoint(dir);
         let stage = self.sharded.config().stage;
-        let loaded = match (self.trains, sharded_save, stage) {
+        match (self.trains, sharded_save, stage) {
             (true, true, ZeroStage::Zero) => Err(format!(
                 "it is a sharded (zero_stage >= 1) save; resume it with train.zero_stage 1, 2 or \
                  3, not {stage}"
             )),
-            (true, true, _) => self.sharded.load_sharded(&dir).map_err(to_string_error),
+            (true, true, _) => self.sharded.load_sharded(dir).map_err(to_string_error),
             (true, false, ZeroStage::Zero) => {
                 let params = &self.model.params;
                 match self.sharded.whole_optimizer() {
                     Some(opt) => {
-                        rtrun_rlhf_model::train::load_training_checkpoint(&dir, params, opt)
+                        rtrun_rlhf_model::train::load_training_checkpoint(dir, params, opt)
                             .map_err(to_string_error)
                     }
                     None => Err("a trained rank without an optimizer".into()),
@@ -425,7 +440,7 @@ impl LmWorkerState {
             )),
             (false, _, _) => {
                 let device = self.model.params.device();
-                CausalLm::from_pretrained(&dir, device, self.setup.kind())
+                CausalLm::from_pretrained(dir, device, self.setup.kind())
                     .map_err(to_string_error)
                     .and_then(|loaded| {
                         self.sharded
@@ -438,8 +453,7 @@ impl LmWorkerState {
                             .map_err(to_string_error)
                     })
             }
-        };
-        loaded.map_err(|e| format!("loading {}: {e}", dir.display()))
+        }
     }
 
     /// Gathers the whole model on every rank (stage 3; nothing below) for a weight sync that

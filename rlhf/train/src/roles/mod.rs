@@ -123,6 +123,22 @@ impl WorkerSetup {
 /// Shards a causal LM over the rank's data-parallel group ([`rtrun_rlhf_shard`]): its
 /// parameters become views into flat units, and the stage's hooks (and activation
 /// checkpointing) are installed on its trunk. With `optimizer` it trains.
+/// An error naming the first of `params` that holds NaN or ±inf: weights a checkpoint load
+/// brought in that no step can train from (the run that saved them diverged).
+pub(crate) fn require_finite<'a>(
+    params: impl Iterator<Item = (&'a str, &'a tch::Tensor)>,
+) -> Result<(), String> {
+    for (name, tensor) in params {
+        if tensor.is_floating_point() && tensor.isfinite().all().int64_value(&[]) == 0 {
+            return Err(format!(
+                "its weight `{name}` holds NaN or infinite values (the run that saved it \
+                 diverged): remove this checkpoint to resume from an earlier one, or start over"
+            ));
+        }
+    }
+    Ok(())
+}
+
 pub(crate) fn shard_model(
     model: &CausalLm,
     config: ShardConfig,

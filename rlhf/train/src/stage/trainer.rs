@@ -31,7 +31,8 @@ use crate::stage::pack::{PackedRow, Unit, loss_tokens, rank_batches};
 use crate::tokenizer::HfTokenizer;
 use crate::trainer::calls::{self, CallWatch};
 use crate::trainer::checkpoint::{
-    STATE_FILE, export_atomically, newest, prune, read_state, step_dir, write_state,
+    ResumePoint, STATE_FILE, export_atomically, prune, read_state, step_dir, write_checksums,
+    write_state,
 };
 use crate::trainer::{ProgressObserver, RunPaths, telemetry_error};
 
@@ -389,6 +390,7 @@ impl StageTrainer {
         let dirs = vec![model; self.world()];
         let saves = each_rank!(&self.ranks, self.role(), dirs, |m, d| m.save_checkpoint(d));
         self.watch.wait("save_checkpoint", saves)?;
+        write_checksums(&dir)?;
         write_state(&dir, &self.state)?;
         if let Some(keep) = self.config.checkpoint.keep_last {
             prune(&self.paths.checkpoints, keep)?;
@@ -503,11 +505,13 @@ impl StageTrainer {
     }
 }
 
-/// The whole run after [`prepare`]: runtime, ranks, resume, fit, export. The trainer is
-/// returned for its timings; its ranks are stopped on failure.
+/// The whole run after [`prepare`]: runtime, ranks, resume (from `resume`, the checkpoint
+/// [`crate::trainer::checkpoint::resume_from`] chose), fit, export. The trainer is returned for
+/// its timings; its ranks are stopped on failure.
 pub fn run_prepared(
     config: &StageConfig,
     samples: LoadedSamples,
+    resume: Option<&ResumePoint>,
     progress: &mut dyn ProgressObserver,
 ) -> Result<(StageTrainer, StageReport)> {
     let paths = RunPaths::new(&config.run_dir);
@@ -547,12 +551,12 @@ pub fn run_prepared(
         timer: PhaseTimer::new(),
     };
     let outcome = (|| {
-        let resume = match newest(&paths.checkpoints)? {
-            Some(dir) if config.checkpoint.resume => {
-                trainer.load_checkpoint(&dir)?;
+        let resume = match resume {
+            Some(point) => {
+                trainer.load_checkpoint(&point.dir)?;
                 StartMode::Resume { next_step: trainer.state.step + 1 }
             }
-            _ => StartMode::Overwrite,
+            None => StartMode::Overwrite,
         };
         let mut writer = MetricsWriter::create(&paths.root, resume).map_err(telemetry_error)?;
         trainer.fit(&mut writer, progress)

@@ -163,14 +163,15 @@ pub struct Trainer {
 }
 
 impl Trainer {
-    /// A trainer over prepared data and created roles, resumed from the newest checkpoint when
-    /// the config says so and there is one.
+    /// A trainer over prepared data and created roles, resumed from the checkpoint `resume`
+    /// when there is one ([`checkpoint::resume_from`] chooses and checks it).
     pub fn new(
         config: TrainConfig,
         paths: RunPaths,
         train_data: Vec<PromptRecord>,
         eval_data: Vec<PromptRecord>,
         roles: Roles,
+        resume: Option<&Path>,
     ) -> Result<Self> {
         let state = TrainerState {
             step: 0,
@@ -200,10 +201,8 @@ impl Trainer {
             gap_measured: true,
             watch,
         };
-        if trainer.config.checkpoint.resume
-            && let Some(dir) = checkpoint::newest(&trainer.paths.checkpoints)?
-        {
-            trainer.load_checkpoint(&dir)?;
+        if let Some(dir) = resume {
+            trainer.load_checkpoint(dir)?;
         }
         Ok(trainer)
     }
