@@ -67,7 +67,9 @@ pub use collective::{Backend, CollectiveConfig, CollectiveError, Communicator, R
 pub use context::{GroupMembership, RuntimeContext, context};
 pub use error::{Error, Missing, Result};
 pub use group::{ActorGroup, split_batch};
-pub use head::NOSET_CUDA_VISIBLE_DEVICES_ENV;
+pub use head::{
+    DEFAULT_TASK_WORKER_IDLE_TIMEOUT, NOSET_CUDA_VISIBLE_DEVICES_ENV, TASK_WORKER_IDLE_TIMEOUT_ENV,
+};
 pub use ids::{ActorId, ObjectId, WorkerId};
 pub use object::{
     DType, ObjectBytes, ObjectRef, RawBytes, Tensor, TensorHeader, TensorView, free, get_all, put,

@@ -97,6 +97,18 @@ pub fn start_cluster_with_args(
     head_args: &[&str],
     nodes: &[NodeSpec],
 ) -> Cluster {
+    start_cluster_with_env(name, heartbeat_timeout, head_spec, head_args, &[], nodes)
+}
+
+/// [`start_cluster_with_args`], with extra environment variables for `rtrun head`.
+pub fn start_cluster_with_env(
+    name: &str,
+    heartbeat_timeout: &str,
+    head_spec: &NodeSpec,
+    head_args: &[&str],
+    head_env: &[(&str, &str)],
+    nodes: &[NodeSpec],
+) -> Cluster {
     let dir = std::env::temp_dir().join(format!("rtrun-cluster-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
@@ -114,6 +126,7 @@ pub fn start_cluster_with_args(
         .arg("--object-spill-dir")
         .arg(dir.join("spill"))
         .args(head_args)
+        .envs(head_env.iter().copied())
         .stdout(Stdio::piped())
         .spawn()
         .expect("rtrun head starts");

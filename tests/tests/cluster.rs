@@ -605,11 +605,15 @@ fn embedded_workers_print_on_the_drivers_terminal_prefixed() {
 /// Ray's `lifetime="detached"` and `get_if_exists=True`: a detached named service outlives the
 /// driver that made it (the next driver finds the same process with its state), two drivers
 /// getting-or-creating at once get one actor, an ordinary named actor dies with its driver and
-/// frees its name, and `rtrun kill` stops a detached one.
+/// frees its name, and `rtrun kill` stops a detached one. A task worker idle for the head's
+/// `RTRUN_TASK_WORKER_IDLE_TIMEOUT_S` (here 2 s) ends, while the detached actor that ran the
+/// task lives on (a finished detached `train` run's reward task worker lived until `rtrun
+/// stop`, with its job's environment; issue 46, item 3).
 #[test]
 fn detached_actors_outlive_their_driver_and_get_if_exists_makes_one() {
     let head = common::NodeSpec { name: "head", cpus: 2, gpus: 0, resources: None };
-    let cluster = common::start_cluster_with("lifetimes", "5", &head, &[]);
+    let idle = [(rtrun::TASK_WORKER_IDLE_TIMEOUT_ENV, "2")];
+    let cluster = common::start_cluster_with_env("lifetimes", "5", &head, &[], &idle, &[]);
     let driver = |args: &[&str]| {
         Command::new(driver_binary())
             .env("RTRUN_ADDRESS", &cluster.address)
@@ -642,6 +646,25 @@ fn detached_actors_outlive_their_driver_and_get_if_exists_makes_one() {
     assert_eq!((count, pid), (2, service_pid), "{out}");
     let (count, pid, _) = run(&["--lookup", "svc"]);
     assert_eq!((count, pid), (3, service_pid));
+
+    // The service runs a task; its driver is gone. The task worker ends once idle for 2 s,
+    // the service lives on, and its next task gets a new worker.
+    let task_pid = |out: &str| -> u32 {
+        let line = out.lines().find(|l| l.starts_with("task pid ")).expect("a task line");
+        line.trim_start_matches("task pid ").parse().unwrap()
+    };
+    let (_, _, out) = run(&["--lookup", "svc", "--task"]);
+    let worker = task_pid(&out);
+    let started = Instant::now();
+    assert!(
+        rtrun_tests::wait_until(Duration::from_secs(20), || !rtrun_tests::process_alive(worker)),
+        "the idle task worker {worker} lives on"
+    );
+    eprintln!("the idle task worker ended after {:?}", started.elapsed());
+    assert!(rtrun_tests::process_alive(service_pid), "the detached service ended with it");
+    let (count, _, out) = run(&["--lookup", "svc", "--task"]);
+    assert_eq!(count, 5);
+    assert_ne!(task_pid(&out), worker);
 
     // Two drivers at once: one actor, whatever the interleaving.
     let (a, b) = (driver(&["--shared", "race"]), driver(&["--shared", "race"]));

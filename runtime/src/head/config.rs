@@ -2,6 +2,8 @@
 //! resources, GPUs detected or faked) and whether workers get their own
 //! `CUDA_VISIBLE_DEVICES`.
 
+use std::time::Duration;
+
 use rtrun_placement::{CPU, GPU, NodeResources, ResourceSet};
 
 use super::HeadConfig;
@@ -14,6 +16,33 @@ use crate::runtime::Config;
 /// worker, or in one actor's `ActorOptions::env` for that actor; any non-empty value other than
 /// `0` counts.
 pub const NOSET_CUDA_VISIBLE_DEVICES_ENV: &str = "RTRUN_NOSET_CUDA_VISIBLE_DEVICES";
+
+/// The environment variable that sets how long a task worker may stay idle before it ends, in
+/// seconds (default [`DEFAULT_TASK_WORKER_IDLE_TIMEOUT`]; Ray's
+/// `idle_worker_killing_time_threshold_ms`). Read by the control plane's process.
+pub const TASK_WORKER_IDLE_TIMEOUT_ENV: &str = "RTRUN_TASK_WORKER_IDLE_TIMEOUT_S";
+
+/// 60 s: long enough that a job submitting tasks every RL step keeps its workers warm, short
+/// enough that a finished run's workers do not stay for the life of the cluster.
+pub const DEFAULT_TASK_WORKER_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+
+fn task_worker_idle_timeout() -> Result<Duration> {
+    match std::env::var(TASK_WORKER_IDLE_TIMEOUT_ENV) {
+        Ok(value) => value
+            .trim()
+            .parse::<f64>()
+            .ok()
+            .filter(|s| s.is_finite() && *s >= 0.0)
+            .map(Duration::from_secs_f64)
+            .ok_or_else(|| {
+                Error::Invalid(format!(
+                    "{TASK_WORKER_IDLE_TIMEOUT_ENV}: expected a number of seconds >= 0, found \
+                     `{value}`"
+                ))
+            }),
+        Err(_) => Ok(DEFAULT_TASK_WORKER_IDLE_TIMEOUT),
+    }
+}
 
 pub(super) fn opt_out(value: Option<&str>) -> bool {
     value.is_some_and(|v| !v.is_empty() && v != "0")
@@ -31,7 +60,12 @@ impl HeadConfig {
         let (node, cpus) = HeadConfig::node_of(config, &id)?;
         let max_task_workers = (cpus.ceil() as usize).max(1) + 2;
         let noset = opt_out(std::env::var(NOSET_CUDA_VISIBLE_DEVICES_ENV).ok().as_deref());
-        Ok(HeadConfig { node, max_task_workers, noset_cuda_visible_devices: noset })
+        Ok(HeadConfig {
+            node,
+            max_task_workers,
+            noset_cuda_visible_devices: noset,
+            task_worker_idle_timeout: task_worker_idle_timeout()?,
+        })
     }
 
     fn node_of(config: &Config, id: &str) -> Result<(NodeResources, f64)> {

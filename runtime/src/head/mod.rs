@@ -29,8 +29,10 @@ use crate::transport::Connection;
 
 pub(crate) use self::core::HeadConfig;
 use self::core::{ConnToken, Effect, Event, HeadCore, Origin, ReplyToken};
-pub use config::NOSET_CUDA_VISIBLE_DEVICES_ENV;
 pub(crate) use config::node_resources;
+pub use config::{
+    DEFAULT_TASK_WORKER_IDLE_TIMEOUT, NOSET_CUDA_VISIBLE_DEVICES_ENV, TASK_WORKER_IDLE_TIMEOUT_ENV,
+};
 pub(crate) use nodes::{ClusterHead, JoinAs, Joined};
 pub(crate) use spawn::{SpawnEvents, SpawnRequest, Spawner, kill_process};
 
@@ -231,7 +233,26 @@ impl Head {
             cluster: OnceLock::new(),
         });
         inbox.run(Arc::downgrade(&head))?;
+        head.start_clock()?;
         Ok(head)
+    }
+
+    /// Gives the core its clock ([`Event::Tick`]) once a second, while the head lives.
+    fn start_clock(&self) -> Result<()> {
+        let weak = self.weak.clone();
+        let started = std::time::Instant::now();
+        std::thread::Builder::new()
+            .name("rtrun-head-clock".into())
+            .spawn(move || {
+                loop {
+                    std::thread::sleep(Duration::from_secs(1));
+                    let Some(head) = weak.upgrade() else { return };
+                    let now_ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
+                    head.event(Event::Tick { now_ms });
+                }
+            })
+            .map(drop)
+            .map_err(|e| crate::error::Error::System(format!("cannot start the head's clock: {e}")))
     }
 
     /// Handles a control-plane request; `origin` is the connection it came on (None: local).

@@ -52,6 +52,10 @@ struct Args {
     /// Service mode: bump the existing counter named NAME.
     #[arg(long, value_name = "NAME", group = "service")]
     lookup: Option<String>,
+    /// Service mode: the counter also runs a task and this prints `task pid P` (the task
+    /// worker's pid).
+    #[arg(long)]
+    task: bool,
 }
 
 /// A deterministic 64-bit checksum (FNV-1a over 8-byte words).
@@ -128,6 +132,15 @@ impl Counter {
         self.calls += 1;
         (self.calls, std::process::id())
     }
+
+    /// Runs a task (owned by this actor) and returns its worker's pid.
+    pub fn task_pid(&mut self) -> Result<u32, String> {
+        let free = rtrun::TaskOptions { num_cpus: 0.0, ..Default::default() };
+        let (_, pid) = env_in_task::remote_with(free, String::from("PATH"))
+            .get()
+            .map_err(|e| e.to_string())?;
+        Ok(pid)
+    }
 }
 
 /// The service modes (see the module's documentation); `None` when no mode was asked for.
@@ -143,6 +156,10 @@ fn service(args: &Args, out: &mut impl Write) -> anyhow::Result<Option<()>> {
     };
     let (count, pid) = counter.bump().get()?;
     writeln!(out, "count {count} pid {pid}")?;
+    if args.task {
+        let task = counter.task_pid().get()?.map_err(anyhow::Error::msg)?;
+        writeln!(out, "task pid {task}")?;
+    }
     for named in rtrun::list_named_actors(true)? {
         let lifetime = if named.detached { " detached" } else { "" };
         writeln!(out, "named {}/{} {}{lifetime}", named.namespace, named.name, named.type_name)?;

@@ -78,6 +78,9 @@ pub(crate) enum Event {
     /// The control plane stops: every worker of its own node is killed, nothing is started
     /// any more.
     Shutdown,
+    /// The clock (milliseconds since the control plane started, never decreasing): task workers
+    /// idle for `task_worker_idle_timeout` end.
+    Tick { now_ms: u64 },
 }
 
 /// What the shell carries out, in order, once the core has decided.
@@ -115,6 +118,9 @@ pub(crate) struct HeadConfig {
     pub(crate) max_task_workers: usize,
     /// Whether workers keep the driver's `CUDA_VISIBLE_DEVICES` instead of their assignment.
     pub(crate) noset_cuda_visible_devices: bool,
+    /// A task worker idle for this long ends (a finished detached run's, an idle job's): a
+    /// pooled worker holds its job's environment, memory and a process slot.
+    pub(crate) task_worker_idle_timeout: std::time::Duration,
 }
 
 enum WorkerRole {
@@ -238,6 +244,10 @@ pub(crate) struct HeadCore {
     /// Scheduling classes by key, numbered as they first appear.
     classes: HashMap<ClassKey, u64>,
     idle_task_workers: Vec<WorkerId>,
+    /// When each idle task worker became idle, by [`HeadCore::clock_ms`].
+    idle_since: HashMap<WorkerId, u64>,
+    /// The last [`Event::Tick`]'s clock.
+    clock_ms: u64,
     starting_task_workers: usize,
     running_tasks: HashMap<u64, RunningTask>,
     /// Tasks answered since the head started: with a value, with an error.
@@ -274,6 +284,8 @@ impl HeadCore {
             task_queue: VecDeque::new(),
             classes: HashMap::new(),
             idle_task_workers: Vec::new(),
+            idle_since: HashMap::new(),
+            clock_ms: 0,
             starting_task_workers: 0,
             running_tasks: HashMap::new(),
             tasks_finished: 0,
@@ -316,6 +328,7 @@ impl HeadCore {
                     actor.waiters.retain(|(_, reply)| !replies.contains(reply));
                 }
             }
+            Event::Tick { now_ms } => self.tick(now_ms, &mut effects),
             Event::Shutdown => {
                 self.shutting_down = true;
                 // Other nodes' workers are their daemons' to stop (`StopNode`).

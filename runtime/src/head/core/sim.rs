@@ -99,6 +99,8 @@ enum Op {
     },
     WatcherGoes(u8),
     Views,
+    /// The clock moves this many milliseconds on.
+    Tick(u64),
 }
 
 fn op() -> impl proptest::strategy::Strategy<Value = Op> {
@@ -142,6 +144,7 @@ fn op() -> impl proptest::strategy::Strategy<Value = Op> {
             .prop_map(|(call, ok)| Op::TaskReplies { call, ok }),
         1 => any::<u8>().prop_map(Op::WatcherGoes),
         1 => Just(Op::Views),
+        2 => (0u64..8_000).prop_map(Op::Tick),
     ]
 }
 
@@ -187,6 +190,8 @@ struct World {
     tasks: Vec<ObjectId>,
     groups: Vec<GroupId>,
     events: usize,
+    /// The clock [`Op::Tick`] moves.
+    clock_ms: u64,
 }
 
 fn pick<T: Copy>(items: &[T], selector: u8) -> Option<T> {
@@ -213,6 +218,7 @@ impl World {
             ),
             max_task_workers: 3,
             noset_cuda_visible_devices: false,
+            task_worker_idle_timeout: std::time::Duration::from_millis(5_000),
         };
         let mut core = HeadCore::new("5151".into(), config, head_node).expect("a valid node");
         core.enable_cluster("quic://127.0.0.1:1/0/rtrun-5151-0".into(), "head".into());
@@ -223,6 +229,7 @@ impl World {
             next_conn: 1,
             next_pid: 100,
             next_task: 1,
+            clock_ms: 0,
             processes: BTreeMap::new(),
             calls: BTreeMap::new(),
             conns: BTreeSet::new(),
@@ -614,6 +621,10 @@ impl World {
                 let Some(reply) = pick(&watches, selector) else { return };
                 self.outstanding.remove(&reply);
                 self.handle(Origin::default(), Event::Abandoned(vec![reply]));
+            }
+            Op::Tick(ms) => {
+                self.clock_ms += ms;
+                self.handle(Origin::default(), Event::Tick { now_ms: self.clock_ms });
             }
             Op::Views => {
                 let info = self.request(Origin::default(), HeadRequest::ClusterInfo);

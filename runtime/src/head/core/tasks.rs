@@ -47,7 +47,7 @@ impl HeadCore {
         self.release(running.allocation);
         if let Some(entry) = self.workers.get_mut(&running.worker) {
             entry.role = WorkerRole::Tasks { running: None };
-            self.idle_task_workers.push(running.worker);
+            self.park_task_worker(running.worker);
         }
         self.answer_task(running.task.reply, outcome, effects);
         self.reschedule(effects);
@@ -181,6 +181,37 @@ impl HeadCore {
             self.starting_task_workers += 1;
             let role = WorkerRole::Tasks { running: None };
             self.new_worker(role, node, lineage, &Default::default(), effects);
+        }
+    }
+
+    /// Puts a task worker into the idle pool, noting when.
+    pub(super) fn park_task_worker(&mut self, worker: WorkerId) {
+        self.idle_task_workers.push(worker);
+        self.idle_since.insert(worker, self.clock_ms);
+    }
+
+    /// The clock moved to `now_ms`: task workers idle for `task_worker_idle_timeout` end (a
+    /// finished detached run's reward worker lived on with its job's environment until the
+    /// cluster stopped).
+    pub(super) fn tick(&mut self, now_ms: u64, effects: &mut Vec<Effect>) {
+        self.clock_ms = self.clock_ms.max(now_ms);
+        let idle = &self.idle_task_workers;
+        self.idle_since.retain(|worker, _| idle.contains(worker));
+        if self.shutting_down {
+            return;
+        }
+        let timeout =
+            u64::try_from(self.config.task_worker_idle_timeout.as_millis()).unwrap_or(u64::MAX);
+        let expired: Vec<WorkerId> = self
+            .idle_since
+            .iter()
+            .filter(|(_, since)| self.clock_ms.saturating_sub(**since) >= timeout)
+            .map(|(worker, _)| *worker)
+            .collect();
+        for worker in expired {
+            self.idle_task_workers.retain(|w| *w != worker);
+            self.idle_since.remove(&worker);
+            self.kill_worker(worker, effects);
         }
     }
 

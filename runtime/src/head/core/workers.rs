@@ -102,7 +102,7 @@ impl HeadCore {
             }
             WorkerRole::Tasks { .. } => {
                 self.starting_task_workers = self.starting_task_workers.saturating_sub(1);
-                self.idle_task_workers.push(worker);
+                self.park_task_worker(worker);
                 self.dispatch_tasks(effects);
                 Ok(Assignment::Tasks)
             }
