@@ -348,13 +348,26 @@ fn bad_stages_and_saves_are_errors_naming_the_key_or_file() {
     ));
     assert!(stderr.contains("train.zero_stage") && stderr.contains("dock"), "{stderr}");
 
-    // A stage-3 save without its manifest (a save cut short) is refused when resumed.
+    // A stage-3 save without its shard manifest (a save cut short): its checksums name the
+    // missing file and the resume falls back to the previous checkpoint.
     let run = dir.join("cut");
     let sets = ["train.max_steps=2", "checkpoint.every_steps=1", "train.zero_stage=3"];
     run_to_end(&mut train(&config, &run, &sets));
     let step = run.join("checkpoints/step_000002");
     std::fs::remove_file(step.join("model/zero-manifest.json")).unwrap();
     let more = ["train.max_steps=3", "checkpoint.every_steps=1", "train.zero_stage=3"];
+    let stderr = run_to_end(&mut train(&config, &run, &more));
+    assert!(stderr.contains("zero-manifest.json is missing"), "{stderr}");
+    assert_eq!(rtrun_tests::resumed_from(&stderr), Some(1), "{stderr}");
+    // Without checksums to check (a save from before them) the shard loader refuses it.
+    let step = run.join("checkpoints/step_000003");
+    for file in ["model/zero-manifest.json", "checksums.json"] {
+        std::fs::remove_file(step.join(file)).unwrap();
+    }
+    for older in ["step_000001", "step_000002"] {
+        let _ = std::fs::remove_dir_all(run.join("checkpoints").join(older));
+    }
+    let more = ["train.max_steps=4", "checkpoint.every_steps=1", "train.zero_stage=3"];
     let stderr = run_to_failure(&mut train(&config, &run, &more));
     assert!(stderr.contains("zero-manifest.json") && stderr.contains("incomplete"), "{stderr}");
     // And a stage-0 save resumed at stage 3 says which stage it needs.
