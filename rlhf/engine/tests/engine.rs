@@ -82,7 +82,7 @@ fn token_ids(outputs: &[GenerationOutput]) -> Vec<Vec<Vec<u32>>> {
 
 #[test]
 fn greedy_outputs_equal_the_reference_decode_at_several_batch_sizes_and_prompt_lengths() {
-    for family in [ModelFamily::Llama, ModelFamily::Qwen2] {
+    for family in [ModelFamily::Llama, ModelFamily::Qwen2, ModelFamily::Qwen3] {
         let model_a = model(family, 11);
         let oracle = model(family, 11);
         let lengths = [1, 5, 16, 17, 33, 47, 2, 9];

@@ -104,7 +104,7 @@ fn check_exact(model: &CausalLm, worlds: &[usize], what: &str) {
 
 #[test]
 fn tiny_models_generate_the_same_tokens_at_tp_2_and_4() {
-    for family in [ModelFamily::Llama, ModelFamily::Qwen2] {
+    for family in [ModelFamily::Llama, ModelFamily::Qwen2, ModelFamily::Qwen3] {
         let model = tiny::tiny_model(&tiny::tiny_config(family), 3).unwrap();
         check_exact(&model, &[2, 4], &format!("{family:?}"));
     }

@@ -32,6 +32,7 @@ fn main() -> Result<()> {
         ("llama", ModelFamily::Llama, 11u64, SaveOptions::default()),
         // Sharded on purpose, so transformers reads our index file too.
         ("qwen2", ModelFamily::Qwen2, 22, SaveOptions { max_shard_bytes: 200_000 }),
+        ("qwen3", ModelFamily::Qwen3, 44, SaveOptions::default()),
     ];
     for (name, family, seed, options) in cases {
         let dir = root.join(name);

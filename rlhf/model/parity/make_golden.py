@@ -1,6 +1,6 @@
 """Checks rtrun's tiny checkpoints against Hugging Face transformers and writes golden files.
 
-For each case directory (llama, qwen2) written by
+For each case directory (llama, qwen2, qwen3) written by
 `cargo run -p rtrun-rlhf-model --example write_parity_models`, this script
   1. loads the checkpoint rtrun saved (config.json + safetensors, sharded for qwen2) with
      transformers' AutoModelForCausalLM in float32,
@@ -96,7 +96,7 @@ def run_reward_case(case_dir: pathlib.Path) -> float:
 
 
 def main() -> None:
-    cases = sys.argv[1:] or ["llama", "qwen2", "qwen2-rm"]
+    cases = sys.argv[1:] or ["llama", "qwen2", "qwen3", "qwen2-rm"]
     for name in cases:
         if name.endswith("-rm"):
             run_reward_case(HERE / name)

@@ -1,8 +1,9 @@
 //! The model configuration, read from and written to a Hugging Face `config.json`.
 //!
-//! One struct covers the Llama and Qwen2 families: they differ only in which projections carry a
-//! bias (Qwen2: q, k and v; Llama: all four attention projections when `attention_bias` is set)
-//! and in their defaults. Fields this crate does not use are kept in [`ModelConfig::extra`] so a
+//! One struct covers the Llama, Qwen2 and Qwen3 (dense) families: they differ in which
+//! projections carry a bias (Qwen2: q, k and v; Llama and Qwen3: all four attention projections
+//! when `attention_bias` is set), in Qwen3's RMSNorm of every query and key head (`q_norm`,
+//! `k_norm`, over `head_dim`, before RoPE) and in their defaults. Fields this crate does not use are kept in [`ModelConfig::extra`] so a
 //! loaded config is written back unchanged. Both the transformers 4 spelling of RoPE settings
 //! (`rope_theta` + `rope_scaling`) and the transformers 5 one (`rope_parameters`) are accepted;
 //! the 4 spelling is written, which transformers 5 still reads.
@@ -21,6 +22,9 @@ pub enum ModelFamily {
     Llama,
     /// `model_type: "qwen2"`: bias on the q, k and v projections.
     Qwen2,
+    /// `model_type: "qwen3"` (dense): an RMSNorm over each query and key head before RoPE, an
+    /// explicit `head_dim`, biases only with `attention_bias`.
+    Qwen3,
 }
 
 impl ModelFamily {
@@ -29,6 +33,16 @@ impl ModelFamily {
         match self {
             Self::Llama => "LlamaForCausalLM",
             Self::Qwen2 => "Qwen2ForCausalLM",
+            Self::Qwen3 => "Qwen3ForCausalLM",
+        }
+    }
+
+    /// The `model_type` of its `config.json`.
+    pub fn model_type(self) -> &'static str {
+        match self {
+            Self::Llama => "llama",
+            Self::Qwen2 => "qwen2",
+            Self::Qwen3 => "qwen3",
         }
     }
 }
@@ -155,9 +169,10 @@ impl ModelConfig {
         let family = match raw.model_type.as_str() {
             "llama" | "mistral" => ModelFamily::Llama,
             "qwen2" => ModelFamily::Qwen2,
+            "qwen3" => ModelFamily::Qwen3,
             other => {
                 return Err(ModelError::Config(format!(
-                    "model_type should be `llama` or `qwen2`, found `{other}`"
+                    "model_type should be `llama`, `mistral`, `qwen2` or `qwen3`, found `{other}`"
                 )));
             }
         };
@@ -183,7 +198,7 @@ impl ModelConfig {
         let rope_scaling = parse_rope_scaling(rope_source.as_ref())?;
         let attention_bias = raw.attention_bias.unwrap_or(false);
         let (qkv_bias, o_bias) = match family {
-            ModelFamily::Llama => (attention_bias, attention_bias),
+            ModelFamily::Llama | ModelFamily::Qwen3 => (attention_bias, attention_bias),
             ModelFamily::Qwen2 => (true, false),
         };
         let num_key_value_heads = raw.num_key_value_heads.unwrap_or(raw.num_attention_heads);
@@ -277,13 +292,7 @@ impl ModelConfig {
             map.insert(key.to_string(), value);
         };
         set("architectures", serde_json::json!([architecture]));
-        set(
-            "model_type",
-            serde_json::json!(match self.family {
-                ModelFamily::Llama => "llama",
-                ModelFamily::Qwen2 => "qwen2",
-            }),
-        );
+        set("model_type", self.family.model_type().into());
         set("vocab_size", self.vocab_size.into());
         set("hidden_size", self.hidden_size.into());
         set("intermediate_size", self.intermediate_size.into());
@@ -315,6 +324,10 @@ impl ModelConfig {
             ModelFamily::Qwen2 => {
                 set("use_sliding_window", false.into());
             }
+            ModelFamily::Qwen3 => {
+                set("attention_bias", self.qkv_bias.into());
+                set("use_sliding_window", false.into());
+            }
         }
         serde_json::Value::Object(map)
     }
@@ -322,6 +335,11 @@ impl ModelConfig {
     /// Writes `<dir>/config.json` for the causal LM.
     pub fn write_to_dir(&self, dir: &Path) -> Result<()> {
         write_json(&dir.join("config.json"), &self.to_json())
+    }
+
+    /// Whether every query and key head is RMS-normalised before RoPE (Qwen3).
+    pub fn qk_norm(&self) -> bool {
+        self.family == ModelFamily::Qwen3
     }
 
     /// Parameter count of the causal LM (the LM head counted once when tied).
@@ -336,7 +354,8 @@ impl ModelConfig {
             + if self.o_bias { h } else { 0 };
         let mlp = 3 * h * self.intermediate_size
             + if self.mlp_bias { 2 * self.intermediate_size + h } else { 0 };
-        let layer = attn + mlp + 2 * h;
+        let qk_norm = if self.qk_norm() { 2 * self.head_dim } else { 0 };
+        let layer = attn + qk_norm + mlp + 2 * h;
         let embed = self.vocab_size * h;
         let head = if self.tie_word_embeddings { 0 } else { embed };
         embed + head + self.num_hidden_layers * layer + h
@@ -413,6 +432,36 @@ mod tests {
         assert_eq!(config.extra.get("sliding_window"), Some(&serde_json::json!(32768)));
         // Qwen2-0.5B has 494M parameters.
         assert_eq!(config.num_parameters(), 494_032_768);
+    }
+
+    /// Qwen3-0.6B's config as its hub repository has it.
+    const QWEN3: &str = r#"{
+        "architectures": ["Qwen3ForCausalLM"], "attention_bias": false, "attention_dropout": 0.0,
+        "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
+        "hidden_size": 1024, "initializer_range": 0.02, "intermediate_size": 3072,
+        "max_position_embeddings": 40960, "max_window_layers": 28, "model_type": "qwen3",
+        "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-06, "rope_scaling": null, "rope_theta": 1000000,
+        "sliding_window": null, "tie_word_embeddings": true, "torch_dtype": "bfloat16",
+        "use_cache": true, "use_sliding_window": false, "vocab_size": 151936
+    }"#;
+
+    #[test]
+    fn qwen3_config_parses_with_head_norms_and_an_explicit_head_dim() {
+        let config = ModelConfig::from_json_str(QWEN3).unwrap();
+        assert_eq!(config.family, ModelFamily::Qwen3);
+        assert!(config.qk_norm() && !config.qkv_bias && !config.o_bias);
+        // 16 heads of 128 are wider than the 1024 residual stream.
+        assert_eq!((config.head_dim, config.num_attention_heads), (128, 16));
+        // Qwen3-0.6B has 596M parameters (the q/k norms included).
+        assert_eq!(config.num_parameters(), 596_049_920);
+        let json = config.to_json();
+        assert_eq!(json["model_type"], "qwen3");
+        assert_eq!(json["architectures"][0], "Qwen3ForCausalLM");
+        assert_eq!(ModelConfig::from_json_str(&json.to_string()).unwrap(), config);
+        let unknown = QWEN3.replace("\"qwen3\"", "\"qwen3_moe\"");
+        let err = ModelConfig::from_json_str(&unknown).unwrap_err().to_string();
+        assert!(err.contains("model_type") && err.contains("qwen3_moe"), "{err}");
     }
 
     #[test]

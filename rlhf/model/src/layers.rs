@@ -1,5 +1,5 @@
-//! The building blocks of a Llama / Qwen2 decoder layer: linear projections, RMSNorm, grouped-
-//! query attention and the SwiGLU MLP.
+//! The building blocks of a Llama / Qwen2 / Qwen3 decoder layer: linear projections, RMSNorm,
+//! grouped-query attention (with Qwen3's per-head query/key norms) and the SwiGLU MLP.
 //!
 //! Their pieces are public on purpose: the generation engine runs the same projections and RoPE
 //! but replaces [`Attention::attend`] with paged attention over its KV cache, so it needs
@@ -91,6 +91,10 @@ pub struct Attention {
     pub v_proj: Linear,
     /// Output projection, `num_heads * head_dim -> hidden`.
     pub o_proj: Linear,
+    /// Qwen3's RMSNorm over each query head (`[head_dim]` scale), before RoPE.
+    pub q_norm: Option<RmsNorm>,
+    /// Qwen3's RMSNorm over each key head, before RoPE.
+    pub k_norm: Option<RmsNorm>,
     /// Query heads.
     pub num_heads: i64,
     /// Key/value heads; each serves `num_heads / num_kv_heads` query heads.
@@ -100,17 +104,31 @@ pub struct Attention {
 }
 
 impl Attention {
-    /// Registers the four projections under `<prefix>.{q,k,v,o}_proj`.
+    /// Registers the four projections under `<prefix>.{q,k,v,o}_proj` (and Qwen3's
+    /// `<prefix>.{q,k}_norm`).
     pub fn new(params: &mut Parameters, prefix: &str, config: &ModelConfig) -> Result<Self> {
         let h = config.hidden_size;
         let q = config.num_attention_heads * config.head_dim;
         let kv = config.num_key_value_heads * config.head_dim;
         let std = config.initializer_range;
+        let head_norm = |params: &mut Parameters, name: &str| -> Result<Option<RmsNorm>> {
+            match config.qk_norm() {
+                true => Ok(Some(RmsNorm::new(
+                    params,
+                    &format!("{prefix}.{name}"),
+                    config.head_dim,
+                    config.rms_norm_eps,
+                )?)),
+                false => Ok(None),
+            }
+        };
         Ok(Self {
             q_proj: Linear::new(params, &format!("{prefix}.q_proj"), h, q, config.qkv_bias, std)?,
             k_proj: Linear::new(params, &format!("{prefix}.k_proj"), h, kv, config.qkv_bias, std)?,
             v_proj: Linear::new(params, &format!("{prefix}.v_proj"), h, kv, config.qkv_bias, std)?,
             o_proj: Linear::new(params, &format!("{prefix}.o_proj"), q, h, config.o_bias, std)?,
+            q_norm: head_norm(params, "q_norm")?,
+            k_norm: head_norm(params, "k_norm")?,
             num_heads: config.num_attention_heads,
             num_kv_heads: config.num_key_value_heads,
             head_dim: config.head_dim,
@@ -118,15 +136,20 @@ impl Attention {
     }
 
     /// Projects `x: [batch, seq, hidden]` to `q: [batch, heads, seq, head_dim]` and
-    /// `k, v: [batch, kv_heads, seq, head_dim]` (before RoPE).
+    /// `k, v: [batch, kv_heads, seq, head_dim]` (before RoPE; after Qwen3's head norms).
     pub fn project_qkv(&self, x: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
         let (batch, seq) = (x.size()[0], x.size()[1]);
-        let split = |t: Tensor, heads: i64| -> Result<Tensor> {
-            Ok(t.f_view([batch, seq, heads, self.head_dim])?.f_transpose(1, 2)?)
+        let split = |t: Tensor, heads: i64, norm: Option<&RmsNorm>| -> Result<Tensor> {
+            let t = t.f_view([batch, seq, heads, self.head_dim])?;
+            let t = match norm {
+                Some(norm) => norm.forward(&t)?,
+                None => t,
+            };
+            Ok(t.f_transpose(1, 2)?)
         };
-        let q = split(self.q_proj.forward(x)?, self.num_heads)?;
-        let k = split(self.k_proj.forward(x)?, self.num_kv_heads)?;
-        let v = split(self.v_proj.forward(x)?, self.num_kv_heads)?;
+        let q = split(self.q_proj.forward(x)?, self.num_heads, self.q_norm.as_ref())?;
+        let k = split(self.k_proj.forward(x)?, self.num_kv_heads, self.k_norm.as_ref())?;
+        let v = split(self.v_proj.forward(x)?, self.num_kv_heads, None)?;
         Ok((q, k, v))
     }
 

@@ -259,7 +259,7 @@ mod tests {
     /// and a tied model.
     #[test]
     fn layerwise_gradients_equal_whole_graph_ones() {
-        for family in [ModelFamily::Llama, ModelFamily::Qwen2] {
+        for family in [ModelFamily::Llama, ModelFamily::Qwen2, ModelFamily::Qwen3] {
             let plain = gradients(family, None);
             for checkpoint in [false, true] {
                 for ((name, a), (_, b)) in gradients(family, Some(checkpoint)).iter().zip(&plain) {

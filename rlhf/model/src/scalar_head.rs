@@ -80,6 +80,7 @@ impl ScalarHeadModel {
         let architecture = match config.family {
             ModelFamily::Llama => "LlamaForSequenceClassification",
             ModelFamily::Qwen2 => "Qwen2ForSequenceClassification",
+            ModelFamily::Qwen3 => "Qwen3ForSequenceClassification",
         };
         let mut json = config.to_json_with_architecture(architecture);
         if let Some(map) = json.as_object_mut() {

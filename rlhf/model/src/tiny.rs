@@ -33,7 +33,10 @@ pub fn tiny_config(family: ModelFamily) -> ModelConfig {
             (2, false, false, 10_000.0, Some(RopeScaling::Linear { factor: 2.0 }), 128)
         }
         ModelFamily::Qwen2 => (1, true, true, 1_000_000.0, None, 160),
+        // Heads wider than hidden / heads (as Qwen3's 128 are), untied head.
+        ModelFamily::Qwen3 => (2, false, false, 1_000_000.0, None, 96),
     };
+    let head_dim = if family == ModelFamily::Qwen3 { 24 } else { 16 };
     ModelConfig {
         family,
         vocab_size: TINY_VOCAB_SIZE,
@@ -42,7 +45,7 @@ pub fn tiny_config(family: ModelFamily) -> ModelConfig {
         num_hidden_layers: 2,
         num_attention_heads: 4,
         num_key_value_heads: kv_heads,
-        head_dim: 16,
+        head_dim,
         rms_norm_eps: 1e-6,
         rope_theta: theta,
         rope_scaling: scaling,

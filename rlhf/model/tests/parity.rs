@@ -67,6 +67,11 @@ fn qwen2_style_forward_matches_transformers() -> Result<()> {
 }
 
 #[test]
+fn qwen3_style_forward_matches_transformers() -> Result<()> {
+    check_case("qwen3")
+}
+
+#[test]
 fn reward_model_matches_transformers_sequence_classification() -> Result<()> {
     let dir = case_dir("qwen2-rm");
     let model = ScalarHeadModel::from_pretrained(&dir, Device::Cpu, Kind::Float, 0)?;

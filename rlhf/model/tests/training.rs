@@ -74,7 +74,7 @@ fn gradients_reach_every_parameter() -> Result<()> {
         attention_mask: ids(&[0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0], 2),
         action_mask: ids(&[1, 1, 1, 1, 1, 0], 2),
     };
-    for family in [ModelFamily::Llama, ModelFamily::Qwen2] {
+    for family in [ModelFamily::Llama, ModelFamily::Qwen2, ModelFamily::Qwen3] {
         let config = tiny_config(family);
         let lm = tiny_model(&config, 3)?;
         let optimizer = AdamW::new(lm.named_parameters(), OptimizerConfig::default())?;

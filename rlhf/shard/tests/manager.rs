@@ -89,7 +89,7 @@ fn data_range(t: &Tensor) -> std::ops::Range<usize> {
 
 #[test]
 fn train_infer_train_and_train_forward_train_are_bit_identical() {
-    for family in [ModelFamily::Llama, ModelFamily::Qwen2] {
+    for family in [ModelFamily::Llama, ModelFamily::Qwen2, ModelFamily::Qwen3] {
         let (model, mut adamw) = trained(family);
         let mut manager =
             ShardingManager::new(model.named_parameters(), Some(&adamw), ManagerConfig::default())
@@ -325,7 +325,7 @@ fn all_in(model: &CausalLm, sharded: &ShardedModel, class: TensorClass) -> bool 
 
 #[test]
 fn a_stage_zero_model_offloads_and_trains_on_as_its_twin() {
-    for family in [ModelFamily::Llama, ModelFamily::Qwen2] {
+    for family in [ModelFamily::Llama, ModelFamily::Qwen2, ModelFamily::Qwen3] {
         let (model, mut sharded) = build_sharded(family, ZeroStage::Zero);
         let (twin_model, mut twin) = build_sharded(family, ZeroStage::Zero);
         // One step and one more backward: non-zero moments and gradients.

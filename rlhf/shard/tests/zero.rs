@@ -172,7 +172,7 @@ fn relative_gap(a: &[(String, Vec<f32>)], b: &[(String, Vec<f32>)]) -> (f64, f64
 /// by their own size).
 #[test]
 fn every_stage_trains_as_todays_data_parallelism() {
-    for family in [ModelFamily::Llama, ModelFamily::Qwen2] {
+    for family in [ModelFamily::Llama, ModelFamily::Qwen2, ModelFamily::Qwen3] {
         let single = train(family, 1, ShardConfig::default()).remove(0);
         for world in [1, 2, 4] {
             let baseline = train(family, world, ShardConfig::default());

@@ -167,6 +167,65 @@ fn grpo_trains_a_local_hf_checkpoint_and_exports_it() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// GRPO from a Qwen3 checkpoint that transformers itself wrote (`rlhf/model/parity/
+/// make_qwen3_hf.py`: per-head q/k norms, heads of 32 over a 64-wide residual, tied embeddings,
+/// transformers 5's `rope_parameters`), with the walkthrough's tokenizer and data: the engine
+/// (its own fused projections and CPU kernels) and the policy agree on every sampled token's
+/// log-prob, the policy trains, and the export is a `qwen3` checkpoint that loads again.
+#[test]
+fn grpo_trains_a_qwen3_checkpoint_made_by_transformers() {
+    let dir = scratch("qwen3");
+    tch::set_num_threads(1);
+    let config = WalkthroughConfig {
+        train_problems: 128,
+        test_problems: 16,
+        vocab_size: 400,
+        warmup: rtrun_rlhf::config::WarmupConfig { steps: 1, batch_size: 8, lr: 1e-3 },
+        ..WalkthroughConfig::default()
+    };
+    let walkthrough = write_walkthrough(&dir.join("walkthrough"), &config).unwrap();
+    let model_dir = dir.join("qwen3");
+    std::fs::create_dir_all(&model_dir).unwrap();
+    let made = Path::new(env!("CARGO_MANIFEST_DIR")).join("../model/parity/qwen3-hf");
+    for (from, name) in [
+        (&made, "config.json"),
+        (&made, "model.safetensors"),
+        (&walkthrough.model_dir, "tokenizer.json"),
+        (&walkthrough.model_dir, "tokenizer_config.json"),
+        (&walkthrough.model_dir, "generation_config.json"),
+    ] {
+        std::fs::copy(from.join(name), model_dir.join(name)).unwrap();
+    }
+    let files = WalkthroughFiles { model_dir: model_dir.clone(), ..walkthrough };
+    let run_dir = dir.join("run");
+    let sets = ["train.max_steps=3", "algo.old_logprobs=policy"];
+    let (trainer, report) =
+        rtrun_rlhf::run::run(&hf_config(&run_dir, &files, &sets), &mut NoProgress).unwrap();
+    assert_eq!(report.steps, 3);
+    for r in metrics(&run_dir).iter().filter(|r| r.step() > 0) {
+        let gap = r.get("engine_logprob_gap").expect("measured on every step");
+        assert!(gap < 1e-4, "step {}: engine and policy differ by {gap}", r.step());
+        assert!(r.get("policy_loss").is_some_and(f64::is_finite), "step {}", r.step());
+    }
+    trainer.roles.kill();
+    rtrun::shutdown();
+    let exported = report.exported.unwrap();
+    let text = std::fs::read_to_string(exported.join("config.json")).unwrap();
+    let json: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(json["model_type"], "qwen3");
+    assert_eq!(json["architectures"][0], "Qwen3ForCausalLM");
+    let trained = CausalLm::from_pretrained(&exported, tch::Device::Cpu, tch::Kind::Float).unwrap();
+    let start = CausalLm::from_pretrained(&model_dir, tch::Device::Cpu, tch::Kind::Float).unwrap();
+    let changed = trained
+        .named_parameters()
+        .zip(start.named_parameters())
+        .filter(|((_, a), (_, b))| !a.equal(b))
+        .count();
+    assert!(changed > 0, "three GRPO steps changed no weight");
+    assert!(trained.named_parameters().any(|(name, _)| name.ends_with("self_attn.q_norm.weight")));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// GRPO with engines of two tensor-parallel ranks (two processes each, a CPU ring between
 /// them): every rank takes its own shard of each weight sync (less than the whole model), the
 /// engine's log-probs equal the policy's within 1e-4 on every step, and the reward rises.

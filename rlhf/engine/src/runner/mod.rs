@@ -440,6 +440,16 @@ impl ModelRunner {
                     let qkv = self.linear(&fused.qkv, &normed)?;
                     let qk =
                         rows(qkv.f_narrow(1, 0, (heads + kv_heads) * head_dim)?, heads + kv_heads)?;
+                    let qk = match (&attn.q_norm, &attn.k_norm) {
+                        (Some(q_norm), Some(k_norm)) => Tensor::f_cat(
+                            &[
+                                self.head_norm(q_norm, &qk.f_narrow(1, 0, heads)?)?,
+                                self.head_norm(k_norm, &qk.f_narrow(1, heads, kv_heads)?)?,
+                            ],
+                            1,
+                        )?,
+                        _ => qk,
+                    };
                     let qk = match self.fused_ops && last_contiguous(&qk) {
                         true => cpu_kernels::rotary(&qk, &cos_rows, &sin_rows)?,
                         false => apply_rotary(&qk, &cos, &sin)?,
@@ -452,9 +462,13 @@ impl ModelRunner {
                     )
                 }
                 None => {
-                    let q = rows(self.linear(&attn.q_proj, &normed)?, heads)?;
-                    let k = rows(self.linear(&attn.k_proj, &normed)?, kv_heads)?;
+                    let mut q = rows(self.linear(&attn.q_proj, &normed)?, heads)?;
+                    let mut k = rows(self.linear(&attn.k_proj, &normed)?, kv_heads)?;
                     let v = rows(self.linear(&attn.v_proj, &normed)?, kv_heads)?;
+                    if let (Some(q_norm), Some(k_norm)) = (&attn.q_norm, &attn.k_norm) {
+                        q = self.head_norm(q_norm, &q)?;
+                        k = self.head_norm(k_norm, &k)?;
+                    }
                     (apply_rotary(&q, &cos, &sin)?, apply_rotary(&k, &cos, &sin)?, v)
                 }
             };
@@ -579,6 +593,14 @@ impl ModelRunner {
                 self.norm(norm, hidden)
             }
         }
+    }
+
+    /// Qwen3's RMSNorm of every head of `x: [T, heads, head_dim]` (the same as
+    /// [`RmsNorm::forward`] over the last dimension), as `[T * heads, head_dim]` rows.
+    fn head_norm(&self, norm: &RmsNorm, x: &Tensor) -> Result<Tensor, EngineError> {
+        let size = x.size();
+        let rows = x.f_reshape([size[0] * size[1], size[2]])?;
+        Ok(self.norm(norm, &rows)?.f_view([size[0], size[1], size[2]])?)
     }
 
     /// The model's RMSNorm of rows `x: [T, hidden]`, in one fused pass on the CPU.
@@ -1440,7 +1462,7 @@ mod tests {
     #[test]
     fn fused_projections_are_the_parameters_storage() {
         use rtrun_rlhf_model::{ModelFamily, tiny};
-        for family in [ModelFamily::Llama, ModelFamily::Qwen2] {
+        for family in [ModelFamily::Llama, ModelFamily::Qwen2, ModelFamily::Qwen3] {
             let model = tiny::tiny_model(&tiny::tiny_config(family), 5).unwrap();
             let runner = ModelRunner::new(model, None, 4).unwrap();
             let layers = &runner.model().backbone.layers;

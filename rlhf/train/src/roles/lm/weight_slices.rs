@@ -51,7 +51,7 @@ mod tests {
     /// parameters are resident or offloaded into host buffers.
     #[test]
     fn slice_buckets_equal_split_model() {
-        for family in [ModelFamily::Llama, ModelFamily::Qwen2] {
+        for family in [ModelFamily::Llama, ModelFamily::Qwen2, ModelFamily::Qwen3] {
             let model = tiny_model(&tiny_config(family), 5).unwrap();
             let optimizer = Some(OptimizerConfig::default());
             let config = ShardConfig::default();
