@@ -107,6 +107,33 @@ fn greedy_outputs_equal_the_reference_decode_at_several_batch_sizes_and_prompt_l
     }
 }
 
+/// Sliding windows shorter than the prompts and the generations (Qwen2's on one layer, Mistral's
+/// on both): the engine's masks over the paged cache and the decode lanes equal the training
+/// forward's, token for token, in one batch of mixed lengths.
+#[test]
+fn sliding_window_models_decode_as_the_reference_does() {
+    let window = |size, layers: &[bool]| {
+        Some(rtrun_rlhf_model::SlidingWindow { size, layers: layers.to_vec() })
+    };
+    for model_config in [
+        ModelConfig {
+            sliding_window: window(5, &[false, true]),
+            ..tiny::tiny_config(ModelFamily::Qwen2)
+        },
+        ModelConfig {
+            sliding_window: window(7, &[true, true]),
+            ..tiny::tiny_config(ModelFamily::Mistral)
+        },
+    ] {
+        let model_a = tiny::tiny_model(&model_config, 9).unwrap();
+        let oracle = tiny::tiny_model(&model_config, 9).unwrap();
+        let all = requests(&prompts(&[3, 6, 19, 33, 12], 1), &SamplingParams::greedy(20));
+        let expected = reference(&oracle, &all);
+        let outputs = engine(model_a, config(256, 16)).generate(all).unwrap();
+        assert_eq!(token_ids(&outputs), token_ids(&expected), "{:?}", model_config.family);
+    }
+}
+
 /// Projections of at least 8M multiply-adds run on oneDNN in the engine and on MKL in the
 /// reference decode: the tokens stay identical (batch 16 decodes `[16, 256] x [256, 2048]` and
 /// prefills far larger products).

@@ -110,6 +110,20 @@ fn tiny_models_generate_the_same_tokens_at_tp_2_and_4() {
     }
 }
 
+/// A Qwen3-shaped model whose second layer slides over 6 keys: the window holds at every rank.
+#[test]
+fn a_sliding_window_model_generates_the_same_tokens_at_tp_2() {
+    let config = ModelConfig {
+        sliding_window: Some(rtrun_rlhf_model::SlidingWindow {
+            size: 6,
+            layers: vec![false, true],
+        }),
+        ..tiny::tiny_config(ModelFamily::Qwen3)
+    };
+    let model = tiny::tiny_model(&config, 3).unwrap();
+    check_exact(&model, &[2], "sliding window");
+}
+
 #[test]
 fn the_25m_model_generates_the_same_tokens_at_tp_2_and_4() {
     let model = tiny::tiny_model(&tiny::bench_config_25m(), 5).unwrap();

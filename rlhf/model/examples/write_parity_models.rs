@@ -1,7 +1,8 @@
 //! Writes the tiny parity checkpoints, their fixed inputs and our own outputs into
 //! `rlhf/model/parity/<name>/`, for `parity/make_golden.py` to check against `transformers`.
 //!
-//! Run: `cargo run -p rtrun-rlhf-model --example write_parity_models`.
+//! Run: `cargo run -p rtrun-rlhf-model --example write_parity_models [CASE...]` (all cases
+//! without arguments).
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -10,7 +11,9 @@ use anyhow::Result;
 use rtrun_rlhf_model::safetensors_io::write_file;
 use rtrun_rlhf_model::tch::{self, Kind, Tensor};
 use rtrun_rlhf_model::tiny::{tiny_config, write_tiny_model};
-use rtrun_rlhf_model::{ModelFamily, ResponseBatch, SaveOptions, ScalarHeadModel};
+use rtrun_rlhf_model::{
+    ModelConfig, ModelFamily, ResponseBatch, SaveOptions, ScalarHeadModel, SlidingWindow,
+};
 
 /// Two rows of 12 tokens: the first left-padded by 3, the second right-padded by 2; the last 5
 /// columns are the response, whose mask excludes the second row's padding.
@@ -28,15 +31,33 @@ fn fixed_inputs() -> (Tensor, Tensor, Tensor) {
 
 fn main() -> Result<()> {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("parity");
+    // Sliding windows shorter than the inputs (9 and 10 real tokens): Qwen2's on its second
+    // layer only (`max_window_layers: 1`), Mistral's on both.
+    let window = |size, layers: &[bool]| Some(SlidingWindow { size, layers: layers.to_vec() });
+    let qwen2_sw = ModelConfig {
+        sliding_window: window(4, &[false, true]),
+        ..tiny_config(ModelFamily::Qwen2)
+    };
+    let mistral_sw = ModelConfig {
+        sliding_window: window(5, &[true, true]),
+        rope_scaling: None,
+        ..tiny_config(ModelFamily::Mistral)
+    };
     let cases = [
-        ("llama", ModelFamily::Llama, 11u64, SaveOptions::default()),
+        ("llama", tiny_config(ModelFamily::Llama), 11u64, SaveOptions::default()),
         // Sharded on purpose, so transformers reads our index file too.
-        ("qwen2", ModelFamily::Qwen2, 22, SaveOptions { max_shard_bytes: 200_000 }),
-        ("qwen3", ModelFamily::Qwen3, 44, SaveOptions::default()),
+        ("qwen2", tiny_config(ModelFamily::Qwen2), 22, SaveOptions { max_shard_bytes: 200_000 }),
+        ("qwen3", tiny_config(ModelFamily::Qwen3), 44, SaveOptions::default()),
+        ("qwen2-sw", qwen2_sw, 55, SaveOptions::default()),
+        ("mistral-sw", mistral_sw, 66, SaveOptions::default()),
     ];
-    for (name, family, seed, options) in cases {
+    let only: Vec<String> = std::env::args().skip(1).collect();
+    for (name, config, seed, options) in cases {
+        if !only.is_empty() && !only.iter().any(|o| o == name) {
+            continue;
+        }
         let dir = root.join(name);
-        let model = write_tiny_model(&dir, &tiny_config(family), seed, &options)?;
+        let model = write_tiny_model(&dir, &config, seed, &options)?;
         let (input_ids, attention_mask, action_mask) = fixed_inputs();
         let logits = model.forward(&input_ids, &attention_mask, None)?;
         let batch = ResponseBatch { input_ids, attention_mask, action_mask };
@@ -59,6 +80,9 @@ fn main() -> Result<()> {
         println!("wrote {}", dir.display());
     }
 
+    if !only.is_empty() && !only.iter().any(|o| o == "qwen2-rm") {
+        return Ok(());
+    }
     // A reward model (Qwen2ForSequenceClassification, one label) with its rewards.
     let dir = root.join("qwen2-rm");
     let config = tiny_config(ModelFamily::Qwen2);

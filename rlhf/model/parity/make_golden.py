@@ -96,7 +96,7 @@ def run_reward_case(case_dir: pathlib.Path) -> float:
 
 
 def main() -> None:
-    cases = sys.argv[1:] or ["llama", "qwen2", "qwen3", "qwen2-rm"]
+    cases = sys.argv[1:] or ["llama", "qwen2", "qwen3", "qwen2-sw", "mistral-sw", "qwen2-rm"]
     for name in cases:
         if name.endswith("-rm"):
             run_reward_case(HERE / name)

@@ -33,6 +33,65 @@ pub struct Backbone {
     layerwise: std::cell::RefCell<Option<Layerwise>>,
 }
 
+/// The attention masks of one forward: the full-attention layers' (`None`: plain causal) and,
+/// when some layers slide and a sequence outgrows the window, the sliding layers'.
+#[derive(Debug)]
+pub(crate) struct LayerMasks {
+    full: Option<Tensor>,
+    sliding: Option<Tensor>,
+    /// Per layer: whether it reads `sliding`.
+    slides: Vec<bool>,
+}
+
+impl LayerMasks {
+    /// `full` for every layer, and for the sliding layers `full` (or causality) limited to keys
+    /// less than the window behind each query, by position: the same keys as transformers'
+    /// `kv_idx > q_idx - sliding_window` wherever a sample's tokens are contiguous, and the
+    /// right ones in packed and branched rows, whose positions restart or continue a prefix.
+    pub(crate) fn new(
+        config: &ModelConfig,
+        full: Option<Tensor>,
+        positions: &Tensor,
+    ) -> Result<LayerMasks> {
+        let slides: Vec<bool> =
+            (0..config.num_hidden_layers as usize).map(|i| config.window_of(i).is_some()).collect();
+        let seq = positions.size().last().copied().unwrap_or(0);
+        let sliding = match &config.sliding_window {
+            Some(window) if seq > window.size => {
+                // `[batch, 1, seq, seq]`: position of the query minus that of the key.
+                let distance = positions.f_unsqueeze(2)?.f_sub(&positions.f_unsqueeze(1)?)?;
+                let near = distance.f_lt(window.size)?.f_unsqueeze(1)?;
+                let base = match &full {
+                    Some(full) => full.shallow_clone(),
+                    None => {
+                        Tensor::f_ones([seq, seq], (Kind::Bool, positions.device()))?.f_tril(0)?
+                    }
+                };
+                Some(base.f_logical_and(&near)?)
+            }
+            _ => None,
+        };
+        Ok(LayerMasks { full, sliding, slides })
+    }
+
+    /// The mask of decoder layer `layer`.
+    pub(crate) fn of(&self, layer: usize) -> Option<&Tensor> {
+        match (self.slides.get(layer).copied().unwrap_or(false), &self.sliding) {
+            (true, Some(sliding)) => Some(sliding),
+            _ => self.full.as_ref(),
+        }
+    }
+
+    /// The same masks (shared storage).
+    pub(crate) fn shallow_clone(&self) -> LayerMasks {
+        LayerMasks {
+            full: self.full.as_ref().map(Tensor::shallow_clone),
+            sliding: self.sliding.as_ref().map(Tensor::shallow_clone),
+            slides: self.slides.clone(),
+        }
+    }
+}
+
 /// A checked batch of inputs: ids and positions as int64, mask as bool, all `[batch, seq]`.
 #[derive(Debug)]
 pub struct CheckedInputs {
@@ -106,14 +165,14 @@ impl Backbone {
         position_ids: &Tensor,
         mask: impl FnOnce() -> Result<Option<Tensor>>,
     ) -> Result<Tensor> {
-        let mask = mask()?;
+        let masks = LayerMasks::new(&self.config, mask()?, position_ids)?;
         if let Some(layerwise) = self.layerwise.borrow_mut().as_mut() {
-            return layerwise.forward(self, input_ids, position_ids, mask.as_ref());
+            return layerwise.forward(self, input_ids, position_ids, &masks);
         }
         let mut hidden = Tensor::f_embedding(&self.embed_tokens, input_ids, -1, false, false)?;
         let (cos, sin) = self.rotary.cos_sin(position_ids, hidden.f_kind()?)?;
-        for layer in &self.layers {
-            hidden = layer.forward(&hidden, &cos, &sin, mask.as_ref())?;
+        for (index, layer) in self.layers.iter().enumerate() {
+            hidden = layer.forward(&hidden, &cos, &sin, masks.of(index))?;
         }
         self.norm.forward(&hidden)
     }

@@ -18,8 +18,11 @@ use crate::error::{ModelError, Result};
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum ModelFamily {
-    /// `model_type: "llama"` (also Mistral-style checkpoints without sliding windows).
+    /// `model_type: "llama"`.
     Llama,
+    /// `model_type: "mistral"`: Llama's layers, with `sliding_window` (when set) on every
+    /// layer.
+    Mistral,
     /// `model_type: "qwen2"`: bias on the q, k and v projections.
     Qwen2,
     /// `model_type: "qwen3"` (dense): an RMSNorm over each query and key head before RoPE, an
@@ -32,6 +35,7 @@ impl ModelFamily {
     pub fn causal_lm_architecture(self) -> &'static str {
         match self {
             Self::Llama => "LlamaForCausalLM",
+            Self::Mistral => "MistralForCausalLM",
             Self::Qwen2 => "Qwen2ForCausalLM",
             Self::Qwen3 => "Qwen3ForCausalLM",
         }
@@ -41,6 +45,7 @@ impl ModelFamily {
     pub fn model_type(self) -> &'static str {
         match self {
             Self::Llama => "llama",
+            Self::Mistral => "mistral",
             Self::Qwen2 => "qwen2",
             Self::Qwen3 => "qwen3",
         }
@@ -67,6 +72,18 @@ pub enum RopeScaling {
         /// The context length the model was pre-trained with.
         original_max_position_embeddings: i64,
     },
+}
+
+/// Sliding-window attention (Mistral's `sliding_window`; Qwen2/Qwen3's `use_sliding_window`
+/// with `sliding_window` and `max_window_layers` or `layer_types`): a query at position `i` of a
+/// sliding layer attends the keys at positions `i - size + 1 ..= i` (transformers' `kv_idx >
+/// q_idx - sliding_window`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct SlidingWindow {
+    /// Keys a query sees, itself included.
+    pub size: i64,
+    /// Per decoder layer: whether it slides (the others attend the whole context).
+    pub layers: Vec<bool>,
 }
 
 /// A validated decoder-only LM configuration.
@@ -96,6 +113,8 @@ pub struct ModelConfig {
     pub rope_scaling: Option<RopeScaling>,
     /// Longest context the config declares (kept for the file; RoPE needs no table).
     pub max_position_embeddings: i64,
+    /// Sliding-window attention, when some layers use it.
+    pub sliding_window: Option<SlidingWindow>,
     /// Whether the LM head shares the embedding matrix.
     pub tie_word_embeddings: bool,
     /// Bias on the q, k and v projections.
@@ -137,6 +156,11 @@ struct RawConfig {
     mlp_bias: Option<bool>,
     hidden_act: Option<String>,
     use_sliding_window: Option<bool>,
+    /// `None` when absent, `Some(Null)` when null: Mistral defaults an absent one to 4096.
+    #[serde(default, deserialize_with = "present")]
+    sliding_window: Option<serde_json::Value>,
+    max_window_layers: Option<i64>,
+    layer_types: Option<Vec<String>>,
     initializer_range: Option<f64>,
     bos_token_id: Option<serde_json::Value>,
     eos_token_id: Option<serde_json::Value>,
@@ -167,7 +191,8 @@ impl ModelConfig {
 
     fn from_raw(raw: RawConfig) -> Result<Self> {
         let family = match raw.model_type.as_str() {
-            "llama" | "mistral" => ModelFamily::Llama,
+            "llama" => ModelFamily::Llama,
+            "mistral" => ModelFamily::Mistral,
             "qwen2" => ModelFamily::Qwen2,
             "qwen3" => ModelFamily::Qwen3,
             other => {
@@ -181,12 +206,7 @@ impl ModelConfig {
         {
             return Err(ModelError::Config(format!("hidden_act should be `silu`, found `{act}`")));
         }
-        if raw.use_sliding_window == Some(true) {
-            return Err(ModelError::Config(
-                "use_sliding_window should be false, found true (sliding windows are not supported)"
-                    .into(),
-            ));
-        }
+        let sliding_window = sliding_window_of(&raw, family)?;
         // transformers 5 moves theta and scaling into `rope_parameters`.
         let rope_source = raw.rope_parameters.clone().or(raw.rope_scaling.clone());
         let mut rope_theta = raw.rope_theta;
@@ -198,7 +218,9 @@ impl ModelConfig {
         let rope_scaling = parse_rope_scaling(rope_source.as_ref())?;
         let attention_bias = raw.attention_bias.unwrap_or(false);
         let (qkv_bias, o_bias) = match family {
-            ModelFamily::Llama | ModelFamily::Qwen3 => (attention_bias, attention_bias),
+            ModelFamily::Llama | ModelFamily::Mistral | ModelFamily::Qwen3 => {
+                (attention_bias, attention_bias)
+            }
             ModelFamily::Qwen2 => (true, false),
         };
         let num_key_value_heads = raw.num_key_value_heads.unwrap_or(raw.num_attention_heads);
@@ -224,6 +246,7 @@ impl ModelConfig {
             rope_theta: rope_theta.unwrap_or(10_000.0),
             rope_scaling,
             max_position_embeddings: raw.max_position_embeddings.unwrap_or(2048),
+            sliding_window,
             tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
             qkv_bias,
             o_bias,
@@ -253,6 +276,21 @@ impl ModelConfig {
             if value <= 0 {
                 return Err(ModelError::Config(format!(
                     "{name} should be positive, found {value}"
+                )));
+            }
+        }
+        if let Some(window) = &self.sliding_window {
+            if window.size <= 0 {
+                return Err(ModelError::Config(format!(
+                    "sliding_window should be positive, found {}",
+                    window.size
+                )));
+            }
+            if window.layers.len() as i64 != self.num_hidden_layers {
+                return Err(ModelError::Config(format!(
+                    "layer_types should name {} layers (num_hidden_layers), found {}",
+                    self.num_hidden_layers,
+                    window.layers.len()
                 )));
             }
         }
@@ -316,17 +354,33 @@ impl ModelConfig {
         set("bos_token_id", self.bos_token_id.into());
         set("eos_token_id", self.eos_token_id.into());
         set("pad_token_id", self.pad_token_id.into());
+        let window_size = self.sliding_window.as_ref().map(|w| w.size);
+        let qwen_windows = |set: &mut dyn FnMut(&str, serde_json::Value)| {
+            set("use_sliding_window", window_size.is_some().into());
+            set("sliding_window", window_size.into());
+            if let Some(window) = &self.sliding_window {
+                let first = window.layers.iter().position(|&s| s).unwrap_or(window.layers.len());
+                set("max_window_layers", (first as i64).into());
+                let types: Vec<&str> = window
+                    .layers
+                    .iter()
+                    .map(|&s| if s { "sliding_attention" } else { "full_attention" })
+                    .collect();
+                set("layer_types", types.into());
+            }
+        };
         match self.family {
             ModelFamily::Llama => {
                 set("attention_bias", self.qkv_bias.into());
                 set("mlp_bias", self.mlp_bias.into());
             }
-            ModelFamily::Qwen2 => {
-                set("use_sliding_window", false.into());
+            ModelFamily::Mistral => {
+                set("sliding_window", window_size.into());
             }
+            ModelFamily::Qwen2 => qwen_windows(&mut set),
             ModelFamily::Qwen3 => {
                 set("attention_bias", self.qkv_bias.into());
-                set("use_sliding_window", false.into());
+                qwen_windows(&mut set);
             }
         }
         serde_json::Value::Object(map)
@@ -335,6 +389,12 @@ impl ModelConfig {
     /// Writes `<dir>/config.json` for the causal LM.
     pub fn write_to_dir(&self, dir: &Path) -> Result<()> {
         write_json(&dir.join("config.json"), &self.to_json())
+    }
+
+    /// The window of decoder layer `layer`, when it slides.
+    pub fn window_of(&self, layer: usize) -> Option<i64> {
+        let window = self.sliding_window.as_ref()?;
+        window.layers.get(layer).copied().unwrap_or(false).then_some(window.size)
     }
 
     /// Whether every query and key head is RMS-normalised before RoPE (Qwen3).
@@ -360,6 +420,62 @@ impl ModelConfig {
         let head = if self.tie_word_embeddings { 0 } else { embed };
         embed + head + self.num_hidden_layers * layer + h
     }
+}
+
+/// The sliding window a raw config declares, as transformers reads it: Mistral's
+/// `sliding_window` on every layer; Qwen2/Qwen3's only with `use_sliding_window`, on the layers
+/// `layer_types` marks `sliding_attention` or else from `max_window_layers` on; none for Llama.
+fn sliding_window_of(raw: &RawConfig, family: ModelFamily) -> Result<Option<SlidingWindow>> {
+    let size = match &raw.sliding_window {
+        // transformers' MistralConfig default.
+        None if family == ModelFamily::Mistral => Some(4096),
+        None | Some(serde_json::Value::Null) => None,
+        Some(value) => Some(value.as_i64().ok_or_else(|| {
+            ModelError::Config(format!(
+                "sliding_window should be an integer or null, found {value}"
+            ))
+        })?),
+    };
+    if let Some(size) = size.filter(|&size| size <= 0) {
+        return Err(ModelError::Config(format!("sliding_window should be positive, found {size}")));
+    }
+    let layers = raw.num_hidden_layers.max(0) as usize;
+    match family {
+        ModelFamily::Llama => Ok(None),
+        ModelFamily::Mistral => {
+            Ok(size.map(|size| SlidingWindow { size, layers: vec![true; layers] }))
+        }
+        ModelFamily::Qwen2 | ModelFamily::Qwen3 => {
+            let Some(size) = size.filter(|_| raw.use_sliding_window == Some(true)) else {
+                return Ok(None);
+            };
+            let sliding = match &raw.layer_types {
+                Some(types) => types
+                    .iter()
+                    .map(|t| match t.as_str() {
+                        "sliding_attention" => Ok(true),
+                        "full_attention" => Ok(false),
+                        other => Err(ModelError::Config(format!(
+                            "layer_types entries should be `full_attention` or \
+                             `sliding_attention`, found `{other}`"
+                        ))),
+                    })
+                    .collect::<Result<Vec<bool>>>()?,
+                None => {
+                    let first = raw.max_window_layers.unwrap_or(28).max(0) as usize;
+                    (0..layers).map(|i| i >= first).collect()
+                }
+            };
+            Ok(sliding.contains(&true).then_some(SlidingWindow { size, layers: sliding }))
+        }
+    }
+}
+
+/// Deserialises a field that is present (null included) as `Some`.
+fn present<'de, D: serde::Deserializer<'de>>(
+    de: D,
+) -> std::result::Result<Option<serde_json::Value>, D::Error> {
+    serde_json::Value::deserialize(de).map(Some)
 }
 
 /// Writes pretty JSON to a file.
@@ -429,7 +545,8 @@ mod tests {
         assert_eq!(config.head_dim, 64);
         assert_eq!(config.num_key_value_heads, 2);
         assert!(config.tie_word_embeddings);
-        assert_eq!(config.extra.get("sliding_window"), Some(&serde_json::json!(32768)));
+        // `sliding_window` without `use_sliding_window`: transformers attends everything.
+        assert_eq!(config.sliding_window, None);
         // Qwen2-0.5B has 494M parameters.
         assert_eq!(config.num_parameters(), 494_032_768);
     }
@@ -462,6 +579,56 @@ mod tests {
         let unknown = QWEN3.replace("\"qwen3\"", "\"qwen3_moe\"");
         let err = ModelConfig::from_json_str(&unknown).unwrap_err().to_string();
         assert!(err.contains("model_type") && err.contains("qwen3_moe"), "{err}");
+    }
+
+    #[test]
+    fn sliding_windows_are_read_as_transformers_reads_them() {
+        let with = |family: &str, extra: &str| {
+            let text = format!(
+                r#"{{"model_type": "{family}", "vocab_size": 10, "hidden_size": 8,
+                "intermediate_size": 16, "num_hidden_layers": 3, "num_attention_heads": 2
+                {extra}}}"#
+            );
+            ModelConfig::from_json_str(&text)
+        };
+        let layers = |c: &ModelConfig| (0..3).map(|i| c.window_of(i)).collect::<Vec<_>>();
+        // Mistral: every layer.
+        let mistral = with("mistral", r#", "sliding_window": 4096"#).unwrap();
+        assert_eq!(mistral.family, ModelFamily::Mistral);
+        assert_eq!(layers(&mistral), [Some(4096); 3]);
+        // Absent, it is transformers' default 4096.
+        assert_eq!(with("mistral", "").unwrap(), mistral);
+        assert_eq!(with("mistral", r#", "sliding_window": null"#).unwrap().sliding_window, None);
+        // Qwen2: only with use_sliding_window, from max_window_layers on.
+        let off = with("qwen2", r#", "sliding_window": 64, "max_window_layers": 1"#).unwrap();
+        assert_eq!(off.sliding_window, None);
+        let on = r#", "use_sliding_window": true, "sliding_window": 64, "max_window_layers": 1"#;
+        let qwen2 = with("qwen2", on).unwrap();
+        assert_eq!(layers(&qwen2), [None, Some(64), Some(64)]);
+        // transformers 5's layer_types win.
+        let types = r#", "use_sliding_window": true, "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]"#;
+        let qwen3 = with("qwen3", types).unwrap();
+        assert_eq!(layers(&qwen3), [Some(8), None, Some(8)]);
+        // Written back so transformers reads the same windows, and read back equal.
+        for config in [&mistral, &qwen2, &qwen3] {
+            let again = ModelConfig::from_json_str(&config.to_json().to_string()).unwrap();
+            assert_eq!(&again, config);
+        }
+        // Bad values name the key.
+        let bad =
+            with("qwen3", r#", "use_sliding_window": true, "sliding_window": 0"#).unwrap_err();
+        assert!(bad.to_string().contains("sliding_window"), "{bad}");
+        let bad = with("mistral", r#", "sliding_window": "wide""#).unwrap_err();
+        assert!(bad.to_string().contains("sliding_window"), "{bad}");
+        let types = r#", "use_sliding_window": true, "sliding_window": 8,
+            "layer_types": ["sliding_attention"]"#;
+        let bad = with("qwen2", types).unwrap_err();
+        assert!(bad.to_string().contains("layer_types"), "{bad}");
+        let types = r#", "use_sliding_window": true, "sliding_window": 8,
+            "layer_types": ["chunked_attention", "full_attention", "full_attention"]"#;
+        let bad = with("qwen2", types).unwrap_err();
+        assert!(bad.to_string().contains("chunked_attention"), "{bad}");
     }
 
     #[test]

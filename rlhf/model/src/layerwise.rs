@@ -22,7 +22,7 @@
 
 use tch::{Kind, Tensor};
 
-use crate::backbone::Backbone;
+use crate::backbone::{Backbone, LayerMasks};
 use crate::error::{ModelError, Result};
 
 /// A part of a decoder whose parameters are used together.
@@ -77,7 +77,7 @@ struct Pass {
     layers: Vec<LayerRecord>,
     cos: Tensor,
     sin: Tensor,
-    mask: Option<Tensor>,
+    masks: LayerMasks,
     /// The leaf the head computed from.
     head_input: Tensor,
 }
@@ -112,7 +112,7 @@ impl Layerwise {
         backbone: &Backbone,
         input_ids: &Tensor,
         position_ids: &Tensor,
-        mask: Option<&Tensor>,
+        masks: &LayerMasks,
     ) -> Result<Tensor> {
         self.hook(|h| h.gather(Segment::Embedding))?;
         let embedded = Tensor::f_embedding(&backbone.embed_tokens, input_ids, -1, false, false)?;
@@ -124,6 +124,7 @@ impl Layerwise {
         let mut layers = Vec::with_capacity(if record { backbone.layers.len() } else { 0 });
         for (index, layer) in backbone.layers.iter().enumerate() {
             self.hook(|h| h.gather(Segment::Layer(index)))?;
+            let mask = masks.of(index);
             hidden = if record {
                 let input = hidden.f_detach()?.f_set_requires_grad(true)?;
                 if self.checkpoint {
@@ -148,7 +149,7 @@ impl Layerwise {
                 layers,
                 cos,
                 sin,
-                mask: mask.map(Tensor::shallow_clone),
+                masks: masks.shallow_clone(),
                 head_input: head_input.shallow_clone(),
             });
             hidden = head_input;
@@ -190,7 +191,7 @@ impl Layerwise {
                             &record.input,
                             &pass.cos,
                             &pass.sin,
-                            pass.mask.as_ref(),
+                            pass.masks.of(index),
                         )?,
                     };
                     vector_jacobian(&output, &grad)?;

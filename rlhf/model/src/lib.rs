@@ -43,7 +43,7 @@ pub mod train;
 pub use backbone::Backbone;
 pub use causal_lm::CausalLm;
 pub use chat_template::{ChatMessage, ChatTemplate};
-pub use config::{ModelConfig, ModelFamily, RopeScaling};
+pub use config::{ModelConfig, ModelFamily, RopeScaling, SlidingWindow};
 pub use error::{ModelError, Result};
 pub use logprobs::ResponseBatch;
 pub use params::Parameters;

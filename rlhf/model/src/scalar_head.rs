@@ -79,6 +79,7 @@ impl ScalarHeadModel {
         let config = self.config();
         let architecture = match config.family {
             ModelFamily::Llama => "LlamaForSequenceClassification",
+            ModelFamily::Mistral => "MistralForSequenceClassification",
             ModelFamily::Qwen2 => "Qwen2ForSequenceClassification",
             ModelFamily::Qwen3 => "Qwen3ForSequenceClassification",
         };

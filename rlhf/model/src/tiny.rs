@@ -29,7 +29,7 @@ pub const TINY_VOCAB_SIZE: i64 = 384;
 ///   embeddings, theta 1e6.
 pub fn tiny_config(family: ModelFamily) -> ModelConfig {
     let (kv_heads, tied, qkv_bias, theta, scaling, intermediate) = match family {
-        ModelFamily::Llama => {
+        ModelFamily::Llama | ModelFamily::Mistral => {
             (2, false, false, 10_000.0, Some(RopeScaling::Linear { factor: 2.0 }), 128)
         }
         ModelFamily::Qwen2 => (1, true, true, 1_000_000.0, None, 160),
@@ -50,6 +50,7 @@ pub fn tiny_config(family: ModelFamily) -> ModelConfig {
         rope_theta: theta,
         rope_scaling: scaling,
         max_position_embeddings: 512,
+        sliding_window: None,
         tie_word_embeddings: tied,
         qkv_bias,
         o_bias: false,

@@ -71,6 +71,14 @@ fn qwen3_style_forward_matches_transformers() -> Result<()> {
     check_case("qwen3")
 }
 
+/// Sequences longer than the sliding window: Qwen2's on its second layer only, Mistral's on
+/// every layer.
+#[test]
+fn sliding_window_forwards_match_transformers() -> Result<()> {
+    check_case("qwen2-sw")?;
+    check_case("mistral-sw")
+}
+
 #[test]
 fn reward_model_matches_transformers_sequence_classification() -> Result<()> {
     let dir = case_dir("qwen2-rm");

@@ -409,6 +409,22 @@ impl ModelRunner {
             .iter()
             .map(|g| group_tensors(g, total, cache, device, decode_masks, !appending))
             .collect::<Result<Vec<_>, _>>()?;
+        // Sliding-window layers read the same groups under masks limited to the window.
+        let config = self.model.config();
+        let sliding_groups = match &config.sliding_window {
+            Some(window) => Some(
+                batch
+                    .groups
+                    .iter()
+                    .zip(&groups)
+                    .map(|(g, tensors)| {
+                        let mask = windowed_mask(g, window.size);
+                        tensors.with_mask(&mask, device, decode_masks)
+                    })
+                    .collect::<Result<Vec<_>, _>>()?,
+            ),
+            None => None,
+        };
 
         // `[T, hidden]`: the step's tokens are one packed row, so the runner works on 2-D rows.
         let mut hidden = Tensor::f_embedding(&backbone.embed_tokens, &input_ids, -1, false, false)?
@@ -432,6 +448,10 @@ impl ModelRunner {
         let mut pending: Option<Tensor> = None;
         for (index, (layer, layer_cache)) in backbone.layers.iter().zip(&cache.layers).enumerate() {
             let attn = &layer.self_attn;
+            let groups = match (&sliding_groups, config.window_of(index)) {
+                (Some(sliding), Some(_)) => sliding,
+                _ => &groups,
+            };
             let normed = self.add_norm(&layer.input_layernorm, &mut hidden, pending.take())?;
             let rows = |t: Tensor, n: i64| t.f_view([total, n, head_dim]);
             let (q, k, v) = match self.fused.get(index) {
@@ -527,7 +547,7 @@ impl ModelRunner {
                 }
                 _ => {
                     let kernel = self.attention_kernel;
-                    paged_attention(attn, &q, layer_cache, &groups, total, kernel)?
+                    paged_attention(attn, &q, layer_cache, groups, total, kernel)?
                 }
             };
             let out = self.reduce(self.linear(&attn.o_proj, &attended)?)?;
@@ -786,19 +806,7 @@ fn group_tensors(
     };
     let (batch, q_len, kv_len) = (g.batch as i64, g.q_len as i64, g.kv_len as i64);
     let identity = covers_packed_rows(g, total);
-    let additive = match decode_masks {
-        Some((kv_heads, kind)) if q_len == 1 => {
-            let row: Vec<f32> =
-                g.mask.iter().map(|&keep| if keep { 0.0 } else { f32::NEG_INFINITY }).collect();
-            let mask = Tensor::f_from_slice(&row)?.f_view([1, batch, kv_len])?;
-            Some(
-                mask.f_expand([kv_heads, batch, kv_len], false)?
-                    .f_reshape([kv_heads * batch, 1, kv_len])?
-                    .f_to_kind(kind)?,
-            )
-        }
-        _ => None,
-    };
+    let (mask, additive) = mask_tensors(&g.mask, (batch, q_len, kv_len), device, decode_masks)?;
     Ok(GroupTensors {
         batch,
         q_len,
@@ -808,14 +816,51 @@ fn group_tensors(
             true => Some(index(&cache.head_major(&g.kv_slots))?),
             false => None,
         },
-        mask: Tensor::f_from_slice(&g.mask)?
-            .f_view([batch, 1, q_len, kv_len])?
-            .f_to_device(device)?,
+        mask,
         valid_slots: index(&g.valid_slots)?,
         valid_rows: index(&g.valid_rows)?,
         identity,
         additive,
     })
+}
+
+/// A group's boolean mask as `[batch, 1, q_len, kv_len]` and, for a decode group on the CPU,
+/// its additive form (0 or -inf) `[kv_heads * batch, 1, kv_len]` for [`decode_attention`].
+fn mask_tensors(
+    mask: &[bool],
+    (batch, q_len, kv_len): (i64, i64, i64),
+    device: Device,
+    decode_masks: Option<(i64, Kind)>,
+) -> Result<(Tensor, Option<Tensor>), EngineError> {
+    let additive = match decode_masks {
+        Some((kv_heads, kind)) if q_len == 1 => {
+            let row: Vec<f32> =
+                mask.iter().map(|&keep| if keep { 0.0 } else { f32::NEG_INFINITY }).collect();
+            let mask = Tensor::f_from_slice(&row)?.f_view([1, batch, kv_len])?;
+            Some(
+                mask.f_expand([kv_heads, batch, kv_len], false)?
+                    .f_reshape([kv_heads * batch, 1, kv_len])?
+                    .f_to_kind(kind)?,
+            )
+        }
+        _ => None,
+    };
+    let mask =
+        Tensor::f_from_slice(mask)?.f_view([batch, 1, q_len, kv_len])?.f_to_device(device)?;
+    Ok((mask, additive))
+}
+
+/// `g.mask` limited to a sliding window of `window` keys: a query at position `p` (its row's
+/// last allowed key) keeps the keys after `p - window` (transformers' `kv_idx > q_idx -
+/// sliding_window`); a padding query keeps its one key.
+fn windowed_mask(g: &AttentionGroup, window: i64) -> Vec<bool> {
+    let mut mask = g.mask.clone();
+    for row in mask.chunks_mut(g.kv_len.max(1)) {
+        let Some(position) = row.iter().rposition(|&keep| keep) else { continue };
+        let first = (position as i64 - window + 1).max(0) as usize;
+        row[..first].fill(false);
+    }
+    mask
 }
 
 /// Whether `g`'s query slots are the `total` packed rows in packed order, with no padding (a
@@ -838,6 +883,29 @@ fn is_packed_decode(g: &AttentionGroup, total: i64) -> bool {
 }
 
 impl GroupTensors {
+    /// The same group under another boolean mask (a sliding window's).
+    fn with_mask(
+        &self,
+        mask: &[bool],
+        device: Device,
+        decode_masks: Option<(i64, Kind)>,
+    ) -> Result<GroupTensors, EngineError> {
+        let (mask, additive) =
+            mask_tensors(mask, (self.batch, self.q_len, self.kv_len), device, decode_masks)?;
+        Ok(GroupTensors {
+            batch: self.batch,
+            q_len: self.q_len,
+            kv_len: self.kv_len,
+            q_index: self.q_index.shallow_clone(),
+            kv_rows: self.kv_rows.as_ref().map(Tensor::shallow_clone),
+            mask,
+            valid_slots: self.valid_slots.shallow_clone(),
+            valid_rows: self.valid_rows.shallow_clone(),
+            identity: self.identity,
+            additive,
+        })
+    }
+
     /// The gather rows; only a step that appends to the decode lanes is built without them,
     /// and it gathers nothing.
     fn kv_rows(&self) -> Result<&Tensor, EngineError> {

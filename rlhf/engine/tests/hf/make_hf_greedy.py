@@ -21,7 +21,7 @@ NEW = 24
 def main() -> None:
     generator = torch.Generator().manual_seed(7)
     out = {"transformers_new_tokens": NEW, "models": {}}
-    for name in ["qwen2", "llama", "qwen3"]:
+    for name in ["qwen2", "llama", "qwen3", "qwen2-sw", "mistral-sw"]:
         model = AutoModelForCausalLM.from_pretrained(PARITY / name, dtype=torch.float32).eval()
         vocab = model.config.vocab_size
         cases = []
