@@ -238,7 +238,11 @@ mod tests {
     /// The gradient of every parameter, as a flat vector, after backpropagating the summed
     /// log-probs of a fixed batch (padded on the left, so a mask is used).
     fn gradients(family: ModelFamily, checkpoint: Option<bool>) -> Vec<(String, Tensor)> {
-        let model = tiny_model(&tiny_config(family), 21).unwrap();
+        // Mistral with a window of 3 keys, shorter than the rows.
+        let window = (family == ModelFamily::Mistral)
+            .then(|| crate::SlidingWindow { size: 3, layers: vec![true, true] });
+        let config = crate::ModelConfig { sliding_window: window, ..tiny_config(family) };
+        let model = tiny_model(&config, 21).unwrap();
         if let Some(checkpoint) = checkpoint {
             model.backbone.set_layerwise(Some(Layerwise::new(checkpoint, None)));
         }
@@ -257,10 +261,12 @@ mod tests {
 
     /// Layer-by-layer execution, with and without recomputation, gives the gradients of one
     /// whole graph (two passes accumulated) within 1e-6 of the largest entry, for an untied
-    /// and a tied model.
+    /// and a tied model, with per-head norms and with sliding windows.
     #[test]
     fn layerwise_gradients_equal_whole_graph_ones() {
-        for family in [ModelFamily::Llama, ModelFamily::Qwen2, ModelFamily::Qwen3] {
+        let families =
+            [ModelFamily::Llama, ModelFamily::Qwen2, ModelFamily::Qwen3, ModelFamily::Mistral];
+        for family in families {
             let plain = gradients(family, None);
             for checkpoint in [false, true] {
                 for ((name, a), (_, b)) in gradients(family, Some(checkpoint)).iter().zip(&plain) {
