@@ -12,7 +12,8 @@ use rtrun_rlhf_model::safetensors_io::write_file;
 use rtrun_rlhf_model::tch::{self, Kind, Tensor};
 use rtrun_rlhf_model::tiny::{tiny_config, write_tiny_model};
 use rtrun_rlhf_model::{
-    ModelConfig, ModelFamily, ResponseBatch, SaveOptions, ScalarHeadModel, SlidingWindow,
+    CausalLm, LoraConfig, ModelConfig, ModelFamily, ResponseBatch, SaveOptions, ScalarHeadModel,
+    SlidingWindow,
 };
 
 /// Two rows of 12 tokens: the first left-padded by 3, the second right-padded by 2; the last 5
@@ -27,6 +28,38 @@ fn fixed_inputs() -> (Tensor, Tensor, Tensor) {
         Tensor::from_slice(&mask).view([2, 12]),
         Tensor::from_slice(&action).view([2, 5]),
     )
+}
+
+/// A peft adapter directory for the qwen3 case's checkpoint (rank 4 on every projection, `B`
+/// drawn so that it changes the outputs) with the adapted model's logits on the fixed inputs.
+fn write_lora_case(root: &std::path::Path) -> Result<()> {
+    let base = root.join("qwen3");
+    let mut model = CausalLm::from_pretrained(&base, tch::Device::Cpu, Kind::Float)?;
+    let settings =
+        LoraConfig { rank: 4, alpha: 8.0, dropout: 0.0, target_modules: vec!["all-linear".into()] };
+    model.add_lora(&settings, 77)?;
+    let mut rng = rtrun_rlhf_model::params::SeededNormal::new(78);
+    tch::no_grad(|| -> Result<()> {
+        for (name, t) in model.lora_parameters().expect("adapters").named() {
+            if name.ends_with("lora_B.weight") {
+                let value = rng.tensor(&t.size(), 0.2)?;
+                t.shallow_clone().f_copy_(&value)?;
+            }
+        }
+        Ok(())
+    })?;
+    let dir = root.join("qwen3-lora");
+    model.save_adapter(&dir, "../qwen3")?;
+    let (input_ids, attention_mask, _) = fixed_inputs();
+    let logits = tch::no_grad(|| model.forward(&input_ids, &attention_mask, None))?;
+    write_file(
+        &dir.join("inputs.safetensors"),
+        [("input_ids", &input_ids), ("attention_mask", &attention_mask)],
+        HashMap::new(),
+    )?;
+    write_file(&dir.join("ours.safetensors"), [("logits", &logits)], HashMap::new())?;
+    println!("wrote {}", dir.display());
+    Ok(())
 }
 
 fn main() -> Result<()> {
@@ -80,6 +113,9 @@ fn main() -> Result<()> {
         println!("wrote {}", dir.display());
     }
 
+    if only.is_empty() || only.iter().any(|o| o == "qwen3-lora") {
+        write_lora_case(&root)?;
+    }
     if !only.is_empty() && !only.iter().any(|o| o == "qwen2-rm") {
         return Ok(());
     }

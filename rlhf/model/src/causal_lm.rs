@@ -23,6 +23,8 @@ pub struct CausalLm {
     pub backbone: Backbone,
     /// `lm_head` when the embeddings are untied; `None` reuses `model.embed_tokens.weight`.
     pub lm_head: Option<Linear>,
+    /// LoRA adapters ([`CausalLm::add_lora`]), with the base weights frozen.
+    pub lora: Option<crate::lora::Lora>,
 }
 
 impl CausalLm {
@@ -53,7 +55,7 @@ impl CausalLm {
                 config.initializer_range,
             )?)
         };
-        Ok(Self { params, backbone, lm_head })
+        Ok(Self { params, backbone, lm_head, lora: None })
     }
 
     /// Loads `config.json` and the safetensors weights of a Hugging Face checkpoint directory.
@@ -65,10 +67,19 @@ impl CausalLm {
         Ok(model)
     }
 
-    /// Writes `config.json` and the weights so that `transformers` loads them back.
+    /// Writes `config.json` and the weights so that `transformers` loads them back (with LoRA
+    /// adapters folded into their projections).
     pub fn save_pretrained(&self, dir: &Path, options: &SaveOptions) -> Result<()> {
         std::fs::create_dir_all(dir).map_err(|e| crate::ModelError::io(dir, e))?;
         self.config().write_to_dir(dir)?;
+        if self.lora.is_some() {
+            let merged = self.merged_parameters()?;
+            return crate::safetensors_io::write_checkpoint(
+                dir,
+                merged.iter().map(|(n, t)| (n.as_str(), t)),
+                options,
+            );
+        }
         save_params(&self.params, dir, options)
     }
 

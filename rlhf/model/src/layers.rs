@@ -23,6 +23,8 @@ pub struct Linear {
     pub weight: Tensor,
     /// `[out_features]` when the layer has a bias.
     pub bias: Option<Tensor>,
+    /// A LoRA adapter beside the weight ([`crate::lora`]).
+    pub lora: Option<crate::lora::LoraAdapter>,
 }
 
 impl Linear {
@@ -45,12 +47,19 @@ impl Linear {
         } else {
             None
         };
-        Ok(Self { weight, bias })
+        Ok(Self { weight, bias, lora: None })
     }
 
-    /// Applies the projection to the last dimension of `x`.
+    /// Applies the projection (and its adapter) to the last dimension of `x`.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(x.f_linear(&self.weight, self.bias.as_ref())?)
+        let y = x.f_linear(&self.weight, self.bias.as_ref())?;
+        match &self.lora {
+            Some(adapter) => match adapter.delta(x)? {
+                Some(delta) => Ok(y.f_add(&delta)?),
+                None => Ok(y),
+            },
+            None => Ok(y),
+        }
     }
 }
 

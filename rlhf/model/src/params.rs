@@ -21,6 +21,8 @@ pub enum Init {
     Normal(f64),
     /// Every element set to the value (ones for norms, zeros for biases).
     Constant(f64),
+    /// Uniform in `[-bound, bound]` (LoRA's `A`, as peft's Kaiming-uniform init).
+    Uniform(f64),
 }
 
 /// Named parameters in registration order.
@@ -65,6 +67,14 @@ impl SeededNormal {
         out
     }
 
+    /// A float32 CPU tensor of samples uniform in `[-bound, bound]`.
+    pub fn uniform_tensor(&mut self, shape: &[i64], bound: f64) -> Result<Tensor> {
+        let count: i64 = shape.iter().product();
+        let values: Vec<f32> =
+            (0..count.max(0)).map(|_| ((2.0 * self.uniform() - 1.0) * bound) as f32).collect();
+        Ok(Tensor::from_slice(&values).f_view(shape)?)
+    }
+
     /// A float32 CPU tensor of normal samples.
     pub fn tensor(&mut self, shape: &[i64], std: f64) -> Result<Tensor> {
         let count: i64 = shape.iter().product();
@@ -106,6 +116,10 @@ impl Parameters {
         let tensor = match init {
             Init::Normal(_) if !self.draw => Tensor::f_empty(shape, (self.kind, self.device))?,
             Init::Normal(std) => self.rng.tensor(shape, std)?.f_to_device(self.device)?,
+            Init::Uniform(_) if !self.draw => Tensor::f_empty(shape, (self.kind, self.device))?,
+            Init::Uniform(bound) => {
+                self.rng.uniform_tensor(shape, bound)?.f_to_device(self.device)?
+            }
             Init::Constant(value) => Tensor::f_full(shape, value, options)?,
         };
         let tensor = tensor.f_to_kind(self.kind)?.f_detach()?.f_set_requires_grad(true)?;

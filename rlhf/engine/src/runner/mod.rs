@@ -738,7 +738,7 @@ fn fuse_linears(layers: &[&Linear]) -> Result<Option<Linear>, EngineError> {
             }
             start += n;
         }
-        Ok(Some(Linear { weight, bias }))
+        Ok(Some(Linear { weight, bias, lora: None }))
     })
 }
 
