@@ -434,7 +434,7 @@ mod tests {
         tch::no_grad(|| {
             for (name, t) in model.lora_parameters().unwrap().named() {
                 if name.ends_with("lora_B.weight") {
-                    let _ = t.shallow_clone().copy_(&(Tensor::randn_like(t) * 0.1));
+                    t.shallow_clone().copy_(&(Tensor::randn_like(t) * 0.1));
                 }
             }
         });
