@@ -81,6 +81,18 @@ fn submit_command(cluster: &Cluster, args: &[&str]) -> Command {
     command
 }
 
+/// `rtrun submit` of the driver with `args`, running, once its job printed `holding`.
+fn submit_holding(cluster: &Cluster, args: &[&str]) -> Child {
+    let mut submitted = submit_command(cluster, args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let lines = read_lines(submitted.stdout.take().unwrap());
+    expect_line(&lines, "holding", "the submitted job");
+    submitted
+}
+
 fn submit(cluster: &Cluster, args: &[&str]) -> std::process::Output {
     submit_command(cluster, args).output().unwrap()
 }
@@ -233,16 +245,10 @@ fn losing_the_head_fails_its_drivers_clients_and_nodes_and_dead_heads_are_report
         &["--nodes", "1", "--group", "a", "--bytes", "100000", "--hold", "300"],
     );
     expect_line(&lines, "holding", "the attached driver");
-    let mut submitted = submit_command(
+    let mut submitted = submit_holding(
         &cluster,
         &["--nodes", "1", "--group", "b", "--bytes", "100000", "--hold", "300"],
-    )
-    .stdout(Stdio::piped())
-    .stderr(Stdio::piped())
-    .spawn()
-    .unwrap();
-    let submitted_lines = read_lines(submitted.stdout.take().unwrap());
-    expect_line(&submitted_lines, "holding", "the submitted job");
+    );
 
     kill9(cluster.head.id());
     let _ = cluster.head.wait();
@@ -335,13 +341,7 @@ fn a_head_paused_for_twice_the_heartbeat_timeout_keeps_every_node_driver_and_job
     let hold = ["--nodes", "1", "--bytes", "1000", "--hold", "30"];
     let (mut driver, lines) = start_driver(&cluster, &[&hold[..], &["--group", "a"]].concat());
     expect_line(&lines, "holding", "the holding driver");
-    let mut submitted = submit_command(&cluster, &[&hold[..], &["--group", "b"]].concat())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let submitted_lines = read_lines(submitted.stdout.take().unwrap());
-    expect_line(&submitted_lines, "holding", "the submitted job");
+    let mut submitted = submit_holding(&cluster, &[&hold[..], &["--group", "b"]].concat());
     let head = cluster.head.id();
     signal(head, libc::SIGSTOP);
     std::thread::sleep(Duration::from_secs(10));

@@ -277,22 +277,6 @@ fn against_hf(options: &Options, dir: &std::path::Path, name: &str) -> Result<()
     Ok(())
 }
 
-/// A ~110M-parameter Qwen2-style config: 12 layers, hidden 768, 12 query heads over 4
-/// key/value heads (no replication at TP 2 or 4), vocabulary 32000, tied embeddings. The MLP
-/// width 2432 (19 × 128, a multiple of 8 ranks) puts it at 110.7M parameters.
-fn config_110m() -> ModelConfig {
-    ModelConfig {
-        vocab_size: 32_000,
-        hidden_size: 768,
-        intermediate_size: 2432,
-        num_hidden_layers: 12,
-        num_attention_heads: 12,
-        num_key_value_heads: 4,
-        head_dim: 64,
-        ..tiny::bench_config_25m()
-    }
-}
-
 /// One row of the `--tp` table.
 struct TpRow {
     world: usize,
@@ -395,7 +379,7 @@ fn tp_model(options: &Options, name: &str, sizes: &[usize]) -> Result<TpModel> {
     let config = match name {
         "tiny" => tiny::tiny_config(ModelFamily::Qwen2),
         "25m" => tiny::bench_config_25m(),
-        "110m" => config_110m(),
+        "110m" => tiny::bench_config_110m(),
         other => bail!("--tp-models are `tiny`, `25m` or `110m`, found `{other}`"),
     };
     let model = tiny::tiny_model(&config, 5)?;

@@ -9,9 +9,9 @@ use std::time::Instant;
 use anyhow::Result;
 use clap::Parser;
 use rtrun_rlhf_model::tch::{self, Device, Kind, Tensor};
-use rtrun_rlhf_model::tiny::bench_config_25m;
+use rtrun_rlhf_model::tiny::bench_config_110m;
 use rtrun_rlhf_model::train::{AdamW, OptimizerConfig, masked_cross_entropy};
-use rtrun_rlhf_model::{CausalLm, LoraConfig, ModelConfig};
+use rtrun_rlhf_model::{CausalLm, LoraConfig};
 
 /// LoRA against full fine-tuning on a ~110M-parameter model.
 #[derive(Parser)]
@@ -28,20 +28,6 @@ struct Args {
     /// Tokens per sequence.
     #[arg(long, default_value_t = 256)]
     seq: i64,
-}
-
-/// The engine benchmark's ~110M Qwen2-style config (12 layers, hidden 768, vocabulary 32000).
-fn config_110m() -> ModelConfig {
-    ModelConfig {
-        vocab_size: 32_000,
-        hidden_size: 768,
-        intermediate_size: 2432,
-        num_hidden_layers: 12,
-        num_attention_heads: 12,
-        num_key_value_heads: 4,
-        head_dim: 64,
-        ..bench_config_25m()
-    }
 }
 
 struct Measured {
@@ -86,9 +72,10 @@ fn measure(model: &CausalLm, trainable: AdamW, ids: &Tensor, iters: usize) -> Re
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    let config = config_110m();
+    let config = bench_config_110m();
     tch::manual_seed(0);
-    let ids = Tensor::randint(config.vocab_size, [args.batch, args.seq], (Kind::Int64, Device::Cpu));
+    let ids =
+        Tensor::randint(config.vocab_size, [args.batch, args.seq], (Kind::Int64, Device::Cpu));
     let optimizer = OptimizerConfig::default();
 
     let full = CausalLm::new_random(&config, Device::Cpu, Kind::Float, 1)?;
@@ -115,7 +102,10 @@ fn main() -> Result<()> {
         args.seq,
         args.rank
     );
-    println!("| | trainable parameters | optimizer state | step time | loss after {} steps |", args.iters + 1);
+    println!(
+        "| | trainable parameters | optimizer state | step time | loss after {} steps |",
+        args.iters + 1
+    );
     println!("|---|---|---|---|---|");
     for (name, m) in [("full fine-tuning", &full), ("LoRA", &lora)] {
         println!(

@@ -80,6 +80,22 @@ pub fn bench_config_25m() -> ModelConfig {
     }
 }
 
+/// A ~110M-parameter Qwen2-style config: 12 layers, hidden 768, 12 query heads over 4
+/// key/value heads (no replication at TP 2 or 4), vocabulary 32000, tied embeddings. The MLP
+/// width 2432 (19 × 128, a multiple of 8 ranks) puts it at 110.7M parameters.
+pub fn bench_config_110m() -> ModelConfig {
+    ModelConfig {
+        vocab_size: 32_000,
+        hidden_size: 768,
+        intermediate_size: 2432,
+        num_hidden_layers: 12,
+        num_attention_heads: 12,
+        num_key_value_heads: 4,
+        head_dim: 64,
+        ..bench_config_25m()
+    }
+}
+
 /// Trains the tiny tokenizer on [`TINY_CORPUS`].
 pub fn tiny_tokenizer() -> Result<TextTokenizer> {
     TextTokenizer::train_byte_level_bpe(
