@@ -120,9 +120,6 @@ impl WorkerSetup {
     }
 }
 
-/// Shards a causal LM over the rank's data-parallel group ([`rtrun_rlhf_shard`]): its
-/// parameters become views into flat units, and the stage's hooks (and activation
-/// checkpointing) are installed on its trunk. With `optimizer` it trains.
 /// An error naming the first of `params` that holds NaN or ±inf: weights a checkpoint load
 /// brought in that no step can train from (the run that saved them diverged).
 pub(crate) fn require_finite<'a>(
@@ -139,6 +136,9 @@ pub(crate) fn require_finite<'a>(
     Ok(())
 }
 
+/// Shards a causal LM over the rank's data-parallel group ([`rtrun_rlhf_shard`]): its
+/// parameters become views into flat units, and the stage's hooks (and activation
+/// checkpointing) are installed on its trunk. With `optimizer` it trains.
 pub(crate) fn shard_model(
     model: &CausalLm,
     config: ShardConfig,
