@@ -76,6 +76,7 @@ fn main() -> anyhow::Result<()> {
     let summary = RunSummary {
         title: "telemetry demo".into(),
         steps: STEPS,
+        resumed_from: None,
         wall_time: started.elapsed(),
         held_out_prompts: 64,
         held_out: vec![EvalRow {

@@ -52,6 +52,7 @@
 //! let summary = RunSummary {
 //!     title: "grpo".into(),
 //!     steps: total_steps,
+//!     resumed_from: None,
 //!     wall_time: std::time::Duration::from_secs(1),
 //!     held_out_prompts: 64,
 //!     held_out: vec![EvalRow { metric: "mean reward".into(), baseline: Some(0.1), final_value: Some(0.3) }],

@@ -23,6 +23,8 @@ pub struct RunSummary {
     pub title: String,
     /// Steps completed.
     pub steps: u64,
+    /// The checkpoint step this run resumed from (the steps after it ran in `wall_time`).
+    pub resumed_from: Option<u64>,
     /// Wall time of the run.
     pub wall_time: Duration,
     /// Number of held-out prompts the evaluation used.
@@ -182,13 +184,17 @@ impl RunSummary {
     }
 
     fn heading(&self) -> String {
-        format!(
-            "{}: {} steps in {}, {} held-out prompts",
-            self.title,
-            self.steps,
-            format_seconds(self.wall_time),
-            self.held_out_prompts
-        )
+        let steps = match self.resumed_from {
+            Some(from) => format!(
+                "{} steps, resumed from step {from}: steps {}-{} in {}",
+                self.steps,
+                from + 1,
+                self.steps,
+                format_seconds(self.wall_time)
+            ),
+            None => format!("{} steps in {}", self.steps, format_seconds(self.wall_time)),
+        };
+        format!("{}: {steps}, {} held-out prompts", self.title, self.held_out_prompts)
     }
 
     /// The summary as plain text for the terminal.
@@ -224,6 +230,7 @@ mod tests {
         RunSummary {
             title: "grpo-tiny".into(),
             steps: 20,
+            resumed_from: None,
             wall_time: Duration::from_secs(95),
             held_out_prompts: 64,
             held_out: vec![
@@ -274,6 +281,11 @@ train     20.0s     1.00s  2.00s  25.0%
     fn renders_markdown() {
         let markdown = summary().to_markdown();
         assert!(markdown.starts_with("**grpo-tiny: 20 steps in 1m35s, 64 held-out prompts**\n\n"));
+        // A resumed run says which steps its time covers.
+        let resumed = RunSummary { resumed_from: Some(15), ..summary() };
+        assert!(resumed.to_text().starts_with(
+            "grpo-tiny: 20 steps, resumed from step 15: steps 16-20 in 1m35s, 64 held-out prompts"
+        ));
         assert!(markdown.contains(
             "| held-out metric | baseline | final | change |\n| :--- | ---: | ---: | ---: |\n"
         ));

@@ -424,6 +424,7 @@ fn run_stage(request: &RunRequest, reporter: &mut Reporter) -> anyhow::Result<St
             config.cluster.replicas
         ),
         steps: report.steps,
+        resumed_from: resuming.as_ref().map(|point| point.step),
         wall_time: started.elapsed(),
         held_out_prompts: report.samples.1,
         held_out,
@@ -499,6 +500,7 @@ fn run_rl(request: &RunRequest, reporter: &mut Reporter) -> anyhow::Result<Strin
     let summary = RunSummary {
         title,
         steps: report.steps,
+        resumed_from: resuming.as_ref().map(|point| point.step),
         wall_time: started.elapsed(),
         held_out_prompts,
         held_out: vec![

@@ -459,7 +459,11 @@ fn reruns_of_a_finished_run_and_of_bad_checkpoints(config: &Path, run: &Path, se
     }
     std::fs::write(&weights, &flipped).unwrap();
     let before = comparable(run);
-    let stderr = run_to_end(&mut train_command(config, run, &with(settings, "train.max_steps=5")));
+    // Checkpoints every 2 steps from here: steps 4 and 5, the last step saved though 5 is no
+    // multiple of 2, so that a rerun with 5 steps finds the run finished.
+    let every_two =
+        [&with(settings, "checkpoint.every_steps=2")[..], &["train.max_steps=5"]].concat();
+    let stderr = run_to_end(&mut train_command(config, run, &every_two));
     assert!(
         stderr.contains("skipping a checkpoint")
             && stderr.contains(&weights.display().to_string())
@@ -470,6 +474,13 @@ fn reruns_of_a_finished_run_and_of_bad_checkpoints(config: &Path, run: &Path, se
     let after = comparable(run);
     assert_eq!(after.iter().map(|(s, _)| *s).collect::<Vec<_>>(), vec![0, 1, 2, 3, 4, 5]);
     assert_eq!(after[..4], before[..4], "the steps before the resume point were rewritten");
+    assert!(run.join("checkpoints/step_000005/trainer_state.json").is_file(), "no final save");
+    let out = train_command(config, run, &every_two)
+        .stdout(std::process::Stdio::piped())
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && said.contains("has already finished"), "{said}");
 
     // 4. Every checkpoint bad: the run refuses with the reasons and changes nothing.
     for entry in std::fs::read_dir(run.join("checkpoints")).unwrap() {

@@ -249,7 +249,9 @@ impl Trainer {
             progress.step_done(&metrics, &phases);
             self.state.step = step;
             let every = self.config.checkpoint.every_steps;
-            if every > 0 && step.is_multiple_of(every) {
+            // The last step is saved too: a rerun of the finished run then says so instead of
+            // training the steps after the last multiple again.
+            if every > 0 && (step.is_multiple_of(every) || step == total) {
                 progress.phase("checkpoint");
                 self.save_checkpoint()?;
             }
