@@ -288,6 +288,35 @@ pub struct DecoderLayer {
 }
 
 impl DecoderLayer {
+    /// The seven projections by name within the layer (`self_attn.q_proj`, ..., `mlp.down_proj`),
+    /// in [`crate::lora::LORA_TARGETS`] order.
+    pub fn projections(&self) -> [(&'static str, &Linear); 7] {
+        let (attn, mlp) = (&self.self_attn, &self.mlp);
+        [
+            ("self_attn.q_proj", &attn.q_proj),
+            ("self_attn.k_proj", &attn.k_proj),
+            ("self_attn.v_proj", &attn.v_proj),
+            ("self_attn.o_proj", &attn.o_proj),
+            ("mlp.gate_proj", &mlp.gate_proj),
+            ("mlp.up_proj", &mlp.up_proj),
+            ("mlp.down_proj", &mlp.down_proj),
+        ]
+    }
+
+    /// [`DecoderLayer::projections`], mutably.
+    pub fn projections_mut(&mut self) -> [(&'static str, &mut Linear); 7] {
+        let (attn, mlp) = (&mut self.self_attn, &mut self.mlp);
+        [
+            ("self_attn.q_proj", &mut attn.q_proj),
+            ("self_attn.k_proj", &mut attn.k_proj),
+            ("self_attn.v_proj", &mut attn.v_proj),
+            ("self_attn.o_proj", &mut attn.o_proj),
+            ("mlp.gate_proj", &mut mlp.gate_proj),
+            ("mlp.up_proj", &mut mlp.up_proj),
+            ("mlp.down_proj", &mut mlp.down_proj),
+        ]
+    }
+
     /// Registers layer `index` under `model.layers.<index>`.
     pub fn new(params: &mut Parameters, index: i64, config: &ModelConfig) -> Result<Self> {
         let prefix = format!("model.layers.{index}");

@@ -30,7 +30,6 @@ use tch::Tensor;
 use crate::causal_lm::CausalLm;
 use crate::config::write_json;
 use crate::error::{ModelError, Result};
-use crate::layers::Linear;
 use crate::params::{Init, Parameters};
 use crate::safetensors_io::{read_file, write_file};
 
@@ -198,33 +197,22 @@ impl CausalLm {
         let mut params = Parameters::new(self.params.device(), self.params.kind(), seed);
         let enabled = Arc::new(AtomicBool::new(true));
         for (index, layer) in self.backbone.layers.iter_mut().enumerate() {
-            let prefix = format!("model.layers.{index}");
-            let attn = &mut layer.self_attn;
-            let mlp = &mut layer.mlp;
-            let projections: [(&str, &str, &mut Linear); 7] = [
-                ("q_proj", "self_attn", &mut attn.q_proj),
-                ("k_proj", "self_attn", &mut attn.k_proj),
-                ("v_proj", "self_attn", &mut attn.v_proj),
-                ("o_proj", "self_attn", &mut attn.o_proj),
-                ("gate_proj", "mlp", &mut mlp.gate_proj),
-                ("up_proj", "mlp", &mut mlp.up_proj),
-                ("down_proj", "mlp", &mut mlp.down_proj),
-            ];
-            for (name, block, linear) in projections {
+            for (path, linear) in layer.projections_mut() {
+                let name = path.rsplit('.').next().unwrap_or(path);
                 if !targets.contains(&name) {
                     continue;
                 }
+                let stem = format!("model.layers.{index}.{path}");
                 let size = linear.weight.size();
                 let (out_features, in_features) = (size[0], size[1]);
                 if config.rank > in_features.min(out_features) {
                     return Err(ModelError::Config(format!(
-                        "lora rank {} is larger than {prefix}.{block}.{name} ({out_features} x \
-                         {in_features}) allows: at most {}",
+                        "lora rank {} is larger than {stem} ({out_features} x {in_features}) \
+                         allows: at most {}",
                         config.rank,
                         in_features.min(out_features)
                     )));
                 }
-                let stem = format!("{prefix}.{block}.{name}");
                 let bound = 1.0 / (in_features as f64).sqrt();
                 let a = params.create(
                     &format!("{stem}.lora_A.weight"),
@@ -268,18 +256,7 @@ impl CausalLm {
         let mut merged = Vec::new();
         tch::no_grad(|| -> Result<()> {
             for (index, layer) in self.backbone.layers.iter().enumerate() {
-                let attn = &layer.self_attn;
-                let mlp = &layer.mlp;
-                let projections = [
-                    ("self_attn.q_proj", &attn.q_proj),
-                    ("self_attn.k_proj", &attn.k_proj),
-                    ("self_attn.v_proj", &attn.v_proj),
-                    ("self_attn.o_proj", &attn.o_proj),
-                    ("mlp.gate_proj", &mlp.gate_proj),
-                    ("mlp.up_proj", &mlp.up_proj),
-                    ("mlp.down_proj", &mlp.down_proj),
-                ];
-                for (name, linear) in projections {
+                for (name, linear) in layer.projections() {
                     if let Some(adapter) = &linear.lora {
                         let update = adapter.update()?.f_to_kind(linear.weight.kind())?;
                         merged.push((

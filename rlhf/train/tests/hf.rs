@@ -4,6 +4,10 @@
 //! processes; the exported policy reloads bit-identically and is accepted as `policy.pretrain`;
 //! a resumed run continues identically; every bad input gets an error naming what and where.
 
+// The shared walkthrough helper only; the driver helpers are for the command-line tests.
+#[allow(dead_code)]
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -175,15 +179,8 @@ fn grpo_trains_a_local_hf_checkpoint_and_exports_it() {
 #[test]
 fn grpo_trains_a_qwen3_checkpoint_made_by_transformers() {
     let dir = scratch("qwen3");
-    tch::set_num_threads(1);
-    let config = WalkthroughConfig {
-        train_problems: 128,
-        test_problems: 16,
-        vocab_size: 400,
-        warmup: rtrun_rlhf::config::WarmupConfig { steps: 1, batch_size: 8, lr: 1e-3 },
-        ..WalkthroughConfig::default()
-    };
-    let walkthrough = write_walkthrough(&dir.join("walkthrough"), &config).unwrap();
+    // Its tokenizer and data; its untrained model is not used.
+    let walkthrough = common::walkthrough(&dir);
     let model_dir = dir.join("qwen3");
     std::fs::create_dir_all(&model_dir).unwrap();
     let made = Path::new(env!("CARGO_MANIFEST_DIR")).join("../model/parity/qwen3-hf");

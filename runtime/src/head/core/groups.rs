@@ -98,11 +98,11 @@ impl HeadCore {
             let idle: Vec<WorkerId> = self
                 .idle_task_workers
                 .iter()
-                .copied()
+                .map(|(w, _)| *w)
                 .filter(|w| self.workers.get(w).is_some_and(|e| e.lineage.owner == Some(owner)))
                 .collect();
             for worker in idle {
-                self.idle_task_workers.retain(|w| *w != worker);
+                self.unpark_task_worker(worker);
                 self.kill_worker(worker, effects);
             }
         }

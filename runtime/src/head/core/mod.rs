@@ -243,9 +243,8 @@ pub(crate) struct HeadCore {
     task_queue: VecDeque<QueuedTask>,
     /// Scheduling classes by key, numbered as they first appear.
     classes: HashMap<ClassKey, u64>,
-    idle_task_workers: Vec<WorkerId>,
-    /// When each idle task worker became idle, by [`HeadCore::clock_ms`].
-    idle_since: HashMap<WorkerId, u64>,
+    /// Idle task workers, each with when it became idle (by [`HeadCore::clock_ms`]).
+    idle_task_workers: Vec<(WorkerId, u64)>,
     /// The last [`Event::Tick`]'s clock.
     clock_ms: u64,
     starting_task_workers: usize,
@@ -284,7 +283,6 @@ impl HeadCore {
             task_queue: VecDeque::new(),
             classes: HashMap::new(),
             idle_task_workers: Vec::new(),
-            idle_since: HashMap::new(),
             clock_ms: 0,
             starting_task_workers: 0,
             running_tasks: HashMap::new(),

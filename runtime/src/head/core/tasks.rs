@@ -106,7 +106,7 @@ impl HeadCore {
             };
             let node = self.members.node_of(&allocation.node);
             let lineage = self.task_queue[index].lineage.clone();
-            let idle = self.idle_task_workers.iter().rposition(|w| {
+            let idle = self.idle_task_workers.iter().rposition(|(w, _)| {
                 self.workers.get(w).is_some_and(|entry| {
                     entry.node == node && same_job(&entry.lineage, &lineage) && entry.conn.is_some()
                 })
@@ -117,7 +117,7 @@ impl HeadCore {
                 index += 1;
                 continue;
             };
-            let worker = self.idle_task_workers.remove(position);
+            let (worker, _) = self.idle_task_workers.remove(position);
             let Some(conn) = self.workers.get(&worker).and_then(|w| w.conn) else {
                 self.release(allocation.id);
                 continue;
@@ -186,8 +186,12 @@ impl HeadCore {
 
     /// Puts a task worker into the idle pool, noting when.
     pub(super) fn park_task_worker(&mut self, worker: WorkerId) {
-        self.idle_task_workers.push(worker);
-        self.idle_since.insert(worker, self.clock_ms);
+        self.idle_task_workers.push((worker, self.clock_ms));
+    }
+
+    /// Takes a task worker out of the idle pool (if it is there).
+    pub(super) fn unpark_task_worker(&mut self, worker: WorkerId) {
+        self.idle_task_workers.retain(|(w, _)| *w != worker);
     }
 
     /// The clock moved to `now_ms`: task workers idle for `task_worker_idle_timeout` end (a
@@ -195,22 +199,17 @@ impl HeadCore {
     /// cluster stopped).
     pub(super) fn tick(&mut self, now_ms: u64, effects: &mut Vec<Effect>) {
         self.clock_ms = self.clock_ms.max(now_ms);
-        let idle = &self.idle_task_workers;
-        self.idle_since.retain(|worker, _| idle.contains(worker));
         if self.shutting_down {
             return;
         }
         let timeout =
             u64::try_from(self.config.task_worker_idle_timeout.as_millis()).unwrap_or(u64::MAX);
-        let expired: Vec<WorkerId> = self
-            .idle_since
-            .iter()
-            .filter(|(_, since)| self.clock_ms.saturating_sub(**since) >= timeout)
-            .map(|(worker, _)| *worker)
-            .collect();
-        for worker in expired {
-            self.idle_task_workers.retain(|w| *w != worker);
-            self.idle_since.remove(&worker);
+        let now = self.clock_ms;
+        let (expired, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut self.idle_task_workers)
+            .into_iter()
+            .partition(|(_, since)| now.saturating_sub(*since) >= timeout);
+        self.idle_task_workers = kept;
+        for (worker, _) in expired {
             self.kill_worker(worker, effects);
         }
     }
@@ -254,7 +253,7 @@ impl HeadCore {
             .map(|(id, _)| *id)
             .collect();
         for worker in workers {
-            self.idle_task_workers.retain(|w| *w != worker);
+            self.unpark_task_worker(worker);
             self.kill_worker(worker, effects);
         }
     }

@@ -170,7 +170,7 @@ impl HeadCore {
                 self.actor_worker_exited(actor, incarnation, status, effects)
             }
             WorkerRole::Tasks { running } => {
-                self.idle_task_workers.retain(|w| *w != worker);
+                self.unpark_task_worker(worker);
                 if entry.conn.is_none() {
                     self.starting_task_workers = self.starting_task_workers.saturating_sub(1);
                 }
