@@ -288,6 +288,15 @@ pub struct DecoderLayer {
 }
 
 impl DecoderLayer {
+    /// Whether a parameter of the layer trains (its projections' weights, or their LoRA
+    /// adapters when the base is frozen).
+    pub fn trains(&self) -> bool {
+        self.projections().iter().any(|(_, linear)| {
+            linear.weight.requires_grad()
+                || linear.lora.as_ref().is_some_and(|a| a.a.requires_grad())
+        })
+    }
+
     /// The seven projections by name within the layer (`self_attn.q_proj`, ..., `mlp.down_proj`),
     /// in [`crate::lora::LORA_TARGETS`] order.
     pub fn projections(&self) -> [(&'static str, &Linear); 7] {

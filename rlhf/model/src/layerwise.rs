@@ -117,8 +117,10 @@ impl Layerwise {
         self.hook(|h| h.gather(Segment::Embedding))?;
         let embedded = Tensor::f_embedding(&backbone.embed_tokens, input_ids, -1, false, false)?;
         self.hook(|h| h.release(Segment::Embedding))?;
-        // A graph is recorded exactly when autograd is on and the parameters train.
-        let record = embedded.requires_grad();
+        // A graph is recorded exactly when autograd is on and parameters train: the
+        // embedding's, or only the layers' (LoRA adapters over a frozen base).
+        let record = embedded.requires_grad()
+            || (grad_mode_on()? && backbone.layers.iter().any(|l| l.trains()));
         let (cos, sin) = backbone.rotary.cos_sin(position_ids, embedded.f_kind()?)?;
         let mut hidden = embedded.shallow_clone();
         let mut layers = Vec::with_capacity(if record { backbone.layers.len() } else { 0 });
@@ -214,6 +216,13 @@ impl Layerwise {
         self.tape.clear();
         self.hook(|h| h.release(Segment::Head))
     }
+}
+
+/// Whether autograd records now (not inside `tch::no_grad`): a view of a leaf that requires
+/// grad requires grad exactly then.
+fn grad_mode_on() -> Result<bool> {
+    let leaf = Tensor::f_zeros([1], (Kind::Float, tch::Device::Cpu))?.f_set_requires_grad(true)?;
+    Ok(leaf.f_view([-1])?.requires_grad())
 }
 
 /// Accumulates into the leaves under `output` the gradient that `grad` (the gradient of the

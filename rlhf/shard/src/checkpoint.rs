@@ -119,7 +119,8 @@ impl ShardedModel {
         let (rank, world) = (state.comm.rank(), state.comm.world_size());
         std::fs::create_dir_all(dir).map_err(|e| checkpoint_error(dir, e.to_string()))?;
         let mut named: Vec<(String, Tensor)> = Vec::new();
-        for (index, unit) in state.units.iter().enumerate() {
+        // Frozen units (LoRA's base) come from the pretrained model again on resume.
+        for (index, unit) in state.units.iter().enumerate().filter(|(_, u)| u.plan.trains) {
             named.push((format!("param.{}", unit.plan.name), unit.shard.f_to_device(Device::Cpu)?));
             if let Some((m, v)) = moments.get(index) {
                 named.push((format!("exp_avg.{}", unit.plan.name), m.f_to_device(Device::Cpu)?));
@@ -148,7 +149,12 @@ impl ShardedModel {
                 stage: state.stage.number(),
                 world_size: world,
                 step,
-                units: state.units.iter().map(|u| u.plan.clone()).collect(),
+                units: state
+                    .units
+                    .iter()
+                    .filter(|u| u.plan.trains)
+                    .map(|u| u.plan.clone())
+                    .collect(),
                 shards: (0..world).map(|r| shard_file(r, world)).collect(),
             };
             let path = dir.join(MANIFEST_FILE);
@@ -193,20 +199,27 @@ impl ShardedModel {
         let trains = self.sharded_optimizer().is_some();
         let shared = self.shared().clone();
         let mut state = shared.lock();
-        if state.units.len() != manifest.units.len() {
+        let trained = state.units.iter().filter(|u| u.plan.trains).count();
+        if trained != manifest.units.len() {
             return Err(checkpoint_error(
                 &dir.join(MANIFEST_FILE),
                 format!(
-                    "has {} units, the model {} (another model?)",
+                    "has {} units, the model {trained} trained ones (another model?)",
                     manifest.units.len(),
-                    state.units.len()
                 ),
             ));
         }
         let (rank, world) = (state.comm.rank(), state.comm.world_size());
         let mut moments = Vec::new();
         let (kind, device) = (state.kind, state.device);
-        for (unit, saved) in state.units.iter().zip(&manifest.units) {
+        let mut saved_units = manifest.units.iter();
+        for unit in &state.units {
+            if !unit.plan.trains {
+                let empty = || Tensor::f_zeros([0], (Kind::Float, device));
+                moments.push((empty()?, empty()?));
+                continue;
+            }
+            let Some(saved) = saved_units.next() else { break };
             check_layout(&dir.join(MANIFEST_FILE), &unit.plan, saved)?;
             // The unit's values from every old shard, in rank order, without padding.
             let whole = |prefix: &str| -> Result<Tensor> {

@@ -89,9 +89,10 @@ impl ShardedModel {
         let optimizer = match optimizer {
             None => None,
             Some(o) if config.stage == ZeroStage::Zero => {
-                let params = named.iter().map(|(n, t)| (n.as_str(), t));
-                let adamw = AdamW::new(params, o)?;
-                let numel: u64 = named.iter().map(|(_, t)| t.numel() as u64).sum();
+                // Frozen parameters (LoRA's base) have no gradient and no moments.
+                let trained = || named.iter().filter(|(_, t)| t.requires_grad());
+                let adamw = AdamW::new(trained().map(|(n, t)| (n.as_str(), t)), o)?;
+                let numel: u64 = trained().map(|(_, t)| t.numel() as u64).sum();
                 state.optimizer_bytes = 2 * 4 * numel;
                 Some(Optimizer::Whole(adamw))
             }
@@ -120,16 +121,22 @@ impl ShardedModel {
         Ok(Self { shared, optimizer, manager, config })
     }
 
-    /// [`ShardedModel::new`] for a causal LM (its parameters, and tied when it has no
-    /// separate LM head).
+    /// [`ShardedModel::new`] for a causal LM (its parameters and its LoRA adapters', if any,
+    /// and tied when it has no separate LM head). With adapters the base weights are frozen:
+    /// they are sharded and gathered as usual but have no gradients, optimizer state or
+    /// reductions.
     pub fn for_causal_lm(
         model: &rtrun_rlhf_model::CausalLm,
         config: ShardConfig,
         comm: GroupComm,
         optimizer: Option<OptimizerConfig>,
     ) -> Result<Self> {
-        let named: Vec<(String, Tensor)> =
-            model.named_parameters().map(|(n, t)| (n.to_string(), t.shallow_clone())).collect();
+        let adapters = model.lora_parameters().map(|p| p.named()).into_iter().flatten();
+        let named: Vec<(String, Tensor)> = model
+            .named_parameters()
+            .chain(adapters)
+            .map(|(n, t)| (n.to_string(), t.shallow_clone()))
+            .collect();
         Self::new(&model.backbone, &named, model.lm_head.is_none(), config, comm, optimizer)
     }
 
@@ -296,6 +303,7 @@ impl ShardedModel {
                         .units
                         .iter()
                         .flat_map(|u| u.params.iter().map(Tensor::shallow_clone))
+                        .filter(Tensor::requires_grad)
                         .collect();
                     let started = std::time::Instant::now();
                     state.comm.with(|c| {

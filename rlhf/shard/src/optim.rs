@@ -21,13 +21,13 @@ pub(crate) struct ShardOptimizer {
 }
 
 impl ShardOptimizer {
-    /// Zero moments for every unit's shard.
+    /// Zero moments for every trained unit's shard (a frozen unit's are empty).
     pub(crate) fn new(state: &mut ZeroState, config: OptimizerConfig) -> Result<Self> {
         let world = state.comm.world_size();
         let mut moments = Vec::with_capacity(state.units.len());
         let mut bytes = 0u64;
         for unit in &state.units {
-            let len = unit.plan.shard_len(world) as i64;
+            let len = if unit.plan.trains { unit.plan.shard_len(world) as i64 } else { 0 };
             let zeros = || Tensor::f_zeros([len], (Kind::Float, state.device));
             moments.push((zeros()?, zeros()?));
             bytes += 2 * 4 * len as u64;

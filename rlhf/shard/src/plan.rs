@@ -49,6 +49,15 @@ pub struct UnitPlan {
     pub numel: usize,
     /// `numel` rounded up to a multiple of the world size.
     pub padded: usize,
+    /// Whether its parameters train. A trained model with frozen parameters (LoRA: the base
+    /// weights) keeps them in units of their own, which are gathered as the others but have
+    /// no gradient shard, no optimizer state and no reduction.
+    #[serde(default = "trains_default")]
+    pub trains: bool,
+}
+
+fn trains_default() -> bool {
+    true
 }
 
 impl UnitPlan {
@@ -67,16 +76,18 @@ impl UnitPlan {
 /// Every unit of a model and the segments that read each.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ShardPlan {
-    /// Units: the embedding first, then layers in order, then the head.
+    /// Units: the embedding's first, then each layer's in order, then the head's. A segment
+    /// whose parameters all train, or all are frozen, is one unit named after it; a segment
+    /// with both has its frozen unit under that name and its trained one beside it, named
+    /// with a `.trained` suffix.
     pub units: Vec<UnitPlan>,
     /// Ranks the units are padded for.
     pub world_size: usize,
-    /// Index of the embedding unit.
-    embedding: usize,
-    /// Decoder layers (units `1..=layers`).
+    /// The units of each segment: the embedding, the layers in order, then the head (empty
+    /// when the model has no head parameters).
+    segments: Vec<Vec<usize>>,
+    /// Decoder layers.
     layers: usize,
-    /// Index of the head unit, when the model has head parameters.
-    head: Option<usize>,
     /// Whether the head also reads the embedding matrix (tied embeddings).
     tied: bool,
 }
@@ -96,9 +107,20 @@ pub fn segment_of(name: &str) -> Segment {
 }
 
 impl ShardPlan {
-    /// Groups `params` (name and shape, in registration order) into units for `world_size`
-    /// ranks; `tied` says the head reads the embedding matrix.
+    /// Groups `params` (name and shape, in registration order, all trained) into units for
+    /// `world_size` ranks; `tied` says the head reads the embedding matrix.
     pub fn new(params: &[(String, Vec<i64>)], world_size: usize, tied: bool) -> Result<Self> {
+        Self::with_frozen(params, &|_| false, world_size, tied)
+    }
+
+    /// [`ShardPlan::new`] where the parameters `frozen` names do not train: in a segment with
+    /// both kinds, they form a unit of their own.
+    pub fn with_frozen(
+        params: &[(String, Vec<i64>)],
+        frozen: &dyn Fn(&str) -> bool,
+        world_size: usize,
+        tied: bool,
+    ) -> Result<Self> {
         if world_size == 0 {
             return Err(ShardError::Config("the world size should be at least 1, found 0".into()));
         }
@@ -110,13 +132,13 @@ impl ShardPlan {
             })
             .max()
             .unwrap_or(0);
-        let mut units: Vec<UnitPlan> = Vec::with_capacity(layers + 2);
-        let unit = |name: String| UnitPlan { name, members: Vec::new(), numel: 0, padded: 0 };
-        units.push(unit("model.embed_tokens".into()));
-        for i in 0..layers {
-            units.push(unit(format!("model.layers.{i}")));
-        }
-        units.push(unit("head".into()));
+        let segment_name = |index: usize| match index {
+            0 => "model.embed_tokens".to_owned(),
+            i if i <= layers => format!("model.layers.{}", i - 1),
+            _ => "head".to_owned(),
+        };
+        // Per segment: its frozen members and its trained ones.
+        let mut groups: Vec<[Vec<MemberPlan>; 2]> = vec![Default::default(); layers + 2];
         for (name, shape) in params {
             let index = match segment_of(name) {
                 Segment::Embedding => 0,
@@ -129,45 +151,52 @@ impl ShardPlan {
             let numel = numel.ok_or_else(|| {
                 ShardError::Config(format!("parameter `{name}` has an invalid shape {shape:?}"))
             })?;
-            let target = &mut units[index];
-            target.members.push(MemberPlan {
-                name: name.clone(),
-                shape: shape.clone(),
-                offset: target.numel,
-                numel,
-            });
-            target.numel += numel;
+            let trains = !frozen(name);
+            let members = &mut groups[index][usize::from(trains)];
+            let offset = members.last().map_or(0, |m: &MemberPlan| m.offset + m.numel);
+            members.push(MemberPlan { name: name.clone(), shape: shape.clone(), offset, numel });
         }
-        if units[0].members.is_empty() {
+        if groups[0].iter().all(Vec::is_empty) {
             return Err(ShardError::Config(
                 "the model should have `model.embed_tokens.weight`, found no such parameter".into(),
             ));
         }
-        if let Some(empty) = units[1..=layers].iter().find(|u| u.members.is_empty()) {
-            return Err(ShardError::Config(format!("`{}` has no parameters", empty.name)));
+        if let Some(empty) = (1..=layers).find(|&i| groups[i].iter().all(Vec::is_empty)) {
+            return Err(ShardError::Config(format!("`{}` has no parameters", segment_name(empty))));
         }
-        for unit in &mut units {
-            unit.padded = unit.numel.div_ceil(world_size) * world_size;
+        let mut units = Vec::new();
+        let mut segments = Vec::with_capacity(layers + 2);
+        for (index, [frozen, trained]) in groups.into_iter().enumerate() {
+            let mixed = !frozen.is_empty() && !trained.is_empty();
+            let mut of_segment = Vec::new();
+            for (members, trains) in [(frozen, false), (trained, true)] {
+                if members.is_empty() {
+                    continue;
+                }
+                let name = match mixed && trains {
+                    true => format!("{}.trained", segment_name(index)),
+                    false => segment_name(index),
+                };
+                let numel = members.iter().map(|m| m.numel).sum::<usize>();
+                let padded = numel.div_ceil(world_size) * world_size;
+                of_segment.push(units.len());
+                units.push(UnitPlan { name, members, numel, padded, trains });
+            }
+            segments.push(of_segment);
         }
-        let head = if units[layers + 1].members.is_empty() {
-            units.pop();
-            None
-        } else {
-            Some(layers + 1)
-        };
-        Ok(Self { units, world_size, embedding: 0, layers, head, tied })
+        Ok(Self { units, world_size, segments, layers, tied })
     }
 
     /// The units a segment reads, in gather order.
     pub fn units_of(&self, segment: Segment) -> Vec<usize> {
         match segment {
-            Segment::Embedding => vec![self.embedding],
-            Segment::Layer(i) if i < self.layers => vec![i + 1],
+            Segment::Embedding => self.segments[0].clone(),
+            Segment::Layer(i) if i < self.layers => self.segments[i + 1].clone(),
             Segment::Layer(_) => Vec::new(),
             Segment::Head => {
-                let mut units: Vec<usize> = self.head.into_iter().collect();
+                let mut units = self.segments[self.layers + 1].clone();
                 if self.tied {
-                    units.push(self.embedding);
+                    units.extend(&self.segments[0]);
                 }
                 units
             }
@@ -177,6 +206,11 @@ impl ShardPlan {
     /// Decoder layers.
     pub fn layers(&self) -> usize {
         self.layers
+    }
+
+    /// Whether some parameters are frozen while others train.
+    pub fn has_frozen_units(&self) -> bool {
+        self.units.iter().any(|u| !u.trains) && self.units.iter().any(|u| u.trains)
     }
 
     /// Elements of all parameters.
@@ -239,5 +273,33 @@ mod tests {
         let err = ShardPlan::new(&params()[1..], 2, false).unwrap_err().to_string();
         assert!(err.contains("embed_tokens"), "{err}");
         assert!(ShardPlan::new(&params(), 0, false).is_err());
+    }
+
+    #[test]
+    fn frozen_parameters_get_units_of_their_own_beside_the_trained_ones() {
+        let mut p = params();
+        p.insert(2, ("model.layers.0.self_attn.q_proj.lora_A.weight".into(), vec![2, 4]));
+        p.insert(3, ("model.layers.0.self_attn.q_proj.lora_B.weight".into(), vec![4, 2]));
+        let plan = ShardPlan::with_frozen(&p, &|n| !n.contains(".lora_"), 2, false).unwrap();
+        let names: Vec<&str> = plan.units.iter().map(|u| u.name.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "model.embed_tokens",
+                "model.layers.0",
+                "model.layers.0.trained",
+                "model.layers.1",
+                "head"
+            ]
+        );
+        let trains: Vec<bool> = plan.units.iter().map(|u| u.trains).collect();
+        assert_eq!(trains, [false, false, true, false, false]);
+        assert_eq!(plan.units_of(Segment::Layer(0)), vec![1, 2]);
+        assert_eq!(plan.units_of(Segment::Layer(1)), vec![3]);
+        assert_eq!(plan.units_of(Segment::Head), vec![4]);
+        assert_eq!((plan.units[2].numel, plan.units[2].members[1].offset), (16, 8));
+        assert_eq!(plan.units[1].members[1].offset, 16);
+        assert!(plan.has_frozen_units());
+        assert!(!ShardPlan::new(&p, 2, false).unwrap().has_frozen_units());
     }
 }

@@ -164,7 +164,21 @@ impl ZeroState {
     ) -> Result<Self> {
         let shapes: Vec<(String, Vec<i64>)> =
             named.iter().map(|(n, t)| (n.clone(), t.size())).collect();
-        let plan = ShardPlan::new(&shapes, comm.world_size(), tied)?;
+        // A trained model's parameters that need no gradient (LoRA's frozen base) stay out of
+        // the trained units; a frozen model is one kind throughout.
+        let frozen: std::collections::HashSet<&str> = named
+            .iter()
+            .filter(|(_, t)| trains && !t.requires_grad())
+            .map(|(n, _)| n.as_str())
+            .collect();
+        if trains && frozen.len() == named.len() {
+            return Err(ShardError::Config(
+                "the model has an optimizer but no parameter that trains (every one is frozen)"
+                    .into(),
+            ));
+        }
+        let plan =
+            ShardPlan::with_frozen(&shapes, &|n| frozen.contains(n), comm.world_size(), tied)?;
         let (first_name, first) = named
             .first()
             .ok_or_else(|| ShardError::Config("the model has no parameters".into()))?;
@@ -219,11 +233,13 @@ impl ZeroState {
             };
             // Stage 1 reduces only at the step: its gradient shards exist from then until the
             // update, not beside the whole gradients during the backward.
-            let grad_shard = if trains && matches!(stage, ZeroStage::Two | ZeroStage::Three) {
-                Some(Tensor::f_zeros([range.len() as i64], (Kind::Float, device))?)
-            } else {
-                None
-            };
+            let grad_shard =
+                if trains && unit_plan.trains && matches!(stage, ZeroStage::Two | ZeroStage::Three)
+                {
+                    Some(Tensor::f_zeros([range.len() as i64], (Kind::Float, device))?)
+                } else {
+                    None
+                };
             units.push(Unit { plan: unit_plan.clone(), params, full, shard, grad_shard, gathered });
         }
         Ok(Self {
@@ -386,7 +402,7 @@ impl ZeroState {
         self.measure();
         let started = std::time::Instant::now();
         let (rank, world) = (self.comm.rank(), self.comm.world_size());
-        if !self.trains || self.stage == ZeroStage::Zero {
+        if !self.trains || self.stage == ZeroStage::Zero || !self.units[index].plan.trains {
             return Ok(());
         }
         let range = self.units[index].plan.shard_range(world, rank);
@@ -423,11 +439,12 @@ impl ZeroState {
         Ok(())
     }
 
-    /// All-gathers every unit's full buffer from the ranks' shards in place (stages 1 and 2,
-    /// after the optimizer updated this rank's shard, which is a view of `full`).
+    /// All-gathers a trained unit's full buffer from the ranks' shards in place (stages 1 and
+    /// 2, after the optimizer updated this rank's shard, which is a view of `full`).
     pub(crate) fn refresh_full(&mut self, index: usize) -> Result<()> {
         let world = self.comm.world_size();
-        if world == 1 {
+        // Frozen units never change.
+        if world == 1 || !self.units[index].plan.trains {
             return Ok(());
         }
         let started = std::time::Instant::now();

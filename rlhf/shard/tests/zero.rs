@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use rtrun::collective::CollectiveConfig;
 use rtrun_rlhf_model::logprobs::token_log_probs;
+use rtrun_rlhf_model::lora::LoraConfig;
 use rtrun_rlhf_model::tiny::{tiny_config, tiny_model};
 use rtrun_rlhf_model::train::{OptimizerConfig, ScheduleConfig};
 use rtrun_rlhf_model::{CausalLm, ModelFamily};
@@ -69,7 +70,17 @@ struct Outcome {
 
 /// Trains `STEPS` steps on `world` thread ranks; returns each rank's outcome.
 fn train(family: ModelFamily, world: usize, config: ShardConfig) -> Vec<Outcome> {
-    train_steps(family, world, config, 0..STEPS, None, None)
+    train_steps(family, world, config, 0..STEPS, None, None, None)
+}
+
+/// LoRA rank 4 on q, v and down (a fresh adapter's `B` is zero; `A` is drawn from seed 5).
+fn lora() -> LoraConfig {
+    LoraConfig {
+        rank: 4,
+        alpha: 8.0,
+        dropout: 0.0,
+        target_modules: ["q_proj", "v_proj", "down_proj"].map(String::from).to_vec(),
+    }
 }
 
 /// Trains steps `steps` on `world` thread ranks, first loading a sharded save from `load`,
@@ -81,6 +92,7 @@ fn train_steps(
     steps: std::ops::Range<usize>,
     load: Option<&std::path::Path>,
     save: Option<&std::path::Path>,
+    lora: Option<&LoraConfig>,
 ) -> Vec<Outcome> {
     let (port, prefetch_port) = (free_port(), free_port());
     let model_config = tiny_config(family);
@@ -96,7 +108,10 @@ fn train_steps(
                     let prefetch =
                         CollectiveConfig::new("zero-next", rank, world, "127.0.0.1", prefetch_port)
                             .with_timeout(Duration::from_secs(30));
-                    let model = tiny_model(&model_config, 11).unwrap();
+                    let mut model = tiny_model(&model_config, 11).unwrap();
+                    if let Some(lora) = lora {
+                        model.add_lora(lora, 5).unwrap();
+                    }
                     let mut sharded = ShardedModel::for_causal_lm(
                         &model,
                         config,
@@ -135,8 +150,10 @@ fn train_steps(
                     }
                     let prefetched = sharded.stats(false).prefetched_gathers;
                     sharded.gather_all().unwrap();
+                    let adapters = model.lora_parameters().map(|p| p.named()).into_iter().flatten();
                     let weights = model
                         .named_parameters()
+                        .chain(adapters)
                         .map(|(n, t)| {
                             (n.to_string(), Vec::<f32>::try_from(&t.reshape([-1])).unwrap())
                         })
@@ -217,6 +234,92 @@ fn every_stage_trains_as_todays_data_parallelism() {
     }
 }
 
+/// LoRA at every stage on 1 and 2 ranks trains the adapters as one rank at stage 0 does, and
+/// leaves every base weight as loaded (frozen: no gradient, no optimizer state). A sharded
+/// save holds the adapters and their moments only, and resumes on another number of ranks.
+#[test]
+fn lora_trains_the_adapters_alone_at_every_stage() {
+    let family = ModelFamily::Qwen3;
+    let lora = lora();
+    let base = tiny_model(&tiny_config(family), 11).unwrap();
+    let single = train_steps(family, 1, ShardConfig::default(), 0..STEPS, None, None, Some(&lora));
+    let single = &single[0];
+    let adapted = |o: &Outcome| -> Vec<(String, Vec<f32>)> {
+        o.weights.iter().filter(|(n, _)| n.contains(".lora_")).cloned().collect()
+    };
+    // The adapters moved: `B` started at zero.
+    let moved =
+        adapted(single).iter().any(|(n, v)| n.contains("lora_B") && v.iter().any(|&x| x != 0.0));
+    assert!(moved, "no adapter trained");
+    for world in [1, 2] {
+        for stage in [ZeroStage::Zero, ZeroStage::One, ZeroStage::Two, ZeroStage::Three] {
+            for gradient_checkpointing in [false, true] {
+                let config = ShardConfig { stage, gradient_checkpointing };
+                let what = format!("world {world} {config:?}");
+                let outcomes =
+                    train_steps(family, world, config, 0..STEPS, None, None, Some(&lora));
+                for outcome in &outcomes {
+                    for (name, value) in
+                        outcome.weights.iter().filter(|(n, _)| !n.contains(".lora_"))
+                    {
+                        let loaded: Vec<f32> =
+                            Vec::try_from(&base.params.get(name).unwrap().reshape([-1])).unwrap();
+                        assert!(value == &loaded, "{what}: frozen `{name}` changed");
+                    }
+                    let (gap, _) = relative_gap(&adapted(outcome), &adapted(single));
+                    assert!(gap < 1e-5, "{what}: adapters differ from one rank's by {gap:e}");
+                }
+                for step in 0..STEPS {
+                    let sum: f64 = outcomes.iter().map(|o| o.losses[step]).sum();
+                    let alone = single.losses[step];
+                    assert!((sum - alone).abs() <= 1e-5 * alone.abs(), "{what}: {sum} vs {alone}");
+                }
+            }
+        }
+    }
+    // Save on 2 ranks at stage 3, resume on 1 at stage 1.
+    let dir = tempfile::tempdir().unwrap();
+    let three = ShardConfig { stage: ZeroStage::Three, gradient_checkpointing: false };
+    let one = ShardConfig { stage: ZeroStage::One, gradient_checkpointing: false };
+    train_steps(family, 2, three, 0..2, None, Some(dir.path()), Some(&lora));
+    let manifest = rtrun_rlhf_shard::checkpoint::read_manifest(dir.path()).unwrap();
+    assert!(manifest.units.iter().all(|u| u.trains && u.name.ends_with(".trained")));
+    let saved: usize = manifest.units.iter().map(|u| u.numel).sum();
+    let adapter_numel: usize = adapted(single).iter().map(|(_, v)| v.len()).sum();
+    assert_eq!(saved, adapter_numel, "the save holds the adapters alone");
+    let resumed = train_steps(family, 1, one, 2..STEPS, Some(dir.path()), None, Some(&lora));
+    let (gap, _) = relative_gap(&adapted(&resumed[0]), &adapted(single));
+    assert!(gap < 1e-5, "resumed adapters differ by {gap:e}");
+}
+
+/// Frozen base weights hold no gradient and no optimizer state: AdamW's moments are the
+/// adapters' (two float32 per trained element, 1/N of them per rank at stages 1-3).
+#[test]
+fn lora_optimizer_state_is_the_adapters_alone() {
+    let family = ModelFamily::Llama;
+    let mut model = tiny_model(&tiny_config(family), 3).unwrap();
+    model.add_lora(&lora(), 5).unwrap();
+    let adapters = model.lora_parameters().unwrap().numel() as u64;
+    for stage in [ZeroStage::Zero, ZeroStage::One, ZeroStage::Two, ZeroStage::Three] {
+        let config = ShardConfig { stage, gradient_checkpointing: false };
+        let mut sharded =
+            ShardedModel::for_causal_lm(&model, config, GroupComm::solo(), Some(optimizer()))
+                .unwrap();
+        sharded.zero_grad().unwrap();
+        let nll = nll_sum(&model, &batch(0));
+        model.backward(&nll).unwrap();
+        sharded.step().unwrap();
+        let held = sharded.stats(false).now;
+        assert_eq!(held.optimizer, 8 * adapters, "{stage}: moments of the adapters alone");
+        for (name, t) in model.named_parameters() {
+            assert!(!t.grad().defined(), "{stage}: frozen `{name}` has a gradient");
+        }
+        drop(sharded);
+        model = tiny_model(&tiny_config(family), 3).unwrap();
+        model.add_lora(&lora(), 5).unwrap();
+    }
+}
+
 /// A save made on 4 ranks at stage 3 resumes on 2 (stage 3) and on 1 (stage 1) ranks: each
 /// continuation equals the uninterrupted run on as many ranks as it continues on, as an
 /// unsharded resume would.
@@ -226,11 +329,11 @@ fn a_sharded_save_resumes_on_another_number_of_ranks() {
     let three = ShardConfig { stage: ZeroStage::Three, gradient_checkpointing: false };
     let one = ShardConfig { stage: ZeroStage::One, gradient_checkpointing: false };
     let family = ModelFamily::Qwen2;
-    train_steps(family, 4, three, 0..2, None, Some(dir.path()));
+    train_steps(family, 4, three, 0..2, None, Some(dir.path()), None);
     let files = std::fs::read_dir(dir.path()).unwrap().count();
     assert_eq!(files, 5, "four shards and the manifest");
     for (world, config) in [(2, three), (1, one)] {
-        let resumed = train_steps(family, world, config, 2..STEPS, Some(dir.path()), None);
+        let resumed = train_steps(family, world, config, 2..STEPS, Some(dir.path()), None, None);
         let whole = train(family, world, ShardConfig::default());
         for (rank, outcome) in resumed.iter().enumerate() {
             let (gap, _) = relative_gap(&outcome.weights, &whole[rank].weights);
@@ -247,7 +350,7 @@ fn a_sharded_save_resumes_on_another_number_of_ranks() {
 fn broken_sharded_saves_are_named() {
     let dir = tempfile::tempdir().unwrap();
     let three = ShardConfig { stage: ZeroStage::Three, gradient_checkpointing: false };
-    train_steps(ModelFamily::Llama, 2, three, 0..1, None, Some(dir.path()));
+    train_steps(ModelFamily::Llama, 2, three, 0..1, None, Some(dir.path()), None);
     let model = tiny_model(&tiny_config(ModelFamily::Qwen2), 1).unwrap();
     let mut sharded =
         ShardedModel::for_causal_lm(&model, three, GroupComm::solo(), Some(optimizer())).unwrap();
