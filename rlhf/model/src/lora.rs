@@ -28,7 +28,7 @@ use serde::{Deserialize, Serialize};
 use tch::Tensor;
 
 use crate::causal_lm::CausalLm;
-use crate::config::write_json;
+use crate::config::{ModelConfig, write_json};
 use crate::error::{ModelError, Result};
 use crate::params::{Init, Parameters};
 use crate::safetensors_io::{read_file, write_file};
@@ -42,18 +42,30 @@ const PEFT_PREFIX: &str = "base_model.model.";
 
 /// LoRA settings (OpenRLHF `--lora_rank/--lora_alpha/--lora_dropout/--target_modules`, peft's
 /// `r/lora_alpha/lora_dropout/target_modules`).
+///
+/// Unset keys take OpenRLHF's defaults: `alpha` 16, `dropout` 0, `target_modules` all-linear.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct LoraConfig {
     /// The rank `r` of every adapter.
     pub rank: i64,
     /// The update is scaled by `alpha / rank`.
+    #[serde(default = "default_alpha")]
     pub alpha: f64,
     /// Dropout on the adapter's input while training, in `[0, 1)`.
     #[serde(default)]
     pub dropout: f64,
     /// Projections to adapt: names from [`LORA_TARGETS`], or `all-linear`.
+    #[serde(default = "default_targets")]
     pub target_modules: Vec<String>,
+}
+
+fn default_alpha() -> f64 {
+    16.0
+}
+
+fn default_targets() -> Vec<String> {
+    vec!["all-linear".to_owned()]
 }
 
 impl LoraConfig {
@@ -86,7 +98,43 @@ impl LoraConfig {
         self.alpha / self.rank as f64
     }
 
-    fn validate(&self) -> Result<()> {
+    /// `(out_features, in_features)` of each projection of `model`'s layers, by target name.
+    fn projection_shapes(model: &ModelConfig) -> [(&'static str, (i64, i64)); 7] {
+        let (hidden, inter) = (model.hidden_size, model.intermediate_size);
+        let (q, kv) = (
+            model.num_attention_heads * model.head_dim,
+            model.num_key_value_heads * model.head_dim,
+        );
+        [
+            ("q_proj", (q, hidden)),
+            ("k_proj", (kv, hidden)),
+            ("v_proj", (kv, hidden)),
+            ("o_proj", (hidden, q)),
+            ("gate_proj", (inter, hidden)),
+            ("up_proj", (inter, hidden)),
+            ("down_proj", (hidden, inter)),
+        ]
+    }
+
+    /// [`LoraConfig::validate`], and that the rank fits every targeted projection of
+    /// `model` (a rank above a projection's smaller side adds nothing a full update lacks).
+    pub fn check_against(&self, model: &ModelConfig) -> Result<()> {
+        self.validate()?;
+        let targets = self.targets()?;
+        for (name, (out, input)) in Self::projection_shapes(model) {
+            if targets.contains(&name) && self.rank > out.min(input) {
+                return Err(ModelError::Config(format!(
+                    "lora rank {} is larger than {name} ({out} x {input}) allows: at most {}",
+                    self.rank,
+                    out.min(input)
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks rank, alpha, dropout and target names.
+    pub fn validate(&self) -> Result<()> {
         if self.rank <= 0 {
             return Err(ModelError::Config(format!(
                 "lora rank should be positive, found {}",
@@ -250,6 +298,21 @@ impl CausalLm {
         }
     }
 
+    /// Sets the dropout of every adapter (training passes only; a loaded adapter keeps the
+    /// dropout its directory names until this).
+    pub fn set_lora_dropout(&mut self, dropout: f64) {
+        for layer in &mut self.backbone.layers {
+            for (_, linear) in layer.projections_mut() {
+                if let Some(adapter) = &mut linear.lora {
+                    adapter.dropout = dropout;
+                }
+            }
+        }
+        if let Some(lora) = &mut self.lora {
+            lora.config.dropout = dropout;
+        }
+    }
+
     /// Every adapted projection's weight with its update folded in, `(name, W + scale B A)`
     /// (only the adapted ones: what changes when the adapters train).
     pub fn merged_projections(&self) -> Result<Vec<(String, Tensor)>> {
@@ -330,34 +393,25 @@ impl CausalLm {
     /// checked against the model's projections (an adapter for another base model is an error
     /// naming the tensor and both shapes).
     pub fn load_adapter(&mut self, dir: &Path) -> Result<()> {
+        let settings = read_adapter_config(dir)?;
         let path = dir.join("adapter_config.json");
-        let text = std::fs::read_to_string(&path).map_err(|e| ModelError::io(&path, e))?;
-        let config: AdapterConfig =
-            serde_json::from_str(&text).map_err(|e| ModelError::json(&path, e))?;
         let bad = |what: String| ModelError::Config(format!("{}: {what}", path.display()));
-        if config.peft_type != "LORA" {
-            return Err(bad(format!("expected peft_type LORA, found {}", config.peft_type)));
-        }
-        if config.use_rslora || config.use_dora {
-            return Err(bad("rsLoRA and DoRA adapters are not supported".into()));
-        }
-        if config.bias.as_deref().is_some_and(|b| b != "none") {
-            return Err(bad(format!("expected bias none, found {:?}", config.bias)));
-        }
-        let target_modules = match config.target_modules {
-            TargetModules::One(one) => vec![one],
-            TargetModules::Many(many) => many,
-        };
-        let settings = LoraConfig {
-            rank: config.r,
-            alpha: config.lora_alpha,
-            dropout: config.lora_dropout,
-            target_modules,
-        };
         self.add_lora(&settings, 0).map_err(|e| bad(e.to_string()))?;
+        self.load_adapter_weights(dir)
+    }
+
+    /// Copies the tensors of the `peft` directory `dir`'s `adapter_model.safetensors` into the
+    /// model's adapters (which must exist, with the same targets and rank), each checked
+    /// against its adapter's shape.
+    pub fn load_adapter_weights(&self, dir: &Path) -> Result<()> {
         let weights = dir.join("adapter_model.safetensors");
         let tensors: HashMap<String, Tensor> = read_file(&weights)?.0.into_iter().collect();
-        let lora = self.lora.as_ref().ok_or_else(|| bad("no adapters were added".into()))?;
+        let lora = self.lora.as_ref().ok_or_else(|| {
+            ModelError::Config(format!(
+                "loading {}: the model has no LoRA adapters to load into",
+                weights.display()
+            ))
+        })?;
         for (name, tensor) in lora.params.named() {
             let key = format!("{PEFT_PREFIX}{name}");
             let found = tensors.get(&key).ok_or_else(|| {
@@ -376,6 +430,35 @@ impl CausalLm {
         }
         Ok(())
     }
+}
+
+/// The settings of the `peft` adapter directory `dir` (its `adapter_config.json`): a LoRA
+/// adapter without bias, rsLoRA or DoRA, or an error naming the file and the field.
+pub fn read_adapter_config(dir: &Path) -> Result<LoraConfig> {
+    let path = dir.join("adapter_config.json");
+    let text = std::fs::read_to_string(&path).map_err(|e| ModelError::io(&path, e))?;
+    let config: AdapterConfig =
+        serde_json::from_str(&text).map_err(|e| ModelError::json(&path, e))?;
+    let bad = |what: String| ModelError::Config(format!("{}: {what}", path.display()));
+    if config.peft_type != "LORA" {
+        return Err(bad(format!("expected peft_type LORA, found {}", config.peft_type)));
+    }
+    if config.use_rslora || config.use_dora {
+        return Err(bad("rsLoRA and DoRA adapters are not supported".into()));
+    }
+    if config.bias.as_deref().is_some_and(|b| b != "none") {
+        return Err(bad(format!("expected bias none, found {:?}", config.bias)));
+    }
+    let target_modules = match config.target_modules {
+        TargetModules::One(one) => vec![one],
+        TargetModules::Many(many) => many,
+    };
+    Ok(LoraConfig {
+        rank: config.r,
+        alpha: config.lora_alpha,
+        dropout: config.lora_dropout,
+        target_modules,
+    })
 }
 
 #[cfg(test)]

@@ -896,6 +896,14 @@ impl TrainConfig {
                 ),
             ));
         }
+        let lora = self.policy.lora.is_some() || self.policy.lora_adapter.is_some();
+        if r.weight_sync_backend == WeightSyncBackend::CudaIpc && lora {
+            return Err(TrainError::config(
+                "rollout.weight_sync_backend",
+                "cuda_ipc sends the whole model in place; with policy.lora only the merged \
+                 projections travel: use nccl or object_store",
+            ));
+        }
         if let Some(name) = gpu_sync {
             if !cfg!(feature = "cuda") {
                 return Err(TrainError::config(

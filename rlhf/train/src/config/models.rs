@@ -4,6 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
+use rtrun_rlhf_model::LoraConfig;
 use serde::{Deserialize, Serialize};
 
 use super::{RewardKind, TrainConfig};
@@ -21,6 +22,90 @@ pub struct RoleModelConfig {
     pub device: DeviceName,
     /// The parameters' precision.
     pub dtype: ModelDtype,
+    /// LoRA adapters on the trained model (the policy; the model of `--mode sft|dpo|rm`):
+    /// `{rank, alpha, dropout, target_modules}`, OpenRLHF's `--lora_rank`, `--lora_alpha`,
+    /// `--lora_dropout`, `--target_modules`. The base weights are frozen.
+    pub lora: Option<LoraConfig>,
+    /// A `peft` adapter directory to start from (`adapter_config.json`,
+    /// `adapter_model.safetensors`) instead of fresh adapters; `lora` may be left out (the
+    /// directory's settings apply) or must agree with it.
+    pub lora_adapter: Option<PathBuf>,
+}
+
+impl RoleModelConfig {
+    /// The adapters the role starts with: fresh ones from `lora`, or `lora_adapter`'s.
+    pub fn lora_setup(&self, seed: u64) -> Option<crate::roles::lm::LoraSetup> {
+        if self.lora.is_none() && self.lora_adapter.is_none() {
+            return None;
+        }
+        Some(crate::roles::lm::LoraSetup {
+            config: self.lora.clone(),
+            adapter: self.lora_adapter.clone(),
+            seed,
+        })
+    }
+
+    /// Checks `<section>.lora` and `<section>.lora_adapter` against the model in `pretrain`
+    /// (when there is one; the locally made policy is checked when it is made) and refuses
+    /// them where `trained` is false (a frozen role: reference, critic).
+    pub fn validate_lora(&self, section: &str, trained: bool) -> Result<()> {
+        let (lora_key, adapter_key) =
+            (format!("{section}.lora"), format!("{section}.lora_adapter"));
+        if !trained {
+            for (key, set) in
+                [(&lora_key, self.lora.is_some()), (&adapter_key, self.lora_adapter.is_some())]
+            {
+                if set {
+                    return Err(TrainError::config(
+                        key,
+                        "expected it unset: LoRA adapters train on the policy (and the model of                          --mode sft|dpo|rm); this role is not trained with them",
+                    ));
+                }
+            }
+            return Ok(());
+        }
+        let model = match &self.pretrain {
+            Some(dir) => rtrun_rlhf_model::ModelConfig::from_dir(dir).ok(),
+            None => None,
+        };
+        if let Some(lora) = &self.lora {
+            let checked = match &model {
+                Some(model) => lora.check_against(model),
+                None => lora.validate(),
+            };
+            checked.map_err(|e| TrainError::config(&lora_key, e.to_string()))?;
+        }
+        if let Some(dir) = &self.lora_adapter {
+            let saved = rtrun_rlhf_model::lora::read_adapter_config(dir)
+                .map_err(|e| TrainError::config(&adapter_key, e.to_string()))?;
+            if let Some(model) = &model {
+                saved
+                    .check_against(model)
+                    .map_err(|e| TrainError::config(&adapter_key, e.to_string()))?;
+            }
+            if let Some(lora) = &self.lora {
+                let same = saved.rank == lora.rank
+                    && saved.alpha == lora.alpha
+                    && saved.targets().ok() == lora.targets().ok();
+                if !same {
+                    return Err(TrainError::config(
+                        &lora_key,
+                        format!(
+                            "expected the settings of {adapter_key} ({}: rank {}, alpha {},                              target_modules {:?}), found rank {}, alpha {}, target_modules {:?}",
+                            dir.display(),
+                            saved.rank,
+                            saved.alpha,
+                            saved.target_modules,
+                            lora.rank,
+                            lora.alpha,
+                            lora.target_modules
+                        ),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 /// A device name: `cpu`, `cuda` (the rank's first visible GPU) or `cuda:N`.
@@ -165,6 +250,9 @@ impl TrainConfig {
                 check_model_dir(key, dir)?;
             }
         }
+        config.policy.validate_lora("policy", true)?;
+        config.reference.validate_lora("reference", false)?;
+        config.critic.validate_lora("critic", false)?;
         if config.reward.kind == RewardKind::Model
             && let Some(dir) = &config.reward.model_dir
         {

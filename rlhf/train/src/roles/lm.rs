@@ -10,8 +10,8 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
 
-use rtrun_rlhf_model::CausalLm;
 use rtrun_rlhf_model::train::OptimizerConfig;
+use rtrun_rlhf_model::{CausalLm, LoraConfig};
 use rtrun_rlhf_shard::manager::Mode;
 use rtrun_rlhf_shard::{GroupComm, ShardConfig, ShardStats, ShardedModel, ZeroStage};
 
@@ -71,6 +71,44 @@ pub struct LmWorkerConfig {
     /// `train.gradient_checkpointing`).
     #[serde(default)]
     pub shard: ShardConfig,
+    /// LoRA adapters over the frozen model (`policy.lora`, `policy.lora_adapter`). The
+    /// reference of such a rank is its model with the adapters off, not a second copy.
+    #[serde(default)]
+    pub lora: Option<LoraSetup>,
+}
+
+/// The adapters a trained rank starts with.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LoraSetup {
+    /// Fresh adapters' settings (`policy.lora`); unused when `adapter` is given.
+    pub config: Option<LoraConfig>,
+    /// A `peft` adapter directory to start from (`policy.lora_adapter`).
+    pub adapter: Option<PathBuf>,
+    /// Seed of fresh adapters' `A`.
+    pub seed: u64,
+}
+
+impl LoraSetup {
+    /// Puts the adapters on `model` (freezing its base weights).
+    pub fn apply(&self, model: &mut CausalLm) -> Result<(), String> {
+        match (&self.adapter, &self.config) {
+            (Some(dir), config) => {
+                model
+                    .load_adapter(dir)
+                    .map_err(|e| format!("loading the LoRA adapter {}: {e}", dir.display()))?;
+                // The directory holds no training settings peft does not keep; the config's
+                // dropout applies to the continued training.
+                if let Some(config) = config {
+                    model.set_lora_dropout(config.dropout);
+                }
+                Ok(())
+            }
+            (None, Some(config)) => {
+                model.add_lora(config, self.seed).map_err(|e| format!("adding LoRA adapters: {e}"))
+            }
+            (None, None) => Ok(()),
+        }
+    }
 }
 
 /// What one policy training call did (means over micro-batches, this rank).
@@ -105,8 +143,11 @@ struct LmWorkerState {
     model: CausalLm,
     /// The model's shards, hooks and optimizer (stage 0: the whole model and AdamW).
     sharded: ShardedModel,
-    /// The frozen reference of a DPO rank, sharded as the model is.
+    /// The frozen reference of a DPO rank, sharded as the model is (none with LoRA: the
+    /// reference is then the model with its adapters off).
     reference: Option<(CausalLm, ShardedModel)>,
+    /// Whether the model has LoRA adapters over a frozen base.
+    lora: bool,
     /// Whether this rank trains (has an optimizer).
     trains: bool,
     loss: PolicyLossConfig,
@@ -129,17 +170,24 @@ impl LmWorkerState {
     fn create(config: LmWorkerConfig) -> Result<LmWorkerState, String> {
         config.setup.apply();
         let device = config.setup.device();
-        let model = CausalLm::from_pretrained(&config.model_dir, device, config.setup.kind())
+        let mut model = CausalLm::from_pretrained(&config.model_dir, device, config.setup.kind())
             .map_err(|e| format!("loading {}: {e}", config.model_dir.display()))?;
+        if let Some(lora) = &config.lora {
+            lora.apply(&mut model).map_err(|e| format!("{}: {e}", config.setup.role))?;
+        }
+        let lora = model.lora_parameters().is_some();
         let trains = config.optimizer.is_some();
         if !trains {
             model.params.set_requires_grad(false).map_err(to_string_error)?;
+            if let Some(adapters) = model.lora_parameters() {
+                adapters.set_requires_grad(false).map_err(to_string_error)?;
+            }
         }
         let group = GroupComm::from_group_context().map_err(to_string_error)?;
         let role = &config.setup.role;
         let sharded =
             shard_model(&model, config.shard, group.clone(), config.optimizer.clone(), role)?;
-        let reference = if config.with_reference {
+        let reference = if config.with_reference && !lora {
             let frozen = CausalLm::from_pretrained(&config.model_dir, device, config.setup.kind())
                 .map_err(|e| {
                     format!("loading the reference {}: {e}", config.model_dir.display())
@@ -156,6 +204,7 @@ impl LmWorkerState {
             model,
             sharded,
             reference,
+            lora,
             trains,
             loss: config.loss,
             weight_sync: Vec::new(),
@@ -167,6 +216,21 @@ impl LmWorkerState {
     /// Log-probs of every response token, one vector per sequence (no gradients).
     pub fn log_probs(&self, sequences: Vec<Sequence>) -> Result<Vec<Vec<f32>>, String> {
         self.setup.enter(Phase::Experience);
+        self.log_probs_impl(&sequences).map_err(to_string_error)
+    }
+
+    /// The reference's log-probs of every response token: this rank's model with its LoRA
+    /// adapters off, which is the base model (no gradients).
+    pub fn reference_log_probs(&self, sequences: Vec<Sequence>) -> Result<Vec<Vec<f32>>, String> {
+        if !self.lora {
+            return Err(format!(
+                "{}: reference_log_probs needs LoRA adapters (the reference is the model with \
+                 them off)",
+                self.setup.role
+            ));
+        }
+        self.setup.enter(Phase::Experience);
+        let _base = BaseOnly::new(&self.model);
         self.log_probs_impl(&sequences).map_err(to_string_error)
     }
 
@@ -193,9 +257,19 @@ impl LmWorkerState {
         // f32 as trained: the engines' weights must equal the policy's bit for bit (the run
         // logs the engine/policy log-prob gap every step). At stage 0 the parameters are
         // views of the sharding manager's buffers: a bucket is one read of one slice.
-        let slices =
-            self.sharded.param_buckets(bucket_bytes.max(1) as u64).map_err(to_string_error)?;
+        let slices = match self.lora {
+            // Only the adapted projections change: they travel, merged.
+            true => None,
+            false => {
+                self.sharded.param_buckets(bucket_bytes.max(1) as u64).map_err(to_string_error)?
+            }
+        };
         let buckets = match slices {
+            None if self.lora => {
+                let tensors = self.sync_tensors().map_err(to_string_error)?;
+                WeightBucket::split(tensors.into_iter().map(Ok), bucket_bytes, None)
+                    .map_err(to_string_error)?
+            }
             Some(slices) => slices
                 .iter()
                 .map(weight_slices::bucket_from_slice)
@@ -222,9 +296,42 @@ impl LmWorkerState {
         Ok(())
     }
 
-    /// Name, shape and dtype of every parameter, in broadcast order.
+    /// Name, shape and dtype of every tensor a sync sends (every parameter; with LoRA the
+    /// adapted projections), in broadcast order.
     pub fn weight_metadata(&self) -> Result<Vec<WeightMeta>, String> {
-        WeightMeta::of_model(&self.model).map_err(to_string_error)
+        match self.lora {
+            true => {
+                let tensors = self.sync_tensors().map_err(to_string_error)?;
+                rtrun_rlhf_engine::weight_sync::metas_of(&tensors).map_err(to_string_error)
+            }
+            false => WeightMeta::of_model(&self.model).map_err(to_string_error),
+        }
+    }
+
+    /// What a weight sync sends: every parameter, or with LoRA only the projections the
+    /// adapters change, merged (`W + scale B A`), with the unadapted members of a q/k/v or
+    /// gate/up group one of them is in (engines of several ranks receive those packed).
+    fn sync_tensors(&self) -> crate::Result<Vec<(String, Tensor)>> {
+        let all = self.model.named_parameters();
+        if !self.lora {
+            return Ok(all.map(|(n, t)| (n.to_owned(), t.shallow_clone())).collect());
+        }
+        let merged: std::collections::HashMap<String, Tensor> =
+            self.model.merged_projections()?.into_iter().collect();
+        let group = |name: &str| {
+            let target = reshard::engine_param(name);
+            target.packed.map(|_| target.name)
+        };
+        let groups: std::collections::HashSet<String> =
+            merged.keys().filter_map(|n| group(n)).collect();
+        Ok(all
+            .filter_map(|(name, tensor)| match merged.get(name) {
+                Some(value) => Some((name.to_owned(), value.shallow_clone())),
+                None => group(name)
+                    .filter(|g| groups.contains(g))
+                    .map(|_| (name.to_owned(), tensor.shallow_clone())),
+            })
+            .collect())
     }
 
     /// The weights for engines of `tp` ranks: every engine rank's own buckets of at most
@@ -240,7 +347,15 @@ impl LmWorkerState {
         let started = std::time::Instant::now();
         if tp <= 1 {
             let by_rank = vec![self.weight_buckets(bucket_bytes)?];
-            let bytes = self.model.named_parameters().map(|(_, t)| tensor_bytes(t)).sum();
+            let bytes = match self.lora {
+                true => self
+                    .sync_tensors()
+                    .map_err(to_string_error)?
+                    .iter()
+                    .map(|(_, t)| tensor_bytes(t))
+                    .sum(),
+                false => self.model.named_parameters().map(|(_, t)| tensor_bytes(t)).sum(),
+            };
             let seconds = started.elapsed().as_secs_f64();
             return Ok(EngineBuckets {
                 by_rank,
@@ -249,7 +364,8 @@ impl LmWorkerState {
             });
         }
         let layout = TpLayout::new(self.model.config(), tp).map_err(to_string_error)?;
-        let params: Vec<(&str, &Tensor)> = self.model.named_parameters().collect();
+        let tensors = self.sync_tensors().map_err(to_string_error)?;
+        let params: Vec<(&str, &Tensor)> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
         let buckets = tch::no_grad(|| reshard::engine_buckets(&layout, &params, bucket_bytes))
             .map_err(to_string_error)?;
         let reshard_seconds = started.elapsed().as_secs_f64();
@@ -265,10 +381,19 @@ impl LmWorkerState {
     /// Broadcasts the weights to the weight-sync group in buckets of about `bucket_bytes`
     /// (the engines call `receive_weights` at the same time). Returns the bytes sent.
     pub fn broadcast_weights(&mut self, bucket_bytes: usize) -> Result<usize, String> {
+        let tensors = match self.lora {
+            true => Some(self.sync_tensors().map_err(to_string_error)?),
+            false => None,
+        };
         let comm =
             self.weight_sync.first_mut().ok_or("broadcast_weights needs join_weight_sync first")?;
-        rtrun_rlhf_engine::weight_sync::send_weights(comm, &self.model, bucket_bytes)
-            .map_err(to_string_error)
+        match tensors {
+            Some(tensors) => {
+                rtrun_rlhf_engine::weight_sync::send_tensors(comm, &tensors, bucket_bytes)
+            }
+            None => rtrun_rlhf_engine::weight_sync::send_weights(comm, &self.model, bucket_bytes),
+        }
+        .map_err(to_string_error)
     }
 
     /// Rank `rank` of engines of `tp` ranks: its shard in the engine layout
@@ -280,7 +405,10 @@ impl LmWorkerState {
         rank: usize,
     ) -> Result<Vec<(String, Tensor)>, rtrun_rlhf_engine::EngineError> {
         let layout = TpLayout::new(self.model.config(), tp)?;
-        let params: Vec<(&str, &Tensor)> = self.model.named_parameters().collect();
+        let tensors = self
+            .sync_tensors()
+            .map_err(|e| rtrun_rlhf_engine::EngineError::InvalidArgument(e.to_string()))?;
+        let params = tensors.iter().map(|(n, t)| (n.as_str(), t));
         tch::no_grad(|| reshard::engine_tensors(&layout, rank, params))
     }
 
@@ -318,6 +446,11 @@ impl LmWorkerState {
     /// Starts a CUDA IPC weight sync: plans the parameters into buckets of about
     /// `bucket_bytes` and returns how many there are.
     pub fn plan_ipc_weights(&mut self, bucket_bytes: usize) -> Result<usize, String> {
+        if self.lora {
+            return Err("a CUDA IPC weight sync sends the whole model; with LoRA use \
+                        rollout.weight_sync_backend nccl or object_store"
+                .into());
+        }
         let metas = WeightMeta::of_model(&self.model).map_err(to_string_error)?;
         self.ipc_buffer = None;
         self.ipc_plans = rtrun_rlhf_engine::weight_ipc::plan_buckets(&metas, bucket_bytes)
@@ -363,8 +496,16 @@ impl LmWorkerState {
             return self.export(dir);
         }
         let rank = self.sharded.rank_and_world().0;
+        let base = self.source_dir.display().to_string();
+        let lora = self.lora;
         let saved = match self.sharded.whole_optimizer() {
             Some(_) if rank != 0 => Ok(()),
+            // The adapters and their optimizer state: the base comes from `pretrain` again.
+            Some(opt) if lora => self
+                .model
+                .save_adapter(&dir, &base)
+                .and_then(|()| opt.save(&dir.join(rtrun_rlhf_model::train::OPTIMIZER_FILE)))
+                .map_err(to_string_error),
             Some(opt) => rtrun_rlhf_model::train::save_training_checkpoint(
                 &dir,
                 &self.model,
@@ -381,13 +522,20 @@ impl LmWorkerState {
     /// Saves the model as a Hugging Face directory that `transformers` and `policy.pretrain`
     /// load: config, safetensors, tokenizer files and generation config. Every rank of the
     /// group is called: at stage 3 they gather the model together, then rank 0 writes it.
+    /// With LoRA the weights are merged, and the adapters also go into `dir/adapter` as a
+    /// `peft` directory (`PeftModel.from_pretrained(base, dir/adapter)`).
     pub fn export(&self, dir: PathBuf) -> Result<(), String> {
         let rank = self.sharded.rank_and_world().0;
         self.sharded.gather_all().map_err(to_string_error)?;
         let written = if rank == 0 {
+            let base = self.source_dir.display().to_string();
             self.model
                 .save_pretrained(&dir, &Default::default())
                 .and_then(|()| copy_tokenizer_files(&self.source_dir, &dir, self.model.config()))
+                .and_then(|()| match self.lora {
+                    true => self.model.save_adapter(&dir.join(ADAPTER_DIR), &base),
+                    false => Ok(()),
+                })
                 .map_err(|e| format!("saving {}: {e}", dir.display()))
         } else {
             Ok(())
@@ -405,7 +553,8 @@ impl LmWorkerState {
             }
             // Every rank looks at the whole model (stage 3 gathers it, as a weight sync does).
             self.sharded.gather_all().map_err(to_string_error)?;
-            let finite = super::require_finite(self.model.named_parameters());
+            let adapters = self.model.lora_parameters().map(|p| p.named()).into_iter().flatten();
+            let finite = super::require_finite(self.model.named_parameters().chain(adapters));
             let released = self.sharded.release_all().map_err(to_string_error);
             finite.and(released)
         });
@@ -415,6 +564,17 @@ impl LmWorkerState {
     fn load_checkpoint_files(&mut self, dir: &Path) -> Result<(), String> {
         let sharded_save = rtrun_rlhf_shard::checkpoint::is_sharded_checkpoint(dir);
         let stage = self.sharded.config().stage;
+        let adapter_save = dir.join("adapter_config.json").is_file();
+        if self.trains && !sharded_save && adapter_save != self.lora {
+            return Err(match self.lora {
+                true => "it holds no LoRA adapter (adapter_config.json): it was saved by a run \
+                         without policy.lora"
+                    .into(),
+                false => "it holds LoRA adapters (adapter_config.json): resume it with \
+                          policy.lora set as when it was saved"
+                    .into(),
+            });
+        }
         match (self.trains, sharded_save, stage) {
             (true, true, ZeroStage::Zero) => Err(format!(
                 "it is a sharded (zero_stage >= 1) save; resume it with train.zero_stage 1, 2 or \
@@ -423,7 +583,13 @@ impl LmWorkerState {
             (true, true, _) => self.sharded.load_sharded(dir).map_err(to_string_error),
             (true, false, ZeroStage::Zero) => {
                 let params = &self.model.params;
+                let lora = self.lora;
                 match self.sharded.whole_optimizer() {
+                    Some(opt) if lora => self
+                        .model
+                        .load_adapter_weights(dir)
+                        .and_then(|()| opt.load(&dir.join(rtrun_rlhf_model::train::OPTIMIZER_FILE)))
+                        .map_err(to_string_error),
                     Some(opt) => {
                         rtrun_rlhf_model::train::load_training_checkpoint(dir, params, opt)
                             .map_err(to_string_error)
@@ -513,6 +679,12 @@ impl LmWorker {
     /// Log-probs of every response token, one vector per sequence (no gradients).
     pub fn log_probs(&self, sequences: Vec<Sequence>) -> Result<Vec<Vec<f32>>, String> {
         self.state().log_probs(sequences)
+    }
+
+    /// Log-probs of every response token under the reference: the model with its LoRA
+    /// adapters off (LoRA ranks only).
+    pub fn reference_log_probs(&self, sequences: Vec<Sequence>) -> Result<Vec<Vec<f32>>, String> {
+        self.state().reference_log_probs(sequences)
     }
 
     /// One supervised (SFT) optimizer step on this rank's micro-batches of packed rows, of a
@@ -908,6 +1080,26 @@ pub struct EngineBuckets {
     /// Seconds the policy spent resharding (and splitting into buckets).
     pub reshard_seconds: f64,
 }
+
+/// Switches a model's LoRA adapters off while it lives (the model is then its base model),
+/// and on again when dropped, on every path out.
+pub(crate) struct BaseOnly<'a>(&'a CausalLm);
+
+impl<'a> BaseOnly<'a> {
+    pub(crate) fn new(model: &'a CausalLm) -> Self {
+        model.set_adapters_enabled(false);
+        Self(model)
+    }
+}
+
+impl Drop for BaseOnly<'_> {
+    fn drop(&mut self) {
+        self.0.set_adapters_enabled(true);
+    }
+}
+
+/// The subdirectory of an exported LoRA policy that holds its `peft` adapter.
+pub const ADAPTER_DIR: &str = "adapter";
 
 /// Bytes of a tensor's elements.
 fn tensor_bytes(t: &Tensor) -> u64 {

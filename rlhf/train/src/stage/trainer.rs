@@ -207,6 +207,7 @@ fn create_ranks(
         },
         with_reference: config.mode == Mode::Dpo,
         shard: t.shard(),
+        lora: config.model.lora_setup(config.seed),
     };
     Ok(Ranks::Lm(ActorGroup::create(role, replicas, Default::default(), |r, o| {
         LmWorker::remote_with(placed(o, role, r, gpus, deployment)?, worker.clone())

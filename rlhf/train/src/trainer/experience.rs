@@ -164,7 +164,16 @@ pub fn make_experience(
     let log_probs = |role, g: &rtrun::ActorGroup<crate::roles::lm::LmWorker>| {
         calls::dispatch(role, g.members(), sequences.clone(), |w, c| w.log_probs(c))
     };
-    let ref_calls = roles.reference.as_ref().map(|g| log_probs("ref", g));
+    let ref_calls = match &roles.reference {
+        Some(g) => Some(log_probs("ref", g)),
+        // LoRA: the policy ranks with their adapters off.
+        None if roles.reference_from_policy => {
+            Some(calls::dispatch("actor", roles.actor.members(), sequences.clone(), |w, c| {
+                w.reference_log_probs(c)
+            }))
+        }
+        None => None,
+    };
     let old_calls = recompute_old.then(|| log_probs("actor", &roles.actor));
     let value_calls = roles
         .critic

@@ -258,7 +258,9 @@ pub fn run_step(
     })
     .map_err(dock_error)?;
 
-    let has_ref = needs_reference(&trainer.config.algo) && trainer.roles.reference.is_some();
+    let roles = &trainer.roles;
+    let has_ref = needs_reference(&trainer.config.algo)
+        && (roles.reference.is_some() || roles.reference_from_policy);
     let failed = AtomicBool::new(false);
     let store = StepDock { dock, failed: &failed };
     let poll = PollConfig {
@@ -297,8 +299,11 @@ pub fn run_step(
     }
     let spec_of = |name, outputs: &[&str]| spec(name, &[PROMPTS, RESPONSES], outputs, batch_rows);
     stages.push((spec_of("reward", &[RM_SCORES]), Box::new(|b: &PackedBatch| shared.reward(b))));
-    if has_ref && let Some(reference) = &trainer.roles.reference {
-        let work = move |b: &PackedBatch| log_probs(trainer, reference, "ref", REF_LOG_PROB, b);
+    if has_ref {
+        let work = move |b: &PackedBatch| match &trainer.roles.reference {
+            Some(reference) => log_probs(trainer, reference, "ref", REF_LOG_PROB, b),
+            None => reference_from_policy(trainer, b),
+        };
         stages.push((spec_of("ref_log_prob", &[REF_LOG_PROB]), Box::new(work)));
     }
     let actor = &trainer.roles.actor;
@@ -441,6 +446,15 @@ fn log_probs(
     let input = SortedBatch::new(batch)?;
     let calls = calls::dispatch(role, group.members(), input.sequences()?, |w, c| w.log_probs(c));
     Ok(vec![input.floats_out(column, trainer.watch.gather("log_probs", calls)?)])
+}
+
+/// `ref_log_prob` with LoRA: the policy ranks' log-probs with their adapters off.
+fn reference_from_policy(trainer: &Trainer, batch: &PackedBatch) -> Result<Vec<PackedNamedColumn>> {
+    let input = SortedBatch::new(batch)?;
+    let members = trainer.roles.actor.members();
+    let calls =
+        calls::dispatch("actor", members, input.sequences()?, |w, c| w.reference_log_probs(c));
+    Ok(vec![input.floats_out(REF_LOG_PROB, trainer.watch.gather("log_probs", calls)?)])
 }
 
 /// Runs every stage rank on its own thread until all return; a failing one flips the stop

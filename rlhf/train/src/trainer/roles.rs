@@ -22,8 +22,13 @@ use crate::roles::{ThreadPlan, WorkerSetup};
 pub struct Roles {
     /// Policy ranks.
     pub actor: ActorGroup<LmWorker>,
-    /// Reference ranks (absent when no KL is used).
+    /// Reference ranks (absent when no KL is used, and with LoRA, where the policy ranks
+    /// compute the reference log-probs with their adapters off: see
+    /// [`Roles::reference_from_policy`]).
     pub reference: Option<ActorGroup<LmWorker>>,
+    /// Whether the reference is the policy's base model (LoRA without `reference.pretrain`):
+    /// the policy ranks' `reference_log_probs`.
+    pub reference_from_policy: bool,
     /// Critic ranks (GAE only).
     pub critic: Option<ActorGroup<CriticWorker>>,
     /// Reward-model ranks (`reward.kind: model`).
@@ -51,7 +56,10 @@ fn thread_plan(config: &TrainConfig, p: &RolePlacements, reward_model: bool) -> 
             let count = |yes: bool, replicas: usize| if yes { replicas as u32 } else { 0 };
             let critic = count(needs_critic(&config.algo), p.critic.replicas);
             let experience = count(!config.old_logprobs_from_engine(), p.actor.replicas)
-                + count(needs_reference(&config.algo), p.reference.replicas)
+                + count(
+                    needs_reference(&config.algo) && !reference_from_policy(config),
+                    p.reference.replicas,
+                )
                 + critic
                 + count(reward_model && config.reward.kind == RewardKind::Model, p.reward.replicas);
             ThreadPlan::Shared { experience, train: p.actor.replicas as u32 + critic }
@@ -62,6 +70,14 @@ fn thread_plan(config: &TrainConfig, p: &RolePlacements, reward_model: bool) -> 
 /// Whether the run needs reference log-probs.
 pub fn needs_reference(algo: &AlgoConfig) -> bool {
     algo.use_kl_loss || algo.init_kl_coef > 0.0 || algo.kl_target.is_some()
+}
+
+/// Whether the reference log-probs come from the policy ranks with their LoRA adapters off
+/// (the run needs a reference, the policy has adapters and no other reference is named).
+pub fn reference_from_policy(config: &TrainConfig) -> bool {
+    needs_reference(&config.algo)
+        && (config.policy.lora.is_some() || config.policy.lora_adapter.is_some())
+        && config.reference.pretrain.is_none()
 }
 
 /// Whether the run needs a critic.
@@ -126,6 +142,7 @@ impl Roles {
             loss: loss.clone(),
             with_reference: false,
             shard: config.train.shard(),
+            lora: config.policy.lora_setup(config.seed),
         };
         let p = &placements;
         // Engine shapes first, before any actor starts.
@@ -135,7 +152,8 @@ impl Roles {
             ActorGroup::create("actor", p.actor.replicas, Default::default(), |rank, options| {
                 LmWorker::remote_with(placed(p, "actor", rank, options)?, actor_config.clone())
             })?;
-        let reference = if needs_reference(&config.algo) {
+        let reference_from_policy = reference_from_policy(config);
+        let reference = if needs_reference(&config.algo) && !reference_from_policy {
             let ref_config = LmWorkerConfig {
                 setup: WorkerSetup::on(
                     "ref",
@@ -145,6 +163,7 @@ impl Roles {
                 ),
                 model_dir: config.reference.pretrain.clone().unwrap_or(policy_dir.to_path_buf()),
                 optimizer: None,
+                lora: None,
                 ..actor_config.clone()
             };
             Some(ActorGroup::create(
@@ -267,6 +286,7 @@ impl Roles {
         Ok(Roles {
             actor,
             reference,
+            reference_from_policy,
             critic,
             reward_model,
             engines,

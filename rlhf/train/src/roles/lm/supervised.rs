@@ -12,7 +12,7 @@ use tch::Tensor;
 use rtrun_rlhf_model::CausalLm;
 use rtrun_rlhf_model::logprobs::token_log_probs;
 
-use super::LmWorkerState;
+use super::{BaseOnly, LmWorkerState};
 use crate::roles::Phase;
 use crate::stage::losses::{PairStats, PreferenceLoss, pair_sums, preference_losses};
 use crate::stage::pack::{PackedRow, RowTensors, row_tensors};
@@ -49,15 +49,24 @@ fn rows_nll(model: &CausalLm, rows: &[PackedRow]) -> crate::Result<(Tensor, usiz
 /// and the micro-batch's sums.
 fn dpo_pairs(
     model: &CausalLm,
-    reference: &CausalLm,
+    reference: Option<&CausalLm>,
     rows: &[PackedRow],
     loss: PreferenceLoss,
 ) -> crate::Result<(Tensor, PairStats)> {
     let t = row_tensors(rows, model.params.device())?;
+    // The reference first: with LoRA (`reference` None) it is this model with its adapters
+    // off, whose head must be released before the policy's forward, which the backward reads.
+    let frozen = {
+        let (reference, _base) = match reference {
+            Some(reference) => (reference, None),
+            None => (model, Some(BaseOnly::new(model))),
+        };
+        let frozen = tch::no_grad(|| t.sum_per_sample(&response_log_probs(reference, &t)?))?;
+        // A sharded reference gathered its head for that forward; nothing reads it after.
+        reference.backbone.release_parameters()?;
+        frozen
+    };
     let policy = t.sum_per_sample(&response_log_probs(model, &t)?)?;
-    let frozen = tch::no_grad(|| t.sum_per_sample(&response_log_probs(reference, &t)?))?;
-    // A sharded reference gathered its head for that forward; nothing reads it after.
-    reference.backbone.release_parameters()?;
     let mut ratio = policy.f_sub(&frozen)?;
     if let PreferenceLoss::Dpo { ipo: true, .. } = loss {
         // IPO compares mean log-probs per response token (OpenRLHF's `average_log_prob`).
@@ -128,10 +137,25 @@ impl LmWorkerState {
         Ok(out)
     }
 
-    fn reference(&self) -> crate::Result<&CausalLm> {
-        self.reference.as_ref().map(|(model, _)| model).ok_or_else(|| {
-            crate::TrainError::role(&self.setup.role, "this rank holds no reference model")
-        })
+    /// The reference: a frozen copy (`Some`), or with LoRA the model with its adapters off
+    /// (`None`).
+    fn reference(&self) -> crate::Result<Option<&CausalLm>> {
+        match (&self.reference, self.lora) {
+            (Some((model, _)), _) => Ok(Some(model)),
+            (None, true) => Ok(None),
+            (None, false) => {
+                Err(crate::TrainError::role(&self.setup.role, "this rank holds no reference model"))
+            }
+        }
+    }
+
+    /// The collectives of one reference forward this rank has no data for.
+    fn idle_reference_forward(&self) -> crate::Result<()> {
+        match &self.reference {
+            Some((_, frozen)) => frozen.idle_forward()?,
+            None => self.sharded.idle_forward()?,
+        }
+        Ok(())
     }
 
     fn require_optimizer(&self) -> crate::Result<()> {
@@ -154,23 +178,20 @@ impl LmWorkerState {
         let role = self.setup.role.clone();
         let dp_size = rtrun::context()?.group.map(|g| g.world_size).unwrap_or(1);
         self.require_optimizer()?;
-        let (reference, frozen) = self
-            .reference
-            .as_ref()
-            .ok_or_else(|| crate::TrainError::role(&role, "this rank holds no reference model"))?;
+        self.reference()?;
         self.sharded.zero_grad()?;
         let passes = self.sharded.balance(batches.len(), true)?;
         let scale = dp_size as f64 / global_pairs.max(1) as f64;
         let mut stats = PairStats::default();
         for rows in batches {
-            let (losses, sums) = dpo_pairs(&self.model, reference, rows, loss)?;
+            let (losses, sums) = dpo_pairs(&self.model, self.reference()?, rows, loss)?;
             stats = stats.plus(&sums);
             self.model.backward(&losses.f_sum(tch::Kind::Float)?.f_mul_scalar(scale)?)?;
         }
         for _ in batches.len()..passes {
             // The collectives of `dpo_pairs` and the backward, in their order.
+            self.idle_reference_forward()?;
             self.sharded.idle_training_forward()?;
-            frozen.idle_forward()?;
             self.sharded.idle_backward()?;
         }
         let step =
@@ -198,10 +219,8 @@ impl LmWorkerState {
             Ok(stats)
         })?;
         for _ in batches.len()..passes {
+            self.idle_reference_forward()?;
             self.sharded.idle_forward()?;
-            if let Some((_, frozen)) = &self.reference {
-                frozen.idle_forward()?;
-            }
         }
         Ok(stats)
     }
@@ -226,7 +245,7 @@ mod tests {
         ];
         let loss = PreferenceLoss::Dpo { beta: 0.5, label_smoothing: 0.0, ipo: false };
         let rows = rank_batches(units.clone(), 1, 64, false, false, 8).remove(0).remove(0);
-        let (losses, before) = dpo_pairs(&policy, &reference, &rows, loss).unwrap();
+        let (losses, before) = dpo_pairs(&policy, Some(&reference), &rows, loss).unwrap();
         assert_eq!((before.pairs, before.chosen_sum, before.rejected_sum), (2, 0.0, 0.0));
         losses.sum(tch::Kind::Float).backward();
         tch::no_grad(|| {
@@ -237,7 +256,7 @@ mod tests {
                 }
             }
         });
-        let (_, after) = dpo_pairs(&policy, &reference, &rows, loss).unwrap();
+        let (_, after) = dpo_pairs(&policy, Some(&reference), &rows, loss).unwrap();
         assert!(after.loss_sum < before.loss_sum, "{before:?} -> {after:?}");
         assert!(after.chosen_sum - after.rejected_sum > 0.0, "{after:?}");
         // The implicit rewards are β (log π - log ref) summed over each response.
