@@ -154,6 +154,39 @@ fn grpo_with_kl_loss_and_entropy_bonus() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// GRPO with LoRA where users run it: the hybrid engine (every role on one GPU's share, the
+/// policy's state offloaded while the engines generate), and two DP policy ranks at ZeRO-3
+/// (frozen base shards gathered per layer, adapters reduced). No reference group starts (the
+/// policy ranks compute the reference with their adapters off), the engines generate with the
+/// merged adapters (gap below 1e-4 on every step), and the KL to the reference moves off 0.
+#[test]
+fn grpo_with_lora_in_the_hybrid_engine_and_at_zero_three() {
+    for (spec, stage) in [
+        ("hybrid", rtrun_rlhf_shard::ZeroStage::Zero),
+        ("separate", rtrun_rlhf_shard::ZeroStage::Three),
+    ] {
+        let dir = scratch(&format!("lora-{spec}"));
+        let spec_path = repo_root().join(format!("deploy/examples/rlhf/placement/{spec}.yaml"));
+        let extra = format!(
+            "cluster: {{num_gpus: 8, placement_spec: {}}}\n\
+             algo: {{advantage_estimator: group_norm, use_kl_loss: true, kl_estimator: k3, init_kl_coef: 0.01}}\n\
+             policy: {{lora: {{rank: 4, alpha: 8, target_modules: [q_proj, v_proj, up_proj]}}}}\n",
+            spec_path.display(),
+        );
+        let mut config = small_config(&dir, &extra);
+        config.train.zero_stage = stage;
+        config.train.max_steps = Some(3);
+        let (trainer, report) = rtrun_rlhf::run::run(&config, &mut NoProgress).unwrap();
+        assert_eq!(report.steps, 3, "{spec}");
+        assert!(trainer.roles.reference.is_none() && trainer.roles.reference_from_policy);
+        assert_trained(&dir, 3);
+        let records = metrics(&dir);
+        assert!(records.last().and_then(|r| r.get("kl")).is_some_and(|kl| kl > 0.0), "{spec}");
+        trainer.roles.kill();
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
+
 /// A placement spec's `vllm_engine` bundles hold tensor-parallel engine ranks: two bundles make
 /// one engine of two ranks (trained with the policy's weights on every step), and one bundle
 /// for two ranks is a config error naming both numbers.

@@ -12,6 +12,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use rtrun_rlhf::TrainConfig;
+use rtrun_rlhf::experience::Sequence;
 use rtrun_rlhf::run::{InitialPolicy, prepare};
 use rtrun_rlhf::trainer::{NoProgress, RunPaths};
 use rtrun_rlhf::walkthrough::{WalkthroughConfig, WalkthroughFiles, write_walkthrough};
@@ -594,5 +595,117 @@ fn a_reward_model_with_its_own_tokenizer_reads_retokenized_text() {
     let last = metrics(&run_dir).pop().unwrap();
     assert!(last.get("reward").is_some_and(f64::is_finite), "{last:?}");
     trainer.roles.kill();
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// GRPO with LoRA (rank 16 on every projection) from the warmed-up walkthrough checkpoint:
+/// no reference role is started (the policy with its adapters off is the reference, and its
+/// log-probs equal the base checkpoint's), each sync sends only the merged projections and the
+/// engines then agree with the policy on every sampled token, and the export is the merged checkpoint plus a peft adapter directory that rebuilds it. A rerun
+/// with more steps resumes from the adapter checkpoint.
+#[test]
+fn grpo_with_lora_trains_the_adapters_and_exports_both_forms() {
+    let dir = scratch("lora");
+    let files = walkthrough(&dir);
+    let run_dir = dir.join("run");
+    let sets = [
+        "policy.lora.rank=16",
+        "policy.lora.alpha=32",
+        "train.max_steps=30",
+        "checkpoint.every_steps=10",
+        "algo.old_logprobs=policy",
+    ];
+    let config = hf_config(&run_dir, &files, &sets);
+    let (trainer, report) = rtrun_rlhf::run::run(&config, &mut NoProgress).unwrap();
+    assert_eq!(report.steps, 30);
+    assert!(trainer.roles.reference.is_none() && trainer.roles.reference_from_policy);
+    let base =
+        CausalLm::from_pretrained(&files.model_dir, tch::Device::Cpu, tch::Kind::Float).unwrap();
+    let whole: f64 = base.named_parameters().map(|(_, t)| (t.numel() * 4) as f64).sum();
+    let projections: f64 = base
+        .named_parameters()
+        .filter(|(n, _)| n.ends_with("_proj.weight"))
+        .map(|(_, t)| (t.numel() * 4) as f64)
+        .sum();
+    let records = metrics(&run_dir);
+    for r in records.iter().filter(|r| r.step() > 0) {
+        let gap = r.get("engine_logprob_gap").unwrap();
+        assert!(gap < 1e-4, "step {}: engine and policy differ by {gap}", r.step());
+        let bytes = r.get("weight_sync/bytes_per_rank").unwrap();
+        assert_eq!(bytes, projections, "step {}: only the merged projections travel", r.step());
+        assert!(r.get("kl").is_some_and(|kl| kl.is_finite() && kl >= 0.0), "step {}", r.step());
+    }
+    // Fresh adapters start at the reference (`B` = 0); the trained ones moved away from it.
+    assert_eq!(records[1].get("kl"), Some(0.0));
+    assert!(records.last().and_then(|r| r.get("kl")).is_some_and(|kl| kl > 0.0));
+    // Thirty steps on 32 held-out problems say little about the reward (full fine-tuning moves
+    // it either way here too); the main job's LoRA run is the benchmark of that.
+    let (before, after) = (report.baseline.mean_reward, report.final_result.mean_reward);
+    eprintln!(
+        "lora: held-out reward {before:.3} -> {after:.3}; {projections} of {whole} bytes per sync"
+    );
+
+    // The reference is the base model: the policy ranks with their adapters off compute the
+    // base checkpoint's log-probs; with them on, the trained policy's differ.
+    let sequences: Vec<Sequence> = (0..4u32)
+        .map(|i| Sequence {
+            prompt_ids: vec![1, 40 + i, 41, 42, 43],
+            response_ids: vec![50 + i, 60, 70, 2],
+        })
+        .collect();
+    let rank0 = &trainer.roles.actor.members()[0];
+    let reference = rank0.reference_log_probs(sequences.clone()).get().unwrap().unwrap();
+    let policy = rank0.log_probs(sequences.clone()).get().unwrap().unwrap();
+    let refs: Vec<&Sequence> = sequences.iter().collect();
+    let batch = rtrun_rlhf::experience::response_batch(&refs, tch::Device::Cpu).unwrap();
+    let expected = tch::no_grad(|| base.response_log_probs(&batch).unwrap());
+    let expected = rtrun_rlhf::experience::unpad_rows(&expected, &[4, 4, 4, 4]).unwrap();
+    let (mut ref_gap, mut policy_gap) = (0f32, 0f32);
+    for ((r, p), e) in reference.iter().zip(&policy).zip(&expected) {
+        for ((r, p), e) in r.iter().zip(p).zip(e) {
+            ref_gap = ref_gap.max((r - e).abs());
+            policy_gap = policy_gap.max((p - e).abs());
+        }
+    }
+    assert!(ref_gap < 1e-5, "the reference differs from the base model by {ref_gap}");
+    assert!(policy_gap > 1e-3, "the trained policy equals the base model ({policy_gap})");
+    trainer.roles.kill();
+
+    // Both forms: the merged checkpoint, and base + the peft adapter rebuilding it.
+    let exported = report.exported.clone().unwrap();
+    let adapter = exported.join(rtrun_rlhf::roles::lm::ADAPTER_DIR);
+    assert!(adapter.join("adapter_config.json").is_file());
+    assert!(adapter.join("adapter_model.safetensors").is_file());
+    let merged = CausalLm::from_pretrained(&exported, tch::Device::Cpu, tch::Kind::Float).unwrap();
+    let mut rebuilt =
+        CausalLm::from_pretrained(&files.model_dir, tch::Device::Cpu, tch::Kind::Float).unwrap();
+    rebuilt.load_adapter(&adapter).unwrap();
+    let mut changed = 0;
+    for ((name, a), (_, b)) in merged.named_parameters().zip(rebuilt.merged_parameters().unwrap()) {
+        let gap = (a - &b).abs().max().double_value(&[]);
+        assert!(gap < 1e-6, "`{name}` differs from base + adapter by {gap}");
+        changed += usize::from(
+            !name.ends_with("_proj.weight") || !a.equal(&base.params.get(name).unwrap()),
+        );
+    }
+    assert!(changed > 0);
+    for (name, t) in merged.named_parameters().filter(|(n, _)| !n.ends_with("_proj.weight")) {
+        assert!(t.equal(base.params.get(name).unwrap()), "frozen `{name}` changed");
+    }
+    // The checkpoint holds the adapter and its optimizer state, not the model.
+    let actor = RunPaths::new(&run_dir).checkpoints.join("step_000030/actor");
+    assert!(actor.join("adapter_model.safetensors").is_file());
+    assert!(actor.join("optimizer.safetensors").is_file());
+    assert!(!actor.join("model.safetensors").exists());
+
+    // A rerun with two more steps resumes from it.
+    let more: Vec<&str> = sets.iter().copied().chain(["train.max_steps=32"]).collect();
+    let (trainer, report) =
+        rtrun_rlhf::run::run(&hf_config(&run_dir, &files, &more), &mut NoProgress).unwrap();
+    assert_eq!(report.steps, 32);
+    let resumed = metrics(&run_dir).iter().filter(|r| r.step() > 0).count();
+    assert_eq!(resumed, 32, "steps 31 and 32 appended to the 30 before");
+    trainer.roles.kill();
+    rtrun::shutdown();
     std::fs::remove_dir_all(&dir).unwrap();
 }
