@@ -141,6 +141,7 @@ fn run_ranks(
         },
         with_reference: false,
         shard,
+        lora: None,
     };
     let group =
         ActorGroup::<LmWorker>::create("bench", ranks, Default::default(), |_, options| {
