@@ -465,3 +465,100 @@ fn a_killed_or_stopped_rank_fails_the_run_naming_its_role_and_rank() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// SFT and DPO with LoRA (`model.lora`): the adapters train over a frozen base on two DP ranks
+/// (SFT at ZeRO-3), the held-out SFT loss falls, the export is the merged model (its held-out
+/// loss, computed here, is the trainer's last) with the peft adapter in `adapter/`, and DPO's
+/// reference is the model with its adapters off (its margin starts at 0 and grows). Bad LoRA
+/// settings are errors naming the key, and an adapter made for another base model names the
+/// file and both shapes.
+#[test]
+fn sft_and_dpo_with_lora_train_the_adapters_alone() {
+    let dir = scratch("lora");
+    let files = walkthrough(&dir);
+    let config = write_config(&dir, &files, true);
+    let run_dir = dir.join("run");
+    let lora = ["model.lora.rank=16", "model.lora.alpha=32"];
+    let sets: Vec<&str> =
+        lora.iter().copied().chain(["train.max_steps=12", "train.zero_stage=3"]).collect();
+    run_to_end(&mut train(&config, &run_dir, &sets));
+    let records = metrics(&run_dir);
+    let eval: Vec<f64> = records.iter().filter_map(|m| m.get("eval/loss")).collect();
+    let (baseline, last) = (eval[0], *eval.last().unwrap());
+    assert!(last < 0.8 * baseline, "held-out loss {baseline} -> {last}: it must fall");
+    let stage = StageConfig::load_with_origin(&config, &[], 0).unwrap().0;
+    let tokenizer = rtrun_rlhf::tokenizer::HfTokenizer::from_dir(&files.model_dir, true).unwrap();
+    let samples =
+        rtrun_rlhf::stage::data::load_samples(&stage.data, &tokenizer, 5, Mode::Sft).unwrap();
+    let exported = held_out_loss(&run_dir.join("final_policy"), &samples.eval);
+    assert!((exported - last).abs() < 1e-4, "exported model {exported} vs trainer {last}");
+    let adapter = run_dir.join("final_policy/adapter");
+    assert!(adapter.join("adapter_config.json").is_file());
+    // Only the projections were adapted: every other weight is the base's.
+    let base = CausalLm::from_pretrained(&files.model_dir, tch::Device::Cpu, Kind::Float).unwrap();
+    let merged =
+        CausalLm::from_pretrained(&run_dir.join("final_policy"), tch::Device::Cpu, Kind::Float)
+            .unwrap();
+    for (name, t) in merged.named_parameters() {
+        let same = t.equal(base.params.get(name).unwrap());
+        assert_eq!(same, !name.ends_with("_proj.weight"), "`{name}`");
+    }
+
+    let pairs = write_pair_config(&dir, &files, "dpo");
+    let dpo_dir = dir.join("dpo");
+    let dpo_sets: Vec<&str> = lora.iter().copied().chain(["train.epochs=2"]).collect();
+    run_to_end(&mut train(&pairs, &dpo_dir, &dpo_sets));
+    let margins: Vec<f64> =
+        metrics(&dpo_dir).iter().filter_map(|m| m.get("eval/reward/margin")).collect();
+    assert_eq!(margins[0], 0.0, "the policy starts as its reference");
+    assert!(*margins.last().unwrap() > 0.0, "the held-out margin must grow: {margins:?}");
+
+    let fails = |sets: &[&str]| -> String {
+        let out = train(&config, &dir.join("bad"), sets).output().unwrap();
+        assert!(!out.status.success(), "{sets:?} must fail");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let err = fails(&["model.lora.rank=8", "model.lora.target_modules=[q_proj, qkv]"]);
+    assert!(err.contains("model.lora") && err.contains("`qkv`") && err.contains("q_proj"), "{err}");
+    let err = fails(&["model.lora.rank=0"]);
+    assert!(err.contains("model.lora") && err.contains("rank should be positive"), "{err}");
+    let err = fails(&["model.lora.rank=4096"]);
+    assert!(err.contains("model.lora") && err.contains("at most"), "{err}");
+    let err = fails(&["model.lora.rank=8", "model.lora.ranks=8"]);
+    assert!(err.contains("ranks"), "{err}");
+    // An adapter for another base model: a wider one's `A` does not fit.
+    let other = dir.join("other-adapter");
+    std::fs::create_dir_all(&other).unwrap();
+    for name in ["adapter_config.json", "adapter_model.safetensors"] {
+        std::fs::copy(adapter.join(name), other.join(name)).unwrap();
+    }
+    let mut wide = rtrun_rlhf_model::tiny::tiny_model(
+        &rtrun_rlhf_model::ModelConfig {
+            hidden_size: 2 * base.config().hidden_size,
+            ..base.config().clone()
+        },
+        1,
+    )
+    .unwrap();
+    let settings = rtrun_rlhf_model::lora::read_adapter_config(&adapter).unwrap();
+    wide.add_lora(&settings, 1).unwrap();
+    wide.save_adapter(&other, "wide").unwrap();
+    let err = fails(&[&format!("model.lora_adapter={}", other.display())]);
+    assert!(
+        err.contains("adapter_model.safetensors")
+            && err.contains("has shape")
+            && err.contains("another base model"),
+        "{err}"
+    );
+    // The trained adapter resumes as `lora_adapter` (its settings from adapter_config.json).
+    let again = dir.join("again");
+    let from_adapter = format!("model.lora_adapter={}", adapter.display());
+    run_to_end(&mut train(&config, &again, &[&from_adapter, "train.max_steps=1"]));
+    let eval: Vec<f64> = metrics(&again).iter().filter_map(|m| m.get("eval/loss")).collect();
+    assert!(
+        (eval[0] - last).abs() < 1e-4,
+        "starts where the adapter left off: {} vs {last}",
+        eval[0]
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
