@@ -14,6 +14,10 @@
 #      the same prompt/completion data (chat template, loss on the completion), 32 samples per
 #      optimizer step in micro-batches of 8, for SEEDS seeds: training tokens per second, rtrun
 #      as one rank unpacked (TRL's shape), one rank packed, and two DP ranks packed;
+#   3b. (part `lora`) `train --mode sft` with `model.lora` vs TRL's SFTTrainer with a peft LoRA
+#      config, same rank (16), alpha (32) and targets (every decoder projection), same checkpoint,
+#      data and batch shape as 3, one rank unpacked: training tokens per second and both loss
+#      curves;
 #   4. `train --mode rm` vs TRL's RewardTrainer and `train --mode dpo` vs TRL's DPOTrainer, from
 #      the same SFT'd walkthrough checkpoint on the same preference pairs, 32 pairs per step in
 #      micro-batches of 8: training tokens per second (rtrun one rank unpacked, two ranks
@@ -24,7 +28,7 @@
 #   --quick: 1 round, 1 seed, 12 rollout steps (a smoke run of the script; not a measurement).
 # Environment: BENCH_DIR (default ~/.cache/rtrun/bench-rlhf), THREADS (default: every core),
 #   ROUNDS (3), SEEDS ("1 2 3"), STEPS (40 rollout / SFT / RM / DPO steps per run), PARTS
-#   ("engine grpo sft pairs": which
+#   ("engine grpo sft lora pairs": which
 #   halves to run; the report then covers those), BENCH_VENV (a venv that
 #   already has them, e.g. the parity venv of rlhf/model/parity).
 # Python side: transformers 5.23, TRL 1.16 and torch 2.13 from PyPI in ~/.cache/rtrun/bench-venv,
@@ -42,7 +46,7 @@ fi
 THREADS=${THREADS:-$(nproc)}
 BENCH_DIR=${BENCH_DIR:-$HOME/.cache/rtrun/bench-rlhf}
 VENV=${BENCH_VENV:-$HOME/.cache/rtrun/bench-venv}
-PARTS=${PARTS:-"engine grpo sft pairs"}
+PARTS=${PARTS:-"engine grpo sft lora pairs"}
 mkdir -p "$BENCH_DIR/runs"
 REPORT=$BENCH_DIR/report.jsonl
 : >"$REPORT"
@@ -56,6 +60,9 @@ if ! "$VENV/bin/python" -c "import transformers, trl, datasets" 2>/dev/null; the
     "$VENV/bin/pip" install --quiet --upgrade pip
     "$VENV/bin/pip" install --quiet torch==2.13.0
     "$VENV/bin/pip" install --quiet "transformers==5.23.0" "trl==1.16.0" datasets accelerate safetensors
+fi
+if [[ " $PARTS " == *" lora "* ]] && ! "$VENV/bin/python" -c "import peft" 2>/dev/null; then
+    "$VENV/bin/pip" install --quiet "peft==0.21.2"
 fi
 PY=$VENV/bin/python
 cargo build --release --quiet -p rtrun-rlhf-engine --example engine_bench
@@ -130,6 +137,33 @@ for seed in $SEEDS; do
             >"$run.log" 2>&1) || { tail -20 "$run.log" >&2; exit 1; }
         "$PY" scripts/bench/summarize_sft.py "$run" "$seed" "$ranks rank(s), packing $packing" >>"$REPORT"
     done
+done
+fi
+
+# --- 3b. SFT with LoRA vs TRL's SFTTrainer with peft ---------------------------------------------
+if [[ " $PARTS " == *" lora "* ]]; then
+SW=$BENCH_DIR/walkthrough-untrained
+if [[ ! -f $SW/data/preference_train.jsonl ]]; then
+    rm -rf "$SW" "$BENCH_DIR/runs/sft-for-pairs"
+    "$ROOT/target/release/examples/make_walkthrough" "$SW" --warmup-steps 0 >&2
+fi
+for seed in $SEEDS; do
+    "$PY" scripts/bench/trl_sft_anchor.py --model "$SW/model" --data "$SW/data/train.jsonl" \
+        --steps "$STEPS" --threads "$THREADS" --seed "$seed" --lora-rank 16 --lora-alpha 32 \
+        2>"$BENCH_DIR/trl-lora-seed$seed.log" | tail -1 | "$PY" -c \
+        "import json,sys; r=json.load(sys.stdin); r['trl_lora_seed']=$seed; print(json.dumps(r))" >>"$REPORT"
+    run=$BENCH_DIR/runs/lora-seed$seed
+    rm -rf "$run"
+    (cd "$BENCH_DIR" && "$TRAIN" --config "$ROOT/deploy/examples/pipeline/sft-hf.yaml" \
+        --set seed="$seed" --set run_dir="$run" --set model.pretrain="$SW/model" \
+        --set data.train_data="$SW/data/train.jsonl" --set data.eval_data="$SW/data/test.jsonl" \
+        --set cluster.replicas=1 --set cluster.threads_per_worker="$THREADS" \
+        --set train.packing=false --set train.max_steps="$STEPS" \
+        --set model.lora.rank=16 --set model.lora.alpha=32 \
+        --set eval.every_steps=0 --set checkpoint.every_steps=0 \
+        >"$run.log" 2>&1) || { tail -20 "$run.log" >&2; exit 1; }
+    "$PY" scripts/bench/summarize_sft.py "$run" "$seed" "1 rank, LoRA r16" \
+        | "$PY" -c "import json,sys; r=json.load(sys.stdin); r['lora']=True; print(json.dumps(r))" >>"$REPORT"
 done
 fi
 

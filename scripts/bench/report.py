@@ -49,7 +49,7 @@ if ours:
                   for k in next(iter(ours.values()))["phase_seconds_median"]}
         print("rtrun phase medians (s): " + ", ".join(f"{k} {v:.3f}" for k, v in phases.items()))
 
-sft = [r for r in rows if "rtrun_sft_seed" in r and "pair_mode" not in r]
+sft = [r for r in rows if "rtrun_sft_seed" in r and "pair_mode" not in r and "lora" not in r]
 trl_sft = {r["trl_sft_seed"]: r for r in rows if "trl_sft_seed" in r}
 if sft:
     print("\n## SFT vs TRL SFTTrainer (32 samples per step, micro-batches of 8, tokens/s)\n")
@@ -68,6 +68,28 @@ if sft:
     for layout, ratios in by_layout.items():
         print(f"\nmean over seeds, {layout}: {statistics.mean(ratios):.2f}x TRL's tokens/s", end="")
     print()
+
+lora = [r for r in rows if r.get("lora")]
+trl_lora = {r["trl_lora_seed"]: r for r in rows if "trl_lora_seed" in r}
+if lora:
+    print("\n## SFT with LoRA (r 16, alpha 32, every projection) vs TRL SFTTrainer + peft "
+          "(1 rank, unpacked, tokens/s)\n")
+    print("| seed | TRL+peft tokens/s | rtrun tokens/s | ratio | loss at steps 1 / 10 / 20 / 30 / "
+          "last: TRL | rtrun | largest curve gap |")
+    print("|---:|---:|---:|---:|---|---|---:|")
+    ratios = []
+    for r in lora:
+        t = trl_lora.get(r["rtrun_sft_seed"])
+        if t is None:
+            continue
+        ratio = r["tokens_per_s"] / t["tokens_per_s"]
+        ratios.append(ratio)
+        points = lambda c: " / ".join(f"{c[i]:.3f}" for i in (0, 9, 19, 29, len(c) - 1) if i < len(c))
+        gap = max(abs(a - b) for a, b in zip(t["losses"], r["losses"]))
+        print(f"| {r['rtrun_sft_seed']} | {t['tokens_per_s']:.0f} | {r['tokens_per_s']:.0f} | "
+              f"{ratio:.2f}x | {points(t['losses'])} | {points(r['losses'])} | {gap:.3f} |")
+    if ratios:
+        print(f"\nmean over seeds: {statistics.mean(ratios):.2f}x TRL+peft's tokens/s")
 
 pairs = [r for r in rows if "pair_mode" in r]
 trl_pairs = {(r["trainer"], r["trl_pair_seed"]): r for r in rows if "trl_pair_seed" in r}

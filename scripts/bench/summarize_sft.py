@@ -21,4 +21,5 @@ print(json.dumps({
     "steps_timed": len(walls),
     "loss_first": steps[0]["loss"],
     "loss_last": steps[-1]["loss"],
+    "losses": [r["loss"] for r in steps],
 }))

@@ -10,7 +10,10 @@ samples only under flash-attention, which a CPU does not have), fp32, no gradien
 optimizer step (the first is warm-up and not timed) and prints, as JSON on the last line:
 
     {"trl_sft_version", "seconds_per_step_median", "tokens_per_s", "units_per_s",
-     "mean_tokens_per_sample", "steps_timed", "loss_first", "loss_last"}
+     "mean_tokens_per_sample", "steps_timed", "loss_first", "loss_last", "losses", "lora_rank"}
+
+With --lora-rank R it trains peft LoRA adapters instead (rank R, --lora-alpha, dropout 0, on
+every linear projection of the decoder, peft's `all-linear`): the anchor of `model.lora`.
 
 tokens_per_s counts every real (non-padding) token of the steps timed: the dataset's mean
 tokenized length x samples per step x steps / their wall seconds.
@@ -38,6 +41,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--micro", type=int, default=8)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--lora-rank", type=int, default=0)
+    parser.add_argument("--lora-alpha", type=float, default=32.0)
     args = parser.parse_args()
 
     import torch
@@ -60,6 +65,12 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
 
+    peft_config = None
+    if args.lora_rank:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=0.0,
+                                 target_modules="all-linear", task_type="CAUSAL_LM")
     clock = Clock()
     with tempfile.TemporaryDirectory() as out:
         config = SFTConfig(packing=False, completion_only_loss=True, **training_args(args, out))
@@ -69,12 +80,14 @@ def main() -> None:
             train_dataset=dataset,
             processing_class=tokenizer,
             callbacks=[clock],
+            peft_config=peft_config,
         )
         lengths = [len(ids) for ids in trainer.train_dataset["input_ids"]]
         clock.start = time.perf_counter()
         trainer.train()
     mean_tokens = statistics.mean(lengths)
     print(json.dumps({"trl_sft_version": trl.__version__, "mean_tokens_per_sample": mean_tokens,
+                      "lora_rank": args.lora_rank, "losses": clock.losses,
                       **clock.report(mean_tokens, args.batch)}))
 
 
