@@ -164,6 +164,8 @@ for seed in $SEEDS; do
         >"$run.log" 2>&1) || { tail -20 "$run.log" >&2; exit 1; }
     "$PY" scripts/bench/summarize_sft.py "$run" "$seed" "1 rank, LoRA r16" \
         | "$PY" -c "import json,sys; r=json.load(sys.stdin); r['lora']=True; print(json.dumps(r))" >>"$REPORT"
+    # peft loads the exported adapter onto the base with the merged export's logits.
+    "$PY" scripts/bench/peft_adapter_check.py "$run/final_policy" "$SW/model" | tail -1 >>"$REPORT"
 done
 fi
 

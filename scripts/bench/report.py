@@ -90,6 +90,11 @@ if lora:
               f"{ratio:.2f}x | {points(t['losses'])} | {points(r['losses'])} | {gap:.3f} |")
     if ratios:
         print(f"\nmean over seeds: {statistics.mean(ratios):.2f}x TRL+peft's tokens/s")
+    for r in rows:
+        if "peft_adapter_check" in r:
+            print(f"\npeft {r['peft_version']} loads {r['peft_adapter_check']}/adapter onto the base: "
+                  f"largest logit gap to the merged export {r['max_logit_gap']:.2e} "
+                  f"({'within' if r['ok'] else 'OUTSIDE'} 1e-5)")
 
 pairs = [r for r in rows if "pair_mode" in r]
 trl_pairs = {(r["trainer"], r["trl_pair_seed"]): r for r in rows if "trl_pair_seed" in r}
