@@ -32,6 +32,7 @@ use crate::config::{ModelConfig, write_json};
 use crate::error::{ModelError, Result};
 use crate::params::{Init, Parameters};
 use crate::safetensors_io::{read_file, write_file};
+use crate::scalar_head::{SCORE_WEIGHT, ScalarHeadModel};
 
 /// The projections of a decoder layer an adapter may sit on, in layer order.
 pub const LORA_TARGETS: [&str; 7] =
@@ -233,56 +234,199 @@ enum TargetModules {
     Many(Vec<String>),
 }
 
+/// Puts adapters on the `config.target_modules` projections of every layer of `backbone`
+/// (nothing is frozen here); `seed` draws `A`.
+fn attach(
+    backbone: &mut crate::Backbone,
+    base: &Parameters,
+    config: &LoraConfig,
+    seed: u64,
+) -> Result<Lora> {
+    config.validate()?;
+    let targets = config.targets()?;
+    let mut params = Parameters::new(base.device(), base.kind(), seed);
+    let enabled = Arc::new(AtomicBool::new(true));
+    for (index, layer) in backbone.layers.iter_mut().enumerate() {
+        for (path, linear) in layer.projections_mut() {
+            let name = path.rsplit('.').next().unwrap_or(path);
+            if !targets.contains(&name) {
+                continue;
+            }
+            let stem = format!("model.layers.{index}.{path}");
+            let size = linear.weight.size();
+            let (out_features, in_features) = (size[0], size[1]);
+            if config.rank > in_features.min(out_features) {
+                return Err(ModelError::Config(format!(
+                    "lora rank {} is larger than {stem} ({out_features} x {in_features}) \
+                     allows: at most {}",
+                    config.rank,
+                    in_features.min(out_features)
+                )));
+            }
+            let bound = 1.0 / (in_features as f64).sqrt();
+            let a = params.create(
+                &format!("{stem}.lora_A.weight"),
+                &[config.rank, in_features],
+                Init::Uniform(bound),
+            )?;
+            let b = params.create(
+                &format!("{stem}.lora_B.weight"),
+                &[out_features, config.rank],
+                Init::Constant(0.0),
+            )?;
+            linear.lora = Some(LoraAdapter {
+                a,
+                b,
+                scale: config.scale(),
+                dropout: config.dropout,
+                enabled: enabled.clone(),
+            });
+        }
+    }
+    Ok(Lora { config: config.clone(), params, enabled })
+}
+
+/// Every adapted projection of `backbone` with its update folded in, `(name, W + scale B A)`.
+fn merged_projections_of(backbone: &crate::Backbone) -> Result<Vec<(String, Tensor)>> {
+    let mut merged = Vec::new();
+    tch::no_grad(|| -> Result<()> {
+        for (index, layer) in backbone.layers.iter().enumerate() {
+            for (name, linear) in layer.projections() {
+                if let Some(adapter) = &linear.lora {
+                    let update = adapter.update()?.f_to_kind(linear.weight.kind())?;
+                    merged.push((
+                        format!("model.layers.{index}.{name}.weight"),
+                        linear.weight.f_add(&update)?,
+                    ));
+                }
+            }
+        }
+        Ok(())
+    })?;
+    Ok(merged)
+}
+
+/// `params` with the merged projections in place of the base ones.
+fn merged_with(params: &Parameters, merged: Vec<(String, Tensor)>) -> Vec<(String, Tensor)> {
+    let mut merged: HashMap<String, Tensor> = merged.into_iter().collect();
+    params
+        .named()
+        .map(|(name, tensor)| {
+            let value = merged.remove(name).unwrap_or_else(|| tensor.shallow_clone());
+            (name.to_owned(), value)
+        })
+        .collect()
+}
+
+/// Sets the dropout of every adapter of `backbone`.
+fn set_dropout(backbone: &mut crate::Backbone, lora: Option<&mut Lora>, dropout: f64) {
+    for layer in &mut backbone.layers {
+        for (_, linear) in layer.projections_mut() {
+            if let Some(adapter) = &mut linear.lora {
+                adapter.dropout = dropout;
+            }
+        }
+    }
+    if let Some(lora) = lora {
+        lora.config.dropout = dropout;
+    }
+}
+
+/// Writes a `peft` adapter directory for `lora`: `adapter_config.json` (`base` as
+/// `base_model_name_or_path`, `task_type`, `modules_to_save` named by `saved`) and
+/// `adapter_model.safetensors` with the adapters and the `saved` whole modules.
+fn write_adapter(
+    dir: &Path,
+    lora: &Lora,
+    base: &str,
+    task_type: &str,
+    saved: &[(&str, &Tensor)],
+) -> Result<()> {
+    std::fs::create_dir_all(dir).map_err(|e| ModelError::io(dir, e))?;
+    let targets = lora.config.targets()?.into_iter().map(String::from).collect();
+    let config = AdapterConfig {
+        peft_type: "LORA".into(),
+        r: lora.config.rank,
+        lora_alpha: lora.config.alpha,
+        lora_dropout: lora.config.dropout,
+        target_modules: TargetModules::Many(targets),
+        base_model_name_or_path: Some(base.to_owned()),
+        bias: Some("none".into()),
+        use_rslora: false,
+        use_dora: false,
+    };
+    let mut json = serde_json::to_value(&config).map_err(|e| ModelError::json(dir, e))?;
+    if let Some(map) = json.as_object_mut() {
+        map.insert("task_type".into(), task_type.into());
+        map.insert("inference_mode".into(), true.into());
+        map.insert("fan_in_fan_out".into(), false.into());
+        if !saved.is_empty() {
+            let modules: Vec<&str> =
+                saved.iter().map(|(n, _)| n.split('.').next().unwrap_or(n)).collect();
+            map.insert("modules_to_save".into(), modules.into());
+        }
+    }
+    write_json(&dir.join("adapter_config.json"), &json)?;
+    let mut named: Vec<(String, Tensor)> = lora
+        .params
+        .named()
+        .map(|(name, t)| (format!("{PEFT_PREFIX}{name}"), t.shallow_clone()))
+        .collect();
+    named.extend(saved.iter().map(|(n, t)| (format!("{PEFT_PREFIX}{n}"), t.shallow_clone())));
+    let metadata = HashMap::from([("format".to_owned(), "pt".to_owned())]);
+    write_file(
+        &dir.join("adapter_model.safetensors"),
+        named.iter().map(|(n, t)| (n.as_str(), t)),
+        metadata,
+    )
+}
+
+/// Copies the tensors of `dir`'s `adapter_model.safetensors` into `lora`'s adapters and into
+/// `saved` (whole modules peft keeps, e.g. a score head: copied when present), each checked
+/// against its target's shape.
+fn read_adapter_weights(dir: &Path, lora: &Lora, saved: &[(&str, &Parameters)]) -> Result<()> {
+    let weights = dir.join("adapter_model.safetensors");
+    let tensors: HashMap<String, Tensor> = read_file(&weights)?.0.into_iter().collect();
+    let check = |key: &str, found: &Tensor, target: &Tensor| -> Result<()> {
+        if found.size() != target.size() {
+            return Err(ModelError::Config(format!(
+                "{}: `{key}` has shape {:?}, the model's projection needs {:?} (an adapter for \
+                 another base model?)",
+                weights.display(),
+                found.size(),
+                target.size()
+            )));
+        }
+        Ok(())
+    };
+    for (name, tensor) in lora.params.named() {
+        let key = format!("{PEFT_PREFIX}{name}");
+        let found = tensors.get(&key).ok_or_else(|| {
+            ModelError::Config(format!("{}: missing tensor `{key}`", weights.display()))
+        })?;
+        check(&key, found, tensor)?;
+        lora.params.copy_into(name, found)?;
+    }
+    for (name, params) in saved {
+        let key = format!("{PEFT_PREFIX}{name}");
+        if let (Some(found), Some(target)) = (tensors.get(&key), params.get(name)) {
+            check(&key, found, target)?;
+            params.copy_into(name, found)?;
+        }
+    }
+    Ok(())
+}
+
 impl CausalLm {
     /// Puts adapters on the `config.target_modules` projections of every layer and freezes
     /// every base weight; `seed` draws `A`.
     pub fn add_lora(&mut self, config: &LoraConfig, seed: u64) -> Result<()> {
-        config.validate()?;
         if self.lora.is_some() {
             return Err(ModelError::Config("the model already has LoRA adapters".into()));
         }
-        let targets = config.targets()?;
-        let mut params = Parameters::new(self.params.device(), self.params.kind(), seed);
-        let enabled = Arc::new(AtomicBool::new(true));
-        for (index, layer) in self.backbone.layers.iter_mut().enumerate() {
-            for (path, linear) in layer.projections_mut() {
-                let name = path.rsplit('.').next().unwrap_or(path);
-                if !targets.contains(&name) {
-                    continue;
-                }
-                let stem = format!("model.layers.{index}.{path}");
-                let size = linear.weight.size();
-                let (out_features, in_features) = (size[0], size[1]);
-                if config.rank > in_features.min(out_features) {
-                    return Err(ModelError::Config(format!(
-                        "lora rank {} is larger than {stem} ({out_features} x {in_features}) \
-                         allows: at most {}",
-                        config.rank,
-                        in_features.min(out_features)
-                    )));
-                }
-                let bound = 1.0 / (in_features as f64).sqrt();
-                let a = params.create(
-                    &format!("{stem}.lora_A.weight"),
-                    &[config.rank, in_features],
-                    Init::Uniform(bound),
-                )?;
-                let b = params.create(
-                    &format!("{stem}.lora_B.weight"),
-                    &[out_features, config.rank],
-                    Init::Constant(0.0),
-                )?;
-                linear.lora = Some(LoraAdapter {
-                    a,
-                    b,
-                    scale: config.scale(),
-                    dropout: config.dropout,
-                    enabled: enabled.clone(),
-                });
-            }
-        }
+        let lora = attach(&mut self.backbone, &self.params, config, seed)?;
         self.params.set_requires_grad(false)?;
-        self.lora = Some(Lora { config: config.clone(), params, enabled });
+        self.lora = Some(lora);
         Ok(())
     }
 
@@ -301,51 +445,19 @@ impl CausalLm {
     /// Sets the dropout of every adapter (training passes only; a loaded adapter keeps the
     /// dropout its directory names until this).
     pub fn set_lora_dropout(&mut self, dropout: f64) {
-        for layer in &mut self.backbone.layers {
-            for (_, linear) in layer.projections_mut() {
-                if let Some(adapter) = &mut linear.lora {
-                    adapter.dropout = dropout;
-                }
-            }
-        }
-        if let Some(lora) = &mut self.lora {
-            lora.config.dropout = dropout;
-        }
+        set_dropout(&mut self.backbone, self.lora.as_mut(), dropout);
     }
 
     /// Every adapted projection's weight with its update folded in, `(name, W + scale B A)`
     /// (only the adapted ones: what changes when the adapters train).
     pub fn merged_projections(&self) -> Result<Vec<(String, Tensor)>> {
-        let mut merged = Vec::new();
-        tch::no_grad(|| -> Result<()> {
-            for (index, layer) in self.backbone.layers.iter().enumerate() {
-                for (name, linear) in layer.projections() {
-                    if let Some(adapter) = &linear.lora {
-                        let update = adapter.update()?.f_to_kind(linear.weight.kind())?;
-                        merged.push((
-                            format!("model.layers.{index}.{name}.weight"),
-                            linear.weight.f_add(&update)?,
-                        ));
-                    }
-                }
-            }
-            Ok(())
-        })?;
-        Ok(merged)
+        merged_projections_of(&self.backbone)
     }
 
     /// Every parameter of the model with the adapters folded in (the base's own tensors where
     /// nothing is adapted): what a Hugging Face export holds.
     pub fn merged_parameters(&self) -> Result<Vec<(String, Tensor)>> {
-        let mut merged: HashMap<String, Tensor> = self.merged_projections()?.into_iter().collect();
-        Ok(self
-            .params
-            .named()
-            .map(|(name, tensor)| {
-                let value = merged.remove(name).unwrap_or_else(|| tensor.shallow_clone());
-                (name.to_owned(), value)
-            })
-            .collect())
+        Ok(merged_with(&self.params, self.merged_projections()?))
     }
 
     /// Writes a `peft` adapter directory: `adapter_config.json` (`base` as
@@ -355,37 +467,7 @@ impl CausalLm {
             .lora
             .as_ref()
             .ok_or_else(|| ModelError::Config("the model has no LoRA adapters to save".into()))?;
-        std::fs::create_dir_all(dir).map_err(|e| ModelError::io(dir, e))?;
-        let targets = lora.config.targets()?.into_iter().map(String::from).collect();
-        let config = AdapterConfig {
-            peft_type: "LORA".into(),
-            r: lora.config.rank,
-            lora_alpha: lora.config.alpha,
-            lora_dropout: lora.config.dropout,
-            target_modules: TargetModules::Many(targets),
-            base_model_name_or_path: Some(base.to_owned()),
-            bias: Some("none".into()),
-            use_rslora: false,
-            use_dora: false,
-        };
-        let mut json = serde_json::to_value(&config).map_err(|e| ModelError::json(dir, e))?;
-        if let Some(map) = json.as_object_mut() {
-            map.insert("task_type".into(), "CAUSAL_LM".into());
-            map.insert("inference_mode".into(), true.into());
-            map.insert("fan_in_fan_out".into(), false.into());
-        }
-        write_json(&dir.join("adapter_config.json"), &json)?;
-        let named: Vec<(String, Tensor)> = lora
-            .params
-            .named()
-            .map(|(name, t)| (format!("{PEFT_PREFIX}{name}"), t.shallow_clone()))
-            .collect();
-        let metadata = HashMap::from([("format".to_owned(), "pt".to_owned())]);
-        write_file(
-            &dir.join("adapter_model.safetensors"),
-            named.iter().map(|(n, t)| (n.as_str(), t)),
-            metadata,
-        )
+        write_adapter(dir, lora, base, "CAUSAL_LM", &[])
     }
 
     /// Adds the adapters of the `peft` directory `dir` to a model without adapters: its
@@ -395,8 +477,8 @@ impl CausalLm {
     pub fn load_adapter(&mut self, dir: &Path) -> Result<()> {
         let settings = read_adapter_config(dir)?;
         let path = dir.join("adapter_config.json");
-        let bad = |what: String| ModelError::Config(format!("{}: {what}", path.display()));
-        self.add_lora(&settings, 0).map_err(|e| bad(e.to_string()))?;
+        self.add_lora(&settings, 0)
+            .map_err(|e| ModelError::Config(format!("{}: {e}", path.display())))?;
         self.load_adapter_weights(dir)
     }
 
@@ -404,31 +486,108 @@ impl CausalLm {
     /// model's adapters (which must exist, with the same targets and rank), each checked
     /// against its adapter's shape.
     pub fn load_adapter_weights(&self, dir: &Path) -> Result<()> {
-        let weights = dir.join("adapter_model.safetensors");
-        let tensors: HashMap<String, Tensor> = read_file(&weights)?.0.into_iter().collect();
-        let lora = self.lora.as_ref().ok_or_else(|| {
-            ModelError::Config(format!(
-                "loading {}: the model has no LoRA adapters to load into",
-                weights.display()
-            ))
-        })?;
-        for (name, tensor) in lora.params.named() {
-            let key = format!("{PEFT_PREFIX}{name}");
-            let found = tensors.get(&key).ok_or_else(|| {
-                ModelError::Config(format!("{}: missing tensor `{key}`", weights.display()))
-            })?;
-            if found.size() != tensor.size() {
-                return Err(ModelError::Config(format!(
-                    "{}: `{key}` has shape {:?}, the model's projection needs {:?} (an adapter \
-                     for another base model?)",
-                    weights.display(),
-                    found.size(),
-                    tensor.size()
-                )));
-            }
-            lora.params.copy_into(name, found)?;
+        read_adapter_weights(dir, no_adapters(self.lora.as_ref(), dir)?, &[])
+    }
+}
+
+/// A model LoRA adapters go on: a causal LM, or a scalar-head model (reward model).
+pub trait LoraModel {
+    /// Fresh adapters (see [`CausalLm::add_lora`]).
+    fn add_lora(&mut self, config: &LoraConfig, seed: u64) -> Result<()>;
+    /// The adapters of a `peft` directory (see [`CausalLm::load_adapter`]).
+    fn load_adapter(&mut self, dir: &Path) -> Result<()>;
+    /// Every adapter's dropout.
+    fn set_lora_dropout(&mut self, dropout: f64);
+}
+
+impl LoraModel for CausalLm {
+    fn add_lora(&mut self, config: &LoraConfig, seed: u64) -> Result<()> {
+        CausalLm::add_lora(self, config, seed)
+    }
+    fn load_adapter(&mut self, dir: &Path) -> Result<()> {
+        CausalLm::load_adapter(self, dir)
+    }
+    fn set_lora_dropout(&mut self, dropout: f64) {
+        CausalLm::set_lora_dropout(self, dropout)
+    }
+}
+
+impl LoraModel for ScalarHeadModel {
+    fn add_lora(&mut self, config: &LoraConfig, seed: u64) -> Result<()> {
+        ScalarHeadModel::add_lora(self, config, seed)
+    }
+    fn load_adapter(&mut self, dir: &Path) -> Result<()> {
+        ScalarHeadModel::load_adapter(self, dir)
+    }
+    fn set_lora_dropout(&mut self, dropout: f64) {
+        ScalarHeadModel::set_lora_dropout(self, dropout)
+    }
+}
+
+/// The adapters to load into, or an error naming the directory.
+fn no_adapters<'a>(lora: Option<&'a Lora>, dir: &Path) -> Result<&'a Lora> {
+    lora.ok_or_else(|| {
+        ModelError::Config(format!(
+            "loading {}: the model has no LoRA adapters to load into",
+            dir.display()
+        ))
+    })
+}
+
+impl ScalarHeadModel {
+    /// Puts adapters on the trunk's `config.target_modules` projections and freezes every
+    /// trunk weight; the score head stays trained whole (peft's `modules_to_save` of a
+    /// sequence-classification model). `seed` draws `A`.
+    pub fn add_lora(&mut self, config: &LoraConfig, seed: u64) -> Result<()> {
+        if self.lora.is_some() {
+            return Err(ModelError::Config("the model already has LoRA adapters".into()));
         }
+        let lora = attach(&mut self.backbone, &self.params, config, seed)?;
+        self.params.set_requires_grad(false)?;
+        let _ = self.score.weight.f_set_requires_grad(true)?;
+        self.lora = Some(lora);
         Ok(())
+    }
+
+    /// The adapters' parameters, if the model has adapters.
+    pub fn lora_parameters(&self) -> Option<&Parameters> {
+        self.lora.as_ref().map(|lora| &lora.params)
+    }
+
+    /// Sets the dropout of every adapter.
+    pub fn set_lora_dropout(&mut self, dropout: f64) {
+        set_dropout(&mut self.backbone, self.lora.as_mut(), dropout);
+    }
+
+    /// Every parameter with the adapters folded in: what a Hugging Face export holds.
+    pub fn merged_parameters(&self) -> Result<Vec<(String, Tensor)>> {
+        Ok(merged_with(&self.params, merged_projections_of(&self.backbone)?))
+    }
+
+    /// Writes a `peft` adapter directory of a sequence-classification model: the adapters and
+    /// the score head (`modules_to_save`), which `PeftModel.from_pretrained` loads onto
+    /// `AutoModelForSequenceClassification`.
+    pub fn save_adapter(&self, dir: &Path, base: &str) -> Result<()> {
+        let lora = self
+            .lora
+            .as_ref()
+            .ok_or_else(|| ModelError::Config("the model has no LoRA adapters to save".into()))?;
+        write_adapter(dir, lora, base, "SEQ_CLS", &[(SCORE_WEIGHT, &self.score.weight)])
+    }
+
+    /// Adds the adapters (and the score head, when saved) of the `peft` directory `dir`.
+    pub fn load_adapter(&mut self, dir: &Path) -> Result<()> {
+        let settings = read_adapter_config(dir)?;
+        let path = dir.join("adapter_config.json");
+        self.add_lora(&settings, 0)
+            .map_err(|e| ModelError::Config(format!("{}: {e}", path.display())))?;
+        self.load_adapter_weights(dir)
+    }
+
+    /// Copies `dir`'s adapter tensors (and its score head, when saved) into the model.
+    pub fn load_adapter_weights(&self, dir: &Path) -> Result<()> {
+        let lora = no_adapters(self.lora.as_ref(), dir)?;
+        read_adapter_weights(dir, lora, &[(SCORE_WEIGHT, &self.params)])
     }
 }
 
@@ -453,6 +612,17 @@ pub fn read_adapter_config(dir: &Path) -> Result<LoraConfig> {
         TargetModules::One(one) => vec![one],
         TargetModules::Many(many) => many,
     };
+    // peft expands `all-linear` into full module paths (`model.layers.0.self_attn.q_proj`):
+    // the projection names they end in, once each.
+    let mut short: Vec<String> = Vec::new();
+    for name in &target_modules {
+        let last = name.rsplit('.').next().unwrap_or(name).to_owned();
+        if !short.contains(&last) {
+            short.push(last);
+        }
+    }
+    let known = |n: &String| n == "all-linear" || LORA_TARGETS.contains(&n.as_str());
+    let target_modules = if short.iter().all(known) { short } else { target_modules };
     Ok(LoraConfig {
         rank: config.r,
         alpha: config.lora_alpha,
@@ -575,6 +745,71 @@ mod tests {
         let err = other.load_adapter(&dir).unwrap_err().to_string();
         assert!(err.contains("adapter_model.safetensors") && err.contains("lora_A"), "{err}");
         assert!(err.contains("another base model"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A reward model's trunk takes adapters, its score head stays trained: only they get
+    /// gradients; the adapter directory (peft's sequence-classification layout, the head in
+    /// `modules_to_save`) and the merged checkpoint both score as the adapted model does.
+    #[test]
+    fn a_scalar_head_model_adapts_its_trunk_and_trains_its_head() {
+        let config = tiny_config(ModelFamily::Qwen2);
+        let mut model = ScalarHeadModel::new_random(&config, Device::Cpu, Kind::Float, 4).unwrap();
+        model.add_lora(&lora(4, &["q_proj", "v_proj", "down_proj"]), 2).unwrap();
+        let (ids, mask) = inputs();
+        let scores = |m: &ScalarHeadModel| m.rewards(&ids, &mask).unwrap();
+        scores(&model).sum(Kind::Float).backward();
+        for (name, t) in model.named_parameters() {
+            assert_eq!(t.grad().defined(), name == SCORE_WEIGHT, "`{name}`");
+        }
+        for (name, t) in model.lora_parameters().unwrap().named() {
+            // A's gradient is zero while B is, but defined.
+            assert!(t.grad().defined(), "`{name}`");
+        }
+        tch::no_grad(|| {
+            for (name, t) in model.lora_parameters().unwrap().named() {
+                if name.ends_with("lora_B.weight") {
+                    t.shallow_clone().copy_(&(Tensor::randn_like(t) * 0.1));
+                }
+            }
+            model.score.weight.shallow_clone().copy_(&(Tensor::randn_like(&model.score.weight)));
+        });
+        let expected = tch::no_grad(|| scores(&model));
+        let dir = std::env::temp_dir().join(format!("rtrun-lora-rm-{}", std::process::id()));
+        model.save_adapter(&dir.join("adapter"), "tiny-rm").unwrap();
+        let written: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(dir.join("adapter/adapter_config.json")).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(
+            (written["task_type"].as_str(), written["modules_to_save"][0].as_str()),
+            (Some("SEQ_CLS"), Some("score"))
+        );
+        let mut again = ScalarHeadModel::new_random(&config, Device::Cpu, Kind::Float, 4).unwrap();
+        again.load_adapter(&dir.join("adapter")).unwrap();
+        assert!(gap(&tch::no_grad(|| scores(&again)), &expected) < 1e-6);
+        model.save_pretrained(&dir.join("merged"), &Default::default()).unwrap();
+        let merged =
+            ScalarHeadModel::from_pretrained(&dir.join("merged"), Device::Cpu, Kind::Float, 0)
+                .unwrap();
+        assert!(gap(&tch::no_grad(|| scores(&merged)), &expected) < 1e-5);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// peft expands `all-linear` into module paths in the `adapter_config.json` it writes:
+    /// they read as the projections they end in.
+    #[test]
+    fn peft_module_paths_read_as_projection_names() {
+        let dir = std::env::temp_dir().join(format!("rtrun-lora-paths-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let json = serde_json::json!({
+            "peft_type": "LORA", "r": 2, "lora_alpha": 4, "lora_dropout": 0.0, "bias": "none",
+            "target_modules": ["model.layers.0.self_attn.o_proj", "model.layers.1.self_attn.o_proj",
+                               "model.layers.0.mlp.up_proj"],
+        });
+        std::fs::write(dir.join("adapter_config.json"), json.to_string()).unwrap();
+        let read = read_adapter_config(&dir).unwrap();
+        assert_eq!(read.target_modules, ["o_proj", "up_proj"]);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -31,6 +31,8 @@ pub struct ScalarHeadModel {
     pub backbone: Backbone,
     /// The `[1, hidden]` head.
     pub score: Linear,
+    /// LoRA adapters ([`ScalarHeadModel::add_lora`]): the trunk frozen, the head trained.
+    pub lora: Option<crate::lora::Lora>,
 }
 
 impl ScalarHeadModel {
@@ -43,7 +45,7 @@ impl ScalarHeadModel {
         let mut params = Parameters::new(device, kind, seed);
         let backbone = Backbone::new(&mut params, config)?;
         let score = Self::head(&mut params, config)?;
-        Ok(Self { params, backbone, score })
+        Ok(Self { params, backbone, score, lora: None })
     }
 
     /// Registers the `[1, hidden]` head; OpenRLHF initialises a fresh value head with std
@@ -65,7 +67,7 @@ impl ScalarHeadModel {
         let backbone = Backbone::new(&mut params, &config)?;
         params.draw_from(seed);
         let score = Self::head(&mut params, &config)?;
-        let model = Self { params, backbone, score };
+        let model = Self { params, backbone, score, lora: None };
         let absent = load_into(&model.params, dir, &[SCORE_WEIGHT])?;
         if !absent.is_empty() {
             tracing::info!(dir = %dir.display(), "checkpoint has no score head; initialised a fresh one");
@@ -90,6 +92,14 @@ impl ScalarHeadModel {
             map.insert("label2id".into(), serde_json::json!({"LABEL_0": 0}));
         }
         write_json(&dir.join("config.json"), &json)?;
+        if self.lora.is_some() {
+            let merged = self.merged_parameters()?;
+            return crate::safetensors_io::write_checkpoint(
+                dir,
+                merged.iter().map(|(n, t)| (n.as_str(), t)),
+                options,
+            );
+        }
         save_params(&self.params, dir, options)
     }
 

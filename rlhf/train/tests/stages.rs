@@ -466,14 +466,15 @@ fn a_killed_or_stopped_rank_fails_the_run_naming_its_role_and_rank() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// SFT and DPO with LoRA (`model.lora`): the adapters train over a frozen base on two DP ranks
-/// (SFT at ZeRO-3), the held-out SFT loss falls, the export is the merged model (its held-out
-/// loss, computed here, is the trainer's last) with the peft adapter in `adapter/`, and DPO's
-/// reference is the model with its adapters off (its margin starts at 0 and grows). Bad LoRA
+/// SFT, DPO and the reward model with LoRA (`model.lora`): the adapters train over a frozen
+/// base on two DP ranks (SFT at ZeRO-3), the held-out SFT loss falls, the export is the merged
+/// model (its held-out loss, computed here, is the trainer's last) with the peft adapter in
+/// `adapter/`, DPO's reference is the model with its adapters off (its margin starts at 0 and
+/// grows), and the reward model's pair accuracy rises with its export scoring as measured. Bad LoRA
 /// settings are errors naming the key, and an adapter made for another base model names the
 /// file and both shapes.
 #[test]
-fn sft_and_dpo_with_lora_train_the_adapters_alone() {
+fn sft_dpo_and_rm_with_lora_train_the_adapters_alone() {
     let dir = scratch("lora");
     let files = walkthrough(&dir);
     let config = write_config(&dir, &files, true);
@@ -512,6 +513,27 @@ fn sft_and_dpo_with_lora_train_the_adapters_alone() {
         metrics(&dpo_dir).iter().filter_map(|m| m.get("eval/reward/margin")).collect();
     assert_eq!(margins[0], 0.0, "the policy starts as its reference");
     assert!(*margins.last().unwrap() > 0.0, "the held-out margin must grow: {margins:?}");
+
+    // A reward model with LoRA: adapters on the trunk, the score head trained whole; the
+    // merged export scores the held-out pairs as the trainer measured.
+    let rm = write_pair_config(&dir, &files, "rm");
+    let rm_dir = dir.join("rm");
+    let rm_sets: Vec<&str> =
+        lora.iter().copied().chain(["train.epochs=16", "eval.every_steps=60"]).collect();
+    run_to_end(&mut train(&rm, &rm_dir, &rm_sets));
+    let records = metrics(&rm_dir);
+    let accuracy: Vec<f64> = records.iter().filter_map(|m| m.get("eval/accuracy")).collect();
+    let rm_last = *accuracy.last().unwrap();
+    assert!(rm_last > accuracy[0], "held-out pair accuracy {accuracy:?}");
+    let exported = rm_dir.join("final_reward_model");
+    assert!(exported.join("adapter/adapter_model.safetensors").is_file());
+    let rm_stage = StageConfig::load_with_origin(&rm, &[], 0).unwrap().0;
+    let pairs =
+        rtrun_rlhf::stage::data::load_samples(&rm_stage.data, &tokenizer, 5, Mode::Rm).unwrap();
+    let (measured, margin) = reward_model_accuracy(&exported, &pairs.eval);
+    let reported = records.iter().rev().find_map(|m| m.get("eval/reward/margin")).unwrap();
+    assert_eq!(measured, rm_last);
+    assert!((margin - reported).abs() < 1e-3, "exported margin {margin} vs trainer {reported}");
 
     let fails = |sets: &[&str]| -> String {
         let out = train(&config, &dir.join("bad"), sets).output().unwrap();

@@ -1266,6 +1266,25 @@ mod tests {
         assert!(err("", &["engine.device=gpu"]).contains("engine.device"));
         assert!(err("", &["policy.dtype=fp8"]).contains("fp8"));
         assert!(err("", &["checkpoint.keep_last=0"]).contains("checkpoint.keep_last"));
+        // LoRA: the policy's only, checked as OpenRLHF's flags would be.
+        assert!(err("", &["reference.lora.rank=8"]).contains("reference.lora"));
+        assert!(err("", &["critic.lora_adapter=/x"]).contains("critic.lora_adapter"));
+        let bad = err("", &["policy.lora.rank=8", "policy.lora.target_modules=[attn]"]);
+        assert!(bad.contains("policy.lora") && bad.contains("`attn`"), "{bad}");
+        assert!(err("", &["policy.lora.rank=-1"]).contains("policy.lora"));
+        assert!(err("", &["policy.lora.rank=8", "policy.lora.alpha=0"]).contains("alpha"));
+        assert!(err("", &["policy.lora.rank=8", "policy.lora.dropout=1"]).contains("dropout"));
+        assert!(err("", &["policy.lora.alpha=8"]).contains("rank"));
+        // The locally made policy's projections are 64 wide: rank 65 fits none.
+        let bad = err("", &["policy.lora.rank=65"]);
+        assert!(bad.contains("policy.lora") && bad.contains("at most 64"), "{bad}");
+        let bad = err("", &["policy.lora_adapter=/nonexistent"]);
+        assert!(
+            bad.contains("policy.lora_adapter") && bad.contains("adapter_config.json"),
+            "{bad}"
+        );
+        let ipc = ["policy.lora.rank=8", "rollout.weight_sync_backend=cuda_ipc"];
+        assert!(err("", &ipc).contains("rollout.weight_sync_backend"));
         if !cfg!(feature = "cuda") {
             assert!(err("", &["critic.device=cuda"]).contains("critic.device"));
         }

@@ -45,10 +45,15 @@ impl RoleModelConfig {
         })
     }
 
-    /// Checks `<section>.lora` and `<section>.lora_adapter` against the model in `pretrain`
-    /// (when there is one; the locally made policy is checked when it is made) and refuses
-    /// them where `trained` is false (a frozen role: reference, critic).
-    pub fn validate_lora(&self, section: &str, trained: bool) -> Result<()> {
+    /// Checks `<section>.lora` and `<section>.lora_adapter` against the model in `pretrain`,
+    /// or without one against `local` (the shape of the locally made policy), and refuses them
+    /// where `trained` is false (a frozen role: reference, critic).
+    pub fn validate_lora(
+        &self,
+        section: &str,
+        trained: bool,
+        local: Option<rtrun_rlhf_model::ModelConfig>,
+    ) -> Result<()> {
         let (lora_key, adapter_key) =
             (format!("{section}.lora"), format!("{section}.lora_adapter"));
         if !trained {
@@ -66,7 +71,7 @@ impl RoleModelConfig {
         }
         let model = match &self.pretrain {
             Some(dir) => rtrun_rlhf_model::ModelConfig::from_dir(dir).ok(),
-            None => None,
+            None => local,
         };
         if let Some(lora) = &self.lora {
             let checked = match &model {
@@ -250,9 +255,11 @@ impl TrainConfig {
                 check_model_dir(key, dir)?;
             }
         }
-        config.policy.validate_lora("policy", true)?;
-        config.reference.validate_lora("reference", false)?;
-        config.critic.validate_lora("critic", false)?;
+        // Projection shapes do not depend on the context length.
+        let local = crate::warmup::policy_config(&config.model, 16);
+        config.policy.validate_lora("policy", true, Some(local))?;
+        config.reference.validate_lora("reference", false, None)?;
+        config.critic.validate_lora("critic", false, None)?;
         if config.reward.kind == RewardKind::Model
             && let Some(dir) = &config.reward.model_dir
         {

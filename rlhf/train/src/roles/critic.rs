@@ -41,6 +41,10 @@ pub struct CriticWorkerConfig {
     /// ZeRO stage and activation checkpointing.
     #[serde(default)]
     pub shard: ShardConfig,
+    /// LoRA adapters on the trunk, the score head trained whole (`model.lora` of `--mode
+    /// rm`).
+    #[serde(default)]
+    pub lora: Option<crate::roles::lm::LoraSetup>,
 }
 
 /// What one critic training call did.
@@ -70,6 +74,8 @@ struct CriticWorkerState {
     value_clip: f64,
     micro_batch_size: usize,
     share_prompt: bool,
+    /// Whether the trunk has LoRA adapters over frozen weights.
+    lora: bool,
 }
 
 fn to_string_error(e: impl std::fmt::Display) -> String {
@@ -80,13 +86,17 @@ impl CriticWorkerState {
     /// Loads the critic.
     fn create(config: CriticWorkerConfig) -> Result<CriticWorkerState, String> {
         config.setup.apply();
-        let model = ScalarHeadModel::from_pretrained(
+        let mut model = ScalarHeadModel::from_pretrained(
             &config.model_dir,
             config.setup.device(),
             config.setup.kind(),
             config.seed,
         )
         .map_err(|e| format!("loading {}: {e}", config.model_dir.display()))?;
+        if let Some(lora) = &config.lora {
+            lora.apply(&mut model).map_err(|e| format!("{}: {e}", config.setup.role))?;
+        }
+        let lora = model.lora.is_some();
         let group = GroupComm::from_group_context().map_err(to_string_error)?;
         let sharded = shard_scalar_head(
             &model,
@@ -103,6 +113,7 @@ impl CriticWorkerState {
             value_clip: config.value_clip,
             micro_batch_size: config.micro_batch_size.max(1),
             share_prompt: config.share_prompt,
+            lora,
         })
     }
 
@@ -151,8 +162,16 @@ impl CriticWorkerState {
     /// the group is called.
     pub fn save_checkpoint(&mut self, dir: PathBuf) -> Result<(), String> {
         let rank = self.sharded.rank_and_world().0;
+        let base = self.source_dir.display().to_string();
+        let lora = self.lora;
         let saved = match self.sharded.whole_optimizer() {
             Some(_) if rank != 0 => Ok(()),
+            // The adapters, the score head and their optimizer state.
+            Some(opt) if lora => self
+                .model
+                .save_adapter(&dir, &base)
+                .and_then(|()| opt.save(&dir.join(rtrun_rlhf_model::train::OPTIMIZER_FILE)))
+                .map_err(to_string_error),
             Some(opt) => self
                 .model
                 .save_pretrained(&dir, &Default::default())
@@ -183,8 +202,28 @@ impl CriticWorkerState {
         loaded.map_err(|e| format!("loading {}: {e}", dir.display()))
     }
 
-    /// Loads a stage-0 save (the model and `optimizer.safetensors`).
+    /// Loads a stage-0 save (the model and `optimizer.safetensors`; with LoRA the adapter
+    /// directory instead of the model).
     fn load_whole(&mut self, dir: &std::path::Path) -> rtrun_rlhf_model::Result<()> {
+        let adapter_save = dir.join("adapter_config.json").is_file();
+        if adapter_save != self.lora {
+            return Err(rtrun_rlhf_model::ModelError::Config(match self.lora {
+                true => "it holds no LoRA adapter (adapter_config.json): it was saved by a run \
+                         without model.lora"
+                    .into(),
+                false => "it holds LoRA adapters (adapter_config.json): resume it with \
+                          model.lora set as when it was saved"
+                    .into(),
+            }));
+        }
+        if self.lora {
+            self.model.load_adapter_weights(dir)?;
+            if let Some(opt) = self.sharded.whole_optimizer() {
+                opt.load(&dir.join(rtrun_rlhf_model::train::OPTIMIZER_FILE))?;
+            }
+            self.sharded.relayout()?;
+            return Ok(());
+        }
         let loaded = ScalarHeadModel::from_pretrained(
             dir,
             self.model.params.device(),
@@ -406,6 +445,7 @@ impl CriticWorkerState {
         let rank = self.sharded.rank_and_world().0;
         self.sharded.gather_all().map_err(to_string_error)?;
         let written = if rank == 0 {
+            let base = self.source_dir.display().to_string();
             self.model
                 .save_pretrained(&dir, &Default::default())
                 .and_then(|()| {
@@ -414,6 +454,12 @@ impl CriticWorkerState {
                         &dir,
                         self.model.config(),
                     )
+                })
+                .and_then(|()| match self.lora {
+                    true => {
+                        self.model.save_adapter(&dir.join(crate::roles::lm::ADAPTER_DIR), &base)
+                    }
+                    false => Ok(()),
                 })
                 .map_err(|e| format!("saving {}: {e}", dir.display()))
         } else {

@@ -90,7 +90,7 @@ pub struct LoraSetup {
 
 impl LoraSetup {
     /// Puts the adapters on `model` (freezing its base weights).
-    pub fn apply(&self, model: &mut CausalLm) -> Result<(), String> {
+    pub fn apply(&self, model: &mut impl rtrun_rlhf_model::lora::LoraModel) -> Result<(), String> {
         match (&self.adapter, &self.config) {
             (Some(dir), config) => {
                 model

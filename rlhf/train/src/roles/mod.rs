@@ -158,8 +158,12 @@ pub(crate) fn shard_scalar_head(
     optimizer: Option<OptimizerConfig>,
     role: &str,
 ) -> std::result::Result<ShardedModel, String> {
-    let named: Vec<(String, tch::Tensor)> =
-        model.named_parameters().map(|(n, t)| (n.to_string(), t.shallow_clone())).collect();
+    let adapters = model.lora_parameters().map(|p| p.named()).into_iter().flatten();
+    let named: Vec<(String, tch::Tensor)> = model
+        .named_parameters()
+        .chain(adapters)
+        .map(|(n, t)| (n.to_string(), t.shallow_clone()))
+        .collect();
     ShardedModel::new(&model.backbone, &named, false, config, group, optimizer)
         .map_err(|e| format!("{role}: sharding the model (zero_stage {}): {e}", config.stage))
 }

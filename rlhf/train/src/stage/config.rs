@@ -355,15 +355,7 @@ impl StageConfig {
             Some(_) => {}
         }
         self.model.device.validate("model.device")?;
-        if self.mode == Mode::Rm && (self.model.lora.is_some() || self.model.lora_adapter.is_some())
-        {
-            return Err(TrainError::config(
-                "model.lora",
-                "expected it unset with --mode rm: LoRA trains causal LMs (sft, dpo and the RL \
-                 policy); the reward model's score head is not adapted yet",
-            ));
-        }
-        self.model.validate_lora("model", true)?;
+        self.model.validate_lora("model", true, None)?;
         if self.data.train_data.is_empty() {
             return Err(TrainError::config(
                 "data.train_data",

@@ -185,6 +185,7 @@ fn create_ranks(
             share_prompt: t.share_prompt,
             seed: config.seed,
             shard: t.shard(),
+            lora: config.model.lora_setup(config.seed),
         };
         return Ok(Ranks::Scalar(ActorGroup::create(
             role,

@@ -192,6 +192,7 @@ impl Roles {
                 share_prompt: config.train.share_prompt,
                 seed: config.seed,
                 shard: config.train.shard(),
+                lora: None,
             };
             Some(ActorGroup::create(
                 "critic",
