@@ -286,6 +286,23 @@ fn attach(
     Ok(Lora { config: config.clone(), params, enabled })
 }
 
+/// Adapters on `backbone` into `slot` (which must be empty), every weight of `params` frozen.
+fn add_frozen(
+    slot: &mut Option<Lora>,
+    backbone: &mut crate::Backbone,
+    params: &Parameters,
+    config: &LoraConfig,
+    seed: u64,
+) -> Result<()> {
+    if slot.is_some() {
+        return Err(ModelError::Config("the model already has LoRA adapters".into()));
+    }
+    let lora = attach(backbone, params, config, seed)?;
+    params.set_requires_grad(false)?;
+    *slot = Some(lora);
+    Ok(())
+}
+
 /// Every adapted projection of `backbone` with its update folded in, `(name, W + scale B A)`.
 fn merged_projections_of(backbone: &crate::Backbone) -> Result<Vec<(String, Tensor)>> {
     let mut merged = Vec::new();
@@ -421,13 +438,7 @@ impl CausalLm {
     /// Puts adapters on the `config.target_modules` projections of every layer and freezes
     /// every base weight; `seed` draws `A`.
     pub fn add_lora(&mut self, config: &LoraConfig, seed: u64) -> Result<()> {
-        if self.lora.is_some() {
-            return Err(ModelError::Config("the model already has LoRA adapters".into()));
-        }
-        let lora = attach(&mut self.backbone, &self.params, config, seed)?;
-        self.params.set_requires_grad(false)?;
-        self.lora = Some(lora);
-        Ok(())
+        add_frozen(&mut self.lora, &mut self.backbone, &self.params, config, seed)
     }
 
     /// The adapters' parameters (the trainable ones of a LoRA model), if it has adapters.
@@ -539,13 +550,8 @@ impl ScalarHeadModel {
     /// trunk weight; the score head stays trained whole (peft's `modules_to_save` of a
     /// sequence-classification model). `seed` draws `A`.
     pub fn add_lora(&mut self, config: &LoraConfig, seed: u64) -> Result<()> {
-        if self.lora.is_some() {
-            return Err(ModelError::Config("the model already has LoRA adapters".into()));
-        }
-        let lora = attach(&mut self.backbone, &self.params, config, seed)?;
-        self.params.set_requires_grad(false)?;
+        add_frozen(&mut self.lora, &mut self.backbone, &self.params, config, seed)?;
         let _ = self.score.weight.f_set_requires_grad(true)?;
-        self.lora = Some(lora);
         Ok(())
     }
 

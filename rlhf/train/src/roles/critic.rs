@@ -205,17 +205,8 @@ impl CriticWorkerState {
     /// Loads a stage-0 save (the model and `optimizer.safetensors`; with LoRA the adapter
     /// directory instead of the model).
     fn load_whole(&mut self, dir: &std::path::Path) -> rtrun_rlhf_model::Result<()> {
-        let adapter_save = dir.join("adapter_config.json").is_file();
-        if adapter_save != self.lora {
-            return Err(rtrun_rlhf_model::ModelError::Config(match self.lora {
-                true => "it holds no LoRA adapter (adapter_config.json): it was saved by a run \
-                         without model.lora"
-                    .into(),
-                false => "it holds LoRA adapters (adapter_config.json): resume it with \
-                          model.lora set as when it was saved"
-                    .into(),
-            }));
-        }
+        crate::roles::check_adapter_save(dir, self.lora, "model.lora")
+            .map_err(rtrun_rlhf_model::ModelError::Config)?;
         if self.lora {
             self.model.load_adapter_weights(dir)?;
             if let Some(opt) = self.sharded.whole_optimizer() {

@@ -564,16 +564,8 @@ impl LmWorkerState {
     fn load_checkpoint_files(&mut self, dir: &Path) -> Result<(), String> {
         let sharded_save = rtrun_rlhf_shard::checkpoint::is_sharded_checkpoint(dir);
         let stage = self.sharded.config().stage;
-        let adapter_save = dir.join("adapter_config.json").is_file();
-        if self.trains && !sharded_save && adapter_save != self.lora {
-            return Err(match self.lora {
-                true => "it holds no LoRA adapter (adapter_config.json): it was saved by a run \
-                         without policy.lora"
-                    .into(),
-                false => "it holds LoRA adapters (adapter_config.json): resume it with \
-                          policy.lora set as when it was saved"
-                    .into(),
-            });
+        if self.trains && !sharded_save {
+            super::check_adapter_save(dir, self.lora, "policy.lora")?;
         }
         match (self.trains, sharded_save, stage) {
             (true, true, ZeroStage::Zero) => Err(format!(

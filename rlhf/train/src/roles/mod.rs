@@ -168,9 +168,42 @@ pub(crate) fn shard_scalar_head(
         .map_err(|e| format!("{role}: sharding the model (zero_stage {}): {e}", config.stage))
 }
 
+/// Refuses a stage-0 checkpoint `dir` of the other kind: an adapter save (`adapter_config.json`)
+/// for a rank without LoRA, or a whole-model save for a rank with it (`key`: the config key).
+pub(crate) fn check_adapter_save(
+    dir: &std::path::Path,
+    lora: bool,
+    key: &str,
+) -> std::result::Result<(), String> {
+    match (dir.join("adapter_config.json").is_file(), lora) {
+        (false, true) => Err(format!(
+            "it holds no LoRA adapter (adapter_config.json): it was saved by a run without {key}"
+        )),
+        (true, false) => Err(format!(
+            "it holds LoRA adapters (adapter_config.json): resume it with {key} set as when it \
+             was saved"
+        )),
+        _ => Ok(()),
+    }
+}
+
 #[cfg(test)]
 mod thread_plan_tests {
     use super::*;
+
+    #[test]
+    fn a_checkpoint_of_the_other_kind_is_refused_naming_the_key() {
+        let dir = std::env::temp_dir().join(format!("rtrun-adapter-kind-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        assert!(check_adapter_save(&dir, false, "policy.lora").is_ok());
+        let err = check_adapter_save(&dir, true, "policy.lora").unwrap_err();
+        assert!(err.contains("no LoRA adapter") && err.contains("policy.lora"), "{err}");
+        std::fs::write(dir.join("adapter_config.json"), "{}").unwrap();
+        assert!(check_adapter_save(&dir, true, "model.lora").is_ok());
+        let err = check_adapter_save(&dir, false, "model.lora").unwrap_err();
+        assert!(err.contains("resume it with model.lora"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     #[test]
     fn shared_plans_split_the_cores_per_phase_and_never_go_below_one() {
