@@ -27,4 +27,4 @@ echo "== rtrun (release), head + 1 node on loopback QUIC"
 CLUSTER_NODES=2 CLUSTER_BENCH_SECONDS="$seconds" RTRUN_ADDRESS="127.0.0.1:$port" \
   RTRUN_CREDENTIALS_DIR="$dir/hc" "$target/cluster_driver" | grep -E "object pulls|per second|checksum"
 echo "== Ray (anchor, same-node)"
-../shared/bench/ray-anchor.sh "1:1 actor calls sync" | grep -F "per second" || echo "Ray anchor unavailable"
+scripts/bench/ray-anchor.sh "1:1 actor calls sync" | grep -F "per second" || echo "Ray anchor unavailable"

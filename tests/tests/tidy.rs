@@ -1,8 +1,12 @@
 //! Tidy checks over the repository's own text (as rust-analyzer's `tidy` test does), so the
 //! documented boundaries cannot drift from the code unnoticed:
 //! - every Rust file starts with its module doc (`//!`);
-//! - every repository path ARCHITECTURE.md and the decision records (`docs/decisions/`) name in
-//!   backticks exists, and ARCHITECTURE.md links every decision record and only existing ones;
+//! - every repository path ARCHITECTURE.md, `docs/code-map.md` and the decision records
+//!   (`docs/decisions/`) name in backticks exists, the decision index links every record and
+//!   only existing ones, and README.md and ARCHITECTURE.md stay under 15 KB;
+//! - nothing committed is run output (no `.pyc`, no `runs/` or `__pycache__/` directory, model
+//!   weights only in the parity fixtures), and no tracked text reaches outside the repository
+//!   (the `shared/` directory beside a checkout is not part of a clone);
 //! - `unsafe` code appears only in the files of ARCHITECTURE.md's allow-list ("## `unsafe`
 //!   allow-list"), every file listed there still has some, only listed files
 //!   `allow(unsafe_code)` (the crates deny it), and every `unsafe` block or impl has a
@@ -94,8 +98,13 @@ fn linked_paths(text: &str) -> BTreeSet<String> {
         .collect()
 }
 
+/// The decision index: every record is listed there.
+const DECISIONS_INDEX: &str = "docs/decisions/README.md";
+/// The file-by-file companion of ARCHITECTURE.md's code map.
+const CODE_MAP: &str = "docs/code-map.md";
+
 #[test]
-fn every_path_architecture_md_and_the_decisions_name_exists() {
+fn every_path_architecture_md_the_code_map_and_the_decisions_name_exists() {
     let root = repo_root();
     let (files, dirs) = tree(&root);
     // A path names a file or directory from the root, or the tail of one (`head/spawn.rs`
@@ -106,22 +115,45 @@ fn every_path_architecture_md_and_the_decisions_name_exists() {
             || dirs.iter().any(|d| d == path || d.ends_with(&tail))
     };
     let architecture = read(&root, "ARCHITECTURE.md");
-    let links = linked_paths(&architecture);
-    assert!(links.len() > 40, "ARCHITECTURE.md links {} decisions", links.len());
+    let maps = linked_paths(&architecture);
+    for linked in [DECISIONS_INDEX, CODE_MAP] {
+        assert!(maps.contains(linked), "ARCHITECTURE.md does not link {linked}");
+    }
+    // The index links its records relative to its own directory.
+    let links: BTreeSet<String> = linked_paths(&read(&root, DECISIONS_INDEX))
+        .into_iter()
+        .filter(|l| !l.starts_with("../"))
+        .map(|l| format!("docs/decisions/{l}"))
+        .collect();
+    assert!(links.len() > 40, "{DECISIONS_INDEX} links {} decisions", links.len());
     let dead: Vec<&String> = links.iter().filter(|l| !files.contains(l)).collect();
-    assert!(dead.is_empty(), "ARCHITECTURE.md links files that do not exist: {dead:?}");
-    let decisions: Vec<&String> =
-        files.iter().filter(|f| f.starts_with("docs/decisions/") && f.ends_with(".md")).collect();
+    assert!(dead.is_empty(), "{DECISIONS_INDEX} links files that do not exist: {dead:?}");
+    let decisions: Vec<&String> = files
+        .iter()
+        .filter(|f| f.starts_with("docs/decisions/") && f.ends_with(".md"))
+        .filter(|f| f.as_str() != DECISIONS_INDEX)
+        .collect();
     let unlisted: Vec<&&String> = decisions.iter().filter(|d| !links.contains(**d)).collect();
-    assert!(unlisted.is_empty(), "decisions ARCHITECTURE.md does not list: {unlisted:?}");
+    assert!(unlisted.is_empty(), "decisions {DECISIONS_INDEX} does not list: {unlisted:?}");
     let mut named = 0;
-    for doc in std::iter::once(&"ARCHITECTURE.md".to_owned()).chain(decisions.iter().copied()) {
+    let maps = ["ARCHITECTURE.md".to_owned(), CODE_MAP.to_owned()];
+    for doc in maps.iter().chain(decisions.iter().copied()) {
         let paths = named_paths(&read(&root, doc));
         named += paths.len();
         let stale: Vec<&String> = paths.iter().filter(|p| !exists(p)).collect();
         assert!(stale.is_empty(), "{doc} names paths that do not exist: {stale:?}");
     }
     assert!(named > 50, "found only {named} paths");
+}
+
+/// The two maps a newcomer reads first stay short: the details live in `docs/`.
+#[test]
+fn readme_and_architecture_stay_short() {
+    let root = repo_root();
+    for doc in ["README.md", "ARCHITECTURE.md"] {
+        let size = read(&root, doc).len();
+        assert!(size <= 15 * 1024, "{doc} is {size} bytes, more than 15 KB: move details to docs/");
+    }
 }
 
 /// Whether the code part of `line` (before a `//` comment) has `unsafe` code: a block, a
@@ -243,4 +275,60 @@ fn the_checks_see_what_they_look_for() {
         "# A\n\n## `unsafe` allow-list\n\n- `a/b.rs`: why\n- `c.rs` — why\n\n## B\n- `d.rs`\n",
     );
     assert_eq!(list, BTreeSet::from(["a/b.rs".into(), "c.rs".into()]));
+}
+
+/// The tracked files (`git ls-files`): what a clone holds.
+fn tracked(root: &Path) -> Vec<String> {
+    let out = std::process::Command::new("git")
+        .args(["ls-files", "-z"])
+        .current_dir(root)
+        .output()
+        .expect("running git ls-files (the tidy checks need a git checkout)");
+    assert!(out.status.success(), "git ls-files: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout)
+        .split('\0')
+        .filter(|p| !p.is_empty())
+        .map(str::to_owned)
+        .collect()
+}
+
+/// The directories whose committed weights are test fixtures (made by the parity scripts).
+const FIXTURE_DIRS: [&str; 1] = ["rlhf/model/parity/"];
+
+#[test]
+fn nothing_committed_is_run_output() {
+    let files = tracked(&repo_root());
+    assert!(files.len() > 100, "git ls-files listed only {} files", files.len());
+    let output: Vec<&String> = files
+        .iter()
+        .filter(|f| {
+            let parts: Vec<&str> = f.split('/').collect();
+            let weights = [".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf"]
+                .iter()
+                .any(|e| f.ends_with(e));
+            f.ends_with(".pyc")
+                || parts.contains(&"runs")
+                || parts.contains(&"__pycache__")
+                || (weights && !FIXTURE_DIRS.iter().any(|d| f.starts_with(d)))
+        })
+        .collect();
+    assert!(output.is_empty(), "run output committed: {output:?}");
+}
+
+#[test]
+fn no_tracked_text_reaches_outside_the_repository() {
+    let root = repo_root();
+    // Built at run time so this file does not match itself.
+    let needle = format!("{}/shared/", "..");
+    let texts = [".rs", ".md", ".sh", ".py", ".yaml", ".yml", ".toml", ".json"];
+    let reaching: Vec<String> = tracked(&root)
+        .iter()
+        .filter(|f| texts.iter().any(|e| f.ends_with(e)))
+        .filter_map(|f| {
+            let text = std::fs::read_to_string(root.join(f)).ok()?;
+            let line = text.lines().position(|l| l.contains(&needle))?;
+            Some(format!("{f}:{}", line + 1))
+        })
+        .collect();
+    assert!(reaching.is_empty(), "paths outside the repository (a clone lacks them): {reaching:?}");
 }
