@@ -26,7 +26,7 @@ impl AlgoConfig {
         ClipConfig {
             clip_eps_low: self.eps_clip_low,
             clip_eps_high: self.eps_clip_high,
-            dual_clip: None,
+            dual_clip: self.dual_clip,
         }
     }
 

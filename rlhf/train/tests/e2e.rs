@@ -187,6 +187,31 @@ fn grpo_with_lora_in_the_hybrid_engine_and_at_zero_three() {
     }
 }
 
+/// OpenRLHF's schedule and dual-clip PPO in a run: the policy's learning rate decays step by
+/// step from below the peak towards 0.1 x the peak (`train.lr_scheduler:
+/// cosine_with_min_lr`; the exact values are checked in `trainer::roles`'s tests) while
+/// `algo.dual_clip` bounds the loss, and the run trains.
+#[test]
+fn grpo_with_a_cosine_learning_rate_and_dual_clip_trains() {
+    let dir = scratch("cosine");
+    let mut config = small_config(
+        &dir,
+        "algo: {advantage_estimator: group_norm, use_kl_loss: true, kl_estimator: k3, dual_clip: 3}\n",
+    );
+    config.train.lr_scheduler = rtrun_rlhf::config::LrScheduler::CosineWithMinLr;
+    config.train.max_steps = Some(4);
+    let (trainer, report) = rtrun_rlhf::run::run(&config, &mut NoProgress).unwrap();
+    assert_eq!(report.steps, 4);
+    assert_trained(&dir, 4);
+    let peak = config.train.actor_lr;
+    let lrs: Vec<f64> = metrics(&dir).iter().filter_map(|r| r.get("actor_lr")).collect();
+    assert_eq!(lrs.len(), 4);
+    assert!(lrs.windows(2).all(|w| w[1] < w[0]), "the rate must fall every step: {lrs:?}");
+    assert!(lrs[0] < peak && lrs[3] > 0.1 * peak, "{lrs:?} against the peak {peak}");
+    trainer.roles.kill();
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// A placement spec's `vllm_engine` bundles hold tensor-parallel engine ranks: two bundles make
 /// one engine of two ranks (trained with the policy's weights on every step), and one bundle
 /// for two ranks is a config error naming both numbers.

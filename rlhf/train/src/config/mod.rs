@@ -358,6 +358,10 @@ pub struct AlgoConfig {
     pub eps_clip_low: f64,
     /// PPO clip above 1.
     pub eps_clip_high: f64,
+    /// Dual-clip PPO (Ye et al. 2020; OpenRLHF's `--dual_clip`): for negative advantages the
+    /// clipped objective is bounded below by `dual_clip × advantage`, so a ratio far above 1
+    /// cannot push the loss without bound. Absent: off; set: above 1.
+    pub dual_clip: Option<f64>,
     /// Value clip of the critic loss.
     pub value_clip: f64,
     /// Entropy bonus coefficient (0: off).
@@ -393,6 +397,7 @@ impl Default for AlgoConfig {
             lambd: 1.0,
             eps_clip_low: 0.2,
             eps_clip_high: 0.2,
+            dual_clip: None,
             value_clip: 0.5,
             entropy_coef: 0.0,
             init_kl_coef: 0.01,
@@ -432,6 +437,17 @@ pub struct TrainLoopConfig {
     pub critic_lr: f64,
     /// Learning-rate warm-up steps (optimizer steps).
     pub lr_warmup_steps: u64,
+    /// Learning-rate warm-up as a fraction of the run's optimizer steps (OpenRLHF's
+    /// `--lr_warmup_ratio`); instead of `lr_warmup_steps`, not beside it.
+    pub lr_warmup_ratio: Option<f64>,
+    /// The learning rate after warm-up: `constant_with_warmup` (the default here) or
+    /// `cosine_with_min_lr` (OpenRLHF's default: a cosine decay to `min_lr_ratio` × the peak
+    /// over the run's optimizer steps). The default stays constant because every RL figure
+    /// and test of this repository was measured with it; set `cosine_with_min_lr` (and
+    /// `lr_warmup_ratio: 0.03`) for OpenRLHF's schedule.
+    pub lr_scheduler: LrScheduler,
+    /// `cosine_with_min_lr`'s floor as a fraction of the peak (OpenRLHF: `min_lr = 0.1 × lr`).
+    pub min_lr_ratio: f64,
     /// Gradient clipping.
     pub max_grad_norm: f64,
     /// AdamW weight decay.
@@ -459,6 +475,17 @@ pub struct TrainLoopConfig {
     /// pauses double from 0.2 ms up to this); shorter means a batch is picked up sooner after
     /// it lands, at the cost of more dock calls while waiting.
     pub dock_max_poll_pause_ms: u64,
+}
+
+/// The learning rate after warm-up (`train.lr_scheduler`, OpenRLHF's `--lr_scheduler`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LrScheduler {
+    /// The peak rate from the end of warm-up on.
+    #[default]
+    ConstantWithWarmup,
+    /// Cosine decay from the peak to `min_lr_ratio` × the peak at the last optimizer step.
+    CosineWithMinLr,
 }
 
 /// How a step's experience is made (`train.pipeline`).
@@ -497,6 +524,9 @@ impl Default for TrainLoopConfig {
             actor_lr: 1e-6,
             critic_lr: 9e-6,
             lr_warmup_steps: 0,
+            lr_warmup_ratio: None,
+            lr_scheduler: LrScheduler::ConstantWithWarmup,
+            min_lr_ratio: 0.1,
             max_grad_norm: 1.0,
             weight_decay: 0.0,
             freezing_actor_steps: 0,
@@ -976,6 +1006,38 @@ impl TrainConfig {
                 ));
             }
         }
+        if let Some(c) = a.dual_clip
+            && !(c.is_finite() && c > 1.0)
+        {
+            return Err(TrainError::config(
+                "algo.dual_clip",
+                format!("expected a number above 1 (OpenRLHF uses 3), found {c}"),
+            ));
+        }
+        let t = &self.train;
+        if let Some(ratio) = t.lr_warmup_ratio {
+            if !(0.0..=1.0).contains(&ratio) {
+                return Err(TrainError::config(
+                    "train.lr_warmup_ratio",
+                    format!("expected a number in [0, 1], found {ratio}"),
+                ));
+            }
+            if t.lr_warmup_steps > 0 {
+                return Err(TrainError::config(
+                    "train.lr_warmup_ratio",
+                    format!(
+                        "expected either it or train.lr_warmup_steps, found both ({ratio} and {})",
+                        t.lr_warmup_steps
+                    ),
+                ));
+            }
+        }
+        if !(0.0..=1.0).contains(&t.min_lr_ratio) {
+            return Err(TrainError::config(
+                "train.min_lr_ratio",
+                format!("expected a number in [0, 1], found {}", t.min_lr_ratio),
+            ));
+        }
         if let Some(target) = a.kl_target
             && !(target.is_finite() && target > 0.0)
         {
@@ -1245,6 +1307,14 @@ mod tests {
             TrainConfig::from_yaml(yaml, "bad.yaml", &sets).unwrap_err().to_string()
         };
         assert!(err("train:\n  actor_lrr: 1\n", &[]).contains("actor_lrr"));
+        // A slip is answered with the nearest valid name; nothing close, no guess.
+        let slip = err("train:\n  actor_lrr: 1\n", &[]);
+        assert!(slip.contains("did you mean `actor_lr`?"), "{slip}");
+        let slip = err("", &["rollout.temperatur=1"]);
+        assert!(slip.contains("rollout.temperatur") && slip.contains("`temperature`"), "{slip}");
+        assert!(!err("", &["rollout.zzzz=1"]).contains("did you mean"));
+        let value = err("", &["train.lr_scheduler=cosine_with_minlr"]);
+        assert!(value.contains("did you mean `cosine_with_min_lr`?"), "{value}");
         assert!(err("", &["rollout.top_p=0"]).contains("rollout.top_p"));
         assert!(
             err("", &["rollout.n_samples_per_prompt=1", "algo.advantage_estimator=group_norm"])
@@ -1266,6 +1336,12 @@ mod tests {
         assert!(err("", &["engine.device=gpu"]).contains("engine.device"));
         assert!(err("", &["policy.dtype=fp8"]).contains("fp8"));
         assert!(err("", &["checkpoint.keep_last=0"]).contains("checkpoint.keep_last"));
+        assert!(err("", &["algo.dual_clip=1"]).contains("algo.dual_clip"));
+        assert!(err("", &["train.lr_warmup_ratio=1.5"]).contains("train.lr_warmup_ratio"));
+        let both = err("", &["train.lr_warmup_ratio=0.1", "train.lr_warmup_steps=3"]);
+        assert!(both.contains("train.lr_warmup_ratio") && both.contains("both"), "{both}");
+        assert!(err("", &["train.min_lr_ratio=2"]).contains("train.min_lr_ratio"));
+        assert!(err("", &["train.lr_scheduler=linear"]).contains("cosine_with_min_lr"));
         // LoRA: the policy's only, checked as OpenRLHF's flags would be.
         assert!(err("", &["reference.lora.rank=8"]).contains("reference.lora"));
         assert!(err("", &["critic.lora_adapter=/x"]).contains("critic.lora_adapter"));
@@ -1327,7 +1403,9 @@ mod tests {
         );
         let message = err("train:\n  actor_lrr: 1\n", &[]);
         assert!(
-            message.starts_with("config key `train.actor_lrr`: unknown key; expected one of")
+            message.starts_with(
+                "config key `train.actor_lrr`: unknown key; did you mean `actor_lr`? expected one of"
+            )
                 && message.ends_with("(bad.yaml:2)"),
             "{message}"
         );

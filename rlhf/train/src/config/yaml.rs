@@ -79,9 +79,18 @@ pub(crate) fn typed<T: serde::de::DeserializeOwned>(
                     p if p == field || p.ends_with(&format!(".{field}")) => path.clone(),
                     p => format!("{p}.{field}"),
                 };
-                (key, format!("unknown key; expected one of {expected}"))
+                let hint = nearest(field, expected)
+                    .map(|near| format!("did you mean `{near}`? "))
+                    .unwrap_or_default();
+                (key, format!("unknown key; {hint}expected one of {expected}"))
             }
-            None => (path, plain_type_error(&message)),
+            None => match unknown_variant(&message) {
+                Some((value, expected)) => match nearest(value, expected) {
+                    Some(near) => (path, format!("{message} (did you mean `{near}`?)")),
+                    None => (path, message),
+                },
+                None => (path, plain_type_error(&message)),
+            },
         };
         let overridden = overrides.iter().any(|o| {
             o.split_once('=').is_some_and(|(k, _)| {
@@ -109,6 +118,27 @@ fn unknown_field(message: &str) -> Option<(&str, &str)> {
     let expected = expected.strip_prefix("expected one of ").unwrap_or(expected);
     let expected = expected.strip_prefix("expected ").unwrap_or(expected);
     Some((field, expected))
+}
+
+/// `unknown variant `x`, expected `a` or `b`` as (`x`, "`a` or `b`").
+fn unknown_variant(message: &str) -> Option<(&str, &str)> {
+    let rest = message.strip_prefix("unknown variant `")?;
+    let (value, rest) = rest.split_once('`')?;
+    let expected = rest.trim_start_matches(',').trim();
+    Some((value, expected.strip_prefix("expected ").unwrap_or(expected)))
+}
+
+/// The backticked name in `expected` closest to `word`, if one is close enough to be a slip
+/// (Jaro-Winkler similarity of 0.8 or more, as cargo and clap suggest).
+fn nearest<'a>(word: &str, expected: &'a str) -> Option<&'a str> {
+    expected
+        .split('`')
+        .skip(1)
+        .step_by(2)
+        .map(|name| (strsim::jaro_winkler(word, name), name))
+        .filter(|(score, _)| *score >= 0.8)
+        .max_by(|a, b| a.0.total_cmp(&b.0))
+        .map(|(_, name)| name)
 }
 
 /// serde's `invalid type: sequence, expected f64` as `expected a number, found a sequence`.

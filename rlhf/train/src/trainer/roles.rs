@@ -9,7 +9,9 @@ use rtrun_rlhf_model::train::{OptimizerConfig, ScheduleConfig};
 
 use rtrun_rlhf_dock::RemoteDock;
 
-use crate::config::{AlgoConfig, PipelineMode, RewardKind, TrainConfig, WorkerThreads};
+use crate::config::{
+    AlgoConfig, LrScheduler, PipelineMode, RewardKind, TrainConfig, WorkerThreads,
+};
 use crate::error::{Result, TrainError};
 use crate::placement_map::RolePlacements;
 use crate::roles::critic::{
@@ -85,14 +87,25 @@ pub fn needs_critic(algo: &AlgoConfig) -> bool {
     algo.advantage_estimator.needs_critic()
 }
 
-fn optimizer(config: &TrainConfig, lr: f64, total_steps: u64) -> OptimizerConfig {
+/// The optimizer of a trained role at peak rate `lr` over `total_steps` optimizer steps, with
+/// the run's schedule (`train.lr_scheduler`, `lr_warmup_steps` or `lr_warmup_ratio`,
+/// `min_lr_ratio`).
+pub fn optimizer(config: &TrainConfig, lr: f64, total_steps: u64) -> OptimizerConfig {
+    let t = &config.train;
+    let total_steps = total_steps.max(1);
+    let warmup_steps = match t.lr_warmup_ratio {
+        Some(ratio) => (ratio * total_steps as f64).ceil() as u64,
+        None => t.lr_warmup_steps,
+    };
     OptimizerConfig {
         schedule: ScheduleConfig {
             peak_lr: lr,
-            warmup_steps: config.train.lr_warmup_steps,
-            total_steps: total_steps.max(1),
-            // A constant rate after warm-up, as OpenRLHF's `constant_with_warmup` default.
-            min_lr_ratio: 1.0,
+            warmup_steps,
+            total_steps,
+            min_lr_ratio: match t.lr_scheduler {
+                LrScheduler::ConstantWithWarmup => 1.0,
+                LrScheduler::CosineWithMinLr => t.min_lr_ratio,
+            },
         },
         weight_decay: config.train.weight_decay,
         max_grad_norm: config.train.max_grad_norm,
@@ -361,4 +374,44 @@ fn placed(
     options: rtrun::ActorOptions,
 ) -> rtrun::Result<rtrun::ActorOptions> {
     p.options(role, rank, options).map_err(|e| rtrun::Error::Invalid(e.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The schedule each key makes, at hand-computed steps: peak 1e-3 over 20 optimizer steps.
+    #[test]
+    fn the_learning_rate_schedule_follows_the_keys() {
+        let config = |sets: &[&str]| {
+            let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+            TrainConfig::from_yaml("", "lr.yaml", &sets).unwrap()
+        };
+        let lr = |sets: &[&str], step: u64| optimizer(&config(sets), 1e-3, 20).schedule.lr_at(step);
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-15;
+        // The default: constant after warm-up.
+        for step in [0, 7, 19, 25] {
+            assert!(close(lr(&[], step), 1e-3));
+        }
+        assert!(close(lr(&["train.lr_warmup_steps=4"], 0), 0.25e-3));
+        // OpenRLHF's: warm-up over ceil(0.1 x 20) = 2 steps, then cosine to 0.1 x the peak.
+        let cosine = ["train.lr_scheduler=cosine_with_min_lr", "train.lr_warmup_ratio=0.1"];
+        assert!(close(lr(&cosine, 0), 0.5e-3));
+        assert!(close(lr(&cosine, 1), 1e-3));
+        assert!(close(lr(&cosine, 2), 1e-3));
+        // Half way through the 18 decay steps: floor + (peak - floor) / 2 = 1e-4 + 4.5e-4.
+        assert!(close(lr(&cosine, 11), 5.5e-4));
+        assert!(close(lr(&cosine, 20), 1e-4));
+        let floor = ["train.lr_scheduler=cosine_with_min_lr", "train.min_lr_ratio=0"];
+        assert!(close(lr(&floor, 10), 0.5e-3) && close(lr(&floor, 20), 0.0));
+    }
+
+    #[test]
+    fn dual_clip_reaches_the_policy_loss() {
+        let sets = vec!["algo.dual_clip=3".to_owned()];
+        let config = TrainConfig::from_yaml("", "clip.yaml", &sets).unwrap();
+        assert_eq!(config.algo.clip_config().dual_clip, Some(3.0));
+        let plain = TrainConfig::from_yaml("", "clip.yaml", &[]).unwrap();
+        assert_eq!(plain.algo.clip_config().dual_clip, None);
+    }
 }
