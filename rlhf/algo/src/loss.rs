@@ -39,6 +39,25 @@ pub enum LossAggregation {
         /// Data-parallel ranks whose gradients are averaged.
         dp_size: usize,
     },
+    /// Σ over sequences of each token *sum* / `global_batch_size` · `dp_size` (verl's
+    /// `seq-mean-token-sum`: a long response weighs as much as its tokens).
+    GlobalSequenceSum {
+        /// Sequences in the global batch.
+        global_batch_size: f64,
+        /// Data-parallel ranks whose gradients are averaged.
+        dp_size: usize,
+    },
+    /// Σ over every token / (`global_batch_size` · `norm_len`) · `dp_size`: Dr. GRPO's
+    /// constant normaliser (verl's `seq-mean-token-sum-norm`), which no response length
+    /// biases.
+    GlobalConstant {
+        /// Sequences in the global batch.
+        global_batch_size: f64,
+        /// The constant length each sequence's sum is divided by (the generation budget).
+        norm_len: f64,
+        /// Data-parallel ranks whose gradients are averaged.
+        dp_size: usize,
+    },
 }
 
 /// Reduces a per-token loss `[B, T]` under `action_mask` as `aggregation` says.
@@ -56,6 +75,23 @@ pub fn aggregate_loss(
                 .f_mul(&mask)?
                 .f_sum(Kind::Float)?
                 .f_div_scalar(batch_num_tokens)?
+                .f_mul_scalar(dp_size as f64)?)
+        }
+        LossAggregation::GlobalSequenceSum { global_batch_size, dp_size } => {
+            positive("global_batch_size", global_batch_size)?;
+            Ok(loss
+                .f_mul(&mask)?
+                .f_sum(Kind::Float)?
+                .f_div_scalar(global_batch_size)?
+                .f_mul_scalar(dp_size as f64)?)
+        }
+        LossAggregation::GlobalConstant { global_batch_size, norm_len, dp_size } => {
+            positive("global_batch_size", global_batch_size)?;
+            positive("norm_len", norm_len)?;
+            Ok(loss
+                .f_mul(&mask)?
+                .f_sum(Kind::Float)?
+                .f_div_scalar(global_batch_size * norm_len)?
                 .f_mul_scalar(dp_size as f64)?)
         }
         LossAggregation::SequenceMean | LossAggregation::GlobalSequenceMean { .. } => {
@@ -326,7 +362,17 @@ mod tests {
         assert!((agg(LossAggregation::SequenceMean) - 2.75).abs() < 1e-6);
         let global = LossAggregation::GlobalSequenceMean { global_batch_size: 11.0, dp_size: 2 };
         assert!((agg(global) - 1.0).abs() < 1e-6);
+        // Sequence sums: 3, 4, 0 → 7/14 sequences · dp 2 = 1; Dr. GRPO's constant over 14
+        // sequences of length 4, dp 2: 7/56·2 = 0.25.
+        let sums = LossAggregation::GlobalSequenceSum { global_batch_size: 14.0, dp_size: 2 };
+        assert!((agg(sums) - 1.0).abs() < 1e-6);
+        let constant =
+            LossAggregation::GlobalConstant { global_batch_size: 14.0, norm_len: 4.0, dp_size: 2 };
+        assert!((agg(constant) - 0.25).abs() < 1e-6);
         let bad = LossAggregation::GlobalTokenMean { batch_num_tokens: 0.0, dp_size: 1 };
+        assert!(aggregate_loss(&loss, &mask, bad).is_err());
+        let bad =
+            LossAggregation::GlobalConstant { global_batch_size: 1.0, norm_len: 0.0, dp_size: 1 };
         assert!(aggregate_loss(&loss, &mask, bad).is_err());
     }
 

@@ -138,6 +138,7 @@ fn run_ranks(
             kl_estimator: Default::default(),
             micro_batch_size: 2,
             share_prompt: false,
+            ..Default::default()
         },
         with_reference: false,
         shard,

@@ -212,6 +212,36 @@ fn grpo_with_a_cosine_learning_rate_and_dual_clip_trains() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// Every `algo.loss_agg_mode` trains (the aggregations themselves are checked by hand in
+/// `rtrun_rlhf_algo::loss`'s tests): the same first rollout, aggregated four ways, gives four
+/// different gradients, and the engines keep the policy's weights.
+#[test]
+fn every_loss_aggregation_mode_trains() {
+    let mut first_norms = Vec::new();
+    for mode in
+        ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+    {
+        let dir = scratch(&format!("agg-{mode}"));
+        let config = small_config(
+            &dir,
+            &format!(
+                "algo: {{advantage_estimator: group_norm, use_kl_loss: true, kl_estimator: k3, loss_agg_mode: {mode}}}\n"
+            ),
+        );
+        let (trainer, report) = rtrun_rlhf::run::run(&config, &mut NoProgress).unwrap();
+        assert_eq!(report.steps, 2, "{mode}");
+        assert_trained(&dir, 2);
+        first_norms.push(metrics(&dir)[1].get("actor_grad_norm").unwrap());
+        trainer.roles.kill();
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+    for (i, a) in first_norms.iter().enumerate() {
+        for b in &first_norms[i + 1..] {
+            assert!(a != b, "two modes gave the same gradient: {first_norms:?}");
+        }
+    }
+}
+
 /// A placement spec's `vllm_engine` bundles hold tensor-parallel engine ranks: two bundles make
 /// one engine of two ranks (trained with the policy's weights on every step), and one bundle
 /// for two ranks is a config error naming both numbers.

@@ -362,6 +362,12 @@ pub struct AlgoConfig {
     /// clipped objective is bounded below by `dual_clip × advantage`, so a ratio far above 1
     /// cannot push the loss without bound. Absent: off; set: above 1.
     pub dual_clip: Option<f64>,
+    /// How the policy's per-token losses (PPO, entropy, KL) become one number (verl's
+    /// `loss_agg_mode`): `token-mean` (the default, OpenRLHF's: over every response token of
+    /// the global mini-batch), `seq-mean-token-mean`, `seq-mean-token-sum`, or
+    /// `seq-mean-token-sum-norm` (Dr. GRPO: each sequence's sum over the constant
+    /// `rollout.max_new_tokens`).
+    pub loss_agg_mode: LossAggMode,
     /// Value clip of the critic loss.
     pub value_clip: f64,
     /// Entropy bonus coefficient (0: off).
@@ -398,6 +404,7 @@ impl Default for AlgoConfig {
             eps_clip_low: 0.2,
             eps_clip_high: 0.2,
             dual_clip: None,
+            loss_agg_mode: LossAggMode::TokenMean,
             value_clip: 0.5,
             entropy_coef: 0.0,
             init_kl_coef: 0.01,
@@ -475,6 +482,25 @@ pub struct TrainLoopConfig {
     /// pauses double from 0.2 ms up to this); shorter means a batch is picked up sooner after
     /// it lands, at the cost of more dock calls while waiting.
     pub dock_max_poll_pause_ms: u64,
+}
+
+/// How per-token losses are aggregated (`algo.loss_agg_mode`, verl's names; `_` works for `-`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum LossAggMode {
+    /// Σ over the global mini-batch's tokens / their count.
+    #[default]
+    #[serde(alias = "token_mean")]
+    TokenMean,
+    /// The mean over sequences of each sequence's token mean.
+    #[serde(alias = "seq_mean_token_mean")]
+    SeqMeanTokenMean,
+    /// The mean over sequences of each sequence's token sum.
+    #[serde(alias = "seq_mean_token_sum")]
+    SeqMeanTokenSum,
+    /// Σ over every token / (sequences × `rollout.max_new_tokens`): Dr. GRPO's constant.
+    #[serde(alias = "seq_mean_token_sum_norm")]
+    SeqMeanTokenSumNorm,
 }
 
 /// The learning rate after warm-up (`train.lr_scheduler`, OpenRLHF's `--lr_scheduler`).
@@ -1337,6 +1363,11 @@ mod tests {
         assert!(err("", &["policy.dtype=fp8"]).contains("fp8"));
         assert!(err("", &["checkpoint.keep_last=0"]).contains("checkpoint.keep_last"));
         assert!(err("", &["algo.dual_clip=1"]).contains("algo.dual_clip"));
+        let mode = err("", &["algo.loss_agg_mode=seq-mean"]);
+        assert!(
+            mode.contains("algo.loss_agg_mode") && mode.contains("seq-mean-token-mean"),
+            "{mode}"
+        );
         assert!(err("", &["train.lr_warmup_ratio=1.5"]).contains("train.lr_warmup_ratio"));
         let both = err("", &["train.lr_warmup_ratio=0.1", "train.lr_warmup_steps=3"]);
         assert!(both.contains("train.lr_warmup_ratio") && both.contains("both"), "{both}");

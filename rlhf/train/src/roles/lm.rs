@@ -32,7 +32,7 @@ use crate::stage::losses::{PairStats, PreferenceLoss};
 use crate::stage::pack::PackedRow;
 
 /// How a policy rank computes its loss.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct PolicyLossConfig {
     /// PPO clip range.
     pub clip: ClipConfig,
@@ -48,6 +48,21 @@ pub struct PolicyLossConfig {
     /// ([`crate::experience::SharedPromptBatch`]; `train.share_prompt`).
     #[serde(default = "share_prompt_default")]
     pub share_prompt: bool,
+    /// How per-token losses become one number (`algo.loss_agg_mode`).
+    #[serde(default)]
+    pub loss_agg_mode: crate::config::LossAggMode,
+    /// The generation budget, `seq-mean-token-sum-norm`'s constant length.
+    #[serde(default)]
+    pub max_new_tokens: usize,
+}
+
+/// What a policy step's losses are normalised by: the global mini-batch (every DP rank's rows).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GlobalBatch {
+    /// Response tokens.
+    pub tokens: usize,
+    /// Sequences.
+    pub sequences: usize,
 }
 
 pub(crate) fn share_prompt_default() -> bool {
@@ -241,10 +256,10 @@ impl LmWorkerState {
         &mut self,
         rows: Vec<ExperienceRow>,
         kl_coef: f64,
-        global_tokens: usize,
+        global: GlobalBatch,
     ) -> Result<PolicyTrainStats, String> {
         self.setup.enter(Phase::Train);
-        self.train_impl(&rows, kl_coef, global_tokens).map_err(to_string_error)
+        self.train_impl(&rows, kl_coef, global).map_err(to_string_error)
     }
 
     /// The weights (Hugging Face names, f32) in buckets of at most `bucket_bytes`, each put
@@ -715,15 +730,15 @@ impl LmWorker {
         self.state().preference_eval(&batches, loss).map_err(to_string_error)
     }
 
-    /// One optimizer step on this rank's share of a global mini-batch of `global_tokens` response
-    /// tokens (every rank of the group must be called with its share: gradients are all-reduced).
+    /// One optimizer step on this rank's share of the `global` mini-batch (every rank of the
+    /// group must be called with its share: gradients are all-reduced).
     pub fn train(
         &mut self,
         rows: Vec<ExperienceRow>,
         kl_coef: f64,
-        global_tokens: usize,
+        global: GlobalBatch,
     ) -> Result<PolicyTrainStats, String> {
-        self.state().train(rows, kl_coef, global_tokens)
+        self.state().train(rows, kl_coef, global)
     }
 
     /// The weights in buckets of at most `bucket_bytes`, put into the object store by this rank.
@@ -959,7 +974,7 @@ impl LmWorkerState {
         &mut self,
         rows: &[ExperienceRow],
         kl_coef: f64,
-        global_tokens: usize,
+        global: GlobalBatch,
     ) -> crate::Result<PolicyTrainStats> {
         // Hybrid engine: the experience passes ran in `Forward` (gradients and AdamW state
         // still in host buffers); training needs them back.
@@ -972,11 +987,26 @@ impl LmWorkerState {
         }
         let device = self.model.params.device();
         let dp_size = rtrun::context()?.group.map(|g| g.world_size).unwrap_or(1);
-        // OpenRLHF's token-level loss over the global mini-batch: each micro-batch's token sum
-        // divided by the global token count (times dp_size, undone by the gradient mean).
-        let aggregation = LossAggregation::GlobalTokenMean {
-            batch_num_tokens: global_tokens.max(1) as f64,
-            dp_size,
+        // Over the global mini-batch: each micro-batch's sum divided by the global count (times
+        // dp_size, undone by the gradient mean). OpenRLHF's token mean by default.
+        use crate::config::LossAggMode;
+        let sequences = global.sequences.max(1) as f64;
+        let aggregation = match self.loss.loss_agg_mode {
+            LossAggMode::TokenMean => LossAggregation::GlobalTokenMean {
+                batch_num_tokens: global.tokens.max(1) as f64,
+                dp_size,
+            },
+            LossAggMode::SeqMeanTokenMean => {
+                LossAggregation::GlobalSequenceMean { global_batch_size: sequences, dp_size }
+            }
+            LossAggMode::SeqMeanTokenSum => {
+                LossAggregation::GlobalSequenceSum { global_batch_size: sequences, dp_size }
+            }
+            LossAggMode::SeqMeanTokenSumNorm => LossAggregation::GlobalConstant {
+                global_batch_size: sequences,
+                norm_len: self.loss.max_new_tokens.max(1) as f64,
+                dp_size,
+            },
         };
         let clip = self.loss.clip.clone();
         self.sharded.zero_grad()?;

@@ -205,6 +205,7 @@ fn create_ranks(
             kl_estimator: Default::default(),
             micro_batch_size: t.micro_batch_size,
             share_prompt: t.share_prompt,
+            ..Default::default()
         },
         with_reference: config.mode == Mode::Dpo,
         shard: t.shard(),

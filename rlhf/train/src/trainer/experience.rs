@@ -11,7 +11,7 @@ use crate::experience::{ExperienceRow, Sequence, pad_rows, unpad_rows};
 use crate::reward::{RemoteRewardClient, RewardQuery, score_remote, score_with_function};
 use crate::rng::{SplitMix64, mix_seed};
 use crate::roles::critic::CriticTrainStats;
-use crate::roles::lm::PolicyTrainStats;
+use crate::roles::lm::{GlobalBatch, PolicyTrainStats};
 use crate::task::PromptRecord;
 use crate::trainer::Trainer;
 use crate::trainer::calls::{self, CallWatch, RankCall, RankName};
@@ -361,7 +361,8 @@ pub fn train(
                 let shares = rtrun::split_batch(batch.clone(), roles.actor.world_size());
                 let members = roles.actor.members();
                 Some(calls::each_with("actor", members, shares, |w, rows| {
-                    w.train(rows, kl_coef, global_tokens)
+                    let global = GlobalBatch { tokens: global_tokens, sequences: mini_batch.len() };
+                    w.train(rows, kl_coef, global)
                 }))
             } else {
                 None

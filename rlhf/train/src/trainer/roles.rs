@@ -147,6 +147,8 @@ impl Roles {
             kl_estimator: config.algo.kl_estimator,
             micro_batch_size: config.train.micro_batch_size,
             share_prompt: config.train.share_prompt,
+            loss_agg_mode: config.algo.loss_agg_mode,
+            max_new_tokens: config.max_new_tokens(),
         };
         let actor_config = LmWorkerConfig {
             setup: WorkerSetup::on("actor", threads, &config.policy.device, config.policy.dtype),
