@@ -87,7 +87,7 @@ impl RolePlacements {
     /// From the config: the spec when one is named, else `cluster.*_replicas` with no GPUs.
     pub fn from_config(config: &TrainConfig) -> Result<Self> {
         match &config.cluster.placement_spec {
-            Some(path) => Self::from_spec(&read_spec(path)?, path),
+            Some(path) => Self::from_spec(&read_spec(path)?, path, &needed_roles(config)),
             None => {
                 let c = &config.cluster;
                 let plain = |replicas| RolePlacement { replicas, num_gpus: 0.0, num_cpus: 0.0 };
@@ -109,16 +109,21 @@ impl RolePlacements {
         }
     }
 
-    /// From a checked spec; every one of [`ROLE_NAMES`] must be declared.
-    pub fn from_spec(spec: &PlacementSpec, path: &Path) -> Result<Self> {
+    /// From a checked spec, which must declare the roles in `needed` (the others, when absent,
+    /// get no ranks).
+    pub fn from_spec(spec: &PlacementSpec, path: &Path, needed: &[&str]) -> Result<Self> {
         let role = |name: &str| -> Result<(RolePlacement, Option<String>)> {
-            let r = spec.roles.iter().find(|r| r.name == name).ok_or_else(|| {
-                TrainError::Placement(format!(
-                    "{}: expected a role `{name}` (roles needed: {ROLE_NAMES:?}), found {:?}",
+            let Some(r) = spec.roles.iter().find(|r| r.name == name) else {
+                if !needed.contains(&name) {
+                    let none = RolePlacement { replicas: 0, num_gpus: 0.0, num_cpus: 0.0 };
+                    return Ok((none, None));
+                }
+                return Err(TrainError::Placement(format!(
+                    "{}: expected a role `{name}` (this run needs {needed:?}), found {:?}",
                     path.display(),
                     spec.roles.iter().map(|r| r.name.as_str()).collect::<Vec<_>>()
-                ))
-            })?;
+                )));
+            };
             let placement = RolePlacement {
                 replicas: r.replicas,
                 num_gpus: r.resources.get("GPU").as_f64(),
@@ -154,7 +159,7 @@ impl RolePlacements {
         })
     }
 
-    /// Creates the spec's placement groups and waits until they are reserved (nothing to do
+        /// Creates the spec's placement groups and waits until they are reserved (nothing to do
     /// without a spec). Needs the runtime.
     pub fn deploy(&mut self) -> Result<()> {
         if let (Some(spec), None) = (&self.spec, &self.deployment) {
@@ -214,6 +219,25 @@ impl RolePlacements {
     pub fn hybrid(&self) -> bool {
         self.mode == ColocationMode::All
     }
+}
+
+/// The roles a run's spec must declare: the policy and the engines always; the reference when
+/// the run needs one that is not the policy itself (LoRA); the critic for GAE; the reward model
+/// for `reward.kind: model`.
+pub fn needed_roles(config: &TrainConfig) -> Vec<&'static str> {
+    use crate::trainer::roles::{needs_critic, needs_reference, reference_from_policy};
+    let mut roles = vec!["actor"];
+    if needs_reference(&config.algo) && !reference_from_policy(config) {
+        roles.push("ref");
+    }
+    if needs_critic(&config.algo) {
+        roles.push("critic");
+    }
+    if config.reward.kind == crate::config::RewardKind::Model {
+        roles.push("reward");
+    }
+    roles.push("vllm_engine");
+    roles
 }
 
 /// Reads and checks the placement spec at `path` (the config key `cluster.placement_spec`).
@@ -285,7 +309,7 @@ mod tests {
         let path = spec_dir().join(file);
         let text = std::fs::read_to_string(&path).unwrap();
         let spec = parse_spec(&text, file).unwrap();
-        RolePlacements::from_spec(&spec, &path).unwrap().mode
+        RolePlacements::from_spec(&spec, &path, &ROLE_NAMES).unwrap().mode
     }
 
     #[test]
@@ -301,7 +325,7 @@ mod tests {
     fn hybrid_ranks_take_a_fifth_of_a_gpu() {
         let path = spec_dir().join("hybrid-1x8.yaml");
         let spec = parse_spec(&std::fs::read_to_string(&path).unwrap(), "h").unwrap();
-        let p = RolePlacements::from_spec(&spec, &path).unwrap();
+        let p = RolePlacements::from_spec(&spec, &path, &ROLE_NAMES).unwrap();
         assert_eq!(p.actor.replicas, 8);
         assert!((p.actor.num_gpus - 0.2).abs() < 1e-9);
         // Not deployed yet: the options only gain the role tag (and libgomp's spin count).
@@ -318,7 +342,32 @@ mod tests {
     fn a_spec_without_a_role_is_an_error_naming_it() {
         let text = "roles:\n  actor:\n    replicas: 1\n";
         let spec = parse_spec(text, "x.yaml").unwrap();
-        let err = RolePlacements::from_spec(&spec, Path::new("x.yaml")).unwrap_err().to_string();
+        let err = RolePlacements::from_spec(&spec, Path::new("x.yaml"), &ROLE_NAMES)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("`ref`"), "{err}");
+    }
+
+    /// A spec declares the roles its run uses: GRPO with the KL in the loss needs no critic or
+    /// reward model; with LoRA the policy is its own reference; GAE needs the critic.
+    #[test]
+    fn a_spec_needs_only_the_roles_its_run_uses() {
+        let roles = |sets: &[&str]| {
+            let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+            needed_roles(&TrainConfig::from_yaml("", "r.yaml", &sets).unwrap())
+        };
+        let grpo = ["algo.advantage_estimator=group_norm", "algo.use_kl_loss=true"];
+        assert_eq!(roles(&grpo), ["actor", "ref", "vllm_engine"]);
+        let lora: Vec<&str> = grpo.iter().copied().chain(["policy.lora.rank=4"]).collect();
+        assert_eq!(roles(&lora), ["actor", "vllm_engine"]);
+        assert_eq!(roles(&["algo.init_kl_coef=0"]), ["actor", "critic", "vllm_engine"]);
+        let text = "roles:\n  actor:\n    replicas: 2\n  vllm_engine:\n    replicas: 1\n";
+        let spec = parse_spec(text, "grpo.yaml").unwrap();
+        let p = RolePlacements::from_spec(&spec, Path::new("grpo.yaml"), &roles(&lora)).unwrap();
+        assert_eq!((p.actor.replicas, p.reference.replicas, p.critic.replicas), (2, 0, 0));
+        let err = RolePlacements::from_spec(&spec, Path::new("grpo.yaml"), &roles(&grpo))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("`ref`") && err.contains("grpo.yaml"), "{err}");
     }
 }
