@@ -159,7 +159,7 @@ impl RolePlacements {
         })
     }
 
-        /// Creates the spec's placement groups and waits until they are reserved (nothing to do
+    /// Creates the spec's placement groups and waits until they are reserved (nothing to do
     /// without a spec). Needs the runtime.
     pub fn deploy(&mut self) -> Result<()> {
         if let (Some(spec), None) = (&self.spec, &self.deployment) {
