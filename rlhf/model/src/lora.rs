@@ -486,10 +486,7 @@ impl CausalLm {
     /// checked against the model's projections (an adapter for another base model is an error
     /// naming the tensor and both shapes).
     pub fn load_adapter(&mut self, dir: &Path) -> Result<()> {
-        let settings = read_adapter_config(dir)?;
-        let path = dir.join("adapter_config.json");
-        self.add_lora(&settings, 0)
-            .map_err(|e| ModelError::Config(format!("{}: {e}", path.display())))?;
+        add_from_dir(dir, |settings| self.add_lora(settings, 0))?;
         self.load_adapter_weights(dir)
     }
 
@@ -533,6 +530,14 @@ impl LoraModel for ScalarHeadModel {
     fn set_lora_dropout(&mut self, dropout: f64) {
         ScalarHeadModel::set_lora_dropout(self, dropout)
     }
+}
+
+/// Adds the adapters `dir`'s `adapter_config.json` describes with `add`; an error names the
+/// file.
+fn add_from_dir(dir: &Path, add: impl FnOnce(&LoraConfig) -> Result<()>) -> Result<()> {
+    let settings = read_adapter_config(dir)?;
+    let path = dir.join("adapter_config.json");
+    add(&settings).map_err(|e| ModelError::Config(format!("{}: {e}", path.display())))
 }
 
 /// The adapters to load into, or an error naming the directory.
@@ -583,10 +588,7 @@ impl ScalarHeadModel {
 
     /// Adds the adapters (and the score head, when saved) of the `peft` directory `dir`.
     pub fn load_adapter(&mut self, dir: &Path) -> Result<()> {
-        let settings = read_adapter_config(dir)?;
-        let path = dir.join("adapter_config.json");
-        self.add_lora(&settings, 0)
-            .map_err(|e| ModelError::Config(format!("{}: {e}", path.display())))?;
+        add_from_dir(dir, |settings| self.add_lora(settings, 0))?;
         self.load_adapter_weights(dir)
     }
 
