@@ -761,6 +761,7 @@ mod tests {
     /// `modules_to_save`) and the merged checkpoint both score as the adapted model does.
     #[test]
     fn a_scalar_head_model_adapts_its_trunk_and_trains_its_head() {
+        tch::manual_seed(5);
         let config = tiny_config(ModelFamily::Qwen2);
         let mut model = ScalarHeadModel::new_random(&config, Device::Cpu, Kind::Float, 4).unwrap();
         model.add_lora(&lora(4, &["q_proj", "v_proj", "down_proj"]), 2).unwrap();
@@ -800,7 +801,10 @@ mod tests {
         let merged =
             ScalarHeadModel::from_pretrained(&dir.join("merged"), Device::Cpu, Kind::Float, 0)
                 .unwrap();
-        assert!(gap(&tch::no_grad(|| scores(&merged)), &expected) < 1e-5);
+        // Scores reach ~20 with a random head: f32 rounds merged and unmerged sums apart by
+        // a few 1e-7 of their size.
+        let scale = expected.abs().max().double_value(&[]).max(1.0);
+        assert!(gap(&tch::no_grad(|| scores(&merged)), &expected) < 1e-5 * scale);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
