@@ -8,7 +8,7 @@
 use std::path::PathBuf;
 
 use clap::Parser;
-use rtrun_rlhf::walkthrough::{WalkthroughConfig, write_walkthrough};
+use rtrun_rlhf::demo::walkthrough::{WalkthroughConfig, write_walkthrough};
 
 /// Writes the no-download walkthrough: a small Hugging Face Qwen2 checkpoint (BPE tokenizer,
 /// ChatML chat template, generation config, a short supervised warm-up) and GSM8K-format

@@ -6,15 +6,17 @@
 //! Every bad record is an error naming the file and line (row, for Parquet); a length filter
 //! that drops every prompt is an error, not an empty run.
 
+use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
 use rtrun_rlhf_model::ChatMessage;
 
+use crate::demo::task::TaskConfig;
 use crate::error::{Result, TrainError};
+use crate::prompts::PromptRecord;
 use crate::rng::SplitMix64;
-use crate::task::{PromptRecord, TaskConfig};
 use crate::tokenizer::{HfTokenizer, PromptTokenizer};
 
 /// One value or a list of them (`prompt_data: a.jsonl` or `prompt_data: [a.jsonl, b.parquet]`).
@@ -464,4 +466,50 @@ pub fn load_prompts(
         );
     }
     Ok(LoadedPrompts { train, eval, dropped_too_long: (dropped_train, dropped_eval) })
+}
+
+/// Writes records as JSON lines.
+pub fn write_jsonl(path: &Path, records: &[PromptRecord]) -> Result<()> {
+    let io = |e| TrainError::io(path, e);
+    let mut file = std::io::BufWriter::new(std::fs::File::create(path).map_err(io)?);
+    for record in records {
+        let line = serde_json::to_string(record).map_err(|e| TrainError::Data(e.to_string()))?;
+        writeln!(file, "{line}").map_err(io)?;
+    }
+    file.flush().map_err(io)
+}
+
+/// Reads JSON lines of `{prompt, label}`; a bad line is an error naming its line number.
+pub fn read_jsonl(path: &Path) -> Result<Vec<PromptRecord>> {
+    read_records(path)?
+        .into_iter()
+        .map(|record| {
+            serde_json::from_value(record.value).map_err(|e| {
+                TrainError::Data(format!(
+                    "{}: expected a JSON object {{\"prompt\": .., \"label\": ..}}, found {e}",
+                    record.location
+                ))
+            })
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn jsonl_round_trips_and_names_bad_lines() {
+        let dir = std::env::temp_dir().join(format!("rtrun-task-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("p.jsonl");
+        let records =
+            TaskConfig { train_size: 5, eval_size: 0, ..Default::default() }.generate(1).unwrap().0;
+        write_jsonl(&path, &records).unwrap();
+        assert_eq!(read_jsonl(&path).unwrap(), records);
+        std::fs::write(&path, "{\"prompt\":\"1>\",\"label\":\"1\"}\nnot json\n").unwrap();
+        let err = read_jsonl(&path).unwrap_err().to_string();
+        assert!(err.contains(":2:"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

@@ -13,7 +13,10 @@ use tch::{Device, Kind, Tensor};
 use rtrun_rlhf_model::ResponseBatch;
 
 use crate::error::{Result, TrainError};
-use crate::task::PAD_ID;
+
+/// The id at padded positions. They are masked out of every loss, so any id of the
+/// vocabulary serves; 0 is in every vocabulary.
+const PAD: i64 = 0;
 
 /// A prompt and one generated response, as token ids (the response keeps its `<eos>`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -55,7 +58,7 @@ pub fn response_batch(sequences: &[&Sequence], device: Device) -> Result<Respons
     }
     let width = prompt_len + response_len;
     let rows = sequences.len();
-    let mut ids = vec![i64::from(PAD_ID); rows * width];
+    let mut ids = vec![PAD; rows * width];
     let mut attention = vec![0i64; rows * width];
     let mut actions = vec![0i64; rows * response_len];
     for (row, s) in sequences.iter().enumerate() {
@@ -167,12 +170,12 @@ pub fn shared_prompt_batch(sequences: &[&Sequence], device: Device) -> Result<Sh
     let width = rows.iter().map(row_len).max().unwrap_or(0);
     let responses = sequences.iter().map(|s| s.response_ids.len()).max().unwrap_or(0).max(1);
     let cells = rows.len() * width;
-    let mut ids = vec![i64::from(PAD_ID); cells];
+    let mut ids = vec![PAD; cells];
     let mut segments = vec![0i64; cells];
     let mut branches = vec![0i64; cells];
     let mut positions = vec![0i64; cells];
     let mut predict = vec![0i64; sequences.len() * responses];
-    let mut response_ids = vec![i64::from(PAD_ID); sequences.len() * responses];
+    let mut response_ids = vec![PAD; sequences.len() * responses];
     let mut actions = vec![0i64; sequences.len() * responses];
     for (r, (prompt, members)) in rows.iter().enumerate() {
         let base = r * width;

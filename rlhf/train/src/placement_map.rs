@@ -225,12 +225,11 @@ impl RolePlacements {
 /// the run needs one that is not the policy itself (LoRA); the critic for GAE; the reward model
 /// for `reward.kind: model`.
 pub fn needed_roles(config: &TrainConfig) -> Vec<&'static str> {
-    use crate::trainer::roles::{needs_critic, needs_reference, reference_from_policy};
     let mut roles = vec!["actor"];
-    if needs_reference(&config.algo) && !reference_from_policy(config) {
+    if config.algo.needs_reference() && !config.reference_from_policy() {
         roles.push("ref");
     }
-    if needs_critic(&config.algo) {
+    if config.algo.needs_critic() {
         roles.push("critic");
     }
     if config.reward.kind == crate::config::RewardKind::Model {

@@ -10,12 +10,13 @@ use rtrun_rlhf_telemetry::{MetricsWriter, StartMode};
 
 use crate::config::TrainConfig;
 use crate::data::load_prompts;
+use crate::data::{read_jsonl, write_jsonl};
+use crate::demo::warmup::{WarmupReport, make_initial_policy, policy_config};
 use crate::error::{Result, TrainError};
 use crate::placement_map::RolePlacements;
-use crate::task::{PromptRecord, read_jsonl, write_jsonl};
+use crate::prompts::PromptRecord;
 use crate::tokenizer::HfTokenizer;
 use crate::trainer::{FitReport, ProgressObserver, RunPaths, Trainer, checkpoint, telemetry_error};
-use crate::warmup::{WarmupReport, make_initial_policy, policy_config};
 
 /// Where the initial policy came from.
 #[derive(Debug, Clone, PartialEq)]

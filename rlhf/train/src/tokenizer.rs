@@ -8,8 +8,8 @@ use std::sync::Arc;
 
 use rtrun_rlhf_model::PretrainedTokenizer;
 
+use crate::demo::chars::{BOS_ID, CharTokenizer, EOS_ID, PAD_ID};
 use crate::error::{Result, TrainError};
-use crate::task::{BOS_ID, CharTokenizer, EOS_ID, PAD_ID};
 
 /// What the trainer needs of a tokenizer.
 pub trait PromptTokenizer: Send + Sync + std::fmt::Debug {

@@ -257,9 +257,9 @@ fn sft_spreads_its_dp_ranks_over_two_nodes_with_a_placement_spec() {
     let dir = cluster.dir.join("job");
     std::fs::create_dir_all(&dir).unwrap();
     tch::set_num_threads(1);
-    let files = rtrun_rlhf::walkthrough::write_walkthrough(
+    let files = rtrun_rlhf::demo::walkthrough::write_walkthrough(
         &dir.join("walkthrough"),
-        &rtrun_rlhf::walkthrough::WalkthroughConfig {
+        &rtrun_rlhf::demo::walkthrough::WalkthroughConfig {
             train_problems: 240,
             test_problems: 24,
             vocab_size: 400,

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use rtrun_rlhf::TrainConfig;
 use rtrun_rlhf::config::{OldLogprobs, PipelineMode};
 use rtrun_rlhf::placement_map::ColocationMode;
-use rtrun_rlhf::trainer::{NoProgress, pipeline};
+use rtrun_rlhf::trainer::{NoProgress, dock_layout};
 use rtrun_rlhf_model::ScalarHeadModel;
 
 #[ctor::ctor]
@@ -59,7 +59,7 @@ fn small_config(run_dir: &Path, extra: &str) -> TrainConfig {
 
 /// A reward model (fresh scalar head on the policy's shape) for `reward.kind: model`.
 fn write_reward_model(dir: &Path, config: &TrainConfig) {
-    let model_config = rtrun_rlhf::warmup::policy_config(&config.model, 32);
+    let model_config = rtrun_rlhf::demo::warmup::policy_config(&config.model, 32);
     let rm =
         ScalarHeadModel::new_random(&model_config, tch::Device::Cpu, tch::Kind::Float, 3).unwrap();
     rm.save_pretrained(dir, &Default::default()).unwrap();
@@ -686,7 +686,7 @@ fn grpo_dock_pipeline_streams_every_row_and_matches_the_sequential_mode() {
 
     // Every stage (the two rollout ranks together) received each row of the last step once.
     let rows = config.rollout.prompts_per_step * config.rollout.n_samples_per_prompt;
-    for stage in pipeline::STAGES {
+    for stage in dock_layout::STAGES {
         let mut seen: Vec<usize> = trainer
             .pipeline_timelines
             .iter()
@@ -710,7 +710,7 @@ fn grpo_dock_pipeline_streams_every_row_and_matches_the_sequential_mode() {
         }
         assert!(record.get("actor_grad_norm").is_some_and(|g| g > 0.0), "{record:?}");
         assert!(record.get("engine_logprob_gap").is_some_and(|g| g < 1e-4), "{record:?}");
-        for stage in pipeline::STAGES {
+        for stage in dock_layout::STAGES {
             assert_eq!(record.get(&format!("pipeline/{stage}/rows")), Some(rows as f64));
         }
     }

@@ -12,10 +12,10 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use rtrun_rlhf::TrainConfig;
+use rtrun_rlhf::demo::walkthrough::{WalkthroughConfig, WalkthroughFiles, write_walkthrough};
 use rtrun_rlhf::experience::Sequence;
 use rtrun_rlhf::run::{InitialPolicy, prepare};
 use rtrun_rlhf::trainer::{NoProgress, RunPaths};
-use rtrun_rlhf::walkthrough::{WalkthroughConfig, WalkthroughFiles, write_walkthrough};
 use rtrun_rlhf_model::CausalLm;
 
 #[ctor::ctor]
@@ -412,7 +412,7 @@ fn prompt_files_parquet_and_chat_messages_are_read_and_rendered() {
     assert_eq!(prepared.train_prompts() + prepared.eval_prompts(), 40);
     assert_eq!(prepared.eval_prompts(), 4);
     let records =
-        rtrun_rlhf::task::read_jsonl(&RunPaths::new(&dir.join("run")).train_data).unwrap();
+        rtrun_rlhf::data::read_jsonl(&RunPaths::new(&dir.join("run")).train_data).unwrap();
     assert!(records[0].prompt.starts_with(
         "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
     ));
@@ -424,7 +424,7 @@ fn prompt_files_parquet_and_chat_messages_are_read_and_rendered() {
     let prepared = prepare(&config, &RunPaths::new(&dir.join("chat-run"))).unwrap();
     assert_eq!(prepared.train_prompts() + prepared.eval_prompts(), 40);
     let records =
-        rtrun_rlhf::task::read_jsonl(&RunPaths::new(&dir.join("chat-run")).train_data).unwrap();
+        rtrun_rlhf::data::read_jsonl(&RunPaths::new(&dir.join("chat-run")).train_data).unwrap();
     assert!(
         records[0].prompt.starts_with("<|im_start|>system\nBe brief.<|im_end|>\n"),
         "{}",

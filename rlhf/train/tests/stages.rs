@@ -14,9 +14,9 @@ use std::time::{Duration, Instant};
 
 use common::{run_to_end, train, walkthrough};
 use rtrun_rlhf::config::Mode;
+use rtrun_rlhf::demo::walkthrough::WalkthroughFiles;
 use rtrun_rlhf::stage::StageConfig;
 use rtrun_rlhf::stage::pack::{Sample, Unit};
-use rtrun_rlhf::walkthrough::WalkthroughFiles;
 use rtrun_rlhf_model::CausalLm;
 use rtrun_rlhf_telemetry::StepMetrics;
 use tch::Kind;

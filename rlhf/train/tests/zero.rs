@@ -12,7 +12,7 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use common::{run_to_end, train, walkthrough};
-use rtrun_rlhf::walkthrough::WalkthroughFiles;
+use rtrun_rlhf::demo::walkthrough::WalkthroughFiles;
 use rtrun_rlhf_model::CausalLm;
 use rtrun_rlhf_telemetry::StepMetrics;
 

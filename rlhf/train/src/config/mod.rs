@@ -8,8 +8,8 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::algo::{AdvantageEstimator, KlEstimator};
 use crate::data::{DataConfig, OneOrMany};
+use rtrun_rlhf_algo::{AdvantageEstimator, KlEstimator};
 
 mod models;
 mod yaml;
@@ -196,7 +196,27 @@ pub const OLD_LOGPROB_CHECK_EVERY: u64 = 10;
 /// engine's are used as old log-probs (fp32 on both sides measures ~1e-7; bf16 ~1e-2).
 pub const OLD_LOGPROB_MAX_GAP: f64 = 1e-4;
 
+impl AlgoConfig {
+    /// Whether the run needs reference log-probs (a KL term in the loss or the reward).
+    pub fn needs_reference(&self) -> bool {
+        self.use_kl_loss || self.init_kl_coef > 0.0 || self.kl_target.is_some()
+    }
+
+    /// Whether the run needs a critic (GAE).
+    pub fn needs_critic(&self) -> bool {
+        self.advantage_estimator.needs_critic()
+    }
+}
+
 impl TrainConfig {
+    /// Whether the reference log-probs come from the policy ranks with their LoRA adapters off
+    /// (the run needs a reference, the policy has adapters and no other reference is named).
+    pub fn reference_from_policy(&self) -> bool {
+        self.algo.needs_reference()
+            && (self.policy.lora.is_some() || self.policy.lora_adapter.is_some())
+            && self.reference.pretrain.is_none()
+    }
+
     /// Whether the engine's sampling log-probs serve as old log-probs (`algo.old_logprobs`
     /// resolved; the dock pipeline always recomputes).
     pub fn old_logprobs_from_engine(&self) -> bool {
@@ -1207,7 +1227,7 @@ impl TrainConfig {
         self.policy
             .pretrain
             .clone()
-            .unwrap_or_else(|| crate::trainer::RunPaths::new(&self.run_dir).initial_policy)
+            .unwrap_or_else(|| crate::paths::RunPaths::new(&self.run_dir).initial_policy)
     }
 }
 

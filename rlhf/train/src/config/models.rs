@@ -256,7 +256,7 @@ impl TrainConfig {
             }
         }
         // Projection shapes do not depend on the context length.
-        let local = crate::warmup::policy_config(&config.model, 16);
+        let local = crate::demo::warmup::policy_config(&config.model, 16);
         config.policy.validate_lora("policy", true, Some(local))?;
         config.reference.validate_lora("reference", false, None)?;
         config.critic.validate_lora("critic", false, None)?;

@@ -8,11 +8,11 @@ use crate::algo::{self, AdvantageInputs};
 use crate::config::RewardKind;
 use crate::error::{Result, TrainError};
 use crate::experience::{ExperienceRow, Sequence, pad_rows, unpad_rows};
+use crate::prompts::PromptRecord;
 use crate::reward::{RemoteRewardClient, RewardQuery, score_remote, score_with_function};
 use crate::rng::{SplitMix64, mix_seed};
 use crate::roles::critic::CriticTrainStats;
 use crate::roles::lm::{GlobalBatch, PolicyTrainStats};
-use crate::task::PromptRecord;
 use crate::trainer::Trainer;
 use crate::trainer::calls::{self, CallWatch, RankCall, RankName};
 

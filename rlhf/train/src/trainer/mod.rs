@@ -13,6 +13,7 @@
 
 pub mod calls;
 pub mod checkpoint;
+pub mod dock_layout;
 pub mod experience;
 pub mod pipeline;
 pub mod roles;
@@ -32,43 +33,14 @@ use crate::config::{
 };
 use crate::error::{Result, TrainError};
 use crate::experience::Sequence;
+use crate::prompts::{PromptLoader, PromptRecord};
 use crate::rng::mix_seed;
-use crate::task::{PromptLoader, PromptRecord};
 use crate::tokenizer::{HfTokenizer, PromptTokenizer, run_tokenizer};
 
 pub use calls::CallWatch;
 pub use roles::Roles;
 
-/// Files of a run directory.
-#[derive(Debug, Clone)]
-pub struct RunPaths {
-    /// The run directory.
-    pub root: PathBuf,
-    /// Training prompts (JSONL).
-    pub train_data: PathBuf,
-    /// Held-out prompts (JSONL).
-    pub eval_data: PathBuf,
-    /// The initial policy (Hugging Face directory).
-    pub initial_policy: PathBuf,
-    /// Checkpoints, one directory per step.
-    pub checkpoints: PathBuf,
-    /// The trained policy as a Hugging Face directory, written at the end of the run.
-    pub final_policy: PathBuf,
-}
-
-impl RunPaths {
-    /// The layout under `root`.
-    pub fn new(root: &Path) -> Self {
-        Self {
-            root: root.to_path_buf(),
-            train_data: root.join("data/train.jsonl"),
-            eval_data: root.join("data/eval.jsonl"),
-            initial_policy: root.join("models/initial"),
-            checkpoints: root.join("checkpoints"),
-            final_policy: root.join("final_policy"),
-        }
-    }
-}
+pub use crate::paths::RunPaths;
 
 /// Held-out results.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]

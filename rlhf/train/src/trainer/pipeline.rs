@@ -29,63 +29,28 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use rtrun_rlhf_dock::{
-    ColumnKind, ColumnValues, DockCallError, DockConfig, ExperienceBatch as DockBatch,
-    ExperienceStore, PackedBatch, PackedNamedColumn, PipelineSummary, PollConfig, RemoteDock,
-    SampleOrder, SamplingConfig, StageSpec, StageTimeline, StageWorkError, run_stage,
+    ColumnValues, DockCallError, ExperienceBatch as DockBatch, ExperienceStore, PackedBatch,
+    PackedNamedColumn, PipelineSummary, PollConfig, RemoteDock, StageSpec, StageTimeline,
+    StageWorkError, run_stage,
 };
 use rtrun_rlhf_engine::{EngineActorRef, GenerationRequest, SamplingParams};
 use rtrun_rlhf_telemetry::StepMetrics;
 
-use crate::config::TrainConfig;
 use crate::error::{Result, TrainError};
 use crate::experience::{ExperienceRow, Sequence};
+use crate::prompts::PromptRecord;
 use crate::rng::mix_seed;
 use crate::roles::lm::LmWorker;
-use crate::task::PromptRecord;
 use crate::trainer::calls;
+use crate::trainer::dock_layout::{
+    ADVANTAGES, ENGINE_LOG_PROBS, OLD_LOG_PROB, PROMPTS, REF_LOG_PROB, RESPONSES, RETURNS,
+    RM_SCORES, STAGES,
+};
 use crate::trainer::experience::{self, ExperienceStats, RoleResults, TrainStats};
-use crate::trainer::roles::needs_reference;
 use crate::trainer::{Trainer, telemetry_error};
-
-const PROMPTS: &str = "prompts";
-const RESPONSES: &str = "responses";
-const ENGINE_LOG_PROBS: &str = "engine_log_probs";
-const RM_SCORES: &str = "rm_scores";
-const REF_LOG_PROB: &str = "ref_log_prob";
-const OLD_LOG_PROB: &str = "old_log_prob";
-const ADVANTAGES: &str = "advantages";
-const RETURNS: &str = "returns";
 
 /// What a stage reports when it stopped because another one failed.
 const STOPPED: &str = "stopped because another stage of the step failed";
-
-/// The stages' consumers, in pipeline order.
-pub const STAGES: [&str; 6] =
-    ["rollout", "reward", "ref_log_prob", "old_log_prob", "compute_advantage", "actor_train"];
-
-/// The dock of a run in dock mode: one step's rows, every column and every stage's consumer.
-pub fn dock_config(config: &TrainConfig) -> DockConfig {
-    let mut dock =
-        DockConfig::new(config.rollout.prompts_per_step, config.rollout.n_samples_per_prompt)
-            .with_column(PROMPTS, ColumnKind::TokenIds)
-            .with_column(RESPONSES, ColumnKind::TokenIds)
-            .with_column(ENGINE_LOG_PROBS, ColumnKind::Floats)
-            .with_column(RM_SCORES, ColumnKind::Scalars)
-            .with_column(REF_LOG_PROB, ColumnKind::Floats)
-            .with_column(OLD_LOG_PROB, ColumnKind::Floats)
-            .with_column(ADVANTAGES, ColumnKind::Floats)
-            .with_column(RETURNS, ColumnKind::Floats)
-            .with_sampling(SamplingConfig {
-                order: SampleOrder::Ascending,
-                seed: config.seed,
-                // `train.dock_groups_per_batch` need not divide the step's prompts.
-                allow_short_final_batch: true,
-            });
-    for stage in STAGES {
-        dock = dock.with_consumer(stage);
-    }
-    dock
-}
 
 /// What a dock step produced.
 pub struct DockStep {
@@ -259,7 +224,7 @@ pub fn run_step(
     .map_err(dock_error)?;
 
     let roles = &trainer.roles;
-    let has_ref = needs_reference(&trainer.config.algo)
+    let has_ref = trainer.config.algo.needs_reference()
         && (roles.reference.is_some() || roles.reference_from_policy);
     let failed = AtomicBool::new(false);
     let store = StepDock { dock, failed: &failed };

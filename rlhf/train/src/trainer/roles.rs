@@ -9,9 +9,7 @@ use rtrun_rlhf_model::train::{OptimizerConfig, ScheduleConfig};
 
 use rtrun_rlhf_dock::RemoteDock;
 
-use crate::config::{
-    AlgoConfig, LrScheduler, PipelineMode, RewardKind, TrainConfig, WorkerThreads,
-};
+use crate::config::{LrScheduler, PipelineMode, RewardKind, TrainConfig, WorkerThreads};
 use crate::error::{Result, TrainError};
 use crate::placement_map::RolePlacements;
 use crate::roles::critic::{
@@ -56,10 +54,10 @@ fn thread_plan(config: &TrainConfig, p: &RolePlacements, reward_model: bool) -> 
         WorkerThreads::Fixed(n) => ThreadPlan::Fixed(n),
         WorkerThreads::Auto => {
             let count = |yes: bool, replicas: usize| if yes { replicas as u32 } else { 0 };
-            let critic = count(needs_critic(&config.algo), p.critic.replicas);
+            let critic = count(config.algo.needs_critic(), p.critic.replicas);
             let experience = count(!config.old_logprobs_from_engine(), p.actor.replicas)
                 + count(
-                    needs_reference(&config.algo) && !reference_from_policy(config),
+                    config.algo.needs_reference() && !config.reference_from_policy(),
                     p.reference.replicas,
                 )
                 + critic
@@ -67,24 +65,6 @@ fn thread_plan(config: &TrainConfig, p: &RolePlacements, reward_model: bool) -> 
             ThreadPlan::Shared { experience, train: p.actor.replicas as u32 + critic }
         }
     }
-}
-
-/// Whether the run needs reference log-probs.
-pub fn needs_reference(algo: &AlgoConfig) -> bool {
-    algo.use_kl_loss || algo.init_kl_coef > 0.0 || algo.kl_target.is_some()
-}
-
-/// Whether the reference log-probs come from the policy ranks with their LoRA adapters off
-/// (the run needs a reference, the policy has adapters and no other reference is named).
-pub fn reference_from_policy(config: &TrainConfig) -> bool {
-    needs_reference(&config.algo)
-        && (config.policy.lora.is_some() || config.policy.lora_adapter.is_some())
-        && config.reference.pretrain.is_none()
-}
-
-/// Whether the run needs a critic.
-pub fn needs_critic(algo: &AlgoConfig) -> bool {
-    algo.advantage_estimator.needs_critic()
 }
 
 /// The optimizer of a trained role at peak rate `lr` over `total_steps` optimizer steps, with
@@ -167,8 +147,8 @@ impl Roles {
             ActorGroup::create("actor", p.actor.replicas, Default::default(), |rank, options| {
                 LmWorker::remote_with(placed(p, "actor", rank, options)?, actor_config.clone())
             })?;
-        let reference_from_policy = reference_from_policy(config);
-        let reference = if needs_reference(&config.algo) && !reference_from_policy {
+        let reference_from_policy = config.reference_from_policy();
+        let reference = if config.algo.needs_reference() && !reference_from_policy {
             let ref_config = LmWorkerConfig {
                 setup: WorkerSetup::on(
                     "ref",
@@ -192,7 +172,7 @@ impl Roles {
         } else {
             None
         };
-        let critic = if needs_critic(&config.algo) {
+        let critic = if config.algo.needs_critic() {
             let critic_config = CriticWorkerConfig {
                 setup: WorkerSetup::on(
                     "critic",
@@ -292,7 +272,7 @@ impl Roles {
         let dock = match config.train.pipeline {
             PipelineMode::Dock => Some(
                 RemoteDock::create(
-                    crate::trainer::pipeline::dock_config(config),
+                    crate::trainer::dock_layout::dock_config(config),
                     rtrun::ActorOptions::default(),
                 )
                 .map_err(|e| TrainError::role("dock", e))?,

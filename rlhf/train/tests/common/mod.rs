@@ -4,7 +4,7 @@
 use std::path::Path;
 use std::process::{Command, Stdio};
 
-use rtrun_rlhf::walkthrough::{WalkthroughConfig, WalkthroughFiles, write_walkthrough};
+use rtrun_rlhf::demo::walkthrough::{WalkthroughConfig, WalkthroughFiles, write_walkthrough};
 
 /// An untrained walkthrough checkpoint (no warm-up) and 240 + 24 problems.
 pub fn walkthrough(dir: &Path) -> WalkthroughFiles {

@@ -11,10 +11,11 @@ use rtrun_rlhf_model::train::{AdamW, OptimizerConfig, ScheduleConfig, masked_mea
 use rtrun_rlhf_model::{CausalLm, ModelConfig, ModelFamily, SaveOptions};
 
 use crate::config::{ModelShape, WarmupConfig};
+use crate::demo::chars::{BOS_ID, CharTokenizer, EOS_ID, PAD_ID};
 use crate::error::Result;
 use crate::experience::{Sequence, response_batch};
+use crate::prompts::PromptRecord;
 use crate::rng::SplitMix64;
-use crate::task::{BOS_ID, CharTokenizer, EOS_ID, PAD_ID, PromptRecord};
 
 /// The policy's config: the tiny Qwen2 family at `shape`, with the character vocabulary.
 pub fn policy_config(shape: &ModelShape, max_positions: i64) -> ModelConfig {
@@ -114,7 +115,7 @@ pub fn train_supervised(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::task::TaskConfig;
+    use crate::demo::task::TaskConfig;
 
     #[test]
     fn warm_up_lowers_the_loss_and_saves_a_loadable_model() {

@@ -14,10 +14,10 @@ use rtrun_rlhf_model::tiny::tiny_config;
 use rtrun_rlhf_model::{ChatMessage, ModelFamily, PretrainedTokenizer, TextTokenizer};
 
 use crate::config::WarmupConfig;
+use crate::demo::warmup::{WarmupReport, train_supervised};
 use crate::error::{Result, TrainError};
 use crate::experience::Sequence;
 use crate::rng::SplitMix64;
-use crate::warmup::{WarmupReport, train_supervised};
 
 /// The chat template of the walkthrough checkpoint: ChatML as Qwen2.5 writes it (a default
 /// system message when the conversation has none).
@@ -327,7 +327,7 @@ mod tests {
     #[test]
     fn the_default_walkthrough_tokenizer_matches_transformers_auto_tokenizer() {
         let golden: serde_json::Value =
-            serde_json::from_str(include_str!("../tests/hf/walkthrough_tokens.json")).unwrap();
+            serde_json::from_str(include_str!("../../tests/hf/walkthrough_tokens.json")).unwrap();
         assert_eq!(golden["transformers_class"], "Qwen2Tokenizer");
         let config = WalkthroughConfig::default();
         let problems = walkthrough_problems(&config).unwrap();
