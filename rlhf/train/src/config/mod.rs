@@ -12,6 +12,7 @@ use crate::data::{DataConfig, OneOrMany};
 use rtrun_rlhf_algo::{AdvantageEstimator, KlEstimator};
 
 mod models;
+mod validate;
 mod yaml;
 
 use crate::error::{Result, TrainError};
@@ -209,6 +210,15 @@ impl AlgoConfig {
 }
 
 impl TrainConfig {
+    /// The policy's ranks as the config alone knows them: `cluster.actor_replicas`, or 1 with
+    /// a placement spec (whose roles are read when the run is placed).
+    pub fn policy_ranks_known(&self) -> usize {
+        match self.cluster.placement_spec {
+            Some(_) => 1,
+            None => self.cluster.actor_replicas.max(1),
+        }
+    }
+
     /// Whether the reference log-probs come from the policy ranks with their LoRA adapters off
     /// (the run needs a reference, the policy has adapters and no other reference is named).
     pub fn reference_from_policy(&self) -> bool {
@@ -448,7 +458,8 @@ pub struct TrainLoopConfig {
     pub max_steps: Option<u64>,
     /// Samples per optimizer step, over all DP ranks (OpenRLHF's `train_batch_size`).
     pub train_batch_size: usize,
-    /// Samples per forward/backward on one rank.
+    /// Samples per forward/backward on one rank (default 32, or a rank's share of
+    /// `train_batch_size` when that is smaller; a value set larger than the share is an error).
     pub micro_batch_size: usize,
     /// Lay each prompt out once for all the responses to it in a micro-batch of the policy and
     /// reference forwards (their responses attend it and their own tokens only, so every
@@ -757,6 +768,13 @@ impl ConfigTree {
         Self::parse(&text, &path.display().to_string(), overrides)
     }
 
+    /// Whether the file or an override sets the dotted `key` (`train.micro_batch_size`).
+    pub fn sets(&self, key: &str) -> bool {
+        key.split('.')
+            .try_fold(&self.root, |node, part| node.as_object().and_then(|m| m.get(part)))
+            .is_some()
+    }
+
     /// Parses YAML `text` (`file` names it in errors) and applies `overrides`.
     pub fn parse(text: &str, file: &str, overrides: &[String]) -> Result<Self> {
         let tree = yaml::parse_tree(text, file)?;
@@ -852,365 +870,16 @@ impl TrainConfig {
         let tree = ConfigTree::parse(text, file, overrides)?;
         tree.expect_mode(Mode::Rl)?;
         let empty = tree.empty;
-        let config: Self = tree.typed()?;
+        let micro_set = tree.sets("train.micro_batch_size");
+        let mut config: Self = tree.typed()?;
+        if !micro_set {
+            // The default micro-batch shrinks to a small batch's per-rank share; one the
+            // config names must fit (`validate`).
+            let share = config.train.train_batch_size.div_ceil(config.policy_ranks_known());
+            config.train.micro_batch_size = config.train.micro_batch_size.min(share.max(1));
+        }
         config.validate()?;
         Ok((config, empty))
-    }
-
-    /// Checks ranges and cross-key constraints.
-    pub fn validate(&self) -> Result<()> {
-        let positive = |key: &str, value: usize| {
-            if value == 0 {
-                Err(TrainError::config(key, "expected at least 1, found 0"))
-            } else {
-                Ok(())
-            }
-        };
-        self.data.validate()?;
-        if let Some(t) = &self.data.synthetic {
-            if t.min_digits == 0 || t.min_digits > t.max_digits || t.max_digits > 18 {
-                return Err(TrainError::config(
-                    "data.synthetic.min_digits",
-                    format!(
-                        "expected 1 <= min_digits <= max_digits <= 18, found {}..={}",
-                        t.min_digits, t.max_digits
-                    ),
-                ));
-            }
-            positive("data.synthetic.train_size", t.train_size)?;
-            positive("data.synthetic.eval_size", t.eval_size)?;
-        }
-        self.validate_models()?;
-        positive("engine.max_num_seqs", self.engine.max_num_seqs)?;
-        if self.engine.kv_cache_bytes == 0 {
-            return Err(TrainError::config(
-                "engine.kv_cache_bytes",
-                "expected at least 1, found 0",
-            ));
-        }
-        if self.checkpoint.keep_last == Some(0) {
-            return Err(TrainError::config(
-                "checkpoint.keep_last",
-                "expected at least 1 (or no key to keep all), found 0",
-            ));
-        }
-        let m = &self.model;
-        if m.hidden_size <= 0 || m.num_heads <= 0 || m.hidden_size % m.num_heads != 0 {
-            return Err(TrainError::config(
-                "model.hidden_size",
-                format!(
-                    "expected a positive multiple of model.num_heads={}, found {}",
-                    m.num_heads, m.hidden_size
-                ),
-            ));
-        }
-        if m.num_kv_heads <= 0 || m.num_heads % m.num_kv_heads != 0 {
-            return Err(TrainError::config(
-                "model.num_kv_heads",
-                format!(
-                    "expected a divisor of model.num_heads={}, found {}",
-                    m.num_heads, m.num_kv_heads
-                ),
-            ));
-        }
-        if m.num_layers <= 0 || m.intermediate_size <= 0 {
-            return Err(TrainError::config(
-                "model.num_layers",
-                "expected num_layers and intermediate_size above 0",
-            ));
-        }
-        positive("warmup.batch_size", self.warmup.batch_size)?;
-        if self.cluster.num_gpus < 0.0 {
-            return Err(TrainError::config(
-                "cluster.num_gpus",
-                format!("expected >= 0, found {}", self.cluster.num_gpus),
-            ));
-        }
-        positive("cluster.actor_replicas", self.cluster.actor_replicas)?;
-        positive("cluster.ref_replicas", self.cluster.ref_replicas)?;
-        positive("cluster.critic_replicas", self.cluster.critic_replicas)?;
-        positive("cluster.reward_replicas", self.cluster.reward_replicas)?;
-        positive("cluster.engine_replicas", self.cluster.engine_replicas)?;
-        if let WorkerThreads::Fixed(n) = self.cluster.threads_per_worker
-            && n < 1
-        {
-            return Err(TrainError::config(
-                "cluster.threads_per_worker",
-                format!("expected `auto` or at least 1, found {n}"),
-            ));
-        }
-        for (key, value) in [
-            ("cluster.call_timeout_s", self.cluster.call_timeout_s),
-            ("cluster.stall_warn_s", self.cluster.stall_warn_s),
-        ] {
-            // Duration::from_secs_f64 panics past ~5.8e11 years: a year is plenty.
-            if !(value.is_finite() && value > 0.0 && value <= 3.2e7) {
-                return Err(TrainError::config(
-                    key,
-                    format!("expected a number of seconds in (0, 3.2e7], found {value}"),
-                ));
-            }
-        }
-        let r = &self.rollout;
-        positive("rollout.prompts_per_step", r.prompts_per_step)?;
-        positive("rollout.n_samples_per_prompt", r.n_samples_per_prompt)?;
-        positive("rollout.weight_bucket_bytes", r.weight_bucket_bytes)?;
-        let gpu_sync = match r.weight_sync_backend {
-            WeightSyncBackend::ObjectStore => None,
-            WeightSyncBackend::Nccl => Some("nccl"),
-            WeightSyncBackend::CudaIpc => Some("cuda_ipc"),
-        };
-        if r.weight_sync_backend == WeightSyncBackend::CudaIpc
-            && self.engine.tensor_parallel_size > 1
-        {
-            return Err(TrainError::config(
-                "rollout.weight_sync_backend",
-                format!(
-                    "cuda_ipc maps one GPU's memory into one engine process, found \
-                     engine.tensor_parallel_size {} (use nccl or object_store)",
-                    self.engine.tensor_parallel_size
-                ),
-            ));
-        }
-        let lora = self.policy.lora.is_some() || self.policy.lora_adapter.is_some();
-        if r.weight_sync_backend == WeightSyncBackend::CudaIpc && lora {
-            return Err(TrainError::config(
-                "rollout.weight_sync_backend",
-                "cuda_ipc sends the whole model in place; with policy.lora only the merged \
-                 projections travel: use nccl or object_store",
-            ));
-        }
-        if let Some(name) = gpu_sync {
-            if !cfg!(feature = "cuda") {
-                return Err(TrainError::config(
-                    "rollout.weight_sync_backend",
-                    format!(
-                        "expected object_store in a build without the `cuda` feature, found \
-                         {name} (rebuild with `--features cuda`)"
-                    ),
-                ));
-            }
-            let ipc = r.weight_sync_backend == WeightSyncBackend::CudaIpc;
-            if ipc && !(self.policy.device.is_cuda() && self.engine.device.is_cuda()) {
-                return Err(TrainError::config(
-                    "rollout.weight_sync_backend",
-                    format!(
-                        "{name} maps GPU memory: expected policy.device and engine.device \
-                         on cuda, found {} and {}",
-                        self.policy.device.0, self.engine.device.0
-                    ),
-                ));
-            }
-        }
-        if !(r.temperature.is_finite() && r.temperature >= 0.0) {
-            return Err(TrainError::config(
-                "rollout.temperature",
-                format!("expected a finite number >= 0, found {}", r.temperature),
-            ));
-        }
-        if !(r.top_p > 0.0 && r.top_p <= 1.0) {
-            return Err(TrainError::config(
-                "rollout.top_p",
-                format!("expected a number in (0, 1], found {}", r.top_p),
-            ));
-        }
-        let a = &self.algo;
-        if a.advantage_estimator.is_group_baseline() && r.n_samples_per_prompt < 2 {
-            return Err(TrainError::config(
-                "rollout.n_samples_per_prompt",
-                format!(
-                    "expected at least 2 samples per prompt for advantage_estimator `{}` (a group baseline), found {}",
-                    a.advantage_estimator, r.n_samples_per_prompt
-                ),
-            ));
-        }
-        for (key, value) in [("algo.gamma", a.gamma), ("algo.lambd", a.lambd)] {
-            if !(0.0..=1.0).contains(&value) {
-                return Err(TrainError::config(
-                    key,
-                    format!("expected a number in [0, 1], found {value}"),
-                ));
-            }
-        }
-        for (key, value) in [
-            ("algo.eps_clip_low", a.eps_clip_low),
-            ("algo.eps_clip_high", a.eps_clip_high),
-            ("algo.value_clip", a.value_clip),
-            ("algo.entropy_coef", a.entropy_coef),
-            ("algo.init_kl_coef", a.init_kl_coef),
-            ("algo.reward_clip", a.reward_clip),
-            ("train.actor_lr", self.train.actor_lr),
-            ("train.critic_lr", self.train.critic_lr),
-            ("train.max_grad_norm", self.train.max_grad_norm),
-            ("train.weight_decay", self.train.weight_decay),
-            ("warmup.lr", self.warmup.lr),
-        ] {
-            if !(value.is_finite() && value >= 0.0) {
-                return Err(TrainError::config(
-                    key,
-                    format!("expected a finite number >= 0, found {value}"),
-                ));
-            }
-        }
-        if let Some(c) = a.dual_clip
-            && !(c.is_finite() && c > 1.0)
-        {
-            return Err(TrainError::config(
-                "algo.dual_clip",
-                format!("expected a number above 1 (OpenRLHF uses 3), found {c}"),
-            ));
-        }
-        let t = &self.train;
-        if let Some(ratio) = t.lr_warmup_ratio {
-            if !(0.0..=1.0).contains(&ratio) {
-                return Err(TrainError::config(
-                    "train.lr_warmup_ratio",
-                    format!("expected a number in [0, 1], found {ratio}"),
-                ));
-            }
-            if t.lr_warmup_steps > 0 {
-                return Err(TrainError::config(
-                    "train.lr_warmup_ratio",
-                    format!(
-                        "expected either it or train.lr_warmup_steps, found both ({ratio} and {})",
-                        t.lr_warmup_steps
-                    ),
-                ));
-            }
-        }
-        if !(0.0..=1.0).contains(&t.min_lr_ratio) {
-            return Err(TrainError::config(
-                "train.min_lr_ratio",
-                format!("expected a number in [0, 1], found {}", t.min_lr_ratio),
-            ));
-        }
-        if let Some(target) = a.kl_target
-            && !(target.is_finite() && target > 0.0)
-        {
-            return Err(TrainError::config(
-                "algo.kl_target",
-                format!("expected a number above 0, found {target}"),
-            ));
-        }
-        if !(a.kl_horizon.is_finite() && a.kl_horizon > 0.0) {
-            return Err(TrainError::config(
-                "algo.kl_horizon",
-                format!("expected a number above 0, found {}", a.kl_horizon),
-            ));
-        }
-        let tr = &self.train;
-        positive("train.num_episodes", tr.num_episodes)?;
-        positive("train.micro_batch_size", tr.micro_batch_size)?;
-        positive("train.max_epochs", tr.max_epochs)?;
-        positive("train.dock_groups_per_batch", tr.dock_groups_per_batch)?;
-        if tr.dock_max_poll_pause_ms == 0 {
-            return Err(TrainError::config(
-                "train.dock_max_poll_pause_ms",
-                "expected at least 1, found 0",
-            ));
-        }
-        let samples = r.prompts_per_step * r.n_samples_per_prompt;
-        if tr.train_batch_size == 0 || !samples.is_multiple_of(tr.train_batch_size) {
-            return Err(TrainError::config(
-                "train.train_batch_size",
-                format!(
-                    "expected a divisor of rollout.prompts_per_step × n_samples_per_prompt = {samples}, found {}",
-                    tr.train_batch_size
-                ),
-            ));
-        }
-        if tr.pipeline == PipelineMode::Dock && tr.zero_stage == rtrun_rlhf_shard::ZeroStage::Three
-        {
-            return Err(TrainError::config(
-                "train.zero_stage",
-                "expected 0, 1 or 2 with train.pipeline `dock`, found 3: dock stages call the \
-                 policy ranks from several threads (old log-probs and training), and at stage 3 \
-                 every forward gathers parameters across the ranks, which must then run their \
-                 passes in one order; use train.pipeline `sequential` for stage 3",
-            ));
-        }
-        if tr.pipeline == PipelineMode::Dock {
-            if !matches!(
-                a.advantage_estimator,
-                AdvantageEstimator::GroupNorm
-                    | AdvantageEstimator::Rloo
-                    | AdvantageEstimator::DrGrpo
-            ) {
-                return Err(TrainError::config(
-                    "algo.advantage_estimator",
-                    format!(
-                        "expected a group-local estimator (group_norm, rloo or dr_grpo) for train.pipeline `dock`, whose stages compute advantages one prompt group at a time, found `{}`",
-                        a.advantage_estimator
-                    ),
-                ));
-            }
-            if self.cluster.colocate_all {
-                return Err(TrainError::config(
-                    "cluster.colocate_all",
-                    "expected false for train.pipeline `dock` (its stages run generation and log-probs at the same time, which a hybrid engine cannot), found true",
-                ));
-            }
-        }
-        match self.reward.kind {
-            RewardKind::Remote if self.reward.url.is_empty() => {
-                return Err(TrainError::config(
-                    "reward.url",
-                    "expected a URL for reward.kind `remote`, found none",
-                ));
-            }
-            RewardKind::Model if self.reward.model_dir.is_none() => {
-                return Err(TrainError::config(
-                    "reward.model_dir",
-                    "expected a reward-model directory for reward.kind `model`, found none",
-                ));
-            }
-            RewardKind::Rule | RewardKind::Custom
-                if crate::reward::find_reward_function(&self.reward.name).is_none() =>
-            {
-                return Err(TrainError::config(
-                    "reward.name",
-                    format!(
-                        "expected one of the registered reward functions {:?}, found `{}`",
-                        crate::reward::reward_function_names(),
-                        self.reward.name
-                    ),
-                ));
-            }
-            _ => {}
-        }
-        positive("reward.parallel_tasks", self.reward.parallel_tasks)?;
-        if !(self.reward.timeout_s.is_finite() && self.reward.timeout_s > 0.0) {
-            return Err(TrainError::config(
-                "reward.timeout_s",
-                format!("expected a number of seconds above 0, found {}", self.reward.timeout_s),
-            ));
-        }
-        if let Some(url) = self
-            .reward
-            .url
-            .0
-            .iter()
-            .find(|u| !(u.starts_with("http://") || u.starts_with("https://")))
-        {
-            return Err(TrainError::config(
-                "reward.url",
-                format!("expected http:// or https:// URLs, found `{url}`"),
-            ));
-        }
-        if matches!(self.reward.kind, RewardKind::Rule | RewardKind::Custom)
-            && !self.data.prompt_data.is_empty()
-            && self.data.label_key.is_none()
-            && crate::reward::find_reward_function(&self.reward.name).is_some_and(|f| f.needs_label)
-        {
-            return Err(TrainError::config(
-                "data.label_key",
-                format!(
-                    "expected a label key: reward `{}` compares responses with labels, found none",
-                    self.reward.name
-                ),
-            ));
-        }
-        Ok(())
     }
 
     /// Generated tokens at most per sample.
@@ -1429,6 +1098,44 @@ mod tests {
             .contains("cluster.colocate_all")
         );
         assert!(err("", &["train.pipeline=conveyor"]).contains("conveyor"));
+        // Values that parse but would train something else than asked.
+        let clip = err("", &["algo.eps_clip_low=2"]);
+        assert!(clip.contains("algo.eps_clip_low") && clip.contains("[0, 1)"), "{clip}");
+        // The default batch (128 samples over one rank) with a larger micro-batch.
+        let micro = err("", &["train.micro_batch_size=200"]);
+        assert!(micro.contains("train.micro_batch_size") && micro.contains("= 128"), "{micro}");
+        let micro = err("", &["train.micro_batch_size=40", "cluster.actor_replicas=4"]);
+        assert!(micro.contains("/ cluster.actor_replicas 4 = 32"), "{micro}");
+        // The default micro-batch (32) shrinks to a small batch's per-rank share.
+        let small = ["train.train_batch_size=8".to_owned(), "cluster.actor_replicas=2".to_owned()];
+        let small = TrainConfig::from_yaml("", "small.yaml", &small).unwrap();
+        assert_eq!(small.train.micro_batch_size, 4);
+    }
+
+    /// A generation budget the policy's context cannot hold is refused, naming the checkpoint's
+    /// `max_position_embeddings`.
+    #[test]
+    fn a_generation_budget_past_the_policys_context_names_it() {
+        let dir = std::env::temp_dir().join(format!("rtrun-config-ctx-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut model = rtrun_rlhf_model::tiny::tiny_config(rtrun_rlhf_model::ModelFamily::Qwen2);
+        model.max_position_embeddings = 64;
+        model.write_to_dir(&dir).unwrap();
+        let sets = |budget: usize| {
+            vec![
+                format!("policy.pretrain={}", dir.display()),
+                "data.prompt_data=p.jsonl".to_owned(),
+                format!("rollout.max_new_tokens={budget}"),
+            ]
+        };
+        let err = TrainConfig::from_yaml("", "ctx.yaml", &sets(64)).unwrap_err().to_string();
+        assert!(
+            err.contains("rollout.max_new_tokens") && err.contains("max_position_embeddings 64"),
+            "{err}"
+        );
+        let ok = TrainConfig::from_yaml("", "ctx.yaml", &sets(63));
+        assert!(!ok.is_err_and(|e| e.to_string().contains("max_position_embeddings")));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -252,7 +252,19 @@ impl TrainConfig {
                 ));
             }
             if let Some(dir) = dir {
-                check_model_dir(key, dir)?;
+                let model = check_model_dir(key, dir)?;
+                let budget = config.rollout.max_new_tokens;
+                if key == "policy.pretrain" && budget as i64 >= model.max_position_embeddings {
+                    return Err(TrainError::config(
+                        "rollout.max_new_tokens",
+                        format!(
+                            "expected fewer tokens than the policy's context, \
+                             max_position_embeddings {} in {}, found {budget}",
+                            model.max_position_embeddings,
+                            dir.join("config.json").display()
+                        ),
+                    ));
+                }
             }
         }
         // Projection shapes do not depend on the context length.
@@ -299,8 +311,8 @@ impl TrainConfig {
     }
 }
 
-/// Checks that `dir` holds a Hugging Face config of a supported architecture.
-fn check_model_dir(key: &str, dir: &Path) -> Result<()> {
+/// Checks that `dir` holds a Hugging Face config of a supported architecture, and reads it.
+fn check_model_dir(key: &str, dir: &Path) -> Result<rtrun_rlhf_model::ModelConfig> {
     let file = dir.join("config.json");
     if !file.is_file() {
         return Err(TrainError::config(
@@ -312,6 +324,5 @@ fn check_model_dir(key: &str, dir: &Path) -> Result<()> {
         ));
     }
     rtrun_rlhf_model::ModelConfig::from_dir(dir)
-        .map(|_| ())
         .map_err(|e| TrainError::config(key, format!("{}: {e}", file.display())))
 }

@@ -164,7 +164,9 @@ pub struct StageTrainConfig {
     /// Samples per optimizer step over all ranks (`--train_batch_size`); an epoch's last
     /// samples that do not fill a batch are left out (`drop_last`).
     pub batch_size: usize,
-    /// Rows per forward pass on each rank (`--micro_train_batch_size`).
+    /// Rows per forward pass on each rank (`--micro_train_batch_size`; default 8, or a rank's
+    /// share of `batch_size` when that is smaller; a value set larger than the share is an
+    /// error).
     pub micro_batch_size: usize,
     /// Pack several samples into each row of up to `data.max_len` tokens, each attending only
     /// itself (`--packing_samples`).
@@ -302,6 +304,7 @@ impl StageConfig {
         if mode == Mode::Rl {
             tree.expect_mode(Mode::Sft)?;
         }
+        let micro_set = tree.sets("train.micro_batch_size");
         let mut config: Self = tree.typed()?;
         config.mode = mode;
         if let Some(path) = &config.cluster.placement_spec {
@@ -320,6 +323,12 @@ impl StageConfig {
             })?;
             config.cluster.replicas = role.replicas;
         }
+        if !micro_set {
+            // The default micro-batch shrinks to a small batch's per-rank share; one the
+            // config names must fit (`validate`).
+            let share = config.train.batch_size.div_ceil(config.cluster.replicas.max(1));
+            config.train.micro_batch_size = config.train.micro_batch_size.min(share.max(1));
+        }
         if mode != Mode::Sft && config.run_dir == StageConfig::default().run_dir {
             config.run_dir = PathBuf::from(format!("runs/{}", mode.name()));
         }
@@ -329,13 +338,27 @@ impl StageConfig {
 
     /// Checks ranges and cross-key constraints.
     pub fn validate(&self) -> Result<()> {
-        let at_least_one = |key: &str, value: usize| {
-            if value == 0 {
-                Err(TrainError::config(key, "expected at least 1, found 0"))
-            } else {
-                Ok(())
-            }
-        };
+        self.validate_model()?;
+        self.data.validate()?;
+        self.train.validate(self.cluster.replicas)?;
+        self.cluster.validate()?;
+        if self.mode == Mode::Dpo && !(self.dpo.beta > 0.0 && self.dpo.beta.is_finite()) {
+            return Err(TrainError::config(
+                "dpo.beta",
+                format!("expected a positive number, found {}", self.dpo.beta),
+            ));
+        }
+        if !(0.0..0.5).contains(&self.dpo.label_smoothing) {
+            return Err(TrainError::config(
+                "dpo.label_smoothing",
+                format!("expected a number in [0, 0.5), found {}", self.dpo.label_smoothing),
+            ));
+        }
+        Ok(())
+    }
+
+    /// `model.*`: a Hugging Face directory, a usable device, LoRA settings that fit.
+    fn validate_model(&self) -> Result<()> {
         match &self.model.pretrain {
             None => {
                 return Err(TrainError::config(
@@ -355,54 +378,84 @@ impl StageConfig {
             Some(_) => {}
         }
         self.model.device.validate("model.device")?;
-        self.model.validate_lora("model", true, None)?;
-        if self.data.train_data.is_empty() {
+        self.model.validate_lora("model", true, None)
+    }
+}
+
+/// `value` is at least 1.
+fn at_least_one(key: &str, value: usize) -> Result<()> {
+    if value == 0 { Err(TrainError::config(key, "expected at least 1, found 0")) } else { Ok(()) }
+}
+
+impl StageDataConfig {
+    /// `data.*`: files that exist, a held-out share, lengths above 0.
+    fn validate(&self) -> Result<()> {
+        if self.train_data.is_empty() {
             return Err(TrainError::config(
                 "data.train_data",
                 "expected one or more JSONL / Parquet files, found none",
             ));
         }
-        crate::data::check_files("data.train_data", &self.data.train_data)?;
-        crate::data::check_files("data.eval_data", &self.data.eval_data)?;
-        if !(self.data.eval_fraction > 0.0 && self.data.eval_fraction < 1.0) {
+        crate::data::check_files("data.train_data", &self.train_data)?;
+        crate::data::check_files("data.eval_data", &self.eval_data)?;
+        if !(self.eval_fraction > 0.0 && self.eval_fraction < 1.0) {
             return Err(TrainError::config(
                 "data.eval_fraction",
-                format!("expected a number in (0, 1), found {}", self.data.eval_fraction),
+                format!("expected a number in (0, 1), found {}", self.eval_fraction),
             ));
         }
-        if self.data.input_key.is_empty() {
+        if self.input_key.is_empty() {
             return Err(TrainError::config("data.input_key", "expected a key name, found ``"));
         }
-        at_least_one("data.max_len", self.data.max_len)?;
-        if self.data.max_samples == Some(0) {
+        at_least_one("data.max_len", self.max_len)?;
+        if self.max_samples == Some(0) {
             return Err(TrainError::config("data.max_samples", "expected at least 1, found 0"));
         }
-        at_least_one("train.epochs", self.train.epochs)?;
-        at_least_one("train.batch_size", self.train.batch_size)?;
-        at_least_one("train.micro_batch_size", self.train.micro_batch_size)?;
-        at_least_one("cluster.replicas", self.cluster.replicas)?;
-        if self.train.batch_size < self.cluster.replicas {
+        Ok(())
+    }
+}
+
+impl StageTrainConfig {
+    /// `train.*` over `replicas` ranks: sizes, at least a sample per rank, a micro-batch no
+    /// larger than a rank's share, rates in range.
+    fn validate(&self, replicas: usize) -> Result<()> {
+        at_least_one("train.epochs", self.epochs)?;
+        at_least_one("train.batch_size", self.batch_size)?;
+        at_least_one("train.micro_batch_size", self.micro_batch_size)?;
+        at_least_one("cluster.replicas", replicas)?;
+        if self.batch_size < replicas {
             return Err(TrainError::config(
                 "train.batch_size",
                 format!(
-                    "expected at least one sample per rank: {} or more for cluster.replicas = \
-                     {}, found {}",
-                    self.cluster.replicas, self.cluster.replicas, self.train.batch_size
+                    "expected at least one sample per rank: {replicas} or more for \
+                     cluster.replicas = {replicas}, found {}",
+                    self.batch_size
                 ),
             ));
         }
-        if self.train.max_steps == Some(0) {
+        let per_rank = self.batch_size.div_ceil(replicas);
+        if self.micro_batch_size > per_rank {
+            return Err(TrainError::config(
+                "train.micro_batch_size",
+                format!(
+                    "expected at most the samples one rank trains on per optimizer step, \
+                     train.batch_size {} / cluster.replicas {replicas} = {per_rank}, found {}",
+                    self.batch_size, self.micro_batch_size
+                ),
+            ));
+        }
+        if self.max_steps == Some(0) {
             return Err(TrainError::config("train.max_steps", "expected at least 1, found 0"));
         }
-        if !(self.train.lr > 0.0 && self.train.lr.is_finite()) {
+        if !(self.lr > 0.0 && self.lr.is_finite()) {
             return Err(TrainError::config(
                 "train.lr",
-                format!("expected a positive number, found {}", self.train.lr),
+                format!("expected a positive number, found {}", self.lr),
             ));
         }
         for (key, value) in [
-            ("train.lr_warmup_ratio", self.train.lr_warmup_ratio),
-            ("train.min_lr_ratio", self.train.min_lr_ratio),
+            ("train.lr_warmup_ratio", self.lr_warmup_ratio),
+            ("train.min_lr_ratio", self.min_lr_ratio),
         ] {
             if !(0.0..=1.0).contains(&value) {
                 return Err(TrainError::config(
@@ -411,10 +464,9 @@ impl StageConfig {
                 ));
             }
         }
-        for (key, value) in [
-            ("train.weight_decay", self.train.weight_decay),
-            ("train.max_grad_norm", self.train.max_grad_norm),
-        ] {
+        for (key, value) in
+            [("train.weight_decay", self.weight_decay), ("train.max_grad_norm", self.max_grad_norm)]
+        {
             if !(value >= 0.0 && value.is_finite()) {
                 return Err(TrainError::config(
                     key,
@@ -422,21 +474,16 @@ impl StageConfig {
                 ));
             }
         }
-        if self.mode == Mode::Dpo && !(self.dpo.beta > 0.0 && self.dpo.beta.is_finite()) {
-            return Err(TrainError::config(
-                "dpo.beta",
-                format!("expected a positive number, found {}", self.dpo.beta),
-            ));
-        }
-        if !(0.0..0.5).contains(&self.dpo.label_smoothing) {
-            return Err(TrainError::config(
-                "dpo.label_smoothing",
-                format!("expected a number in [0, 0.5), found {}", self.dpo.label_smoothing),
-            ));
-        }
+        Ok(())
+    }
+}
+
+impl StageClusterConfig {
+    /// `cluster.*`: deadlines and threads.
+    fn validate(&self) -> Result<()> {
         for (key, value) in [
-            ("cluster.call_timeout_s", self.cluster.call_timeout_s),
-            ("cluster.stall_warn_s", self.cluster.stall_warn_s),
+            ("cluster.call_timeout_s", self.call_timeout_s),
+            ("cluster.stall_warn_s", self.stall_warn_s),
         ] {
             if !(value > 0.0 && value.is_finite()) {
                 return Err(TrainError::config(
@@ -445,7 +492,7 @@ impl StageConfig {
                 ));
             }
         }
-        if let WorkerThreads::Fixed(n) = self.cluster.threads_per_worker
+        if let WorkerThreads::Fixed(n) = self.threads_per_worker
             && n < 1
         {
             return Err(TrainError::config(
@@ -490,6 +537,11 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("train.batch_size") && err.contains("one sample per rank"), "{err}");
+        // The default micro-batch (8) shrinks to the share of a small batch; a set one must fit.
+        assert_eq!(config.train.micro_batch_size, 2);
+        let sets = ["cluster.replicas=2".into(), "train.micro_batch_size=3".into()];
+        let err = StageConfig::from_yaml(&ok, "sft.yaml", &sets).unwrap_err().to_string();
+        assert!(err.contains("train.micro_batch_size") && err.contains("= 2, found 3"), "{err}");
         // An RL config handed to the SFT trainer, and the other way round.
         let err = StageConfig::from_yaml("seed: 3\n", "grpo.yaml", &[]).unwrap_err().to_string();
         assert!(err.contains("expected a `sft` config"), "{err}");
