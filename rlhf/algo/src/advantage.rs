@@ -18,7 +18,9 @@ pub const GROUP_NORM_EPS: f64 = 1e-9;
 
 /// How advantages are estimated. Serialised as OpenRLHF's `--algo.advantage.estimator` names:
 /// `gae`, `reinforce`, `rloo`, `reinforce_baseline`, `group_norm`, `dr_grpo`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, schemars::JsonSchema,
+)]
 #[serde(rename_all = "snake_case")]
 pub enum AdvantageEstimator {
     /// Generalised advantage estimation with a critic (PPO); the default.

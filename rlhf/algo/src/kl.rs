@@ -15,7 +15,9 @@ pub const KL_CLAMP: f64 = 10.0;
 /// How the per-token KL between the policy and the reference is estimated from the log-ratio
 /// `r = log π(a) − log π_ref(a)` of the sampled token (Schulman, "Approximating KL divergence").
 /// Serialised in lowercase as OpenRLHF's `--algo.kl.estimator`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, schemars::JsonSchema,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum KlEstimator {
     /// `r`: unbiased, can be negative; the default and the usual choice for KL in the reward.

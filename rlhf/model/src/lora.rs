@@ -45,7 +45,7 @@ const PEFT_PREFIX: &str = "base_model.model.";
 /// `r/lora_alpha/lora_dropout/target_modules`).
 ///
 /// Unset keys take OpenRLHF's defaults: `alpha` 16, `dropout` 0, `target_modules` all-linear.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct LoraConfig {
     /// The rank `r` of every adapter.

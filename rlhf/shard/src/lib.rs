@@ -87,6 +87,25 @@ impl Serialize for ZeroStage {
     }
 }
 
+impl schemars::JsonSchema for ZeroStage {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        "ZeroStage".into()
+    }
+
+    fn inline_schema() -> bool {
+        true
+    }
+
+    fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        schemars::json_schema!({
+            "anyOf": [
+                {"type": "integer", "enum": [0, 1, 2, 3]},
+                {"enum": ["no_shard", "shard_grad_op", "full_shard", "fsdp", "fsdp2"]}
+            ]
+        })
+    }
+}
+
 /// `0`–`3`, or verl's spellings: `fsdp` / `fsdp2` / `full_shard` (stage 3), `shard_grad_op`
 /// (stage 2), `no_shard` (stage 0).
 impl<'de> Deserialize<'de> for ZeroStage {

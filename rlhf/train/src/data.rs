@@ -47,6 +47,21 @@ impl<T: Clone> From<OneOrMany<T>> for Vec<T> {
     }
 }
 
+impl<T: Clone + schemars::JsonSchema> schemars::JsonSchema for OneOrMany<T> {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        format!("OneOrMany_{}", T::schema_name()).into()
+    }
+
+    fn inline_schema() -> bool {
+        true
+    }
+
+    fn json_schema(generator: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        let one = generator.subschema_for::<T>();
+        schemars::json_schema!({"anyOf": [one, {"type": "array", "items": one}]})
+    }
+}
+
 impl<T: Clone> Default for OneOrMany<T> {
     fn default() -> Self {
         OneOrMany(Vec::new())
@@ -64,7 +79,7 @@ impl<T: Clone> OneOrMany<T> {
 pub type PathList = OneOrMany<PathBuf>;
 
 /// Where prompts come from (config section `data`; OpenRLHF's flag in each doc).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct DataConfig {
     /// A generated verifiable task (the shipped demo); used when `prompt_data` is empty.

@@ -908,3 +908,40 @@ fn a_running_train_serves_its_step_metrics_and_its_session_on_the_metrics_port()
     let removed = || std::fs::remove_dir_all(&dir).is_ok() || !dir.exists();
     assert!(rtrun_tests::wait_until(Duration::from_secs(30), removed), "{}", dir.display());
 }
+
+/// `train --print-default-config` prints a config the driver trains from as it is (here for
+/// one small step), and the other modes' and the schema print too.
+#[test]
+fn the_printed_default_config_is_a_config_the_driver_runs() {
+    let dir = scratch("print-defaults");
+    let print = |args: &[&str]| {
+        let out =
+            std::process::Command::new(env!("CARGO_BIN_EXE_train")).args(args).output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let defaults = print(&["--print-default-config"]);
+    assert!(
+        defaults.starts_with("# The `train --mode rl` config") && defaults.contains("\nmode: rl\n")
+    );
+    let path = dir.join("defaults.yaml");
+    std::fs::write(&path, &defaults).unwrap();
+    let small = [
+        "warmup.steps=5",
+        "rollout.prompts_per_step=4",
+        "rollout.n_samples_per_prompt=2",
+        "train.train_batch_size=8",
+        // The file names the default micro-batch (32), which must then fit the smaller batch.
+        "train.micro_batch_size=8",
+        "train.max_steps=1",
+        "eval.every_steps=0",
+        "cluster.num_gpus=0",
+    ];
+    run_to_end(&mut train_command(&path, &dir.join("run"), &small));
+    assert_eq!(metrics(&dir.join("run")).last().map(|m| m.step()), Some(1));
+    assert!(print(&["--print-default-config", "--mode", "dpo"]).contains("\nmode: dpo\n"));
+    let schema: serde_json::Value =
+        serde_json::from_str(&print(&["--print-config-schema", "--mode", "sft"])).unwrap();
+    assert!(schema["properties"]["dpo"].is_object(), "{schema}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

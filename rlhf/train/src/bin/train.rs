@@ -1,5 +1,6 @@
 //! The training driver: `train --config X.yaml [--mode rl|sft|rm|dpo] [--set key=value]…
-//! [--overwrite] [--address A] [--detach]`, or `train --attach RUN [--address A]`. The config's
+//! [--overwrite] [--address A] [--detach]`, or `train --attach RUN [--address A]`;
+//! `train --print-default-config [--mode M]` and `--print-config-schema` describe the config. The config's
 //! `mode:` (or `--mode`) picks the trainer: PPO / GRPO (`rl`, the default), supervised
 //! fine-tuning (`sft`), a reward model (`rm`) or DPO (`dpo`).
 //!
@@ -29,7 +30,7 @@ use rtrun_rlhf_telemetry::{ProgressField, ProgressOptions, RunProgress};
 #[command(name = "train", about = "PPO / GRPO and supervised fine-tuning on rtrun")]
 struct Args {
     /// The YAML config.
-    #[arg(long, required_unless_present = "attach")]
+    #[arg(long, required_unless_present_any = ["attach", "print_default_config", "print_config_schema"])]
     config: Option<PathBuf>,
     /// The trainer: `rl` (PPO / GRPO), `sft`, `rm` (a reward model on preference pairs) or
     /// `dpo`; the same as `--set mode=M` (the config's `mode:` when absent, else `rl`).
@@ -72,6 +73,15 @@ struct Args {
     /// `--detach`): its progress from the start, then its summary.
     #[arg(long, value_name = "RUN", conflicts_with_all = ["config", "mode", "overrides", "overwrite", "detach", "metrics_port"])]
     attach: Option<PathBuf>,
+    /// Print the config of `--mode` (default `rl`) with every key at its default, each under
+    /// its doc as a comment, and exit: a starting point that `--config` reads back as the
+    /// defaults (docs/config-reference.md lists every key with its type).
+    #[arg(long, conflicts_with_all = ["config", "attach", "print_config_schema"])]
+    print_default_config: bool,
+    /// Print the JSON Schema of `--mode`'s config (default `rl`) and exit, for editors that
+    /// check YAML against a schema.
+    #[arg(long, conflicts_with_all = ["config", "attach"])]
+    print_config_schema: bool,
 }
 
 /// The dashboard page of the run: its live curves and newest metrics.
@@ -97,6 +107,17 @@ fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let args = Args::parse();
+    if args.print_default_config || args.print_config_schema {
+        let sets: Vec<String> = args.mode.iter().map(|m| format!("mode={m}")).collect();
+        let mode = ConfigTree::parse("", "--mode", &sets)?.mode;
+        if args.print_default_config {
+            print!("{}", rtrun_rlhf::config::reference::default_yaml(mode));
+        } else {
+            let schema = rtrun_rlhf::config::reference::schema(mode);
+            println!("{}", serde_json::to_string_pretty(&schema)?);
+        }
+        return Ok(());
+    }
     if let Some(run_dir) = &args.attach {
         return attach(&args, run_dir);
     }

@@ -12,6 +12,7 @@ use crate::data::{DataConfig, OneOrMany};
 use rtrun_rlhf_algo::{AdvantageEstimator, KlEstimator};
 
 mod models;
+pub mod reference;
 mod validate;
 mod yaml;
 
@@ -19,7 +20,7 @@ use crate::error::{Result, TrainError};
 pub use models::{DeviceName, EngineSection, ModelDtype, RoleModelConfig};
 
 /// The whole run.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct TrainConfig {
     /// Seed of everything random in the run (data, shuffles, model init, sampling).
@@ -87,7 +88,7 @@ impl Default for TrainConfig {
 }
 
 /// Shape of the tiny policy.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct ModelShape {
     /// Hidden size.
@@ -115,7 +116,7 @@ impl Default for ModelShape {
 }
 
 /// Supervised warm-up on the training prompts with their labels.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct WarmupConfig {
     /// Optimizer steps (0 skips the warm-up: the policy starts random).
@@ -133,7 +134,7 @@ impl Default for WarmupConfig {
 }
 
 /// The embedded cluster and where the roles go.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct ClusterConfig {
     /// A running cluster's head, `host:port` (`train --address`; the `RTRUN_ADDRESS`
@@ -177,7 +178,9 @@ pub struct ClusterConfig {
 }
 
 /// `algo.old_logprobs`: see [`AlgoConfig::old_logprobs`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, schemars::JsonSchema,
+)]
 #[serde(rename_all = "snake_case")]
 pub enum OldLogprobs {
     /// `engine` when policy and engines both run in fp32, else `policy`.
@@ -262,6 +265,22 @@ impl Serialize for WorkerThreads {
     }
 }
 
+impl schemars::JsonSchema for WorkerThreads {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        "WorkerThreads".into()
+    }
+
+    fn inline_schema() -> bool {
+        true
+    }
+
+    fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        schemars::json_schema!({
+            "anyOf": [{"const": "auto"}, {"type": "integer", "minimum": 1}]
+        })
+    }
+}
+
 impl<'de> Deserialize<'de> for WorkerThreads {
     fn deserialize<D: serde::Deserializer<'de>>(
         deserializer: D,
@@ -307,7 +326,7 @@ impl Default for ClusterConfig {
 }
 
 /// Generation settings (vLLM sampling parameters and batch sizes).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct RolloutConfig {
     /// Prompts per training step (OpenRLHF's `rollout_batch_size`).
@@ -329,7 +348,9 @@ pub struct RolloutConfig {
 }
 
 /// The transport of the policy-to-engine weight sync.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema,
+)]
 #[serde(rename_all = "snake_case")]
 pub enum WeightSyncBackend {
     /// Policy rank 0 puts buckets into the object store and every engine fetches them (any
@@ -375,7 +396,7 @@ impl Default for RolloutConfig {
 }
 
 /// Advantage, KL and loss settings (OpenRLHF v0.11 names and defaults).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct AlgoConfig {
     /// `gae`, `reinforce`, `rloo`, `reinforce_baseline`, `group_norm` (GRPO), `dr_grpo`.
@@ -449,7 +470,7 @@ impl Default for AlgoConfig {
 }
 
 /// Optimisation settings.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct TrainLoopConfig {
     /// Passes over the prompt dataset.
@@ -516,7 +537,9 @@ pub struct TrainLoopConfig {
 }
 
 /// How per-token losses are aggregated (`algo.loss_agg_mode`, verl's names; `_` works for `-`).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema,
+)]
 #[serde(rename_all = "kebab-case")]
 pub enum LossAggMode {
     /// Σ over the global mini-batch's tokens / their count.
@@ -535,7 +558,9 @@ pub enum LossAggMode {
 }
 
 /// The learning rate after warm-up (`train.lr_scheduler`, OpenRLHF's `--lr_scheduler`).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema,
+)]
 #[serde(rename_all = "snake_case")]
 pub enum LrScheduler {
     /// The peak rate from the end of warm-up on.
@@ -546,7 +571,9 @@ pub enum LrScheduler {
 }
 
 /// How a step's experience is made (`train.pipeline`).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema,
+)]
 #[serde(rename_all = "snake_case")]
 pub enum PipelineMode {
     /// Generate every sample, then rewards, log-probs and values over the whole batch.
@@ -597,7 +624,7 @@ impl Default for TrainLoopConfig {
 }
 
 /// Where rewards come from.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct RewardConfig {
     /// `rule` (a built-in rule checking the label), `custom` (a function registered by name),
@@ -642,7 +669,7 @@ impl Default for RewardConfig {
 }
 
 /// Reward sources.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum RewardKind {
     /// A built-in rule.
@@ -656,7 +683,7 @@ pub enum RewardKind {
 }
 
 /// Held-out evaluation.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct EvalConfig {
     /// Evaluate every this many steps (0: only at the start and the end).
@@ -670,7 +697,7 @@ impl Default for EvalConfig {
 }
 
 /// Checkpoints.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct CheckpointConfig {
     /// Save every this many steps (0: never).
@@ -715,7 +742,9 @@ impl std::fmt::Display for ConfigOrigin {
 
 /// Which trainer a config is for: the YAML's top-level `mode:` (`train --mode`), `rl` when
 /// absent. One driver, one config style, one run-directory layout for every trainer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, schemars::JsonSchema,
+)]
 #[serde(rename_all = "snake_case")]
 pub enum Mode {
     /// PPO / GRPO with generation engines ([`TrainConfig`]).

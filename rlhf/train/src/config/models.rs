@@ -12,7 +12,7 @@ use crate::error::{Result, TrainError};
 
 /// Where a model role's weights come from and where it runs (sections `policy`, `reference`,
 /// `critic`).
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct RoleModelConfig {
     /// A Hugging Face directory: `config.json`, one or sharded `*.safetensors`, tokenizer files
@@ -114,7 +114,7 @@ impl RoleModelConfig {
 }
 
 /// A device name: `cpu`, `cuda` (the rank's first visible GPU) or `cuda:N`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(transparent)]
 pub struct DeviceName(pub String);
 
@@ -156,7 +156,9 @@ impl DeviceName {
 }
 
 /// Parameter precision of a role.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema,
+)]
 #[serde(rename_all = "snake_case")]
 pub enum ModelDtype {
     /// 32-bit floats.
@@ -185,7 +187,7 @@ impl ModelDtype {
 }
 
 /// The generation engines (vLLM's engine arguments).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct EngineSection {
     /// Where the engines run.

@@ -13,7 +13,7 @@ use crate::prompts::PromptRecord;
 use crate::rng::SplitMix64;
 
 /// Which synthetic task the run learns.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum TaskKind {
     /// Reverse a string of digits.
@@ -25,7 +25,7 @@ pub enum TaskKind {
 }
 
 /// The task's settings (config section `task`).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct TaskConfig {
     /// The task.

@@ -14,7 +14,7 @@ use crate::data::PathList;
 use crate::error::{Result, TrainError};
 
 /// A supervised run: SFT, reward model or DPO.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct StageConfig {
     /// The trainer (the YAML's `mode:`, taken out before the rest is read).
@@ -44,7 +44,7 @@ pub struct StageConfig {
 }
 
 /// DPO's loss (OpenRLHF's `train_dpo` flags).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct DpoConfig {
     /// β: how strongly the policy is held to the reference (`--beta`).
@@ -105,7 +105,7 @@ impl Default for StageConfig {
 }
 
 /// The dataset of a supervised run (OpenRLHF's flag in each doc).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct StageDataConfig {
     /// JSONL (`.jsonl`, `.json`) or Parquet (`.parquet`) files (`--dataset`).
@@ -154,7 +154,7 @@ impl Default for StageDataConfig {
 }
 
 /// Optimisation of a supervised run.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct StageTrainConfig {
     /// Passes over the training set (`--max_epochs`).
@@ -223,7 +223,7 @@ impl Default for StageTrainConfig {
 }
 
 /// The runtime and the DP ranks of a supervised run.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct StageClusterConfig {
     /// A running cluster's head, `host:port` (`train --address`, `RTRUN_ADDRESS`); without
