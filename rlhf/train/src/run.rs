@@ -97,20 +97,52 @@ pub fn address_or_env(configured: Option<&str>) -> Option<String> {
     })
 }
 
-/// The GPUs the placement spec reserves fit in `cluster.num_gpus`.
-fn check_resources(config: &TrainConfig, placements: &RolePlacements) -> Result<()> {
-    let (_, bundle_gpus) = placements.reserved();
-    if bundle_gpus > config.cluster.num_gpus {
+/// The GPUs the embedded node declares: `cluster.num_gpus`, the host's when absent. More than
+/// the host has (after an inherited `CUDA_VISIBLE_DEVICES`) is an error unless `fake` names
+/// them (`cluster.fake_gpus`).
+pub fn embedded_gpus(num_gpus: Option<f64>, fake: bool) -> Result<f64> {
+    let (detected, source) = rtrun::gpus::detect_gpus();
+    let host = match std::env::var("CUDA_VISIBLE_DEVICES") {
+        Ok(visible) => rtrun::gpus::restrict_to_visible(detected, &visible).len(),
+        Err(_) => detected.len(),
+    } as f64;
+    let requested = num_gpus.unwrap_or(host);
+    if requested > host && !fake {
+        let found = match source {
+            rtrun::gpus::GpuSource::NvidiaSmi => "found by nvidia-smi",
+            rtrun::gpus::GpuSource::ProcDriver => "found in /proc/driver/nvidia/gpus",
+            rtrun::gpus::GpuSource::None => "no NVIDIA GPU found",
+        };
         return Err(TrainError::config(
             "cluster.num_gpus",
             format!(
-                "expected at least the {bundle_gpus} GPUs the placement spec {} reserves, found {}",
-                config
-                    .cluster
-                    .placement_spec
-                    .as_deref()
-                    .map_or_else(String::new, |p| p.display().to_string()),
-                config.cluster.num_gpus
+                "expected at most the {host} GPUs this host has ({found}), found {requested}; \
+                 set cluster.fake_gpus: true to declare the missing ones as fake GPUs (no \
+                 device behind them: placement tests on a CPU machine)"
+            ),
+        ));
+    }
+    Ok(requested)
+}
+
+/// The GPUs the placement spec reserves fit in the ones the embedded node declares.
+fn check_resources(config: &TrainConfig, placements: &RolePlacements) -> Result<()> {
+    let (_, bundle_gpus) = placements.reserved();
+    let gpus = embedded_gpus(config.cluster.num_gpus, config.cluster.fake_gpus)?;
+    if bundle_gpus > gpus {
+        let spec = config.cluster.placement_spec.as_deref();
+        return Err(TrainError::config(
+            "cluster.num_gpus",
+            format!(
+                "expected at least the {bundle_gpus} GPUs the placement spec {} reserves, found \
+                 {gpus}{}",
+                spec.map_or_else(String::new, |p| p.display().to_string()),
+                if config.cluster.fake_gpus {
+                    ""
+                } else {
+                    " (with cluster.fake_gpus: true and cluster.num_gpus, a CPU machine declares \
+                     fake ones)"
+                }
             ),
         ));
     }
@@ -322,7 +354,7 @@ pub fn start_runtime(config: &TrainConfig, placements: &RolePlacements) -> Resul
     let num_cpus = config.cluster.num_cpus.unwrap_or(machine).max(needed);
     rtrun::init_with(rtrun::Config {
         num_cpus: Some(num_cpus),
-        num_gpus: Some(config.cluster.num_gpus),
+        num_gpus: Some(embedded_gpus(config.cluster.num_gpus, config.cluster.fake_gpus)?),
         resources: BTreeMap::new(),
         ..Default::default()
     })?;

@@ -93,7 +93,7 @@ fn run_mode(spec: &str, mode: ColocationMode) {
     let rm_dir = dir.join("rm");
     let spec_path = repo_root().join(format!("deploy/examples/rlhf/placement/{spec}.yaml"));
     let extra = format!(
-        "cluster: {{num_gpus: 8, placement_spec: {}}}\n\
+        "cluster: {{num_gpus: 8, fake_gpus: true, placement_spec: {}}}\n\
          algo: {{advantage_estimator: gae, init_kl_coef: 0.01, kl_target: 0.1}}\n\
          reward: {{kind: model, model_dir: {}}}\n",
         spec_path.display(),
@@ -168,7 +168,7 @@ fn grpo_with_lora_in_the_hybrid_engine_and_at_zero_three() {
         let dir = scratch(&format!("lora-{spec}"));
         let spec_path = repo_root().join(format!("deploy/examples/rlhf/placement/{spec}.yaml"));
         let extra = format!(
-            "cluster: {{num_gpus: 8, placement_spec: {}}}\n\
+            "cluster: {{num_gpus: 8, fake_gpus: true, placement_spec: {}}}\n\
              algo: {{advantage_estimator: group_norm, use_kl_loss: true, kl_estimator: k3, init_kl_coef: 0.01}}\n\
              policy: {{lora: {{rank: 4, alpha: 8, target_modules: [q_proj, v_proj, up_proj]}}}}\n",
             spec_path.display(),
@@ -260,7 +260,7 @@ fn tensor_parallel_engine_ranks_take_the_specs_bundles() {
     std::fs::write(&spec, two).unwrap();
     let extra = |spec: &Path| {
         format!(
-            "cluster: {{num_gpus: 8, placement_spec: {}}}\nengine: {{tensor_parallel_size: 2}}\n\
+            "cluster: {{num_gpus: 8, fake_gpus: true, placement_spec: {}}}\nengine: {{tensor_parallel_size: 2}}\n\
              algo: {{advantage_estimator: group_norm}}\n",
             spec.display()
         )

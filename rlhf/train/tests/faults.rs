@@ -247,9 +247,15 @@ fn the_placement_spec_and_gpu_count_are_checked_before_the_warm_up() {
             "cluster.placement_spec",
         ),
         (
-            vec![format!("cluster.placement_spec={}", spec.display()), "cluster.num_gpus=2".into()],
+            vec![
+                format!("cluster.placement_spec={}", spec.display()),
+                "cluster.num_gpus=2".into(),
+                "cluster.fake_gpus=true".into(),
+            ],
             "cluster.num_gpus",
         ),
+        // More GPUs than the host has, without naming them fake.
+        (vec!["cluster.num_gpus=64".into()], "cluster.num_gpus"),
     ] {
         let sets: Vec<&str> = sets.iter().map(String::as_str).collect();
         let status = train(&config, &run_dir, &sets, &stderr).status().unwrap();

@@ -145,8 +145,13 @@ pub struct ClusterConfig {
     pub address: Option<String>,
     /// CPUs the embedded node offers (default: the machine's).
     pub num_cpus: Option<f64>,
-    /// GPUs the embedded node declares (fake ones are accounted on a CPU-only machine).
-    pub num_gpus: f64,
+    /// GPUs the embedded node declares (absent: the host's, from `nvidia-smi` or the NVIDIA
+    /// driver, 0 on a machine without). More than the host has is an error unless
+    /// `fake_gpus` is on.
+    pub num_gpus: Option<f64>,
+    /// Declare `num_gpus` GPUs even where the host has fewer, the missing ones fake (no device
+    /// behind them): how a CPU machine runs placement specs that reserve GPUs.
+    pub fake_gpus: bool,
     /// A YAML placement spec (placement/SPEC.md); without it, each role gets `replicas` below
     /// and no GPU share.
     pub placement_spec: Option<PathBuf>,
@@ -310,7 +315,8 @@ impl Default for ClusterConfig {
         Self {
             address: None,
             num_cpus: None,
-            num_gpus: 8.0,
+            num_gpus: None,
+            fake_gpus: false,
             placement_spec: None,
             actor_replicas: 1,
             ref_replicas: 1,

@@ -363,10 +363,12 @@ impl WarmupConfig {
 impl ClusterConfig {
     /// `cluster.*`: GPUs, replicas, threads and deadlines.
     fn validate(&self) -> Result<()> {
-        if self.num_gpus < 0.0 {
+        if let Some(gpus) = self.num_gpus
+            && !(gpus >= 0.0 && gpus.fract() == 0.0)
+        {
             return Err(TrainError::config(
                 "cluster.num_gpus",
-                format!("expected >= 0, found {}", self.num_gpus),
+                format!("expected a whole number of GPUs >= 0, found {gpus}"),
             ));
         }
         positive("cluster.actor_replicas", self.actor_replicas)?;

@@ -231,8 +231,11 @@ pub struct StageClusterConfig {
     pub address: Option<String>,
     /// CPUs the embedded node offers (default: the machine's).
     pub num_cpus: Option<f64>,
-    /// GPUs the embedded node declares.
-    pub num_gpus: f64,
+    /// GPUs the embedded node declares (absent: the host's; more than the host has is an
+    /// error unless `fake_gpus` is on).
+    pub num_gpus: Option<f64>,
+    /// Declare `num_gpus` GPUs even where the host has fewer, the missing ones fake.
+    pub fake_gpus: bool,
     /// Data-parallel ranks (each a worker process holding a replica).
     pub replicas: usize,
     /// A YAML placement spec (placement/SPEC.md) declaring this trainer's role (`sft`, `dpo`
@@ -254,7 +257,8 @@ impl Default for StageClusterConfig {
         Self {
             address: None,
             num_cpus: None,
-            num_gpus: 0.0,
+            num_gpus: None,
+            fake_gpus: false,
             replicas: 1,
             placement_spec: None,
             threads_per_worker: WorkerThreads::Auto,
@@ -272,6 +276,7 @@ impl StageClusterConfig {
             address: self.address.clone(),
             num_cpus: self.num_cpus,
             num_gpus: self.num_gpus,
+            fake_gpus: self.fake_gpus,
             actor_replicas: self.replicas,
             threads_per_worker: self.threads_per_worker,
             call_timeout_s: self.call_timeout_s,

@@ -132,7 +132,10 @@ pub fn start_runtime(config: &StageConfig) -> Result<()> {
         Some(address) => rtrun::Config { address: Some(address.clone()), ..Default::default() },
         None => rtrun::Config {
             num_cpus: config.cluster.num_cpus,
-            num_gpus: Some(config.cluster.num_gpus),
+            num_gpus: Some(crate::run::embedded_gpus(
+                config.cluster.num_gpus,
+                config.cluster.fake_gpus,
+            )?),
             ..Default::default()
         },
     };
