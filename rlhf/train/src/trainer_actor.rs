@@ -148,7 +148,9 @@ impl EventLog {
 
 /// The run's progress as events, and the newest step for the metrics endpoint: the
 /// [`ProgressObserver`] `fit()` reports to.
-struct Reporter(Arc<EventLog>, Arc<LiveMetrics>);
+/// The run's event log, its live metrics, and the effective config still to be written (at
+/// the first step, so a run that fails before it changes nothing in its directory).
+struct Reporter(Arc<EventLog>, Arc<LiveMetrics>, Option<(PathBuf, String)>);
 
 impl Reporter {
     fn note(&self, line: impl Into<String>) {
@@ -182,6 +184,11 @@ impl ProgressObserver for Reporter {
     }
 
     fn step_done(&mut self, metrics: &StepMetrics, phases: &StepPhases) {
+        if let Some((path, text)) = self.2.take()
+            && let Err(e) = std::fs::write(&path, text)
+        {
+            self.note(format!("could not write the effective config {}: {e}", path.display()));
+        }
         self.1.record(metrics, phases);
         let metrics = serde_json::to_string(metrics).unwrap_or_else(|_| "{}".into());
         let phases = phases.phases.iter().map(|(n, d)| (n.clone(), d.as_secs_f64())).collect();
@@ -232,7 +239,7 @@ impl TrainerActor {
         let log = self.log.clone();
         let request = self.request.clone();
         let spawned = std::thread::Builder::new().name("fit".into()).spawn(move || {
-            let mut reporter = Reporter(log.clone(), Arc::new(LiveMetrics::default()));
+            let mut reporter = Reporter(log.clone(), Arc::new(LiveMetrics::default()), None);
             // A panic must end the run for its drivers too, not leave them waiting.
             let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 run(&request, &mut reporter)
@@ -305,6 +312,33 @@ fn run(request: &RunRequest, reporter: &mut Reporter) -> anyhow::Result<String> 
     }
 }
 
+/// The name of the effective config in a run directory.
+pub const EFFECTIVE_CONFIG: &str = "config.yaml";
+
+/// The run's effective config (the file with its overrides applied, every key) and where it
+/// goes, `root/config.yaml`, each key under its doc: `train --config` on it runs the same
+/// config.
+fn effective_config(
+    root: &Path,
+    mode: Mode,
+    values: serde_json::Value,
+    request: &RunRequest,
+) -> (PathBuf, String) {
+    let header = format!(
+        "The effective config of the run in {}: {} with {} override(s){}, every key.",
+        root.display(),
+        request.config_file,
+        request.overrides.len(),
+        if request.overrides.is_empty() {
+            String::new()
+        } else {
+            format!(" ({})", request.overrides.join(", "))
+        }
+    );
+    let text = crate::config::reference::commented_yaml(mode, &values, &header);
+    (root.join(EFFECTIVE_CONFIG), text)
+}
+
 /// Writes `summary.md` into `root`; the summary as text with where the metrics and `plot` are.
 fn finish(root: &Path, summary: &RunSummary, plot: &str) -> anyhow::Result<String> {
     std::fs::write(root.join("summary.md"), summary.to_markdown()).context("writing summary.md")?;
@@ -370,6 +404,7 @@ fn run_stage(request: &RunRequest, reporter: &mut Reporter) -> anyhow::Result<St
     if let Some(said) = already_finished(&paths.root, resuming.as_ref(), total) {
         return Ok(said);
     }
+    reporter.2 = Some(effective_config(&paths.root, mode, serde_json::to_value(&config)?, request));
     let mut shown = vec![ProgressField::new("loss", "loss")];
     if pairs {
         shown.push(ProgressField::new("acc", "accuracy"));
@@ -478,6 +513,8 @@ fn run_rl(request: &RunRequest, reporter: &mut Reporter) -> anyhow::Result<Strin
     if let Some(said) = already_finished(&paths.root, resuming.as_ref(), total) {
         return Ok(said);
     }
+    reporter.2 =
+        Some(effective_config(&paths.root, Mode::Rl, serde_json::to_value(&config)?, request));
     let shown = [
         ProgressField::new("reward", "reward"),
         ProgressField::new("acc", "accuracy"),
@@ -563,7 +600,7 @@ mod tests {
     #[test]
     fn step_events_carry_metrics_and_phases_back() {
         let mut reporter =
-            Reporter(Arc::new(EventLog::default()), Arc::new(LiveMetrics::default()));
+            Reporter(Arc::new(EventLog::default()), Arc::new(LiveMetrics::default()), None);
         let mut metrics = StepMetrics::new(3);
         metrics.set("reward", 0.5).unwrap();
         let phases = StepPhases { phases: vec![("train".into(), Duration::from_millis(250))] };

@@ -939,6 +939,14 @@ fn the_printed_default_config_is_a_config_the_driver_runs() {
     ];
     run_to_end(&mut train_command(&path, &dir.join("run"), &small));
     assert_eq!(metrics(&dir.join("run")).last().map(|m| m.step()), Some(1));
+    // The run directory keeps the effective config, which reads back as what ran.
+    let effective = std::fs::read_to_string(dir.join("run/config.yaml")).unwrap();
+    assert!(effective.contains("train.max_steps=1"), "the header names the overrides");
+    let read = TrainConfig::from_yaml(&effective, "config.yaml", &[]).unwrap();
+    let sets: Vec<String> = small.iter().map(|s| s.to_string()).collect();
+    let mut expected = TrainConfig::from_yaml(&defaults, "defaults.yaml", &sets).unwrap();
+    expected.run_dir = dir.join("run");
+    assert_eq!(read, expected);
     assert!(print(&["--print-default-config", "--mode", "dpo"]).contains("\nmode: dpo\n"));
     let schema: serde_json::Value =
         serde_json::from_str(&print(&["--print-config-schema", "--mode", "sft"])).unwrap();

@@ -138,6 +138,12 @@ fn sft_over_two_dp_ranks_lowers_the_held_out_loss_and_exports_what_it_trained() 
     {
         assert!(run_dir.join(file).exists(), "{file} missing");
     }
+    // The effective config, with the mode the command line chose, reads back as what ran.
+    let effective = std::fs::read_to_string(run_dir.join("config.yaml")).unwrap();
+    let tree = rtrun_rlhf::config::ConfigTree::parse(&effective, "config.yaml", &[]).unwrap();
+    assert_eq!(tree.mode, Mode::Sft);
+    let ran: StageConfig = tree.typed().unwrap();
+    assert_eq!(ran.cluster.replicas, 2);
     // The exported model is the trained one: its held-out loss, computed here from the files,
     // is the trainer's last.
     let stage = StageConfig::load_with_origin(&config, &["mode=sft".into()], 0).unwrap().0;

@@ -215,27 +215,34 @@ fn comment(text: &str, indent: &str) -> String {
 /// `mode`'s config with every key at its default, each under its doc as a comment: a file
 /// `train --config` reads back as the defaults.
 pub fn default_yaml(mode: Mode) -> String {
-    let schema = schema(mode);
     let defaults = match mode {
         Mode::Rl => serde_json::to_value(TrainConfig::default()),
         _ => serde_json::to_value(StageConfig { mode, ..StageConfig::default() }),
     }
     .expect("a config serializes to JSON");
+    let header = format!(
+        "The `train --mode {}` config with every key at its default (generated from the \
+         config's structs by `train --print-default-config`; every key's type is in \
+         docs/config-reference.md).",
+        mode.name()
+    );
+    commented_yaml(mode, &defaults, &header)
+}
+
+/// `values` (a config of `mode` as JSON) as YAML, every key under its doc as a comment, after
+/// `header`: what `train --config` reads back as the same config.
+pub fn commented_yaml(mode: Mode, values: &Value, header: &str) -> String {
+    let schema = schema(mode);
+    let defaults = values;
     let mut out = comment(
-        &format!(
-            "The `train --mode {}` config with every key at its default (generated from the \
-             config's structs by `train --print-default-config`; every key's type is in \
-             docs/config-reference.md). {}",
-            mode.name(),
-            plain(schema["description"].as_str().unwrap_or_default())
-        ),
+        &format!("{header} {}", plain(schema["description"].as_str().unwrap_or_default())),
         "",
     );
     out += &format!("mode: {}\n", mode.name());
     for key in keys(&schema) {
         let depth = key.path.matches('.').count();
         let indent = "  ".repeat(depth);
-        let value = key.path.split('.').try_fold(&defaults, |v, part| v.get(part));
+        let value = key.path.split('.').try_fold(defaults, |v, part| v.get(part));
         let under_null_section = value.is_none();
         if under_null_section {
             // A key of a section that is off by default (`policy.lora`): shown, commented out.
