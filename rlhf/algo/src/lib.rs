@@ -35,7 +35,7 @@ pub use error::{AlgoError, Result};
 pub use grad::{GradientSyncConfig, GradientSyncStats, all_reduce_gradients, broadcast_parameters};
 pub use kl::{KlConfig, KlController, KlEstimator, approx_kl, kl_loss, per_token_rewards};
 pub use loss::{
-    LossAggregation, PolicyLoss, PolicyLossConfig, aggregate_loss, entropy_from_logits,
+    LossAggregation, PolicyLoss, PolicyLossConfig, RatioLevel, aggregate_loss, entropy_from_logits,
     masked_entropy, policy_loss, value_loss,
 };
 pub use masked::{masked_mean, masked_normalize, masked_sum, masked_whiten};

@@ -124,6 +124,23 @@ fn positive(name: &str, value: f64) -> Result<()> {
     }
 }
 
+/// Where the importance ratio of the clipped policy loss is taken.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, schemars::JsonSchema,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum RatioLevel {
+    /// Per token, `π(y_t)/π_old(y_t)`: PPO, as OpenRLHF and verl's `vanilla`.
+    #[default]
+    Ppo,
+    /// Per sequence, GSPO's (Zheng et al. 2025) `s_i = exp(mean_t(log π − log π_old))` over the
+    /// sequence's action tokens, clipped and weighted by the advantage as one number per
+    /// sequence; every token of the sequence carries `s_i` and the gradient of its own
+    /// log-prob (the token form whose gradient is GSPO's). The paper clips at `ε` of
+    /// 3e-4 / 4e-4 and averages over sequences (`seq-mean-token-mean`).
+    Gspo,
+}
+
 /// Settings of the clipped policy loss, defaulted as OpenRLHF's `--actor.eps_clip*`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -135,11 +152,18 @@ pub struct PolicyLossConfig {
     /// Dual-clip constant `c > 1` (Ye et al. 2019): for negative advantages the objective is
     /// bounded below by `c·A`. `None` is plain PPO.
     pub dual_clip: Option<f64>,
+    /// Per-token (PPO) or per-sequence (GSPO) ratio.
+    pub ratio: RatioLevel,
 }
 
 impl Default for PolicyLossConfig {
     fn default() -> Self {
-        PolicyLossConfig { clip_eps_low: 0.2, clip_eps_high: 0.2, dual_clip: None }
+        PolicyLossConfig {
+            clip_eps_low: 0.2,
+            clip_eps_high: 0.2,
+            dual_clip: None,
+            ratio: RatioLevel::Ppo,
+        }
     }
 }
 
@@ -157,6 +181,8 @@ pub struct PolicyLoss {
 /// PPO's clipped surrogate loss: with `ratio = exp(clamp(log π − log π_old, ±20))`,
 /// `L = −min(ratio·A, clip(ratio, 1 − ε_low, 1 + ε_high)·A)` per token, aggregated over the
 /// action tokens. All of `log_probs`, `old_log_probs`, `advantages`, `action_mask` are `[B, T]`.
+/// With [`RatioLevel::Gspo`] every token's ratio is its sequence's `s_i` in value, with the
+/// gradient `s_i · ∇ log π(y_t)` (`log s_i` is `log π − sg(log π) + sg(mean_t log-ratio)`).
 pub fn policy_loss(
     log_probs: &Tensor,
     old_log_probs: &Tensor,
@@ -175,9 +201,23 @@ pub fn policy_loss(
         )));
     }
     let advantages = advantages.f_to_kind(Kind::Float)?;
-    let log_ratio =
-        log_probs.f_to_kind(Kind::Float)?.f_sub(&old_log_probs.f_to_kind(Kind::Float)?)?;
-    let ratio = log_ratio.f_clamp(-POLICY_LOG_RATIO_CLAMP, POLICY_LOG_RATIO_CLAMP)?.f_exp()?;
+    let log_probs = log_probs.f_to_kind(Kind::Float)?;
+    let log_ratio = log_probs.f_sub(&old_log_probs.f_to_kind(Kind::Float)?)?;
+    let ratio_log = match config.ratio {
+        RatioLevel::Ppo => log_ratio.shallow_clone(),
+        RatioLevel::Gspo => {
+            let mask = float_mask(action_mask, &log_ratio)?;
+            let tokens =
+                mask.f_sum_dim_intlist([-1i64].as_slice(), true, Kind::Float)?.f_clamp_min(1.0)?;
+            let sequence = log_ratio
+                .f_mul(&mask)?
+                .f_sum_dim_intlist([-1i64].as_slice(), true, Kind::Float)?
+                .f_div(&tokens)?
+                .f_detach()?;
+            log_probs.f_sub(&log_probs.f_detach()?)?.f_add(&sequence)?
+        }
+    };
+    let ratio = ratio_log.f_clamp(-POLICY_LOG_RATIO_CLAMP, POLICY_LOG_RATIO_CLAMP)?.f_exp()?;
     let surrogate = ratio.f_mul(&advantages)?;
     let clipped =
         ratio.f_clamp(1.0 - config.clip_eps_low, 1.0 + config.clip_eps_high)?.f_mul(&advantages)?;
@@ -273,7 +313,11 @@ mod tests {
         let old = t2(&[&[-1.0, -1.0, -1.5], &[-1.2, -1.0, 0.0]]);
         let adv = t2(&[&[1.0, 2.0, -1.0], &[-2.0, 1.0, 5.0]]);
         let mask = t2(&[&[1.0, 1.0, 1.0], &[1.0, 1.0, 0.0]]);
-        let config = PolicyLossConfig { clip_eps_low: 0.2, clip_eps_high: 0.28, dual_clip: None };
+        let config = PolicyLossConfig {
+            clip_eps_low: 0.2,
+            clip_eps_high: 0.28,
+            ..PolicyLossConfig::default()
+        };
         let out = policy_loss(&lp, &old, &adv, &mask, &config, LossAggregation::TokenMean).unwrap();
         assert_close(&out.loss, &[-0.090_505_96]);
         assert_close(&out.clip_fraction, &[0.4]);
@@ -325,6 +369,34 @@ mod tests {
         .unwrap();
         out.loss.backward();
         assert_close(&lp.grad(), &[-0.5, 0.0]);
+    }
+
+    #[test]
+    fn gspo_takes_one_ratio_per_sequence_and_its_gradient_by_hand() {
+        // ε = 0.2 both sides. Sequence 0 (2 tokens): log-ratios 0.1 and −0.3, mean −0.1,
+        // s = e^−0.1 = 0.9048374, A = 1: unclipped (0.8 ≤ s ≤ 1.2): per token −s·A = −0.9048374.
+        // Sequence 1 (3 tokens; the fourth masked): log-ratios 0.5, 0.4, 0.3, mean 0.4,
+        // s = e^0.4 = 1.4918247 > 1.2, A = 2: min(2.9836494, 2.4) = 2.4, clipped: −2.4 per token.
+        // seq-mean-token-mean: (−0.9048374 − 2.4)/2 = −1.6524187.
+        // token-mean: (2·−0.9048374 + 3·−2.4)/5 = −1.8019350.
+        // Gradient (seq mean): d/d logπ_{0,t} = −s·A/(2 tokens)/(2 sequences) = −0.2262094 for
+        // sequence 0's tokens; 0 for the clipped sequence 1 and the masked token.
+        // A token-level ratio would differ: PPO clips token 0.5 and 0.4 of sequence 1 only.
+        let lp = t2(&[&[0.1, -0.3, 0.0, 0.0], &[0.5, 0.4, 0.3, 9.0]]).set_requires_grad(true);
+        let old = Tensor::zeros([2, 4], (Kind::Float, tch::Device::Cpu));
+        let adv = t2(&[&[1.0, 1.0, 1.0, 1.0], &[2.0, 2.0, 2.0, 2.0]]);
+        let mask = t2(&[&[1.0, 1.0, 0.0, 0.0], &[1.0, 1.0, 1.0, 0.0]]);
+        let config = PolicyLossConfig { ratio: RatioLevel::Gspo, ..PolicyLossConfig::default() };
+        let out =
+            policy_loss(&lp, &old, &adv, &mask, &config, LossAggregation::SequenceMean).unwrap();
+        assert_close(&out.loss, &[-1.652_418_7]);
+        // Tokens of the clipped sequence count as clipped: 3 of 5.
+        assert_close(&out.clip_fraction, &[0.6]);
+        out.loss.backward();
+        let g = -0.904_837_4 / 4.0;
+        assert_close(&lp.grad(), &[g, g, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]);
+        let out = policy_loss(&lp, &old, &adv, &mask, &config, LossAggregation::TokenMean).unwrap();
+        assert_close(&out.loss, &[-1.801_935_0]);
     }
 
     #[test]

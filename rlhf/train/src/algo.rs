@@ -27,6 +27,7 @@ impl AlgoConfig {
             clip_eps_low: self.eps_clip_low,
             clip_eps_high: self.eps_clip_high,
             dual_clip: self.dual_clip,
+            ratio: self.policy_loss,
         }
     }
 

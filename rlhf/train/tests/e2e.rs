@@ -212,6 +212,31 @@ fn grpo_with_a_cosine_learning_rate_and_dual_clip_trains() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// `algo.policy_loss: gspo` (GSPO's sequence-level ratio, checked by hand in
+/// `rtrun_rlhf_algo::loss`'s tests) trains with the paper's clip and aggregation, and its clip
+/// fraction is reported; with two mini-batches per step the second is off-policy, so the
+/// sequence ratios move off 1 and GSPO's small clip range catches some of them.
+#[test]
+fn grpo_with_gspos_sequence_ratio_trains() {
+    let dir = scratch("gspo");
+    let mut config = small_config(
+        &dir,
+        "algo: {advantage_estimator: group_norm, use_kl_loss: true, kl_estimator: k3, \
+         policy_loss: gspo, eps_clip_low: 0.0003, eps_clip_high: 0.0004, \
+         loss_agg_mode: seq-mean-token-mean}\n",
+    );
+    config.train.max_steps = Some(3);
+    let (trainer, report) = rtrun_rlhf::run::run(&config, &mut NoProgress).unwrap();
+    assert_eq!(report.steps, 3);
+    assert_trained(&dir, 3);
+    let clipped: Vec<f64> = metrics(&dir).iter().filter_map(|r| r.get("clip_fraction")).collect();
+    assert_eq!(clipped.len(), 3, "one clip fraction per step");
+    assert!(clipped.iter().all(|c| (0.0..=1.0).contains(c)), "{clipped:?}");
+    assert!(clipped.iter().any(|c| *c > 0.0), "the off-policy mini-batch clips: {clipped:?}");
+    trainer.roles.kill();
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// Every `algo.loss_agg_mode` trains (the aggregations themselves are checked by hand in
 /// `rtrun_rlhf_algo::loss`'s tests): the same first rollout, aggregated four ways, gives four
 /// different gradients, and the engines keep the policy's weights.

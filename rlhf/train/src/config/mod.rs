@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use crate::data::{DataConfig, OneOrMany};
-use rtrun_rlhf_algo::{AdvantageEstimator, KlEstimator};
+use rtrun_rlhf_algo::{AdvantageEstimator, KlEstimator, RatioLevel};
 
 mod models;
 pub mod reference;
@@ -419,6 +419,12 @@ pub struct AlgoConfig {
     /// clipped objective is bounded below by `dual_clip × advantage`, so a ratio far above 1
     /// cannot push the loss without bound. Absent: off; set: above 1.
     pub dual_clip: Option<f64>,
+    /// The importance ratio of the clipped loss (verl's `policy_loss.loss_mode`): `ppo`, per
+    /// token; `gspo`, per sequence (GSPO, Zheng et al. 2025: the geometric mean of the
+    /// sequence's token ratios, clipped as one number). GSPO's paper clips at
+    /// `eps_clip_low: 0.0003`, `eps_clip_high: 0.0004` and averages over sequences
+    /// (`loss_agg_mode: seq-mean-token-mean`); set them too, the defaults stay PPO's.
+    pub policy_loss: RatioLevel,
     /// How the policy's per-token losses (PPO, entropy, KL) become one number (verl's
     /// `loss_agg_mode`): `token-mean` (the default, OpenRLHF's: over every response token of
     /// the global mini-batch), `seq-mean-token-mean`, `seq-mean-token-sum`, or
@@ -461,6 +467,7 @@ impl Default for AlgoConfig {
             eps_clip_low: 0.2,
             eps_clip_high: 0.2,
             dual_clip: None,
+            policy_loss: RatioLevel::Ppo,
             loss_agg_mode: LossAggMode::TokenMean,
             value_clip: 0.5,
             entropy_coef: 0.0,
