@@ -9,6 +9,8 @@
 //!   [`compute_advantages`].
 //! - [`loss`]: the clipped policy loss, the clipped value loss, entropy from logits, and the
 //!   loss aggregation modes.
+//! - [`shaping`]: reward shaping before advantages — DAPO's overlong penalty, running reward
+//!   normalisation.
 //! - [`grad`]: bucketed all-reduce (mean) of parameter gradients across DP ranks, and the
 //!   broadcast of the root's parameters that makes the replicas start identical.
 //!
@@ -26,6 +28,7 @@ pub mod grad;
 pub mod kl;
 pub mod loss;
 pub mod masked;
+pub mod shaping;
 
 pub use advantage::{
     AdvantageConfig, AdvantageEstimator, AdvantageInputs, Advantages, compute_advantages,
@@ -39,3 +42,4 @@ pub use loss::{
     masked_entropy, policy_loss, value_loss,
 };
 pub use masked::{masked_mean, masked_normalize, masked_sum, masked_whiten};
+pub use shaping::{RunningMoments, overlong_penalty};

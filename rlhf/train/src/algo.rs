@@ -3,8 +3,8 @@
 
 pub use rtrun_rlhf_algo::{
     AdvantageConfig, AdvantageEstimator, AdvantageInputs, KlController, KlEstimator,
-    LossAggregation, PolicyLossConfig as ClipConfig, approx_kl, compute_advantages, kl_loss,
-    masked_entropy, policy_loss, value_loss,
+    LossAggregation, PolicyLossConfig as ClipConfig, RunningMoments, approx_kl, compute_advantages,
+    kl_loss, masked_entropy, overlong_penalty, policy_loss, value_loss,
 };
 
 use crate::config::AlgoConfig;

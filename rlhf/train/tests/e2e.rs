@@ -237,6 +237,42 @@ fn grpo_with_gspos_sequence_ratio_trains() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// DAPO's overlong penalty and the running reward normalisation (their maths checked by hand
+/// in `rtrun_rlhf_algo::shaping`'s tests) shape the rewards of a GRPO run: responses near the
+/// budget are penalised, and the moments of every reward seen so far travel in the
+/// checkpoint's state.
+#[test]
+fn grpo_with_the_overlong_penalty_and_reward_normalisation_trains() {
+    let dir = scratch("shaping");
+    let mut config = small_config(
+        &dir,
+        "algo: {advantage_estimator: group_norm, use_kl_loss: true, kl_estimator: k3, \
+         overlong_penalty: {buffer_len: 2}, normalize_reward: true}\n\
+         checkpoint: {every_steps: 1}\n",
+    );
+    config.train.max_steps = Some(3);
+    let (trainer, report) = rtrun_rlhf::run::run(&config, &mut NoProgress).unwrap();
+    assert_eq!(report.steps, 3);
+    assert_trained(&dir, 3);
+    let records = metrics(&dir);
+    let steps: Vec<_> = records.iter().filter(|r| r.step() > 0).collect();
+    let penalties: Vec<f64> = steps.iter().filter_map(|r| r.get("overlong_penalty")).collect();
+    assert_eq!(penalties.len(), 3);
+    // The budget is 6 tokens (4 digits, `<eos>`, one spare); past 4 a response loses reward.
+    assert!(penalties.iter().all(|p| (-1.0..=0.0).contains(p)), "{penalties:?}");
+    assert!(penalties.iter().any(|p| *p < 0.0), "some responses run long: {penalties:?}");
+    let stds: Vec<f64> = steps.iter().filter_map(|r| r.get("reward_norm/std")).collect();
+    assert_eq!(stds.len(), 3);
+    // The state after step 2 holds the 16 rewards of steps 1 and 2.
+    let state: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.join("checkpoints/step_000002/trainer_state.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(state["reward_moments"]["count"], 16.0, "{state}");
+    trainer.roles.kill();
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// Every `algo.loss_agg_mode` trains (the aggregations themselves are checked by hand in
 /// `rtrun_rlhf_algo::loss`'s tests): the same first rollout, aggregated four ways, gives four
 /// different gradients, and the engines keep the policy's weights.

@@ -248,6 +248,22 @@ impl TrainConfig {
     }
 }
 
+/// `algo.overlong_penalty`: DAPO's soft punishment of responses near the generation budget.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct OverlongPenalty {
+    /// The last tokens of the budget over which the penalty grows from 0 to `factor` (verl's
+    /// `overlong_buffer.len`; DAPO used 4,096 of 20,480).
+    pub buffer_len: usize,
+    /// The penalty at the budget (verl's `penalty_factor`).
+    #[serde(default = "one")]
+    pub factor: f64,
+}
+
+fn one() -> f64 {
+    1.0
+}
+
 /// `cluster.threads_per_worker`: `auto` or a thread count.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum WorkerThreads {
@@ -425,6 +441,14 @@ pub struct AlgoConfig {
     /// `eps_clip_low: 0.0003`, `eps_clip_high: 0.0004` and averages over sequences
     /// (`loss_agg_mode: seq-mean-token-mean`); set them too, the defaults stay PPO's.
     pub policy_loss: RatioLevel,
+    /// DAPO's soft overlong penalty (verl's `reward_model.overlong_buffer`): a response longer
+    /// than `rollout.max_new_tokens − buffer_len` tokens loses `factor × (length − (max −
+    /// buffer_len)) / buffer_len` of its reward, `factor` at the budget. Absent: off.
+    pub overlong_penalty: Option<OverlongPenalty>,
+    /// Divide each reward, less the running mean, by the running standard deviation of every
+    /// reward the run has seen (this step's included) before advantages, `(r − μ)/(σ + 1e-8)`
+    /// (OpenRLHF's `--normalize_reward`, with running statistics, which checkpoints keep).
+    pub normalize_reward: bool,
     /// How the policy's per-token losses (PPO, entropy, KL) become one number (verl's
     /// `loss_agg_mode`): `token-mean` (the default, OpenRLHF's: over every response token of
     /// the global mini-batch), `seq-mean-token-mean`, `seq-mean-token-sum`, or
@@ -468,6 +492,8 @@ impl Default for AlgoConfig {
             eps_clip_high: 0.2,
             dual_clip: None,
             policy_loss: RatioLevel::Ppo,
+            overlong_penalty: None,
+            normalize_reward: false,
             loss_agg_mode: LossAggMode::TokenMean,
             value_clip: 0.5,
             entropy_coef: 0.0,
@@ -1148,6 +1174,16 @@ mod tests {
         assert!(micro.contains("train.micro_batch_size") && micro.contains("= 128"), "{micro}");
         let micro = err("", &["train.micro_batch_size=40", "cluster.actor_replicas=4"]);
         assert!(micro.contains("/ cluster.actor_replicas 4 = 32"), "{micro}");
+        // The synthetic task's budget is 8 tokens (6 digits, `<eos>`, one spare).
+        let long = err("", &["algo.overlong_penalty.buffer_len=8"]);
+        assert!(
+            long.contains("algo.overlong_penalty.buffer_len") && long.contains("= 8"),
+            "{long}"
+        );
+        assert!(err("", &["algo.overlong_penalty.factor=1"]).contains("buffer_len"));
+        let dock =
+            ["train.pipeline=dock", "algo.advantage_estimator=rloo", "algo.normalize_reward=true"];
+        assert!(err("", &dock).contains("algo.normalize_reward"));
         // The default micro-batch (32) shrinks to a small batch's per-rank share.
         let small = ["train.train_batch_size=8".to_owned(), "cluster.actor_replicas=2".to_owned()];
         let small = TrainConfig::from_yaml("", "small.yaml", &small).unwrap();

@@ -139,6 +139,19 @@ impl TrainConfig {
 
     /// `train.*`: rates, sizes, the learning-rate schedule and how the batch divides.
     fn validate_train(&self) -> Result<()> {
+        if let Some(penalty) = &self.algo.overlong_penalty
+            && penalty.buffer_len >= self.max_new_tokens()
+        {
+            return Err(TrainError::config(
+                "algo.overlong_penalty.buffer_len",
+                format!(
+                    "expected fewer tokens than the generation budget rollout.max_new_tokens \
+                     = {}, found {}",
+                    self.max_new_tokens(),
+                    penalty.buffer_len
+                ),
+            ));
+        }
         let t = &self.train;
         non_negative(&[
             ("train.actor_lr", t.actor_lr),
@@ -223,6 +236,14 @@ impl TrainConfig {
                      train.pipeline `dock`, whose stages compute advantages one prompt group at \
                      a time, found `{estimator}`"
                 ),
+            ));
+        }
+        if self.algo.normalize_reward {
+            return Err(TrainError::config(
+                "algo.normalize_reward",
+                "expected false for train.pipeline `dock`, whose groups stream into advantages \
+                 before the step's last reward is in (the running statistics take the whole \
+                 step), found true",
             ));
         }
         if self.cluster.colocate_all {
@@ -432,6 +453,10 @@ impl AlgoConfig {
                     self.eps_clip_low
                 ),
             ));
+        }
+        if let Some(penalty) = &self.overlong_penalty {
+            positive("algo.overlong_penalty.buffer_len", penalty.buffer_len)?;
+            non_negative(&[("algo.overlong_penalty.factor", penalty.factor)])?;
         }
         if let Some(c) = self.dual_clip
             && !(c.is_finite() && c > 1.0)

@@ -4,7 +4,7 @@
 
 use tch::{Device, Kind, Tensor};
 
-use crate::algo::{self, AdvantageInputs};
+use crate::algo::{self, AdvantageInputs, RunningMoments};
 use crate::config::RewardKind;
 use crate::error::{Result, TrainError};
 use crate::experience::{ExperienceRow, Sequence, pad_rows, unpad_rows};
@@ -136,6 +136,8 @@ pub struct ExperienceStats {
     /// Mean |engine log-prob − policy log-prob| over response tokens: the rollout/trainer
     /// mismatch (near 0 when the engines hold the policy's weights).
     pub engine_logprob_gap: f64,
+    /// Mean overlong penalty added to the rewards (`algo.overlong_penalty`; 0 when off).
+    pub overlong_penalty: f64,
 }
 
 /// A step's training rows and their aggregates.
@@ -145,6 +147,9 @@ pub struct ExperienceBatch {
     pub rows: Vec<ExperienceRow>,
     /// Aggregates for the metrics.
     pub stats: ExperienceStats,
+    /// The running reward moments with this batch's rewards merged in
+    /// (`algo.normalize_reward`), for the trainer's state.
+    pub reward_moments: Option<RunningMoments>,
 }
 
 /// Rewards, reference log-probs, old log-probs and values in parallel, then advantages. With
@@ -262,7 +267,24 @@ pub fn assemble(
         Some(v) => Some(tensor_of(v)?),
         None => None,
     };
-    let scalar = Tensor::from_slice(&scalar_rewards);
+    // The task's rewards shaped for the advantages: the overlong penalty, then the running
+    // normalisation; the metrics keep the task's own.
+    let mut shaped = scalar_rewards.clone();
+    let mut penalty_sum = 0.0;
+    if let Some(p) = &algo_config.overlong_penalty {
+        let budget = trainer.config.max_new_tokens();
+        for (reward, &length) in shaped.iter_mut().zip(&lengths) {
+            let penalty = algo::overlong_penalty(length, budget, p.buffer_len, p.factor);
+            penalty_sum += penalty;
+            *reward += penalty as f32;
+        }
+    }
+    let reward_moments = algo_config.normalize_reward.then(|| {
+        let moments = trainer.state.reward_moments.merge(&RunningMoments::of(&shaped));
+        shaped.iter_mut().for_each(|r| *r = moments.normalize(*r));
+        moments
+    });
+    let scalar = Tensor::from_slice(&shaped);
     let reward_kl = if algo_config.use_kl_loss { None } else { kl.as_ref() };
     let advantages = algo::compute_advantages(
         &algo_config.advantage_config(),
@@ -302,6 +324,7 @@ pub fn assemble(
             .f_sum(Kind::Float)?
             .f_double_value(&[])?
             / tokens,
+        overlong_penalty: penalty_sum / count.max(1) as f64,
     };
 
     let empty = Vec::new();
@@ -319,7 +342,7 @@ pub fn assemble(
             returns: ret_rows[i].clone(),
         })
         .collect();
-    Ok(ExperienceBatch { rows, stats })
+    Ok(ExperienceBatch { rows, stats, reward_moments })
 }
 
 /// What the step's training did (means over mini-batches and ranks).

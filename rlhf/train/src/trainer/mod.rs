@@ -64,6 +64,9 @@ pub struct TrainerState {
     pub kl: KlController,
     /// Held-out results before the first step.
     pub baseline: Option<EvalResult>,
+    /// Every reward seen so far, as moments (`algo.normalize_reward`).
+    #[serde(default)]
+    pub reward_moments: rtrun_rlhf_algo::RunningMoments,
 }
 
 /// Receives live progress (the driver's progress bar).
@@ -150,6 +153,7 @@ impl Trainer {
             loader: PromptLoader::new(train_data.len(), config.seed),
             kl: config.algo.kl_controller()?,
             baseline: None,
+            reward_moments: Default::default(),
         };
         let tokenizer = run_tokenizer(&config)?;
         let reward_tokenizer = reward_tokenizer(&config)?;
@@ -478,6 +482,14 @@ impl Trainer {
         if self.gap_measured {
             metrics.set("engine_logprob_gap", s.engine_logprob_gap).map_err(telemetry_error)?;
         }
+        if self.config.algo.overlong_penalty.is_some() {
+            metrics.set("overlong_penalty", s.overlong_penalty).map_err(telemetry_error)?;
+        }
+        if self.config.algo.normalize_reward {
+            let moments = &self.state.reward_moments;
+            metrics.set("reward_norm/mean", moments.mean).map_err(telemetry_error)?;
+            metrics.set("reward_norm/std", moments.std()).map_err(telemetry_error)?;
+        }
         metrics
             .set("consumed_prompts", self.state.loader.consumed as f64)
             .map_err(telemetry_error)?;
@@ -557,6 +569,9 @@ impl Trainer {
             )
         })?;
         self.gap_measured = recompute;
+        if let Some(moments) = batch.reward_moments {
+            self.state.reward_moments = moments;
+        }
         if self.old_logprobs_from_engine && recompute {
             let gap = batch.stats.engine_logprob_gap;
             if gap.is_nan() || gap > OLD_LOGPROB_MAX_GAP {

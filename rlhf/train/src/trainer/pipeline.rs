@@ -565,6 +565,7 @@ fn combine_stats(parts: &[(ExperienceStats, usize, usize)]) -> ExperienceStats {
         kl: per_token(|s| s.kl),
         advantage_abs: per_token(|s| s.advantage_abs),
         engine_logprob_gap: per_token(|s| s.engine_logprob_gap),
+        overlong_penalty: per_sample(|s| s.overlong_penalty),
     }
 }
 
@@ -653,6 +654,7 @@ mod tests {
             token_return: value,
             advantage_abs: value,
             engine_logprob_gap: value,
+            overlong_penalty: value,
         };
         // 2 samples with 6 tokens at 1.0, 6 samples with 2 tokens at 3.0.
         let combined = combine_stats(&[(part(1.0), 2, 6), (part(3.0), 6, 2)]);
@@ -660,6 +662,7 @@ mod tests {
         assert!((combined.response_length - 2.5).abs() < 1e-12);
         assert!((combined.kl - 1.5).abs() < 1e-12);
         assert!((combined.engine_logprob_gap - 1.5).abs() < 1e-12);
+        assert!((combined.overlong_penalty - 2.5).abs() < 1e-12);
         assert_eq!(combine_stats(&[]), ExperienceStats::default());
     }
 
