@@ -273,6 +273,46 @@ fn grpo_with_the_overlong_penalty_and_reward_normalisation_trains() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// DAPO's dynamic sampling: with an all-or-nothing reward most groups of a barely warmed-up
+/// policy score all 0 and are dropped; the step draws fresh prompts for the missing groups,
+/// for at most three rounds, then fills up with dropped groups, and says so in its metrics.
+#[test]
+fn grpo_with_dynamic_sampling_refills_its_prompt_groups() {
+    let dir = scratch("dynamic");
+    let mut config = small_config(
+        &dir,
+        "algo: {advantage_estimator: group_norm, use_kl_loss: true, kl_estimator: k3, \
+         dynamic_sampling: {max_gen_batches: 3}}\n\
+         reward: {kind: rule, name: exact_match}\n",
+    );
+    config.rollout.n_samples_per_prompt = 4;
+    config.train.train_batch_size = 8;
+    config.train.max_steps = Some(3);
+    let (trainer, report) = rtrun_rlhf::run::run(&config, &mut NoProgress).unwrap();
+    assert_eq!(report.steps, 3);
+    assert_trained(&dir, 3);
+    let steps: Vec<_> = metrics(&dir).into_iter().filter(|r| r.step() > 0).collect();
+    let get = |r: &rtrun_rlhf_telemetry::StepMetrics, name: &str| r.get(name).unwrap();
+    let mut extra_rounds = 0.0;
+    for r in &steps {
+        let rounds = get(r, "dynamic_sampling/gen_batches");
+        assert!((1.0..=3.0).contains(&rounds), "{r:?}");
+        assert!(get(r, "dynamic_sampling/filled_groups") <= 4.0);
+        extra_rounds += rounds - 1.0;
+    }
+    let dropped: f64 = steps.iter().map(|r| get(r, "dynamic_sampling/dropped_groups")).sum();
+    assert!(dropped > 0.0, "an exact-match reward on a barely trained policy drops groups");
+    // Every extra round drew fresh prompts from the loader.
+    let consumed = get(steps.last().unwrap(), "consumed_prompts");
+    assert!(
+        consumed >= 12.0 + extra_rounds,
+        "{consumed} prompts after {extra_rounds} extra rounds"
+    );
+    assert!(extra_rounds > 0.0, "dropped groups were generated for again");
+    trainer.roles.kill();
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// Every `algo.loss_agg_mode` trains (the aggregations themselves are checked by hand in
 /// `rtrun_rlhf_algo::loss`'s tests): the same first rollout, aggregated four ways, gives four
 /// different gradients, and the engines keep the policy's weights.

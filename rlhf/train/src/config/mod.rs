@@ -264,6 +264,20 @@ fn one() -> f64 {
     1.0
 }
 
+/// `algo.dynamic_sampling`: DAPO's refill of prompt groups without a learning signal.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(default, deny_unknown_fields)]
+pub struct DynamicSampling {
+    /// Generation rounds a step may take at most (verl's `max_num_gen_batches`).
+    pub max_gen_batches: usize,
+}
+
+impl Default for DynamicSampling {
+    fn default() -> Self {
+        Self { max_gen_batches: 10 }
+    }
+}
+
 /// `cluster.threads_per_worker`: `auto` or a thread count.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum WorkerThreads {
@@ -449,6 +463,12 @@ pub struct AlgoConfig {
     /// reward the run has seen (this step's included) before advantages, `(r − μ)/(σ + 1e-8)`
     /// (OpenRLHF's `--normalize_reward`, with running statistics, which checkpoints keep).
     pub normalize_reward: bool,
+    /// DAPO's dynamic sampling (verl's `algorithm.filter_groups`): each step's samples are
+    /// scored as they come, prompt groups whose rewards are all equal are dropped (counted as
+    /// `dynamic_sampling/dropped_groups`), and fresh prompts are generated for until the step
+    /// has `rollout.prompts_per_step` groups, for at most `max_gen_batches` rounds (then
+    /// dropped groups fill the step: `dynamic_sampling/filled_groups`). Absent: off.
+    pub dynamic_sampling: Option<DynamicSampling>,
     /// How the policy's per-token losses (PPO, entropy, KL) become one number (verl's
     /// `loss_agg_mode`): `token-mean` (the default, OpenRLHF's: over every response token of
     /// the global mini-batch), `seq-mean-token-mean`, `seq-mean-token-sum`, or
@@ -494,6 +514,7 @@ impl Default for AlgoConfig {
             policy_loss: RatioLevel::Ppo,
             overlong_penalty: None,
             normalize_reward: false,
+            dynamic_sampling: None,
             loss_agg_mode: LossAggMode::TokenMean,
             value_clip: 0.5,
             entropy_coef: 0.0,

@@ -238,6 +238,13 @@ impl TrainConfig {
                 ),
             ));
         }
+        if self.algo.dynamic_sampling.is_some() {
+            return Err(TrainError::config(
+                "algo.dynamic_sampling",
+                "expected it off for train.pipeline `dock`, whose stages stream a fixed set of \
+                 prompt groups (use train.pipeline `sequential`), found it on",
+            ));
+        }
         if self.algo.normalize_reward {
             return Err(TrainError::config(
                 "algo.normalize_reward",
@@ -453,6 +460,18 @@ impl AlgoConfig {
                     self.eps_clip_low
                 ),
             ));
+        }
+        if let Some(dynamic) = &self.dynamic_sampling {
+            positive("algo.dynamic_sampling.max_gen_batches", dynamic.max_gen_batches)?;
+            if samples_per_prompt < 2 {
+                return Err(TrainError::config(
+                    "rollout.n_samples_per_prompt",
+                    format!(
+                        "expected at least 2 samples per prompt for algo.dynamic_sampling, which \
+                         keeps groups whose rewards differ, found {samples_per_prompt}"
+                    ),
+                ));
+            }
         }
         if let Some(penalty) = &self.overlong_penalty {
             positive("algo.overlong_penalty.buffer_len", penalty.buffer_len)?;

@@ -16,15 +16,24 @@ use crate::roles::lm::{GlobalBatch, PolicyTrainStats};
 use crate::trainer::Trainer;
 use crate::trainer::calls::{self, CallWatch, RankCall, RankName};
 
-/// Rewards being computed (by tasks or by the reward-model group).
+/// Rewards being computed (by tasks or by the reward-model group), or already known.
 pub struct PendingRewards {
     calls: Vec<RankCall<Vec<f32>>>,
+    known: Option<Vec<f32>>,
 }
 
 impl PendingRewards {
+    /// Rewards computed already.
+    pub fn done(rewards: Vec<f32>) -> Self {
+        Self { calls: Vec::new(), known: Some(rewards) }
+    }
+
     /// Waits for every reward, in sequence order.
     pub fn get(self, watch: &CallWatch) -> Result<Vec<f32>> {
-        watch.gather("rewards", self.calls)
+        match self.known {
+            Some(rewards) => Ok(rewards),
+            None => watch.gather("rewards", self.calls),
+        }
     }
 }
 
@@ -47,7 +56,7 @@ pub fn rewards(
             Some(rm) => retokenize(trainer, rm.as_ref(), records, sequences)?,
         };
         let calls = calls::dispatch("reward", group.members(), sequences, |w, c| w.rewards(c));
-        return Ok(PendingRewards { calls });
+        return Ok(PendingRewards { calls, known: None });
     }
     let queries: Vec<RewardQuery> = records
         .iter()
@@ -79,7 +88,7 @@ pub fn rewards(
             },
         })
         .collect();
-    Ok(PendingRewards { calls })
+    Ok(PendingRewards { calls, known: None })
 }
 
 /// The sequences as the reward model's own tokenizer reads them: prompt text and decoded
@@ -152,20 +161,34 @@ pub struct ExperienceBatch {
     pub reward_moments: Option<RunningMoments>,
 }
 
-/// Rewards, reference log-probs, old log-probs and values in parallel, then advantages. With
-/// `recompute_old` false the engine's sampling log-probs are the old log-probs (no policy
-/// forward pass; the gap in the stats is then 0 and means nothing).
+/// How a step makes its experience.
+#[derive(Debug, Clone, Copy)]
+pub struct ExperienceSettings {
+    /// The KL coefficient of the step.
+    pub kl_coef: f64,
+    /// Whether the policy recomputes the old log-probs; without, the engine's sampling
+    /// log-probs are the old log-probs (no policy forward pass; the gap in the stats is then 0
+    /// and means nothing).
+    pub recompute_old: bool,
+}
+
+/// Rewards (unless `scored` holds them already), reference log-probs, old log-probs and
+/// values in parallel, then advantages.
 pub fn make_experience(
     trainer: &Trainer,
     records: &[&PromptRecord],
     sequences: Vec<Sequence>,
     engine_log_probs: &[Vec<f32>],
-    kl_coef: f64,
-    recompute_old: bool,
+    settings: ExperienceSettings,
+    scored: Option<Vec<f32>>,
 ) -> Result<ExperienceBatch> {
+    let ExperienceSettings { kl_coef, recompute_old } = settings;
     let roles = &trainer.roles;
     // Everything in flight at once: the roles run in their own processes.
-    let pending_rewards = rewards(trainer, records, &sequences)?;
+    let pending_rewards = match scored {
+        Some(rewards) => PendingRewards::done(rewards),
+        None => rewards(trainer, records, &sequences)?,
+    };
     let log_probs = |role, g: &rtrun::ActorGroup<crate::roles::lm::LmWorker>| {
         calls::dispatch(role, g.members(), sequences.clone(), |w, c| w.log_probs(c))
     };

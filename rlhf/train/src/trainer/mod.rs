@@ -17,6 +17,7 @@ pub mod dock_layout;
 pub mod experience;
 pub mod pipeline;
 pub mod roles;
+pub mod rollout;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -521,34 +522,9 @@ impl Trainer {
         kl_coef: f64,
         progress: &mut dyn ProgressObserver,
     ) -> Result<(experience::ExperienceStats, usize, experience::TrainStats)> {
-        progress.phase("generate");
-        let outputs = self.timed("generate", |t| -> Result<_> {
-            t.wake_engines()?;
-            let outputs = t.generate(prompt_ids, params, seed_base)?;
-            t.record_gpu_memory("generate")?;
-            t.sleep_engines_if_hybrid()?;
-            Ok(outputs)
-        })?;
-        let n = self.config.rollout.n_samples_per_prompt;
-        let mut sequences = Vec::with_capacity(records.len() * n);
-        let mut sample_records = Vec::with_capacity(records.len() * n);
-        let mut engine_log_probs = Vec::with_capacity(records.len() * n);
-        for ((output, ids), record) in outputs.iter().zip(prompt_ids).zip(records) {
-            if output.samples.len() != n {
-                return Err(TrainError::role(
-                    "vllm_engine",
-                    format!("expected {n} samples per prompt, found {}", output.samples.len()),
-                ));
-            }
-            for sample in &output.samples {
-                sequences.push(Sequence {
-                    prompt_ids: ids.clone(),
-                    response_ids: sample.token_ids.clone(),
-                });
-                sample_records.push(record);
-                engine_log_probs.push(sample.log_probs.clone());
-            }
-        }
+        let rollout = self.rollout(records, prompt_ids, params, seed_base, progress)?;
+        let sample_records: Vec<&PromptRecord> = rollout.records.iter().collect();
+        let engine_log_probs = rollout.engine_log_probs;
 
         progress.phase("experience");
         // The policy recomputes the old log-probs unless the engine's serve; then it still does
@@ -562,10 +538,10 @@ impl Trainer {
             experience::make_experience(
                 t,
                 &sample_records,
-                sequences,
+                rollout.sequences,
                 &engine_log_probs,
-                kl_coef,
-                recompute,
+                experience::ExperienceSettings { kl_coef, recompute_old: recompute },
+                rollout.rewards,
             )
         })?;
         self.gap_measured = recompute;

@@ -1,0 +1,232 @@
+//! The rollout of a sequential step: the engines generate `n` samples per prompt; with
+//! `algo.dynamic_sampling` (DAPO's dynamic sampling, verl's `filter_groups`) the samples are
+//! scored at once, prompt groups whose rewards are all equal (no signal for a group baseline)
+//! are dropped, and fresh prompts from the loader are generated for until the step has its
+//! `rollout.prompts_per_step` groups or `max_gen_batches` rounds have run.
+
+use rtrun_rlhf_engine::SamplingParams;
+
+use crate::error::{Result, TrainError};
+use crate::experience::Sequence;
+use crate::prompts::PromptRecord;
+use crate::rng::mix_seed;
+use crate::trainer::{ProgressObserver, Trainer, experience};
+
+/// Rewards of a group at most this far apart count as equal.
+pub const EQUAL_REWARDS: f32 = 1e-6;
+
+/// One prompt's samples.
+struct Group {
+    record: PromptRecord,
+    prompt_ids: Vec<u32>,
+    responses: Vec<Vec<u32>>,
+    engine_log_probs: Vec<Vec<f32>>,
+    rewards: Vec<f32>,
+}
+
+impl Group {
+    fn informative(&self) -> bool {
+        let (lo, hi) = self
+            .rewards
+            .iter()
+            .fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &r| (lo.min(r), hi.max(r)));
+        hi - lo > EQUAL_REWARDS
+    }
+}
+
+/// A step's samples, prompt-major, and their rewards when the rollout already scored them.
+pub struct Rollout {
+    /// The prompt of each sample.
+    pub records: Vec<PromptRecord>,
+    /// Prompt and response ids of each sample.
+    pub sequences: Vec<Sequence>,
+    /// The engine's per-token log-probs of each response.
+    pub engine_log_probs: Vec<Vec<f32>>,
+    /// Each sample's reward (dynamic sampling scores while it samples).
+    pub rewards: Option<Vec<f32>>,
+}
+
+impl Trainer {
+    /// Generates the step's samples for `records` (see the module doc).
+    pub(super) fn rollout(
+        &mut self,
+        records: &[PromptRecord],
+        prompt_ids: &[Vec<u32>],
+        params: &SamplingParams,
+        seed_base: u64,
+        progress: &mut dyn ProgressObserver,
+    ) -> Result<Rollout> {
+        progress.phase("generate");
+        let Some(dynamic) = self.config.algo.dynamic_sampling.clone() else {
+            let groups = self.timed("generate", |t| -> Result<_> {
+                t.wake_engines()?;
+                let groups = t.generate_groups(records, prompt_ids, params, seed_base)?;
+                t.record_gpu_memory("generate")?;
+                t.sleep_engines_if_hybrid()?;
+                Ok(groups)
+            })?;
+            return Ok(flatten(groups, false));
+        };
+        let wanted = records.len();
+        let (mut kept, mut dropped) = (Vec::new(), Vec::new());
+        let (mut records, mut prompt_ids) = (records.to_vec(), prompt_ids.to_vec());
+        let mut rounds = 0;
+        self.timed("generate", |t| t.wake_engines())?;
+        loop {
+            // Round 0 samples as a step without dynamic sampling does; later rounds reseed.
+            let seed = if rounds == 0 { seed_base } else { mix_seed(seed_base, 1 << 32 | rounds) };
+            let mut groups =
+                self.timed("generate", |t| t.generate_groups(&records, &prompt_ids, params, seed))?;
+            self.timed("reward", |t| t.score(&mut groups))?;
+            rounds += 1;
+            for group in groups {
+                if group.informative() { kept.push(group) } else { dropped.push(group) }
+            }
+            if kept.len() >= wanted || rounds >= dynamic.max_gen_batches as u64 {
+                break;
+            }
+            let more = self.state.loader.next_batch(wanted - kept.len());
+            records = more.iter().map(|&i| self.train_data[i].clone()).collect();
+            prompt_ids = records
+                .iter()
+                .map(|r| self.tokenizer.encode_prompt(&r.prompt))
+                .collect::<Result<Vec<_>>>()?;
+        }
+        self.timed("generate", |t| -> Result<_> {
+            t.record_gpu_memory("generate")?;
+            t.sleep_engines_if_hybrid()
+        })?;
+        // Every round generated for the groups still missing, so kept + dropped cover the
+        // step; when the rounds ran out, all-equal groups fill it (they add no policy gradient
+        // under a group baseline).
+        let dropped_count = dropped.len();
+        let filled = wanted.saturating_sub(kept.len());
+        if filled > 0 {
+            tracing::warn!(
+                rounds,
+                filled,
+                "algo.dynamic_sampling: {rounds} generation rounds left {filled} of {wanted} \
+                 prompt groups without differing rewards; they fill the step"
+            );
+        }
+        kept.truncate(wanted);
+        kept.extend(dropped.into_iter().take(filled));
+        if let Ok(mut metrics) = self.phase_metrics.lock() {
+            metrics.push(("dynamic_sampling/gen_batches".into(), rounds as f64));
+            metrics.push(("dynamic_sampling/dropped_groups".into(), dropped_count as f64));
+            metrics.push(("dynamic_sampling/filled_groups".into(), filled as f64));
+        }
+        Ok(flatten(kept, true))
+    }
+
+    /// `n` samples per prompt from the engines, one group per prompt.
+    fn generate_groups(
+        &self,
+        records: &[PromptRecord],
+        prompt_ids: &[Vec<u32>],
+        params: &SamplingParams,
+        seed_base: u64,
+    ) -> Result<Vec<Group>> {
+        let n = self.config.rollout.n_samples_per_prompt;
+        let outputs = self.generate(prompt_ids, params, seed_base)?;
+        outputs
+            .into_iter()
+            .zip(prompt_ids)
+            .zip(records)
+            .map(|((output, ids), record)| {
+                if output.samples.len() != n {
+                    return Err(TrainError::role(
+                        "vllm_engine",
+                        format!("expected {n} samples per prompt, found {}", output.samples.len()),
+                    ));
+                }
+                let (responses, engine_log_probs) =
+                    output.samples.into_iter().map(|s| (s.token_ids, s.log_probs)).unzip();
+                Ok(Group {
+                    record: record.clone(),
+                    prompt_ids: ids.clone(),
+                    responses,
+                    engine_log_probs,
+                    rewards: Vec::new(),
+                })
+            })
+            .collect()
+    }
+
+    /// Every sample's reward, into its group.
+    fn score(&self, groups: &mut [Group]) -> Result<()> {
+        let flat = flatten(groups.iter().map(clone_group).collect(), false);
+        let records: Vec<&PromptRecord> = flat.records.iter().collect();
+        let rewards = experience::rewards(self, &records, &flat.sequences)?.get(&self.watch)?;
+        let mut rewards = rewards.into_iter();
+        for group in groups {
+            group.rewards = rewards.by_ref().take(group.responses.len()).collect();
+        }
+        Ok(())
+    }
+}
+
+fn clone_group(group: &Group) -> Group {
+    Group {
+        record: group.record.clone(),
+        prompt_ids: group.prompt_ids.clone(),
+        responses: group.responses.clone(),
+        engine_log_probs: group.engine_log_probs.clone(),
+        rewards: group.rewards.clone(),
+    }
+}
+
+/// The groups' samples, prompt-major; `scored`: with their rewards.
+fn flatten(groups: Vec<Group>, scored: bool) -> Rollout {
+    let mut rollout = Rollout {
+        records: Vec::new(),
+        sequences: Vec::new(),
+        engine_log_probs: Vec::new(),
+        rewards: scored.then(Vec::new),
+    };
+    for group in groups {
+        for (response, log_probs) in group.responses.into_iter().zip(group.engine_log_probs) {
+            rollout.records.push(group.record.clone());
+            rollout
+                .sequences
+                .push(Sequence { prompt_ids: group.prompt_ids.clone(), response_ids: response });
+            rollout.engine_log_probs.push(log_probs);
+        }
+        if let Some(rewards) = &mut rollout.rewards {
+            rewards.extend(group.rewards);
+        }
+    }
+    rollout
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn group(rewards: &[f32]) -> Group {
+        Group {
+            record: PromptRecord { prompt: "1>".into(), label: "1".into() },
+            prompt_ids: vec![1, 2],
+            responses: rewards.iter().map(|_| vec![3]).collect(),
+            engine_log_probs: rewards.iter().map(|_| vec![-0.5]).collect(),
+            rewards: rewards.to_vec(),
+        }
+    }
+
+    #[test]
+    fn a_group_informs_only_when_its_rewards_differ() {
+        assert!(!group(&[1.0, 1.0, 1.0]).informative());
+        assert!(!group(&[0.0, 0.0]).informative());
+        assert!(!group(&[0.5, 0.5 + 1e-7]).informative());
+        assert!(group(&[0.0, 1.0]).informative());
+        assert!(group(&[0.25, 0.75, 0.75]).informative());
+    }
+
+    #[test]
+    fn flattening_keeps_prompt_major_order_and_rewards() {
+        let rollout = flatten(vec![group(&[0.0, 1.0]), group(&[0.5, 0.5])], true);
+        assert_eq!(rollout.sequences.len(), 4);
+        assert_eq!(rollout.rewards, Some(vec![0.0, 1.0, 0.5, 0.5]));
+        assert!(flatten(vec![group(&[1.0])], false).rewards.is_none());
+    }
+}
