@@ -313,6 +313,30 @@ fn grpo_with_dynamic_sampling_refills_its_prompt_groups() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// Sampled held-out evaluation: four answers per prompt at temperature 1, reported as the mean
+/// over every answer and pass@4 (a prompt passes when any answer is right), at the baseline
+/// and every step.
+#[test]
+fn sampled_evaluation_reports_mean_and_pass_at_k() {
+    let dir = scratch("eval-k");
+    let mut config = small_config(&dir, "algo: {advantage_estimator: group_norm}\n");
+    config.eval.every_steps = 1;
+    config.eval.n_samples = 4;
+    config.eval.temperature = 1.0;
+    let (trainer, report) = rtrun_rlhf::run::run(&config, &mut NoProgress).unwrap();
+    assert_eq!(report.baseline.samples_per_prompt, 4);
+    let records = metrics(&dir);
+    let evaluated: Vec<_> = records.iter().filter(|r| r.get("eval/pass@4").is_some()).collect();
+    assert_eq!(evaluated.len(), 3, "the baseline and both steps");
+    for r in evaluated {
+        let (pass, accuracy) = (r.get("eval/pass@4").unwrap(), r.get("eval/accuracy").unwrap());
+        assert!(pass >= accuracy && pass <= 1.0, "pass@4 {pass} below the accuracy {accuracy}");
+        assert_eq!(r.get("eval/mean@4"), r.get("eval/reward"));
+    }
+    trainer.roles.kill();
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// Every `algo.loss_agg_mode` trains (the aggregations themselves are checked by hand in
 /// `rtrun_rlhf_algo::loss`'s tests): the same first rollout, aggregated four ways, gives four
 /// different gradients, and the engines keep the policy's weights.

@@ -748,11 +748,17 @@ pub enum RewardKind {
 pub struct EvalConfig {
     /// Evaluate every this many steps (0: only at the start and the end).
     pub every_steps: u64,
+    /// Sampling temperature of held-out answers (0: greedy; verl's `val_kwargs.temperature`).
+    pub temperature: f32,
+    /// Answers per held-out prompt (verl's `val_kwargs.n`; above 1 needs a temperature): the
+    /// rewards are averaged over all of them (`eval/reward`, `eval/mean@k`) and a prompt
+    /// passes when any answer earns the full reward (`eval/pass@k`).
+    pub n_samples: usize,
 }
 
 impl Default for EvalConfig {
     fn default() -> Self {
-        Self { every_steps: 10 }
+        Self { every_steps: 10, temperature: 0.0, n_samples: 1 }
     }
 }
 
@@ -1205,6 +1211,8 @@ mod tests {
         let dock =
             ["train.pipeline=dock", "algo.advantage_estimator=rloo", "algo.normalize_reward=true"];
         assert!(err("", &dock).contains("algo.normalize_reward"));
+        assert!(err("", &["eval.n_samples=4"]).contains("eval.temperature"));
+        assert!(err("", &["eval.n_samples=0"]).contains("eval.n_samples"));
         // The default micro-batch (32) shrinks to a small batch's per-rank share.
         let small = ["train.train_batch_size=8".to_owned(), "cluster.actor_replicas=2".to_owned()];
         let small = TrainConfig::from_yaml("", "small.yaml", &small).unwrap();

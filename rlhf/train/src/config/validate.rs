@@ -53,6 +53,7 @@ impl TrainConfig {
         self.algo.validate(self.rollout.n_samples_per_prompt)?;
         self.validate_train()?;
         self.validate_dock()?;
+        self.validate_eval()?;
         self.validate_reward()
     }
 
@@ -203,6 +204,29 @@ impl TrainConfig {
                      train.train_batch_size {} / cluster.actor_replicas {ranks} = {per_rank}, \
                      found {}",
                     t.train_batch_size, t.micro_batch_size
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// `eval.*`: answers per prompt and how they are drawn.
+    fn validate_eval(&self) -> Result<()> {
+        let e = &self.eval;
+        positive("eval.n_samples", e.n_samples)?;
+        if !(e.temperature.is_finite() && e.temperature >= 0.0) {
+            return Err(TrainError::config(
+                "eval.temperature",
+                format!("expected a finite number >= 0, found {}", e.temperature),
+            ));
+        }
+        if e.n_samples > 1 && e.temperature == 0.0 {
+            return Err(TrainError::config(
+                "eval.n_samples",
+                format!(
+                    "expected 1 with eval.temperature 0 (greedy answers are all the same), found \
+                     {}; set eval.temperature too (verl uses 1.0)",
+                    e.n_samples
                 ),
             ));
         }

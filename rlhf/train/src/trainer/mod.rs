@@ -46,12 +46,18 @@ pub use crate::paths::RunPaths;
 /// Held-out results.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct EvalResult {
-    /// Mean reward of greedy answers.
+    /// Mean reward of the held-out answers (all `eval.n_samples` of each prompt).
     pub mean_reward: f64,
-    /// Fraction of greedy answers with full reward (≥ 1: exactly right for the built-in rules).
+    /// Fraction of answers with full reward (≥ 1: exactly right for the built-in rules).
     pub accuracy: f64,
     /// Mean response length in tokens.
     pub response_length: f64,
+    /// Fraction of prompts with at least one full-reward answer among their `eval.n_samples`.
+    #[serde(default)]
+    pub pass_at_k: f64,
+    /// Answers per prompt (`eval.n_samples`).
+    #[serde(default)]
+    pub samples_per_prompt: usize,
 }
 
 /// What the trainer carries from step to step (and what a checkpoint restores).
@@ -348,37 +354,39 @@ impl Trainer {
             .iter()
             .map(|r| self.tokenizer.encode_prompt(&r.prompt))
             .collect::<Result<Vec<_>>>()?;
+        let k = self.config.eval.n_samples.max(1);
         let params = SamplingParams {
-            temperature: 0.0,
+            n: k as u32,
+            temperature: self.config.eval.temperature,
             max_tokens: self.config.max_new_tokens() as u32,
             stop_token_ids: self.tokenizer.eos_token_ids(),
             ..SamplingParams::default()
         };
         let outputs = self.generate(&prompts, &params, mix_seed(self.config.seed, u64::MAX))?;
-        let mut sequences = Vec::with_capacity(outputs.len());
-        for (output, prompt_ids) in outputs.iter().zip(&prompts) {
-            let sample = output.samples.first().ok_or_else(|| {
-                TrainError::role(
+        let mut sequences = Vec::with_capacity(outputs.len() * k);
+        let mut records: Vec<&PromptRecord> = Vec::with_capacity(outputs.len() * k);
+        for ((output, prompt_ids), record) in outputs.iter().zip(&prompts).zip(&self.eval_data) {
+            if output.samples.len() != k {
+                return Err(TrainError::role(
                     "vllm_engine",
-                    "expected one sample per evaluation prompt, found none",
-                )
-            })?;
-            sequences.push(Sequence {
-                prompt_ids: prompt_ids.clone(),
-                response_ids: sample.token_ids.clone(),
-            });
+                    format!(
+                        "expected {k} samples per evaluation prompt, found {}",
+                        output.samples.len()
+                    ),
+                ));
+            }
+            for sample in &output.samples {
+                sequences.push(Sequence {
+                    prompt_ids: prompt_ids.clone(),
+                    response_ids: sample.token_ids.clone(),
+                });
+                records.push(record);
+            }
         }
-        let records: Vec<&PromptRecord> = self.eval_data.iter().collect();
         let rewards = experience::rewards(self, &records, &sequences)?.get(&self.watch)?;
-        let n = rewards.len().max(1) as f64;
-        let correct = experience::full_reward_count(&rewards);
-        let length = sequences.iter().map(|s| s.response_ids.len()).sum::<usize>();
         self.sleep_engines_if_hybrid()?;
-        Ok(EvalResult {
-            mean_reward: rewards.iter().map(|&r| f64::from(r)).sum::<f64>() / n,
-            accuracy: correct as f64 / n,
-            response_length: length as f64 / n,
-        })
+        let lengths: Vec<usize> = sequences.iter().map(|s| s.response_ids.len()).collect();
+        Ok(eval_result(&rewards, &lengths, k))
     }
 
     /// Hybrid engine: brings the engines back (weights, then KV cache) and offloads training
@@ -848,13 +856,63 @@ fn reward_tokenizer(config: &TrainConfig) -> Result<Option<Arc<dyn PromptTokeniz
 const ENGINE: &str = "vllm_engine";
 
 fn set_eval(metrics: &mut StepMetrics, result: &EvalResult) -> Result<()> {
-    metrics.set("eval/reward", result.mean_reward).map_err(telemetry_error)?;
-    metrics.set("eval/accuracy", result.accuracy).map_err(telemetry_error)?;
-    metrics.set("eval/response_length", result.response_length).map_err(telemetry_error)?;
+    let set = |metrics: &mut StepMetrics, name: &str, value| -> Result<()> {
+        metrics.set(name, value).map_err(telemetry_error)?;
+        Ok(())
+    };
+    set(metrics, "eval/reward", result.mean_reward)?;
+    set(metrics, "eval/accuracy", result.accuracy)?;
+    set(metrics, "eval/response_length", result.response_length)?;
+    let k = result.samples_per_prompt;
+    if k > 1 {
+        set(metrics, &format!("eval/mean@{k}"), result.mean_reward)?;
+        set(metrics, &format!("eval/pass@{k}"), result.pass_at_k)?;
+    }
     Ok(())
+}
+
+/// Held-out results of `rewards` and response `lengths`, `k` consecutive answers per prompt.
+fn eval_result(rewards: &[f32], lengths: &[usize], k: usize) -> EvalResult {
+    let n = rewards.len().max(1) as f64;
+    let prompts = rewards.chunks(k.max(1));
+    let passed = prompts.clone().filter(|answers| experience::full_reward_count(answers) > 0);
+    EvalResult {
+        mean_reward: rewards.iter().map(|&r| f64::from(r)).sum::<f64>() / n,
+        accuracy: experience::full_reward_count(rewards) as f64 / n,
+        response_length: lengths.iter().sum::<usize>() as f64 / n,
+        pass_at_k: passed.count() as f64 / prompts.len().max(1) as f64,
+        samples_per_prompt: k,
+    }
 }
 
 /// Telemetry errors as trainer errors.
 pub fn telemetry_error(e: rtrun_rlhf_telemetry::TelemetryError) -> TrainError {
     TrainError::Data(format!("metrics: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn held_out_results_by_hand() {
+        // Two prompts, three answers each: prompt 0 scores 1, 0, 0 (passes), prompt 1 scores
+        // 0.5, 0.5, 0 (no full reward). Mean reward 2/6, accuracy 1/6, pass@3 1/2.
+        let rewards = [1.0, 0.0, 0.0, 0.5, 0.5, 0.0];
+        let result = eval_result(&rewards, &[2, 4, 6, 2, 2, 2], 3);
+        assert!((result.mean_reward - 2.0 / 6.0).abs() < 1e-12);
+        assert!((result.accuracy - 1.0 / 6.0).abs() < 1e-12);
+        assert!((result.pass_at_k - 0.5).abs() < 1e-12);
+        assert!((result.response_length - 3.0).abs() < 1e-12);
+        let mut metrics = StepMetrics::new(1);
+        set_eval(&mut metrics, &result).unwrap();
+        assert_eq!(metrics.get("eval/pass@3"), Some(0.5));
+        assert_eq!(metrics.get("eval/mean@3"), Some(2.0 / 6.0));
+        // One greedy answer: no @k metrics, pass@1 is the accuracy.
+        let greedy = eval_result(&[1.0, 0.0], &[1, 1], 1);
+        assert_eq!(greedy.pass_at_k, greedy.accuracy);
+        let mut metrics = StepMetrics::new(1);
+        set_eval(&mut metrics, &greedy).unwrap();
+        assert_eq!(metrics.get("eval/pass@1"), None);
+    }
 }
