@@ -8,6 +8,7 @@
 //! - [`RunProgress`]: the driver's progress bar with live reward, KL and phase timings, or plain
 //!   log lines when stderr is not a terminal.
 //! - [`plot`]: line charts (the reward curve) rendered to PNG with a built-in bitmap font.
+//! - [`samples`]: a few of each step's samples (prompt, response, reward) in `samples.jsonl`.
 //! - [`summary`]: the end-of-run table (baseline vs final held-out reward, per-phase timings) as
 //!   plain text or Markdown.
 //!
@@ -73,6 +74,7 @@ mod metrics;
 pub mod phase;
 pub mod plot;
 pub mod progress;
+pub mod samples;
 pub mod summary;
 pub mod tensorboard;
 

@@ -27,6 +27,8 @@ struct Live {
     latest: Vec<(String, f64)>,
     /// Every step so far (for the curves; the newest [`MAX_RECORDS`]).
     records: Vec<StepMetrics>,
+    /// The newest step's logged samples.
+    samples: Vec<crate::samples::SampleRow>,
 }
 
 /// Steps kept for the dashboard's curves.
@@ -104,8 +106,15 @@ impl LiveMetrics {
         live.records.push(metrics.clone());
     }
 
-    /// The dashboard page: progress, the newest metrics, and the reward and KL curves (PNG
-    /// data URIs drawn like `reward.png`).
+    /// Keeps `rows` (one step's logged samples) for the dashboard page.
+    pub fn record_samples(&self, rows: &[crate::samples::SampleRow]) {
+        if let Ok(mut live) = self.live.lock() {
+            live.samples = rows.to_vec();
+        }
+    }
+
+    /// The dashboard page: progress, the newest metrics, the reward and KL curves (PNG data
+    /// URIs drawn like `reward.png`) and the newest step's logged samples.
     pub fn dashboard_html(&self) -> String {
         use base64::Engine as _;
         let Ok(live) = self.live.lock() else { return "<p>metrics unavailable</p>".into() };
@@ -138,6 +147,24 @@ impl LiveMetrics {
             html.push_str(&format!("<tr><td>{}</td><td>{value:.6}</td></tr>\n", escape(name)));
         }
         html.push_str("</table>\n");
+        if let Some(step) = live.samples.first().map(|r| r.step) {
+            // Long texts are cut: the page stays readable and small.
+            let cut = |text: &str| escape(&text.chars().take(400).collect::<String>());
+            html.push_str(&format!(
+                "<h3>Samples of step {step}</h3>\n<table><tr><th>prompt</th><th>response</th>\
+                 <th>reward</th><th>label</th></tr>\n"
+            ));
+            for row in &live.samples {
+                html.push_str(&format!(
+                    "<tr><td>{}</td><td>{}</td><td>{:.4}</td><td>{}</td></tr>\n",
+                    cut(&row.prompt),
+                    cut(&row.response),
+                    row.reward,
+                    cut(&row.label)
+                ));
+            }
+            html.push_str("</table>\n");
+        }
         html
     }
 
@@ -229,6 +256,17 @@ mod tests {
         assert!(page.contains("step <b>2</b> of 10"), "{page}");
         assert_eq!(page.matches("src=\"data:image/png;base64,").count(), 2, "{page}");
         assert!(page.contains("<td>eval/reward</td><td>0.500000</td>"), "{page}");
+        assert!(!page.contains("Samples of step"), "none logged yet");
+        live.record_samples(&[crate::samples::SampleRow {
+            step: 2,
+            prompt: "<b>12+3=".into(),
+            response: "15".into(),
+            reward: 1.0,
+            label: "15".into(),
+        }]);
+        let page = live.dashboard_html();
+        assert!(page.contains("<h3>Samples of step 2</h3>"), "{page}");
+        assert!(page.contains("<td>&lt;b&gt;12+3=</td><td>15</td><td>1.0000</td>"), "{page}");
         for line in [
             "rtrun_train_total_steps 10.0",
             "rtrun_train_step 2.0",

@@ -59,8 +59,8 @@ pub const PREPARED_FILE: &str = "prepared.json";
 
 /// Files a run writes as it goes (besides checkpoints and TensorBoard event files): an earlier
 /// run's results, which a new run in the same directory would replace.
-pub const RUN_OUTPUTS: [&str; 5] =
-    ["metrics.jsonl", "summary.md", "reward.png", "loss.png", "final_policy"];
+pub const RUN_OUTPUTS: [&str; 6] =
+    ["metrics.jsonl", "samples.jsonl", "summary.md", "reward.png", "loss.png", "final_policy"];
 
 /// Everything that can be checked before any work starts (the warm-up, the runtime): the
 /// placement spec (it exists, parses, names every role) and the GPUs it reserves against

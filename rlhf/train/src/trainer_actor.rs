@@ -195,6 +195,10 @@ impl ProgressObserver for Reporter {
         self.0.push(Event::Step { metrics, phases });
     }
 
+    fn samples(&mut self, rows: &[rtrun_rlhf_telemetry::samples::SampleRow]) {
+        self.1.record_samples(rows);
+    }
+
     fn placed(&mut self, roles: &[String]) {
         self.0.push(Event::Placed(roles.to_vec()));
     }

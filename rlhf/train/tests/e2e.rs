@@ -337,6 +337,29 @@ fn sampled_evaluation_reports_mean_and_pass_at_k() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// `logging.samples_per_step` writes each step's first samples, as text with their rewards, to
+/// `samples.jsonl`.
+#[test]
+fn each_steps_first_samples_are_logged_with_their_rewards() {
+    let dir = scratch("samples");
+    let mut config = small_config(&dir, "algo: {advantage_estimator: group_norm}\n");
+    config.logging.samples_per_step = 3;
+    let (trainer, _) = rtrun_rlhf::run::run(&config, &mut NoProgress).unwrap();
+    let rows = rtrun_rlhf_telemetry::samples::read_samples(&dir).unwrap();
+    let steps: Vec<u64> = rows.iter().map(|r| r.step).collect();
+    assert_eq!(steps, [1, 1, 1, 2, 2, 2]);
+    for row in &rows {
+        // Reverse-digit prompts (`4071>`), char-match rewards in [0, 1], the label the reverse.
+        assert!(row.prompt.ends_with('>') && (0.0..=1.0).contains(&row.reward), "{row:?}");
+        let digits = row.prompt.trim_end_matches('>');
+        assert_eq!(row.label, digits.chars().rev().collect::<String>());
+    }
+    // The two samples of a prompt come first: the first two rows share their prompt.
+    assert_eq!(rows[0].prompt, rows[1].prompt);
+    trainer.roles.kill();
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// Every `algo.loss_agg_mode` trains (the aggregations themselves are checked by hand in
 /// `rtrun_rlhf_algo::loss`'s tests): the same first rollout, aggregated four ways, gives four
 /// different gradients, and the engines keep the policy's weights.

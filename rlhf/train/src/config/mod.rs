@@ -61,6 +61,18 @@ pub struct TrainConfig {
     pub eval: EvalConfig,
     /// Checkpoints and resume.
     pub checkpoint: CheckpointConfig,
+    /// What the run logs beside its metrics.
+    pub logging: LoggingConfig,
+}
+
+/// `logging.*`: what the run logs beside its metrics.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(default, deny_unknown_fields)]
+pub struct LoggingConfig {
+    /// Samples of each step written to `samples.jsonl` in the run directory and shown on the
+    /// dashboard's Training page: prompt, response, reward and label, the step's first rows
+    /// (0: none; verl's `log_val_generations` for training rollouts).
+    pub samples_per_step: usize,
 }
 
 impl Default for TrainConfig {
@@ -83,6 +95,7 @@ impl Default for TrainConfig {
             reward: RewardConfig::default(),
             eval: EvalConfig::default(),
             checkpoint: CheckpointConfig::default(),
+            logging: LoggingConfig::default(),
         }
     }
 }
@@ -1212,6 +1225,9 @@ mod tests {
             ["train.pipeline=dock", "algo.advantage_estimator=rloo", "algo.normalize_reward=true"];
         assert!(err("", &dock).contains("algo.normalize_reward"));
         assert!(err("", &["eval.n_samples=4"]).contains("eval.temperature"));
+        let dock =
+            ["train.pipeline=dock", "algo.advantage_estimator=rloo", "logging.samples_per_step=2"];
+        assert!(err("", &dock).contains("logging.samples_per_step"));
         assert!(err("", &["eval.n_samples=0"]).contains("eval.n_samples"));
         // The default micro-batch (32) shrinks to a small batch's per-rank share.
         let small = ["train.train_batch_size=8".to_owned(), "cluster.actor_replicas=2".to_owned()];

@@ -262,6 +262,13 @@ impl TrainConfig {
                 ),
             ));
         }
+        if self.logging.samples_per_step > 0 {
+            return Err(TrainError::config(
+                "logging.samples_per_step",
+                "expected 0 for train.pipeline `dock` (its rows never meet in one place before \
+                 training; use train.pipeline `sequential`), found more",
+            ));
+        }
         if self.algo.dynamic_sampling.is_some() {
             return Err(TrainError::config(
                 "algo.dynamic_sampling",

@@ -156,6 +156,8 @@ pub struct ExperienceBatch {
     pub rows: Vec<ExperienceRow>,
     /// Aggregates for the metrics.
     pub stats: ExperienceStats,
+    /// Each row's reward from the reward function or model, before any shaping.
+    pub rewards: Vec<f32>,
     /// The running reward moments with this batch's rewards merged in
     /// (`algo.normalize_reward`), for the trainer's state.
     pub reward_moments: Option<RunningMoments>,
@@ -293,6 +295,7 @@ pub fn assemble(
     // The task's rewards shaped for the advantages: the overlong penalty, then the running
     // normalisation; the metrics keep the task's own.
     let mut shaped = scalar_rewards.clone();
+    let task_rewards = scalar_rewards.clone();
     let mut penalty_sum = 0.0;
     if let Some(p) = &algo_config.overlong_penalty {
         let budget = trainer.config.max_new_tokens();
@@ -365,7 +368,7 @@ pub fn assemble(
             returns: ret_rows[i].clone(),
         })
         .collect();
-    Ok(ExperienceBatch { rows, stats, reward_moments })
+    Ok(ExperienceBatch { rows, stats, rewards: task_rewards, reward_moments })
 }
 
 /// What the step's training did (means over mini-batches and ranks).

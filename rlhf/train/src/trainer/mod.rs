@@ -26,6 +26,7 @@ use serde::{Deserialize, Serialize};
 
 use rtrun_rlhf_dock::StageTimeline;
 use rtrun_rlhf_engine::{GenerationOutput, GenerationRequest, SamplingParams};
+use rtrun_rlhf_telemetry::samples::{SampleRow, SamplesWriter};
 use rtrun_rlhf_telemetry::{MetricsSink, PhaseTimer, StepMetrics, StepPhases};
 
 use crate::algo::KlController;
@@ -84,6 +85,8 @@ pub trait ProgressObserver {
     fn step_done(&mut self, _metrics: &StepMetrics, _phases: &StepPhases) {}
     /// The roles were placed: one line per role, each rank's node and GPUs.
     fn placed(&mut self, _roles: &[String]) {}
+    /// A step's logged samples (`logging.samples_per_step`).
+    fn samples(&mut self, _rows: &[SampleRow]) {}
 }
 
 /// Progress nobody watches.
@@ -142,6 +145,8 @@ pub struct Trainer {
     /// Whether this step measured `engine_logprob_gap` (it does unless the engine's log-probs
     /// were used unchecked).
     gap_measured: bool,
+    /// `samples.jsonl` (`logging.samples_per_step`).
+    samples: SamplesWriter,
 }
 
 impl Trainer {
@@ -166,6 +171,7 @@ impl Trainer {
         let reward_tokenizer = reward_tokenizer(&config)?;
         let watch = CallWatch::from_config(&config.cluster);
         let old_logprobs_from_engine = config.old_logprobs_from_engine();
+        let samples = SamplesWriter::new(&paths.root);
         let mut trainer = Trainer {
             config,
             paths,
@@ -182,6 +188,7 @@ impl Trainer {
             ipc_noted: std::sync::atomic::AtomicBool::new(false),
             old_logprobs_from_engine,
             gap_measured: true,
+            samples,
             watch,
         };
         if let Some(dir) = resume {
@@ -569,11 +576,44 @@ impl Trainer {
             }
         }
 
+        self.log_samples(step, &rollout.records, &batch, progress)?;
         progress.phase("train");
         let train_stats =
             self.timed("train", |t| experience::train(t, &batch.rows, step, kl_coef))?;
         self.record_gpu_memory("train")?;
         Ok((batch.stats, batch.rows.len(), train_stats))
+    }
+
+    /// Writes the first `logging.samples_per_step` samples of `batch` to `samples.jsonl` and
+    /// hands them to the progress observer (the dashboard).
+    fn log_samples(
+        &mut self,
+        step: u64,
+        records: &[PromptRecord],
+        batch: &experience::ExperienceBatch,
+        progress: &mut dyn ProgressObserver,
+    ) -> Result<()> {
+        let k = self.config.logging.samples_per_step;
+        if k == 0 {
+            return Ok(());
+        }
+        let rows: Vec<SampleRow> = batch
+            .rows
+            .iter()
+            .zip(records)
+            .zip(&batch.rewards)
+            .take(k)
+            .map(|((row, record), &reward)| SampleRow {
+                step,
+                prompt: record.prompt.clone(),
+                response: self.tokenizer.decode_response(&row.sequence.response_ids),
+                reward: f64::from(reward),
+                label: record.label.clone(),
+            })
+            .collect();
+        self.samples.write(&rows).map_err(telemetry_error)?;
+        progress.samples(&rows);
+        Ok(())
     }
 
     /// On a GPU run, the CUDA memory of policy rank 0 and engine 0 at the end of `phase`:
