@@ -81,7 +81,7 @@ pub mod tensorboard;
 pub use error::{Result, TelemetryError};
 pub use metrics::{
     MetricsSink, MetricsWriter, MetricsWriterOptions, RESERVED_NAMES, StartMode, StepMetrics,
-    unix_time_now,
+    tensorboard_tag, unix_time_now,
 };
 pub use phase::{PhaseTimer, PhaseTotal, StepPhases};
 pub use plot::{LineChart, reward_curve};

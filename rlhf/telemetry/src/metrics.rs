@@ -271,12 +271,28 @@ impl MetricsWriter {
     }
 }
 
+/// A metric's TensorBoard tag, as OpenRLHF's trainers tag theirs: held-out metrics keep their
+/// `eval/` name, every other one goes under `train/` (`reward` → `train/reward`), so boards
+/// built for OpenRLHF runs find them. `metrics.jsonl` keeps the plain names.
+pub fn tensorboard_tag(name: &str) -> String {
+    if name.starts_with("eval/") || name.starts_with("train/") {
+        name.to_owned()
+    } else {
+        format!("train/{name}")
+    }
+}
+
 impl MetricsSink for MetricsWriter {
     fn record(&mut self, metrics: &StepMetrics) -> Result<()> {
         let files = self.files()?;
         files.jsonl.record(metrics)?;
         if let Some(writer) = &mut files.tensorboard {
-            let scalars = metrics.scalars().iter().map(|(name, value)| (name.as_str(), *value));
+            let tags: Vec<(String, f64)> = metrics
+                .scalars()
+                .iter()
+                .map(|(name, value)| (tensorboard_tag(name), *value))
+                .collect();
+            let scalars = tags.iter().map(|(tag, value)| (tag.as_str(), *value));
             writer.write_scalars(metrics.step(), metrics.wall_time(), scalars)?;
             writer.flush()?;
         }
@@ -287,6 +303,14 @@ impl MetricsSink for MetricsWriter {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tensorboard_tags_follow_openrlhfs_train_and_eval_groups() {
+        assert_eq!(tensorboard_tag("reward"), "train/reward");
+        assert_eq!(tensorboard_tag("pipeline/concurrency"), "train/pipeline/concurrency");
+        assert_eq!(tensorboard_tag("eval/reward"), "eval/reward");
+        assert_eq!(tensorboard_tag("train/x"), "train/x");
+    }
 
     #[test]
     fn set_validates_and_replaces() {

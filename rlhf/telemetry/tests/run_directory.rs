@@ -35,7 +35,7 @@ fn tensorboard_rewards(dir: &Path) -> (Vec<(i64, f32)>, Vec<i64>) {
         for event in events {
             match event.payload {
                 EventPayload::Summary(values) => {
-                    let reward = values.iter().find(|value| value.tag == "reward").unwrap();
+                    let reward = values.iter().find(|value| value.tag == "train/reward").unwrap();
                     rewards.push((event.step, reward.simple_value.unwrap()));
                 }
                 EventPayload::SessionLog(SessionStatus::Start) => starts.push(event.step),
