@@ -87,10 +87,18 @@ pub struct DataConfig {
     /// JSONL (`.jsonl`, `.json`) or Parquet (`.parquet`) files (`--prompt_data`).
     pub prompt_data: PathList,
     /// The record key holding the prompt: a string or a list of `{role, content}` messages
-    /// (`--input_key`).
+    /// (`--input_key`); a dotted key reaches into nested records (`extra_info.question`).
     pub input_key: String,
-    /// The record key holding the label a reward checks (`--label_key`; absent: no labels).
+    /// The record key holding the label a reward checks (`--label_key`; absent: no labels); a
+    /// dotted key reaches into nested records (verl's `reward_model.ground_truth`).
     pub label_key: Option<String>,
+    /// A template a string prompt is put into, `{}` standing for it (`--input_template`,
+    /// e.g. `"Question: {}\nAnswer:"`); not with `apply_chat_template`.
+    pub input_template: Option<String>,
+    /// With several `prompt_data` files, the share of training prompts drawn from each
+    /// (`--prompt_data_probs`, summing to 1): the training set keeps its size and is a seeded
+    /// mix of the files by these weights (a file runs out and starts over as needed).
+    pub prompt_probs: Option<Vec<f64>>,
     /// Render prompts with the policy tokenizer's chat template (`--apply_chat_template`); a
     /// string input becomes one user message.
     pub apply_chat_template: bool,
@@ -112,6 +120,8 @@ impl Default for DataConfig {
             prompt_data: PathList::default(),
             input_key: "input".to_owned(),
             label_key: None,
+            input_template: None,
+            prompt_probs: None,
             apply_chat_template: false,
             max_prompt_len: 1024,
             max_samples: None,
@@ -145,6 +155,40 @@ impl DataConfig {
                 "data.eval_data",
                 "expected data.prompt_data beside it (a synthetic task makes its own held-out set)",
             ));
+        }
+        if let Some(template) = &self.input_template {
+            if template.matches("{}").count() != 1 {
+                return Err(TrainError::config(
+                    "data.input_template",
+                    format!("expected one `{{}}` where the prompt goes, found `{template}`"),
+                ));
+            }
+            if self.apply_chat_template {
+                return Err(TrainError::config(
+                    "data.input_template",
+                    "expected it or data.apply_chat_template, found both (the chat template \
+                     already frames the prompt)",
+                ));
+            }
+        }
+        if let Some(probs) = &self.prompt_probs {
+            let files = self.prompt_data.0.len();
+            if probs.len() != files {
+                return Err(TrainError::config(
+                    "data.prompt_probs",
+                    format!(
+                        "expected one weight per data.prompt_data file ({files}), found {}",
+                        probs.len()
+                    ),
+                ));
+            }
+            let sum: f64 = probs.iter().sum();
+            if probs.iter().any(|p| !(p.is_finite() && *p >= 0.0)) || (sum - 1.0).abs() > 1e-6 {
+                return Err(TrainError::config(
+                    "data.prompt_probs",
+                    format!("expected weights >= 0 that sum to 1, found {probs:?}"),
+                ));
+            }
         }
         if self.max_prompt_len == 0 {
             return Err(TrainError::config("data.max_prompt_len", "expected at least 1, found 0"));
@@ -267,7 +311,7 @@ pub fn to_prompt_record(
             .map(|m| m.keys().map(|k| format!("`{k}`")).collect::<Vec<_>>().join(", "))
             .unwrap_or_default()
     };
-    let input = record.value.get(&config.input_key).ok_or_else(|| {
+    let input = lookup(&record.value, &config.input_key).ok_or_else(|| {
         TrainError::Data(format!(
             "{at}: expected the key `{}` (data.input_key), found only {}",
             config.input_key,
@@ -275,7 +319,12 @@ pub fn to_prompt_record(
         ))
     })?;
     let prompt = match input {
-        serde_json::Value::String(text) if !config.apply_chat_template => text.clone(),
+        serde_json::Value::String(text) if !config.apply_chat_template => {
+            match &config.input_template {
+                Some(template) => template.replacen("{}", text, 1),
+                None => text.clone(),
+            }
+        }
         serde_json::Value::String(text) => {
             render(at, tokenizer, &[ChatMessage::new("user", text)])?
         }
@@ -298,7 +347,7 @@ pub fn to_prompt_record(
     };
     let label = match &config.label_key {
         None => String::new(),
-        Some(key) => match record.value.get(key) {
+        Some(key) => match lookup(&record.value, key) {
             Some(serde_json::Value::String(s)) => s.clone(),
             Some(v @ (serde_json::Value::Number(_) | serde_json::Value::Bool(_))) => v.to_string(),
             Some(other) => {
@@ -315,7 +364,48 @@ pub fn to_prompt_record(
             }
         },
     };
-    Ok(PromptRecord { prompt, label })
+    let data_source = match record.value.get("data_source") {
+        Some(serde_json::Value::String(source)) => source.clone(),
+        _ => String::new(),
+    };
+    Ok(PromptRecord { prompt, label, data_source })
+}
+
+/// The value under `key` in `record`: the key itself, else a dotted path into nested objects
+/// (`reward_model.ground_truth`).
+pub fn lookup<'a>(record: &'a serde_json::Value, key: &str) -> Option<&'a serde_json::Value> {
+    record.get(key).or_else(|| key.split('.').try_fold(record, |value, part| value.get(part)))
+}
+
+/// `len` training records drawn from `files` (each file's records, in order, restarting when
+/// used up) with the weights `probs`, seeded.
+fn mix(files: Vec<Vec<PromptRecord>>, probs: &[f64], len: usize, seed: u64) -> Vec<PromptRecord> {
+    let usable = probs.iter().zip(&files).any(|(p, f)| *p > 0.0 && !f.is_empty());
+    if !usable {
+        return files.concat();
+    }
+    let mut next = vec![0usize; files.len()];
+    let mut rng = SplitMix64::new(seed ^ 0x5EED_D1C7);
+    let mut out = Vec::with_capacity(len);
+    while out.len() < len {
+        let draw = rng.below(1 << 53) as f64 / (1u64 << 53) as f64;
+        let mut acc = 0.0;
+        let mut file = probs.len() - 1;
+        for (i, p) in probs.iter().enumerate() {
+            acc += p;
+            if draw < acc {
+                file = i;
+                break;
+            }
+        }
+        let records = &files[file];
+        if records.is_empty() {
+            continue;
+        }
+        out.push(records[next[file] % records.len()].clone());
+        next[file] += 1;
+    }
+    out
 }
 
 /// The chat messages of the list `items` under `key` of the record at `at`.
@@ -429,16 +519,17 @@ pub fn load_prompts(
     tokenizer: &HfTokenizer,
     seed: u64,
 ) -> Result<LoadedPrompts> {
-    let read_all = |paths: &PathList| -> Result<Vec<PromptRecord>> {
+    // Each record with the index of its file (for `prompt_probs`).
+    let read_all = |paths: &PathList| -> Result<Vec<(usize, PromptRecord)>> {
         let mut out = Vec::new();
-        for path in &paths.0 {
+        for (file, path) in paths.0.iter().enumerate() {
             for record in read_records(path)? {
-                out.push(to_prompt_record(&record, config, tokenizer)?);
+                out.push((file, to_prompt_record(&record, config, tokenizer)?));
             }
         }
         Ok(out)
     };
-    let (mut train, mut eval) = split_records(
+    let (train, eval) = split_records(
         "data.prompt_data",
         &config.prompt_data,
         &config.eval_data,
@@ -447,6 +538,18 @@ pub fn load_prompts(
         seed,
         read_all,
     )?;
+    let mut eval: Vec<PromptRecord> = eval.into_iter().map(|(_, r)| r).collect();
+    let mut train: Vec<PromptRecord> = match &config.prompt_probs {
+        None => train.into_iter().map(|(_, r)| r).collect(),
+        Some(probs) => {
+            let len = train.len();
+            let mut files = vec![Vec::new(); probs.len()];
+            for (file, record) in train {
+                files[file].push(record);
+            }
+            mix(files, probs, len, seed)
+        }
+    };
     let filter = |records: &mut Vec<PromptRecord>, split: &str| -> Result<usize> {
         let before = records.len();
         let mut longest = 0;
@@ -512,6 +615,37 @@ pub fn read_jsonl(path: &Path) -> Result<Vec<PromptRecord>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn dotted_keys_reach_into_nested_records() {
+        let record = serde_json::json!({"reward_model": {"ground_truth": "42"}, "a.b": 1});
+        assert_eq!(lookup(&record, "reward_model.ground_truth"), Some(&serde_json::json!("42")));
+        assert_eq!(lookup(&record, "a.b"), Some(&serde_json::json!(1)), "a dotted key itself");
+        assert_eq!(lookup(&record, "reward_model.style"), None);
+    }
+
+    #[test]
+    fn files_mix_by_their_weights_seeded_and_restart_when_used_up() {
+        let file = |tag: &str, n: usize| -> Vec<PromptRecord> {
+            (0..n)
+                .map(|i| PromptRecord { prompt: format!("{tag}{i}"), ..Default::default() })
+                .collect()
+        };
+        let mixed = mix(vec![file("a", 3), file("b", 100)], &[0.8, 0.2], 1000, 7);
+        let from_a = mixed.iter().filter(|r| r.prompt.starts_with('a')).count();
+        assert!((760..=840).contains(&from_a), "{from_a} of 1000 at weight 0.8");
+        // `a` has 3 records: they come round in order.
+        let a: Vec<&str> = mixed
+            .iter()
+            .filter(|r| r.prompt.starts_with('a'))
+            .take(4)
+            .map(|r| r.prompt.as_str())
+            .collect();
+        assert_eq!(a, ["a0", "a1", "a2", "a0"]);
+        assert_eq!(mixed, mix(vec![file("a", 3), file("b", 100)], &[0.8, 0.2], 1000, 7));
+        // No weight on a file with records: the files as they are.
+        assert_eq!(mix(vec![file("a", 2), Vec::new()], &[0.0, 1.0], 5, 1).len(), 2);
+    }
 
     #[test]
     fn jsonl_round_trips_and_names_bad_lines() {

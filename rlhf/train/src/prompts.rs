@@ -6,12 +6,16 @@ use serde::{Deserialize, Serialize};
 use crate::rng::SplitMix64;
 
 /// A prompt and the exact answer a rule checks against.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PromptRecord {
     /// The prompt text (without `<bos>`).
     pub prompt: String,
     /// The expected answer text (without `<eos>`).
     pub label: String,
+    /// The record's `data_source` (verl's column), which `reward.by_source` routes to a reward
+    /// function; empty when the record has none.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub data_source: String,
 }
 
 /// An epoch-wise, seeded shuffle over a dataset, with a position that checkpoints record

@@ -177,18 +177,38 @@ pub struct RewardQuery {
     pub response: String,
     /// The dataset label.
     pub label: String,
+    /// The record's `data_source` (empty when none).
+    #[serde(default)]
+    pub data_source: String,
 }
 
-/// Scores `queries` with the function registered as `name` (runs as an rtrun task).
+/// Scores `queries` with the function registered as `name`, or the one `routes` names for a
+/// query's `data_source` (`reward.by_source`); runs as an rtrun task.
 #[rtrun::remote]
-pub fn score_with_function(name: String, queries: Vec<RewardQuery>) -> Result<Vec<f32>, String> {
-    let function = find_reward_function(&name).ok_or_else(|| {
-        format!(
-            "expected one of the reward functions {:?}, found `{name}`",
-            reward_function_names()
-        )
-    })?;
-    Ok(queries.iter().map(|q| (function.score)(&q.prompt, &q.response, &q.label)).collect())
+pub fn score_with_function(
+    name: String,
+    routes: std::collections::BTreeMap<String, String>,
+    queries: Vec<RewardQuery>,
+) -> Result<Vec<f32>, String> {
+    let find = |name: &str| {
+        find_reward_function(name).ok_or_else(|| {
+            format!(
+                "expected one of the reward functions {:?}, found `{name}`",
+                reward_function_names()
+            )
+        })
+    };
+    let default = find(&name)?;
+    queries
+        .iter()
+        .map(|q| {
+            let function = match routes.get(&q.data_source) {
+                Some(routed) => find(routed)?,
+                None => default,
+            };
+            Ok((function.score)(&q.prompt, &q.response, &q.label))
+        })
+        .collect()
 }
 
 /// How a remote reward task reaches its servers.
@@ -368,7 +388,35 @@ mod tests {
     }
 
     fn query() -> Vec<RewardQuery> {
-        vec![RewardQuery { prompt: "12>".into(), response: "21".into(), label: "21".into() }]
+        vec![RewardQuery {
+            prompt: "12>".into(),
+            response: "21".into(),
+            label: "21".into(),
+            data_source: String::new(),
+        }]
+    }
+
+    #[test]
+    fn a_records_data_source_routes_it_to_its_reward_function() {
+        // `char_match` gives partial credit, `exact_match` none: "21" against "20".
+        let query = |source: &str| RewardQuery {
+            prompt: "02>".into(),
+            response: "21".into(),
+            label: "20".into(),
+            data_source: source.into(),
+        };
+        let routes = [("strict".to_owned(), "exact_match".to_owned())].into();
+        let scores = score_with_function(
+            "char_match".into(),
+            routes,
+            vec![query("strict"), query("other"), query("")],
+        )
+        .unwrap();
+        assert_eq!(scores[0], 0.0);
+        assert!(scores[1] > 0.0 && scores[1] == scores[2], "{scores:?}");
+        let bad = [("strict".to_owned(), "nope".to_owned())].into();
+        let err = score_with_function("char_match".into(), bad, vec![query("strict")]);
+        assert!(err.unwrap_err().contains("`nope`"));
     }
 
     fn client(urls: Vec<String>, retries: u32) -> RemoteRewardClient {

@@ -367,6 +367,104 @@ fn write_parquet(path: &Path, columns: &[&str], rows: &[Vec<String>]) {
     writer.close().unwrap();
 }
 
+/// Writes a Parquet file from a schema's field list (`REQUIRED BYTE_ARRAY a (UTF8); REQUIRED
+/// group g { … }`) and rows holding each leaf column's string, in schema order.
+fn write_nested_parquet(path: &Path, fields: &str, rows: &[Vec<String>]) {
+    use parquet::data_type::{ByteArray, ByteArrayType};
+    use parquet::file::properties::WriterProperties;
+    use parquet::file::writer::SerializedFileWriter;
+    let schema = Arc::new(
+        parquet::schema::parser::parse_message_type(&format!("message m {{ {fields} }}")).unwrap(),
+    );
+    let file = std::fs::File::create(path).unwrap();
+    let mut writer =
+        SerializedFileWriter::new(file, schema, Arc::new(WriterProperties::builder().build()))
+            .unwrap();
+    let mut group = writer.next_row_group().unwrap();
+    let mut c = 0;
+    while let Some(mut column) = group.next_column().unwrap() {
+        let values: Vec<ByteArray> = rows.iter().map(|r| ByteArray::from(r[c].as_str())).collect();
+        column.typed::<ByteArrayType>().write_batch(&values, None, None).unwrap();
+        column.close().unwrap();
+        c += 1;
+    }
+    group.close().unwrap();
+    writer.close().unwrap();
+}
+
+/// verl's data layout trains as it is: a Parquet file whose label sits in the nested
+/// `reward_model.ground_truth` and whose `data_source` picks the reward function
+/// (`reward.by_source`), mixed with a second file by `data.prompt_probs`, each prompt put into
+/// `data.input_template`.
+#[test]
+fn a_verl_layout_parquet_file_trains_with_routed_rewards_a_template_and_mixed_files() {
+    let dir = scratch("verl-layout");
+    let files = walkthrough(&dir);
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(&files.train_data)
+        .unwrap()
+        .lines()
+        .take(60)
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let field = |v: &serde_json::Value, key: &str| v[key].as_str().unwrap().to_owned();
+    // data_source, prompt, reward_model.{ground_truth, style}.
+    let rows: Vec<Vec<String>> = lines[..40]
+        .iter()
+        .enumerate()
+        .map(|(i, v)| {
+            let source = if i % 2 == 0 { "openai/gsm8k" } else { "exact" };
+            vec![source.into(), field(v, "question"), field(v, "answer"), "rule".into()]
+        })
+        .collect();
+    let parquet = dir.join("verl.parquet");
+    write_nested_parquet(
+        &parquet,
+        "REQUIRED BYTE_ARRAY data_source (UTF8); REQUIRED BYTE_ARRAY prompt (UTF8); \
+         REQUIRED group reward_model { REQUIRED BYTE_ARRAY ground_truth (UTF8); \
+         REQUIRED BYTE_ARRAY style (UTF8); }",
+        &rows,
+    );
+    let jsonl = dir.join("more.jsonl");
+    let text: String = lines[40..]
+        .iter()
+        .map(|v| {
+            serde_json::json!({"data_source": "more", "prompt": v["question"],
+                               "reward_model": {"ground_truth": v["answer"]}})
+            .to_string()
+                + "\n"
+        })
+        .collect();
+    std::fs::write(&jsonl, text).unwrap();
+    let run_dir = dir.join("run");
+    let mut config = hf_config(&run_dir, &files, &["train.max_steps=2"]);
+    config.data.prompt_data = rtrun_rlhf::data::OneOrMany(vec![parquet, jsonl]);
+    config.data.eval_data = Default::default();
+    config.data.eval_fraction = 0.1;
+    config.data.input_key = "prompt".into();
+    config.data.label_key = Some("reward_model.ground_truth".into());
+    config.data.apply_chat_template = false;
+    config.data.input_template = Some("Question: {}\nAnswer:".into());
+    config.data.prompt_probs = Some(vec![0.75, 0.25]);
+    config.reward.by_source = [("exact".to_owned(), "exact_match".to_owned())].into();
+    config.validate().unwrap();
+    let prepared = prepare(&config, &RunPaths::new(&run_dir)).unwrap();
+    // 60 records, 6 held out; the 54 training prompts mixed 3:1 from the two files.
+    assert_eq!((prepared.train_prompts(), prepared.eval_prompts()), (54, 6));
+    let records = rtrun_rlhf::data::read_jsonl(&RunPaths::new(&run_dir).train_data).unwrap();
+    assert!(records.iter().all(|r| r.prompt.starts_with("Question: ")
+        && r.prompt.ends_with("\nAnswer:")
+        && r.label.contains("####")));
+    let from_parquet = records.iter().filter(|r| r.data_source != "more").count();
+    assert!((30..=50).contains(&from_parquet), "{from_parquet} of 54 from the 0.75 file");
+    assert!(records.iter().any(|r| r.data_source == "exact"));
+    std::fs::remove_dir_all(&run_dir).unwrap();
+    let (trainer, report) = rtrun_rlhf::run::run(&config, &mut NoProgress).unwrap();
+    assert_eq!(report.steps, 2);
+    assert!(metrics(&run_dir).iter().all(|r| r.get("reward").is_none_or(f64::is_finite)));
+    trainer.roles.kill();
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn prompt_files_parquet_and_chat_messages_are_read_and_rendered() {
     let dir = scratch("data");

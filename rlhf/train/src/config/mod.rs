@@ -723,6 +723,9 @@ pub struct RewardConfig {
     pub dtype: ModelDtype,
     /// Reward computations run as this many parallel tasks.
     pub parallel_tasks: usize,
+    /// For `rule` / `custom`: the reward function per record `data_source` (verl's column),
+    /// `{source: function}`; a record of another source, or none, gets `name`.
+    pub by_source: std::collections::BTreeMap<String, String>,
 }
 
 impl Default for RewardConfig {
@@ -737,6 +740,7 @@ impl Default for RewardConfig {
             device: DeviceName::default(),
             dtype: ModelDtype::Fp32,
             parallel_tasks: 1,
+            by_source: Default::default(),
         }
     }
 }
@@ -1225,6 +1229,15 @@ mod tests {
             ["train.pipeline=dock", "algo.advantage_estimator=rloo", "algo.normalize_reward=true"];
         assert!(err("", &dock).contains("algo.normalize_reward"));
         assert!(err("", &["eval.n_samples=4"]).contains("eval.temperature"));
+        // verl-style data: a template with its `{}`, a weight per file summing to 1, routes to
+        // registered functions of a rule reward.
+        assert!(err("", &["data.input_template=Q:"]).contains("data.input_template"));
+        let probs = ["data.prompt_data=[a.jsonl, b.jsonl]", "data.prompt_probs=[0.5, 0.6]"];
+        assert!(err("", &probs).contains("sum to 1"));
+        let probs = ["data.prompt_data=a.jsonl", "data.prompt_probs=[0.5, 0.5]"];
+        assert!(err("", &probs).contains("one weight per data.prompt_data file (1)"));
+        let route = err("", &["reward.by_source.gsm8k=nope"]);
+        assert!(route.contains("reward.by_source.gsm8k") && route.contains("`nope`"), "{route}");
         let dock =
             ["train.pipeline=dock", "algo.advantage_estimator=rloo", "logging.samples_per_step=2"];
         assert!(err("", &dock).contains("logging.samples_per_step"));

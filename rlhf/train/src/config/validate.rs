@@ -324,6 +324,27 @@ impl TrainConfig {
             }
             _ => {}
         }
+        for (source, name) in &reward.by_source {
+            if !rule {
+                return Err(TrainError::config(
+                    "reward.by_source",
+                    format!(
+                        "expected reward.kind `rule` or `custom` (routes name reward functions), \
+                         found `{:?}`",
+                        reward.kind
+                    ),
+                ));
+            }
+            if crate::reward::find_reward_function(name).is_none() {
+                return Err(TrainError::config(
+                    &format!("reward.by_source.{source}"),
+                    format!(
+                        "expected one of the registered reward functions {:?}, found `{name}`",
+                        crate::reward::reward_function_names()
+                    ),
+                ));
+            }
+        }
         positive("reward.parallel_tasks", reward.parallel_tasks)?;
         if !(reward.timeout_s.is_finite() && reward.timeout_s > 0.0) {
             return Err(TrainError::config(

@@ -79,19 +79,31 @@ impl TaskConfig {
         match self.kind {
             TaskKind::ReverseDigits => {
                 let d = digits(rng);
-                PromptRecord { prompt: format!("{d}>"), label: d.chars().rev().collect() }
+                PromptRecord {
+                    prompt: format!("{d}>"),
+                    label: d.chars().rev().collect(),
+                    ..Default::default()
+                }
             }
             TaskKind::SortDigits => {
                 let d = digits(rng);
                 let mut sorted: Vec<char> = d.chars().collect();
                 sorted.sort_unstable();
-                PromptRecord { prompt: format!("{d}>"), label: sorted.into_iter().collect() }
+                PromptRecord {
+                    prompt: format!("{d}>"),
+                    label: sorted.into_iter().collect(),
+                    ..Default::default()
+                }
             }
             TaskKind::Add => {
                 let (a, b) = (digits(rng), digits(rng));
                 // Leading zeros are kept in the prompt; the sum is written without them.
                 let sum = a.parse::<u128>().unwrap_or(0) + b.parse::<u128>().unwrap_or(0);
-                PromptRecord { prompt: format!("{a}+{b}="), label: sum.to_string() }
+                PromptRecord {
+                    prompt: format!("{a}+{b}="),
+                    label: sum.to_string(),
+                    ..Default::default()
+                }
             }
         }
     }

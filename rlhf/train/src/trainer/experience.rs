@@ -65,6 +65,7 @@ pub fn rewards(
             prompt: record.prompt.clone(),
             response: trainer.tokenizer.decode_response(&s.response_ids),
             label: record.label.clone(),
+            data_source: record.data_source.clone(),
         })
         .collect();
     let chunks = rtrun::split_batch(queries, config.parallel_tasks);
@@ -84,7 +85,11 @@ pub fn rewards(
                     },
                     chunk,
                 ),
-                _ => score_with_function::remote(config.name.clone(), chunk),
+                _ => score_with_function::remote(
+                    config.name.clone(),
+                    config.by_source.clone(),
+                    chunk,
+                ),
             },
         })
         .collect();

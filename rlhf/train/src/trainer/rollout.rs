@@ -205,7 +205,7 @@ mod tests {
 
     fn group(rewards: &[f32]) -> Group {
         Group {
-            record: PromptRecord { prompt: "1>".into(), label: "1".into() },
+            record: PromptRecord { prompt: "1>".into(), label: "1".into(), ..Default::default() },
             prompt_ids: vec![1, 2],
             responses: rewards.iter().map(|_| vec![3]).collect(),
             engine_log_probs: rewards.iter().map(|_| vec![-0.5]).collect(),
