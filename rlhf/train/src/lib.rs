@@ -6,6 +6,7 @@
 //! - [`tokenizer`]: the tokenizer abstraction (character or Hugging Face) the trainer uses.
 //! - [`config`]: the YAML config with `--set` overrides.
 //! - [`experience`]: rows on the wire and their padded tensor layout.
+//! - [`python_reward`]: `reward.kind: python`, Python reward functions in worker processes.
 //! - [`reward`]: reward functions registered by name (`math_answer`, `format`, …), run as
 //!   tasks; the remote HTTP reward.
 //! - [`roles`]: the role actors (policy / reference, critic, reward model).
@@ -33,6 +34,7 @@ pub mod experience;
 pub mod paths;
 pub mod placement_map;
 pub mod prompts;
+pub mod python_reward;
 pub mod reward;
 pub mod rng;
 pub mod roles;

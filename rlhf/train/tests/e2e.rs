@@ -360,6 +360,62 @@ fn each_steps_first_samples_are_logged_with_their_rewards() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// `reward.kind: python`: OpenRLHF's `reward_func(queries, prompts, labels)` in a file, run by
+/// Python worker processes, scores exactly as the built-in rule it mirrors (the same run with
+/// `exact_match` writes the same rewards); an exception in it fails the run with its traceback,
+/// naming the file and line.
+#[test]
+fn a_python_reward_function_scores_as_the_rule_it_mirrors_and_its_errors_name_their_line() {
+    let dir = scratch("python-reward");
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("reward.py");
+    std::fs::write(
+        &path,
+        "def reward_func(queries, prompts, labels):\n    \
+         print('scoring', len(queries))  # goes to stderr, not the protocol\n    \
+         return [1.0 if q[len(p):] == l else 0.0 for q, p, l in zip(queries, prompts, labels)]\n",
+    )
+    .unwrap();
+    let algo = "algo: {advantage_estimator: group_norm, use_kl_loss: true, kl_estimator: k3}\n";
+    let run = |name: &str, reward: &str| {
+        let mut config = small_config(&dir.join(name), &format!("{algo}{reward}"));
+        config.reward.parallel_tasks = 2;
+        let (trainer, _) = rtrun_rlhf::run::run(&config, &mut NoProgress).unwrap();
+        trainer.roles.kill();
+        metrics(&dir.join(name)).iter().map(|r| r.get("reward")).collect::<Vec<_>>()
+    };
+    let python = run("py", &format!("reward: {{kind: python, path: {}}}\n", path.display()));
+    let rule = run("rule", "reward: {kind: rule, name: exact_match}\n");
+    assert_eq!(python, rule);
+    assert!(python.iter().flatten().count() >= 2);
+    // An exception: the run fails naming the file, the line and the error.
+    std::fs::write(
+        &path,
+        "def reward_func(queries, prompts, labels):\n    scale = 0\n    return [1 / scale for _ in queries]\n",
+    )
+    .unwrap();
+    let config = small_config(
+        &dir.join("bad"),
+        &format!("{algo}reward: {{kind: python, path: {}}}\n", path.display()),
+    );
+    let err = match rtrun_rlhf::run::run(&config, &mut NoProgress) {
+        Ok((trainer, _)) => {
+            trainer.roles.kill();
+            panic!("a reward function that raises must fail the run")
+        }
+        Err(e) => e.to_string(),
+    };
+    assert!(err.contains("reward.py\", line 3") && err.contains("ZeroDivisionError"), "{err}");
+    // A function that is not there: refused when the workers start.
+    let config = small_config(
+        &dir.join("missing"),
+        &format!("{algo}reward: {{kind: python, path: {}, function: nope}}\n", path.display()),
+    );
+    let err = rtrun_rlhf::run::run(&config, &mut NoProgress).err().unwrap().to_string();
+    assert!(err.contains("`nope`") && err.contains("AttributeError"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// Every `algo.loss_agg_mode` trains (the aggregations themselves are checked by hand in
 /// `rtrun_rlhf_algo::loss`'s tests): the same first rollout, aggregated four ways, gives four
 /// different gradients, and the engines keep the policy's weights.

@@ -701,8 +701,18 @@ impl Default for TrainLoopConfig {
 #[serde(default, deny_unknown_fields)]
 pub struct RewardConfig {
     /// `rule` (a built-in rule checking the label), `custom` (a function registered by name),
-    /// `model` (a reward-model role), `remote` (an HTTP URL).
+    /// `model` (a reward-model role), `remote` (an HTTP URL), `python` (a Python function in
+    /// `path`).
     pub kind: RewardKind,
+    /// `kind: python`: the file defining the reward function (OpenRLHF's `--remote_rm_url
+    /// reward.py`, verl's `custom_reward_function.path`).
+    pub path: Option<PathBuf>,
+    /// `kind: python`: the function's name; it takes OpenRLHF's `(queries, prompts, labels)`
+    /// (`queries`: prompt + response texts) and returns one float per query, or a dict with
+    /// `rewards`.
+    pub function: String,
+    /// `kind: python`: the interpreter that runs it (found on `PATH` unless a path).
+    pub python: String,
     /// The rule's or custom function's registered name.
     pub name: String,
     /// The URL of a remote reward server, or a list of them that the reward tasks spread over
@@ -732,6 +742,9 @@ impl Default for RewardConfig {
     fn default() -> Self {
         Self {
             kind: RewardKind::Rule,
+            path: None,
+            function: "reward_func".to_owned(),
+            python: "python3".to_owned(),
             name: "char_match".to_owned(),
             url: OneOrMany::default(),
             timeout_s: 60.0,
@@ -757,6 +770,8 @@ pub enum RewardKind {
     Model,
     /// An HTTP reward server.
     Remote,
+    /// A Python function (`reward.path`, `reward.function`) in long-lived Python processes.
+    Python,
 }
 
 /// Held-out evaluation.
@@ -1236,6 +1251,9 @@ mod tests {
         assert!(err("", &probs).contains("sum to 1"));
         let probs = ["data.prompt_data=a.jsonl", "data.prompt_probs=[0.5, 0.5]"];
         assert!(err("", &probs).contains("one weight per data.prompt_data file (1)"));
+        assert!(err("", &["reward.kind=python"]).contains("reward.path"));
+        let missing = err("", &["reward.kind=python", "reward.path=/nonexistent/r.py"]);
+        assert!(missing.contains("reward.path") && missing.contains("/nonexistent/r.py"));
         let route = err("", &["reward.by_source.gsm8k=nope"]);
         assert!(route.contains("reward.by_source.gsm8k") && route.contains("`nope`"), "{route}");
         let dock =

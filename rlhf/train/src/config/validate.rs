@@ -306,6 +306,25 @@ impl TrainConfig {
                     "expected a URL for reward.kind `remote`, found none",
                 ));
             }
+            RewardKind::Python => match &reward.path {
+                None => {
+                    return Err(TrainError::config(
+                        "reward.path",
+                        "expected a Python file defining the reward function for reward.kind \
+                         `python`, found none",
+                    ));
+                }
+                Some(path) if !path.is_file() => {
+                    return Err(TrainError::config(
+                        "reward.path",
+                        format!(
+                            "expected an existing Python file, found no file at {}",
+                            path.display()
+                        ),
+                    ));
+                }
+                Some(_) => {}
+            },
             RewardKind::Model if reward.model_dir.is_none() => {
                 return Err(TrainError::config(
                     "reward.model_dir",

@@ -68,6 +68,10 @@ pub fn rewards(
             data_source: record.data_source.clone(),
         })
         .collect();
+    if let Some(group) = &trainer.roles.python_reward {
+        let calls = calls::dispatch("reward", group.members(), queries, |w, c| w.score(c));
+        return Ok(PendingRewards { calls, known: None });
+    }
     let chunks = rtrun::split_batch(queries, config.parallel_tasks);
     let calls = chunks
         .into_iter()

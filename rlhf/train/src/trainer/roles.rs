@@ -12,6 +12,7 @@ use rtrun_rlhf_dock::RemoteDock;
 use crate::config::{LrScheduler, PipelineMode, RewardKind, TrainConfig, WorkerThreads};
 use crate::error::{Result, TrainError};
 use crate::placement_map::RolePlacements;
+use crate::python_reward::{PythonRewardConfig, PythonRewardWorker};
 use crate::roles::critic::{
     CriticWorker, CriticWorkerConfig, RewardModelConfig, RewardModelWorker,
 };
@@ -33,6 +34,8 @@ pub struct Roles {
     pub critic: Option<ActorGroup<CriticWorker>>,
     /// Reward-model ranks (`reward.kind: model`).
     pub reward_model: Option<ActorGroup<RewardModelWorker>>,
+    /// Python reward workers (`reward.kind: python`, `reward.parallel_tasks` of them).
+    pub python_reward: Option<ActorGroup<PythonRewardWorker>>,
     /// Generation engines: each engine's rank 0, the handle callers generate through.
     pub engines: Vec<EngineActorRef>,
     /// Every rank of each engine (`engine_ranks[e][r]`; one per engine without tensor
@@ -236,6 +239,23 @@ impl Roles {
             }
             _ => None,
         };
+        let python_reward = match (config.reward.kind, &config.reward.path) {
+            (RewardKind::Python, Some(path)) => {
+                let python = PythonRewardConfig {
+                    python: config.reward.python.clone(),
+                    path: path.clone(),
+                    function: config.reward.function.clone(),
+                    timeout_s: config.reward.timeout_s,
+                };
+                Some(ActorGroup::create(
+                    "reward",
+                    config.reward.parallel_tasks,
+                    Default::default(),
+                    |_, options| PythonRewardWorker::remote_with(options, python.clone()),
+                )?)
+            }
+            _ => None,
+        };
         let e = &config.engine;
         let engine_config = EngineActorConfig {
             model_dir: policy_dir.to_path_buf(),
@@ -285,6 +305,7 @@ impl Roles {
             reference_from_policy,
             critic,
             reward_model,
+            python_reward,
             engines,
             engine_ranks,
             placements,
@@ -302,6 +323,9 @@ impl Roles {
             let _ = g.kill();
         }
         if let Some(g) = &self.reward_model {
+            let _ = g.kill();
+        }
+        if let Some(g) = &self.python_reward {
             let _ = g.kill();
         }
         for e in self.engine_ranks.iter().flatten() {
