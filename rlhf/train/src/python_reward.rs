@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::reward::RewardQuery;
+use crate::reward::{RewardAnswer, RewardQuery};
 
 /// The worker script.
 const WORKER: &str = include_str!("python/reward_worker.py");
@@ -43,15 +43,16 @@ struct Process {
     lines: Receiver<String>,
 }
 
-/// The answer the worker script writes for a batch.
+/// The answer the worker script writes for a batch: `rewards` (with `scores` and
+/// `extra_logs` when the function gave them), `error`, or at the start `ready`.
 #[derive(Debug, Deserialize)]
 struct Reply {
-    #[serde(default)]
-    rewards: Option<Vec<f32>>,
     #[serde(default)]
     error: Option<String>,
     #[serde(default)]
     ready: Option<bool>,
+    #[serde(flatten)]
+    rest: serde_json::Value,
 }
 
 /// An actor owning one Python reward process.
@@ -102,7 +103,7 @@ impl PythonRewardWorker {
     }
 
     /// The reward of each query, in order.
-    pub fn score(&self, queries: Vec<RewardQuery>) -> Result<Vec<f32>, String> {
+    pub fn score(&self, queries: Vec<RewardQuery>) -> Result<RewardAnswer, String> {
         let request = serde_json::json!({
             "queries": queries.iter().map(|q| format!("{}{}", q.prompt, q.response)).collect::<Vec<_>>(),
             "prompts": queries.iter().map(|q| q.prompt.as_str()).collect::<Vec<_>>(),
@@ -117,15 +118,11 @@ impl PythonRewardWorker {
                 .and_then(|()| process.stdin.flush())
                 .map_err(|e| self.context(&format!("the Python process took no batch ({e})")))?;
         }
-        match self.read_reply()? {
-            Reply { rewards: Some(rewards), .. } if rewards.len() == queries.len() => Ok(rewards),
-            Reply { rewards: Some(rewards), .. } => Err(self.context(&format!(
-                "expected {} rewards (one per query), found {}",
-                queries.len(),
-                rewards.len()
-            ))),
-            reply => Err(self.failure("scoring a batch", reply)),
+        let reply = self.read_reply()?;
+        if reply.error.is_some() {
+            return Err(self.failure("scoring a batch", reply));
         }
+        RewardAnswer::from_json(&reply.rest, queries.len()).map_err(|e| self.context(&e))
     }
 }
 

@@ -211,6 +211,88 @@ pub fn score_with_function(
         .collect()
 }
 
+/// One batch's rewards and what the reward source said beside them (OpenRLHF's remote reward
+/// and `reward_func` may answer a dict with `rewards`, `scores` and `extra_logs`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct RewardAnswer {
+    /// One reward per query: what the advantages are computed from.
+    pub rewards: Vec<f32>,
+    /// One score per query, when given: the signal `algo.dynamic_sampling` filters groups on
+    /// (OpenRLHF's `scores`; the rewards otherwise).
+    #[serde(default)]
+    pub scores: Option<Vec<f32>>,
+    /// Per-query values to log (OpenRLHF's `extra_logs`): each step's mean becomes the metric
+    /// `reward_extra/<name>`.
+    #[serde(default)]
+    pub extra_logs: std::collections::BTreeMap<String, Vec<f32>>,
+}
+
+impl RewardAnswer {
+    /// Plain rewards.
+    pub fn rewards(rewards: Vec<f32>) -> Self {
+        Self { rewards, ..Self::default() }
+    }
+
+    /// `answers` of consecutive chunks as one: rewards, scores (when every chunk has them)
+    /// and logs in order.
+    pub fn concat(answers: Vec<RewardAnswer>) -> Self {
+        let all_scored = answers.iter().all(|a| a.scores.is_some());
+        let mut out = RewardAnswer::default();
+        let mut scores = Vec::new();
+        for answer in answers {
+            out.rewards.extend(answer.rewards);
+            scores.extend(answer.scores.unwrap_or_default());
+            for (name, values) in answer.extra_logs {
+                out.extra_logs.entry(name).or_default().extend(values);
+            }
+        }
+        out.scores = all_scored.then_some(scores);
+        out
+    }
+
+    /// Reads `rewards`, and `scores` and `extra_logs` when present, from a JSON answer for
+    /// `expected` queries.
+    pub fn from_json(value: &serde_json::Value, expected: usize) -> Result<Self, String> {
+        let numbers = |key: &str, v: &serde_json::Value| -> Result<Vec<f32>, String> {
+            let items = v
+                .as_array()
+                .ok_or_else(|| format!("expected `{key}` to be an array of numbers, found {v}"))?;
+            if items.len() != expected {
+                return Err(format!(
+                    "expected {expected} values in `{key}`, found {}",
+                    items.len()
+                ));
+            }
+            items
+                .iter()
+                .map(|x| {
+                    x.as_f64()
+                        .map(|x| x as f32)
+                        .ok_or_else(|| format!("expected numbers in `{key}`, found {x}"))
+                })
+                .collect()
+        };
+        let rewards = value
+            .get("rewards")
+            .ok_or_else(|| format!("expected a `rewards` array in the response, found {value}"))?;
+        let mut answer = RewardAnswer::rewards(numbers("rewards", rewards)?);
+        if let Some(scores) = value.get("scores") {
+            answer.scores = Some(numbers("scores", scores)?);
+        }
+        if let Some(logs) = value.get("extra_logs") {
+            let logs = logs
+                .as_object()
+                .ok_or_else(|| format!("expected `extra_logs` to be an object, found {logs}"))?;
+            for (name, values) in logs {
+                answer
+                    .extra_logs
+                    .insert(name.clone(), numbers(&format!("extra_logs.{name}"), values)?);
+            }
+        }
+        Ok(answer)
+    }
+}
+
 /// How a remote reward task reaches its servers.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RemoteRewardClient {
@@ -226,12 +308,13 @@ pub struct RemoteRewardClient {
 
 /// Scores `queries` with a remote reward server (OpenRLHF's `--remote_rm_url`), as an rtrun
 /// task: one `POST` of `{"query": [prompt + response], "prompts": [...], "labels": [...]}`
-/// expecting `{"rewards": [...]}` with one number per query. `http://` and `https://`.
+/// expecting `{"rewards": [...]}` with one number per query, and optionally `scores` and
+/// `extra_logs` as OpenRLHF's servers send them. `http://` and `https://`.
 #[rtrun::remote]
 pub fn score_remote(
     client: RemoteRewardClient,
     queries: Vec<RewardQuery>,
-) -> Result<Vec<f32>, String> {
+) -> Result<RewardAnswer, String> {
     if client.urls.is_empty() {
         return Err("reward.url: expected at least one URL, found none".to_owned());
     }
@@ -265,6 +348,23 @@ pub fn score_remote(
     Err(format!("remote reward failed after {} attempts: {}", errors.len(), errors.join("; ")))
 }
 
+/// Checks that every reward server in `urls` answers (any HTTP status counts: only a server
+/// that cannot be reached fails), so a wrong URL is an error when the run starts rather than at
+/// its first reward.
+pub fn check_reachable(urls: &[String], timeout: Duration) -> Result<(), String> {
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .timeout_global(Some(timeout))
+        .http_status_as_error(false)
+        .build()
+        .into();
+    for url in urls {
+        if let Err(e) = agent.get(url).call() {
+            return Err(format!("cannot reach the reward server {url}: {e}"));
+        }
+    }
+    Ok(())
+}
+
 /// Why a request to a reward server failed.
 enum RemoteError {
     /// Could not get an answer (connection, timeout, 5xx): worth another attempt.
@@ -281,7 +381,7 @@ fn post_for_rewards(
     url: &str,
     body: &str,
     expected: usize,
-) -> Result<Vec<f32>, RemoteError> {
+) -> Result<RewardAnswer, RemoteError> {
     if !(url.starts_with("http://") || url.starts_with("https://")) {
         return Err(RemoteError::Answer(format!(
             "expected an http:// or https:// URL, found `{url}`"
@@ -310,20 +410,7 @@ fn post_for_rewards(
     let answer = |m: String| RemoteError::Answer(format!("{url}: {m}"));
     let value: serde_json::Value = serde_json::from_str(&text)
         .map_err(|e| answer(format!("expected a JSON body, found {e}")))?;
-    let rewards = value.get("rewards").and_then(|r| r.as_array()).ok_or_else(|| {
-        answer(format!("expected a `rewards` array in the response, found {value}"))
-    })?;
-    if rewards.len() != expected {
-        return Err(answer(format!("expected {expected} rewards, found {}", rewards.len())));
-    }
-    rewards
-        .iter()
-        .map(|r| {
-            r.as_f64()
-                .map(|x| x as f32)
-                .ok_or_else(|| answer(format!("expected numbers, found {r}")))
-        })
-        .collect()
+    RewardAnswer::from_json(&value, expected).map_err(answer)
 }
 
 #[cfg(test)]
@@ -431,20 +518,42 @@ mod tests {
         let wrong_count = "HTTP/1.1 200 OK\r\nContent-Length: 21\r\nConnection: close\r\n\r\n{\"rewards\": [0.5, 1]}";
         let no_rewards =
             "HTTP/1.1 200 OK\r\nContent-Length: 17\r\nConnection: close\r\n\r\n{\"scores\": [0.5]}";
-        let url = canned_server(vec![ok, client_error, not_json, wrong_count, no_rewards]);
-        assert_eq!(score_remote(client(vec![url.clone()], 0), query()).unwrap(), vec![0.5]);
+        let body = r#"{"rewards": [0.5], "scores": [1], "extra_logs": {"format": [0.25]}}"#;
+        let rich = format!(
+            "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        );
+        let rich: &'static str = Box::leak(rich.into_boxed_str());
+        let url = canned_server(vec![ok, rich, client_error, not_json, wrong_count, no_rewards]);
+        let plain = score_remote(client(vec![url.clone()], 0), query()).unwrap();
+        assert_eq!(plain, RewardAnswer::rewards(vec![0.5]));
+        // OpenRLHF's full answer: scores and extra logs come through.
+        let full = score_remote(client(vec![url.clone()], 0), query()).unwrap();
+        assert_eq!(full.scores, Some(vec![1.0]));
+        assert_eq!(full.extra_logs["format"], vec![0.25]);
         let errors: Vec<String> = (0..4)
             .map(|_| score_remote(client(vec![url.clone()], 0), query()).unwrap_err())
             .collect();
         assert!(errors[0].contains("found 404"), "{}", errors[0]);
         assert!(errors[1].contains("expected a JSON body"), "{}", errors[1]);
-        assert!(errors[2].contains("expected 1 rewards, found 2"), "{}", errors[2]);
+        assert!(errors[2].contains("expected 1 values in `rewards`, found 2"), "{}", errors[2]);
         assert!(errors[3].contains("expected a `rewards` array"), "{}", errors[3]);
         assert!(
             score_remote(client(vec!["ftp://x".into()], 0), query())
                 .unwrap_err()
                 .contains("https://")
         );
+    }
+
+    #[test]
+    fn reward_servers_are_checked_for_an_answer_at_start() {
+        let not_found = "HTTP/1.1 404 Nope\r\nContent-Length: 0\r\nConnection: close\r\n\r\n";
+        let live = canned_server(vec![not_found]);
+        check_reachable(std::slice::from_ref(&live), Duration::from_secs(5)).unwrap();
+        let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+        let dead = format!("http://{closed}/score");
+        let err = check_reachable(&[dead.clone()], Duration::from_secs(5)).unwrap_err();
+        assert!(err.contains(&dead), "{err}");
     }
 
     #[test]
@@ -456,7 +565,7 @@ mod tests {
         let live = canned_server(vec![busy, ok]);
         // dead → live (503) → dead → live (200).
         let rewards = score_remote(client(vec![dead.clone(), live], 3), query()).unwrap();
-        assert_eq!(rewards, vec![0.25]);
+        assert_eq!(rewards.rewards, vec![0.25]);
         let err = score_remote(client(vec![dead], 1), query()).unwrap_err();
         assert!(err.contains("after 2 attempts"), "{err}");
     }

@@ -74,6 +74,11 @@ pub fn preflight(config: &TrainConfig, paths: &RunPaths) -> Result<RolePlacement
     }
     crate::data::check_files("data.prompt_data", &config.data.prompt_data)?;
     crate::data::check_files("data.eval_data", &config.data.eval_data)?;
+    if config.reward.kind == crate::config::RewardKind::Remote {
+        let timeout = std::time::Duration::from_secs_f64(config.reward.timeout_s.min(10.0));
+        crate::reward::check_reachable(&config.reward.url.0, timeout)
+            .map_err(|e| TrainError::config("reward.url", e))?;
+    }
     check_run_dir(config, paths)?;
     // A cluster is joined now, so that an unreachable or too small one is an error before any
     // work rather than after the warm-up.

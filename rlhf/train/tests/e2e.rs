@@ -373,7 +373,8 @@ fn a_python_reward_function_scores_as_the_rule_it_mirrors_and_its_errors_name_th
         &path,
         "def reward_func(queries, prompts, labels):\n    \
          print('scoring', len(queries))  # goes to stderr, not the protocol\n    \
-         return [1.0 if q[len(p):] == l else 0.0 for q, p, l in zip(queries, prompts, labels)]\n",
+         rewards = [1.0 if q[len(p):] == l else 0.0 for q, p, l in zip(queries, prompts, labels)]\n    \
+         return {'rewards': rewards, 'extra_logs': {'length': [len(q) - len(p) for q, p in zip(queries, prompts)]}}\n",
     )
     .unwrap();
     let algo = "algo: {advantage_estimator: group_norm, use_kl_loss: true, kl_estimator: k3}\n";
@@ -382,11 +383,18 @@ fn a_python_reward_function_scores_as_the_rule_it_mirrors_and_its_errors_name_th
         config.reward.parallel_tasks = 2;
         let (trainer, _) = rtrun_rlhf::run::run(&config, &mut NoProgress).unwrap();
         trainer.roles.kill();
-        metrics(&dir.join(name)).iter().map(|r| r.get("reward")).collect::<Vec<_>>()
+        metrics(&dir.join(name))
     };
     let python = run("py", &format!("reward: {{kind: python, path: {}}}\n", path.display()));
     let rule = run("rule", "reward: {kind: rule, name: exact_match}\n");
-    assert_eq!(python, rule);
+    let rewards = |m: &[rtrun_rlhf_telemetry::StepMetrics]| {
+        m.iter().map(|r| r.get("reward")).collect::<Vec<_>>()
+    };
+    assert_eq!(rewards(&python), rewards(&rule));
+    // The dict's extra logs are step metrics: the mean response length in characters.
+    let length = python.last().unwrap().get("reward_extra/length").unwrap();
+    assert!(length > 0.0, "{length}");
+    let python = rewards(&python);
     assert!(python.iter().flatten().count() >= 2);
     // An exception: the run fails naming the file, the line and the error.
     std::fs::write(
@@ -487,7 +495,8 @@ fn tensor_parallel_engine_ranks_take_the_specs_bundles() {
 }
 
 /// A one-thread HTTP reward server: answers each POST with one reward per query (1 for an
-/// answer equal to the label, else 0.25) and counts the requests it served.
+/// answer equal to the label, else 0.25), OpenRLHF's `extra_logs` beside them (`exact`: 1 or
+/// 0), and counts the requests it served; a GET (the start's health check) gets a 200.
 fn start_reward_server() -> (String, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let url = format!("http://{}/reward", listener.local_addr().unwrap());
@@ -497,6 +506,9 @@ fn start_reward_server() -> (String, std::sync::Arc<std::sync::atomic::AtomicUsi
         for stream in listener.incoming().flatten() {
             let mut reader = BufReader::new(stream.try_clone().unwrap());
             let mut length = 0usize;
+            let mut request_line = String::new();
+            let _ = reader.read_line(&mut request_line);
+            let get = request_line.starts_with("GET");
             loop {
                 let mut line = String::new();
                 if reader.read_line(&mut line).unwrap_or(0) == 0 || line == "\r\n" {
@@ -505,6 +517,11 @@ fn start_reward_server() -> (String, std::sync::Arc<std::sync::atomic::AtomicUsi
                 if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
                     length = v.trim().parse().unwrap_or(0);
                 }
+            }
+            if get {
+                let mut stream = stream;
+                let _ = write!(stream, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok");
+                continue;
             }
             let mut body = vec![0u8; length];
             reader.read_exact(&mut body).unwrap();
@@ -521,7 +538,10 @@ fn start_reward_server() -> (String, std::sync::Arc<std::sync::atomic::AtomicUsi
                     if response == l.as_str().unwrap() { 1.0 } else { 0.25 }
                 })
                 .collect();
-            let answer = serde_json::json!({ "rewards": rewards }).to_string();
+            let exact: Vec<f64> = rewards.iter().map(|&r| f64::from(u8::from(r == 1.0))).collect();
+            let answer =
+                serde_json::json!({ "rewards": rewards, "extra_logs": { "exact": exact } })
+                    .to_string();
             // Counted before the answer leaves: counted after, the run could end (and the test
             // read the count) before this thread got to the last one.
             counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
@@ -554,8 +574,20 @@ fn remote_http_reward_scores_every_sample() {
     for r in metrics(&dir).iter().filter(|r| r.step() > 0) {
         let reward = r.get("reward").unwrap();
         assert!((0.25..=1.0).contains(&reward), "rewards come from the server: {reward}");
+        // The server's extra logs are the step's metrics: exact answers are the 1.0 rewards.
+        let exact = r.get("reward_extra/exact").unwrap();
+        assert!((reward - (0.25 + 0.75 * exact)).abs() < 1e-6, "{reward} vs {exact}");
     }
     trainer.roles.kill();
+    // A server that is not there is refused before any work.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    let config = small_config(
+        &dir.join("dead"),
+        &format!("reward: {{kind: remote, url: \"http://{closed}/reward\"}}\n"),
+    );
+    let err = rtrun_rlhf::run::run(&config, &mut NoProgress).err().unwrap().to_string();
+    assert!(err.contains("reward.url") && err.contains("cannot reach"), "{err}");
+    assert!(!dir.join("dead/models").exists(), "no warm-up before the check");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

@@ -9,31 +9,49 @@ use crate::config::RewardKind;
 use crate::error::{Result, TrainError};
 use crate::experience::{ExperienceRow, Sequence, pad_rows, unpad_rows};
 use crate::prompts::PromptRecord;
-use crate::reward::{RemoteRewardClient, RewardQuery, score_remote, score_with_function};
+use crate::reward::{
+    RemoteRewardClient, RewardAnswer, RewardQuery, score_remote, score_with_function,
+};
 use crate::rng::{SplitMix64, mix_seed};
 use crate::roles::critic::CriticTrainStats;
 use crate::roles::lm::{GlobalBatch, PolicyTrainStats};
 use crate::trainer::Trainer;
 use crate::trainer::calls::{self, CallWatch, RankCall, RankName};
 
-/// Rewards being computed (by tasks or by the reward-model group), or already known.
+/// Rewards being computed (by tasks, the reward-model group or Python workers), or already
+/// known.
 pub struct PendingRewards {
-    calls: Vec<RankCall<Vec<f32>>>,
-    known: Option<Vec<f32>>,
+    /// Sources answering plain rewards (rules, custom functions, the reward model).
+    plain: Vec<RankCall<Vec<f32>>>,
+    /// Sources answering rewards with scores and logs (remote servers, Python functions).
+    rich: Vec<RankCall<RewardAnswer>>,
+    known: Option<RewardAnswer>,
 }
 
 impl PendingRewards {
     /// Rewards computed already.
-    pub fn done(rewards: Vec<f32>) -> Self {
-        Self { calls: Vec::new(), known: Some(rewards) }
+    pub fn done(answer: RewardAnswer) -> Self {
+        Self { plain: Vec::new(), rich: Vec::new(), known: Some(answer) }
+    }
+
+    fn plain(calls: Vec<RankCall<Vec<f32>>>) -> Self {
+        Self { plain: calls, rich: Vec::new(), known: None }
+    }
+
+    fn rich(calls: Vec<RankCall<RewardAnswer>>) -> Self {
+        Self { plain: Vec::new(), rich: calls, known: None }
     }
 
     /// Waits for every reward, in sequence order.
-    pub fn get(self, watch: &CallWatch) -> Result<Vec<f32>> {
-        match self.known {
-            Some(rewards) => Ok(rewards),
-            None => watch.gather("rewards", self.calls),
+    pub fn get(self, watch: &CallWatch) -> Result<RewardAnswer> {
+        if let Some(answer) = self.known {
+            return Ok(answer);
         }
+        if !self.rich.is_empty() {
+            let answers = watch.wait("rewards", self.rich)?;
+            return Ok(RewardAnswer::concat(answers));
+        }
+        Ok(RewardAnswer::rewards(watch.gather("rewards", self.plain)?))
     }
 }
 
@@ -56,7 +74,7 @@ pub fn rewards(
             Some(rm) => retokenize(trainer, rm.as_ref(), records, sequences)?,
         };
         let calls = calls::dispatch("reward", group.members(), sequences, |w, c| w.rewards(c));
-        return Ok(PendingRewards { calls, known: None });
+        return Ok(PendingRewards::plain(calls));
     }
     let queries: Vec<RewardQuery> = records
         .iter()
@@ -69,18 +87,22 @@ pub fn rewards(
         })
         .collect();
     if let Some(group) = &trainer.roles.python_reward {
-        let calls = calls::dispatch("reward", group.members(), queries, |w, c| w.score(c));
-        return Ok(PendingRewards { calls, known: None });
+        let chunks = rtrun::split_batch(queries, group.members().len());
+        let calls = calls::each_with("reward", group.members(), chunks, |w, c| w.score(c));
+        return Ok(PendingRewards::rich(calls));
     }
-    let chunks = rtrun::split_batch(queries, config.parallel_tasks);
-    let calls = chunks
+    let chunks: Vec<(usize, Vec<RewardQuery>)> = rtrun::split_batch(queries, config.parallel_tasks)
         .into_iter()
         .filter(|c| !c.is_empty())
         .enumerate()
-        .map(|(i, chunk)| RankCall {
-            rank: RankName { role: "reward", rank: i, actor: None },
-            answer: match config.kind {
-                RewardKind::Remote => score_remote::remote(
+        .collect();
+    let rank = |i| RankName { role: "reward", rank: i, actor: None };
+    if config.kind == RewardKind::Remote {
+        let calls = chunks
+            .into_iter()
+            .map(|(i, chunk)| RankCall {
+                rank: rank(i),
+                answer: score_remote::remote(
                     RemoteRewardClient {
                         urls: config.url.0.clone(),
                         first: i,
@@ -89,15 +111,22 @@ pub fn rewards(
                     },
                     chunk,
                 ),
-                _ => score_with_function::remote(
-                    config.name.clone(),
-                    config.by_source.clone(),
-                    chunk,
-                ),
-            },
+            })
+            .collect();
+        return Ok(PendingRewards::rich(calls));
+    }
+    let calls = chunks
+        .into_iter()
+        .map(|(i, chunk)| RankCall {
+            rank: rank(i),
+            answer: score_with_function::remote(
+                config.name.clone(),
+                config.by_source.clone(),
+                chunk,
+            ),
         })
         .collect();
-    Ok(PendingRewards { calls, known: None })
+    Ok(PendingRewards::plain(calls))
 }
 
 /// The sequences as the reward model's own tokenizer reads them: prompt text and decoded
@@ -197,7 +226,7 @@ pub fn make_experience(
     let roles = &trainer.roles;
     // Everything in flight at once: the roles run in their own processes.
     let pending_rewards = match scored {
-        Some(rewards) => PendingRewards::done(rewards),
+        Some(rewards) => PendingRewards::done(RewardAnswer::rewards(rewards)),
         None => rewards(trainer, records, &sequences)?,
     };
     let log_probs = |role, g: &rtrun::ActorGroup<crate::roles::lm::LmWorker>| {
@@ -219,7 +248,9 @@ pub fn make_experience(
         .as_ref()
         .map(|g| calls::dispatch("critic", g.members(), sequences.clone(), |w, c| w.values(c)));
     let watch = &trainer.watch;
-    let scalar_rewards = pending_rewards.get(watch)?;
+    let answer = pending_rewards.get(watch)?;
+    trainer.log_reward_extras(&answer);
+    let scalar_rewards = answer.rewards;
     let old_log_probs = match old_calls {
         Some(calls) => watch.gather("log_probs", calls)?,
         None => engine_log_probs.to_vec(),

@@ -390,7 +390,7 @@ impl Trainer {
                 records.push(record);
             }
         }
-        let rewards = experience::rewards(self, &records, &sequences)?.get(&self.watch)?;
+        let rewards = experience::rewards(self, &records, &sequences)?.get(&self.watch)?.rewards;
         self.sleep_engines_if_hybrid()?;
         let lengths: Vec<usize> = sequences.iter().map(|s| s.response_ids.len()).collect();
         Ok(eval_result(&rewards, &lengths, k))
@@ -582,6 +582,19 @@ impl Trainer {
             self.timed("train", |t| experience::train(t, &batch.rows, step, kl_coef))?;
         self.record_gpu_memory("train")?;
         Ok((batch.stats, batch.rows.len(), train_stats))
+    }
+
+    /// Adds the means of a reward source's `extra_logs` to the step's metrics
+    /// (`reward_extra/<name>`; with several batches in a step, the last one's).
+    pub(crate) fn log_reward_extras(&self, answer: &crate::reward::RewardAnswer) {
+        let Ok(mut metrics) = self.phase_metrics.lock() else { return };
+        for (name, values) in &answer.extra_logs {
+            let mean =
+                values.iter().map(|&v| f64::from(v)).sum::<f64>() / values.len().max(1) as f64;
+            let name = format!("reward_extra/{name}");
+            metrics.retain(|(n, _)| *n != name);
+            metrics.push((name, mean));
+        }
     }
 
     /// Writes the first `logging.samples_per_step` samples of `batch` to `samples.jsonl` and

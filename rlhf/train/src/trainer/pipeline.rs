@@ -335,7 +335,8 @@ impl StepContext<'_> {
         let records = self.records_of(&input.rows)?;
         let scores =
             experience::rewards(self.trainer, &records, &sequences)?.get(&self.trainer.watch)?;
-        let scores = ColumnValues::Scalars(input.unsort(scores));
+        self.trainer.log_reward_extras(&scores);
+        let scores = ColumnValues::Scalars(input.unsort(scores.rewards));
         Ok(vec![PackedNamedColumn::new(RM_SCORES, &scores)])
     }
 

@@ -22,12 +22,14 @@ struct Group {
     responses: Vec<Vec<u32>>,
     engine_log_probs: Vec<Vec<f32>>,
     rewards: Vec<f32>,
+    /// What the filter reads: the reward source's `scores` when it gave them, else the rewards.
+    scores: Vec<f32>,
 }
 
 impl Group {
     fn informative(&self) -> bool {
         let (lo, hi) = self
-            .rewards
+            .scores
             .iter()
             .fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &r| (lo.min(r), hi.max(r)));
         hi - lo > EQUAL_REWARDS
@@ -148,6 +150,7 @@ impl Trainer {
                     responses,
                     engine_log_probs,
                     rewards: Vec::new(),
+                    scores: Vec::new(),
                 })
             })
             .collect()
@@ -157,10 +160,14 @@ impl Trainer {
     fn score(&self, groups: &mut [Group]) -> Result<()> {
         let flat = flatten(groups.iter().map(clone_group).collect(), false);
         let records: Vec<&PromptRecord> = flat.records.iter().collect();
-        let rewards = experience::rewards(self, &records, &flat.sequences)?.get(&self.watch)?;
-        let mut rewards = rewards.into_iter();
+        let answer = experience::rewards(self, &records, &flat.sequences)?.get(&self.watch)?;
+        self.log_reward_extras(&answer);
+        let scores = answer.scores.unwrap_or_else(|| answer.rewards.clone());
+        let (mut rewards, mut scores) = (answer.rewards.into_iter(), scores.into_iter());
         for group in groups {
-            group.rewards = rewards.by_ref().take(group.responses.len()).collect();
+            let n = group.responses.len();
+            group.rewards = rewards.by_ref().take(n).collect();
+            group.scores = scores.by_ref().take(n).collect();
         }
         Ok(())
     }
@@ -173,6 +180,7 @@ fn clone_group(group: &Group) -> Group {
         responses: group.responses.clone(),
         engine_log_probs: group.engine_log_probs.clone(),
         rewards: group.rewards.clone(),
+        scores: group.scores.clone(),
     }
 }
 
@@ -210,6 +218,7 @@ mod tests {
             responses: rewards.iter().map(|_| vec![3]).collect(),
             engine_log_probs: rewards.iter().map(|_| vec![-0.5]).collect(),
             rewards: rewards.to_vec(),
+            scores: rewards.to_vec(),
         }
     }
 
