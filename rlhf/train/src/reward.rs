@@ -552,7 +552,7 @@ mod tests {
         check_reachable(std::slice::from_ref(&live), Duration::from_secs(5)).unwrap();
         let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
         let dead = format!("http://{closed}/score");
-        let err = check_reachable(&[dead.clone()], Duration::from_secs(5)).unwrap_err();
+        let err = check_reachable(std::slice::from_ref(&dead), Duration::from_secs(5)).unwrap_err();
         assert!(err.contains(&dead), "{err}");
     }
 
