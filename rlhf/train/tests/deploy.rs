@@ -285,6 +285,17 @@ fn the_manifests_and_units_start_a_cluster_in_network_namespaces_and_the_job_tra
         env: container_env(container, &ips[3], "rtrun-train-x", &token),
         hostname: None,
     };
+    // The head's and the nodes' metrics ports answer from another pod (what Prometheus,
+    // deploy/prometheus/prometheus.yml, scrapes).
+    for (ip, metric) in [(&ips[0], "rtrun_nodes"), (&ips[1], "rtrun_"), (&ips[2], "rtrun_")] {
+        let url = format!("http://{ip}:8080/metrics");
+        let out = image
+            .command(&submitter, &strings(&serde_json::json!(["curl", "-sf", url])))
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success() && text.contains(metric), "{url}: {text}");
+    }
     let mut command = strings(&container["command"]);
     for set in ["train.max_steps=6", "warmup.steps=20", "data.synthetic.eval_size=16"] {
         command.extend(["--set".to_owned(), set.to_owned()]);
