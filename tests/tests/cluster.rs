@@ -79,6 +79,19 @@ fn a_three_node_cluster_spreads_actors_moves_objects_and_detects_a_killed_node()
     }
     let actors = rtrun(&cluster, &["list", "actors"], &cluster.dir.join("head-credentials"));
     assert!(String::from_utf8_lossy(&actors.stdout).contains("Probe"));
+    // The same for scripts, and counted by class.
+    let credentials = cluster.dir.join("head-credentials");
+    let json = rtrun(&cluster, &["list", "nodes", "--format", "json"], &credentials);
+    let nodes: serde_json::Value = serde_json::from_slice(&json.stdout).unwrap();
+    assert_eq!(nodes.as_array().map(Vec::len), Some(3), "{nodes}");
+    let summary = rtrun(&cluster, &["summary", "actors", "--format", "json"], &credentials);
+    let summary: serde_json::Value = serde_json::from_slice(&summary.stdout).unwrap();
+    let probes: u64 = summary
+        .as_object()
+        .and_then(|classes| classes.iter().find(|(class, _)| class.contains("Probe")))
+        .map(|(_, states)| states.as_object().unwrap().values().filter_map(|n| n.as_u64()).sum())
+        .unwrap_or(0);
+    assert!(probes >= 3, "one Probe per node: {summary}");
 
     // kill -9 of the victim's node process: detected within the heartbeat timeout and
     // reported dead; its actor dies and its object is lost, with errors that say so.

@@ -343,9 +343,64 @@ pub enum Listing {
     Jobs,
 }
 
-/// `rtrun list`.
-pub fn list(what: Listing, client: ClientArgs) -> anyhow::Result<()> {
+/// How `rtrun list` and `rtrun summary` print.
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    /// Aligned columns.
+    Table,
+    /// One JSON array (or object), every field.
+    Json,
+}
+
+/// What `rtrun summary` counts.
+#[derive(ValueEnum, Debug, Clone, Copy)]
+pub enum Summarised {
+    Actors,
+}
+
+/// Prints `value` as pretty JSON.
+fn print_json(value: &impl serde::Serialize) -> anyhow::Result<()> {
+    println!("{}", serde_json::to_string_pretty(value)?);
+    Ok(())
+}
+
+/// `rtrun summary actors`: live and dead actors by class and state.
+pub fn summary(what: Summarised, format: Format, client: ClientArgs) -> anyhow::Result<()> {
     let client = client.inspect()?;
+    match what {
+        Summarised::Actors => {
+            let mut counts: BTreeMap<String, BTreeMap<String, usize>> = BTreeMap::new();
+            for a in client.actors()? {
+                *counts.entry(a.type_name).or_default().entry(a.state.to_string()).or_default() +=
+                    1;
+            }
+            if format == Format::Json {
+                return print_json(&counts);
+            }
+            println!("{:<32} {:>6}  STATES", "CLASS", "ACTORS");
+            for (class, states) in &counts {
+                let total: usize = states.values().sum();
+                let states: Vec<String> =
+                    states.iter().map(|(state, n)| format!("{state}: {n}")).collect();
+                println!("{class:<32} {total:>6}  {}", states.join(", "));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `rtrun list`.
+pub fn list(what: Listing, format: Format, client: ClientArgs) -> anyhow::Result<()> {
+    let client = client.inspect()?;
+    if format == Format::Json {
+        return match what {
+            Listing::Actors => print_json(&client.actors()?),
+            Listing::Nodes => print_json(&client.status()?.nodes),
+            Listing::PlacementGroups => print_json(&client.placement_groups()?),
+            Listing::Objects => print_json(&client.objects()?),
+            Listing::Jobs => print_json(&client.jobs()?),
+        };
+    }
     match what {
         Listing::Actors => {
             println!(

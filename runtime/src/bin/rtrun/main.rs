@@ -90,6 +90,19 @@ enum Command {
     List {
         /// What to list.
         what: cluster::Listing,
+        /// `table` for people, `json` (one array, every field) for scripts.
+        #[arg(long, value_enum, default_value = "table")]
+        format: cluster::Format,
+        #[command(flatten)]
+        client: cluster::ClientArgs,
+    },
+    /// Counts actors by class and state (Ray's `ray summary actors`).
+    Summary {
+        /// What to summarise.
+        what: cluster::Summarised,
+        /// `table` for people, `json` for scripts.
+        #[arg(long, value_enum, default_value = "table")]
+        format: cluster::Format,
         #[command(flatten)]
         client: cluster::ClientArgs,
     },
@@ -185,7 +198,8 @@ fn main() -> anyhow::Result<()> {
         }
         Command::Status { node, client } => cluster::status(node.as_deref(), client),
         Command::Credentials { command } => cluster::credentials(command),
-        Command::List { what, client } => cluster::list(what, client),
+        Command::List { what, format, client } => cluster::list(what, format, client),
+        Command::Summary { what, format, client } => cluster::summary(what, format, client),
         Command::Logs { job, actor, worker, node, follow, client } => {
             let what = match (job, actor, worker, node) {
                 (Some(job), ..) => cluster::LogSource::Job(job),
