@@ -341,30 +341,9 @@ fn ppo_with_a_critic_from_the_policy_body_and_resume_continues_identically() {
 
 /// Writes a Parquet file with UTF-8 string columns.
 fn write_parquet(path: &Path, columns: &[&str], rows: &[Vec<String>]) {
-    use parquet::data_type::{ByteArray, ByteArrayType};
-    use parquet::file::properties::WriterProperties;
-    use parquet::file::writer::SerializedFileWriter;
-    let fields: String = columns
-        .iter()
-        .map(|c| format!("REQUIRED BYTE_ARRAY {c} (UTF8);"))
-        .collect::<Vec<_>>()
-        .join(" ");
-    let schema = Arc::new(
-        parquet::schema::parser::parse_message_type(&format!("message m {{ {fields} }}")).unwrap(),
-    );
-    let file = std::fs::File::create(path).unwrap();
-    let mut writer =
-        SerializedFileWriter::new(file, schema, Arc::new(WriterProperties::builder().build()))
-            .unwrap();
-    let mut group = writer.next_row_group().unwrap();
-    for c in 0..columns.len() {
-        let mut column = group.next_column().unwrap().unwrap();
-        let values: Vec<ByteArray> = rows.iter().map(|r| ByteArray::from(r[c].as_str())).collect();
-        column.typed::<ByteArrayType>().write_batch(&values, None, None).unwrap();
-        column.close().unwrap();
-    }
-    group.close().unwrap();
-    writer.close().unwrap();
+    let fields: Vec<String> =
+        columns.iter().map(|c| format!("REQUIRED BYTE_ARRAY {c} (UTF8);")).collect();
+    write_nested_parquet(path, &fields.join(" "), rows);
 }
 
 /// Writes a Parquet file from a schema's field list (`REQUIRED BYTE_ARRAY a (UTF8); REQUIRED
@@ -392,20 +371,21 @@ fn write_nested_parquet(path: &Path, fields: &str, rows: &[Vec<String>]) {
     writer.close().unwrap();
 }
 
-/// verl's data layout trains as it is: a Parquet file whose label sits in the nested
-/// `reward_model.ground_truth` and whose `data_source` picks the reward function
-/// (`reward.by_source`), mixed with a second file by `data.prompt_probs`, each prompt put into
-/// `data.input_template`.
+/// The first `count` records of the walkthrough's training file.
+fn training_records(files: &WalkthroughFiles, count: usize) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(&files.train_data)
+        .unwrap()
+        .lines()
+        .take(count)
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
 #[test]
 fn a_verl_layout_parquet_file_trains_with_routed_rewards_a_template_and_mixed_files() {
     let dir = scratch("verl-layout");
     let files = walkthrough(&dir);
-    let lines: Vec<serde_json::Value> = std::fs::read_to_string(&files.train_data)
-        .unwrap()
-        .lines()
-        .take(60)
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let lines = training_records(&files, 60);
     let field = |v: &serde_json::Value, key: &str| v[key].as_str().unwrap().to_owned();
     // data_source, prompt, reward_model.{ground_truth, style}.
     let rows: Vec<Vec<String>> = lines[..40]
@@ -469,12 +449,7 @@ fn a_verl_layout_parquet_file_trains_with_routed_rewards_a_template_and_mixed_fi
 fn prompt_files_parquet_and_chat_messages_are_read_and_rendered() {
     let dir = scratch("data");
     let files = walkthrough(&dir);
-    let lines: Vec<serde_json::Value> = std::fs::read_to_string(&files.train_data)
-        .unwrap()
-        .lines()
-        .take(40)
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let lines = training_records(&files, 40);
     let rows: Vec<Vec<String>> = lines
         .iter()
         .map(|v| {
