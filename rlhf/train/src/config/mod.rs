@@ -231,15 +231,6 @@ impl AlgoConfig {
 }
 
 impl TrainConfig {
-    /// The policy's ranks as the config alone knows them: `cluster.actor_replicas`, or 1 with
-    /// a placement spec (whose roles are read when the run is placed).
-    pub fn policy_ranks_known(&self) -> usize {
-        match self.cluster.placement_spec {
-            Some(_) => 1,
-            None => self.cluster.actor_replicas.max(1),
-        }
-    }
-
     /// Whether the reference log-probs come from the policy ranks with their LoRA adapters off
     /// (the run needs a reference, the policy has adapters and no other reference is named).
     pub fn reference_from_policy(&self) -> bool {
@@ -552,8 +543,8 @@ pub struct TrainLoopConfig {
     pub max_steps: Option<u64>,
     /// Samples per optimizer step, over all DP ranks (OpenRLHF's `train_batch_size`).
     pub train_batch_size: usize,
-    /// Samples per forward/backward on one rank (default 32, or a rank's share of
-    /// `train_batch_size` when that is smaller; a value set larger than the share is an error).
+    /// Samples per forward/backward on one rank (default 32, or `train_batch_size` when that
+    /// is smaller; a value set larger than `train_batch_size` is an error).
     pub micro_batch_size: usize,
     /// Lay each prompt out once for all the responses to it in a micro-batch of the policy and
     /// reference forwards (their responses attend it and their own tokens only, so every
@@ -1002,8 +993,8 @@ impl TrainConfig {
         if !micro_set {
             // The default micro-batch shrinks to a small batch's per-rank share; one the
             // config names must fit (`validate`).
-            let share = config.train.train_batch_size.div_ceil(config.policy_ranks_known());
-            config.train.micro_batch_size = config.train.micro_batch_size.min(share.max(1));
+            config.train.micro_batch_size =
+                config.train.micro_batch_size.min(config.train.train_batch_size.max(1));
         }
         config.validate()?;
         Ok((config, empty))
@@ -1228,11 +1219,9 @@ mod tests {
         // Values that parse but would train something else than asked.
         let clip = err("", &["algo.eps_clip_low=2"]);
         assert!(clip.contains("algo.eps_clip_low") && clip.contains("[0, 1)"), "{clip}");
-        // The default batch (128 samples over one rank) with a larger micro-batch.
+        // The default batch (128 samples) with a larger micro-batch.
         let micro = err("", &["train.micro_batch_size=200"]);
         assert!(micro.contains("train.micro_batch_size") && micro.contains("= 128"), "{micro}");
-        let micro = err("", &["train.micro_batch_size=40", "cluster.actor_replicas=4"]);
-        assert!(micro.contains("/ cluster.actor_replicas 4 = 32"), "{micro}");
         // The synthetic task's budget is 8 tokens (6 digits, `<eos>`, one spare).
         let long = err("", &["algo.overlong_penalty.buffer_len=8"]);
         assert!(
@@ -1260,10 +1249,10 @@ mod tests {
             ["train.pipeline=dock", "algo.advantage_estimator=rloo", "logging.samples_per_step=2"];
         assert!(err("", &dock).contains("logging.samples_per_step"));
         assert!(err("", &["eval.n_samples=0"]).contains("eval.n_samples"));
-        // The default micro-batch (32) shrinks to a small batch's per-rank share.
-        let small = ["train.train_batch_size=8".to_owned(), "cluster.actor_replicas=2".to_owned()];
+        // The default micro-batch (32) shrinks to a small batch.
+        let small = ["train.train_batch_size=8".to_owned()];
         let small = TrainConfig::from_yaml("", "small.yaml", &small).unwrap();
-        assert_eq!(small.train.micro_batch_size, 4);
+        assert_eq!(small.train.micro_batch_size, 8);
     }
 
     /// A generation budget the policy's context cannot hold is refused, naming the checkpoint's

@@ -194,15 +194,15 @@ impl TrainConfig {
                 ),
             ));
         }
-        let ranks = self.policy_ranks_known();
-        let per_rank = t.train_batch_size.div_ceil(ranks);
-        if t.micro_batch_size > per_rank {
+        // Larger than a rank's share of the batch is harmless (one micro-batch per rank; a
+        // config kept the same over a sweep of rank counts reaches it); larger than the whole
+        // batch is a slip.
+        if t.micro_batch_size > t.train_batch_size {
             return Err(TrainError::config(
                 "train.micro_batch_size",
                 format!(
-                    "expected at most the samples one policy rank trains on per optimizer step, \
-                     train.train_batch_size {} / cluster.actor_replicas {ranks} = {per_rank}, \
-                     found {}",
+                    "expected at most train.train_batch_size = {} (the samples of one optimizer \
+                     step), found {}",
                     t.train_batch_size, t.micro_batch_size
                 ),
             ));

@@ -164,9 +164,8 @@ pub struct StageTrainConfig {
     /// Samples per optimizer step over all ranks (`--train_batch_size`); an epoch's last
     /// samples that do not fill a batch are left out (`drop_last`).
     pub batch_size: usize,
-    /// Rows per forward pass on each rank (`--micro_train_batch_size`; default 8, or a rank's
-    /// share of `batch_size` when that is smaller; a value set larger than the share is an
-    /// error).
+    /// Rows per forward pass on each rank (`--micro_train_batch_size`; default 8, or
+    /// `batch_size` when that is smaller; a value set larger than `batch_size` is an error).
     pub micro_batch_size: usize,
     /// Pack several samples into each row of up to `data.max_len` tokens, each attending only
     /// itself (`--packing_samples`).
@@ -331,8 +330,8 @@ impl StageConfig {
         if !micro_set {
             // The default micro-batch shrinks to a small batch's per-rank share; one the
             // config names must fit (`validate`).
-            let share = config.train.batch_size.div_ceil(config.cluster.replicas.max(1));
-            config.train.micro_batch_size = config.train.micro_batch_size.min(share.max(1));
+            config.train.micro_batch_size =
+                config.train.micro_batch_size.min(config.train.batch_size.max(1));
         }
         if mode != Mode::Sft && config.run_dir == StageConfig::default().run_dir {
             config.run_dir = PathBuf::from(format!("runs/{}", mode.name()));
@@ -438,13 +437,12 @@ impl StageTrainConfig {
                 ),
             ));
         }
-        let per_rank = self.batch_size.div_ceil(replicas);
-        if self.micro_batch_size > per_rank {
+        if self.micro_batch_size > self.batch_size {
             return Err(TrainError::config(
                 "train.micro_batch_size",
                 format!(
-                    "expected at most the samples one rank trains on per optimizer step, \
-                     train.batch_size {} / cluster.replicas {replicas} = {per_rank}, found {}",
+                    "expected at most train.batch_size = {} (the samples of one optimizer step), \
+                     found {}",
                     self.batch_size, self.micro_batch_size
                 ),
             ));
@@ -542,11 +540,11 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("train.batch_size") && err.contains("one sample per rank"), "{err}");
-        // The default micro-batch (8) shrinks to the share of a small batch; a set one must fit.
-        assert_eq!(config.train.micro_batch_size, 2);
-        let sets = ["cluster.replicas=2".into(), "train.micro_batch_size=3".into()];
+        // The default micro-batch (8) shrinks to a small batch; a set one must fit in it.
+        assert_eq!(config.train.micro_batch_size, 4);
+        let sets = ["cluster.replicas=2".into(), "train.micro_batch_size=5".into()];
         let err = StageConfig::from_yaml(&ok, "sft.yaml", &sets).unwrap_err().to_string();
-        assert!(err.contains("train.micro_batch_size") && err.contains("= 2, found 3"), "{err}");
+        assert!(err.contains("train.micro_batch_size") && err.contains("= 4 (the"), "{err}");
         // An RL config handed to the SFT trainer, and the other way round.
         let err = StageConfig::from_yaml("seed: 3\n", "grpo.yaml", &[]).unwrap_err().to_string();
         assert!(err.contains("expected a `sft` config"), "{err}");
