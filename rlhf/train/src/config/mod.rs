@@ -13,7 +13,7 @@ use rtrun_rlhf_algo::{AdvantageEstimator, KlEstimator, RatioLevel};
 
 mod models;
 pub mod reference;
-mod validate;
+pub(crate) mod validate;
 mod yaml;
 
 use crate::error::{Result, TrainError};

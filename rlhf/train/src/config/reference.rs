@@ -233,7 +233,6 @@ pub fn default_yaml(mode: Mode) -> String {
 /// `header`: what `train --config` reads back as the same config.
 pub fn commented_yaml(mode: Mode, values: &Value, header: &str) -> String {
     let schema = schema(mode);
-    let defaults = values;
     let mut out = comment(
         &format!("{header} {}", plain(schema["description"].as_str().unwrap_or_default())),
         "",
@@ -242,7 +241,7 @@ pub fn commented_yaml(mode: Mode, values: &Value, header: &str) -> String {
     for key in keys(&schema) {
         let depth = key.path.matches('.').count();
         let indent = "  ".repeat(depth);
-        let value = key.path.split('.').try_fold(defaults, |v, part| v.get(part));
+        let value = key.path.split('.').try_fold(values, |v, part| v.get(part));
         let under_null_section = value.is_none();
         if under_null_section {
             // A key of a section that is off by default (`policy.lora`): shown, commented out.

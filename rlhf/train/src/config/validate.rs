@@ -11,8 +11,8 @@ use super::{
 use crate::demo::task::TaskConfig;
 use crate::error::{Result, TrainError};
 
-/// `value` is at least 1.
-fn positive(key: &str, value: usize) -> Result<()> {
+/// `value` is at least 1 (an error naming `key` otherwise).
+pub(crate) fn positive(key: &str, value: usize) -> Result<()> {
     if value == 0 { Err(TrainError::config(key, "expected at least 1, found 0")) } else { Ok(()) }
 }
 
@@ -75,6 +75,19 @@ impl TrainConfig {
         positive("rollout.prompts_per_step", r.prompts_per_step)?;
         positive("rollout.n_samples_per_prompt", r.n_samples_per_prompt)?;
         positive("rollout.weight_bucket_bytes", r.weight_bucket_bytes)?;
+        if let Some(penalty) = &self.algo.overlong_penalty
+            && penalty.buffer_len >= self.max_new_tokens()
+        {
+            return Err(TrainError::config(
+                "algo.overlong_penalty.buffer_len",
+                format!(
+                    "expected fewer tokens than the generation budget rollout.max_new_tokens \
+                     = {}, found {}",
+                    self.max_new_tokens(),
+                    penalty.buffer_len
+                ),
+            ));
+        }
         if !(r.temperature.is_finite() && r.temperature >= 0.0) {
             return Err(TrainError::config(
                 "rollout.temperature",
@@ -140,19 +153,6 @@ impl TrainConfig {
 
     /// `train.*`: rates, sizes, the learning-rate schedule and how the batch divides.
     fn validate_train(&self) -> Result<()> {
-        if let Some(penalty) = &self.algo.overlong_penalty
-            && penalty.buffer_len >= self.max_new_tokens()
-        {
-            return Err(TrainError::config(
-                "algo.overlong_penalty.buffer_len",
-                format!(
-                    "expected fewer tokens than the generation budget rollout.max_new_tokens \
-                     = {}, found {}",
-                    self.max_new_tokens(),
-                    penalty.buffer_len
-                ),
-            ));
-        }
         let t = &self.train;
         non_negative(&[
             ("train.actor_lr", t.actor_lr),

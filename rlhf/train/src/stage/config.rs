@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use crate::config::validate::positive;
 use crate::config::{
     CheckpointConfig, ClusterConfig, ConfigOrigin, ConfigTree, EvalConfig, Mode, RoleModelConfig,
     WorkerThreads,
@@ -386,11 +387,6 @@ impl StageConfig {
     }
 }
 
-/// `value` is at least 1.
-fn at_least_one(key: &str, value: usize) -> Result<()> {
-    if value == 0 { Err(TrainError::config(key, "expected at least 1, found 0")) } else { Ok(()) }
-}
-
 impl StageDataConfig {
     /// `data.*`: files that exist, a held-out share, lengths above 0.
     fn validate(&self) -> Result<()> {
@@ -411,7 +407,7 @@ impl StageDataConfig {
         if self.input_key.is_empty() {
             return Err(TrainError::config("data.input_key", "expected a key name, found ``"));
         }
-        at_least_one("data.max_len", self.max_len)?;
+        positive("data.max_len", self.max_len)?;
         if self.max_samples == Some(0) {
             return Err(TrainError::config("data.max_samples", "expected at least 1, found 0"));
         }
@@ -423,10 +419,10 @@ impl StageTrainConfig {
     /// `train.*` over `replicas` ranks: sizes, at least a sample per rank, a micro-batch no
     /// larger than a rank's share, rates in range.
     fn validate(&self, replicas: usize) -> Result<()> {
-        at_least_one("train.epochs", self.epochs)?;
-        at_least_one("train.batch_size", self.batch_size)?;
-        at_least_one("train.micro_batch_size", self.micro_batch_size)?;
-        at_least_one("cluster.replicas", replicas)?;
+        positive("train.epochs", self.epochs)?;
+        positive("train.batch_size", self.batch_size)?;
+        positive("train.micro_batch_size", self.micro_batch_size)?;
+        positive("cluster.replicas", replicas)?;
         if self.batch_size < replicas {
             return Err(TrainError::config(
                 "train.batch_size",

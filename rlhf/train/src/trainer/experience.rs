@@ -335,7 +335,6 @@ pub fn assemble(
     // The task's rewards shaped for the advantages: the overlong penalty, then the running
     // normalisation; the metrics keep the task's own.
     let mut shaped = scalar_rewards.clone();
-    let task_rewards = scalar_rewards.clone();
     let mut penalty_sum = 0.0;
     if let Some(p) = &algo_config.overlong_penalty {
         let budget = trainer.config.max_new_tokens();
@@ -408,7 +407,7 @@ pub fn assemble(
             returns: ret_rows[i].clone(),
         })
         .collect();
-    Ok(ExperienceBatch { rows, stats, rewards: task_rewards, reward_moments })
+    Ok(ExperienceBatch { rows, stats, rewards: scalar_rewards, reward_moments })
 }
 
 /// What the step's training did (means over mini-batches and ranks).

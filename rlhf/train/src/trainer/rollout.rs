@@ -158,9 +158,18 @@ impl Trainer {
 
     /// Every sample's reward, into its group.
     fn score(&self, groups: &mut [Group]) -> Result<()> {
-        let flat = flatten(groups.iter().map(clone_group).collect(), false);
-        let records: Vec<&PromptRecord> = flat.records.iter().collect();
-        let answer = experience::rewards(self, &records, &flat.sequences)?.get(&self.watch)?;
+        let mut records = Vec::new();
+        let mut sequences = Vec::new();
+        for group in groups.iter() {
+            for response in &group.responses {
+                records.push(&group.record);
+                sequences.push(Sequence {
+                    prompt_ids: group.prompt_ids.clone(),
+                    response_ids: response.clone(),
+                });
+            }
+        }
+        let answer = experience::rewards(self, &records, &sequences)?.get(&self.watch)?;
         self.log_reward_extras(&answer);
         let scores = answer.scores.unwrap_or_else(|| answer.rewards.clone());
         let (mut rewards, mut scores) = (answer.rewards.into_iter(), scores.into_iter());
@@ -170,17 +179,6 @@ impl Trainer {
             group.scores = scores.by_ref().take(n).collect();
         }
         Ok(())
-    }
-}
-
-fn clone_group(group: &Group) -> Group {
-    Group {
-        record: group.record.clone(),
-        prompt_ids: group.prompt_ids.clone(),
-        responses: group.responses.clone(),
-        engine_log_probs: group.engine_log_probs.clone(),
-        rewards: group.rewards.clone(),
-        scores: group.scores.clone(),
     }
 }
 
