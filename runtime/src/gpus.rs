@@ -26,6 +26,71 @@ pub const NVIDIA_SMI_TIMEOUT: Duration = Duration::from_secs(10);
 /// The kernel driver's per-GPU directory.
 pub const PROC_NVIDIA_GPUS: &str = "/proc/driver/nvidia/gpus";
 
+/// One GPU's state now, as NVML reports it (for the metrics endpoint).
+#[derive(Debug, Clone, PartialEq)]
+pub struct GpuSample {
+    /// NVML's index (PCI bus order, as `nvidia-smi` numbers them).
+    pub index: u32,
+    /// Its UUID (`GPU-…`).
+    pub uuid: String,
+    /// Its product name.
+    pub name: String,
+    /// Memory in use, bytes.
+    pub memory_used: u64,
+    /// Memory in all, bytes.
+    pub memory_total: u64,
+    /// Percent of the last sample period in which a kernel ran.
+    pub utilization_percent: u32,
+    /// Percent of the last sample period in which memory was read or written.
+    pub memory_utilization_percent: u32,
+}
+
+/// NVML, loaded once per process (`None` where libnvidia-ml is missing or fails to start:
+/// CPU machines, containers without the driver's libraries).
+static NVML: std::sync::LazyLock<Option<nvml_wrapper::Nvml>> =
+    std::sync::LazyLock::new(|| match nvml_wrapper::Nvml::init() {
+        Ok(nvml) => Some(nvml),
+        Err(e) => {
+            tracing::debug!("no GPU metrics: NVML is not available ({e})");
+            None
+        }
+    });
+
+/// Every GPU of this machine, sampled now through NVML; empty without NVML. A GPU that fails
+/// to answer (fallen off the bus, reset) is skipped with a warning rather than failing the
+/// scrape.
+pub fn sample_gpus() -> Vec<GpuSample> {
+    let Some(nvml) = NVML.as_ref() else { return Vec::new() };
+    let count = match nvml.device_count() {
+        Ok(count) => count,
+        Err(e) => {
+            tracing::warn!("NVML cannot count the GPUs: {e}");
+            return Vec::new();
+        }
+    };
+    let sample = |index: u32| -> std::result::Result<GpuSample, nvml_wrapper::error::NvmlError> {
+        let device = nvml.device_by_index(index)?;
+        let memory = device.memory_info()?;
+        let rates = device.utilization_rates()?;
+        Ok(GpuSample {
+            index,
+            uuid: device.uuid()?,
+            name: device.name()?,
+            memory_used: memory.used,
+            memory_total: memory.total,
+            utilization_percent: rates.gpu,
+            memory_utilization_percent: rates.memory,
+        })
+    };
+    (0..count)
+        .filter_map(|index| {
+            sample(index)
+                .map_err(|e| tracing::warn!(index, "NVML cannot read GPU {index}: {e}"))
+                .ok()
+        })
+        .collect()
+}
+
 /// Where the detected GPUs came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GpuSource {

@@ -171,11 +171,41 @@ fn cluster_metrics(runtime: &Arc<Runtime>, registry: &mut Registry) -> Result<()
     Ok(())
 }
 
-/// This node's object store and the pulls into it.
+/// This node's object store and the pulls into it, and its machine's GPUs.
 fn node_metrics(runtime: &Arc<Runtime>, registry: &mut Registry) -> Result<()> {
     let Some(stats) = runtime.node_store_stats()? else { return Ok(()) };
     store_metrics(runtime, registry, stats);
+    gpu_metrics(registry, &runtime.node().to_string(), &crate::gpus::sample_gpus());
     Ok(())
+}
+
+/// Each GPU's memory and utilisation (what `nvidia-smi` shows; nothing on a machine without
+/// NVML), labelled by node, index and UUID as Ray's and DCGM's exporters label them.
+pub fn gpu_metrics(registry: &mut Registry, node: &str, gpus: &[crate::gpus::GpuSample]) {
+    if gpus.is_empty() {
+        return;
+    }
+    let used = gauge_family(registry, "rtrun_gpu_memory_used_bytes", "GPU memory in use");
+    let total = gauge_family(registry, "rtrun_gpu_memory_total_bytes", "GPU memory in all");
+    let util = gauge_family(
+        registry,
+        "rtrun_gpu_utilization_ratio",
+        "Share of the last sample period in which a kernel ran on the GPU (0 to 1)",
+    );
+    let mem_util = gauge_family(
+        registry,
+        "rtrun_gpu_memory_bandwidth_utilization_ratio",
+        "Share of the last sample period in which GPU memory was read or written (0 to 1)",
+    );
+    for gpu in gpus {
+        let index = gpu.index.to_string();
+        let labels =
+            labels(&[("node", node), ("gpu", &index), ("uuid", &gpu.uuid), ("name", &gpu.name)]);
+        used.get_or_create(&labels).set(gpu.memory_used as f64);
+        total.get_or_create(&labels).set(gpu.memory_total as f64);
+        util.get_or_create(&labels).set(f64::from(gpu.utilization_percent) / 100.0);
+        mem_util.get_or_create(&labels).set(f64::from(gpu.memory_utilization_percent) / 100.0);
+    }
 }
 
 /// This node's object store (`stats`) and the pulls into it.
@@ -339,5 +369,50 @@ async fn scrape(
             [(header::CONTENT_TYPE, "text/plain; charset=utf-8")],
             format!("rtrun metrics failed: {e}\n"),
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gpus::GpuSample;
+
+    #[test]
+    fn gpu_samples_become_labelled_gauges_and_no_gpu_adds_none() {
+        let sample = |index: u32, used: u64, util: u32| GpuSample {
+            index,
+            uuid: format!("GPU-{index}"),
+            name: "NVIDIA H100 80GB HBM3".into(),
+            memory_used: used,
+            memory_total: 85_899_345_920,
+            utilization_percent: util,
+            memory_utilization_percent: 40,
+        };
+        let mut registry = Registry::default();
+        gpu_metrics(&mut registry, "n1", &[sample(0, 1 << 30, 97), sample(1, 0, 0)]);
+        let mut text = String::new();
+        encode(&mut text, &registry).unwrap();
+        let labels = |i: u32| {
+            format!("{{node=\"n1\",gpu=\"{i}\",uuid=\"GPU-{i}\",name=\"NVIDIA H100 80GB HBM3\"}}")
+        };
+        for line in [
+            format!("rtrun_gpu_memory_used_bytes{} 1073741824.0", labels(0)),
+            format!("rtrun_gpu_memory_used_bytes{} 0.0", labels(1)),
+            format!("rtrun_gpu_memory_total_bytes{} 85899345920.0", labels(1)),
+            format!("rtrun_gpu_utilization_ratio{} 0.97", labels(0)),
+            format!("rtrun_gpu_memory_bandwidth_utilization_ratio{} 0.4", labels(0)),
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} not in\n{text}");
+        }
+        let mut empty = Registry::default();
+        gpu_metrics(&mut empty, "n1", &[]);
+        let mut text = String::new();
+        encode(&mut text, &empty).unwrap();
+        assert!(!text.contains("rtrun_gpu"), "{text}");
+        // This machine has no NVML (CI and the CPU test machines): sampling answers nothing
+        // rather than failing the scrape.
+        if !std::path::Path::new(crate::gpus::PROC_NVIDIA_GPUS).exists() {
+            assert!(crate::gpus::sample_gpus().is_empty());
+        }
     }
 }

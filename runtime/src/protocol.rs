@@ -342,6 +342,11 @@ pub enum HeadRequest {
     ListPlacementGroups,
     /// Every actor the control plane knows (`rtrun list actors`).
     ListActors,
+    /// Queued and running tasks, and every function's task counts (`rtrun list tasks`,
+    /// `rtrun summary tasks`).
+    ListTasks,
+    /// Every worker process (`rtrun list workers`).
+    ListWorkers,
     /// Node daemon → head: a worker it spawned started.
     WorkerSpawned {
         /// The worker.
@@ -385,6 +390,12 @@ pub enum HeadRequest {
     },
     /// Every submitted job.
     ListJobs,
+    /// Forgets an ended job: its record and its log go (Ray's `ray job delete`). A running
+    /// job is refused. Answered with the job's last [`JobInfo`].
+    DeleteJob {
+        /// The job.
+        job: u64,
+    },
     /// Answered with `Done` while the node is alive, with the reason once it died.
     NodeAlive {
         /// The node.
@@ -553,6 +564,10 @@ pub enum Response {
     PlacementGroups(Vec<crate::placement_group::PlacementGroupState>),
     /// Actors, for `rtrun list actors`.
     Actors(Vec<ActorSummary>),
+    /// Tasks, for `rtrun list tasks`.
+    Tasks(TaskTable),
+    /// Worker processes, for `rtrun list workers`.
+    Workers(Vec<WorkerSummary>),
     /// Jobs.
     Jobs(Vec<JobInfo>),
     /// A key's value in the head's key-value store (`None`: no such key).
@@ -617,6 +632,8 @@ replies! {
     Box<crate::placement_group::PlacementGroupState> => PlacementGroup,
     Vec<crate::placement_group::PlacementGroupState> => PlacementGroups,
     Vec<ActorSummary> => Actors,
+    TaskTable => Tasks,
+    Vec<WorkerSummary> => Workers,
     Vec<JobInfo> => Jobs,
     Option<serde_bytes::ByteBuf> => KvValue,
     Vec<(String, u64)> => LogFiles,
@@ -759,6 +776,58 @@ pub struct ActorSummary {
     pub namespace: Option<String>,
     /// It outlives its driver.
     pub detached: bool,
+}
+
+/// One queued or running task, for listings.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TaskSummary {
+    /// Its id (the id of the object its result is stored as).
+    pub task: ObjectId,
+    /// The registered function.
+    pub function: String,
+    /// QUEUED or RUNNING.
+    pub state: String,
+    /// Runs so far that failed and were retried.
+    pub retries: u32,
+    /// The worker running it.
+    pub worker: Option<WorkerId>,
+    /// That worker's node.
+    pub node: Option<crate::ids::NodeId>,
+    /// That worker's process id.
+    pub pid: Option<u32>,
+    /// The driver that submitted it (its job's driver process).
+    pub driver: Option<WorkerId>,
+}
+
+/// The control plane's tasks: those queued or running now, and counts by function since the
+/// head started (finished tasks are not kept one by one).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct TaskTable {
+    /// Queued tasks in queue order, then running ones by id.
+    pub live: Vec<TaskSummary>,
+    /// Every function's tasks by state.
+    pub by_function: BTreeMap<String, TaskCounts>,
+}
+
+/// One worker process, for listings.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct WorkerSummary {
+    /// Its id (its log is `worker-N.log` on its node).
+    pub worker: WorkerId,
+    /// Its node.
+    pub node: crate::ids::NodeId,
+    /// Its process id, once started.
+    pub pid: Option<u32>,
+    /// `actor`, `task` or `idle` (a pooled task worker waiting for work).
+    pub kind: String,
+    /// The actor it hosts.
+    pub actor: Option<ActorId>,
+    /// The task it runs.
+    pub task: Option<ObjectId>,
+    /// The driver whose job it belongs to (`None`: the embedded driver).
+    pub driver: Option<WorkerId>,
+    /// Whether it has registered with the head (it is starting until then).
+    pub registered: bool,
 }
 
 /// A submitted job.

@@ -389,6 +389,31 @@ fn jobs_carry_env_and_working_dirs_run_detached_and_stop_by_name() {
     let (groups, _, _) = head_rtrun(&cluster, &["list", "placement-groups"]);
     assert!(groups.contains("spread"), "{groups}");
 
+    // Ray's state listings: the job's workers (its probes' actors, its task's pooled worker),
+    // its task counted by function; a running job is not deleted.
+    let (workers, err, ok) = head_rtrun(&cluster, &["list", "workers", "--format", "json"]);
+    assert!(ok, "{err}");
+    let workers: serde_json::Value = serde_json::from_str(&workers).unwrap();
+    let workers = workers.as_array().unwrap();
+    assert!(workers.iter().any(|w| w["kind"] == "actor" && w["registered"] == true), "{workers:?}");
+    let task_worker = workers.iter().find(|w| w["pid"] == first_task_worker);
+    assert!(
+        task_worker.is_some_and(|w| w["kind"] == "idle" && !w["driver"].is_null()),
+        "the job's task worker {first_task_worker}, idle: {workers:?}"
+    );
+    let (summary, err, ok) = head_rtrun(&cluster, &["summary", "tasks", "--format", "json"]);
+    assert!(ok, "{err}");
+    let summary: serde_json::Value = serde_json::from_str(&summary).unwrap();
+    let finished = summary
+        .as_object()
+        .and_then(|functions| functions.iter().find(|(name, _)| name.contains("env_in_task")))
+        .and_then(|(_, counts)| counts["finished"].as_u64());
+    assert!(finished >= Some(1), "{summary}");
+    let (tasks, err, ok) = head_rtrun(&cluster, &["list", "tasks"]);
+    assert!(ok && tasks.starts_with("TASK"), "{tasks}{err}");
+    let (_, err, ok) = head_rtrun(&cluster, &["job", "delete", "echo-1"]);
+    assert!(!ok && err.contains("is running; stop it first"), "{err}");
+
     // Stop by name: the driver goes, and with it its actors on every node and its group.
     let stopped = Instant::now();
     let (out, err, ok) = head_rtrun(&cluster, &["job", "stop", "echo-1"]);
@@ -447,6 +472,19 @@ fn jobs_carry_env_and_working_dirs_run_detached_and_stop_by_name() {
     assert!(ok && out.contains("has ended: STOPPED"), "{out}");
     let (_, err, ok) = head_rtrun(&cluster, &["job", "status", "nope"]);
     assert!(!ok && err.contains("no job `nope`"), "{err}");
+    // An ended job is deleted with its log (Ray's `ray job delete`).
+    let (jobs, _, _) = head_rtrun(&cluster, &["list", "jobs", "--format", "json"]);
+    let jobs: serde_json::Value = serde_json::from_str(&jobs).unwrap();
+    let echo2 = jobs.as_array().unwrap().iter().find(|j| j["submission_id"] == "echo-2");
+    let log2_file = std::path::PathBuf::from(echo2.and_then(|j| j["log"].as_str()).unwrap());
+    assert!(log2_file.exists(), "{jobs}");
+    let (out, err, ok) = head_rtrun(&cluster, &["job", "delete", "echo-2"]);
+    assert!(ok && out.contains("deleted job") && out.contains("STOPPED"), "{out}{err}");
+    assert!(!log2_file.exists(), "the deleted job's log {} stays", log2_file.display());
+    let (list, _, _) = head_rtrun(&cluster, &["job", "list"]);
+    assert!(!list.contains("echo-2") && list.contains("echo-1"), "{list}");
+    let (_, err, ok) = head_rtrun(&cluster, &["job", "delete", "echo-2"]);
+    assert!(!ok && err.contains("no job `echo-2`"), "{err}");
 
     // --working-dir: the job starts in a copy of the directory, made on the head's node from
     // a package uploaded by content; when the job ends its copy and the package are removed

@@ -112,7 +112,7 @@ fn run_mode(spec: &str, mode: ColocationMode) {
     assert_eq!(deployment.groups().count(), placements.spec.as_ref().unwrap().groups.len());
     assert_trained(&dir.join("run"), 2);
     let records = metrics(&dir.join("run"));
-    assert!(records.last().unwrap().get("value_loss").is_some_and(|v| v > 0.0));
+    assert!(records.last().unwrap().get("critic_loss").is_some_and(|v| v > 0.0));
     trainer.roles.kill();
     std::fs::remove_dir_all(&dir).unwrap();
 }
@@ -229,7 +229,7 @@ fn grpo_with_gspos_sequence_ratio_trains() {
     let (trainer, report) = rtrun_rlhf::run::run(&config, &mut NoProgress).unwrap();
     assert_eq!(report.steps, 3);
     assert_trained(&dir, 3);
-    let clipped: Vec<f64> = metrics(&dir).iter().filter_map(|r| r.get("clip_fraction")).collect();
+    let clipped: Vec<f64> = metrics(&dir).iter().filter_map(|r| r.get("ppo_clip_ratio")).collect();
     assert_eq!(clipped.len(), 3, "one clip fraction per step");
     assert!(clipped.iter().all(|c| (0.0..=1.0).contains(c)), "{clipped:?}");
     assert!(clipped.iter().any(|c| *c > 0.0), "the off-policy mini-batch clips: {clipped:?}");

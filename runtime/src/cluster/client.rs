@@ -96,6 +96,17 @@ impl Client {
         self.runtime.list_jobs()
     }
 
+    /// Any control-plane request, answered with the payload type its reply carries (the
+    /// listings `rtrun list tasks|workers` show).
+    pub fn ask<T: crate::protocol::Reply>(&self, request: HeadRequest) -> Result<T> {
+        self.runtime.call(request)
+    }
+
+    /// Forgets ended job `job`: its record and its log (a running job is refused).
+    pub fn delete_job(&self, job: u64) -> Result<JobInfo> {
+        single_job(self.runtime.call(HeadRequest::DeleteJob { job })?)
+    }
+
     /// The object store of every live node.
     pub fn objects(&self) -> Result<Vec<NodeMemory>> {
         let info = self.status()?;

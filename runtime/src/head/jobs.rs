@@ -161,11 +161,14 @@ impl Head {
             }
         }
     }
+}
 
-    /// Every job.
-    pub(crate) fn jobs(&self) -> Vec<JobInfo> {
-        let state = self.state.lock();
-        state.core.members.jobs.iter().map(|(id, entry)| entry.info(*id)).collect()
+/// Removes a deleted job's log (a job that never started has none).
+pub(super) fn remove_log(job: u64, log: &std::path::Path) {
+    if let Err(e) = std::fs::remove_file(log)
+        && e.kind() != std::io::ErrorKind::NotFound
+    {
+        tracing::warn!(job, "cannot remove the deleted job's log {}: {e}", log.display());
     }
 }
 

@@ -99,6 +99,7 @@ enum Action {
     Remember(Address, Arc<Connection>),
     StopNode(Address, String),
     RemoveJobFiles(u64, Option<String>),
+    RemoveJobLog(u64, std::path::PathBuf),
 }
 
 impl Shared {
@@ -147,6 +148,7 @@ impl Shared {
                 Effect::RemoveJobFiles { job, package } => {
                     actions.push(Action::RemoveJobFiles(job, package))
                 }
+                Effect::RemoveJobLog { job, log } => actions.push(Action::RemoveJobLog(job, log)),
             }
         }
         actions
@@ -292,7 +294,6 @@ impl Head {
                     Err(e) => Response::Error(e),
                 });
             }
-            HeadRequest::ListJobs => return responder.respond(Response::Jobs(self.jobs())),
             HeadRequest::StopCluster => {
                 responder.respond(Response::Done);
                 if let Some(head) = self.weak.upgrade() {
@@ -393,6 +394,7 @@ impl Head {
                 }
                 Action::StopNode(address, reason) => self.stop_dead_node(address, reason),
                 Action::RemoveJobFiles(job, package) => self.remove_job_files(job, package),
+                Action::RemoveJobLog(job, log) => jobs::remove_log(job, &log),
             }
         }
     }

@@ -176,6 +176,8 @@ pub struct ExperienceStats {
     pub kl: f64,
     /// Mean response length.
     pub response_length: f64,
+    /// Mean prompt + response length (OpenRLHF's `total_length`).
+    pub total_length: f64,
     /// Mean sum of per-token rewards (OpenRLHF's `return`).
     pub token_return: f64,
     /// Mean absolute advantage.
@@ -312,6 +314,7 @@ pub fn assemble(
     }
 
     let lengths: Vec<usize> = sequences.iter().map(|s| s.response_ids.len()).collect();
+    let prompt_tokens: usize = sequences.iter().map(|s| s.prompt_ids.len()).sum();
     let width = lengths.iter().copied().max().unwrap_or(0).max(1) as i64;
     let device = Device::Cpu;
     let as_rows = |v: &[Vec<f32>]| -> Vec<Vec<f32>> { v.to_vec() };
@@ -380,6 +383,7 @@ pub fn assemble(
             None => 0.0,
         },
         response_length: lengths.iter().sum::<usize>() as f64 / count.max(1) as f64,
+        total_length: (prompt_tokens + lengths.iter().sum::<usize>()) as f64 / count.max(1) as f64,
         token_return: advantages.token_rewards.f_sum(Kind::Float)?.f_double_value(&[])?
             / count.max(1) as f64,
         advantage_abs: advantages

@@ -482,15 +482,16 @@ impl Trainer {
             ("kl", s.kl),
             ("kl_coef", kl_coef),
             ("response_length", s.response_length),
+            ("total_length", s.total_length),
             ("return", s.token_return),
             ("advantage_abs", s.advantage_abs),
             ("policy_loss", t.policy.policy_loss),
-            ("clip_fraction", t.policy.clip_fraction),
+            ("ppo_clip_ratio", t.policy.clip_fraction),
             ("ppo_kl", t.policy.approx_kl),
             ("entropy", t.policy.entropy),
             ("actor_grad_norm", t.policy.grad_norm),
             ("actor_lr", t.policy.lr),
-            ("value_loss", t.critic.value_loss),
+            ("critic_loss", t.critic.value_loss),
             ("critic_grad_norm", t.critic.grad_norm),
         ] {
             metrics.set(name, value).map_err(telemetry_error)?;

@@ -562,6 +562,7 @@ fn combine_stats(parts: &[(ExperienceStats, usize, usize)]) -> ExperienceStats {
         reward: per_sample(|s| s.reward),
         accuracy: per_sample(|s| s.accuracy),
         response_length: per_sample(|s| s.response_length),
+        total_length: per_sample(|s| s.total_length),
         token_return: per_sample(|s| s.token_return),
         kl: per_token(|s| s.kl),
         advantage_abs: per_token(|s| s.advantage_abs),
@@ -652,6 +653,7 @@ mod tests {
             accuracy: value,
             kl: value,
             response_length: value,
+            total_length: value,
             token_return: value,
             advantage_abs: value,
             engine_logprob_gap: value,
@@ -661,6 +663,7 @@ mod tests {
         let combined = combine_stats(&[(part(1.0), 2, 6), (part(3.0), 6, 2)]);
         assert!((combined.reward - 2.5).abs() < 1e-12);
         assert!((combined.response_length - 2.5).abs() < 1e-12);
+        assert!((combined.total_length - 2.5).abs() < 1e-12);
         assert!((combined.kl - 1.5).abs() < 1e-12);
         assert!((combined.engine_logprob_gap - 1.5).abs() < 1e-12);
         assert!((combined.overlong_penalty - 2.5).abs() < 1e-12);

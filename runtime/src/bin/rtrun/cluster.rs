@@ -337,6 +337,8 @@ pub fn credentials(command: CredentialsCommand) -> anyhow::Result<()> {
 #[derive(ValueEnum, Debug, Clone, Copy)]
 pub enum Listing {
     Actors,
+    Tasks,
+    Workers,
     Nodes,
     PlacementGroups,
     Objects,
@@ -356,6 +358,7 @@ pub enum Format {
 #[derive(ValueEnum, Debug, Clone, Copy)]
 pub enum Summarised {
     Actors,
+    Tasks,
 }
 
 /// Prints `value` as pretty JSON.
@@ -364,10 +367,26 @@ fn print_json(value: &impl serde::Serialize) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `rtrun summary actors`: live and dead actors by class and state.
+/// `rtrun summary actors|tasks`: actors by class and state, tasks by function and state.
 pub fn summary(what: Summarised, format: Format, client: ClientArgs) -> anyhow::Result<()> {
     let client = client.inspect()?;
     match what {
+        Summarised::Tasks => {
+            let counts = client.tasks()?.by_function;
+            if format == Format::Json {
+                return print_json(&counts);
+            }
+            println!(
+                "{:<40} {:>8} {:>8} {:>9} {:>8}",
+                "FUNCTION", "QUEUED", "RUNNING", "FINISHED", "FAILED"
+            );
+            for (function, c) in &counts {
+                println!(
+                    "{function:<40} {:>8} {:>8} {:>9} {:>8}",
+                    c.queued, c.running, c.finished, c.failed
+                );
+            }
+        }
         Summarised::Actors => {
             let mut counts: BTreeMap<String, BTreeMap<String, usize>> = BTreeMap::new();
             for a in client.actors()? {
@@ -395,6 +414,8 @@ pub fn list(what: Listing, format: Format, client: ClientArgs) -> anyhow::Result
     if format == Format::Json {
         return match what {
             Listing::Actors => print_json(&client.actors()?),
+            Listing::Tasks => print_json(&client.tasks()?.live),
+            Listing::Workers => print_json(&client.workers()?),
             Listing::Nodes => print_json(&client.status()?.nodes),
             Listing::PlacementGroups => print_json(&client.placement_groups()?),
             Listing::Objects => print_json(&client.objects()?),
@@ -418,6 +439,42 @@ pub fn list(what: Listing, format: Format, client: ClientArgs) -> anyhow::Result
                     a.pid.map(|p| p.to_string()).unwrap_or_default(),
                     a.restarts,
                     a.state
+                );
+            }
+        }
+        Listing::Tasks => {
+            println!(
+                "{:<18} {:<32} {:<8} {:>7} {:<10} {:<10} {:>8}",
+                "TASK", "FUNCTION", "STATE", "RETRIES", "WORKER", "NODE", "PID"
+            );
+            for t in client.tasks()?.live {
+                println!(
+                    "{:<18} {:<32} {:<8} {:>7} {:<10} {:<10} {:>8}",
+                    t.task.to_string(),
+                    t.function,
+                    t.state,
+                    t.retries,
+                    t.worker.map(|w| w.to_string()).unwrap_or_default(),
+                    t.node.map(|n| n.to_string()).unwrap_or_default(),
+                    t.pid.map(|p| p.to_string()).unwrap_or_default(),
+                );
+            }
+        }
+        Listing::Workers => {
+            println!(
+                "{:<10} {:<10} {:>8} {:<6} {:<10} {:<10}  STATE",
+                "WORKER", "NODE", "PID", "KIND", "ACTOR", "DRIVER"
+            );
+            for w in client.workers()? {
+                println!(
+                    "{:<10} {:<10} {:>8} {:<6} {:<10} {:<10}  {}",
+                    w.worker.to_string(),
+                    w.node.to_string(),
+                    w.pid.map(|p| p.to_string()).unwrap_or_default(),
+                    w.kind,
+                    w.actor.map(|a| a.to_string()).unwrap_or_default(),
+                    w.driver.map(|d| d.to_string()).unwrap_or_else(|| "embedded".into()),
+                    if w.registered { "REGISTERED" } else { "STARTING" },
                 );
             }
         }
@@ -760,6 +817,13 @@ pub enum JobCommand {
         #[command(flatten)]
         client: ClientArgs,
     },
+    /// Forgets an ended job: its record and its log (a running job is refused: stop it first).
+    Delete {
+        /// Its number or submission id.
+        job: String,
+        #[command(flatten)]
+        client: ClientArgs,
+    },
 }
 
 /// `rtrun job`: returns the exit code (for `logs -f`, the job's).
@@ -801,6 +865,12 @@ pub fn job(command: JobCommand) -> anyhow::Result<i32> {
         }
         JobCommand::List { client } => {
             print_jobs(&client.connect()?.jobs()?);
+            Ok(0)
+        }
+        JobCommand::Delete { job, client } => {
+            let client = client.connect()?;
+            let info = client.delete_job(client.job(&job)?.job)?;
+            println!("deleted job {} ({}): {}", info.job, info.submission_id, info.state);
             Ok(0)
         }
     }

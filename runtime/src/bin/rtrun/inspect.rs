@@ -5,7 +5,9 @@
 use rtrun::ActorInfo;
 use rtrun::cluster::Client;
 use rtrun::placement_group::PlacementGroupState;
-use rtrun::protocol::{ActorSummary, ClusterInfo, HeadRequest, JobInfo, NodeMemory};
+use rtrun::protocol::{
+    ActorSummary, ClusterInfo, HeadRequest, JobInfo, NodeMemory, Reply, TaskTable, WorkerSummary,
+};
 use rtrun::session::ask;
 
 /// The control plane a state query goes to.
@@ -30,6 +32,23 @@ impl Inspect {
         match self {
             Inspect::Cluster(client) => Ok(client.actors()?),
             Inspect::Session(s) => Ok(ask(s, HeadRequest::ListActors)?),
+        }
+    }
+
+    /// Queued and running tasks, and counts by function.
+    pub fn tasks(&self) -> anyhow::Result<TaskTable> {
+        self.request(HeadRequest::ListTasks)
+    }
+
+    /// Every worker process.
+    pub fn workers(&self) -> anyhow::Result<Vec<WorkerSummary>> {
+        self.request(HeadRequest::ListWorkers)
+    }
+
+    fn request<T: Reply>(&self, request: HeadRequest) -> anyhow::Result<T> {
+        match self {
+            Inspect::Cluster(client) => Ok(client.ask(request)?),
+            Inspect::Session(s) => Ok(ask(s, request)?),
         }
     }
 

@@ -86,7 +86,7 @@ enum Command {
         #[command(subcommand)]
         command: cluster::CredentialsCommand,
     },
-    /// Lists actors, nodes, placement groups, objects or jobs.
+    /// Lists actors, tasks, workers, nodes, placement groups, objects or jobs.
     List {
         /// What to list.
         what: cluster::Listing,
@@ -96,7 +96,7 @@ enum Command {
         #[command(flatten)]
         client: cluster::ClientArgs,
     },
-    /// Counts actors by class and state (Ray's `ray summary actors`).
+    /// Counts actors by class and state, or tasks by function and state (Ray's `ray summary`).
     Summary {
         /// What to summarise.
         what: cluster::Summarised,
@@ -139,7 +139,7 @@ enum Command {
         #[arg(last = true, required = true)]
         command: Vec<String>,
     },
-    /// Jobs: `status`, `stop`, `logs`, `list` (a job is its number or submission id).
+    /// Jobs: `status`, `stop`, `logs`, `list`, `delete` (a job is its number or submission id).
     Job {
         #[command(subcommand)]
         command: cluster::JobCommand,

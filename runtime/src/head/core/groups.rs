@@ -185,7 +185,7 @@ impl HeadCore {
                     "task {} cannot run: {reason}",
                     task.spec.function.clone()
                 ));
-                self.answer_task(task.reply, Outcome::Error(error), effects);
+                self.answer_task(task, Outcome::Error(error), effects);
                 continue;
             }
             index += 1;

@@ -125,6 +125,27 @@ impl Members {
             .collect()
     }
 
+    /// Every job, by number.
+    pub(super) fn job_infos(&self) -> Vec<JobInfo> {
+        self.jobs.iter().map(|(id, entry)| entry.info(*id)).collect()
+    }
+
+    /// Forgets ended job `job`; returns its last state and its log to remove. A running job is
+    /// refused (its driver would run on unlisted).
+    pub(super) fn delete_job(&mut self, job: u64) -> Result<(JobInfo, PathBuf)> {
+        let entry = self.jobs.get(&job).ok_or(Error::NotFound(crate::error::Missing::Job(job)))?;
+        if entry.state == JobState::Running {
+            return Err(Error::Invalid(format!(
+                "job {job} ({}) is running; stop it first (`rtrun job stop {job}`)",
+                entry.submission_id
+            )));
+        }
+        let info = entry.info(job);
+        let log = entry.log.clone();
+        self.jobs.remove(&job);
+        Ok((info, log))
+    }
+
     /// Records a job driver's process id; `None` when `worker` is not a job, else whether to
     /// kill it at once (the job was stopped before it started).
     pub(super) fn job_spawned(&mut self, worker: WorkerId, pid: u32) -> Option<bool> {

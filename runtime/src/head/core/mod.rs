@@ -18,7 +18,7 @@ mod tasks;
 mod views;
 mod workers;
 
-use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 
 use rtrun_placement::{
     Allocation, AllocationId, ClusterState, GroupId, NodeResources, ResourceSet,
@@ -27,7 +27,7 @@ use rtrun_placement::{
 use crate::actor::ActorSpec;
 use crate::error::{Error, Missing, Result};
 use crate::ids::{ActorId, NodeId, WorkerId};
-use crate::protocol::{Address, Frame, HeadRequest, Outcome, Response, WorkerExit};
+use crate::protocol::{Address, Frame, HeadRequest, Outcome, Response, TaskCounts, WorkerExit};
 use crate::task::TaskSpec;
 
 pub(crate) use members::{JobEntry, Members};
@@ -107,6 +107,8 @@ pub(crate) enum Effect {
     /// A job ended: remove its unpacked working directory (its log stays) and, when no running
     /// job uses it, its working-directory package.
     RemoveJobFiles { job: u64, package: Option<String> },
+    /// A deleted job's log file.
+    RemoveJobLog { job: u64, log: std::path::PathBuf },
 }
 
 /// Control-plane settings.
@@ -252,6 +254,8 @@ pub(crate) struct HeadCore {
     /// Tasks answered since the head started: with a value, with an error.
     tasks_finished: u64,
     tasks_failed: u64,
+    /// Answered tasks by function: finished, failed.
+    task_totals: BTreeMap<String, TaskCounts>,
     shutting_down: bool,
     /// Nodes, drivers and jobs of a cluster (the embedded session has only its own node).
     pub(crate) members: Members,
@@ -288,6 +292,7 @@ impl HeadCore {
             running_tasks: HashMap::new(),
             tasks_finished: 0,
             tasks_failed: 0,
+            task_totals: BTreeMap::new(),
             shutting_down: false,
             members: Members::new(head_node),
         })
@@ -417,6 +422,16 @@ impl HeadCore {
             }
             HeadRequest::ClusterInfo => Response::ClusterInfo(self.cluster_info()),
             HeadRequest::ListActors => Response::Actors(self.actor_summaries()),
+            HeadRequest::ListTasks => Response::Tasks(self.task_table()),
+            HeadRequest::ListWorkers => Response::Workers(self.worker_summaries()),
+            HeadRequest::ListJobs => Response::Jobs(self.members.job_infos()),
+            HeadRequest::DeleteJob { job } => match self.members.delete_job(job) {
+                Ok((info, log)) => {
+                    effects.push(Effect::RemoveJobLog { job, log });
+                    Response::Jobs(vec![info])
+                }
+                Err(e) => Response::Error(e),
+            },
             HeadRequest::NodeAlive { node } => match self.members.nodes.get(&node) {
                 Some(entry) => match &entry.dead {
                     None => Response::Done,

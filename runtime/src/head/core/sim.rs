@@ -318,7 +318,9 @@ impl World {
                 Effect::Forget(conn) => {
                     self.conns.remove(&conn);
                 }
-                Effect::StopNode { .. } | Effect::RemoveJobFiles { .. } => {}
+                Effect::StopNode { .. }
+                | Effect::RemoveJobFiles { .. }
+                | Effect::RemoveJobLog { .. } => {}
             }
         }
         answers
@@ -631,6 +633,20 @@ impl World {
                 assert!(matches!(info, Some(Response::ClusterInfo(_))), "{info:?}");
                 self.request(Origin::default(), HeadRequest::ListActors);
                 self.request(Origin::default(), HeadRequest::ListPlacementGroups);
+                let tasks = self.request(Origin::default(), HeadRequest::ListTasks);
+                let Some(Response::Tasks(table)) = tasks else { panic!("{tasks:?}") };
+                let counts = table.by_function.values();
+                let (queued, running, finished, failed) = counts.fold((0, 0, 0, 0), |t, c| {
+                    (t.0 + c.queued, t.1 + c.running, t.2 + c.finished, t.3 + c.failed)
+                });
+                assert_eq!((finished, failed), (self.core.tasks_finished, self.core.tasks_failed));
+                assert_eq!(queued as usize, self.core.task_queue.len());
+                assert_eq!(running as usize, self.core.running_tasks.len());
+                assert_eq!(table.live.len(), (queued + running) as usize);
+                let workers = self.request(Origin::default(), HeadRequest::ListWorkers);
+                let Some(Response::Workers(workers)) = workers else { panic!("{workers:?}") };
+                assert_eq!(workers.len(), self.core.workers.len());
+                self.request(Origin::default(), HeadRequest::ListJobs);
             }
         }
     }

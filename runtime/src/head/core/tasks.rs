@@ -49,7 +49,7 @@ impl HeadCore {
             entry.role = WorkerRole::Tasks { running: None };
             self.park_task_worker(running.worker);
         }
-        self.answer_task(running.task.reply, outcome, effects);
+        self.answer_task(running.task, outcome, effects);
         self.reschedule(effects);
     }
 
@@ -99,7 +99,7 @@ impl HeadCore {
                             "task {} cannot be placed: {e}",
                             task.spec.function
                         ));
-                        self.answer_task(task.reply, Outcome::Error(error), effects);
+                        self.answer_task(task, Outcome::Error(error), effects);
                     }
                     continue;
                 }
@@ -225,7 +225,7 @@ impl HeadCore {
             match of_driver(&self.task_queue[index].lineage) {
                 true => {
                     if let Some(task) = self.task_queue.remove(index) {
-                        self.answer_task(task.reply, gone(), effects);
+                        self.answer_task(task, gone(), effects);
                     }
                 }
                 false => index += 1,
@@ -243,7 +243,7 @@ impl HeadCore {
                 if let Some(entry) = self.workers.get_mut(&run.worker) {
                     entry.role = WorkerRole::Tasks { running: None };
                 }
-                self.answer_task(run.task.reply, gone(), effects);
+                self.answer_task(run.task, gone(), effects);
             }
         }
         let workers: Vec<WorkerId> = self
@@ -261,7 +261,7 @@ impl HeadCore {
     pub(super) fn cancel_task(&mut self, task: ObjectId, force: bool, effects: &mut Vec<Effect>) {
         if let Some(index) = self.task_queue.iter().position(|t| t.spec.task == task) {
             if let Some(queued) = self.task_queue.remove(index) {
-                self.answer_task(queued.reply, Outcome::Error(Error::Cancelled), effects);
+                self.answer_task(queued, Outcome::Error(Error::Cancelled), effects);
             }
             return;
         }
@@ -276,7 +276,7 @@ impl HeadCore {
         if force {
             if let Some(run) = self.running_tasks.remove(&call_id) {
                 self.release(run.allocation);
-                self.answer_task(run.task.reply, Outcome::Error(Error::Cancelled), effects);
+                self.answer_task(run.task, Outcome::Error(Error::Cancelled), effects);
             }
             self.stop_task_worker(worker, effects);
             // What it held may start a pending group, actor or task now (found by the
@@ -308,7 +308,7 @@ impl HeadCore {
                 target: run.task.spec.function.clone(),
                 reason: reason.to_owned(),
             };
-            self.answer_task(run.task.reply, Outcome::Error(error), effects);
+            self.answer_task(run.task, Outcome::Error(error), effects);
         }
     }
 
@@ -322,18 +322,28 @@ impl HeadCore {
         }
     }
 
-    /// Answers a submitted task (its value or its error), counting it for metrics.
+    /// Answers a submitted task (its value or its error), counting it for metrics and by its
+    /// function for `rtrun summary tasks`.
     pub(super) fn answer_task(
         &mut self,
-        reply: ReplyToken,
+        task: QueuedTask,
         outcome: Outcome,
         effects: &mut Vec<Effect>,
     ) {
+        // Counts by function are kept for as many functions as a cluster registers (a few
+        // hundred at most): bounded by the binaries, not by the tasks.
+        let counts = self.task_totals.entry(task.spec.function).or_default();
         match outcome {
-            Outcome::Error(_) => self.tasks_failed += 1,
-            _ => self.tasks_finished += 1,
+            Outcome::Error(_) => {
+                self.tasks_failed += 1;
+                counts.failed += 1;
+            }
+            _ => {
+                self.tasks_finished += 1;
+                counts.finished += 1;
+            }
         }
-        effects.push(Effect::Respond(reply, Response::Outcome(outcome)));
+        effects.push(Effect::Respond(task.reply, Response::Outcome(outcome)));
     }
 }
 

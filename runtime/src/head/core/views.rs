@@ -1,11 +1,14 @@
 //! What the control plane shows of itself: the cluster's resources, nodes, workers and task
-//! counts (`rtrun status`, metrics, the dashboard) and the actor table (`rtrun list actors`).
+//! counts (`rtrun status`, metrics, the dashboard) and the actor, task and worker tables
+//! (`rtrun list actors|tasks|workers`).
 
 use std::collections::BTreeMap;
 
-use super::{ActorState, HeadCore, members::floats};
-use crate::ids::NodeId;
-use crate::protocol::{ActorSummary, ClusterInfo, NodeInfo, TaskCounts};
+use super::{ActorState, HeadCore, QueuedTask, WorkerRole, members::floats};
+use crate::ids::{NodeId, WorkerId};
+use crate::protocol::{
+    ActorSummary, ClusterInfo, NodeInfo, TaskCounts, TaskSummary, TaskTable, WorkerSummary,
+};
 
 impl HeadCore {
     /// The cluster's resources, workers, nodes and tasks; the head's own node is listed even in
@@ -101,5 +104,64 @@ impl HeadCore {
             .collect();
         actors.sort_by_key(|a| a.actor.0);
         actors
+    }
+
+    /// Queued tasks in queue order, running ones by call; and every function's counts.
+    pub(super) fn task_table(&self) -> TaskTable {
+        let mut by_function = self.task_totals.clone();
+        let summary = |task: &QueuedTask, state: &str, worker: Option<WorkerId>| {
+            let entry = worker.and_then(|w| self.workers.get(&w));
+            TaskSummary {
+                task: task.spec.task,
+                function: task.spec.function.clone(),
+                state: state.to_owned(),
+                retries: task.attempts,
+                worker,
+                node: entry.map(|w| NodeId(w.node)),
+                pid: entry.and_then(|w| w.pid),
+                driver: task.lineage.driver,
+            }
+        };
+        let mut live: Vec<TaskSummary> = Vec::new();
+        for task in &self.task_queue {
+            by_function.entry(task.spec.function.clone()).or_default().queued += 1;
+            live.push(summary(task, "QUEUED", None));
+        }
+        let mut running: Vec<_> = self.running_tasks.iter().collect();
+        running.sort_by_key(|(call, _)| **call);
+        for (_, run) in running {
+            by_function.entry(run.task.spec.function.clone()).or_default().running += 1;
+            live.push(summary(&run.task, "RUNNING", Some(run.worker)));
+        }
+        TaskTable { live, by_function }
+    }
+
+    /// Every worker process the control plane knows, by id.
+    pub(super) fn worker_summaries(&self) -> Vec<WorkerSummary> {
+        let mut workers: Vec<WorkerSummary> = self
+            .workers
+            .iter()
+            .map(|(id, entry)| {
+                let (kind, actor, task) = match entry.role {
+                    WorkerRole::Actor { actor, .. } => ("actor", Some(actor), None),
+                    WorkerRole::Tasks { running: Some(call) } => {
+                        ("task", None, self.running_tasks.get(&call).map(|r| r.task.spec.task))
+                    }
+                    WorkerRole::Tasks { running: None } => ("idle", None, None),
+                };
+                WorkerSummary {
+                    worker: *id,
+                    node: NodeId(entry.node),
+                    pid: entry.pid,
+                    kind: kind.to_owned(),
+                    actor,
+                    task,
+                    driver: entry.lineage.driver,
+                    registered: entry.conn.is_some(),
+                }
+            })
+            .collect();
+        workers.sort_by_key(|w| w.worker.0);
+        workers
     }
 }

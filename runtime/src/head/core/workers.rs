@@ -185,7 +185,7 @@ impl HeadCore {
                     } else {
                         let target = task.spec.function.clone();
                         self.answer_task(
-                            task.reply,
+                            task,
                             Outcome::Error(Error::WorkerDied { target, reason: status }),
                             effects,
                         );
