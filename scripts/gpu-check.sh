@@ -19,6 +19,7 @@
 #             stage 3 + activation checkpointing training steps on CUDA against stage 0
 #   tp        a tensor-parallel engine (2 ranks on the one GPU, all-reduces over the CPU ring)
 #             against the whole model: greedy tokens equal, log-probs within 1e-4
+#   gpu-metrics  the GRPO run's metrics endpoint serves NVML's per-GPU gauges
 #   grpo      the GRPO main job with every role on the GPU in bf16, hybrid (engine sleeps
 #             while training, training state offloaded while generating); asked for `nccl`,
 #             the one-GPU hybrid spec syncs weights by CUDA IPC (the log says so)
@@ -89,8 +90,30 @@ start=$SECONDS
     --set reference.device=cuda --set reference.dtype=bf16 \
     --set engine.device=cuda --set engine.dtype=bf16 \
     --set rollout.weight_sync_backend=nccl \
-    "$@" > "$out/grpo.log" 2>&1
+    --metrics-port 18081 \
+    "$@" > "$out/grpo.log" 2>&1 &
+grpo=$!
+# NVML's per-GPU gauges on the run's metrics endpoint, scraped once the run is under way.
+"$py" - "$out" >> "$report" <<'EOF' &
+import json, sys, time, urllib.request
+out, found, text = sys.argv[1], [], ""
+for _ in range(90):
+    time.sleep(2)
+    try:
+        text = urllib.request.urlopen("http://127.0.0.1:18081/metrics", timeout=5).read().decode()
+    except OSError:
+        continue
+    found = [l for l in text.splitlines() if l.startswith("rtrun_gpu_")]
+    if found:
+        break
+open(f"{out}/grpo-metrics-scrape.txt", "w").write(text)
+print(json.dumps({"check": "gpu-metrics", "ok": any("memory_used_bytes" in l for l in found),
+                  "lines": found[:8]}))
+EOF
+scrape=$!
+wait "$grpo"
 grpo_rc=$?
+wait "$scrape"
 kill "$smi" 2>/dev/null
 echo "   grpo exit $grpo_rc, took $((SECONDS - start)) s" >&2
 cp "$work/grpo/metrics.jsonl" "$out/grpo-metrics.jsonl" 2>/dev/null

@@ -272,7 +272,7 @@ fn store_metrics(runtime: &Arc<Runtime>, registry: &mut Registry, stats: StoreSt
     );
 }
 
-/// The session's control plane and this node's object store as any process of the session
+/// The session's control plane, this node's object store and GPUs as any process of the session
 /// sees them (asked of the head and of the node): for a program that serves an embedded
 /// session's metrics from one of its workers, as `train`'s trainer actor does. Nothing when
 /// this process holds the control plane or is a node, whose own endpoint serves them already.
@@ -289,6 +289,7 @@ pub fn session_source() -> MetricsSource {
             Ok(stats) => store_metrics(runtime, registry, stats),
             Err(e) => tracing::debug!("session metrics: the node's store: {e}"),
         }
+        gpu_metrics(registry, &runtime.node().to_string(), &crate::gpus::sample_gpus());
     })
 }
 
