@@ -23,7 +23,7 @@ use rtrun_rlhf_telemetry::{
     EvalRow, ProgressField, RunSummary, StepMetrics, StepPhases, jsonl, reward_curve,
 };
 
-use crate::config::{ConfigTree, Mode};
+use crate::config::{CheckedConfig, Mode};
 use crate::trainer::checkpoint::{self, ResumePoint};
 use crate::trainer::{ProgressObserver, RunPaths};
 
@@ -41,14 +41,14 @@ pub fn absolute(path: &Path) -> PathBuf {
     std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf())
 }
 
-/// What the driver hands the trainer actor: the config as the driver read it, and the driver's
+/// What the driver hands the trainer actor: the config as the driver checked it, and the driver's
 /// working directory (relative paths in the config resolve against it on the trainer's node).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RunRequest {
     /// The config file as the user named it (for messages and the summary's title).
     pub config_file: String,
-    /// The config file's text.
-    pub config_text: String,
+    /// The config as the driver parsed, overrode and checked it.
+    pub config: CheckedConfig,
     /// Every override, `--overwrite`, `--mode` and `--address` included.
     pub overrides: Vec<String>,
     /// How many of them the user gave with `--set`.
@@ -263,10 +263,7 @@ impl TrainerActor {
 
     /// The run's trainer (`mode:`), for a driver that attaches.
     pub fn mode(&self) -> Result<Mode, String> {
-        let request = &self.request;
-        ConfigTree::parse(&request.config_text, &request.config_file, &request.overrides)
-            .map(|tree| tree.mode)
-            .map_err(|e| e.to_string())
+        Ok(self.request.config.mode)
     }
 
     /// Whether the run ended (finished or failed).
@@ -309,8 +306,7 @@ fn run(request: &RunRequest, reporter: &mut Reporter) -> anyhow::Result<String> 
         }
         None => None,
     };
-    let tree = ConfigTree::parse(&request.config_text, &request.config_file, &request.overrides)?;
-    match tree.mode {
+    match request.config.mode {
         Mode::Rl => run_rl(request, reporter),
         Mode::Sft | Mode::Rm | Mode::Dpo => run_stage(request, reporter),
     }
@@ -387,8 +383,7 @@ fn already_finished(root: &Path, resuming: Option<&ResumePoint>, total: u64) -> 
 /// The trainers beside RL (`mode: sft | rm | dpo`).
 fn run_stage(request: &RunRequest, reporter: &mut Reporter) -> anyhow::Result<String> {
     use crate::stage::{StageConfig, trainer};
-    let config =
-        StageConfig::from_yaml(&request.config_text, &request.config_file, &request.overrides)?;
+    let config: StageConfig = request.config.stage_config()?;
     let started = Instant::now();
     let mode = config.mode;
     let pairs = mode != Mode::Sft;
@@ -475,11 +470,7 @@ fn run_stage(request: &RunRequest, reporter: &mut Reporter) -> anyhow::Result<St
 /// PPO / GRPO (`mode: rl`).
 fn run_rl(request: &RunRequest, reporter: &mut Reporter) -> anyhow::Result<String> {
     use crate::run::{InitialPolicy, preflight, prepare, run_prepared};
-    let config = crate::TrainConfig::from_yaml(
-        &request.config_text,
-        &request.config_file,
-        &request.overrides,
-    )?;
+    let config = request.config.train()?;
     let started = Instant::now();
     let title = format!(
         "{} ({}, {:?} reward `{}`)",

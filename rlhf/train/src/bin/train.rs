@@ -20,7 +20,7 @@ use anyhow::{Context, bail};
 use clap::Parser;
 
 use rtrun_rlhf::TrainConfig;
-use rtrun_rlhf::config::{ConfigTree, Mode};
+use rtrun_rlhf::config::{CheckedConfig, ConfigTree, Mode};
 use rtrun_rlhf::trainer_actor::{self, Event, RunRequest, TrainerActor, TrainerActorRef};
 use rtrun_rlhf_telemetry::live::{ChartSpec, LiveMetrics};
 use rtrun_rlhf_telemetry::{ProgressField, ProgressOptions, RunProgress};
@@ -132,37 +132,33 @@ fn main() -> anyhow::Result<()> {
     if let Some(mode) = &args.mode {
         overrides.push(format!("mode={mode}"));
     }
-    // The config is checked here, before anything starts, and read again by the trainer actor.
-    let mode = ConfigTree::read(config_file, &overrides)?.mode;
-    let (run_dir, address) = match mode {
+    // The config is parsed and checked here, once, before anything starts; the trainer actor
+    // gets the checked config.
+    let tree = ConfigTree::read(config_file, &overrides)?;
+    let origin = tree.origin(args.overrides.len());
+    let mode = tree.mode;
+    let (run_dir, address, config) = match mode {
         Mode::Rl => {
-            let (config, mut origin) = TrainConfig::load_with_origin(config_file, &overrides)?;
-            // `--overwrite` travels as an override; the line counts the user's own.
-            origin.overrides = args.overrides.len();
+            let config = TrainConfig::from_tree(tree)?;
             eprintln!("{origin}");
             let address = rtrun_rlhf::run::cluster_address(&config);
             check_detach(&args, address.as_deref())?;
             let placements = rtrun_rlhf::placement_map::RolePlacements::from_config(&config)?;
             rtrun_rlhf::run::start_runtime(&config, &placements)?;
-            (config.run_dir.clone(), address)
+            (config.run_dir.clone(), address, CheckedConfig::rl(&config)?)
         }
         Mode::Sft | Mode::Rm | Mode::Dpo => {
-            let (config, origin) = rtrun_rlhf::stage::StageConfig::load_with_origin(
-                config_file,
-                &overrides,
-                args.overrides.len(),
-            )?;
+            let config = rtrun_rlhf::stage::StageConfig::from_tree(tree)?;
             eprintln!("{origin}");
             let address = rtrun_rlhf::run::address_or_env(config.cluster.address.as_deref());
             check_detach(&args, address.as_deref())?;
             rtrun_rlhf::stage::trainer::start_runtime(&config)?;
-            (config.run_dir.clone(), address)
+            (config.run_dir.clone(), address, CheckedConfig::stage(&config)?)
         }
     };
     let request = RunRequest {
         config_file: config_file.display().to_string(),
-        config_text: std::fs::read_to_string(config_file)
-            .with_context(|| format!("reading {}", config_file.display()))?,
+        config,
         overrides,
         user_overrides: args.overrides.len(),
         cwd: std::env::current_dir().context("the current directory")?,

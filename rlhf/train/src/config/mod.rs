@@ -963,6 +963,61 @@ impl ConfigTree {
     }
 }
 
+/// A run's config as the driver parsed, overrode and checked it, for the trainer actor, which
+/// then neither reads YAML nor applies overrides again. It travels as the typed config's JSON:
+/// some keys take one value or a list (read untagged), which only a self-describing format
+/// carries, and the actor's arguments are bitcode, which is not.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CheckedConfig {
+    /// The trainer.
+    pub mode: Mode,
+    json: String,
+}
+
+impl CheckedConfig {
+    /// A checked `mode: rl` config.
+    pub fn rl(config: &TrainConfig) -> Result<Self> {
+        Self::of(Mode::Rl, config)
+    }
+
+    /// A checked `mode: sft | rm | dpo` config.
+    pub fn stage(config: &crate::stage::StageConfig) -> Result<Self> {
+        Self::of(config.mode, config)
+    }
+
+    fn of(mode: Mode, config: &impl Serialize) -> Result<Self> {
+        let json = serde_json::to_string(config)
+            .map_err(|e| TrainError::Data(format!("encoding the checked config: {e}")))?;
+        Ok(Self { mode, json })
+    }
+
+    /// The RL config; an error for another mode.
+    pub fn train(&self) -> Result<TrainConfig> {
+        if self.mode != Mode::Rl {
+            return Err(TrainError::config(
+                "mode",
+                format!("expected rl, found {}", self.mode.name()),
+            ));
+        }
+        self.decode()
+    }
+
+    /// The supervised trainers' config; an error for `mode: rl`.
+    pub fn stage_config(&self) -> Result<crate::stage::StageConfig> {
+        if self.mode == Mode::Rl {
+            return Err(TrainError::config("mode", "expected sft, rm or dpo, found rl"));
+        }
+        let mut config: crate::stage::StageConfig = self.decode()?;
+        config.mode = self.mode;
+        Ok(config)
+    }
+
+    fn decode<T: serde::de::DeserializeOwned>(&self) -> Result<T> {
+        serde_json::from_str(&self.json)
+            .map_err(|e| TrainError::Data(format!("decoding the checked config: {e}")))
+    }
+}
+
 impl TrainConfig {
     /// Reads a YAML file and applies `key=value` overrides (dotted keys, YAML values).
     pub fn load(path: &Path, overrides: &[String]) -> Result<Self> {
@@ -986,8 +1041,13 @@ impl TrainConfig {
     /// The config and whether the file held no settings (see [`ConfigTree`]).
     fn parse(text: &str, file: &str, overrides: &[String]) -> Result<(Self, bool)> {
         let tree = ConfigTree::parse(text, file, overrides)?;
-        tree.expect_mode(Mode::Rl)?;
         let empty = tree.empty;
+        Ok((Self::from_tree(tree)?, empty))
+    }
+
+    /// The typed and checked config of a parsed tree (overrides applied) of `mode: rl`.
+    pub fn from_tree(tree: ConfigTree) -> Result<Self> {
+        tree.expect_mode(Mode::Rl)?;
         let micro_set = tree.sets("train.micro_batch_size");
         let mut config: Self = tree.typed()?;
         if !micro_set {
@@ -997,7 +1057,7 @@ impl TrainConfig {
                 config.train.micro_batch_size.min(config.train.train_batch_size.max(1));
         }
         config.validate()?;
-        Ok((config, empty))
+        Ok(config)
     }
 
     /// Generated tokens at most per sample.
@@ -1326,6 +1386,35 @@ mod tests {
             err,
             "dup.yaml:4:3: duplicate key `actor_lr` (a key may appear once in its section)"
         );
+    }
+
+    #[test]
+    fn the_trainer_gets_the_config_the_driver_checked() {
+        let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy/examples/rlhf");
+        // As the trainer actor's constructor argument travels: bitcode.
+        let roundtrip = |c: &CheckedConfig| -> CheckedConfig {
+            rtrun::codec::decode(&rtrun::codec::encode(c).unwrap()).unwrap()
+        };
+        let mut checked = 0;
+        for entry in std::fs::read_dir(&examples).unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().is_none_or(|e| e != "yaml") {
+                continue;
+            }
+            // grpo-hf.yaml names a checkpoint the walkthrough makes first.
+            let Ok(config) = TrainConfig::load(&path, &["seed=11".into()]) else { continue };
+            let sent = CheckedConfig::rl(&config).unwrap();
+            let back = roundtrip(&sent);
+            assert_eq!(back.train().unwrap(), config, "{}", path.display());
+            assert!(back.stage_config().is_err());
+            checked += 1;
+        }
+        assert!(checked >= 3, "{checked} example configs");
+        // Keys read untagged (one value or a list) survive too.
+        let mut config = TrainConfig::default();
+        config.reward.url = crate::data::OneOrMany(vec!["http://a/".into(), "http://b/".into()]);
+        let back = roundtrip(&CheckedConfig::rl(&config).unwrap());
+        assert_eq!(back.train().unwrap().reward.url, config.reward.url);
     }
 
     #[test]

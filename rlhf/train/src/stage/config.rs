@@ -304,7 +304,9 @@ impl StageConfig {
         Self::from_tree(ConfigTree::parse(text, file, overrides)?)
     }
 
-    fn from_tree(tree: ConfigTree) -> Result<Self> {
+    /// The typed and checked config of a parsed tree (overrides applied) of `mode: sft | rm
+    /// | dpo`.
+    pub fn from_tree(tree: ConfigTree) -> Result<Self> {
         let mode = tree.mode;
         if mode == Mode::Rl {
             tree.expect_mode(Mode::Sft)?;

@@ -14,10 +14,10 @@
 pub mod calls;
 pub mod checkpoint;
 pub mod dock_layout;
-pub mod experience;
 pub mod pipeline;
 pub mod roles;
 pub mod rollout;
+pub mod stages;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -25,7 +25,7 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 
 use rtrun_rlhf_dock::StageTimeline;
-use rtrun_rlhf_engine::{GenerationOutput, GenerationRequest, SamplingParams};
+use rtrun_rlhf_engine::{GenerationOutput, SamplingParams};
 use rtrun_rlhf_telemetry::samples::{SampleRow, SamplesWriter};
 use rtrun_rlhf_telemetry::{MetricsSink, PhaseTimer, StepMetrics, StepPhases};
 
@@ -306,37 +306,22 @@ impl Trainer {
         out
     }
 
-    /// Generates `n` samples for each prompt on the engines (prompts split across engines in
-    /// contiguous chunks), with per-prompt seeds derived from `seed_base`.
+    /// Generates `params.n` samples for each prompt on the engines (prompts split across
+    /// engines in contiguous chunks), with per-prompt seeds derived from `seed_base`.
     fn generate(
         &self,
         prompts: &[Vec<u32>],
         params: &SamplingParams,
         seed_base: u64,
     ) -> Result<Vec<GenerationOutput>> {
-        let requests: Vec<GenerationRequest> = prompts
-            .iter()
-            .enumerate()
-            .map(|(i, ids)| GenerationRequest {
-                prompt_token_ids: ids.clone(),
-                params: SamplingParams {
-                    seed: Some(mix_seed(seed_base, i as u64)),
-                    ..params.clone()
-                },
-            })
-            .collect();
+        let indexed = prompts.iter().map(Vec::as_slice).enumerate();
+        let requests = stages::generation_requests(indexed, params, seed_base);
         let engines = &self.roles.engines;
         let chunks = rtrun::split_batch(requests, engines.len());
         let outputs = self
             .watch
             .gather("generate", calls::each_with(ENGINE, engines, chunks, |e, c| e.generate(c)))?;
-        if outputs.len() != prompts.len() {
-            return Err(TrainError::role(
-                "vllm_engine",
-                format!("expected {} outputs, found {}", prompts.len(), outputs.len()),
-            ));
-        }
-        Ok(outputs)
+        stages::check_outputs(outputs, prompts.len(), params.n as usize)
     }
 
     /// The sampling parameters of training rollouts.
@@ -373,15 +358,6 @@ impl Trainer {
         let mut sequences = Vec::with_capacity(outputs.len() * k);
         let mut records: Vec<&PromptRecord> = Vec::with_capacity(outputs.len() * k);
         for ((output, prompt_ids), record) in outputs.iter().zip(&prompts).zip(&self.eval_data) {
-            if output.samples.len() != k {
-                return Err(TrainError::role(
-                    "vllm_engine",
-                    format!(
-                        "expected {k} samples per evaluation prompt, found {}",
-                        output.samples.len()
-                    ),
-                ));
-            }
             for sample in &output.samples {
                 sequences.push(Sequence {
                     prompt_ids: prompt_ids.clone(),
@@ -390,7 +366,7 @@ impl Trainer {
                 records.push(record);
             }
         }
-        let rewards = experience::rewards(self, &records, &sequences)?.get(&self.watch)?.rewards;
+        let rewards = stages::rewards(self, &records, &sequences)?.get(&self.watch)?.rewards;
         self.sleep_engines_if_hybrid()?;
         let lengths: Vec<usize> = sequences.iter().map(|s| s.response_ids.len()).collect();
         Ok(eval_result(&rewards, &lengths, k))
@@ -537,7 +513,7 @@ impl Trainer {
         step: u64,
         kl_coef: f64,
         progress: &mut dyn ProgressObserver,
-    ) -> Result<(experience::ExperienceStats, usize, experience::TrainStats)> {
+    ) -> Result<(stages::ExperienceStats, usize, stages::TrainStats)> {
         let rollout = self.rollout(records, prompt_ids, params, seed_base, progress)?;
         let sample_records: Vec<&PromptRecord> = rollout.records.iter().collect();
         let engine_log_probs = rollout.engine_log_probs;
@@ -551,12 +527,12 @@ impl Trainer {
             || step <= 2
             || step.is_multiple_of(OLD_LOGPROB_CHECK_EVERY);
         let batch = self.timed("experience", |t| {
-            experience::make_experience(
+            stages::make_experience(
                 t,
                 &sample_records,
                 rollout.sequences,
                 &engine_log_probs,
-                experience::ExperienceSettings { kl_coef, recompute_old: recompute },
+                stages::ExperienceSettings { kl_coef, recompute_old: recompute },
                 rollout.rewards,
             )
         })?;
@@ -579,8 +555,7 @@ impl Trainer {
 
         self.log_samples(step, &rollout.records, &batch, progress)?;
         progress.phase("train");
-        let train_stats =
-            self.timed("train", |t| experience::train(t, &batch.rows, step, kl_coef))?;
+        let train_stats = self.timed("train", |t| stages::train(t, &batch.rows, step, kl_coef))?;
         self.record_gpu_memory("train")?;
         Ok((batch.stats, batch.rows.len(), train_stats))
     }
@@ -604,7 +579,7 @@ impl Trainer {
         &mut self,
         step: u64,
         records: &[PromptRecord],
-        batch: &experience::ExperienceBatch,
+        batch: &stages::ExperienceBatch,
         progress: &mut dyn ProgressObserver,
     ) -> Result<()> {
         let k = self.config.logging.samples_per_step;
@@ -929,10 +904,10 @@ fn set_eval(metrics: &mut StepMetrics, result: &EvalResult) -> Result<()> {
 fn eval_result(rewards: &[f32], lengths: &[usize], k: usize) -> EvalResult {
     let n = rewards.len().max(1) as f64;
     let prompts = rewards.chunks(k.max(1));
-    let passed = prompts.clone().filter(|answers| experience::full_reward_count(answers) > 0);
+    let passed = prompts.clone().filter(|answers| stages::full_reward_count(answers) > 0);
     EvalResult {
         mean_reward: rewards.iter().map(|&r| f64::from(r)).sum::<f64>() / n,
-        accuracy: experience::full_reward_count(rewards) as f64 / n,
+        accuracy: stages::full_reward_count(rewards) as f64 / n,
         response_length: lengths.iter().sum::<usize>() as f64 / n,
         pass_at_k: passed.count() as f64 / prompts.len().max(1) as f64,
         samples_per_prompt: k,

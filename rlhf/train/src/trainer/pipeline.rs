@@ -7,14 +7,15 @@
 //!
 //! - `rollout` (one rank per engine): prompts → responses + the engine's log-probs,
 //!   `train.dock_groups_per_batch` prompt groups per call (as every stage but training), with
-//!   the same per-prompt seeds as the sequential mode;
-//! - `reward`: prompts + responses → rm_scores (the run's reward: rule, custom, remote or model);
+//!   the sequential mode's requests and seeds ([`stages::generation_requests`]);
+//! - `reward`: prompts + responses → rm_scores ([`stages::rewards`]: rule, custom, remote,
+//!   Python or model);
 //! - `ref_log_prob` (when the run has a reference) and `old_log_prob`: per-token log-probs from
-//!   the reference and policy groups;
+//!   the reference and policy ranks ([`stages::start_log_probs`]);
 //! - `compute_advantage`: everything above → advantages + returns, by the same
-//!   [`experience::assemble`] as the sequential mode, a few whole prompt groups at a time (exact for
+//!   [`stages::assemble`] as the sequential mode, a few whole prompt groups at a time (exact for
 //!   group-local estimators, the only ones this mode accepts);
-//! - `actor_train`: every row → [`experience::train`].
+//! - `actor_train`: every row → [`stages::train`].
 //!
 //! So reward and log-prob stages start on the first groups while the engines still generate
 //! the rest. Training asks for every row at once: the policy ranks compute the old log-probs,
@@ -33,20 +34,18 @@ use rtrun_rlhf_dock::{
     PackedNamedColumn, PipelineSummary, PollConfig, RemoteDock, StageSpec, StageTimeline,
     StageWorkError, run_stage,
 };
-use rtrun_rlhf_engine::{EngineActorRef, GenerationRequest, SamplingParams};
+use rtrun_rlhf_engine::{EngineActorRef, SamplingParams};
 use rtrun_rlhf_telemetry::StepMetrics;
 
 use crate::error::{Result, TrainError};
 use crate::experience::{ExperienceRow, Sequence};
 use crate::prompts::PromptRecord;
-use crate::rng::mix_seed;
-use crate::roles::lm::LmWorker;
 use crate::trainer::calls;
 use crate::trainer::dock_layout::{
     ADVANTAGES, ENGINE_LOG_PROBS, OLD_LOG_PROB, PROMPTS, REF_LOG_PROB, RESPONSES, RETURNS,
     RM_SCORES, STAGES,
 };
-use crate::trainer::experience::{self, ExperienceStats, RoleResults, TrainStats};
+use crate::trainer::stages::{self, ExperienceStats, LogProbs, RoleResults, TrainStats};
 use crate::trainer::{Trainer, telemetry_error};
 
 /// What a stage reports when it stopped because another one failed.
@@ -265,14 +264,10 @@ pub fn run_step(
     let spec_of = |name, outputs: &[&str]| spec(name, &[PROMPTS, RESPONSES], outputs, batch_rows);
     stages.push((spec_of("reward", &[RM_SCORES]), Box::new(|b: &PackedBatch| shared.reward(b))));
     if has_ref {
-        let work = move |b: &PackedBatch| match &trainer.roles.reference {
-            Some(reference) => log_probs(trainer, reference, "ref", REF_LOG_PROB, b),
-            None => reference_from_policy(trainer, b),
-        };
+        let work = move |b: &PackedBatch| log_probs(trainer, LogProbs::Reference, REF_LOG_PROB, b);
         stages.push((spec_of("ref_log_prob", &[REF_LOG_PROB]), Box::new(work)));
     }
-    let actor = &trainer.roles.actor;
-    let work = move |b: &PackedBatch| log_probs(trainer, actor, "actor", OLD_LOG_PROB, b);
+    let work = move |b: &PackedBatch| log_probs(trainer, LogProbs::Old, OLD_LOG_PROB, b);
     stages.push((spec_of("old_log_prob", &[OLD_LOG_PROB]), Box::new(work)));
     let adv_spec = spec("compute_advantage", &adv_inputs, &[ADVANTAGES, RETURNS], batch_rows);
     stages.push((adv_spec, Box::new(|b: &PackedBatch| shared.advantages(b))));
@@ -334,7 +329,7 @@ impl StepContext<'_> {
         let sequences = input.sequences()?;
         let records = self.records_of(&input.rows)?;
         let scores =
-            experience::rewards(self.trainer, &records, &sequences)?.get(&self.trainer.watch)?;
+            stages::rewards(self.trainer, &records, &sequences)?.get(&self.trainer.watch)?;
         self.trainer.log_reward_extras(&scores);
         let scores = ColumnValues::Scalars(input.unsort(scores.rewards));
         Ok(vec![PackedNamedColumn::new(RM_SCORES, &scores)])
@@ -351,7 +346,7 @@ impl StepContext<'_> {
             ref_log_probs: if self.has_ref { Some(input.floats(REF_LOG_PROB)?) } else { None },
             values: None,
         };
-        let built = experience::assemble(
+        let built = stages::assemble(
             self.trainer,
             sequences,
             &input.floats(ENGINE_LOG_PROBS)?,
@@ -391,7 +386,7 @@ impl StepContext<'_> {
                 returns: returns.get(i).cloned().unwrap_or_default(),
             })
             .collect();
-        let stats = experience::train(self.trainer, &rows, self.step, self.kl_coef)?;
+        let stats = stages::train(self.trainer, &rows, self.step, self.kl_coef)?;
         *self
             .trained
             .lock()
@@ -401,26 +396,18 @@ impl StepContext<'_> {
     }
 }
 
-/// `ref_log_prob` / `old_log_prob`: per-token log-probs from a role group's DP ranks.
+/// `ref_log_prob` / `old_log_prob`: per-token log-probs from the ranks that answer `which`.
 fn log_probs(
     trainer: &Trainer,
-    group: &rtrun::ActorGroup<LmWorker>,
-    role: &'static str,
+    which: LogProbs,
     column: &str,
     batch: &PackedBatch,
 ) -> Result<Vec<PackedNamedColumn>> {
     let input = SortedBatch::new(batch)?;
-    let calls = calls::dispatch(role, group.members(), input.sequences()?, |w, c| w.log_probs(c));
+    let calls = stages::start_log_probs(trainer, which, input.sequences()?).ok_or_else(|| {
+        TrainError::role("pipeline", format!("`{column}` is a stage but the run has no reference"))
+    })?;
     Ok(vec![input.floats_out(column, trainer.watch.gather("log_probs", calls)?)])
-}
-
-/// `ref_log_prob` with LoRA: the policy ranks' log-probs with their adapters off.
-fn reference_from_policy(trainer: &Trainer, batch: &PackedBatch) -> Result<Vec<PackedNamedColumn>> {
-    let input = SortedBatch::new(batch)?;
-    let members = trainer.roles.actor.members();
-    let calls =
-        calls::dispatch("actor", members, input.sequences()?, |w, c| w.reference_log_probs(c));
-    Ok(vec![input.floats_out(REF_LOG_PROB, trainer.watch.gather("log_probs", calls)?)])
 }
 
 /// Runs every stage rank on its own thread until all return; a failing one flips the stop
@@ -480,24 +467,11 @@ fn rollout(
     for (row, ids) in input.rows.iter().zip(prompts) {
         groups.entry(row / n).or_insert(ids);
     }
-    let requests: Vec<GenerationRequest> = groups
-        .iter()
-        .map(|(&prompt, ids)| GenerationRequest {
-            prompt_token_ids: ids.clone(),
-            params: SamplingParams {
-                seed: Some(mix_seed(seed_base, prompt as u64)),
-                ..params.clone()
-            },
-        })
-        .collect();
+    let indexed = groups.iter().map(|(&prompt, ids)| (prompt, ids.as_slice()));
+    let requests = stages::generation_requests(indexed, params, seed_base);
     let call = calls::actor_call("vllm_engine", rank, engine, engine.generate(requests));
     let outputs = trainer.watch.gather("generate", vec![call])?;
-    if outputs.len() != groups.len() {
-        return Err(TrainError::role(
-            "vllm_engine",
-            format!("expected {} outputs, found {}", groups.len(), outputs.len()),
-        ));
-    }
+    let outputs = stages::check_outputs(outputs, groups.len(), n)?;
     let by_prompt: BTreeMap<usize, _> = groups.keys().copied().zip(&outputs).collect();
     let mut responses = Vec::with_capacity(input.rows.len());
     let mut log_probs = Vec::with_capacity(input.rows.len());
@@ -506,7 +480,7 @@ fn rollout(
             by_prompt.get(&(row / n)).and_then(|o| o.samples.get(row % n)).ok_or_else(|| {
                 TrainError::role(
                     "vllm_engine",
-                    format!("expected {n} samples per prompt, found fewer"),
+                    format!("no sample {} of prompt {}", row % n, row / n),
                 )
             })?;
         responses.push(sample.token_ids.iter().map(|&t| i64::from(t)).collect());

@@ -6,11 +6,11 @@
 
 use rtrun_rlhf_engine::SamplingParams;
 
-use crate::error::{Result, TrainError};
+use crate::error::Result;
 use crate::experience::Sequence;
 use crate::prompts::PromptRecord;
 use crate::rng::mix_seed;
-use crate::trainer::{ProgressObserver, Trainer, experience};
+use crate::trainer::{ProgressObserver, Trainer, stages};
 
 /// Rewards of a group at most this far apart count as equal.
 pub const EQUAL_REWARDS: f32 = 1e-6;
@@ -129,19 +129,12 @@ impl Trainer {
         params: &SamplingParams,
         seed_base: u64,
     ) -> Result<Vec<Group>> {
-        let n = self.config.rollout.n_samples_per_prompt;
         let outputs = self.generate(prompt_ids, params, seed_base)?;
         outputs
             .into_iter()
             .zip(prompt_ids)
             .zip(records)
             .map(|((output, ids), record)| {
-                if output.samples.len() != n {
-                    return Err(TrainError::role(
-                        "vllm_engine",
-                        format!("expected {n} samples per prompt, found {}", output.samples.len()),
-                    ));
-                }
                 let (responses, engine_log_probs) =
                     output.samples.into_iter().map(|s| (s.token_ids, s.log_probs)).unzip();
                 Ok(Group {
@@ -169,7 +162,7 @@ impl Trainer {
                 });
             }
         }
-        let answer = experience::rewards(self, &records, &sequences)?.get(&self.watch)?;
+        let answer = stages::rewards(self, &records, &sequences)?.get(&self.watch)?;
         self.log_reward_extras(&answer);
         let scores = answer.scores.unwrap_or_else(|| answer.rewards.clone());
         let (mut rewards, mut scores) = (answer.rewards.into_iter(), scores.into_iter());

@@ -1,7 +1,22 @@
-//! `make_experience` and `ppo_train`: turning a step's generations into training rows (rewards,
-//! reference and old log-probs, values and advantages, with the role calls in flight together),
-//! and training the policy and the critic concurrently over mini-batches and epochs.
+//! The stages of one RL step, shared by both ways of running it. `train.pipeline: sequential`
+//! (`Trainer::sequential_step`) runs each over the whole step in turn; `train.pipeline: dock`
+//! (`pipeline.rs`) runs each over a few prompt groups at a time as TransferDock stages, so
+//! rewards and log-probs start while the engines still generate. Either way a step is:
+//!
+//! 1. **generate**: [`generation_requests`] (one request of `n` samples per prompt, seeded by
+//!    the prompt's index in the step) on the engines, answers checked by [`check_outputs`];
+//! 2. **reward**: [`rewards`] (rule or custom functions as tasks, a remote server, Python
+//!    workers or the reward-model group);
+//! 3. **log-probs and values**: [`start_log_probs`] for the reference and the old policy, the
+//!    critic's values (sequential only: the dock mode runs group-local estimators);
+//! 4. **advantages**: [`assemble`] (KL to the reference, shaping, advantages, returns, the
+//!    step's aggregates);
+//! 5. **train**: [`train`], the policy and the critic over mini-batches and epochs;
+//!
+//! then the trainer sends the new weights to the engines. [`make_experience`] is stages 2-4 for
+//! a whole batch with every role call in flight together.
 
+use rtrun_rlhf_engine::{GenerationOutput, GenerationRequest, SamplingParams};
 use tch::{Device, Kind, Tensor};
 
 use crate::algo::{self, AdvantageInputs, RunningMoments};
@@ -17,6 +32,77 @@ use crate::roles::critic::CriticTrainStats;
 use crate::roles::lm::{GlobalBatch, PolicyTrainStats};
 use crate::trainer::Trainer;
 use crate::trainer::calls::{self, CallWatch, RankCall, RankName};
+
+/// Stage 1's requests: for each `(index, prompt)`, `params` with the seed of the prompt's
+/// index in the step, so a prompt samples the same whichever engine and batch it lands in.
+pub fn generation_requests<'a>(
+    prompts: impl IntoIterator<Item = (usize, &'a [u32])>,
+    params: &SamplingParams,
+    seed_base: u64,
+) -> Vec<GenerationRequest> {
+    prompts
+        .into_iter()
+        .map(|(index, ids)| GenerationRequest {
+            prompt_token_ids: ids.to_vec(),
+            params: SamplingParams {
+                seed: Some(mix_seed(seed_base, index as u64)),
+                ..params.clone()
+            },
+        })
+        .collect()
+}
+
+/// Stage 1's answers: one output per request, each with `samples` samples.
+pub fn check_outputs(
+    outputs: Vec<GenerationOutput>,
+    requests: usize,
+    samples: usize,
+) -> Result<Vec<GenerationOutput>> {
+    if outputs.len() != requests {
+        return Err(TrainError::role(
+            "vllm_engine",
+            format!("expected {requests} outputs, found {}", outputs.len()),
+        ));
+    }
+    if let Some(short) = outputs.iter().find(|o| o.samples.len() != samples) {
+        return Err(TrainError::role(
+            "vllm_engine",
+            format!("expected {samples} samples per prompt, found {}", short.samples.len()),
+        ));
+    }
+    Ok(outputs)
+}
+
+/// Whose per-token log-probs stage 3 asks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogProbs {
+    /// The reference policy's: its own group, or with LoRA the policy ranks with their
+    /// adapters off.
+    Reference,
+    /// The policy's as it generated the batch (the PPO ratio's denominator).
+    Old,
+}
+
+/// Starts stage 3 for `sequences` on the ranks that answer `which` (split across their DP
+/// ranks); `None` when the run has no reference.
+pub fn start_log_probs(
+    trainer: &Trainer,
+    which: LogProbs,
+    sequences: Vec<Sequence>,
+) -> Option<Vec<RankCall<Vec<Vec<f32>>>>> {
+    let roles = &trainer.roles;
+    let policy = roles.actor.members();
+    match which {
+        LogProbs::Old => Some(calls::dispatch("actor", policy, sequences, |w, c| w.log_probs(c))),
+        LogProbs::Reference => match &roles.reference {
+            Some(g) => Some(calls::dispatch("ref", g.members(), sequences, |w, c| w.log_probs(c))),
+            None if roles.reference_from_policy => {
+                Some(calls::dispatch("actor", policy, sequences, |w, c| w.reference_log_probs(c)))
+            }
+            None => None,
+        },
+    }
+}
 
 /// Rewards being computed (by tasks, the reward-model group or Python workers), or already
 /// known.
@@ -231,20 +317,11 @@ pub fn make_experience(
         Some(rewards) => PendingRewards::done(RewardAnswer::rewards(rewards)),
         None => rewards(trainer, records, &sequences)?,
     };
-    let log_probs = |role, g: &rtrun::ActorGroup<crate::roles::lm::LmWorker>| {
-        calls::dispatch(role, g.members(), sequences.clone(), |w, c| w.log_probs(c))
+    let ref_calls = start_log_probs(trainer, LogProbs::Reference, sequences.clone());
+    let old_calls = match recompute_old {
+        true => start_log_probs(trainer, LogProbs::Old, sequences.clone()),
+        false => None,
     };
-    let ref_calls = match &roles.reference {
-        Some(g) => Some(log_probs("ref", g)),
-        // LoRA: the policy ranks with their adapters off.
-        None if roles.reference_from_policy => {
-            Some(calls::dispatch("actor", roles.actor.members(), sequences.clone(), |w, c| {
-                w.reference_log_probs(c)
-            }))
-        }
-        None => None,
-    };
-    let old_calls = recompute_old.then(|| log_probs("actor", &roles.actor));
     let value_calls = roles
         .critic
         .as_ref()
