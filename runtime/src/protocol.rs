@@ -405,6 +405,44 @@ pub enum HeadRequest {
     StopCluster,
 }
 
+impl HeadRequest {
+    /// The request's name, for logs and spans (its payload may be large: a task's arguments).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            HeadRequest::RegisterWorker { .. } => "RegisterWorker",
+            HeadRequest::KvPut { .. } => "KvPut",
+            HeadRequest::KvGet { .. } => "KvGet",
+            HeadRequest::KvDelete { .. } => "KvDelete",
+            HeadRequest::ActorStarted { .. } => "ActorStarted",
+            HeadRequest::CreateActor(_) => "CreateActor",
+            HeadRequest::GetActorByName { .. } => "GetActorByName",
+            HeadRequest::WaitActorAlive { .. } => "WaitActorAlive",
+            HeadRequest::KillActor { .. } => "KillActor",
+            HeadRequest::SubmitTask(_) => "SubmitTask",
+            HeadRequest::CancelTask { .. } => "CancelTask",
+            HeadRequest::ClusterInfo => "ClusterInfo",
+            HeadRequest::CreatePlacementGroup(_) => "CreatePlacementGroup",
+            HeadRequest::WaitPlacementGroup { .. } => "WaitPlacementGroup",
+            HeadRequest::RemovePlacementGroup { .. } => "RemovePlacementGroup",
+            HeadRequest::GetPlacementGroup { .. } => "GetPlacementGroup",
+            HeadRequest::GetPlacementGroupByName { .. } => "GetPlacementGroupByName",
+            HeadRequest::ListPlacementGroups => "ListPlacementGroups",
+            HeadRequest::ListActors => "ListActors",
+            HeadRequest::ListTasks => "ListTasks",
+            HeadRequest::ListWorkers => "ListWorkers",
+            HeadRequest::WorkerSpawned { .. } => "WorkerSpawned",
+            HeadRequest::WorkerExited { .. } => "WorkerExited",
+            HeadRequest::SubmitJob { .. } => "SubmitJob",
+            HeadRequest::StopJob { .. } => "StopJob",
+            HeadRequest::JobLogs { .. } => "JobLogs",
+            HeadRequest::ListJobs => "ListJobs",
+            HeadRequest::DeleteJob { .. } => "DeleteJob",
+            HeadRequest::NodeAlive { .. } => "NodeAlive",
+            HeadRequest::StopCluster => "StopCluster",
+        }
+    }
+}
+
 /// Requests to a node's daemon, from the head or a command-line client.
 #[derive(Debug, Serialize, Deserialize)]
 pub enum NodeRequest {

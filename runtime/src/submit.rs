@@ -63,6 +63,13 @@ pub(crate) struct Submitters {
     by_actor: DashMap<ActorId, Arc<Submitter>>,
 }
 
+impl ActorCall {
+    /// The actor called.
+    pub(crate) fn actor(&self) -> ActorId {
+        self.actor
+    }
+}
+
 impl Runtime {
     /// Submits a call of `method` on the actor described by `info`.
     pub(crate) fn submit_actor_call<R>(
@@ -83,6 +90,15 @@ impl Runtime {
         let frame =
             CallFrame { call_id, target: CallTarget::Actor { actor: info.id, method }, args };
         let submitter = self.submitters.get_or_create(info);
+        let _span = tracing::debug_span!(
+            "actor_call",
+            worker = %self.worker_id,
+            actor = %info.id,
+            type_name = %info.type_name,
+            method,
+            call = call_id
+        )
+        .entered();
         self.calls.insert(
             call_id,
             PendingCall::Actor(ActorCall {
@@ -286,6 +302,11 @@ impl Submitter {
                 None => continue,
             };
             if retry {
+                tracing::info!(
+                    call = call_id,
+                    actor = %self.info.id,
+                    "the actor's worker died with the call in flight; it is retried"
+                );
                 queue.push_back(call_id);
             } else {
                 lost.push(call_id);
@@ -300,22 +321,34 @@ impl Submitter {
 
 /// Sends a queued call; false when the connection is broken.
 fn send_call(runtime: &Runtime, conn: &Arc<Connection>, call_id: u64) -> bool {
-    let frame = match runtime.calls.get_mut(&call_id) {
+    let (frame, actor) = match runtime.calls.get_mut(&call_id) {
         Some(mut entry) => match entry.value_mut() {
             PendingCall::Actor(call) => {
                 call.connection = Some(conn.id());
-                if call.retries_left != 0 { call.frame.clone() } else { call.frame.take() }
+                let frame =
+                    if call.retries_left != 0 { call.frame.clone() } else { call.frame.take() };
+                (frame, call.actor)
             }
-            PendingCall::HeadTask => None,
+            PendingCall::HeadTask => return true,
         },
         None => return true,
     };
     let Some(frame) = frame else { return true };
+    // A queued call is sent when its actor comes alive, outside the `actor_call` span: the
+    // line names the call, the actor and this caller itself.
+    tracing::debug!(
+        call = call_id,
+        %actor,
+        caller = %runtime.worker_id,
+        to = conn.peer().as_deref().unwrap_or("-"),
+        "call sent"
+    );
     conn.send(&Frame::Call(frame)).is_ok()
 }
 
 fn fail_call(runtime: &Runtime, call_id: u64, error: Error) {
     if let Some((_, PendingCall::Actor(call))) = runtime.calls.remove(&call_id) {
+        tracing::debug!(call = call_id, actor = %call.actor, "call failed: {error}");
         call.slot.complete(Err(error));
     }
 }

@@ -10,6 +10,7 @@ use std::sync::Arc;
 use dashmap::{DashMap, DashSet};
 use futures::FutureExt;
 use tokio::sync::{RwLock, Semaphore};
+use tracing::Instrument;
 
 use crate::actor::{Actor, Invocation, unshare};
 use crate::error::{Error, Result};
@@ -156,6 +157,31 @@ fn task_executor(runtime: &Arc<Runtime>) -> Result<&Arc<TaskExecutor>> {
     runtime.tasks().ok_or(Error::NotInitialised)
 }
 
+/// The job this process belongs to (`-` outside a submitted job), as its spans name it.
+fn process_job() -> &'static str {
+    static JOB: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    JOB.get_or_init(|| std::env::var(crate::cluster::JOB_ENV).unwrap_or_else(|_| "-".into()))
+}
+
+/// The span of one call as this worker runs it: the job, node and worker, the actor and method
+/// (or the task's function), and who called with the caller's id of the call, which the
+/// caller's `actor_call` span (or the head's `task dispatched` line) names too. Every line the
+/// method logs carries them.
+fn call_span(runtime: &Runtime, call: &IncomingCall, target: &str) -> tracing::Span {
+    let caller = call.reply_to.peer().and_then(|peer| crate::store::holder_of_address(&peer));
+    let caller = caller.map_or_else(|| "-".to_owned(), |h| WorkerId(h.0).to_string());
+    let (job, node, worker, call_id) =
+        (process_job(), runtime.node(), runtime.worker_id, call.call_id);
+    match &call.target {
+        CallTarget::Actor { actor, .. } => tracing::info_span!(
+            "call", job, %node, %worker, %actor, method = target, caller, call = call_id
+        ),
+        CallTarget::Task { .. } => tracing::info_span!(
+            "task", job, %node, %worker, function = target, caller, call = call_id
+        ),
+    }
+}
+
 /// Routes an incoming call to the hosted actor or the task executor.
 pub(crate) fn on_call(runtime: &Arc<Runtime>, conn: &Arc<Connection>, call: CallFrame) {
     let incoming = IncomingCall {
@@ -209,6 +235,10 @@ fn reply_with(
         Ok(Value::Stored(stored)) => Outcome::Stored(stored),
         Err(e) => Outcome::Error(e),
     };
+    match &outcome {
+        Outcome::Error(e) => tracing::debug!("call failed: {e}"),
+        _ => tracing::debug!("call replied"),
+    }
     if let Err(e) = conn.send(&Frame::Reply { call_id, outcome }) {
         tracing::debug!("could not deliver a reply: {e}");
     }
@@ -345,6 +375,9 @@ impl<A: Actor> Executor<A> {
             }
             let CallTarget::Actor { method, .. } = call.target else { continue };
             let target = format!("{}::{}", A::TYPE_NAME, A::method_name(method));
+            let span = call_span(&self.runtime, &call, &target);
+            let _entered = span.enter();
+            tracing::debug!("call started");
             let invocation = resolve_args(&call.args).and_then(|args| A::invoke(method, args));
             let invocation = match invocation {
                 Ok(invocation) => invocation,
@@ -353,11 +386,17 @@ impl<A: Actor> Executor<A> {
                     continue;
                 }
             };
-            self.execute(invocation, call, target);
+            self.execute(invocation, call, target, &span);
         }
     }
 
-    fn execute(&self, invocation: Invocation<A>, call: IncomingCall, target: String) {
+    fn execute(
+        &self,
+        invocation: Invocation<A>,
+        call: IncomingCall,
+        target: String,
+        span: &tracing::Span,
+    ) {
         let failed = |p| Error::TaskFailed { target: target.clone(), message: panic_message(p) };
         match invocation {
             Invocation::Exclusive(f) => {
@@ -377,7 +416,9 @@ impl<A: Actor> Executor<A> {
                         );
                     }
                     Some(pool) => {
+                        let span = span.clone();
                         let job: PoolJob = Box::new(move || {
+                            let _entered = span.enter();
                             let result = std::panic::catch_unwind(AssertUnwindSafe(|| f(&guard)));
                             let result = result.unwrap_or_else(|p| {
                                 Err(Error::TaskFailed { target, message: panic_message(p) })
@@ -394,11 +435,11 @@ impl<A: Actor> Executor<A> {
                 let permit =
                     self.runtime.tokio().block_on(self.async_permits.clone().acquire_owned());
                 let guard = self.runtime.tokio().block_on(self.state.clone().read_owned());
-                self.spawn_async(call, target, permit.ok(), f(guard));
+                self.spawn_async(call, target, permit.ok(), f(guard), span);
             }
             Invocation::ExclusiveAsync(f) => {
                 let guard = self.runtime.tokio().block_on(self.state.clone().write_owned());
-                self.spawn_async(call, target, None, f(guard));
+                self.spawn_async(call, target, None, f(guard), span);
             }
         }
     }
@@ -409,9 +450,11 @@ impl<A: Actor> Executor<A> {
         target: String,
         permit: Option<tokio::sync::OwnedSemaphorePermit>,
         future: crate::actor::MethodFuture,
+        span: &tracing::Span,
     ) {
         let call_id = call.call_id;
         let running = self.running_async.clone();
+        let future = future.instrument(span.clone());
         let inner = self.runtime.tokio().spawn(async move {
             let result = AssertUnwindSafe(future).catch_unwind().await;
             // The return value was encoded in the poll that just finished, on this thread.
@@ -423,18 +466,24 @@ impl<A: Actor> Executor<A> {
         });
         running.insert(call_id, inner.abort_handle());
         let reply_to = call.reply_to;
-        self.runtime.tokio().spawn(async move {
-            let (result, refs) = match inner.await {
-                Ok(done) => done,
-                Err(e) if e.is_cancelled() => (Err(Error::Cancelled), Vec::new()),
-                Err(e) => (
-                    Err(Error::TaskFailed { target: "async call".into(), message: e.to_string() }),
-                    Vec::new(),
-                ),
-            };
-            running.remove(&call_id);
-            reply_with(&reply_to, call_id, result, refs);
-        });
+        self.runtime.tokio().spawn(
+            async move {
+                let (result, refs) = match inner.await {
+                    Ok(done) => done,
+                    Err(e) if e.is_cancelled() => (Err(Error::Cancelled), Vec::new()),
+                    Err(e) => (
+                        Err(Error::TaskFailed {
+                            target: "async call".into(),
+                            message: e.to_string(),
+                        }),
+                        Vec::new(),
+                    ),
+                };
+                running.remove(&call_id);
+                reply_with(&reply_to, call_id, result, refs);
+            }
+            .instrument(span.clone()),
+        );
     }
 }
 
@@ -452,13 +501,15 @@ impl TaskExecutor {
         std::thread::Builder::new()
             .name("rtrun-tasks".into())
             .spawn(move || {
-                let _runtime = runtime;
                 for call in rx {
                     if cancelled_in_thread.remove(&call.call_id).is_some() {
                         reply(&call.reply_to, call.call_id, Err(Error::Cancelled));
                         continue;
                     }
                     let CallTarget::Task { function } = &call.target else { continue };
+                    let span = call_span(&runtime, &call, function);
+                    let _entered = span.enter();
+                    tracing::debug!("task started");
                     let result = run_task(function, &call.args);
                     reply(&call.reply_to, call.call_id, result);
                 }

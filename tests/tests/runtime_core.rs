@@ -821,3 +821,65 @@ fn requests_name_their_service_and_typed_answers_name_a_mismatch() {
     let message = err.to_string();
     assert!(message.contains("expected a `Jobs` answer, found ClusterInfo"), "{message}");
 }
+
+/// One actor call and one task followed through the logs of the driver, the control plane and
+/// the worker by the ids their spans carry (decision: `tracing` spans, no custom log format).
+#[test]
+fn a_call_and_a_task_are_followed_through_the_logs_by_their_ids() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_trace_driver"))
+        .env("RUST_LOG", "rtrun=debug,trace_driver=info")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stdout}{stderr}");
+    assert!(stdout.contains("sum 5") && stdout.contains("double 42"), "{stdout}");
+    // `name=value` as a span (`call{job="-" …}`) or an event (`… call=4`) writes it.
+    let field = |line: &str, name: &str| -> Option<String> {
+        let at = [" ", "{"].iter().filter_map(|p| line.find(&format!("{p}{name}="))).min()?;
+        let rest = line[at + name.len() + 2..].trim_start_matches('"');
+        Some(rest.chars().take_while(|c| !matches!(c, ' ' | '}' | '"' | ':')).collect())
+    };
+    // The caller's line names the call, the actor and itself.
+    let sent = stderr
+        .lines()
+        .find(|l| l.contains("call sent"))
+        .unwrap_or_else(|| panic!("no `call sent` line:\n{stderr}"));
+    let (call, actor, caller) =
+        (field(sent, "call").unwrap(), field(sent, "actor").unwrap(), field(sent, "caller"));
+    // The worker: the method's own line carries the same call, actor and caller, and the
+    // worker, node and job it ran in.
+    let ran = stderr
+        .lines()
+        .find(|l| l.contains("adding 2 and 3"))
+        .unwrap_or_else(|| panic!("no line from the method:\n{stderr}"));
+    assert!(ran.contains("call{") && ran.contains("Echo::add"), "{ran}");
+    assert_eq!(field(ran, "call").as_ref(), Some(&call), "{ran}\n{sent}");
+    assert_eq!(field(ran, "actor").as_ref(), Some(&actor), "{ran}");
+    assert_eq!(field(ran, "caller"), caller, "{ran}\n{sent}");
+    for name in ["worker", "node", "job"] {
+        assert!(field(ran, name).is_some(), "no {name} in {ran}");
+    }
+    assert!(
+        stderr
+            .lines()
+            .any(|l| l.contains("call answered") && field(l, "call") == Some(call.clone())),
+        "the caller's answer line for call {call}:\n{stderr}"
+    );
+    // A task: the head's dispatch line and the worker's line share the head's call id.
+    let ran = stderr
+        .lines()
+        .find(|l| l.contains("doubling 21"))
+        .unwrap_or_else(|| panic!("no line from the task:\n{stderr}"));
+    assert!(ran.contains("task{") && ran.contains("double"), "{ran}");
+    let task_call = field(ran, "call").unwrap();
+    let dispatched = stderr
+        .lines()
+        .find(|l| l.contains("task dispatched") && field(l, "call") == Some(task_call.clone()));
+    assert!(dispatched.is_some_and(|l| l.contains("double")), "call {task_call}:\n{stderr}");
+    assert!(
+        stderr.contains("head_request{kind=\"SubmitTask\"")
+            || stderr.contains("head_request{kind=SubmitTask"),
+        "{stderr}"
+    );
+}

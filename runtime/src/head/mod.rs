@@ -264,6 +264,9 @@ impl Head {
         body: HeadRequest,
         responder: Responder,
     ) {
+        let peer = origin.and_then(|c| c.peer());
+        let from = peer.as_deref().unwrap_or("local");
+        let _span = tracing::debug_span!("head_request", kind = body.kind(), from).entered();
         // Requests about jobs and the cluster's end, answered outside the core.
         let body = match body {
             HeadRequest::WorkerSpawned { worker, pid } => {

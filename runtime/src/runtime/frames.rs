@@ -122,7 +122,9 @@ impl Runtime {
     fn on_reply(self: &Arc<Self>, call_id: u64, outcome: Outcome) {
         match self.calls.remove(&call_id) {
             Some((_, PendingCall::Actor(call))) => {
-                call.latency.observe(call.started.elapsed().as_secs_f64());
+                let seconds = call.started.elapsed().as_secs_f64();
+                tracing::debug!(call = call_id, actor = %call.actor(), seconds, "call answered");
+                call.latency.observe(seconds);
                 call.slot.complete(outcome_to_result(outcome))
             }
             Some((_, PendingCall::HeadTask)) => {

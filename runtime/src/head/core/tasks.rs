@@ -22,6 +22,7 @@ impl HeadCore {
         let key = (demand.clone(), spec.options.placement);
         let next = self.classes.len() as u64;
         let class = *self.classes.entry(key).or_insert(next);
+        tracing::debug!(task = %spec.task, function = %spec.function, driver = ?lineage.driver, "task queued");
         self.task_queue.push_back(QueuedTask { lineage, class, spec, demand, reply, attempts: 0 });
         self.dispatch_tasks(effects);
         Ok(())
@@ -136,6 +137,15 @@ impl HeadCore {
                 target: CallTarget::Task { function: task.spec.function.clone() },
                 args: task.spec.args.clone(),
             });
+            // The worker's `task` span names this call id and the head as its caller.
+            tracing::debug!(
+                task = %task.spec.task,
+                function = %task.spec.function,
+                call = call_id,
+                %worker,
+                driver = ?task.lineage.driver,
+                "task dispatched"
+            );
             self.running_tasks
                 .insert(call_id, RunningTask { task, worker, allocation: allocation.id });
             effects.push(Effect::Call { conn, call_id, frame });

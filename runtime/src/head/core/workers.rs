@@ -24,10 +24,15 @@ impl HeadCore {
         let worker = WorkerId(self.members.next_id());
         let job = lineage.job.clone();
         // A submitted job's environment reaches its workers; the actor's own settings win.
+        // Its job's number too, which its logs' spans carry.
         let mut env: Vec<(String, String)> = lineage
             .driver
-            .and_then(|driver| self.members.jobs.values().find(|j| j.driver == Some(driver)))
-            .map(|j| j.env.clone())
+            .and_then(|driver| self.members.jobs.iter().find(|(_, j)| j.driver == Some(driver)))
+            .map(|(id, j)| {
+                let mut env = j.env.clone();
+                env.push((crate::cluster::JOB_ENV.to_owned(), id.to_string()));
+                env
+            })
             .unwrap_or_default();
         env.extend(extra_env.iter().map(|(k, v)| (k.clone(), v.clone())));
         let spec = WorkerSpec {
