@@ -167,17 +167,33 @@ fn process_job() -> &'static str {
 /// (or the task's function), and who called with the caller's id of the call, which the
 /// caller's `actor_call` span (or the head's `task dispatched` line) names too. Every line the
 /// method logs carries them.
+/// The fields are computed only when the span is enabled (the macros evaluate them lazily):
+/// calls are the hot path.
 fn call_span(runtime: &Runtime, call: &IncomingCall, target: &str) -> tracing::Span {
-    let caller = call.reply_to.peer().and_then(|peer| crate::store::holder_of_address(&peer));
-    let caller = caller.map_or_else(|| "-".to_owned(), |h| WorkerId(h.0).to_string());
-    let (job, node, worker, call_id) =
-        (process_job(), runtime.node(), runtime.worker_id, call.call_id);
+    let caller = || {
+        let holder = call.reply_to.peer().and_then(|peer| crate::store::holder_of_address(&peer));
+        holder.map_or_else(|| "-".to_owned(), |h| WorkerId(h.0).to_string())
+    };
+    let (node, worker, call_id) = (runtime.node(), runtime.worker_id, call.call_id);
     match &call.target {
         CallTarget::Actor { actor, .. } => tracing::info_span!(
-            "call", job, %node, %worker, %actor, method = target, caller, call = call_id
+            "call",
+            job = process_job(),
+            %node,
+            %worker,
+            %actor,
+            method = target,
+            caller = caller(),
+            call = call_id
         ),
         CallTarget::Task { .. } => tracing::info_span!(
-            "task", job, %node, %worker, function = target, caller, call = call_id
+            "task",
+            job = process_job(),
+            %node,
+            %worker,
+            function = target,
+            caller = caller(),
+            call = call_id
         ),
     }
 }
