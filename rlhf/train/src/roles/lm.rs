@@ -987,27 +987,7 @@ impl LmWorkerState {
         }
         let device = self.model.params.device();
         let dp_size = rtrun::context()?.group.map(|g| g.world_size).unwrap_or(1);
-        // Over the global mini-batch: each micro-batch's sum divided by the global count (times
-        // dp_size, undone by the gradient mean). OpenRLHF's token mean by default.
-        use crate::config::LossAggMode;
-        let sequences = global.sequences.max(1) as f64;
-        let aggregation = match self.loss.loss_agg_mode {
-            LossAggMode::TokenMean => LossAggregation::GlobalTokenMean {
-                batch_num_tokens: global.tokens.max(1) as f64,
-                dp_size,
-            },
-            LossAggMode::SeqMeanTokenMean => {
-                LossAggregation::GlobalSequenceMean { global_batch_size: sequences, dp_size }
-            }
-            LossAggMode::SeqMeanTokenSum => {
-                LossAggregation::GlobalSequenceSum { global_batch_size: sequences, dp_size }
-            }
-            LossAggMode::SeqMeanTokenSumNorm => LossAggregation::GlobalConstant {
-                global_batch_size: sequences,
-                norm_len: self.loss.max_new_tokens.max(1) as f64,
-                dp_size,
-            },
-        };
+        let aggregation = loss_aggregation(&self.loss, global, dp_size);
         let clip = self.loss.clip.clone();
         self.sharded.zero_grad()?;
         let local_tokens: usize = rows.iter().map(|r| r.sequence.response_ids.len()).sum();
@@ -1126,4 +1106,33 @@ pub const ADAPTER_DIR: &str = "adapter";
 /// Bytes of a tensor's elements.
 fn tensor_bytes(t: &Tensor) -> u64 {
     (t.numel() * t.kind().elt_size_in_bytes()) as u64
+}
+
+/// How the policy loss of a micro-batch is normalised over the global mini-batch: its sum
+/// divided by the global count (times `dp_size`, undone by the gradient mean); OpenRLHF's
+/// token mean by default (`algo.loss_agg_mode`).
+fn loss_aggregation(
+    loss: &PolicyLossConfig,
+    global: GlobalBatch,
+    dp_size: usize,
+) -> LossAggregation {
+    use crate::config::LossAggMode;
+    let sequences = global.sequences.max(1) as f64;
+    match loss.loss_agg_mode {
+        LossAggMode::TokenMean => LossAggregation::GlobalTokenMean {
+            batch_num_tokens: global.tokens.max(1) as f64,
+            dp_size,
+        },
+        LossAggMode::SeqMeanTokenMean => {
+            LossAggregation::GlobalSequenceMean { global_batch_size: sequences, dp_size }
+        }
+        LossAggMode::SeqMeanTokenSum => {
+            LossAggregation::GlobalSequenceSum { global_batch_size: sequences, dp_size }
+        }
+        LossAggMode::SeqMeanTokenSumNorm => LossAggregation::GlobalConstant {
+            global_batch_size: sequences,
+            norm_len: loss.max_new_tokens.max(1) as f64,
+            dp_size,
+        },
+    }
 }

@@ -209,7 +209,6 @@ pub fn run_step(
     }
     let n = trainer.config.rollout.n_samples_per_prompt;
     let total = records.len() * n;
-    let batch_rows = trainer.config.train.dock_groups_per_batch * n;
     let dock_error = |e: DockCallError| TrainError::role("dock", e);
     dock.clear(None).map_err(dock_error)?;
     let prompts: Vec<Vec<i64>> = prompt_ids
@@ -231,9 +230,6 @@ pub fn run_step(
         max_backoff: std::time::Duration::from_millis(trainer.config.train.dock_max_poll_pause_ms),
         ..PollConfig::default()
     };
-    let spec = |consumer: &str, inputs: &[&str], outputs: &[&str], rows: usize| {
-        StageSpec::new(consumer, inputs, outputs, rows).with_poll(poll)
-    };
     let ctx = StepContext {
         trainer,
         records,
@@ -244,6 +240,43 @@ pub fn run_step(
         stats_parts: Mutex::new(Vec::new()),
         trained: Mutex::new(None),
     };
+    let stages = stage_list(&ctx, params, seed_base, poll);
+    let mut timelines = Vec::new();
+    let mut errors = Vec::new();
+    for result in run_concurrently(&store, stages) {
+        match result {
+            Ok(timeline) => timelines.push(timeline),
+            Err(e) => errors.push(e),
+        }
+    }
+    if !errors.is_empty() {
+        return Err(root_error(errors));
+    }
+    check_every_row_once(&timelines, total)?;
+    let StepContext { trained, stats_parts, .. } = ctx;
+    let (train, rows) = trained
+        .into_inner()
+        .ok()
+        .flatten()
+        .ok_or_else(|| TrainError::role("pipeline", "the training stage never ran"))?;
+    let parts = stats_parts.into_inner().unwrap_or_default();
+    Ok(DockStep { stats: combine_stats(&parts), rows, train, timelines })
+}
+
+/// The step's stage ranks, each with what it reads and writes and the work it does: a rollout
+/// rank per engine, then reward, reference and old log-probs, advantages and training.
+fn stage_list<'a>(
+    ctx: &'a StepContext<'a>,
+    params: &'a SamplingParams,
+    seed_base: u64,
+    poll: PollConfig,
+) -> Vec<(StageSpec, Work<'a>)> {
+    let (trainer, n, has_ref) = (ctx.trainer, ctx.n, ctx.has_ref);
+    let spec = |consumer: &str, inputs: &[&str], outputs: &[&str], rows: usize| {
+        StageSpec::new(consumer, inputs, outputs, rows).with_poll(poll)
+    };
+    let batch_rows = trainer.config.train.dock_groups_per_batch * n;
+    let total = ctx.records.len() * n;
     let mut adv_inputs = vec![PROMPTS, RESPONSES, ENGINE_LOG_PROBS, RM_SCORES, OLD_LOG_PROB];
     let mut train_inputs = vec![PROMPTS, RESPONSES, OLD_LOG_PROB, ADVANTAGES, RETURNS];
     if has_ref {
@@ -251,7 +284,7 @@ pub fn run_step(
         train_inputs.push(REF_LOG_PROB);
     }
 
-    let shared = &ctx;
+    let shared = ctx;
     let mut stages: Vec<(StageSpec, Work<'_>)> = Vec::new();
     for (rank, engine) in trainer.roles.engines.iter().enumerate() {
         let spec =
@@ -274,26 +307,7 @@ pub fn run_step(
     let train_spec = spec("actor_train", &train_inputs, &[], total);
     stages.push((train_spec, Box::new(|b: &PackedBatch| shared.train(b))));
 
-    let mut timelines = Vec::new();
-    let mut errors = Vec::new();
-    for result in run_concurrently(&store, stages) {
-        match result {
-            Ok(timeline) => timelines.push(timeline),
-            Err(e) => errors.push(e),
-        }
-    }
-    if !errors.is_empty() {
-        return Err(root_error(errors));
-    }
-    check_every_row_once(&timelines, total)?;
-    let StepContext { trained, stats_parts, .. } = ctx;
-    let (train, rows) = trained
-        .into_inner()
-        .ok()
-        .flatten()
-        .ok_or_else(|| TrainError::role("pipeline", "the training stage never ran"))?;
-    let parts = stats_parts.into_inner().unwrap_or_default();
-    Ok(DockStep { stats: combine_stats(&parts), rows, train, timelines })
+    stages
 }
 
 /// What the stages of one step share: the trainer, the step's prompts and where the

@@ -123,171 +123,27 @@ impl Roles {
         total_optimizer_steps: u64,
     ) -> Result<Roles> {
         let threads = thread_plan(config, &placements, reward_dir.is_some());
-        let loss = PolicyLossConfig {
-            clip: config.algo.clip_config(),
-            entropy_coef: config.algo.entropy_coef,
-            use_kl_loss: config.algo.use_kl_loss,
-            kl_estimator: config.algo.kl_estimator,
-            micro_batch_size: config.train.micro_batch_size,
-            share_prompt: config.train.share_prompt,
-            loss_agg_mode: config.algo.loss_agg_mode,
-            max_new_tokens: config.max_new_tokens(),
-        };
-        let actor_config = LmWorkerConfig {
-            setup: WorkerSetup::on("actor", threads, &config.policy.device, config.policy.dtype),
-            model_dir: policy_dir.to_path_buf(),
-            optimizer: Some(optimizer(config, config.train.actor_lr, total_optimizer_steps)),
-            loss: loss.clone(),
-            with_reference: false,
-            shard: config.train.shard(),
-            lora: config.policy.lora_setup(config.seed),
-        };
         let p = &placements;
         // Engine shapes first, before any actor starts.
         engine_count(config, p)?;
         check_tensor_parallel(policy_dir, config.engine.tensor_parallel_size)?;
+        let actor_config = policy_config(config, threads, policy_dir, total_optimizer_steps);
         let actor =
             ActorGroup::create("actor", p.actor.replicas, Default::default(), |rank, options| {
                 LmWorker::remote_with(placed(p, "actor", rank, options)?, actor_config.clone())
             })?;
         let reference_from_policy = config.reference_from_policy();
-        let reference = if config.algo.needs_reference() && !reference_from_policy {
-            let ref_config = LmWorkerConfig {
-                setup: WorkerSetup::on(
-                    "ref",
-                    threads,
-                    &config.reference.device,
-                    config.reference.dtype,
-                ),
-                model_dir: config.reference.pretrain.clone().unwrap_or(policy_dir.to_path_buf()),
-                optimizer: None,
-                lora: None,
-                ..actor_config.clone()
-            };
-            Some(ActorGroup::create(
-                "ref",
-                p.reference.replicas,
-                Default::default(),
-                |rank, options| {
-                    LmWorker::remote_with(placed(p, "ref", rank, options)?, ref_config.clone())
-                },
-            )?)
-        } else {
-            None
+        let reference = match config.algo.needs_reference() && !reference_from_policy {
+            true => Some(create_reference(config, p, threads, policy_dir, &actor_config)?),
+            false => None,
         };
-        let critic = if config.algo.needs_critic() {
-            let critic_config = CriticWorkerConfig {
-                setup: WorkerSetup::on(
-                    "critic",
-                    threads,
-                    &config.critic.device,
-                    config.critic.dtype,
-                ),
-                model_dir: config.critic.pretrain.clone().unwrap_or(policy_dir.to_path_buf()),
-                optimizer: optimizer(config, config.train.critic_lr, total_optimizer_steps),
-                value_clip: config.algo.value_clip,
-                micro_batch_size: config.train.micro_batch_size,
-                share_prompt: config.train.share_prompt,
-                seed: config.seed,
-                shard: config.train.shard(),
-                lora: None,
-            };
-            Some(ActorGroup::create(
-                "critic",
-                p.critic.replicas,
-                Default::default(),
-                |rank, options| {
-                    CriticWorker::remote_with(
-                        placed(p, "critic", rank, options)?,
-                        critic_config.clone(),
-                    )
-                },
-            )?)
-        } else {
-            None
+        let critic = match config.algo.needs_critic() {
+            true => Some(create_critic(config, p, threads, policy_dir, total_optimizer_steps)?),
+            false => None,
         };
-        let reward_model = match (config.reward.kind, reward_dir) {
-            (RewardKind::Model, Some(dir)) => {
-                let rm_config = RewardModelConfig {
-                    setup: WorkerSetup::on(
-                        "reward",
-                        threads,
-                        &config.reward.device,
-                        config.reward.dtype,
-                    ),
-                    model_dir: dir.to_path_buf(),
-                    micro_batch_size: config.train.micro_batch_size,
-                    shard: config.train.shard(),
-                };
-                Some(ActorGroup::create(
-                    "reward",
-                    p.reward.replicas,
-                    Default::default(),
-                    |rank, options| {
-                        RewardModelWorker::remote_with(
-                            placed(p, "reward", rank, options)?,
-                            rm_config.clone(),
-                        )
-                    },
-                )?)
-            }
-            (RewardKind::Model, None) => {
-                return Err(TrainError::config(
-                    "reward.model_dir",
-                    "expected a reward model directory, found none",
-                ));
-            }
-            _ => None,
-        };
-        let python_reward = match (config.reward.kind, &config.reward.path) {
-            (RewardKind::Python, Some(path)) => {
-                let python = PythonRewardConfig {
-                    python: config.reward.python.clone(),
-                    path: path.clone(),
-                    function: config.reward.function.clone(),
-                    timeout_s: config.reward.timeout_s,
-                };
-                Some(ActorGroup::create(
-                    "reward",
-                    config.reward.parallel_tasks,
-                    Default::default(),
-                    |_, options| PythonRewardWorker::remote_with(options, python.clone()),
-                )?)
-            }
-            _ => None,
-        };
-        let e = &config.engine;
-        let engine_config = EngineActorConfig {
-            model_dir: policy_dir.to_path_buf(),
-            engine: EngineConfig {
-                seed: config.seed,
-                device: e.device.0.clone(),
-                dtype: e.dtype.engine_name().to_owned(),
-                kv_cache_bytes: e.kv_cache_bytes,
-                max_num_seqs: e.max_num_seqs,
-                tensor_parallel_size: e.tensor_parallel_size,
-                ..EngineConfig::default()
-            },
-        };
-        // libtorch reads its intra-op thread count from OMP_NUM_THREADS when the engine's
-        // process starts; without `engine.threads` it uses every core.
-        let tp = engine_config.engine.tensor_parallel_size;
-        let num_engines = engine_count(config, p)?;
-        let engine_ranks = (0..num_engines)
-            .map(|engine| {
-                let name = format!("vllm_engine-{engine}");
-                let group = EngineActor::create_group(&name, &engine_config, |rank, base| {
-                    let base = match e.threads {
-                        Some(n) => base.env("OMP_NUM_THREADS", &n.to_string()),
-                        None => base,
-                    };
-                    p.options("vllm_engine", engine * tp + rank, base)
-                        .map_err(|e| rtrun::Error::Invalid(e.to_string()))
-                })
-                .map_err(|e| TrainError::role("vllm_engine", e))?;
-                Ok(group.members().to_vec())
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let reward_model = create_reward_model(config, p, threads, reward_dir)?;
+        let python_reward = create_python_reward(config)?;
+        let engine_ranks = create_engines(config, p, policy_dir)?;
         let engines = engine_ranks.iter().filter_map(|ranks| ranks.first().cloned()).collect();
         let dock = match config.train.pipeline {
             PipelineMode::Dock => Some(
@@ -336,6 +192,169 @@ impl Roles {
         }
         let _ = self.placements.remove();
     }
+}
+
+/// The policy ranks' settings: model, optimizer, loss, sharding, LoRA.
+fn policy_config(
+    config: &TrainConfig,
+    threads: ThreadPlan,
+    policy_dir: &Path,
+    total_optimizer_steps: u64,
+) -> LmWorkerConfig {
+    let loss = PolicyLossConfig {
+        clip: config.algo.clip_config(),
+        entropy_coef: config.algo.entropy_coef,
+        use_kl_loss: config.algo.use_kl_loss,
+        kl_estimator: config.algo.kl_estimator,
+        micro_batch_size: config.train.micro_batch_size,
+        share_prompt: config.train.share_prompt,
+        loss_agg_mode: config.algo.loss_agg_mode,
+        max_new_tokens: config.max_new_tokens(),
+    };
+    LmWorkerConfig {
+        setup: WorkerSetup::on("actor", threads, &config.policy.device, config.policy.dtype),
+        model_dir: policy_dir.to_path_buf(),
+        optimizer: Some(optimizer(config, config.train.actor_lr, total_optimizer_steps)),
+        loss,
+        with_reference: false,
+        shard: config.train.shard(),
+        lora: config.policy.lora_setup(config.seed),
+    }
+}
+
+/// The reference group: the policy's settings without an optimizer or adapters.
+fn create_reference(
+    config: &TrainConfig,
+    p: &RolePlacements,
+    threads: ThreadPlan,
+    policy_dir: &Path,
+    actor_config: &LmWorkerConfig,
+) -> Result<ActorGroup<LmWorker>> {
+    let ref_config = LmWorkerConfig {
+        setup: WorkerSetup::on("ref", threads, &config.reference.device, config.reference.dtype),
+        model_dir: config.reference.pretrain.clone().unwrap_or(policy_dir.to_path_buf()),
+        optimizer: None,
+        lora: None,
+        ..actor_config.clone()
+    };
+    Ok(ActorGroup::create("ref", p.reference.replicas, Default::default(), |rank, options| {
+        LmWorker::remote_with(placed(p, "ref", rank, options)?, ref_config.clone())
+    })?)
+}
+
+/// The critic group (PPO with GAE).
+fn create_critic(
+    config: &TrainConfig,
+    p: &RolePlacements,
+    threads: ThreadPlan,
+    policy_dir: &Path,
+    total_optimizer_steps: u64,
+) -> Result<ActorGroup<CriticWorker>> {
+    let critic_config = CriticWorkerConfig {
+        setup: WorkerSetup::on("critic", threads, &config.critic.device, config.critic.dtype),
+        model_dir: config.critic.pretrain.clone().unwrap_or(policy_dir.to_path_buf()),
+        optimizer: optimizer(config, config.train.critic_lr, total_optimizer_steps),
+        value_clip: config.algo.value_clip,
+        micro_batch_size: config.train.micro_batch_size,
+        share_prompt: config.train.share_prompt,
+        seed: config.seed,
+        shard: config.train.shard(),
+        lora: None,
+    };
+    Ok(ActorGroup::create("critic", p.critic.replicas, Default::default(), |rank, options| {
+        CriticWorker::remote_with(placed(p, "critic", rank, options)?, critic_config.clone())
+    })?)
+}
+
+/// The reward-model group, with `reward.kind: model`.
+fn create_reward_model(
+    config: &TrainConfig,
+    p: &RolePlacements,
+    threads: ThreadPlan,
+    reward_dir: Option<&Path>,
+) -> Result<Option<ActorGroup<RewardModelWorker>>> {
+    let dir = match (config.reward.kind, reward_dir) {
+        (RewardKind::Model, Some(dir)) => dir,
+        (RewardKind::Model, None) => {
+            return Err(TrainError::config(
+                "reward.model_dir",
+                "expected a reward model directory, found none",
+            ));
+        }
+        _ => return Ok(None),
+    };
+    let rm_config = RewardModelConfig {
+        setup: WorkerSetup::on("reward", threads, &config.reward.device, config.reward.dtype),
+        model_dir: dir.to_path_buf(),
+        micro_batch_size: config.train.micro_batch_size,
+        shard: config.train.shard(),
+    };
+    Ok(Some(ActorGroup::create(
+        "reward",
+        p.reward.replicas,
+        Default::default(),
+        |rank, options| {
+            RewardModelWorker::remote_with(placed(p, "reward", rank, options)?, rm_config.clone())
+        },
+    )?))
+}
+
+/// The Python reward workers, with `reward.kind: python`.
+fn create_python_reward(config: &TrainConfig) -> Result<Option<ActorGroup<PythonRewardWorker>>> {
+    let (RewardKind::Python, Some(path)) = (config.reward.kind, &config.reward.path) else {
+        return Ok(None);
+    };
+    let python = PythonRewardConfig {
+        python: config.reward.python.clone(),
+        path: path.clone(),
+        function: config.reward.function.clone(),
+        timeout_s: config.reward.timeout_s,
+    };
+    Ok(Some(ActorGroup::create(
+        "reward",
+        config.reward.parallel_tasks,
+        Default::default(),
+        |_, options| PythonRewardWorker::remote_with(options, python.clone()),
+    )?))
+}
+
+/// Every engine's tensor-parallel ranks (rank 0 first).
+fn create_engines(
+    config: &TrainConfig,
+    p: &RolePlacements,
+    policy_dir: &Path,
+) -> Result<Vec<Vec<EngineActorRef>>> {
+    let e = &config.engine;
+    let engine_config = EngineActorConfig {
+        model_dir: policy_dir.to_path_buf(),
+        engine: EngineConfig {
+            seed: config.seed,
+            device: e.device.0.clone(),
+            dtype: e.dtype.engine_name().to_owned(),
+            kv_cache_bytes: e.kv_cache_bytes,
+            max_num_seqs: e.max_num_seqs,
+            tensor_parallel_size: e.tensor_parallel_size,
+            ..EngineConfig::default()
+        },
+    };
+    // libtorch reads its intra-op thread count from OMP_NUM_THREADS when the engine's
+    // process starts; without `engine.threads` it uses every core.
+    let tp = engine_config.engine.tensor_parallel_size;
+    (0..engine_count(config, p)?)
+        .map(|engine| {
+            let name = format!("vllm_engine-{engine}");
+            let group = EngineActor::create_group(&name, &engine_config, |rank, base| {
+                let base = match e.threads {
+                    Some(n) => base.env("OMP_NUM_THREADS", &n.to_string()),
+                    None => base,
+                };
+                p.options("vllm_engine", engine * tp + rank, base)
+                    .map_err(|e| rtrun::Error::Invalid(e.to_string()))
+            })
+            .map_err(|e| TrainError::role("vllm_engine", e))?;
+            Ok(group.members().to_vec())
+        })
+        .collect()
 }
 
 /// The number of engines: `cluster.engine_replicas` without a placement spec; with one, the

@@ -351,6 +351,43 @@ pub fn make_experience(
     )
 }
 
+/// The task's rewards shaped for the advantages: the overlong penalty, then the running
+/// normalisation (the metrics keep the task's own); with the penalties' sum and the merged
+/// moments.
+fn shape_rewards(
+    trainer: &Trainer,
+    rewards: &[f32],
+    lengths: &[usize],
+) -> (Vec<f32>, f64, Option<RunningMoments>) {
+    let algo_config = &trainer.config.algo;
+    let mut shaped = rewards.to_vec();
+    let mut penalty_sum = 0.0;
+    if let Some(p) = &algo_config.overlong_penalty {
+        let budget = trainer.config.max_new_tokens();
+        for (reward, &length) in shaped.iter_mut().zip(lengths) {
+            let penalty = algo::overlong_penalty(length, budget, p.buffer_len, p.factor);
+            penalty_sum += penalty;
+            *reward += penalty as f32;
+        }
+    }
+    let moments = algo_config.normalize_reward.then(|| {
+        let moments = trainer.state.reward_moments.merge(&RunningMoments::of(&shaped));
+        shaped.iter_mut().for_each(|r| *r = moments.normalize(*r));
+        moments
+    });
+    (shaped, penalty_sum, moments)
+}
+
+/// The summed |engine − policy| log-prob over every response token.
+fn absolute_gap(engine: &[Vec<f32>], policy: &[Vec<f32>]) -> f64 {
+    engine
+        .iter()
+        .zip(policy)
+        .flat_map(|(e, p)| e.iter().zip(p))
+        .map(|(a, b)| f64::from((a - b).abs()))
+        .sum()
+}
+
 /// What the roles computed for a batch of sequences, one entry per sequence.
 #[derive(Debug, Clone, Default)]
 pub struct RoleResults {
@@ -412,23 +449,7 @@ pub fn assemble(
         Some(v) => Some(tensor_of(v)?),
         None => None,
     };
-    // The task's rewards shaped for the advantages: the overlong penalty, then the running
-    // normalisation; the metrics keep the task's own.
-    let mut shaped = scalar_rewards.clone();
-    let mut penalty_sum = 0.0;
-    if let Some(p) = &algo_config.overlong_penalty {
-        let budget = trainer.config.max_new_tokens();
-        for (reward, &length) in shaped.iter_mut().zip(&lengths) {
-            let penalty = algo::overlong_penalty(length, budget, p.buffer_len, p.factor);
-            penalty_sum += penalty;
-            *reward += penalty as f32;
-        }
-    }
-    let reward_moments = algo_config.normalize_reward.then(|| {
-        let moments = trainer.state.reward_moments.merge(&RunningMoments::of(&shaped));
-        shaped.iter_mut().for_each(|r| *r = moments.normalize(*r));
-        moments
-    });
+    let (shaped, penalty_sum, reward_moments) = shape_rewards(trainer, &scalar_rewards, &lengths);
     let scalar = Tensor::from_slice(&shaped);
     let reward_kl = if algo_config.use_kl_loss { None } else { kl.as_ref() };
     let advantages = algo::compute_advantages(
@@ -447,12 +468,8 @@ pub fn assemble(
 
     let tokens = mask.f_sum(Kind::Float)?.f_double_value(&[])?.max(1.0);
     let correct = full_reward_count(&scalar_rewards);
-    let mut gap = 0.0f64;
-    for (engine, policy) in engine_log_probs.iter().zip(&old_log_probs) {
-        gap += engine.iter().zip(policy).map(|(a, b)| f64::from((a - b).abs())).sum::<f64>();
-    }
     let stats = ExperienceStats {
-        engine_logprob_gap: gap / tokens,
+        engine_logprob_gap: absolute_gap(engine_log_probs, &old_log_probs) / tokens,
         reward: scalar_rewards.iter().map(|&r| f64::from(r)).sum::<f64>() / count.max(1) as f64,
         accuracy: correct as f64 / count.max(1) as f64,
         kl: match &kl {
