@@ -18,9 +18,17 @@ pub type Address = String;
 pub enum Frame {
     /// Run a method or a task.
     Call(CallFrame),
-    /// The outcome of a call, sent back on the connection the call came in on.
+    /// The outcome of an actor call, sent back on the connection the call came in on.
     Reply {
         /// The call's id, chosen by the caller.
+        call_id: u64,
+        /// Its result.
+        outcome: Outcome,
+    },
+    /// The outcome of a task the head dispatched: its own frame, so the head's task calls and
+    /// a process's actor calls have separate tables and id spaces.
+    TaskReply {
+        /// The head's id of the dispatch.
         call_id: u64,
         /// Its result.
         outcome: Outcome,
@@ -71,7 +79,9 @@ impl Frame {
         };
         match self {
             Frame::Call(call) => visit_args(&call.args, visit),
-            Frame::Reply { outcome, .. } => visit_outcome(outcome, visit),
+            Frame::Reply { outcome, .. } | Frame::TaskReply { outcome, .. } => {
+                visit_outcome(outcome, visit)
+            }
             Frame::Request { body: Request::Head(HeadRequest::SubmitTask(spec)), .. } => {
                 visit_args(&spec.args, visit)
             }
@@ -107,7 +117,9 @@ impl Frame {
             };
         match self {
             Frame::Call(call) => visit_args(&mut call.args, visit),
-            Frame::Reply { outcome, .. } => visit_outcome(outcome, visit),
+            Frame::Reply { outcome, .. } | Frame::TaskReply { outcome, .. } => {
+                visit_outcome(outcome, visit)
+            }
             Frame::Request { body: Request::Head(HeadRequest::SubmitTask(spec)), .. } => {
                 visit_args(&mut spec.args, visit)
             }

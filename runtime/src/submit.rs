@@ -16,15 +16,8 @@ use crate::protocol::{Arg, CallFrame, CallTarget, Frame, HeadRequest, Response};
 use crate::runtime::Runtime;
 use crate::transport::Connection;
 
-/// A call whose reply this process waits for.
-pub(crate) enum PendingCall {
-    /// An actor method call made by this process.
-    Actor(ActorCall),
-    /// A task the head dispatched to a task worker.
-    HeadTask,
-}
-
-/// An actor call in flight or queued.
+/// An actor call made by this process, in flight or queued (`Runtime::calls`; the head's task
+/// calls are the core's `running_tasks`, answered by `Frame::TaskReply`).
 pub(crate) struct ActorCall {
     pub(crate) slot: Arc<Slot>,
     actor: ActorId,
@@ -101,7 +94,7 @@ impl Runtime {
         .entered();
         self.calls.insert(
             call_id,
-            PendingCall::Actor(ActorCall {
+            ActorCall {
                 slot,
                 actor: info.id,
                 frame: Some(frame),
@@ -109,7 +102,7 @@ impl Runtime {
                 connection: None,
                 started: std::time::Instant::now(),
                 latency: submitter.latency.clone(),
-            }),
+            },
         );
         submitter.submit(self, call_id);
         ObjectRef::from_local(object)
@@ -281,7 +274,7 @@ impl Submitter {
         let mut in_flight: Vec<u64> = runtime
             .calls
             .iter()
-            .filter(|c| matches!(c.value(), PendingCall::Actor(a) if a.actor == self.info.id && a.connection == Some(connection)))
+            .filter(|c| c.actor == self.info.id && c.connection == Some(connection))
             .map(|c| *c.key())
             .collect();
         in_flight.sort_unstable();
@@ -289,16 +282,14 @@ impl Submitter {
         let mut lost = Vec::new();
         for call_id in in_flight {
             let retry = match runtime.calls.get_mut(&call_id) {
-                Some(mut entry) => match entry.value_mut() {
-                    PendingCall::Actor(call) if call.retries_left != 0 && call.frame.is_some() => {
-                        if call.retries_left > 0 {
-                            call.retries_left -= 1;
-                        }
-                        call.connection = None;
-                        true
+                Some(mut call) if call.retries_left != 0 && call.frame.is_some() => {
+                    if call.retries_left > 0 {
+                        call.retries_left -= 1;
                     }
-                    _ => false,
-                },
+                    call.connection = None;
+                    true
+                }
+                Some(_) => false,
                 None => continue,
             };
             if retry {
@@ -322,15 +313,11 @@ impl Submitter {
 /// Sends a queued call; false when the connection is broken.
 fn send_call(runtime: &Runtime, conn: &Arc<Connection>, call_id: u64) -> bool {
     let (frame, actor) = match runtime.calls.get_mut(&call_id) {
-        Some(mut entry) => match entry.value_mut() {
-            PendingCall::Actor(call) => {
-                call.connection = Some(conn.id());
-                let frame =
-                    if call.retries_left != 0 { call.frame.clone() } else { call.frame.take() };
-                (frame, call.actor)
-            }
-            PendingCall::HeadTask => return true,
-        },
+        Some(mut call) => {
+            call.connection = Some(conn.id());
+            let frame = if call.retries_left != 0 { call.frame.clone() } else { call.frame.take() };
+            (frame, call.actor)
+        }
         None => return true,
     };
     let Some(frame) = frame else { return true };
@@ -347,7 +334,7 @@ fn send_call(runtime: &Runtime, conn: &Arc<Connection>, call_id: u64) -> bool {
 }
 
 fn fail_call(runtime: &Runtime, call_id: u64, error: Error) {
-    if let Some((_, PendingCall::Actor(call))) = runtime.calls.remove(&call_id) {
+    if let Some((_, call)) = runtime.calls.remove(&call_id) {
         tracing::debug!(call = call_id, actor = %call.actor, "call failed: {error}");
         call.slot.complete(Err(error));
     }
@@ -358,13 +345,7 @@ impl Runtime {
     pub(crate) fn cancel(self: &Arc<Self>, id: crate::ids::ObjectId, force: bool) -> Result<()> {
         let call_id = id.0 as u64;
         if self.owns_object_id(id) {
-            let queued_or_sent = match self.calls.get_mut(&call_id) {
-                Some(mut entry) => match entry.value_mut() {
-                    PendingCall::Actor(call) => Some(call.connection),
-                    PendingCall::HeadTask => None,
-                },
-                None => None,
-            };
+            let queued_or_sent = self.calls.get(&call_id).map(|call| call.connection);
             match queued_or_sent {
                 Some(None) => {
                     fail_call(self, call_id, Error::Cancelled);

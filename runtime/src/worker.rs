@@ -212,11 +212,10 @@ pub(crate) fn on_call(runtime: &Arc<Runtime>, conn: &Arc<Connection>, call: Call
         // executor starts with the first task rather than with the assignment.
         (CallTarget::Task { .. }, None) => match task_executor(runtime) {
             Ok(tasks) => tasks.submit(incoming),
-            Err(e) => reply(&incoming.reply_to, incoming.call_id, Err(e)),
+            Err(e) => answer(&incoming, Err(e)),
         },
-        _ => reply(
-            &incoming.reply_to,
-            incoming.call_id,
+        _ => answer(
+            &incoming,
             Err(Error::Invalid(format!(
                 "worker {} cannot run {:?}",
                 runtime.worker_id, incoming.target
@@ -225,17 +224,20 @@ pub(crate) fn on_call(runtime: &Arc<Runtime>, conn: &Arc<Connection>, call: Call
     }
 }
 
-/// Sends a call's outcome; a value over the inline limit goes through the node's object store
-/// (the reply carries its location, and the caller gets its own reference count).
+/// Sends a call's outcome to its caller: an actor call's as a [`Frame::Reply`], a task's as a
+/// [`Frame::TaskReply`] to the head; a value over the inline limit goes through the node's
+/// object store (the reply carries its location, and the caller gets its own reference count).
 /// The references in the value come from the return value this thread encoded last.
-fn reply(conn: &Arc<Connection>, call_id: u64, result: Result<Vec<u8>>) {
-    reply_with(conn, call_id, result, crate::object::take_return_refs());
+fn answer(call: &IncomingCall, result: Result<Vec<u8>>) {
+    let task = matches!(call.target, CallTarget::Task { .. });
+    reply_with(&call.reply_to, call.call_id, task, result, crate::object::take_return_refs());
 }
 
-/// Like [`reply`], with the references the value carries given explicitly.
+/// Like [`answer`], with the references the value carries given explicitly.
 fn reply_with(
     conn: &Arc<Connection>,
     call_id: u64,
+    task: bool,
     result: Result<Vec<u8>>,
     refs: Vec<crate::object::StoredValue>,
 ) {
@@ -255,7 +257,11 @@ fn reply_with(
         Outcome::Error(e) => tracing::debug!("call failed: {e}"),
         _ => tracing::debug!("call replied"),
     }
-    if let Err(e) = conn.send(&Frame::Reply { call_id, outcome }) {
+    let frame = match task {
+        true => Frame::TaskReply { call_id, outcome },
+        false => Frame::Reply { call_id, outcome },
+    };
+    if let Err(e) = conn.send(&frame) {
         tracing::debug!("could not deliver a reply: {e}");
     }
 }
@@ -290,11 +296,7 @@ impl<A: Actor> HostedActor for ActorCell<A> {
     fn submit(&self, call: IncomingCall) {
         if let Err(e) = self.queue.send(call) {
             let call = e.into_inner();
-            reply(
-                &call.reply_to,
-                call.call_id,
-                Err(Error::Invalid("the actor's executor stopped".into())),
-            );
+            answer(&call, Err(Error::Invalid("the actor's executor stopped".into())));
         }
     }
 
@@ -386,7 +388,7 @@ impl<A: Actor> Executor<A> {
     fn run(self, calls: crossbeam_channel::Receiver<IncomingCall>) {
         for call in calls {
             if self.cancelled.remove(&call.call_id).is_some() {
-                reply(&call.reply_to, call.call_id, Err(Error::Cancelled));
+                answer(&call, Err(Error::Cancelled));
                 continue;
             }
             let CallTarget::Actor { method, .. } = call.target else { continue };
@@ -398,7 +400,7 @@ impl<A: Actor> Executor<A> {
             let invocation = match invocation {
                 Ok(invocation) => invocation,
                 Err(e) => {
-                    reply(&call.reply_to, call.call_id, Err(e));
+                    answer(&call, Err(e));
                     continue;
                 }
             };
@@ -418,18 +420,14 @@ impl<A: Actor> Executor<A> {
             Invocation::Exclusive(f) => {
                 let mut guard = self.state.blocking_write();
                 let result = std::panic::catch_unwind(AssertUnwindSafe(|| f(&mut guard)));
-                reply(&call.reply_to, call.call_id, result.unwrap_or_else(|p| Err(failed(p))));
+                answer(&call, result.unwrap_or_else(|p| Err(failed(p))));
             }
             Invocation::Shared(f) => {
                 let guard = self.runtime.tokio().block_on(self.state.clone().read_owned());
                 match &self.sync_pool {
                     None => {
                         let result = std::panic::catch_unwind(AssertUnwindSafe(|| f(&guard)));
-                        reply(
-                            &call.reply_to,
-                            call.call_id,
-                            result.unwrap_or_else(|p| Err(failed(p))),
-                        );
+                        answer(&call, result.unwrap_or_else(|p| Err(failed(p))));
                     }
                     Some(pool) => {
                         let span = span.clone();
@@ -439,7 +437,7 @@ impl<A: Actor> Executor<A> {
                             let result = result.unwrap_or_else(|p| {
                                 Err(Error::TaskFailed { target, message: panic_message(p) })
                             });
-                            reply(&call.reply_to, call.call_id, result);
+                            answer(&call, result);
                         });
                         if pool.jobs.send(job).is_err() {
                             tracing::error!("actor pool stopped");
@@ -496,7 +494,7 @@ impl<A: Actor> Executor<A> {
                     ),
                 };
                 running.remove(&call_id);
-                reply_with(&reply_to, call_id, result, refs);
+                reply_with(&reply_to, call_id, false, result, refs);
             }
             .instrument(span.clone()),
         );
@@ -519,7 +517,7 @@ impl TaskExecutor {
             .spawn(move || {
                 for call in rx {
                     if cancelled_in_thread.remove(&call.call_id).is_some() {
-                        reply(&call.reply_to, call.call_id, Err(Error::Cancelled));
+                        answer(&call, Err(Error::Cancelled));
                         continue;
                     }
                     let CallTarget::Task { function } = &call.target else { continue };
@@ -527,7 +525,7 @@ impl TaskExecutor {
                     let _entered = span.enter();
                     tracing::debug!("task started");
                     let result = run_task(function, &call.args);
-                    reply(&call.reply_to, call.call_id, result);
+                    answer(&call, result);
                 }
             })
             .map_err(|e| Error::System(format!("cannot start the task thread: {e}")))?;
@@ -537,11 +535,7 @@ impl TaskExecutor {
     pub(crate) fn submit(&self, call: IncomingCall) {
         if let Err(e) = self.queue.send(call) {
             let call = e.into_inner();
-            reply(
-                &call.reply_to,
-                call.call_id,
-                Err(Error::Invalid("the task executor stopped".into())),
-            );
+            answer(&call, Err(Error::Invalid("the task executor stopped".into())));
         }
     }
 

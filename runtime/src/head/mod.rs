@@ -24,7 +24,6 @@ use crate::error::Result;
 use crate::ids::WorkerId;
 use crate::protocol::{Address, Frame, HeadRequest, NodeRequest, Outcome, Response, WorkerExit};
 use crate::runtime::Runtime;
-use crate::submit::PendingCall;
 use crate::transport::Connection;
 
 pub(crate) use self::core::HeadConfig;
@@ -370,11 +369,10 @@ impl Head {
                     }
                 }
                 Action::Call(conn, call_id, frame) => {
-                    if let Some(runtime) = self.runtime() {
-                        runtime.calls.insert(call_id, PendingCall::HeadTask);
-                    }
+                    // Its answer comes back as a `TaskReply` (`Head::on_task_reply`).
                     if let Err(e) = conn.send(&frame) {
                         tracing::debug!(
+                            call = call_id,
                             "a task call failed to send (the reaper handles its exit): {e}"
                         );
                     }

@@ -11,7 +11,6 @@ use crate::ids::WorkerId;
 use crate::object::Value;
 use crate::protocol::{Frame, HeadRequest, Outcome, OwnerRequest, Request, Response};
 use crate::store::Hold;
-use crate::submit::PendingCall;
 use crate::transport::{Connection, FrameHandler};
 
 pub(super) struct PendingRequest {
@@ -66,12 +65,9 @@ impl FrameHandler for Handler {
         match frame {
             // Completing an actor call's slot wakes its waiters; a task reply to the head
             // would run the scheduler, which may block, so those stay on the thread.
-            Frame::Reply { call_id, .. } => self.runtime().is_some_and(|runtime| {
-                matches!(
-                    runtime.calls.get(call_id).as_deref(),
-                    Some(crate::submit::PendingCall::Actor(_))
-                )
-            }),
+            Frame::Reply { call_id, .. } => {
+                self.runtime().is_some_and(|runtime| runtime.calls.contains_key(call_id))
+            }
             // A call to the actor this worker hosts only queues it for the actor's executor.
             Frame::Call(call) => {
                 matches!(call.target, crate::protocol::CallTarget::Actor { .. })
@@ -100,7 +96,14 @@ impl Runtime {
         match frame {
             Frame::Hello { address } => conn.set_peer(address),
             Frame::Call(call) => crate::worker::on_call(self, conn, call),
-            Frame::Reply { call_id, outcome } => self.on_reply(call_id, outcome),
+            Frame::Reply { call_id, outcome } => self.complete_call(call_id, outcome),
+            Frame::TaskReply { call_id, outcome } => match self.head() {
+                Some(head) => head.on_task_reply(call_id, outcome),
+                None => tracing::debug!(
+                    call = call_id,
+                    "a task reply reached a process without the head"
+                ),
+            },
             Frame::Cancel { call_id } => {
                 if let Some(hosted) = self.hosted() {
                     hosted.cancel(call_id);
@@ -119,20 +122,15 @@ impl Runtime {
         }
     }
 
-    fn on_reply(self: &Arc<Self>, call_id: u64, outcome: Outcome) {
-        match self.calls.remove(&call_id) {
-            Some((_, PendingCall::Actor(call))) => {
-                let seconds = call.started.elapsed().as_secs_f64();
-                tracing::debug!(call = call_id, actor = %call.actor(), seconds, "call answered");
-                call.latency.observe(seconds);
-                call.slot.complete(outcome_to_result(outcome))
-            }
-            Some((_, PendingCall::HeadTask)) => {
-                if let Some(head) = self.head() {
-                    head.on_task_reply(call_id, outcome);
-                }
-            }
-            None => {}
+    /// Where an actor call made by this process resumes: its reply completes the result's
+    /// slot, waking whoever waits on the `ObjectRef` (a reply to a call already failed or
+    /// cancelled is dropped).
+    fn complete_call(self: &Arc<Self>, call_id: u64, outcome: Outcome) {
+        if let Some((_, call)) = self.calls.remove(&call_id) {
+            let seconds = call.started.elapsed().as_secs_f64();
+            tracing::debug!(call = call_id, actor = %call.actor(), seconds, "call answered");
+            call.latency.observe(seconds);
+            call.slot.complete(outcome_to_result(outcome))
         }
     }
 

@@ -26,7 +26,7 @@ use crate::ids::{Counter, NodeId, ObjectId, WorkerId};
 use crate::object::{ObjectRef, ObjectTable, Slot, Value};
 use crate::protocol::{Address, Outcome, Response};
 use crate::store::StoreClient;
-use crate::submit::{PendingCall, Submitters};
+use crate::submit::{ActorCall, Submitters};
 use crate::transport::{Endpoint, TransportConfig};
 use crate::worker::WorkerSpec;
 
@@ -162,7 +162,7 @@ pub struct Runtime {
     counter: Counter,
     endpoint: Arc<Endpoint>,
     pub(crate) objects: ObjectTable,
-    pub(crate) calls: DashMap<u64, PendingCall>,
+    pub(crate) calls: DashMap<u64, ActorCall>,
     pub(crate) submitters: Submitters,
     requests: DashMap<u64, PendingRequest>,
     pub(crate) actor_context: parking_lot::Mutex<Option<crate::protocol::ActorStart>>,

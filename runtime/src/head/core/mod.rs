@@ -7,7 +7,8 @@
 //! connections, the responders and the spawner, and executes the effects.
 //!
 //! Ids come from the core: actors, workers, drivers, nodes and the call ids of the tasks it
-//! dispatches (see [`TASK_CALL_IDS`]).
+//! dispatches (answered by `Frame::TaskReply`, so they share no id space with a process's own
+//! actor calls).
 
 mod actors;
 mod groups;
@@ -31,11 +32,6 @@ use crate::protocol::{Address, Frame, HeadRequest, Outcome, Response, TaskCounts
 use crate::task::TaskSpec;
 
 pub(crate) use members::{JobEntry, Members};
-
-/// The first call id of the tasks the core dispatches: the shell's runtime numbers its own
-/// calls from 1 in the same table, so the core's ids start far above where that counter can
-/// reach.
-pub(crate) const TASK_CALL_IDS: u64 = 1 << 62;
 
 /// The token of a request that waits for its answer: the core answers it exactly once, with
 /// [`Effect::Respond`]. The shell numbers requests and keeps what each answer goes to.
@@ -234,7 +230,7 @@ pub(crate) struct HeadCore {
     /// Actors whose incarnation ended since the last reschedule: what they owned ends next.
     ended_owners: Vec<ActorId>,
     next_actor: u64,
-    /// The next task call id (from [`TASK_CALL_IDS`]).
+    /// The next task call id.
     next_call: u64,
     workers: HashMap<WorkerId, WorkerEntry>,
     actors: HashMap<ActorId, ActorEntry>,
@@ -278,7 +274,7 @@ impl HeadCore {
             group_owners: HashMap::new(),
             ended_owners: Vec::new(),
             next_actor: 1,
-            next_call: TASK_CALL_IDS,
+            next_call: 1,
             workers: HashMap::new(),
             actors: HashMap::new(),
             names: HashMap::new(),
