@@ -153,22 +153,18 @@ impl Head {
             tracing::warn!(job, "cannot remove the job's directory {}: {e}", dir.display());
         }
         if let Some(digest) = package {
-            let path = cluster.binaries.path(&digest);
-            if let Err(e) = std::fs::remove_file(&path)
-                && e.kind() != std::io::ErrorKind::NotFound
-            {
-                tracing::warn!(job, "cannot remove the job's package {}: {e}", path.display());
-            }
+            remove_file(job, "package", &cluster.binaries.path(&digest));
         }
     }
 }
 
-/// Removes a deleted job's log (a job that never started has none).
-pub(super) fn remove_log(job: u64, log: &std::path::Path) {
-    if let Err(e) = std::fs::remove_file(log)
+/// Removes one of job `job`'s files (`what`: its package, its log), warning when it cannot (one
+/// already gone, as a never-started job's log, is fine).
+pub(super) fn remove_file(job: u64, what: &str, path: &std::path::Path) {
+    if let Err(e) = std::fs::remove_file(path)
         && e.kind() != std::io::ErrorKind::NotFound
     {
-        tracing::warn!(job, "cannot remove the deleted job's log {}: {e}", log.display());
+        tracing::warn!(job, "cannot remove the job's {what} {}: {e}", path.display());
     }
 }
 

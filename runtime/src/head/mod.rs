@@ -263,9 +263,10 @@ impl Head {
         body: HeadRequest,
         responder: Responder,
     ) {
-        let peer = origin.and_then(|c| c.peer());
-        let from = peer.as_deref().unwrap_or("local");
-        let _span = tracing::debug_span!("head_request", kind = body.kind(), from).entered();
+        // The peer is looked up (a lock and a copy) only when the span is enabled.
+        let from = || origin.and_then(|c| c.peer()).unwrap_or_else(|| "local".to_owned());
+        let _span =
+            tracing::debug_span!("head_request", kind = body.kind(), from = from()).entered();
         // Requests about jobs and the cluster's end, answered outside the core.
         let body = match body {
             HeadRequest::WorkerSpawned { worker, pid } => {
@@ -395,7 +396,7 @@ impl Head {
                 }
                 Action::StopNode(address, reason) => self.stop_dead_node(address, reason),
                 Action::RemoveJobFiles(job, package) => self.remove_job_files(job, package),
-                Action::RemoveJobLog(job, log) => jobs::remove_log(job, &log),
+                Action::RemoveJobLog(job, log) => jobs::remove_file(job, "log", &log),
             }
         }
     }
