@@ -35,6 +35,8 @@ use crate::protocol::{Address, ObjectLocator};
 use crate::runtime::{self, Runtime};
 use crate::store::Hold;
 
+pub use rtrun_proto::object::StoredValue;
+
 pub use rtrun_object_store::{DType, ObjectView, TensorHeader, TensorView};
 
 /// The bytes of a resolved object: owned inline bytes, or a read-only mapping of a stored
@@ -126,27 +128,6 @@ impl std::fmt::Debug for ObjectBytes {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let kind = if self.is_mapped() { "mapped" } else { "inline" };
         write!(f, "ObjectBytes({} bytes, {kind})", self.len())
-    }
-}
-
-/// A value in the node's object store, with one reference count of this process on it (absent
-/// only while the value is on the wire).
-#[derive(Clone, Serialize, Deserialize)]
-pub struct StoredValue {
-    /// The object in the store (not the id of the `ObjectRef` whose value it is).
-    pub id: ObjectId,
-    /// Its size in bytes.
-    pub size: u64,
-    /// The node daemon whose store holds it, in a cluster (`None`: this node's store).
-    #[serde(default)]
-    pub home: Option<crate::protocol::Address>,
-    #[serde(skip)]
-    pub(crate) hold: Option<Arc<Hold>>,
-}
-
-impl std::fmt::Debug for StoredValue {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "StoredValue({}, {} bytes)", self.id, self.size)
     }
 }
 

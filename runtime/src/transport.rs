@@ -26,6 +26,8 @@ use parking_lot::Mutex;
 
 use crate::codec;
 use crate::error::{Error, Result};
+pub(crate) use rtrun_proto::address::Route;
+
 use crate::protocol::{Address, Frame};
 
 /// Transport tunables.
@@ -237,59 +239,6 @@ pub(crate) async fn connect_with_retries(
                 attempt += 1;
             }
             result => return result,
-        }
-    }
-}
-
-/// Where an address is.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Route {
-    /// An abstract Unix socket name on this host.
-    Unix(String),
-    /// A cluster process: its QUIC endpoint, node and socket name.
-    Quic {
-        /// Its endpoint.
-        addr: NetAddr,
-        /// Its node.
-        node: u64,
-        /// Its abstract socket name.
-        name: String,
-    },
-}
-
-impl Route {
-    /// Parses an address (see the module docs).
-    pub(crate) fn parse(address: &str) -> Result<Route> {
-        if let Some(name) = address.strip_prefix("unix:@") {
-            return Ok(Route::Unix(name.to_owned()));
-        }
-        let bad = |why: &str| {
-            Error::Invalid(format!(
-                "expected an address unix:@name or quic://ip:port/node/name, found `{address}` ({why})"
-            ))
-        };
-        let rest = address.strip_prefix("quic://").ok_or_else(|| bad("unknown scheme"))?;
-        let mut parts = rest.splitn(3, '/');
-        let addr = parts.next().unwrap_or_default();
-        let node = parts.next().ok_or_else(|| bad("no node"))?;
-        let name = parts.next().ok_or_else(|| bad("no socket name"))?;
-        let addr: NetAddr = addr.parse().map_err(|_| bad("bad ip:port"))?;
-        let node = node.parse().map_err(|_| bad("bad node id"))?;
-        if name.is_empty() || name.contains('/') {
-            return Err(bad("bad socket name"));
-        }
-        Ok(Route::Quic { addr, node, name: name.to_owned() })
-    }
-
-    /// The cluster address of a process.
-    pub(crate) fn quic(addr: NetAddr, node: u64, name: &str) -> Address {
-        format!("quic://{addr}/{node}/{name}")
-    }
-
-    /// The abstract socket name.
-    pub(crate) fn socket_name(&self) -> &str {
-        match self {
-            Route::Unix(name) | Route::Quic { name, .. } => name,
         }
     }
 }

@@ -14,49 +14,17 @@ use tracing::Instrument;
 
 use crate::actor::{Actor, Invocation, unshare};
 use crate::error::{Error, Result};
+pub(crate) use rtrun_proto::env::{WORKER_ENV, WorkerSpec};
+
 use crate::ids::WorkerId;
 use crate::object::{ObjectBytes, ObjectRef, Value};
-use crate::protocol::{
-    Address, Arg, Assignment, CallFrame, CallTarget, Frame, HeadRequest, Outcome,
-};
+use crate::protocol::{Arg, Assignment, CallFrame, CallTarget, Frame, HeadRequest, Outcome};
 use crate::runtime::{Ending, Runtime};
 use crate::transport::Connection;
 
-/// The environment variable that marks a worker process and carries its [`WorkerSpec`].
-pub(crate) const WORKER_ENV: &str = "RTRUN_WORKER";
-
-/// Who a worker process is, passed in its environment.
-#[derive(Debug, Clone)]
-pub(crate) struct WorkerSpec {
-    /// The session it belongs to.
-    pub session: String,
-    /// Its id.
-    pub worker: WorkerId,
-    /// The control plane's endpoint.
-    pub head_address: Address,
-    /// The namespace for named actors.
-    pub namespace: String,
-}
-
-impl WorkerSpec {
-    /// The `(name, value)` environment entry for this spec.
-    pub(crate) fn to_env(&self) -> (String, String) {
-        (
-            WORKER_ENV.to_owned(),
-            format!("{};{};{};{}", self.session, self.worker.0, self.head_address, self.namespace),
-        )
-    }
-
-    /// Reads the spec from the environment; None in a driver.
-    pub(crate) fn from_env() -> Option<WorkerSpec> {
-        let value = std::env::var(WORKER_ENV).ok()?;
-        let mut parts = value.splitn(4, ';');
-        let session = parts.next()?.to_owned();
-        let worker = WorkerId(parts.next()?.parse().ok()?);
-        let head_address = parts.next()?.to_owned();
-        let namespace = parts.next()?.to_owned();
-        Some(WorkerSpec { session, worker, head_address, namespace })
-    }
+/// This process's worker spec, from its environment; `None` in a driver.
+pub(crate) fn worker_spec_from_env() -> Option<WorkerSpec> {
+    WorkerSpec::parse(&std::env::var(WORKER_ENV).ok()?)
 }
 
 /// Runs this process as a worker: the main of a worker process, which never returns. It

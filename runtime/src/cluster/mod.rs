@@ -49,8 +49,7 @@ use crate::runtime::Config;
 /// The head address a driver connects to (`host:port`); `init()` joins that cluster instead of
 /// starting an embedded one.
 pub const ADDRESS_ENV: &str = "RTRUN_ADDRESS";
-/// Environment variable the head sets for a submitted job's driver: the job's number.
-pub const JOB_ENV: &str = "RTRUN_JOB_ID";
+pub use rtrun_proto::env::JOB_ENV;
 /// Environment variable the head sets for a submitted job's driver that has a working
 /// directory: where it was unpacked (the driver's current directory).
 pub const WORKING_DIR_ENV: &str = "RTRUN_WORKING_DIR";

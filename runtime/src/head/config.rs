@@ -9,13 +9,9 @@ use rtrun_placement::{CPU, GPU, NodeResources, ResourceSet};
 use super::HeadConfig;
 use crate::error::{Error, Result};
 use crate::runtime::Config;
+use rtrun_proto::env::opt_out;
 
-/// The environment variable that stops the runtime from setting `CUDA_VISIBLE_DEVICES` (and
-/// `CUDA_DEVICE_ORDER`) for workers given GPUs (Ray's
-/// `RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES`). Set it in the driver's environment for every
-/// worker, or in one actor's `ActorOptions::env` for that actor; any non-empty value other than
-/// `0` counts.
-pub const NOSET_CUDA_VISIBLE_DEVICES_ENV: &str = "RTRUN_NOSET_CUDA_VISIBLE_DEVICES";
+pub use rtrun_proto::env::NOSET_CUDA_VISIBLE_DEVICES_ENV;
 
 /// The environment variable that sets how long a task worker may stay idle before it ends, in
 /// seconds (default [`DEFAULT_TASK_WORKER_IDLE_TIMEOUT`]; Ray's
@@ -44,56 +40,50 @@ fn task_worker_idle_timeout() -> Result<Duration> {
     }
 }
 
-pub(super) fn opt_out(value: Option<&str>) -> bool {
-    value.is_some_and(|v| !v.is_empty() && v != "0")
-}
-
 /// A node's resources from the runtime's settings: CPUs, custom resources and GPUs (detected,
 /// limited by `CUDA_VISIBLE_DEVICES`, or fake ones from `num_gpus`), under placement id `id`.
 pub(crate) fn node_resources(config: &Config, id: &str) -> Result<NodeResources> {
-    Ok(HeadConfig::node_of(config, id)?.0)
+    Ok(node_of(config, id)?.0)
 }
 
-impl HeadConfig {
-    pub(crate) fn from_runtime_config(config: &Config) -> Result<HeadConfig> {
-        let id = crate::ids::NodeId(0).to_string();
-        let (node, cpus) = HeadConfig::node_of(config, &id)?;
-        let max_task_workers = (cpus.ceil() as usize).max(1) + 2;
-        let noset = opt_out(std::env::var(NOSET_CUDA_VISIBLE_DEVICES_ENV).ok().as_deref());
-        Ok(HeadConfig {
-            node,
-            max_task_workers,
-            noset_cuda_visible_devices: noset,
-            task_worker_idle_timeout: task_worker_idle_timeout()?,
-        })
-    }
+/// The head core's settings from the runtime's settings and this process's environment.
+pub(crate) fn head_config(config: &Config) -> Result<HeadConfig> {
+    let id = crate::ids::NodeId(0).to_string();
+    let (node, cpus) = node_of(config, &id)?;
+    let max_task_workers = (cpus.ceil() as usize).max(1) + 2;
+    let noset = opt_out(std::env::var(NOSET_CUDA_VISIBLE_DEVICES_ENV).ok().as_deref());
+    Ok(HeadConfig {
+        node,
+        max_task_workers,
+        noset_cuda_visible_devices: noset,
+        task_worker_idle_timeout: task_worker_idle_timeout()?,
+    })
+}
 
-    fn node_of(config: &Config, id: &str) -> Result<(NodeResources, f64)> {
-        let cpus = config.num_cpus.unwrap_or_else(|| {
-            std::thread::available_parallelism().map(|n| n.get() as f64).unwrap_or(1.0)
-        });
-        let mut pairs: Vec<(&str, f64)> = vec![(CPU, cpus)];
-        for (name, amount) in &config.resources {
-            if name == GPU {
-                return Err(Error::Invalid(
-                    "node resources: expected GPUs in `num_gpus`, found `GPU` in `resources`"
-                        .into(),
-                ));
-            }
-            pairs.push((name.as_str(), *amount));
+/// This node's resources and its CPU count.
+fn node_of(config: &Config, id: &str) -> Result<(NodeResources, f64)> {
+    let cpus = config.num_cpus.unwrap_or_else(|| {
+        std::thread::available_parallelism().map(|n| n.get() as f64).unwrap_or(1.0)
+    });
+    let mut pairs: Vec<(&str, f64)> = vec![(CPU, cpus)];
+    for (name, amount) in &config.resources {
+        if name == GPU {
+            return Err(Error::Invalid(
+                "node resources: expected GPUs in `num_gpus`, found `GPU` in `resources`".into(),
+            ));
         }
-        let resources = ResourceSet::from_floats(pairs)
-            .map_err(|e| Error::Invalid(format!("node resources: {e}")))?;
-        let id = rtrun_placement::NodeId::new(id);
-        let (detected, source) = crate::gpus::detect_gpus();
-        let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
-        let gpus =
-            crate::gpus::node_gpus(id.as_str(), detected, visible.as_deref(), config.num_gpus)?;
-        tracing::debug!(gpus = gpus.len(), ?source, "node GPUs");
-        let node = NodeResources::new(id, resources, gpus)
-            .map_err(|e| Error::Invalid(format!("node resources: {e}")))?;
-        Ok((node, cpus))
+        pairs.push((name.as_str(), *amount));
     }
+    let resources = ResourceSet::from_floats(pairs)
+        .map_err(|e| Error::Invalid(format!("node resources: {e}")))?;
+    let id = rtrun_placement::NodeId::new(id);
+    let (detected, source) = crate::gpus::detect_gpus();
+    let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
+    let gpus = crate::gpus::node_gpus(id.as_str(), detected, visible.as_deref(), config.num_gpus)?;
+    tracing::debug!(gpus = gpus.len(), ?source, "node GPUs");
+    let node = NodeResources::new(id, resources, gpus)
+        .map_err(|e| Error::Invalid(format!("node resources: {e}")))?;
+    Ok((node, cpus))
 }
 
 #[cfg(test)]
@@ -104,17 +94,17 @@ mod tests {
     #[test]
     fn node_config_takes_gpus_from_num_gpus_only() {
         let config = Config { num_cpus: Some(4.0), num_gpus: Some(3.0), ..Default::default() };
-        let head = HeadConfig::from_runtime_config(&config).unwrap();
+        let head = head_config(&config).unwrap();
         assert_eq!(head.node.total().get(GPU), Quantity::whole(3));
         assert_eq!(head.node.gpus().slots().len(), 3);
         let config = Config { num_gpus: Some(2.5), ..Default::default() };
-        let err = HeadConfig::from_runtime_config(&config).unwrap_err();
+        let err = head_config(&config).unwrap_err();
         assert!(err.to_string().contains("whole non-negative number of GPUs"), "{err}");
         let config = Config {
             resources: [("GPU".to_owned(), 2.0)].into_iter().collect(),
             ..Default::default()
         };
-        let err = HeadConfig::from_runtime_config(&config).unwrap_err();
+        let err = head_config(&config).unwrap_err();
         assert!(err.to_string().contains("expected GPUs in `num_gpus`"), "{err}");
     }
 

@@ -9,7 +9,6 @@
 //! callback or send ever runs with the lock held.
 
 mod config;
-mod core;
 mod jobs;
 mod nodes;
 mod spawn;
@@ -22,17 +21,19 @@ use parking_lot::Mutex;
 
 use crate::error::Result;
 use crate::ids::WorkerId;
-use crate::protocol::{Address, Frame, HeadRequest, NodeRequest, Outcome, Response, WorkerExit};
+use crate::protocol::{
+    Address, Frame, HeadRequest, JobInfo, NodeRequest, Outcome, Response, WorkerExit,
+};
 use crate::runtime::Runtime;
 use crate::transport::Connection;
 
-pub(crate) use self::core::HeadConfig;
-use self::core::{ConnToken, Effect, Event, HeadCore, Origin, ReplyToken};
-pub(crate) use config::node_resources;
 pub use config::{
     DEFAULT_TASK_WORKER_IDLE_TIMEOUT, NOSET_CUDA_VISIBLE_DEVICES_ENV, TASK_WORKER_IDLE_TIMEOUT_ENV,
 };
+pub(crate) use config::{head_config, node_resources};
 pub(crate) use nodes::{ClusterHead, JoinAs, Joined};
+pub(crate) use rtrun_head_core::HeadConfig;
+use rtrun_head_core::{ConnToken, Effect, Event, HeadCore, Origin, ReplyToken};
 pub(crate) use spawn::{SpawnEvents, SpawnRequest, Spawner, kill_process};
 
 /// Watches that wait before the first sweep of closed ones (see `Shared::sweep_at`).
@@ -99,6 +100,9 @@ enum Action {
     StopNode(Address, String),
     RemoveJobFiles(u64, Option<String>),
     RemoveJobLog(u64, std::path::PathBuf),
+    StartJob(Option<Responder>, jobs::JobStart),
+    ReadJobLog(Option<Responder>, std::path::PathBuf, u64, JobInfo),
+    StopCluster,
 }
 
 impl Shared {
@@ -148,6 +152,15 @@ impl Shared {
                     actions.push(Action::RemoveJobFiles(job, package))
                 }
                 Effect::RemoveJobLog { job, log } => actions.push(Action::RemoveJobLog(job, log)),
+                Effect::StartJob { reply, job, worker, binary, args, env, log, package, info } => {
+                    let start =
+                        jobs::JobStart { job, worker, binary, args, env, log, package, info };
+                    actions.push(Action::StartJob(self.replies.remove(&reply), start));
+                }
+                Effect::ReadJobLog { reply, log, offset, info } => {
+                    actions.push(Action::ReadJobLog(self.replies.remove(&reply), log, offset, info))
+                }
+                Effect::StopCluster => actions.push(Action::StopCluster),
             }
         }
         actions
@@ -267,50 +280,20 @@ impl Head {
         let from = || origin.and_then(|c| c.peer()).unwrap_or_else(|| "local".to_owned());
         let _span =
             tracing::debug_span!("head_request", kind = body.kind(), from = from()).entered();
-        // Requests about jobs and the cluster's end, answered outside the core.
+        // What the shell does before the core decides: a submission's files are checked (and
+        // an unnamed one named at random), an exited process's store references dropped.
         let body = match body {
-            HeadRequest::WorkerSpawned { worker, pid } => {
-                self.on_spawned(worker, pid);
-                return responder.respond(Response::Done);
+            HeadRequest::SubmitJob { binary, args, env, submission_id, working_dir } => {
+                if let Err(e) = self.check_submission(&binary, working_dir.as_deref()) {
+                    return responder.respond(Response::Error(e));
+                }
+                let submission_id = submission_id
+                    .or_else(|| Some(format!("rtrunsubmit_{:016x}", crate::runtime::random_u64())));
+                HeadRequest::SubmitJob { binary, args, env, submission_id, working_dir }
             }
             HeadRequest::WorkerExited { worker, status } => {
-                self.on_worker_exit(worker, status);
-                return responder.respond(Response::Done);
-            }
-            HeadRequest::SubmitJob { binary, args, env, submission_id, working_dir } => {
-                return responder.respond(
-                    match self.submit_job(binary, args, env, submission_id, working_dir) {
-                        Ok(info) => Response::Jobs(vec![info]),
-                        Err(e) => Response::Error(e),
-                    },
-                );
-            }
-            HeadRequest::StopJob { job } => {
-                return responder.respond(match self.stop_job(job) {
-                    Ok(info) => Response::Jobs(vec![info]),
-                    Err(e) => Response::Error(e),
-                });
-            }
-            HeadRequest::JobLogs { job, offset } => {
-                return responder.respond(match self.job_logs(job, offset, 1 << 20) {
-                    Ok((bytes, info)) => Response::Logs { bytes, job: info },
-                    Err(e) => Response::Error(e),
-                });
-            }
-            HeadRequest::StopCluster => {
-                responder.respond(Response::Done);
-                if let Some(head) = self.weak.upgrade() {
-                    std::thread::spawn(move || {
-                        // Let the answer go out first.
-                        std::thread::sleep(Duration::from_millis(200));
-                        head.stop_cluster(STOP_ACK_TIMEOUT);
-                        // `rtrun head`'s main exits once it hears this.
-                        if let Some(runtime) = head.runtime() {
-                            runtime.end(crate::runtime::Ending::Stopped);
-                        }
-                    });
-                }
-                return;
+                self.before_exit(worker);
+                HeadRequest::WorkerExited { worker, status }
             }
             body => body,
         };
@@ -397,6 +380,41 @@ impl Head {
                 Action::StopNode(address, reason) => self.stop_dead_node(address, reason),
                 Action::RemoveJobFiles(job, package) => self.remove_job_files(job, package),
                 Action::RemoveJobLog(job, log) => jobs::remove_file(job, "log", &log),
+                Action::StartJob(responder, start) => {
+                    let job = start.job;
+                    let response = match self.start_job(start) {
+                        Ok(info) => Response::Jobs(vec![info]),
+                        Err(e) => {
+                            self.state.lock().core.job_failed_to_start(job, e.to_string());
+                            Response::Error(e)
+                        }
+                    };
+                    if let Some(responder) = responder {
+                        responder.respond(response);
+                    }
+                }
+                Action::ReadJobLog(responder, log, offset, info) => {
+                    let response = match jobs::read_from(&log, offset, 1 << 20) {
+                        Ok(bytes) => Response::Logs { bytes, job: info },
+                        Err(e) => Response::Error(e),
+                    };
+                    if let Some(responder) = responder {
+                        responder.respond(response);
+                    }
+                }
+                Action::StopCluster => {
+                    if let Some(head) = self.weak.upgrade() {
+                        std::thread::spawn(move || {
+                            // Let the answer go out first.
+                            std::thread::sleep(Duration::from_millis(200));
+                            head.stop_cluster(STOP_ACK_TIMEOUT);
+                            // `rtrun head`'s main exits once it hears this.
+                            if let Some(runtime) = head.runtime() {
+                                runtime.end(crate::runtime::Ending::Stopped);
+                            }
+                        });
+                    }
+                }
             }
         }
     }
@@ -406,12 +424,16 @@ impl Head {
     }
 
     pub(crate) fn on_worker_exit(&self, worker: WorkerId, status: WorkerExit) {
-        // The object store drops the exited process's references and pins (every node's).
+        self.before_exit(worker);
+        self.event(Event::WorkerExited { worker, status });
+    }
+
+    /// The object store drops an exited process's references and pins (every node's).
+    fn before_exit(&self, worker: WorkerId) {
         if let Some(runtime) = self.runtime() {
             runtime.on_process_exit(worker);
         }
         self.broadcast_exit(worker);
-        self.event(Event::WorkerExited { worker, status });
     }
 
     pub(crate) fn on_task_reply(&self, call_id: u64, outcome: Outcome) {

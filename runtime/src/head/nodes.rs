@@ -11,7 +11,7 @@ use rtrun_placement::NodeResources;
 use super::spawn::SpawnRequest;
 use super::{Event, Head};
 use crate::cluster::binaries::BinaryCache;
-use crate::error::{Error, Missing, Result};
+use crate::error::{Error, Result};
 use crate::ids::{NodeId, WorkerId};
 use crate::protocol::{Address, NodeRequest, Request, Response, WorkerExit};
 
@@ -47,12 +47,12 @@ pub(crate) struct Joined {
 impl Head {
     /// Makes this control plane a cluster head (called once, before anything joins).
     pub(crate) fn enable_cluster(&self, cluster: Arc<ClusterHead>, node_name: String) {
-        let address = cluster.address.clone();
+        let (address, log_dir) = (cluster.address.clone(), cluster.log_dir.clone());
         if self.cluster.set(cluster).is_err() {
             tracing::warn!("the control plane was made a cluster head twice; the first stays");
             return;
         }
-        self.state.lock().core.enable_cluster(address, node_name);
+        self.state.lock().core.enable_cluster(address, node_name, log_dir);
     }
 
     /// Registers a node, driver or client.
@@ -181,19 +181,7 @@ impl Head {
         on_answer: Option<Box<dyn FnOnce(&Head, Response) + Send>>,
     ) -> Result<()> {
         let runtime = self.runtime().ok_or(Error::NotInitialised)?;
-        let address = {
-            let state = self.state.lock();
-            let entry = state
-                .core
-                .members
-                .nodes
-                .get(&node)
-                .ok_or(Error::NotFound(Missing::Node(NodeId(node))))?;
-            if let Some(reason) = &entry.dead {
-                return Err(Error::Transport(reason.clone()));
-            }
-            entry.address.clone()
-        };
+        let address = { self.state.lock().core.live_node_address(node)? };
         let conn = runtime.endpoint().connect(&address)?;
         let head = self.weak.clone();
         runtime.request_on(
@@ -210,7 +198,7 @@ impl Head {
 
     /// Every node's daemon releases the store references of an exited process.
     pub(super) fn broadcast_exit(&self, worker: WorkerId) {
-        let nodes = self.state.lock().core.members.live_remote_nodes();
+        let nodes = self.state.lock().core.live_remote_nodes();
         for node in nodes {
             self.send_to_node(node, NodeRequest::ProcessExited { worker });
         }
@@ -219,7 +207,7 @@ impl Head {
     /// Stops every live node daemon (they kill their workers) and waits, up to `timeout`, for
     /// each to acknowledge, then stops this head's workers.
     pub(crate) fn stop_cluster(&self, timeout: Duration) {
-        let nodes = self.state.lock().core.members.live_remote_nodes();
+        let nodes = self.state.lock().core.live_remote_nodes();
         let (acks, acked) = std::sync::mpsc::channel();
         let mut waiting = 0;
         for node in nodes {

@@ -28,7 +28,7 @@ use crate::protocol::{Address, Outcome, Response};
 use crate::store::StoreClient;
 use crate::submit::{ActorCall, Submitters};
 use crate::transport::{Endpoint, TransportConfig};
-use crate::worker::WorkerSpec;
+pub(crate) use rtrun_proto::address::{socket_name, worker_address};
 
 /// Settings for [`init_with`] (Ray's `ray.init(...)` arguments).
 #[derive(Debug, Clone, Default)]
@@ -117,7 +117,7 @@ pub fn run_worker_if_requested() {
     if CURRENT.get().is_some() {
         return;
     }
-    if let Some(spec) = WorkerSpec::from_env() {
+    if let Some(spec) = crate::worker::worker_spec_from_env() {
         crate::worker::run(spec);
     }
 }
@@ -190,16 +190,6 @@ pub(crate) fn random_u64() -> u64 {
         .map(|d| d.as_nanos() as u64)
         .unwrap_or(0);
     t ^ (u64::from(std::process::id()) << 32)
-}
-
-/// The abstract socket name of `worker` in `session`.
-pub(crate) fn socket_name(session: &str, worker: WorkerId) -> String {
-    format!("rtrun-{session}-{}", worker.0)
-}
-
-/// The endpoint address of `worker` in an embedded `session`.
-pub(crate) fn worker_address(session: &str, worker: WorkerId) -> Address {
-    format!("unix:@{}", socket_name(session, worker))
 }
 
 impl Runtime {

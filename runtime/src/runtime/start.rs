@@ -13,7 +13,7 @@ use super::{
     CURRENT, Config, ProcessRole, Runtime, WorkerRole, random_u64, socket_name, worker_address,
 };
 use crate::error::{Error, Result};
-use crate::head::{Head, HeadConfig};
+use crate::head::Head;
 use crate::ids::{Counter, DRIVER_WORKER_ID, NodeId, WorkerId};
 use crate::object::ObjectTable;
 use crate::protocol::Address;
@@ -173,7 +173,7 @@ impl Runtime {
             config.transport.clone(),
         )?;
         let store = runtime.open_store(config, DRIVER_WORKER_ID)?;
-        let head = Head::start(&runtime, HeadConfig::from_runtime_config(config)?)?;
+        let head = Head::start(&runtime, crate::head::head_config(config)?)?;
         runtime.install_role(ProcessRole::ControlPlane { head, store })?;
         tracing::debug!(session = %session, cluster, "control plane started");
         Ok(runtime)

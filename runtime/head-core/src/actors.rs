@@ -6,11 +6,11 @@ use std::collections::{BTreeMap, VecDeque};
 use super::{
     ActorEntry, ActorState, Effect, HeadCore, Lineage, Origin, ReplyToken, WorkerRole, groups,
 };
-use crate::actor::{ActorInfo, ActorSpec};
-use crate::error::{Error, Missing, Result};
-use crate::head::config::{NOSET_CUDA_VISIBLE_DEVICES_ENV, opt_out};
-use crate::ids::ActorId;
-use crate::protocol::Response;
+use rtrun_proto::actor::{ActorInfo, ActorSpec};
+use rtrun_proto::env::{NOSET_CUDA_VISIBLE_DEVICES_ENV, opt_out};
+use rtrun_proto::error::{Error, Missing, Result};
+use rtrun_proto::ids::ActorId;
+use rtrun_proto::protocol::Response;
 
 pub(super) fn info_of(id: ActorId, spec: &ActorSpec) -> ActorInfo {
     ActorInfo {
@@ -104,7 +104,7 @@ impl HeadCore {
             Some((id, entry)) if !matches!(entry.state, ActorState::Dead { .. }) => {
                 Response::Actor(info_of(id, &entry.spec))
             }
-            _ => Response::Error(crate::error::Error::ActorNotFound { name, namespace }),
+            _ => Response::Error(rtrun_proto::error::Error::ActorNotFound { name, namespace }),
         }
     }
 

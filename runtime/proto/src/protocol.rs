@@ -1,5 +1,5 @@
-//! The messages processes exchange. Only the runtime's `transport` module knows how they are framed and
-//! encoded; everything else builds and matches these types.
+//! The messages processes exchange. Only the runtime's `transport` module knows how they are
+//! framed and encoded; everything else builds and matches these types.
 
 use std::collections::BTreeMap;
 
@@ -10,8 +10,8 @@ use crate::ids::{ActorId, ObjectId, WorkerId};
 use crate::object::StoredValue;
 use rtrun_object_store::{Allocation, HolderId, StoreStats};
 
-/// An endpoint address: an abstract Unix socket name on this node (`unix:@name`).
-pub type Address = String;
+pub use crate::address::Address;
+pub use serde_bytes::ByteBuf;
 
 /// One frame on a connection.
 #[derive(Debug, Serialize, Deserialize)]
@@ -62,7 +62,7 @@ pub enum Frame {
 
 impl Frame {
     /// Calls `visit` on every stored value this frame carries (arguments, outcomes).
-    pub(crate) fn visit_stored(&self, visit: &mut dyn FnMut(&StoredValue)) {
+    pub fn visit_stored(&self, visit: &mut dyn FnMut(&StoredValue)) {
         let visit_args = |args: &[Arg], visit: &mut dyn FnMut(&StoredValue)| {
             for arg in args {
                 match arg {
@@ -99,7 +99,7 @@ impl Frame {
     }
 
     /// Like [`Frame::visit_stored`], mutably (to attach the receiver's references).
-    pub(crate) fn visit_stored_mut(&mut self, visit: &mut dyn FnMut(&mut StoredValue)) {
+    pub fn visit_stored_mut(&mut self, visit: &mut dyn FnMut(&mut StoredValue)) {
         let visit_args = |args: &mut [Arg], visit: &mut dyn FnMut(&mut StoredValue)| {
             for arg in args {
                 match arg {
@@ -418,6 +418,40 @@ pub enum HeadRequest {
 }
 
 impl HeadRequest {
+    /// Every request's [`HeadRequest::kind`] (the head core's simulator draws each).
+    pub const KINDS: [&'static str; 30] = [
+        "RegisterWorker",
+        "KvPut",
+        "KvGet",
+        "KvDelete",
+        "ActorStarted",
+        "CreateActor",
+        "GetActorByName",
+        "WaitActorAlive",
+        "KillActor",
+        "SubmitTask",
+        "CancelTask",
+        "ClusterInfo",
+        "CreatePlacementGroup",
+        "WaitPlacementGroup",
+        "RemovePlacementGroup",
+        "GetPlacementGroup",
+        "GetPlacementGroupByName",
+        "ListPlacementGroups",
+        "ListActors",
+        "ListTasks",
+        "ListWorkers",
+        "WorkerSpawned",
+        "WorkerExited",
+        "SubmitJob",
+        "StopJob",
+        "JobLogs",
+        "ListJobs",
+        "DeleteJob",
+        "NodeAlive",
+        "StopCluster",
+    ];
+
     /// The request's name, for logs and spans (its payload may be large: a task's arguments).
     pub fn kind(&self) -> &'static str {
         match self {
@@ -621,7 +655,7 @@ pub enum Response {
     /// Jobs.
     Jobs(Vec<JobInfo>),
     /// A key's value in the head's key-value store (`None`: no such key).
-    KvValue(Option<serde_bytes::ByteBuf>),
+    KvValue(Option<ByteBuf>),
     /// Part of a job's output.
     Logs {
         /// The bytes.
@@ -648,7 +682,7 @@ pub enum Response {
 
 /// What a typed call expects a [`Response`] to carry: each payload type names its variant, so
 /// a caller writes `runtime.call::<ClusterInfo>(request)` (or
-/// [`crate::session::ask`]) instead of matching the answer by hand with a fallback of its own.
+/// `rtrun::session::ask`) instead of matching the answer by hand with a fallback of its own.
 pub trait Reply: Sized {
     /// The payload; the error the response carries; or an error naming what came instead.
     fn from_response(response: Response) -> crate::error::Result<Self>;
@@ -685,7 +719,7 @@ replies! {
     TaskTable => Tasks,
     Vec<WorkerSummary> => Workers,
     Vec<JobInfo> => Jobs,
-    Option<serde_bytes::ByteBuf> => KvValue,
+    Option<ByteBuf> => KvValue,
     Vec<(String, u64)> => LogFiles,
     Assignment => Assignment,
     Allocation => Allocation,

@@ -6,10 +6,10 @@
 use std::collections::BTreeMap;
 
 use super::{ActorState, Effect, HeadCore, Lineage, Origin, WorkerEntry, WorkerRole};
-use crate::error::{Error, Result};
-use crate::ids::{NodeId, WorkerId};
-use crate::protocol::{ActorStart, Address, Assignment, Outcome, WorkerExit};
-use crate::worker::WorkerSpec;
+use rtrun_proto::env::WorkerSpec;
+use rtrun_proto::error::{Error, Result};
+use rtrun_proto::ids::{NodeId, WorkerId};
+use rtrun_proto::protocol::{ActorStart, Address, Assignment, Outcome, WorkerExit};
 
 impl HeadCore {
     /// Records a new worker and asks for its process.
@@ -30,7 +30,7 @@ impl HeadCore {
             .and_then(|driver| self.members.jobs.iter().find(|(_, j)| j.driver == Some(driver)))
             .map(|(id, j)| {
                 let mut env = j.env.clone();
-                env.push((crate::cluster::JOB_ENV.to_owned(), id.to_string()));
+                env.push((rtrun_proto::env::JOB_ENV.to_owned(), id.to_string()));
                 env
             })
             .unwrap_or_default();
@@ -39,7 +39,10 @@ impl HeadCore {
             session: self.session.clone(),
             worker,
             head_address: self.members.head_address.clone().unwrap_or_else(|| {
-                crate::runtime::worker_address(&self.session, crate::ids::DRIVER_WORKER_ID)
+                rtrun_proto::address::worker_address(
+                    &self.session,
+                    rtrun_proto::ids::DRIVER_WORKER_ID,
+                )
             }),
             namespace: "default".into(),
         };
@@ -204,7 +207,7 @@ impl HeadCore {
     /// died) while restarts remain and it was not killed, else it is dead.
     fn actor_worker_exited(
         &mut self,
-        actor: crate::ids::ActorId,
+        actor: rtrun_proto::ids::ActorId,
         incarnation: u64,
         status: String,
         effects: &mut Vec<Effect>,

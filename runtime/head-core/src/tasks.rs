@@ -4,10 +4,10 @@
 use rtrun_placement::{AllocationId, ResourceSet};
 
 use super::{Effect, HeadCore, Lineage, QueuedTask, ReplyToken, RunningTask, WorkerRole, groups};
-use crate::error::{Error, Result};
-use crate::ids::{ObjectId, WorkerId};
-use crate::protocol::{CallFrame, CallTarget, Frame, Outcome, Response};
-use crate::task::TaskSpec;
+use rtrun_proto::error::{Error, Result};
+use rtrun_proto::ids::{ObjectId, WorkerId};
+use rtrun_proto::protocol::{CallFrame, CallTarget, Frame, Outcome, Response};
+use rtrun_proto::task::TaskSpec;
 
 impl HeadCore {
     /// Queues a task (answered later to `reply`) and dispatches what can run.

@@ -9,9 +9,9 @@ use std::path::PathBuf;
 use rtrun_placement::NodeResources;
 
 use super::{ActorState, Effect, GroupOwner, HeadCore};
-use crate::error::{Error, Result};
-use crate::ids::{NodeId, WorkerId};
-use crate::protocol::{Address, JobInfo, JobState, NodeInfo, WorkerExit};
+use rtrun_proto::error::{Error, Result};
+use rtrun_proto::ids::{NodeId, WorkerId};
+use rtrun_proto::protocol::{Address, JobInfo, JobState, NodeInfo, WorkerExit};
 
 /// A node as the head knows it.
 pub(crate) struct NodeEntry {
@@ -67,6 +67,8 @@ pub(crate) struct Members {
     pub(crate) head_node: u64,
     /// The control plane's address as workers reach it (cluster only).
     pub(crate) head_address: Option<Address>,
+    /// Where submitted jobs' logs go (cluster only).
+    pub(crate) job_log_dir: Option<PathBuf>,
     /// Ids of workers, drivers and nodes come from one counter, so none collide.
     next: u64,
     pub(crate) nodes: BTreeMap<u64, NodeEntry>,
@@ -81,6 +83,7 @@ impl Members {
         Members {
             head_node,
             head_address: None,
+            job_log_dir: None,
             next: head_node.max(1) + 1,
             nodes: BTreeMap::new(),
             by_placement: HashMap::new(),
@@ -133,7 +136,8 @@ impl Members {
     /// Forgets ended job `job`; returns its last state and its log to remove. A running job is
     /// refused (its driver would run on unlisted).
     pub(super) fn delete_job(&mut self, job: u64) -> Result<(JobInfo, PathBuf)> {
-        let entry = self.jobs.get(&job).ok_or(Error::NotFound(crate::error::Missing::Job(job)))?;
+        let entry =
+            self.jobs.get(&job).ok_or(Error::NotFound(rtrun_proto::error::Missing::Job(job)))?;
         if entry.state == JobState::Running {
             return Err(Error::Invalid(format!(
                 "job {job} ({}) is running; stop it first (`rtrun job stop {job}`)",
@@ -184,9 +188,10 @@ pub(crate) fn floats(set: &rtrun_placement::ResourceSet) -> BTreeMap<String, f64
 
 impl HeadCore {
     /// Makes this control plane a cluster head reachable at `address` whose own node is named
-    /// `node_name` (called once, before anything joins).
-    pub(crate) fn enable_cluster(&mut self, address: Address, node_name: String) {
+    /// `node_name` and whose jobs log into `job_log_dir` (called once, before anything joins).
+    pub fn enable_cluster(&mut self, address: Address, node_name: String, job_log_dir: PathBuf) {
         self.members.head_address = Some(address.clone());
+        self.members.job_log_dir = Some(job_log_dir);
         let node = self.config.node.clone();
         let head_node = self.members.head_node;
         self.members.by_placement.insert(node.id().clone(), head_node);
@@ -202,8 +207,27 @@ impl HeadCore {
         );
     }
 
+    /// The live nodes other than the head's own.
+    pub fn live_remote_nodes(&self) -> Vec<u64> {
+        self.members.live_remote_nodes()
+    }
+
+    /// The daemon address of live node `node`; an error naming why it died, or that it is
+    /// unknown.
+    pub fn live_node_address(&self, node: u64) -> Result<Address> {
+        let entry = self
+            .members
+            .nodes
+            .get(&node)
+            .ok_or(Error::NotFound(rtrun_proto::error::Missing::Node(NodeId(node))))?;
+        match &entry.dead {
+            Some(reason) => Err(Error::Transport(reason.clone())),
+            None => Ok(entry.address.clone()),
+        }
+    }
+
     /// The head's address for a joining process; an error when this is not a cluster head.
-    pub(crate) fn head_address(&self) -> Result<Address> {
+    pub fn head_address(&self) -> Result<Address> {
         self.members
             .head_address
             .clone()
@@ -212,7 +236,7 @@ impl HeadCore {
 
     /// Adds a node named `name` holding `resources` whose daemon listens at `endpoint`: its id
     /// and its daemon's worker id. Whatever waited for resources may fit now.
-    pub(crate) fn join_node(
+    pub fn join_node(
         &mut self,
         name: String,
         resources: &NodeResources,
@@ -240,10 +264,10 @@ impl HeadCore {
             .add_node(resources.clone())
             .map_err(|e| Error::Invalid(format!("node `{name}`: {e}")))?;
         let worker = WorkerId(self.members.next_id());
-        let address = crate::transport::Route::quic(
+        let address = rtrun_proto::address::Route::quic(
             endpoint,
             id,
-            &crate::runtime::socket_name(&self.session, worker),
+            &rtrun_proto::address::socket_name(&self.session, worker),
         );
         self.members.by_placement.insert(placement.clone(), id);
         self.members
@@ -255,11 +279,7 @@ impl HeadCore {
     }
 
     /// Registers a driver running `binary` (the driver of submitted job `job` if given).
-    pub(crate) fn join_driver(
-        &mut self,
-        binary: Option<String>,
-        job: Option<u64>,
-    ) -> Result<WorkerId> {
+    pub fn join_driver(&mut self, binary: Option<String>, job: Option<u64>) -> Result<WorkerId> {
         self.head_address()?;
         let worker = WorkerId(self.members.next_id());
         self.members.drivers.insert(worker, binary);

@@ -5,8 +5,8 @@
 use std::collections::BTreeMap;
 
 use super::{ActorState, HeadCore, QueuedTask, WorkerRole, members::floats};
-use crate::ids::{NodeId, WorkerId};
-use crate::protocol::{
+use rtrun_proto::ids::{NodeId, WorkerId};
+use rtrun_proto::protocol::{
     ActorSummary, ClusterInfo, NodeInfo, TaskCounts, TaskSummary, TaskTable, WorkerSummary,
 };
 

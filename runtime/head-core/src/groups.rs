@@ -11,12 +11,12 @@ use rtrun_placement::{
 };
 
 use super::{ActorState, Effect, GroupOwner, HeadCore, ReplyToken};
-use crate::error::{Error, Missing, Result};
-use crate::ids::{ActorId, WorkerId};
-use crate::placement_group::{
+use rtrun_proto::error::{Error, Missing, Result};
+use rtrun_proto::ids::{ActorId, WorkerId};
+use rtrun_proto::placement_group::{
     BundleSchedule, PlacementGroupOptions, PlacementGroupState, PlacementGroupStatus,
 };
-use crate::protocol::{Outcome, Response};
+use rtrun_proto::protocol::{Outcome, Response};
 
 /// Whether a placement failure means "wait for resources" rather than "never".
 pub(super) fn is_waiting(error: &PlacementError) -> bool {

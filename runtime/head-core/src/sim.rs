@@ -29,11 +29,11 @@ use rtrun_placement::{
 };
 
 use super::{ActorState, ConnToken, Effect, Event, HeadConfig, HeadCore, Origin, ReplyToken};
-use crate::actor::{ActorOptions, ActorSpec};
-use crate::ids::{ActorId, ObjectId, WorkerId};
-use crate::placement_group::{BundleSchedule, PlacementGroupOptions};
-use crate::protocol::{Assignment, HeadRequest, Outcome, Response, WorkerExit};
-use crate::task::{TaskOptions, TaskSpec};
+use rtrun_proto::actor::{ActorOptions, ActorSpec};
+use rtrun_proto::ids::{ActorId, ObjectId, WorkerId};
+use rtrun_proto::placement_group::{BundleSchedule, PlacementGroupOptions};
+use rtrun_proto::protocol::{Assignment, HeadRequest, JobState, Outcome, Response, WorkerExit};
+use rtrun_proto::task::{TaskOptions, TaskSpec};
 
 /// One step of a schedule. Selectors (`u8`) pick among what exists when the step runs, so
 /// every drawn schedule is meaningful whatever happened before it.
@@ -99,6 +99,24 @@ enum Op {
     },
     WatcherGoes(u8),
     Views,
+    /// `rtrun job submit`; `fails`: its working directory cannot be laid out.
+    SubmitJob {
+        name: Option<u8>,
+        package: bool,
+        fails: bool,
+    },
+    StopJob(u8),
+    JobLogs(u8),
+    DeleteJob(u8),
+    /// The key-value store: put, get or delete a key.
+    Kv {
+        op: u8,
+        key: u8,
+    },
+    /// A group by id and by name.
+    GetGroup(u8),
+    NodeAlive(u8),
+    StopCluster,
     /// The clock moves this many milliseconds on.
     Tick(u64),
 }
@@ -144,6 +162,15 @@ fn op() -> impl proptest::strategy::Strategy<Value = Op> {
             .prop_map(|(call, ok)| Op::TaskReplies { call, ok }),
         1 => any::<u8>().prop_map(Op::WatcherGoes),
         1 => Just(Op::Views),
+        1 => (proptest::option::of(0u8..3), any::<bool>(), prop::bool::weighted(0.2))
+            .prop_map(|(name, package, fails)| Op::SubmitJob { name, package, fails }),
+        1 => any::<u8>().prop_map(Op::StopJob),
+        1 => any::<u8>().prop_map(Op::JobLogs),
+        1 => any::<u8>().prop_map(Op::DeleteJob),
+        1 => (0u8..3, 0u8..3).prop_map(|(op, key)| Op::Kv { op, key }),
+        1 => any::<u8>().prop_map(Op::GetGroup),
+        1 => any::<u8>().prop_map(Op::NodeAlive),
+        1 => prop::bool::weighted(0.05).prop_map(|_| Op::StopCluster),
         2 => (0u64..8_000).prop_map(Op::Tick),
     ]
 }
@@ -159,6 +186,8 @@ struct Process {
     constructed: bool,
     /// The core ordered it killed: it exits when the world delivers the signal.
     killed: bool,
+    /// A submitted job's driver (it joins as a driver; it never registers as a worker).
+    job: bool,
 }
 
 /// What a pending request was.
@@ -192,6 +221,13 @@ struct World {
     events: usize,
     /// The clock [`Op::Tick`] moves.
     clock_ms: u64,
+    /// Submitted jobs, by number, and whether the next one's files cannot be laid out.
+    jobs: Vec<u64>,
+    job_layout_fails: bool,
+    /// The key-value store as the world expects it.
+    kv: BTreeMap<String, Vec<u8>>,
+    /// The kinds of request sent.
+    kinds: BTreeSet<&'static str>,
 }
 
 fn pick<T: Copy>(items: &[T], selector: u8) -> Option<T> {
@@ -212,7 +248,7 @@ impl World {
         let head_node = 0;
         let config = HeadConfig {
             node: NodeResources::with_fake_gpus(
-                rtrun_placement::NodeId::new(crate::ids::NodeId(head_node).to_string()),
+                rtrun_placement::NodeId::new(rtrun_proto::ids::NodeId(head_node).to_string()),
                 2,
                 1,
             ),
@@ -221,7 +257,11 @@ impl World {
             task_worker_idle_timeout: std::time::Duration::from_millis(5_000),
         };
         let mut core = HeadCore::new("5151".into(), config, head_node).expect("a valid node");
-        core.enable_cluster("quic://127.0.0.1:1/0/rtrun-5151-0".into(), "head".into());
+        core.enable_cluster(
+            "quic://127.0.0.1:1/0/rtrun-5151-0".into(),
+            "head".into(),
+            "/sim/logs".into(),
+        );
         World {
             core,
             outstanding: BTreeMap::new(),
@@ -240,6 +280,10 @@ impl World {
             tasks: Vec::new(),
             groups: Vec::new(),
             events: 0,
+            jobs: Vec::new(),
+            job_layout_fails: false,
+            kv: BTreeMap::new(),
+            kinds: BTreeSet::new(),
         }
     }
 
@@ -260,6 +304,7 @@ impl World {
             Asked::Other
         };
         self.outstanding.insert(reply, asked);
+        self.kinds.insert(body.kind());
         let answers = self.handle(from, Event::Request { reply, body });
         answers.into_iter().find(|(token, _)| *token == reply).map(|(_, response)| response)
     }
@@ -283,6 +328,7 @@ impl World {
                         actor: None,
                         constructed: false,
                         killed: false,
+                        job: false,
                     };
                     assert!(
                         self.processes.insert(worker, process).is_none(),
@@ -318,9 +364,37 @@ impl World {
                 Effect::Forget(conn) => {
                     self.conns.remove(&conn);
                 }
+                Effect::StartJob { reply, job, worker, info, .. } => {
+                    assert!(self.outstanding.remove(&reply).is_some(), "{reply:?} answered twice");
+                    assert_eq!(info.job, job);
+                    if self.job_layout_fails {
+                        // The shell reports the failure and answers the error.
+                        self.core.job_failed_to_start(job, "no room for its files".into());
+                        let error = rtrun_proto::error::Error::System("no room".into());
+                        answers.push((reply, Response::Error(error)));
+                    } else {
+                        let process = Process {
+                            node: self.core.members.head_node,
+                            pid: None,
+                            conn: None,
+                            actor: None,
+                            constructed: false,
+                            killed: false,
+                            job: true,
+                        };
+                        assert!(self.processes.insert(worker, process).is_none(), "job twice");
+                        answers.push((reply, Response::Jobs(vec![info])));
+                    }
+                    self.jobs.push(job);
+                }
+                Effect::ReadJobLog { reply, info, .. } => {
+                    assert!(self.outstanding.remove(&reply).is_some(), "{reply:?} answered twice");
+                    answers.push((reply, Response::Logs { bytes: Vec::new(), job: info }));
+                }
                 Effect::StopNode { .. }
                 | Effect::RemoveJobFiles { .. }
-                | Effect::RemoveJobLog { .. } => {}
+                | Effect::RemoveJobLog { .. }
+                | Effect::StopCluster => {}
             }
         }
         answers
@@ -353,7 +427,13 @@ impl World {
             self.conns.remove(&conn);
         }
         self.calls.retain(|_, w| *w != worker);
-        self.handle(Origin::default(), Event::WorkerExited { worker, status });
+        if worker.0.is_multiple_of(2) {
+            self.handle(Origin::default(), Event::WorkerExited { worker, status });
+        } else {
+            let answer =
+                self.request(Origin::default(), HeadRequest::WorkerExited { worker, status });
+            assert!(matches!(answer, Some(Response::Done)), "{answer:?}");
+        }
     }
 
     fn run(&mut self, op: Op) {
@@ -537,13 +617,20 @@ impl World {
                 if let Some(p) = self.processes.get_mut(&worker) {
                     p.pid = Some(pid);
                 }
-                self.handle(Origin::default(), Event::WorkerSpawned { worker, pid });
+                // A remote node's spawner reports by request, the head's own by event.
+                if selector.is_multiple_of(2) {
+                    self.handle(Origin::default(), Event::WorkerSpawned { worker, pid });
+                } else {
+                    let answer =
+                        self.request(Origin::default(), HeadRequest::WorkerSpawned { worker, pid });
+                    assert!(matches!(answer, Some(Response::Done)), "{answer:?}");
+                }
             }
             Op::ProcessRegisters(selector) => {
                 let started: Vec<WorkerId> = self
                     .processes
                     .iter()
-                    .filter(|(_, p)| p.pid.is_some() && p.conn.is_none())
+                    .filter(|(_, p)| p.pid.is_some() && p.conn.is_none() && !p.job)
                     .map(|(w, _)| *w)
                     .collect();
                 let Some(worker) = pick(&started, selector) else { return };
@@ -606,7 +693,7 @@ impl World {
                 let outcome = if ok {
                     Outcome::Value(Vec::new())
                 } else {
-                    Outcome::Error(crate::error::Error::TaskFailed {
+                    Outcome::Error(rtrun_proto::error::Error::TaskFailed {
                         target: "sim_task".into(),
                         message: "it raised".into(),
                     })
@@ -648,12 +735,124 @@ impl World {
                 assert_eq!(workers.len(), self.core.workers.len());
                 self.request(Origin::default(), HeadRequest::ListJobs);
             }
+            Op::SubmitJob { name, package, fails } => self.submit_job(name, package, fails),
+            Op::StopJob(selector) => {
+                let Some(job) = pick(&self.jobs, selector) else { return };
+                let answer = self.request(Origin::default(), HeadRequest::StopJob { job });
+                let Some(Response::Jobs(infos)) = answer else { panic!("{answer:?}") };
+                // A running job's driver is killed (or will be, once it has started).
+                let worker = WorkerId(job);
+                if infos[0].state == JobState::Running
+                    && let Some(p) = self.processes.get(&worker)
+                {
+                    assert!(p.pid.is_none() || p.killed, "stopped job {job}'s driver lives on");
+                }
+            }
+            Op::JobLogs(selector) => {
+                let Some(job) = pick(&self.jobs, selector) else { return };
+                let answer =
+                    self.request(Origin::default(), HeadRequest::JobLogs { job, offset: 0 });
+                assert!(
+                    matches!(&answer, Some(Response::Logs { job: info, .. }) if info.job == job),
+                    "{answer:?}"
+                );
+            }
+            Op::DeleteJob(selector) => {
+                let Some(job) = pick(&self.jobs, selector) else { return };
+                let running = self.processes.get(&WorkerId(job)).is_some_and(|p| p.job);
+                let answer = self.request(Origin::default(), HeadRequest::DeleteJob { job });
+                match answer {
+                    Some(Response::Jobs(_)) => {
+                        assert!(!running, "running job {job} was deleted");
+                        self.jobs.retain(|j| *j != job);
+                    }
+                    Some(Response::Error(_)) => assert!(running, "ended job {job} was kept"),
+                    other => panic!("{other:?}"),
+                }
+            }
+            Op::Kv { op, key } => {
+                let key = format!("k{key}");
+                let answer = match op {
+                    0 => {
+                        let value = vec![op, self.events as u8];
+                        self.kv.insert(key.clone(), value.clone());
+                        self.request(Origin::default(), HeadRequest::KvPut { key, value })
+                    }
+                    1 => {
+                        let answer = self
+                            .request(Origin::default(), HeadRequest::KvGet { key: key.clone() });
+                        let Some(Response::KvValue(value)) = &answer else { panic!("{answer:?}") };
+                        assert_eq!(
+                            value.as_deref().map(|v| &v[..]),
+                            self.kv.get(&key).map(|v| &v[..])
+                        );
+                        answer
+                    }
+                    _ => {
+                        let had = self.kv.remove(&key);
+                        let answer = self.request(Origin::default(), HeadRequest::KvDelete { key });
+                        let Some(Response::KvValue(value)) = &answer else { panic!("{answer:?}") };
+                        assert_eq!(value.as_deref().map(|v| &v[..]), had.as_deref());
+                        answer
+                    }
+                };
+                assert!(answer.is_some(), "the key-value store answers at once");
+            }
+            Op::GetGroup(selector) => {
+                let Some(group) = pick(&self.groups, selector) else { return };
+                let answer =
+                    self.request(Origin::default(), HeadRequest::GetPlacementGroup { group });
+                let state = match answer {
+                    Some(Response::PlacementGroup(state)) => state,
+                    // A removed group is gone from the list too.
+                    Some(Response::Error(_)) => {
+                        let list =
+                            self.request(Origin::default(), HeadRequest::ListPlacementGroups);
+                        let Some(Response::PlacementGroups(list)) = list else {
+                            panic!("{list:?}")
+                        };
+                        assert!(list.iter().all(|g| g.id != group), "{group} listed, not found");
+                        return;
+                    }
+                    other => panic!("{other:?}"),
+                };
+                let by_name = self.request(
+                    Origin::default(),
+                    HeadRequest::GetPlacementGroupByName { name: state.name.clone() },
+                );
+                assert!(
+                    matches!(&by_name, Some(Response::PlacementGroup(s)) if s.id == group),
+                    "{by_name:?}"
+                );
+            }
+            Op::NodeAlive(selector) => {
+                let ids: Vec<u64> = self.nodes.iter().map(|(_, id)| *id).collect();
+                let Some(node) = pick(&ids, selector) else { return };
+                let answer = self.request(Origin::default(), HeadRequest::NodeAlive { node });
+                assert!(matches!(answer, Some(Response::Done)), "live node {node}: {answer:?}");
+            }
+            Op::StopCluster => {
+                let answer = self.request(Origin::default(), HeadRequest::StopCluster);
+                assert!(matches!(answer, Some(Response::Done)), "{answer:?}");
+            }
         }
     }
 
     /// The invariants that hold after every event.
     fn check(&self) {
         let core = &self.core;
+        // Jobs: submission ids name one job; a job runs exactly while its driver lives.
+        let mut names = BTreeSet::new();
+        for (id, job) in &core.members.jobs {
+            assert!(names.insert(&job.submission_id), "two jobs named {}", job.submission_id);
+            let driver = self.processes.get(&WorkerId(*id)).filter(|p| p.job);
+            assert_eq!(
+                job.state == JobState::Running,
+                driver.is_some(),
+                "job {id} is {:?} with its driver {driver:?}",
+                job.state
+            );
+        }
         // Resources: each allocation has exactly one holder, and each holder's allocation
         // exists.
         let mut holders: HashMap<rtrun_placement::AllocationId, String> = HashMap::new();
@@ -723,6 +922,39 @@ impl World {
             if let Some(conn) = entry.conn {
                 assert!(self.conns.contains(&conn), "worker {worker} on forgotten {conn:?}");
             }
+        }
+    }
+
+    /// Submits a job, named `job-<name>` when `name` is given; a name in use is refused.
+    fn submit_job(&mut self, name: Option<u8>, package: bool, fails: bool) {
+        let submission_id = name.map(|n| format!("job-{n}"));
+        let taken = submission_id
+            .as_ref()
+            .is_some_and(|id| self.core.members.jobs.values().any(|j| &j.submission_id == id));
+        self.job_layout_fails = fails;
+        let answer = self.request(
+            Origin::default(),
+            HeadRequest::SubmitJob {
+                binary: "sim-job".into(),
+                args: vec!["--steps".into(), "3".into()],
+                env: vec![("SIM".into(), "1".into())],
+                submission_id: submission_id.clone(),
+                working_dir: package.then(|| "d1g3st".into()),
+            },
+        );
+        self.job_layout_fails = false;
+        match answer {
+            Some(Response::Jobs(infos)) => {
+                assert!(!taken && !fails, "{submission_id:?} was accepted");
+                let info = &infos[0];
+                assert_eq!(info.state, JobState::Running);
+                assert_eq!(info.log, format!("/sim/logs/job-{}.log", info.job));
+                if let Some(id) = submission_id {
+                    assert_eq!(info.submission_id, id);
+                }
+            }
+            Some(Response::Error(e)) => assert!(taken || fails, "refused: {e}"),
+            other => panic!("{other:?}"),
         }
     }
 
@@ -797,6 +1029,7 @@ struct Reached {
     pending_groups: usize,
     dead_nodes: usize,
     events: usize,
+    kinds: BTreeSet<&'static str>,
 }
 
 impl World {
@@ -834,7 +1067,11 @@ fn the_schedules_reach_every_kind_of_state() {
         }
         reached.events += world.events;
         world.wind_down();
+        reached.kinds.extend(&world.kinds);
     }
+    let never: Vec<&str> =
+        HeadRequest::KINDS.into_iter().filter(|kind| !reached.kinds.contains(kind)).collect();
+    assert!(never.is_empty(), "no schedule sent {never:?}");
     for (what, count) in [
         ("alive actors", reached.alive_actors),
         ("restarted actors", reached.restarted_actors),

@@ -12,6 +12,7 @@
 
 mod actors;
 mod groups;
+mod jobs;
 mod members;
 #[cfg(test)]
 mod sim;
@@ -25,36 +26,38 @@ use rtrun_placement::{
     Allocation, AllocationId, ClusterState, GroupId, NodeResources, ResourceSet,
 };
 
-use crate::actor::ActorSpec;
-use crate::error::{Error, Missing, Result};
-use crate::ids::{ActorId, NodeId, WorkerId};
-use crate::protocol::{Address, Frame, HeadRequest, Outcome, Response, TaskCounts, WorkerExit};
-use crate::task::TaskSpec;
+use rtrun_proto::actor::ActorSpec;
+use rtrun_proto::error::{Error, Missing, Result};
+use rtrun_proto::ids::{ActorId, NodeId, WorkerId};
+use rtrun_proto::protocol::{
+    Address, Frame, HeadRequest, JobInfo, Outcome, Response, TaskCounts, WorkerExit,
+};
+use rtrun_proto::task::TaskSpec;
 
-pub(crate) use members::{JobEntry, Members};
+pub(crate) use members::Members;
 
 /// The token of a request that waits for its answer: the core answers it exactly once, with
 /// [`Effect::Respond`]. The shell numbers requests and keeps what each answer goes to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub(crate) struct ReplyToken(pub(crate) u64);
+pub struct ReplyToken(pub u64);
 
 /// A connection the core may send frames on (a worker's), by the shell's connection id.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub(crate) struct ConnToken(pub(crate) u64);
+pub struct ConnToken(pub u64);
 
 /// Where a request came from.
 #[derive(Clone, Copy, Debug, Default)]
-pub(crate) struct Origin {
+pub struct Origin {
     /// Its connection (`None`: the embedded driver's own process).
-    pub(crate) conn: Option<ConnToken>,
+    pub conn: Option<ConnToken>,
     /// The process at the other end, as its address names it (a worker or a driver); the
     /// shell reads it for the requests that create something, whose lineage it decides.
-    pub(crate) process: Option<WorkerId>,
+    pub process: Option<WorkerId>,
 }
 
 /// What happens to the control plane.
 #[derive(Debug)]
-pub(crate) enum Event {
+pub enum Event {
     /// A control-plane request (actors, tasks, placement groups, the key-value store, views),
     /// answered once with [`Effect::Respond`] to `reply`.
     Request { reply: ReplyToken, body: HeadRequest },
@@ -81,7 +84,7 @@ pub(crate) enum Event {
 
 /// What the shell carries out, in order, once the core has decided.
 #[derive(Debug)]
-pub(crate) enum Effect {
+pub enum Effect {
     /// Answer a request.
     Respond(ReplyToken, Response),
     /// Start a worker process on a node.
@@ -105,20 +108,40 @@ pub(crate) enum Effect {
     RemoveJobFiles { job: u64, package: Option<String> },
     /// A deleted job's log file.
     RemoveJobLog { job: u64, log: std::path::PathBuf },
+    /// Start submitted job `job`: lay out its working directory (`package`, when given),
+    /// start its driver `worker` running `binary` with `args` and `env` (and the cluster's
+    /// own variables), logging into `log`; then answer `reply` with `info`, or with the error
+    /// and [`HeadCore::job_failed_to_start`].
+    StartJob {
+        reply: ReplyToken,
+        job: u64,
+        worker: WorkerId,
+        binary: String,
+        args: Vec<String>,
+        env: Vec<(String, String)>,
+        log: std::path::PathBuf,
+        package: Option<String>,
+        info: JobInfo,
+    },
+    /// Answer `reply` with job `info` and its log from `offset` (read from `log`).
+    ReadJobLog { reply: ReplyToken, log: std::path::PathBuf, offset: u64, info: JobInfo },
+    /// The cluster stops: its nodes, then this control plane's process (the request is
+    /// answered first).
+    StopCluster,
 }
 
 /// Control-plane settings.
 #[derive(Debug, Clone)]
-pub(crate) struct HeadConfig {
+pub struct HeadConfig {
     /// The node's resources and GPUs.
-    pub(crate) node: NodeResources,
+    pub node: NodeResources,
     /// At most this many task workers exist at once.
-    pub(crate) max_task_workers: usize,
+    pub max_task_workers: usize,
     /// Whether workers keep the driver's `CUDA_VISIBLE_DEVICES` instead of their assignment.
-    pub(crate) noset_cuda_visible_devices: bool,
+    pub noset_cuda_visible_devices: bool,
     /// A task worker idle for this long ends (a finished detached run's, an idle job's): a
     /// pooled worker holds its job's environment, memory and a process slot.
-    pub(crate) task_worker_idle_timeout: std::time::Duration,
+    pub task_worker_idle_timeout: std::time::Duration,
 }
 
 enum WorkerRole {
@@ -204,7 +227,7 @@ struct QueuedTask {
 }
 
 /// What makes tasks place alike: their demand and their bundle, if any.
-type ClassKey = (ResourceSet, Option<crate::placement_group::BundleSchedule>);
+type ClassKey = (ResourceSet, Option<rtrun_proto::placement_group::BundleSchedule>);
 
 struct RunningTask {
     task: QueuedTask,
@@ -213,7 +236,7 @@ struct RunningTask {
 }
 
 /// The control plane's state and rules.
-pub(crate) struct HeadCore {
+pub struct HeadCore {
     session: String,
     config: HeadConfig,
     /// Nodes, placement groups and every allocation.
@@ -235,7 +258,7 @@ pub(crate) struct HeadCore {
     workers: HashMap<WorkerId, WorkerEntry>,
     actors: HashMap<ActorId, ActorEntry>,
     names: HashMap<(String, String), ActorId>,
-    /// The key-value store ([`crate::kv`]).
+    /// The key-value store (`rtrun::kv`).
     kv: HashMap<String, Vec<u8>>,
     pending_actors: VecDeque<ActorId>,
     task_queue: VecDeque<QueuedTask>,
@@ -259,7 +282,7 @@ pub(crate) struct HeadCore {
 
 impl HeadCore {
     /// A control plane for `session` whose own node is `head_node`, holding `config.node`.
-    pub(crate) fn new(session: String, config: HeadConfig, head_node: u64) -> Result<HeadCore> {
+    pub fn new(session: String, config: HeadConfig, head_node: u64) -> Result<HeadCore> {
         let mut cluster = ClusterState::new();
         cluster
             .add_node(config.node.clone())
@@ -295,27 +318,13 @@ impl HeadCore {
     }
 
     /// Decides what `event`, coming from `from`, changes and what must happen because of it.
-    pub(crate) fn handle(&mut self, from: Origin, event: Event) -> Vec<Effect> {
+    pub fn handle(&mut self, from: Origin, event: Event) -> Vec<Effect> {
         let mut effects = Vec::new();
         match event {
             Event::Request { reply, body } => self.request(from, reply, body, &mut effects),
             Event::WorkerSpawned { worker, pid } => self.worker_spawned(worker, pid, &mut effects),
             Event::WorkerExited { worker, status } => {
-                match self.members.job_exited(worker, &status) {
-                    // A submitted job's driver was reaped: the driver is gone now, so its actors
-                    // and groups go at once rather than when its connection times out.
-                    Some((driver, files)) => {
-                        if let Some(driver) = driver {
-                            self.driver_gone(driver, &mut effects);
-                        }
-                        effects.push(files);
-                    }
-                    None => {
-                        let status = self.exit_reason(worker, &status);
-                        self.worker_exited(worker, status, &mut effects);
-                        self.reschedule(&mut effects);
-                    }
-                }
+                self.process_exited(worker, status, &mut effects)
             }
             Event::TaskReply { call_id, outcome } => {
                 self.task_reply(call_id, outcome, &mut effects)
@@ -351,12 +360,12 @@ impl HeadCore {
 
     /// Whether every worker of the head's own node has been reaped (after
     /// [`Event::Shutdown`]).
-    pub(crate) fn no_local_workers(&self) -> bool {
+    pub fn no_local_workers(&self) -> bool {
         self.workers.values().all(|w| w.node != self.members.head_node)
     }
 
     /// The type of the actor `worker` hosts, if any (for its output lines' prefix).
-    pub(crate) fn actor_type_of(&self, worker: WorkerId) -> Option<&str> {
+    pub fn actor_type_of(&self, worker: WorkerId) -> Option<&str> {
         self.actors.values().find_map(|actor| match actor.state {
             ActorState::Starting { worker: w } | ActorState::Alive { worker: w, .. }
                 if w == worker =>
@@ -421,13 +430,38 @@ impl HeadCore {
             HeadRequest::ListTasks => Response::Tasks(self.task_table()),
             HeadRequest::ListWorkers => Response::Workers(self.worker_summaries()),
             HeadRequest::ListJobs => Response::Jobs(self.members.job_infos()),
-            HeadRequest::DeleteJob { job } => match self.members.delete_job(job) {
-                Ok((info, log)) => {
-                    effects.push(Effect::RemoveJobLog { job, log });
-                    Response::Jobs(vec![info])
+            HeadRequest::DeleteJob { job } => self.delete_job(job, effects),
+            HeadRequest::SubmitJob { binary, args, env, submission_id, working_dir } => {
+                let submission = jobs::Submission { binary, args, env, submission_id, working_dir };
+                match self.submit_job(submission, reply, effects) {
+                    Ok(()) => return,
+                    Err(e) => Response::Error(e),
                 }
+            }
+            HeadRequest::StopJob { job } => match self.stop_job(job, effects) {
+                Ok(info) => Response::Jobs(vec![info]),
                 Err(e) => Response::Error(e),
             },
+            HeadRequest::JobLogs { job, offset } => {
+                match self.job_logs(job, offset, reply, effects) {
+                    Ok(()) => return,
+                    Err(e) => Response::Error(e),
+                }
+            }
+            // Reports from the spawners (a node's, or the shell's for the head's own node).
+            HeadRequest::WorkerSpawned { worker, pid } => {
+                self.worker_spawned(worker, pid, effects);
+                Response::Done
+            }
+            HeadRequest::WorkerExited { worker, status } => {
+                self.process_exited(worker, status, effects);
+                Response::Done
+            }
+            HeadRequest::StopCluster => {
+                effects.push(Effect::Respond(reply, Response::Done));
+                effects.push(Effect::StopCluster);
+                return;
+            }
             HeadRequest::NodeAlive { node } => match self.members.nodes.get(&node) {
                 Some(entry) => match &entry.dead {
                     None => Response::Done,
@@ -475,18 +509,33 @@ impl HeadCore {
                 self.kv.insert(key, value);
                 Response::Done
             }
-            HeadRequest::KvGet { key } => {
-                Response::KvValue(self.kv.get(&key).cloned().map(serde_bytes::ByteBuf::from))
-            }
+            HeadRequest::KvGet { key } => Response::KvValue(
+                self.kv.get(&key).cloned().map(rtrun_proto::protocol::ByteBuf::from),
+            ),
             HeadRequest::KvDelete { key } => {
-                Response::KvValue(self.kv.remove(&key).map(serde_bytes::ByteBuf::from))
+                Response::KvValue(self.kv.remove(&key).map(rtrun_proto::protocol::ByteBuf::from))
             }
-            // Jobs, spawn reports and the cluster's end are the shell's (`Head::handle`).
-            other => Response::Error(Error::Invalid(format!(
-                "the control plane's core does not answer {other:?}"
-            ))),
         };
         effects.push(Effect::Respond(reply, response));
+    }
+
+    /// A worker's or a job driver's process ended.
+    fn process_exited(&mut self, worker: WorkerId, status: WorkerExit, effects: &mut Vec<Effect>) {
+        match self.members.job_exited(worker, &status) {
+            // A submitted job's driver was reaped: the driver is gone now, so its actors and
+            // groups go at once rather than when its connection times out.
+            Some((driver, files)) => {
+                if let Some(driver) = driver {
+                    self.driver_gone(driver, effects);
+                }
+                effects.push(files);
+            }
+            None => {
+                let status = self.exit_reason(worker, &status);
+                self.worker_exited(worker, status, effects);
+                self.reschedule(effects);
+            }
+        }
     }
 
     /// Returns an allocation's resources to its node or bundle. The caller reschedules.
