@@ -3,10 +3,12 @@
 //! a node or driver that joined or left — and returns the [`Effect`]s to carry out: answers by
 //! token, processes to spawn or kill, frames to send on a connection by token. It holds no
 //! connection, closure, clock, file or lock, so every scheduling rule can be driven by a test
-//! (see `sim.rs`, the deterministic simulator); the shell in `head/mod.rs` owns the lock, the
-//! connections, the responders and the spawner, and executes the effects.
+//! (see `sim.rs`, the deterministic simulator); the shell (`rtrun`'s `head` module) owns the
+//! lock, the connections, the responders, the spawner and the files, and executes the
+//! effects. The crate depends on the wire types (`rtrun-proto`), the placement state machine
+//! and the `tracing` facade only.
 //!
-//! Ids come from the core: actors, workers, drivers, nodes and the call ids of the tasks it
+//! Ids come from the core: actors, workers, drivers, nodes, jobs and the call ids of the tasks it
 //! dispatches (answered by `Frame::TaskReply`, so they share no id space with a process's own
 //! actor calls).
 

@@ -1,6 +1,6 @@
 //! The control plane of a session (Ray's GCS plus raylet): the shell around the sans-I/O
-//! [`core::HeadCore`], which decides everything — the actor directory with names and
-//! restarts, resources and placement groups, the task queue and pool of task workers, nodes,
+//! [`rtrun_head_core::HeadCore`], which decides everything — the actor directory with names
+//! and restarts, resources and placement groups, the task queue and pool of task workers, nodes,
 //! drivers and jobs. The shell owns what the core must not: the lock, the connections and the
 //! answers' destinations (the core names them by token), the spawner, and the effects' I/O.
 //!
