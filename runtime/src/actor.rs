@@ -102,7 +102,7 @@ impl<A> ActorRef<A> {
     pub fn call<R>(&self, method: u16, args: Vec<Result<Arg>>) -> ObjectRef<R> {
         match runtime::current() {
             Ok(runtime) => runtime.submit_actor_call(&self.info, method, args),
-            Err(e) => runtime::failed_ref(e),
+            Err(e) => crate::object::failed_ref(e),
         }
     }
 

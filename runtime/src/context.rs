@@ -54,3 +54,28 @@ impl RuntimeContext {
 pub fn context() -> crate::Result<RuntimeContext> {
     Ok(crate::runtime::current()?.context())
 }
+
+impl crate::runtime::Runtime {
+    /// Who and where this process is.
+    pub(crate) fn context(&self) -> RuntimeContext {
+        let start = self.actor_context.lock();
+        let allocation = start.as_ref().and_then(|s| s.allocation.as_ref());
+        RuntimeContext {
+            node_id: self.node_id,
+            worker_id: self.worker_id,
+            actor_id: start.as_ref().map(|s| s.actor),
+            incarnation: start.as_ref().map(|s| s.incarnation).unwrap_or(0),
+            actor_name: start.as_ref().and_then(|s| s.name.clone()),
+            group: start.as_ref().and_then(|s| s.group.clone()),
+            session: self.session.clone(),
+            placement_node: allocation.map(|a| a.node.to_string()),
+            gpus: allocation.map(|a| a.gpus.clone()).unwrap_or_default(),
+            resources: allocation.map(|a| a.resources.clone()).unwrap_or_default(),
+            bundle: allocation.and_then(|a| a.bundle),
+            node_ip: crate::cluster::member()
+                .map_or(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST), |member| {
+                    member.bind_ip
+                }),
+        }
+    }
+}

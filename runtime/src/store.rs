@@ -31,9 +31,9 @@ use rtrun_object_store::{
 
 use crate::error::{Error, Result};
 use crate::ids::WorkerId;
-use crate::object::StoredValue;
 use crate::protocol::{NodeMemory, Request, Response, StoreOp};
 use crate::runtime::Runtime;
+use rtrun_proto::object::StoredValue;
 
 /// Environment variable that tells a worker the inline limit of its node.
 pub(crate) const INLINE_LIMIT_ENV: &str = "RTRUN_MAX_INLINE_OBJECT_BYTES";
@@ -46,15 +46,39 @@ pub(crate) const PARALLEL_COPY_MIN_BYTES: usize = 8 << 20;
 /// Most threads a parallel copy uses.
 pub(crate) const PARALLEL_COPY_MAX_THREADS: usize = 4;
 
-/// The store identity of a worker (the driver is worker 0).
-pub(crate) fn holder_of(worker: WorkerId) -> HolderId {
-    HolderId(worker.0)
+/// The node daemon whose store holds this process's objects, in a cluster (set when the
+/// process joins; unset: this node's store, as in an embedded session).
+static HOME: std::sync::OnceLock<crate::protocol::Address> = std::sync::OnceLock::new();
+
+/// Sets [`HOME`] (once: a process is part of one cluster).
+pub(crate) fn set_home(address: crate::protocol::Address) {
+    let _ = HOME.set(address);
 }
 
-/// The holder behind a session endpoint address (`unix:@rtrun-<session>-<worker>`).
-pub(crate) fn holder_of_address(address: &str) -> Option<HolderId> {
-    let (_, worker) = address.rsplit_once('-')?;
-    worker.parse().ok().map(HolderId)
+impl Runtime {
+    /// This process's access to the node's object store.
+    pub(crate) fn store_client(&self) -> Result<&Arc<StoreClient>> {
+        self.store().ok_or_else(|| {
+            Error::ObjectStore("this process is not attached to its node's object store".into())
+        })
+    }
+
+    /// The node's object-store snapshot (asked of the node from a worker).
+    pub fn memory_stats(&self) -> Result<rtrun_object_store::StoreStats> {
+        self.store_client()?.stats()
+    }
+
+    /// A worker process exited: the node releases its store references and pins.
+    pub(crate) fn on_process_exit(&self, worker: WorkerId) {
+        if let Some(store) = self.store() {
+            store.process_exited(rtrun_proto::address::holder_of(worker));
+        }
+    }
+
+    /// The arena fd and environment that a spawned worker needs to attach to the store.
+    pub(crate) fn store_inheritance(&self) -> Option<(std::os::fd::RawFd, Vec<(String, String)>)> {
+        self.store().map(|store| store.inheritance())
+    }
 }
 
 fn store_error(error: StoreError) -> Error {
@@ -168,7 +192,7 @@ impl StoreClient {
             Some(node) => node.store.seal(id).map_err(store_error)?,
             None => self.call(StoreOp::Seal { id }).map(|_| ())?,
         }
-        let home = crate::cluster::member().and_then(|m| m.node_address.clone());
+        let home = HOME.get().cloned();
         let hold = Arc::new(Hold { id, client: Some(self.clone()), remote: None });
         Ok(StoredValue { id, size, home, hold: Some(hold) })
     }
@@ -501,12 +525,5 @@ mod tests {
         assert!(too_large.to_string().contains("capacity"), "{too_large}");
         drop(value);
         assert!(client.borrow(ObjectId(1)).is_err(), "a freed object cannot be borrowed");
-    }
-
-    #[test]
-    fn holders_are_parsed_from_session_addresses() {
-        assert_eq!(holder_of_address("unix:@rtrun-00ab-17"), Some(HolderId(17)));
-        assert_eq!(holder_of_address("unix:@rtrun-cli"), None);
-        assert_eq!(holder_of(WorkerId(3)), HolderId(3));
     }
 }

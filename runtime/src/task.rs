@@ -16,7 +16,7 @@ pub fn submit_task<R>(
 ) -> ObjectRef<R> {
     let runtime = match runtime::current() {
         Ok(runtime) => runtime,
-        Err(e) => return runtime::failed_ref(e),
+        Err(e) => return crate::object::failed_ref(e),
     };
     let mut options = options;
     if options.placement.is_none() {
@@ -24,6 +24,6 @@ pub fn submit_task<R>(
     }
     match args.into_iter().collect::<Result<Vec<_>>>() {
         Ok(args) => runtime.submit_task(function.to_owned(), args, options),
-        Err(e) => runtime::failed_ref(e),
+        Err(e) => crate::object::failed_ref(e),
     }
 }

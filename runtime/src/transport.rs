@@ -192,7 +192,7 @@ pub(crate) struct NetLink {
     /// work from any thread.
     pub handle: tokio::runtime::Handle,
     /// Answers `rtrun-net` requests peers send (the head's joins and binaries).
-    pub requests: std::sync::OnceLock<Arc<dyn crate::cluster::NetService>>,
+    pub requests: std::sync::OnceLock<Arc<dyn crate::cluster::protocol::NetService>>,
 }
 
 impl NetLink {
@@ -355,7 +355,10 @@ impl Endpoint {
                 let net_for_links = net.clone();
                 match net.requests.get() {
                     Some(service) => {
-                        tokio::spawn(crate::cluster::serve_requests(link.clone(), service.clone()));
+                        tokio::spawn(crate::cluster::protocol::serve_requests(
+                            link.clone(),
+                            service.clone(),
+                        ));
                     }
                     None => {
                         let link = link.clone();

@@ -139,7 +139,8 @@ fn process_job() -> &'static str {
 /// calls are the hot path.
 fn call_span(runtime: &Runtime, call: &IncomingCall, target: &str) -> tracing::Span {
     let caller = || {
-        let holder = call.reply_to.peer().and_then(|peer| crate::store::holder_of_address(&peer));
+        let holder =
+            call.reply_to.peer().and_then(|peer| rtrun_proto::address::holder_of_address(&peer));
         holder.map_or_else(|| "-".to_owned(), |h| WorkerId(h.0).to_string())
     };
     let (node, worker, call_id) = (runtime.node(), runtime.worker_id, call.call_id);

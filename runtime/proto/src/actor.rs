@@ -154,3 +154,9 @@ pub struct ActorInfo {
     /// Retries for calls in flight when it dies.
     pub max_task_retries: i32,
 }
+
+/// A type's name without its module path (`Probe` for `cluster_driver::Probe`), as Ray prints
+/// a class name.
+pub fn short_type(type_name: &str) -> &str {
+    type_name.rsplit("::").next().unwrap_or(type_name)
+}

@@ -7,6 +7,8 @@
 use std::net::SocketAddr as NetAddr;
 
 use crate::error::{Error, Result};
+use rtrun_object_store::HolderId;
+
 use crate::ids::WorkerId;
 
 /// An endpoint address: `unix:@name` or `quic://ip:port/node/name`.
@@ -73,4 +75,27 @@ pub fn socket_name(session: &str, worker: WorkerId) -> String {
 /// The endpoint address of `worker` in an embedded `session`.
 pub fn worker_address(session: &str, worker: WorkerId) -> Address {
     format!("unix:@{}", socket_name(session, worker))
+}
+
+/// The store identity of a worker (the driver is worker 0).
+pub fn holder_of(worker: WorkerId) -> HolderId {
+    HolderId(worker.0)
+}
+
+/// The holder behind a session endpoint address (`unix:@rtrun-<session>-<worker>`).
+pub fn holder_of_address(address: &str) -> Option<HolderId> {
+    let (_, worker) = address.rsplit_once('-')?;
+    worker.parse().ok().map(HolderId)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn holders_are_parsed_from_session_addresses() {
+        assert_eq!(holder_of_address("unix:@rtrun-00ab-17"), Some(HolderId(17)));
+        assert_eq!(holder_of_address("unix:@rtrun-cli"), None);
+        assert_eq!(holder_of(WorkerId(3)), HolderId(3));
+    }
 }

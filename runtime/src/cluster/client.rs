@@ -12,6 +12,7 @@ use crate::protocol::{
     NodeRequest, Request, StoreOp,
 };
 use crate::runtime::{Config, Runtime};
+pub(crate) use rtrun_proto::actor::short_type;
 
 /// The file in the credentials directory where `rtrun head` records its address.
 pub const HEAD_ADDRESS_FILE: &str = "head_address";
@@ -113,7 +114,7 @@ impl Client {
         let mut nodes = Vec::new();
         for node in info.nodes.iter().filter(|n| n.alive) {
             let conn = self.runtime.endpoint().connect(&node.address)?;
-            let holder = crate::store::holder_of(self.runtime.worker_id);
+            let holder = rtrun_proto::address::holder_of(self.runtime.worker_id);
             let memory: Box<NodeMemory> =
                 self.runtime.ask_on(&conn, Request::Store { holder, op: StoreOp::Stats })?;
             nodes.push(*memory);
@@ -144,7 +145,7 @@ impl Client {
             None => None,
         };
         let digest = super::binaries::digest_file(binary)?;
-        super::driver::upload_binary(member, binary, &digest)?;
+        super::member::upload_binary(member, binary, &digest)?;
         single_job(self.runtime.call(HeadRequest::SubmitJob {
             binary: digest,
             args,
@@ -315,6 +316,7 @@ pub(crate) fn stream_actor_output(runtime: Arc<Runtime>) {
     let client = Client { runtime };
     let (flushes, requests) = std::sync::mpsc::channel::<std::sync::mpsc::Sender<()>>();
     let _ = FLUSH.set(flushes);
+    super::member::flush_at_exit(flush_actor_output);
     let spawned = std::thread::Builder::new().name("rtrun-log-stream".into()).spawn(move || {
         let mut streams: std::collections::HashMap<(u64, u64), LogStream> = Default::default();
         let mut nodes: Vec<NodeInfo> = Vec::new();
@@ -374,7 +376,7 @@ static FLUSH: std::sync::OnceLock<std::sync::mpsc::Sender<std::sync::mpsc::Sende
 
 /// At a cluster driver's exit: prints what its actors wrote since the last round (waiting at
 /// most `timeout`), so that their last lines are not lost with the driver.
-pub(crate) fn flush_actor_output(timeout: std::time::Duration) {
+fn flush_actor_output(timeout: std::time::Duration) {
     let Some(requests) = FLUSH.get() else { return };
     let (ack, done) = std::sync::mpsc::channel();
     if requests.send(ack).is_ok() {
@@ -423,10 +425,4 @@ impl LinePrefixer {
         self.partial.drain(..=end);
         out
     }
-}
-
-/// A type's name without its module path (`Probe` for `cluster_driver::Probe`), as Ray prints
-/// a class name.
-pub(crate) fn short_type(type_name: &str) -> &str {
-    type_name.rsplit("::").next().unwrap_or(type_name)
 }

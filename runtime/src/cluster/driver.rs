@@ -1,14 +1,11 @@
 //! Drivers and command-line clients of a cluster: joining with a short-lived certificate, the
 //! driver's binary uploaded to the head's content-addressed cache.
 
-use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
-
 use super::join::{Bootstrap, connect_to_head, credentials};
-use super::member::close_connections_at_exit;
+use super::member::{close_connections_at_exit, upload_binary};
 use super::{
     JOB_ENV, Member, NetReply, NetRequest, binaries, client, connect_timeout, control_request,
     default_credentials_dir, resolve,
@@ -90,33 +87,4 @@ pub(crate) fn start_driver(config: &Config, address: &str, binary: bool) -> Resu
         client::stream_actor_output(runtime.clone());
     }
     Ok(runtime)
-}
-
-/// Uploads a job binary unless the head has it.
-pub(crate) fn upload_binary(member: &Member, path: &Path, digest: &str) -> Result<()> {
-    upload_bytes(member, digest, || {
-        std::fs::read(path)
-            .map_err(|e| Error::System(format!("cannot read {}: {e}", path.display())))
-    })
-}
-
-/// Uploads the content `digest` to the head's content-addressed cache unless it is there;
-/// `bytes` reads it only when needed.
-pub(crate) fn upload_bytes(
-    member: &Member,
-    digest: &str,
-    bytes: impl FnOnce() -> Result<Vec<u8>>,
-) -> Result<()> {
-    let (reply, _) =
-        control_request(member, NetRequest::HasBinary { digest: digest.to_owned() }, Vec::new())?;
-    if matches!(reply, NetReply::Present(true)) {
-        return Ok(());
-    }
-    let bytes = bytes()?;
-    control_request(
-        member,
-        NetRequest::UploadBinary { digest: digest.to_owned() },
-        vec![Bytes::from(bytes)],
-    )?;
-    Ok(())
 }

@@ -157,7 +157,7 @@ pub fn start_node(options: JoinOptions) -> Result<Arc<Runtime>> {
         Bootstrap::SaveNode,
         timeout,
     )?;
-    let resources = crate::head::node_resources(&options.config, "joining")?;
+    let resources = crate::head::config::node_resources(&options.config, "joining")?;
     let source: Arc<OnceLock<Arc<dyn rtrun_net::ObjectSource>>> = Arc::new(OnceLock::new());
     let source_for_endpoint: Arc<dyn rtrun_net::ObjectSource> =
         Arc::new(LateSource(source.clone()));

@@ -4,11 +4,15 @@
 #![allow(unsafe_code)] // On ARCHITECTURE.md's `unsafe` allow-list.
 
 use std::net::{IpAddr, SocketAddr};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use super::{CREDENTIALS_ENV, NODE_ENV, client};
+use bytes::Bytes;
+
+use super::protocol::{NetReply, NetRequest, encode_request, net_error};
+use super::{CREDENTIALS_ENV, NODE_ENV};
+use crate::error::{Error, Result};
 use crate::protocol::Address;
 use crate::transport::NetLink;
 
@@ -63,6 +67,9 @@ impl Member {
 
     /// Makes this the process's membership (once: a process is part of one cluster).
     pub(super) fn install(self) -> &'static Arc<Member> {
+        if let Some(address) = &self.node_address {
+            crate::store::set_home(address.clone());
+        }
         MEMBER.get_or_init(|| Arc::new(self))
     }
 }
@@ -90,6 +97,15 @@ pub(crate) fn exiting() -> bool {
     EXITING.load(std::sync::atomic::Ordering::Acquire)
 }
 
+/// What prints a driver's actors' last output at its exit, waiting at most the given time
+/// (set when the driver starts streaming it: `client::stream_actor_output`).
+static EXIT_FLUSH: OnceLock<fn(Duration)> = OnceLock::new();
+
+/// Sets [`EXIT_FLUSH`] (once).
+pub(crate) fn flush_at_exit(flush: fn(Duration)) {
+    let _ = EXIT_FLUSH.set(flush);
+}
+
 /// Registers [`close_on_exit`] (a driver, a client, a node daemon).
 pub(super) fn close_connections_at_exit() {
     // SAFETY: `atexit` registers a plain `extern "C"` function with no preconditions.
@@ -101,7 +117,9 @@ pub(super) fn close_connections_at_exit() {
 /// Closes this process's QUIC connections with a close frame when the process exits normally.
 extern "C" fn close_on_exit() {
     // A driver's actors are still alive here (its connections close below): their last lines.
-    client::flush_actor_output(Duration::from_millis(500));
+    if let Some(flush) = EXIT_FLUSH.get() {
+        flush(Duration::from_millis(500));
+    }
     EXITING.store(true, std::sync::atomic::Ordering::Release);
     let Some(member) = member() else { return };
     let link = member.link.clone();
@@ -112,4 +130,52 @@ extern "C" fn close_on_exit() {
         let _ = tx.send(());
     });
     let _ = rx.recv_timeout(Duration::from_millis(500));
+}
+
+/// Sends a request on the control connection.
+pub(crate) fn control_request(
+    member: &Member,
+    request: NetRequest,
+    parts: Vec<Bytes>,
+) -> Result<(NetReply, Vec<Bytes>)> {
+    let control = member
+        .control
+        .clone()
+        .ok_or_else(|| Error::Invalid("this process has no connection to the head".into()))?;
+    let head = encode_request(&request)?;
+    let frame = member
+        .link
+        .wait(async move { control.request(head, parts).await })?
+        .map_err(net_error("request to the head"))?;
+    let reply: NetReply = crate::codec::decode(&frame.head)?;
+    Ok((reply, frame.parts))
+}
+
+/// Uploads a job binary unless the head has it.
+pub(crate) fn upload_binary(member: &Member, path: &Path, digest: &str) -> Result<()> {
+    upload_bytes(member, digest, || {
+        std::fs::read(path)
+            .map_err(|e| Error::System(format!("cannot read {}: {e}", path.display())))
+    })
+}
+
+/// Uploads the content `digest` to the head's content-addressed cache unless it is there;
+/// `bytes` reads it only when needed.
+pub(crate) fn upload_bytes(
+    member: &Member,
+    digest: &str,
+    bytes: impl FnOnce() -> Result<Vec<u8>>,
+) -> Result<()> {
+    let (reply, _) =
+        control_request(member, NetRequest::HasBinary { digest: digest.to_owned() }, Vec::new())?;
+    if matches!(reply, NetReply::Present(true)) {
+        return Ok(());
+    }
+    let bytes = bytes()?;
+    control_request(
+        member,
+        NetRequest::UploadBinary { digest: digest.to_owned() },
+        vec![Bytes::from(bytes)],
+    )?;
+    Ok(())
 }

@@ -21,17 +21,18 @@ mod head;
 mod join;
 mod member;
 pub(crate) mod node;
-mod protocol;
+pub(crate) mod protocol;
 mod pull;
 mod worker;
 pub mod working_dir;
 
 pub use client::Client;
-pub(crate) use driver::{start_driver, upload_bytes};
+pub(crate) use driver::start_driver;
 pub use head::{HeadHandle, HeadOptions, start_head};
 pub use join::{JoinOptions, start_node};
-pub(crate) use member::{Member, exiting, member, node_env};
-pub(crate) use protocol::{NetReply, NetRequest, NetService, control_request, serve_requests};
+pub(crate) use member::{Member, control_request, exiting, member, node_env, upload_bytes};
+use protocol::net_error;
+pub(crate) use protocol::{NetReply, NetRequest, NetService};
 pub(crate) use pull::{pull_into_node, pull_to_memory};
 pub(crate) use worker::start_worker_link;
 
@@ -129,10 +130,6 @@ pub(super) fn net_runtime() -> Result<Arc<tokio::runtime::Runtime>> {
         .build()
         .map(Arc::new)
         .map_err(|e| Error::System(format!("cannot start the network runtime: {e}")))
-}
-
-pub(super) fn net_error(what: &str) -> impl Fn(rtrun_net::NetError) -> Error + '_ {
-    move |e| Error::Transport(format!("{what}: {e}"))
 }
 
 /// Resolves `host:port` to a socket address.

@@ -10,7 +10,7 @@ use std::sync::{Arc, Weak};
 use parking_lot::Mutex;
 
 use crate::error::{Error, Result};
-use crate::head::{SpawnEvents, SpawnRequest, Spawner, kill_process};
+use crate::head::spawn::{SpawnEvents, SpawnRequest, Spawner, kill_process};
 use crate::ids::WorkerId;
 use crate::protocol::{HeadRequest, NodeRequest, Response, WorkerExit};
 use crate::runtime::Ending;

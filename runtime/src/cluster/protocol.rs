@@ -8,7 +8,6 @@ use std::sync::Arc;
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
-use super::{Member, net_error};
 use crate::error::{Error, Result};
 use crate::ids::WorkerId;
 use crate::protocol::Address;
@@ -70,30 +69,11 @@ pub(crate) enum NetReply {
     Done,
 }
 
-pub(super) fn encode_request(request: &NetRequest) -> Result<Bytes> {
+pub(crate) fn encode_request(request: &NetRequest) -> Result<Bytes> {
     crate::codec::encode(request).map(Bytes::from)
 }
 
-/// Sends a request on the control connection.
-pub(crate) fn control_request(
-    member: &Member,
-    request: NetRequest,
-    parts: Vec<Bytes>,
-) -> Result<(NetReply, Vec<Bytes>)> {
-    let control = member
-        .control
-        .clone()
-        .ok_or_else(|| Error::Invalid("this process has no connection to the head".into()))?;
-    let head = encode_request(&request)?;
-    let frame = member
-        .link
-        .wait(async move { control.request(head, parts).await })?
-        .map_err(net_error("request to the head"))?;
-    let reply: NetReply = crate::codec::decode(&frame.head)?;
-    Ok((reply, frame.parts))
-}
-
-/// What a [`NetLink`] does with requests peers send it.
+/// What a [`NetLink`](crate::transport::NetLink) does with requests peers send it.
 pub(crate) trait NetService: Send + Sync + 'static {
     /// Answers one request that came on the connection named `link` from `peer` (runs on a
     /// blocking thread).
@@ -132,4 +112,9 @@ pub(crate) async fn serve_requests(link: rtrun_net::Connection, service: Arc<dyn
         });
     }
     service.link_closed(&link);
+}
+
+/// An error of the network layer, saying what was being done.
+pub(crate) fn net_error(what: &str) -> impl Fn(rtrun_net::NetError) -> Error + '_ {
+    move |e| Error::Transport(format!("{what}: {e}"))
 }

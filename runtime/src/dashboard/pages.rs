@@ -316,8 +316,10 @@ fn store_stats(
     if node.node == rt.node() {
         return rt.node_store_stats();
     }
-    let request =
-        Request::Store { holder: crate::store::holder_of(rt.worker_id), op: StoreOp::Stats };
+    let request = Request::Store {
+        holder: rtrun_proto::address::holder_of(rt.worker_id),
+        op: StoreOp::Stats,
+    };
     on_node::<Box<NodeMemory>>(rt, node, request).map(|memory| Some(memory.stats))
 }
 

@@ -6,9 +6,9 @@ use std::time::Duration;
 
 use rtrun_placement::{CPU, GPU, NodeResources, ResourceSet};
 
-use super::HeadConfig;
 use crate::error::{Error, Result};
 use crate::runtime::Config;
+use rtrun_head_core::HeadConfig;
 use rtrun_proto::env::opt_out;
 
 pub use rtrun_proto::env::NOSET_CUDA_VISIBLE_DEVICES_ENV;

@@ -8,10 +8,10 @@
 //! its effects are resolved; the effects are carried out after the lock is released, so no
 //! callback or send ever runs with the lock held.
 
-mod config;
+pub(crate) mod config;
 mod jobs;
 mod nodes;
-mod spawn;
+pub(crate) mod spawn;
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, OnceLock, Weak};
@@ -27,14 +27,14 @@ use crate::protocol::{
 use crate::runtime::Runtime;
 use crate::transport::Connection;
 
+pub(crate) use config::head_config;
 pub use config::{
     DEFAULT_TASK_WORKER_IDLE_TIMEOUT, NOSET_CUDA_VISIBLE_DEVICES_ENV, TASK_WORKER_IDLE_TIMEOUT_ENV,
 };
-pub(crate) use config::{head_config, node_resources};
 pub(crate) use nodes::{ClusterHead, JoinAs, Joined};
 pub(crate) use rtrun_head_core::HeadConfig;
 use rtrun_head_core::{ConnToken, Effect, Event, HeadCore, Origin, ReplyToken};
-pub(crate) use spawn::{SpawnEvents, SpawnRequest, Spawner, kill_process};
+pub(crate) use spawn::{SpawnEvents, Spawner, kill_process};
 
 /// Watches that wait before the first sweep of closed ones (see `Shared::sweep_at`).
 const MIN_WATCH_SWEEP: usize = 64;
@@ -211,7 +211,7 @@ impl SpawnEvents for Head {
     fn worker_label(&self, worker: WorkerId) -> Option<String> {
         let state = self.state.lock();
         let type_name = state.core.actor_type_of(worker)?;
-        Some(crate::cluster::client::short_type(type_name).to_owned())
+        Some(rtrun_proto::actor::short_type(type_name).to_owned())
     }
 }
 
@@ -309,7 +309,7 @@ impl Head {
             process: origin
                 .filter(|_| creates)
                 .and_then(|c| c.peer())
-                .and_then(|peer| crate::store::holder_of_address(&peer))
+                .and_then(|peer| rtrun_proto::address::holder_of_address(&peer))
                 .map(|holder| WorkerId(holder.0)),
         };
         let watch = matches!(body, HeadRequest::WaitActorAlive { .. });

@@ -4,11 +4,12 @@
 
 use std::sync::{Arc, OnceLock, Weak};
 
-use super::{Ending, ProcessRole, ResponseCallback, Runtime, outcome_to_result};
+use super::{Ending, ProcessRole, ResponseCallback, Runtime};
 use crate::error::{Error, Result};
 use crate::head::Responder;
 use crate::ids::WorkerId;
 use crate::object::Value;
+use crate::object::outcome_to_result;
 use crate::protocol::{Frame, HeadRequest, Outcome, OwnerRequest, Request, Response};
 use crate::store::Hold;
 use crate::transport::{Connection, FrameHandler};
@@ -206,7 +207,7 @@ impl Runtime {
     /// (the sender's own count is alive until the frame is dropped, after this).
     fn on_sent(&self, conn: &Connection, frame: &Frame) {
         frame.visit_stored(&mut |value| {
-            let Some(peer) = conn.peer().as_deref().and_then(crate::store::holder_of_address) else {
+            let Some(peer) = conn.peer().as_deref().and_then(rtrun_proto::address::holder_of_address) else {
                 tracing::warn!(object = %value.id, "a stored value was sent to a peer of unknown identity");
                 return;
             };
@@ -230,7 +231,7 @@ impl Runtime {
 
     /// Sends a store operation to the node daemon at `home` (answers are only logged).
     pub(crate) fn notify_store_at(&self, home: &str, op: crate::protocol::StoreOp) {
-        let holder = crate::store::holder_of(self.worker_id);
+        let holder = rtrun_proto::address::holder_of(self.worker_id);
         match self.endpoint().connect(&home.to_owned()) {
             Ok(conn) => self.request_on(
                 &conn,
@@ -263,8 +264,11 @@ impl Runtime {
         }
         if let Some(store) = self.store() {
             let op = crate::protocol::StoreOp::Pull { id: stored.id, from: home.clone() };
-            self.node_call(Request::Store { holder: crate::store::holder_of(self.worker_id), op })
-                .map_err(|e| lost(format!("copying it from {home}: {e}")))?;
+            self.node_call(Request::Store {
+                holder: rtrun_proto::address::holder_of(self.worker_id),
+                op,
+            })
+            .map_err(|e| lost(format!("copying it from {home}: {e}")))?;
             // The pull gave this process a count on the copy; it goes with the view.
             let count = crate::store::Hold::adopt(store, stored.id);
             return Ok(crate::object::ObjectBytes::mapped_copy(store.view(stored.id)?, count));
@@ -293,7 +297,8 @@ impl Runtime {
         self.submitters.on_connection_closed(self, conn);
         // A driver of a cluster went away: its job's actors go with it.
         if let Some(head) = self.head()
-            && let Some(holder) = conn.peer().as_deref().and_then(crate::store::holder_of_address)
+            && let Some(holder) =
+                conn.peer().as_deref().and_then(rtrun_proto::address::holder_of_address)
         {
             head.on_driver_gone(WorkerId(holder.0));
         }

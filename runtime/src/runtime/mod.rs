@@ -9,6 +9,8 @@ mod requests;
 mod role;
 mod start;
 
+pub use start::{init, init_with, run_worker_if_requested, shutdown};
+
 pub use role::{EXIT_HEAD_LOST, Ending};
 pub(crate) use role::{ProcessRole, WorkerRole};
 
@@ -20,13 +22,11 @@ use std::time::Duration;
 
 use dashmap::DashMap;
 
-use crate::context::RuntimeContext;
 use crate::error::{Error, Result};
 use crate::ids::{Counter, NodeId, ObjectId, WorkerId};
-use crate::object::{ObjectRef, ObjectTable, Slot, Value};
-use crate::protocol::{Address, Outcome, Response};
-use crate::store::StoreClient;
-use crate::submit::{ActorCall, Submitters};
+use crate::object::table::ObjectTable;
+use crate::protocol::{Address, Response};
+use crate::submit::state::{ActorCall, Submitters};
 use crate::transport::{Endpoint, TransportConfig};
 pub(crate) use rtrun_proto::address::{socket_name, worker_address};
 
@@ -82,66 +82,6 @@ pub(super) static CURRENT: OnceLock<Arc<Runtime>> = OnceLock::new();
 /// The runtime of this process.
 pub fn current() -> Result<&'static Arc<Runtime>> {
     CURRENT.get().ok_or(Error::NotInitialised)
-}
-
-/// Starts the runtime with default settings: in a driver, an embedded control plane and node
-/// with this machine's resources (like `ray.init()`); in a worker process, serves the worker's
-/// assignment and never returns.
-pub fn init() -> Result<()> {
-    init_with(Config::default())
-}
-
-/// Like [`init`], with settings. Calling it again in the same process is a no-op.
-pub fn init_with(config: Config) -> Result<()> {
-    // Already a driver, or a worker (whose actor may call this): nothing to start.
-    if CURRENT.get().is_some() {
-        return Ok(());
-    }
-    run_worker_if_requested();
-    let address = config.address.clone().or_else(|| {
-        std::env::var(crate::cluster::ADDRESS_ENV).ok().filter(|a| !a.trim().is_empty())
-    });
-    let runtime = match address {
-        Some(address) => crate::cluster::start_driver(&config, &address, true)?,
-        None => Runtime::start_driver(config)?,
-    };
-    let _ = CURRENT.set(runtime);
-    Ok(())
-}
-
-/// Turns this process into a worker when it was started as one (the environment says so), and
-/// never returns in that case. Test binaries call this before their harness starts (for
-/// example from a `#[ctor]`), since their `main` is not theirs.
-pub fn run_worker_if_requested() {
-    // A worker's own code calling this (through `init`) is already served.
-    if CURRENT.get().is_some() {
-        return;
-    }
-    if let Some(spec) = crate::worker::worker_spec_from_env() {
-        crate::worker::run(spec);
-    }
-}
-
-/// Stops every worker process of an embedded session. Later calls fail.
-pub fn shutdown() {
-    if let Some(head) = current().ok().and_then(|runtime| runtime.head()) {
-        head.shutdown();
-    }
-}
-
-/// An `ObjectRef` that already failed with `error` (for calls that could not be submitted).
-pub(crate) fn failed_ref<T>(error: Error) -> ObjectRef<T> {
-    match current() {
-        Ok(runtime) => {
-            let id = runtime.new_object_id();
-            ObjectRef::from_local(runtime.objects.create_owned(
-                runtime,
-                id,
-                Arc::new(Slot::done(Err(error))),
-            ))
-        }
-        Err(_) => ObjectRef::from_local(crate::object::detached_object(Err(error))),
-    }
 }
 
 pub(super) type ResponseCallback = Box<dyn FnOnce(Response) + Send>;
@@ -229,115 +169,16 @@ impl Runtime {
         id.process_prefix() == self.object_prefix
     }
 
-    pub(crate) fn context(&self) -> RuntimeContext {
-        let start = self.actor_context.lock();
-        let allocation = start.as_ref().and_then(|s| s.allocation.as_ref());
-        RuntimeContext {
-            node_id: self.node_id,
-            worker_id: self.worker_id,
-            actor_id: start.as_ref().map(|s| s.actor),
-            incarnation: start.as_ref().map(|s| s.incarnation).unwrap_or(0),
-            actor_name: start.as_ref().and_then(|s| s.name.clone()),
-            group: start.as_ref().and_then(|s| s.group.clone()),
-            session: self.session.clone(),
-            placement_node: allocation.map(|a| a.node.to_string()),
-            gpus: allocation.map(|a| a.gpus.clone()).unwrap_or_default(),
-            resources: allocation.map(|a| a.resources.clone()).unwrap_or_default(),
-            bundle: allocation.and_then(|a| a.bundle),
-            node_ip: crate::cluster::member()
-                .map_or(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST), |member| {
-                    member.bind_ip
-                }),
-        }
-    }
-
-    /// This process's access to the node's object store.
-    pub(crate) fn store_client(&self) -> Result<&Arc<StoreClient>> {
-        self.store().ok_or_else(|| {
-            Error::ObjectStore("this process is not attached to its node's object store".into())
-        })
-    }
-
-    /// Encoded bytes as a value: inline when small or when they carry references (`refs`),
-    /// else written into the node's store.
-    pub(crate) fn value_of(
-        self: &Arc<Self>,
-        bytes: Vec<u8>,
-        refs: Vec<crate::object::StoredValue>,
-    ) -> Result<Value> {
-        if !refs.is_empty() {
-            return Ok(Value::Nested { bytes: Arc::new(bytes), refs: Arc::new(refs) });
-        }
-        match self.store() {
-            Some(store) if bytes.len() > store.max_inline() => {
-                Ok(Value::Stored(store.put_bytes(self.new_object_id(), &bytes)?))
-            }
-            _ => Ok(Value::inline(bytes)),
-        }
-    }
-
     /// The placement group this process's actor captures its children into, if any.
-    pub(crate) fn captured_placement(&self) -> Option<crate::placement_group::BundleSchedule> {
+    pub(crate) fn captured_placement(
+        &self,
+    ) -> Option<rtrun_proto::placement_group::BundleSchedule> {
         let group = self.actor_context.lock().as_ref().and_then(|start| start.capture_group)?;
-        Some(crate::placement_group::BundleSchedule {
+        Some(rtrun_proto::placement_group::BundleSchedule {
             group,
             bundle_index: None,
             capture_child_tasks: true,
         })
-    }
-
-    /// Stores encoded bytes as a new object owned by this process.
-    pub(crate) fn put_encoded<T>(
-        self: &Arc<Self>,
-        bytes: Vec<u8>,
-        refs: Vec<crate::object::StoredValue>,
-    ) -> Result<ObjectRef<T>> {
-        let value = self.value_of(bytes, refs)?;
-        let id = self.new_object_id();
-        let slot = Arc::new(Slot::done(Ok(value)));
-        Ok(ObjectRef::from_local(self.objects.create_owned(self, id, slot)))
-    }
-
-    /// Stores `size` raw bytes that `write` produces in place: in the node's store when over
-    /// the inline limit, else inline.
-    pub(crate) fn put_raw<T>(
-        self: &Arc<Self>,
-        size: u64,
-        write: impl FnOnce(&mut [u8]) -> Result<()>,
-    ) -> Result<ObjectRef<T>> {
-        let id = self.new_object_id();
-        let value = match self.store() {
-            Some(store) if size > store.max_inline() as u64 => {
-                Value::Stored(store.put_with(id, size, write)?)
-            }
-            _ => {
-                let len = usize::try_from(size).map_err(|_| {
-                    Error::Invalid(format!("an object of {size} bytes does not fit in memory"))
-                })?;
-                let mut bytes = vec![0u8; len];
-                write(&mut bytes)?;
-                Value::inline(bytes)
-            }
-        };
-        let slot = Arc::new(Slot::done(Ok(value)));
-        Ok(ObjectRef::from_local(self.objects.create_owned(self, id, slot)))
-    }
-
-    /// The node's object-store snapshot (asked of the node from a worker).
-    pub fn memory_stats(&self) -> Result<rtrun_object_store::StoreStats> {
-        self.store_client()?.stats()
-    }
-
-    /// A worker process exited: the node releases its store references and pins.
-    pub(crate) fn on_process_exit(&self, worker: WorkerId) {
-        if let Some(store) = self.store() {
-            store.process_exited(crate::store::holder_of(worker));
-        }
-    }
-
-    /// The arena fd and environment that a spawned worker needs to attach to the store.
-    pub(crate) fn store_inheritance(&self) -> Option<(std::os::fd::RawFd, Vec<(String, String)>)> {
-        self.store().map(|store| store.inheritance())
     }
 
     /// Blocks the calling thread until `deadline` or until `condition` holds, polling.
@@ -350,17 +191,5 @@ impl Runtime {
             std::thread::sleep(Duration::from_millis(5));
         }
         condition()
-    }
-}
-
-/// Turns a call outcome into the object's result.
-pub(crate) fn outcome_to_result(outcome: Outcome) -> Result<Value> {
-    match outcome {
-        Outcome::Value(bytes) => Ok(Value::inline(bytes)),
-        Outcome::Nested { bytes, refs } => {
-            Ok(Value::Nested { bytes: Arc::new(bytes), refs: Arc::new(refs) })
-        }
-        Outcome::Stored(stored) => Ok(Value::Stored(stored)),
-        Outcome::Error(e) => Err(e),
     }
 }

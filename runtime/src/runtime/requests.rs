@@ -5,12 +5,13 @@
 use std::sync::Arc;
 
 use super::frames::PendingRequest;
-use super::{ResponseCallback, Runtime, failed_ref, outcome_to_result};
+use super::{ResponseCallback, Runtime};
 use crate::actor::{ActorInfo, ActorSpec};
 use crate::error::{Error, Result};
 use crate::head::Responder;
 use crate::ids::{ActorId, ObjectId};
 use crate::object::{ObjectRef, Slot};
+use crate::object::{failed_ref, outcome_to_result};
 use crate::protocol::{
     Address, ClusterInfo, Frame, HeadRequest, ObjectLocator, Outcome, OwnerRequest, Reply, Request,
     Response,

@@ -10,7 +10,8 @@ use dashmap::DashMap;
 use super::frames::Handler;
 use super::role::EndSignal;
 use super::{
-    CURRENT, Config, ProcessRole, Runtime, WorkerRole, random_u64, socket_name, worker_address,
+    CURRENT, Config, ProcessRole, Runtime, WorkerRole, current, random_u64, socket_name,
+    worker_address,
 };
 use crate::error::{Error, Result};
 use crate::head::Head;
@@ -21,6 +22,51 @@ use crate::store::{DEFAULT_MAX_INLINE_OBJECT_BYTES, StoreClient};
 use crate::submit::Submitters;
 use crate::transport::{Endpoint, TransportConfig};
 use crate::worker::WorkerSpec;
+
+/// Starts the runtime with default settings: in a driver, an embedded control plane and node
+/// with this machine's resources (like `ray.init()`); in a worker process, serves the worker's
+/// assignment and never returns.
+pub fn init() -> Result<()> {
+    init_with(Config::default())
+}
+
+/// Like [`init`], with settings. Calling it again in the same process is a no-op.
+pub fn init_with(config: Config) -> Result<()> {
+    // Already a driver, or a worker (whose actor may call this): nothing to start.
+    if CURRENT.get().is_some() {
+        return Ok(());
+    }
+    run_worker_if_requested();
+    let address = config.address.clone().or_else(|| {
+        std::env::var(crate::cluster::ADDRESS_ENV).ok().filter(|a| !a.trim().is_empty())
+    });
+    let runtime = match address {
+        Some(address) => crate::cluster::start_driver(&config, &address, true)?,
+        None => Runtime::start_driver(config)?,
+    };
+    let _ = CURRENT.set(runtime);
+    Ok(())
+}
+
+/// Turns this process into a worker when it was started as one (the environment says so), and
+/// never returns in that case. Test binaries call this before their harness starts (for
+/// example from a `#[ctor]`), since their `main` is not theirs.
+pub fn run_worker_if_requested() {
+    // A worker's own code calling this (through `init`) is already served.
+    if CURRENT.get().is_some() {
+        return;
+    }
+    if let Some(spec) = crate::worker::worker_spec_from_env() {
+        crate::worker::run(spec);
+    }
+}
+
+/// Stops every worker process of an embedded session. Later calls fail.
+pub fn shutdown() {
+    if let Some(head) = current().ok().and_then(|runtime| runtime.head()) {
+        head.shutdown();
+    }
+}
 
 impl Runtime {
     /// The parts every process has: its endpoint (bound here, its frames handled once the
@@ -150,7 +196,7 @@ impl Runtime {
         let max_inline = config.max_inline_object_bytes.unwrap_or(DEFAULT_MAX_INLINE_OBJECT_BYTES);
         StoreClient::open_node(
             Arc::downgrade(self),
-            crate::store::holder_of(worker),
+            rtrun_proto::address::holder_of(worker),
             store_config,
             max_inline,
         )
@@ -194,7 +240,7 @@ impl Runtime {
             spec.namespace.clone(),
             TransportConfig::default(),
         )?;
-        let holder = crate::store::holder_of(spec.worker);
+        let holder = rtrun_proto::address::holder_of(spec.worker);
         let store = StoreClient::attach_worker(Arc::downgrade(&runtime), holder)?;
         let node_connection = match node_address {
             Some(node_address) => Some(runtime.endpoint().connect(&node_address)?),

@@ -5,7 +5,6 @@
 use std::collections::VecDeque;
 use std::sync::Arc;
 
-use dashmap::DashMap;
 use parking_lot::Mutex;
 
 use crate::actor::ActorInfo;
@@ -16,45 +15,10 @@ use crate::protocol::{Arg, CallFrame, CallTarget, Frame, HeadRequest, Response};
 use crate::runtime::Runtime;
 use crate::transport::Connection;
 
-/// An actor call made by this process, in flight or queued (`Runtime::calls`; the head's task
-/// calls are the core's `running_tasks`, answered by `Frame::TaskReply`).
-pub(crate) struct ActorCall {
-    pub(crate) slot: Arc<Slot>,
-    actor: ActorId,
-    /// Kept while the call may still be (re)sent.
-    frame: Option<CallFrame>,
-    retries_left: i32,
-    connection: Option<u64>,
-    /// When it was submitted, and the latency histogram of its actor's type (observed when the
-    /// reply arrives).
-    pub(crate) started: std::time::Instant,
-    pub(crate) latency: prometheus_client::metrics::histogram::Histogram,
-}
+pub(crate) mod state;
 
-enum State {
-    /// Waiting to learn where the actor lives; calls queue in order. `lost` holds calls that
-    /// were in flight on a dead worker and cannot be retried: they fail once the head says what
-    /// happened (its reason — a kill, a removed placement group — is the error they get).
-    Resolving { queue: VecDeque<u64>, lost: Vec<u64>, known_incarnation: Option<u64>, asked: bool },
-    /// Calls go straight to the actor's worker.
-    Connected { conn: Arc<Connection>, incarnation: u64 },
-    /// Every call fails with this error.
-    Dead(Error),
-}
-
-/// Calls to one actor.
-pub(crate) struct Submitter {
-    info: ActorInfo,
-    state: Mutex<State>,
-    /// `rtrun_actor_call_seconds` of this actor's type, resolved once.
-    latency: prometheus_client::metrics::histogram::Histogram,
-}
-
-/// This process's submitters, by actor.
-#[derive(Default)]
-pub(crate) struct Submitters {
-    by_actor: DashMap<ActorId, Arc<Submitter>>,
-}
+pub(crate) use state::{ActorCall, Submitters};
+use state::{State, Submitter};
 
 impl ActorCall {
     /// The actor called.
@@ -73,7 +37,7 @@ impl Runtime {
     ) -> ObjectRef<R> {
         let args = match args.into_iter().collect::<Result<Vec<_>>>() {
             Ok(args) => args,
-            Err(e) => return crate::runtime::failed_ref(e),
+            Err(e) => return crate::object::failed_ref(e),
         };
         let call_id = self.next_id();
         // The result's id carries the call id, so `cancel` can find the call from the ref.
