@@ -3,25 +3,26 @@
 //! Keys live until deleted or until the head stops; values are bytes.
 
 use crate::error::Result;
-use crate::protocol::HeadRequest;
+use crate::protocol::{Ask, ByteBuf, ask};
+use crate::runtime::To;
 
-fn value(request: HeadRequest) -> Result<Option<Vec<u8>>> {
-    let value: Option<serde_bytes::ByteBuf> = crate::runtime::current()?.call(request)?;
-    Ok(value.map(serde_bytes::ByteBuf::into_vec))
+fn value(request: impl Ask<Reply = Option<ByteBuf>>) -> Result<Option<Vec<u8>>> {
+    let value = crate::runtime::current()?.ask(To::Head, request)?;
+    Ok(value.map(ByteBuf::into_vec))
 }
 
 /// Sets `key` to `value`, replacing any earlier value.
 pub fn put(key: &str, value: &[u8]) -> Result<()> {
     crate::runtime::current()?
-        .call(HeadRequest::KvPut { key: key.to_owned(), value: value.to_vec() })
+        .ask(To::Head, ask::KvPut { key: key.to_owned(), value: value.to_vec() })
 }
 
 /// The value of `key`, if it is set.
 pub fn get(key: &str) -> Result<Option<Vec<u8>>> {
-    value(HeadRequest::KvGet { key: key.to_owned() })
+    value(ask::KvGet { key: key.to_owned() })
 }
 
 /// Removes `key`; returns the value it had.
 pub fn delete(key: &str) -> Result<Option<Vec<u8>>> {
-    value(HeadRequest::KvDelete { key: key.to_owned() })
+    value(ask::KvDelete { key: key.to_owned() })
 }

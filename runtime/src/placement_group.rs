@@ -32,8 +32,8 @@ pub use rtrun_proto::placement_group::{
 };
 
 use crate::error::{Error, Result};
-use crate::protocol::{HeadRequest, Response};
-use crate::runtime;
+use crate::protocol::ask;
+use crate::runtime::{self, To};
 
 /// A handle to a placement group. Serializable: pass it to actors, which may place their own
 /// children into it.
@@ -66,10 +66,11 @@ impl PlacementGroup {
         let ready = PlacementGroupReady { inner: Arc::new(ReadyInner::default()) };
         let inner = ready.inner.clone();
         match runtime::current() {
-            Ok(runtime) => runtime.head_request(
-                HeadRequest::WaitPlacementGroup { group: self.id },
-                Box::new(move |response| inner.complete(table_of(response))),
-            ),
+            Ok(runtime) => {
+                runtime.send(To::Head, ask::WaitPlacementGroup { group: self.id }, move |state| {
+                    inner.complete(state.and_then(|state| table_of(*state)))
+                })
+            }
             Err(e) => inner.complete(Err(e)),
         }
         ready
@@ -87,7 +88,7 @@ impl PlacementGroup {
 
     /// The group's current state (status and, once created, its bundle table).
     pub fn state(&self) -> Result<PlacementGroupState> {
-        state_of(runtime::current()?.head_call(HeadRequest::GetPlacementGroup { group: self.id })?)
+        Ok(*runtime::current()?.ask(To::Head, ask::GetPlacementGroup { group: self.id })?)
     }
 
     /// The bundle table (bundle → node, GPU indices, GPU UUIDs), or `None` while pending.
@@ -98,9 +99,7 @@ impl PlacementGroup {
     /// Removes the group: kills the actors and tasks placed in it (they are not restarted) and
     /// frees its bundles, which may let pending groups be created.
     pub fn remove(&self) -> Result<()> {
-        runtime::current()?
-            .head_call(HeadRequest::RemovePlacementGroup { group: self.id })
-            .map(|_| ())
+        runtime::current()?.ask(To::Head, ask::RemovePlacementGroup { group: self.id })
     }
 
     /// Placement into bundle `index` of this group, for [`crate::ActorOptions::placement`].
@@ -119,9 +118,8 @@ impl PlacementGroup {
 /// once, reserving nothing, when the cluster could never hold it, naming the missing resource:
 /// ``placement group `train` needs GPU: 16, cluster has 8``.
 pub fn placement_group(options: PlacementGroupOptions) -> Result<PlacementGroup> {
-    let state = state_of(
-        runtime::current()?.head_call(HeadRequest::CreatePlacementGroup(Box::new(options)))?,
-    )?;
+    let state = runtime::current()?
+        .ask(To::Head, ask::CreatePlacementGroup { options: Box::new(options) })?;
     Ok(handle_of(&state))
 }
 
@@ -132,8 +130,8 @@ pub fn remove_placement_group(group: &PlacementGroup) -> Result<()> {
 
 /// The live placement group with this name.
 pub fn get_placement_group(name: &str) -> Result<PlacementGroup> {
-    let request = HeadRequest::GetPlacementGroupByName { name: name.to_owned() };
-    Ok(handle_of(&state_of(runtime::current()?.head_call(request)?)?))
+    let request = ask::GetPlacementGroupByName { name: name.to_owned() };
+    Ok(handle_of(&*runtime::current()?.ask(To::Head, request)?))
 }
 
 /// Every live placement group, oldest first (Ray's `placement_group_table()`).
@@ -158,13 +156,7 @@ fn handle_of(state: &PlacementGroupState) -> PlacementGroup {
     PlacementGroup { id: state.id, name: state.name.clone(), bundle_count: state.bundles.len() }
 }
 
-fn state_of(response: Response) -> Result<PlacementGroupState> {
-    <Box<PlacementGroupState> as crate::protocol::Reply>::from_response(response)
-        .map(|state| *state)
-}
-
-fn table_of(response: Response) -> Result<BundleTable> {
-    let state = state_of(response)?;
+fn table_of(state: PlacementGroupState) -> Result<BundleTable> {
     state.table.ok_or_else(|| {
         Error::Transport(format!("placement group `{}` reported ready without a table", state.name))
     })

@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use crate::error::{Error, Result};
 use crate::ids::DRIVER_WORKER_ID;
-use crate::protocol::{Frame, NodeMemory, Request, Response, StoreOp};
+use crate::protocol::{Ask, Frame, NodeMemory, Reply, Response};
 use crate::transport::{Connection, Endpoint, FrameHandler, TransportConfig};
 
 /// How long a query waits for the node's answer.
@@ -76,8 +76,9 @@ fn describe(sessions: &[String]) -> String {
 }
 
 /// Sends `request` to the node process of `session` (in an embedded session, the driver, which
-/// holds the control plane) and returns its answer; an error answer is an `Err`.
-pub fn query(session: &str, request: impl Into<Request>) -> Result<Response> {
+/// holds the control plane) and returns its answer, typed by the request (see
+/// [`Ask`](crate::protocol::Ask)); an error answer is an `Err`.
+pub fn ask<A: Ask>(session: &str, request: A) -> Result<A::Reply> {
     let request = request.into();
     let (tx, rx) = crossbeam_channel::bounded(1);
     let address =
@@ -90,22 +91,14 @@ pub fn query(session: &str, request: impl Into<Request>) -> Result<Response> {
         Error::Transport(format!("session {session} did not answer within {QUERY_TIMEOUT:?}"))
     });
     conn.shutdown();
-    match answer? {
-        Response::Error(error) => Err(error),
-        answer => Ok(answer),
-    }
-}
-
-/// Like [`query`], for a typed answer (see [`Reply`](crate::protocol::Reply)).
-pub fn ask<R: crate::protocol::Reply>(session: &str, request: impl Into<Request>) -> Result<R> {
-    R::from_response(query(session, request)?)
+    <A::Reply as Reply>::from_response(answer?)
 }
 
 /// Asks the node process of `session` for its object-store snapshot.
 pub fn node_memory(session: &str) -> Result<NodeMemory> {
     let request =
-        Request::Store { holder: rtrun_object_store::HolderId(u64::MAX), op: StoreOp::Stats };
-    ask::<Box<NodeMemory>>(session, request).map(|memory| *memory)
+        crate::protocol::ask::NodeStoreStats { holder: rtrun_object_store::HolderId(u64::MAX) };
+    ask(session, request).map(|memory| *memory)
 }
 
 /// Forwards the first response to the waiting query.

@@ -32,7 +32,7 @@ use rtrun_object_store::{
 use crate::error::{Error, Result};
 use crate::ids::WorkerId;
 use crate::protocol::{NodeMemory, Request, Response, StoreOp};
-use crate::runtime::Runtime;
+use crate::runtime::{Runtime, To};
 use rtrun_proto::object::StoredValue;
 
 /// Environment variable that tells a worker the inline limit of its node.
@@ -330,21 +330,18 @@ impl StoreClient {
     /// A store request to the node, waiting for the answer (worker only).
     fn call(&self, op: StoreOp) -> Result<Response> {
         let runtime = self.runtime.upgrade().ok_or(Error::NotInitialised)?;
-        runtime.node_call(Request::Store { holder: self.holder, op })
+        runtime.ask(To::Node, Request::Store { holder: self.holder, op })
     }
 
     /// A store request to the node whose answer nobody waits for (worker only). Requests on
     /// one connection are handled in order, which the reference accounting relies on.
     fn notify(&self, op: StoreOp) {
         if let Some(runtime) = self.runtime.upgrade() {
-            runtime.node_request(
-                Request::Store { holder: self.holder, op },
-                Box::new(|response| {
-                    if let Response::Error(error) = response {
-                        tracing::debug!(%error, "store notification failed");
-                    }
-                }),
-            );
+            runtime.send(To::Node, Request::Store { holder: self.holder, op }, |answer| {
+                if let Err(error) = answer {
+                    tracing::debug!(%error, "store notification failed");
+                }
+            });
         }
     }
 }

@@ -18,8 +18,8 @@ pub(crate) use rtrun_proto::env::{WORKER_ENV, WorkerSpec};
 
 use crate::ids::WorkerId;
 use crate::object::{ObjectBytes, ObjectRef, Value};
-use crate::protocol::{Arg, Assignment, CallFrame, CallTarget, Frame, HeadRequest, Outcome};
-use crate::runtime::{Ending, Runtime};
+use crate::protocol::{Arg, Assignment, CallFrame, CallTarget, Frame, Outcome, ask};
+use crate::runtime::{Ending, Runtime, To};
 use crate::transport::Connection;
 
 /// This process's worker spec, from its environment; `None` in a driver.
@@ -45,11 +45,14 @@ pub(crate) fn run(spec: WorkerSpec) -> ! {
 }
 
 fn serve(runtime: &Arc<Runtime>, spec: &WorkerSpec) -> Result<()> {
-    let assignment: Assignment = runtime.call(HeadRequest::RegisterWorker {
-        worker: spec.worker,
-        address: runtime.address().clone(),
-        pid: std::process::id(),
-    })?;
+    let assignment = runtime.ask(
+        To::Head,
+        ask::RegisterWorker {
+            worker: spec.worker,
+            address: runtime.address().clone(),
+            pid: std::process::id(),
+        },
+    )?;
     match assignment {
         Assignment::Tasks => task_executor(runtime).map(|_| ()),
         Assignment::Actor(start) => {
@@ -58,7 +61,7 @@ fn serve(runtime: &Arc<Runtime>, spec: &WorkerSpec) -> Result<()> {
             *runtime.actor_context.lock() = Some((*start).clone());
             let result = host_actor(runtime, &start).map_err(|e| e.to_string());
             // When the constructor failed, the head kills this process: it waits for that.
-            runtime.call(HeadRequest::ActorStarted { actor, incarnation, result })
+            runtime.ask(To::Head, ask::ActorStarted { actor, incarnation, result })
         }
     }
 }

@@ -804,20 +804,22 @@ fn workers_start_after_the_driver_binary_is_replaced() {
 
 #[test]
 fn requests_name_their_service_and_typed_answers_name_a_mismatch() {
-    use rtrun::protocol::{ClusterInfo, HeadRequest, JobInfo, NodeRequest};
+    use rtrun::protocol::{HeadRequest, JobInfo, Reply, Request, ask};
     init();
     let session = rtrun::context().unwrap().session;
     // The embedded driver holds the control plane and the node's store; it is no node daemon.
-    let err = rtrun::session::query(&session, NodeRequest::KillProcess { pid: 1 }).unwrap_err();
+    let err = rtrun::session::ask(&session, ask::KillProcess { pid: 1 }).unwrap_err();
     let message = err.to_string();
     assert!(message.contains("not a node daemon") && message.contains("KillProcess"), "{message}");
     // It answers for its own node's logs (an embedded session keeps none).
-    let files: Vec<(String, u64)> = rtrun::session::ask(&session, NodeRequest::ListLogs).unwrap();
+    let files = rtrun::session::ask(&session, ask::ListLogs).unwrap();
     assert!(files.is_empty(), "{files:?}");
-    let info: ClusterInfo = rtrun::session::ask(&session, HeadRequest::ClusterInfo).unwrap();
+    let info = rtrun::session::ask(&session, ask::ClusterInfo).unwrap();
     assert_eq!(info.nodes.len(), 1);
-    // A typed ask that gets another answer says which it expected and what came.
-    let err = rtrun::session::ask::<Vec<JobInfo>>(&session, HeadRequest::ClusterInfo).unwrap_err();
+    // A typed ask's answer type comes with its request; an answer decoded as another type (a
+    // raw request's, read by hand) says which it expected and what came.
+    let raw = rtrun::session::ask(&session, Request::Head(HeadRequest::ClusterInfo)).unwrap();
+    let err = <Vec<JobInfo> as Reply>::from_response(raw).unwrap_err();
     let message = err.to_string();
     assert!(message.contains("expected a `Jobs` answer, found ClusterInfo"), "{message}");
 }

@@ -726,6 +726,220 @@ replies! {
     Outcome => Outcome,
 }
 
+/// Any answer: for a request whose answers differ by what it asks (a store operation), which
+/// the caller matches. An error answer is the error.
+impl Reply for Response {
+    fn from_response(response: Response) -> crate::error::Result<Self> {
+        match response {
+            Response::Error(e) => Err(e),
+            other => Ok(other),
+        }
+    }
+}
+
+/// A request whose answer's type is part of its own type: the runtime's one client call
+/// (`Runtime::ask`, and `rtrun::session::ask` for a running session) returns
+/// `Result<Self::Reply>`, so a caller cannot expect a different answer than the one the
+/// receiver gives. [`ask`] has one type per request kind; a raw [`Request`] asks for any
+/// [`Response`].
+pub trait Ask: Into<Request> {
+    /// What the answer carries.
+    type Reply: Reply + Send + 'static;
+}
+
+impl Ask for Request {
+    type Reply = Response;
+}
+
+/// Declares, for each request kind, its type (the variant's fields), how it travels and the
+/// type of its answer.
+macro_rules! asks {
+    (@wrap HeadRequest, $request:expr) => { Request::Head($request) };
+    (@wrap NodeRequest, $request:expr) => { Request::Node($request) };
+    (@wrap OwnerRequest, $request:expr) => { Request::Owner($request) };
+    () => {};
+    (
+        $(#[$doc:meta])*
+        $to:ident :: $name:ident { $($field:ident : $ty:ty),* $(,)? } => $reply:ty;
+        $($rest:tt)*
+    ) => {
+        $(#[$doc])*
+        #[derive(Debug)]
+        pub struct $name { $(pub $field: $ty),* }
+
+        impl From<$name> for Request {
+            fn from(request: $name) -> Request {
+                asks!(@wrap $to, $to::$name { $($field: request.$field),* })
+            }
+        }
+
+        impl Ask for $name {
+            type Reply = $reply;
+        }
+
+        asks!($($rest)*);
+    };
+    (
+        $(#[$doc:meta])*
+        $to:ident :: $name:ident ( $one:ident : $one_ty:ty ) => $reply:ty;
+        $($rest:tt)*
+    ) => {
+        $(#[$doc])*
+        #[derive(Debug)]
+        pub struct $name { pub $one: $one_ty }
+
+        impl From<$name> for Request {
+            fn from(request: $name) -> Request {
+                asks!(@wrap $to, $to::$name(request.$one))
+            }
+        }
+
+        impl Ask for $name {
+            type Reply = $reply;
+        }
+
+        asks!($($rest)*);
+    };
+    (
+        $(#[$doc:meta])*
+        $to:ident :: $name:ident => $reply:ty;
+        $($rest:tt)*
+    ) => {
+        $(#[$doc])*
+        #[derive(Debug)]
+        pub struct $name;
+
+        impl From<$name> for Request {
+            fn from(_: $name) -> Request {
+                asks!(@wrap $to, $to::$name)
+            }
+        }
+
+        impl Ask for $name {
+            type Reply = $reply;
+        }
+
+        asks!($($rest)*);
+    };
+}
+
+/// One type per request kind, each with the type of its answer (see [`Ask`]). The fields and
+/// their meaning are the wire variant's of the same name.
+pub mod ask {
+    use super::*;
+    use crate::ids::{ActorId, ObjectId, WorkerId};
+    use rtrun_placement::GroupId;
+
+    asks! {
+        /// [`HeadRequest::RegisterWorker`].
+        HeadRequest::RegisterWorker { worker: WorkerId, address: Address, pid: u32 } => Assignment;
+        /// [`HeadRequest::KvPut`].
+        HeadRequest::KvPut { key: String, value: Vec<u8> } => ();
+        /// [`HeadRequest::KvGet`].
+        HeadRequest::KvGet { key: String } => Option<ByteBuf>;
+        /// [`HeadRequest::KvDelete`].
+        HeadRequest::KvDelete { key: String } => Option<ByteBuf>;
+        /// [`HeadRequest::ActorStarted`].
+        HeadRequest::ActorStarted { actor: ActorId, incarnation: u64, result: Result<(), String> }
+            => ();
+        /// [`HeadRequest::CreateActor`].
+        HeadRequest::CreateActor(spec: Box<crate::actor::ActorSpec>) => crate::actor::ActorInfo;
+        /// [`HeadRequest::GetActorByName`].
+        HeadRequest::GetActorByName { name: String, namespace: String } => crate::actor::ActorInfo;
+        /// [`HeadRequest::WaitActorAlive`].
+        HeadRequest::WaitActorAlive { actor: ActorId, after: Option<u64> } => AliveAt;
+        /// [`HeadRequest::KillActor`].
+        HeadRequest::KillActor { actor: ActorId, no_restart: bool } => ();
+        /// [`HeadRequest::SubmitTask`].
+        HeadRequest::SubmitTask(spec: Box<crate::task::TaskSpec>) => Outcome;
+        /// [`HeadRequest::CancelTask`].
+        HeadRequest::CancelTask { task: ObjectId, force: bool } => ();
+        /// [`HeadRequest::ClusterInfo`].
+        HeadRequest::ClusterInfo => super::ClusterInfo;
+        /// [`HeadRequest::CreatePlacementGroup`].
+        HeadRequest::CreatePlacementGroup(
+            options: Box<crate::placement_group::PlacementGroupOptions>
+        ) => Box<crate::placement_group::PlacementGroupState>;
+        /// [`HeadRequest::WaitPlacementGroup`].
+        HeadRequest::WaitPlacementGroup { group: GroupId }
+            => Box<crate::placement_group::PlacementGroupState>;
+        /// [`HeadRequest::RemovePlacementGroup`].
+        HeadRequest::RemovePlacementGroup { group: GroupId } => ();
+        /// [`HeadRequest::GetPlacementGroup`].
+        HeadRequest::GetPlacementGroup { group: GroupId }
+            => Box<crate::placement_group::PlacementGroupState>;
+        /// [`HeadRequest::GetPlacementGroupByName`].
+        HeadRequest::GetPlacementGroupByName { name: String }
+            => Box<crate::placement_group::PlacementGroupState>;
+        /// [`HeadRequest::ListPlacementGroups`].
+        HeadRequest::ListPlacementGroups => Vec<crate::placement_group::PlacementGroupState>;
+        /// [`HeadRequest::ListActors`].
+        HeadRequest::ListActors => Vec<ActorSummary>;
+        /// [`HeadRequest::ListTasks`].
+        HeadRequest::ListTasks => TaskTable;
+        /// [`HeadRequest::ListWorkers`].
+        HeadRequest::ListWorkers => Vec<WorkerSummary>;
+        /// [`HeadRequest::WorkerSpawned`].
+        HeadRequest::WorkerSpawned { worker: WorkerId, pid: u32 } => ();
+        /// [`HeadRequest::WorkerExited`].
+        HeadRequest::WorkerExited { worker: WorkerId, status: WorkerExit } => ();
+        /// [`HeadRequest::SubmitJob`].
+        HeadRequest::SubmitJob {
+            binary: String,
+            args: Vec<String>,
+            env: Vec<(String, String)>,
+            submission_id: Option<String>,
+            working_dir: Option<String>,
+        } => Vec<JobInfo>;
+        /// [`HeadRequest::StopJob`].
+        HeadRequest::StopJob { job: u64 } => Vec<JobInfo>;
+        /// [`HeadRequest::JobLogs`].
+        HeadRequest::JobLogs { job: u64, offset: u64 } => JobOutput;
+        /// [`HeadRequest::ListJobs`].
+        HeadRequest::ListJobs => Vec<JobInfo>;
+        /// [`HeadRequest::DeleteJob`].
+        HeadRequest::DeleteJob { job: u64 } => Vec<JobInfo>;
+        /// [`HeadRequest::NodeAlive`].
+        HeadRequest::NodeAlive { node: u64 } => ();
+        /// [`HeadRequest::StopCluster`].
+        HeadRequest::StopCluster => ();
+        /// [`NodeRequest::SpawnWorker`].
+        NodeRequest::SpawnWorker { worker: WorkerId, env: Vec<(String, String)>, job: Option<String> }
+            => ();
+        /// [`NodeRequest::KillProcess`].
+        NodeRequest::KillProcess { pid: u32 } => ();
+        /// [`NodeRequest::ProcessExited`].
+        NodeRequest::ProcessExited { worker: WorkerId } => ();
+        /// [`NodeRequest::StopNode`].
+        NodeRequest::StopNode { declared_dead: Option<String> } => ();
+        /// [`NodeRequest::ReadLog`].
+        NodeRequest::ReadLog { file: String, offset: u64 } => LogChunk;
+        /// [`NodeRequest::ListLogs`].
+        NodeRequest::ListLogs => Vec<(String, u64)>;
+        /// [`OwnerRequest::FetchObject`].
+        OwnerRequest::FetchObject { id: ObjectId } => Outcome;
+        /// [`OwnerRequest::FreeObjects`].
+        OwnerRequest::FreeObjects { ids: Vec<ObjectId> } => ();
+    }
+
+    /// A node's object-store snapshot ([`StoreOp::Stats`]), asked as `holder`.
+    #[derive(Debug)]
+    pub struct NodeStoreStats {
+        /// Who asks.
+        pub holder: HolderId,
+    }
+
+    impl From<NodeStoreStats> for Request {
+        fn from(request: NodeStoreStats) -> Request {
+            Request::Store { holder: request.holder, op: StoreOp::Stats }
+        }
+    }
+
+    impl Ask for NodeStoreStats {
+        type Reply = Box<NodeMemory>;
+    }
+}
+
 /// A job's output from an offset, and the job's state ([`Response::Logs`]).
 #[derive(Debug)]
 pub struct JobOutput {
@@ -740,6 +954,24 @@ impl Reply for JobOutput {
         match response {
             Response::Logs { bytes, job } => Ok(JobOutput { bytes, job }),
             other => Err(unexpected("Logs", other)),
+        }
+    }
+}
+
+/// Where an actor is alive ([`Response::ActorAlive`]).
+#[derive(Debug)]
+pub struct AliveAt {
+    /// Its worker's endpoint.
+    pub address: Address,
+    /// Which start of the actor this is.
+    pub incarnation: u64,
+}
+
+impl Reply for AliveAt {
+    fn from_response(response: Response) -> crate::error::Result<Self> {
+        match response {
+            Response::ActorAlive { address, incarnation } => Ok(AliveAt { address, incarnation }),
+            other => Err(unexpected("ActorAlive", other)),
         }
     }
 }

@@ -8,10 +8,9 @@ use crate::actor::ActorInfo;
 use crate::error::{Error, Result};
 use crate::placement_group::PlacementGroupState;
 use crate::protocol::{
-    ActorSummary, ClusterInfo, HeadRequest, JobInfo, JobOutput, LogChunk, NodeInfo, NodeMemory,
-    NodeRequest, Request, StoreOp,
+    ActorSummary, Ask, ClusterInfo, JobInfo, JobOutput, LogChunk, NodeInfo, NodeMemory, ask,
 };
-use crate::runtime::{Config, Runtime};
+use crate::runtime::{Config, Runtime, To};
 pub(crate) use rtrun_proto::actor::short_type;
 
 /// The file in the credentials directory where `rtrun head` records its address.
@@ -99,13 +98,13 @@ impl Client {
 
     /// Any control-plane request, answered with the payload type its reply carries (the
     /// listings `rtrun list tasks|workers` show).
-    pub fn ask<T: crate::protocol::Reply>(&self, request: HeadRequest) -> Result<T> {
-        self.runtime.call(request)
+    pub fn ask<A: Ask>(&self, request: A) -> Result<A::Reply> {
+        self.runtime.ask(To::Head, request)
     }
 
     /// Forgets ended job `job`: its record and its log (a running job is refused).
     pub fn delete_job(&self, job: u64) -> Result<JobInfo> {
-        single_job(self.runtime.call(HeadRequest::DeleteJob { job })?)
+        single_job(self.runtime.ask(To::Head, ask::DeleteJob { job })?)
     }
 
     /// The object store of every live node.
@@ -115,8 +114,7 @@ impl Client {
         for node in info.nodes.iter().filter(|n| n.alive) {
             let conn = self.runtime.endpoint().connect(&node.address)?;
             let holder = rtrun_proto::address::holder_of(self.runtime.worker_id);
-            let memory: Box<NodeMemory> =
-                self.runtime.ask_on(&conn, Request::Store { holder, op: StoreOp::Stats })?;
+            let memory = self.runtime.ask(To::Peer(&conn), ask::NodeStoreStats { holder })?;
             nodes.push(*memory);
         }
         Ok(nodes)
@@ -146,13 +144,10 @@ impl Client {
         };
         let digest = super::binaries::digest_file(binary)?;
         super::member::upload_binary(member, binary, &digest)?;
-        single_job(self.runtime.call(HeadRequest::SubmitJob {
-            binary: digest,
-            args,
-            env,
-            submission_id,
-            working_dir,
-        })?)
+        single_job(self.runtime.ask(
+            To::Head,
+            ask::SubmitJob { binary: digest, args, env, submission_id, working_dir },
+        )?)
     }
 
     /// The job named `name`: its number or its submission id.
@@ -166,21 +161,21 @@ impl Client {
 
     /// Stops job `job` (its driver, its workers on every node, its placement groups).
     pub fn stop_job(&self, job: u64) -> Result<JobInfo> {
-        single_job(self.runtime.call(HeadRequest::StopJob { job })?)
+        single_job(self.runtime.ask(To::Head, ask::StopJob { job })?)
     }
 
     /// A job's output from `offset`, and its state.
     pub fn job_logs(&self, job: u64, offset: u64) -> Result<(Vec<u8>, JobInfo)> {
-        let JobOutput { bytes, job } = self.runtime.call(HeadRequest::JobLogs { job, offset })?;
+        let JobOutput { bytes, job } = self.runtime.ask(To::Head, ask::JobLogs { job, offset })?;
         Ok((bytes, job))
     }
 
     /// Removes the placement group named `name` (its actors and tasks are stopped, its
     /// resources freed), whoever created it.
     pub fn remove_placement_group(&self, name: &str) -> Result<PlacementGroupState> {
-        let group: Box<PlacementGroupState> =
-            self.runtime.call(HeadRequest::GetPlacementGroupByName { name: name.to_owned() })?;
-        self.runtime.call::<()>(HeadRequest::RemovePlacementGroup { group: group.id })?;
+        let group =
+            self.runtime.ask(To::Head, ask::GetPlacementGroupByName { name: name.to_owned() })?;
+        self.runtime.ask(To::Head, ask::RemovePlacementGroup { group: group.id })?;
         Ok(*group)
     }
 
@@ -188,22 +183,22 @@ impl Client {
     /// [`LogCursor`], which follows a log through its rotations).
     pub fn read_log(&self, node: &NodeInfo, file: &str, offset: u64) -> Result<(Vec<u8>, u64)> {
         let conn = self.runtime.endpoint().connect(&node.address)?;
-        let request = NodeRequest::ReadLog { file: file.to_owned(), offset };
-        let LogChunk { bytes, inode, .. } = self.runtime.ask_on(&conn, request)?;
+        let request = ask::ReadLog { file: file.to_owned(), offset };
+        let LogChunk { bytes, inode, .. } = self.runtime.ask(To::Peer(&conn), request)?;
         Ok((bytes, inode))
     }
 
     /// The log files on `node` with their sizes.
     pub fn list_logs(&self, node: &NodeInfo) -> Result<Vec<(String, u64)>> {
         let conn = self.runtime.endpoint().connect(&node.address)?;
-        self.runtime.ask_on(&conn, NodeRequest::ListLogs)
+        self.runtime.ask(To::Peer(&conn), ask::ListLogs)
     }
 
     /// Stops every node and the head.
     pub fn stop(&self) -> Result<()> {
         // The head's connection closing after this is the expected end, not a lost head.
         self.runtime.expect_head_exit();
-        self.runtime.call(HeadRequest::StopCluster)
+        self.runtime.ask(To::Head, ask::StopCluster)
     }
 }
 

@@ -12,9 +12,9 @@ use parking_lot::Mutex;
 use crate::error::{Error, Result};
 use crate::head::spawn::{SpawnEvents, SpawnRequest, Spawner, kill_process};
 use crate::ids::WorkerId;
-use crate::protocol::{HeadRequest, NodeRequest, Response, WorkerExit};
+use crate::protocol::{Ask, NodeRequest, Response, WorkerExit, ask};
 use crate::runtime::Ending;
-use crate::runtime::Runtime;
+use crate::runtime::{Runtime, To};
 
 use super::binaries::BinaryCache;
 use super::{NetReply, NetRequest};
@@ -162,9 +162,9 @@ impl NodeAgent {
         }
     }
 
-    fn report(&self, request: HeadRequest) {
+    fn report(&self, request: impl Ask) {
         if let Some(runtime) = self.runtime.upgrade() {
-            runtime.head_request(request, Box::new(|_| {}));
+            runtime.send(To::Head, request, |_| {});
         }
     }
 }
@@ -172,7 +172,7 @@ impl NodeAgent {
 impl SpawnEvents for NodeAgent {
     fn on_spawned(&self, worker: WorkerId, pid: u32) {
         self.children.lock().insert(worker, Some(pid));
-        self.report(HeadRequest::WorkerSpawned { worker, pid });
+        self.report(ask::WorkerSpawned { worker, pid });
     }
 
     fn on_worker_exit(&self, worker: WorkerId, status: WorkerExit) {
@@ -180,7 +180,7 @@ impl SpawnEvents for NodeAgent {
         if let Some(runtime) = self.runtime.upgrade() {
             runtime.on_process_exit(worker);
         }
-        self.report(HeadRequest::WorkerExited { worker, status });
+        self.report(ask::WorkerExited { worker, status });
     }
 
     fn runtime(&self) -> Option<Arc<Runtime>> {

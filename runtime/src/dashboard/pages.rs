@@ -8,10 +8,8 @@ use serde::Serialize;
 
 use super::AppState;
 use crate::error::{Error, Result};
-use crate::protocol::{
-    HeadRequest, JobOutput, LogChunk, NodeInfo, NodeMemory, NodeRequest, Reply, Request, StoreOp,
-};
-use crate::runtime::Runtime;
+use crate::protocol::{Ask, JobOutput, LogChunk, NodeInfo, ask};
+use crate::runtime::{Runtime, To};
 
 /// The bytes of a log shown at once (its end).
 const LOG_TAIL: u64 = 64 << 10;
@@ -316,26 +314,23 @@ fn store_stats(
     if node.node == rt.node() {
         return rt.node_store_stats();
     }
-    let request = Request::Store {
-        holder: rtrun_proto::address::holder_of(rt.worker_id),
-        op: StoreOp::Stats,
-    };
-    on_node::<Box<NodeMemory>>(rt, node, request).map(|memory| Some(memory.stats))
+    let request = ask::NodeStoreStats { holder: rtrun_proto::address::holder_of(rt.worker_id) };
+    on_node(rt, node, request).map(|memory| Some(memory.stats))
 }
 
 /// A request to `node`'s daemon (this process's own node answers in-process).
-fn on_node<R: Reply>(rt: &Arc<Runtime>, node: &NodeInfo, request: impl Into<Request>) -> Result<R> {
+fn on_node<A: Ask>(rt: &Arc<Runtime>, node: &NodeInfo, request: A) -> Result<A::Reply> {
     if node.node == rt.node() {
-        return rt.node_ask(request);
+        return rt.ask(To::Node, request);
     }
     let conn = rt.endpoint().connect(&node.address)?;
-    rt.ask_on(&conn, request)
+    rt.ask(To::Peer(&conn), request)
 }
 
 /// The end of log `file` on `node`.
 fn log_tail(rt: &Arc<Runtime>, node: &NodeInfo, file: &str) -> Result<String> {
     let read = |offset: u64| -> Result<(Vec<u8>, u64)> {
-        let request = NodeRequest::ReadLog { file: file.to_owned(), offset };
+        let request = ask::ReadLog { file: file.to_owned(), offset };
         let LogChunk { bytes, size, .. } = on_node(rt, node, request)?;
         Ok((bytes, size))
     };
@@ -385,7 +380,7 @@ pub(super) fn render_job(state: &AppState, name: &str) -> Result<String> {
     let mut text = Vec::new();
     let mut offset = 0;
     loop {
-        let JobOutput { bytes, .. } = rt.call(HeadRequest::JobLogs { job: job.job, offset })?;
+        let JobOutput { bytes, .. } = rt.ask(To::Head, ask::JobLogs { job: job.job, offset })?;
         if bytes.is_empty() {
             break;
         }

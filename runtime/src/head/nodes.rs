@@ -13,7 +13,8 @@ use super::{Event, Head};
 use crate::cluster::binaries::BinaryCache;
 use crate::error::{Error, Result};
 use crate::ids::{NodeId, WorkerId};
-use crate::protocol::{Address, NodeRequest, Request, Response, WorkerExit};
+use crate::protocol::{Address, NodeRequest, Request, Response, WorkerExit, ask};
+use crate::runtime::To;
 
 /// What a cluster head needs besides the embedded control plane.
 pub(crate) struct ClusterHead {
@@ -87,11 +88,9 @@ impl Head {
     pub(super) fn stop_dead_node(&self, address: Address, reason: String) {
         let Some(runtime) = self.runtime() else { return };
         std::thread::spawn(move || match runtime.endpoint().connect(&address) {
-            Ok(conn) => runtime.request_on(
-                &conn,
-                Request::Node(NodeRequest::StopNode { declared_dead: Some(reason) }),
-                Box::new(|_| {}),
-            ),
+            Ok(conn) => {
+                runtime.send(To::Peer(&conn), ask::StopNode { declared_dead: Some(reason) }, |_| {})
+            }
             Err(e) => tracing::debug!("cannot tell the dead node at {address}: {e}"),
         });
     }
@@ -184,15 +183,11 @@ impl Head {
         let address = { self.state.lock().core.live_node_address(node)? };
         let conn = runtime.endpoint().connect(&address)?;
         let head = self.weak.clone();
-        runtime.request_on(
-            &conn,
-            Request::Node(request),
-            Box::new(move |response| {
-                if let (Some(on_answer), Some(head)) = (on_answer, head.upgrade()) {
-                    on_answer(&head, response);
-                }
-            }),
-        );
+        runtime.send(To::Peer(&conn), Request::Node(request), move |answer| {
+            if let (Some(on_answer), Some(head)) = (on_answer, head.upgrade()) {
+                on_answer(&head, answer.unwrap_or_else(Response::Error));
+            }
+        });
         Ok(())
     }
 

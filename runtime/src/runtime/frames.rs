@@ -4,13 +4,13 @@
 
 use std::sync::{Arc, OnceLock, Weak};
 
-use super::{Ending, ProcessRole, ResponseCallback, Runtime};
+use super::{Ending, ProcessRole, ResponseCallback, Runtime, To};
 use crate::error::{Error, Result};
 use crate::head::Responder;
 use crate::ids::WorkerId;
 use crate::object::Value;
 use crate::object::outcome_to_result;
-use crate::protocol::{Frame, HeadRequest, Outcome, OwnerRequest, Request, Response};
+use crate::protocol::{Frame, Outcome, OwnerRequest, Request, Response, ask};
 use crate::store::Hold;
 use crate::transport::{Connection, FrameHandler};
 
@@ -233,7 +233,8 @@ impl Runtime {
     pub(crate) fn notify_store_at(&self, home: &str, op: crate::protocol::StoreOp) {
         let holder = rtrun_proto::address::holder_of(self.worker_id);
         match self.endpoint().connect(&home.to_owned()) {
-            Ok(conn) => self.request_on(
+            // From a frame's send hook, which has no `Arc` of the runtime: the raw send.
+            Ok(conn) => self.send_on(
                 &conn,
                 Request::Store { holder, op },
                 Box::new(|response| {
@@ -258,16 +259,16 @@ impl Runtime {
         // after a connection attempt times out.
         if let Ok(crate::transport::Route::Quic { node, .. }) =
             crate::transport::Route::parse(&home)
-            && let Err(e) = self.head_call(HeadRequest::NodeAlive { node })
+            && let Err(e) = self.ask(To::Head, ask::NodeAlive { node })
         {
             return Err(lost(format!("its node is gone: {e}")));
         }
         if let Some(store) = self.store() {
             let op = crate::protocol::StoreOp::Pull { id: stored.id, from: home.clone() };
-            self.node_call(Request::Store {
-                holder: rtrun_proto::address::holder_of(self.worker_id),
-                op,
-            })
+            self.ask(
+                To::Node,
+                Request::Store { holder: rtrun_proto::address::holder_of(self.worker_id), op },
+            )
             .map_err(|e| lost(format!("copying it from {home}: {e}")))?;
             // The pull gave this process a count on the copy; it goes with the view.
             let count = crate::store::Hold::adopt(store, stored.id);

@@ -11,6 +11,7 @@ mod start;
 
 pub use start::{init, init_with, run_worker_if_requested, shutdown};
 
+pub(crate) use requests::To;
 pub use role::{EXIT_HEAD_LOST, Ending};
 pub(crate) use role::{ProcessRole, WorkerRole};
 

@@ -13,92 +13,94 @@ use crate::ids::{ActorId, ObjectId};
 use crate::object::{ObjectRef, Slot};
 use crate::object::{failed_ref, outcome_to_result};
 use crate::protocol::{
-    Address, ClusterInfo, Frame, HeadRequest, ObjectLocator, Outcome, OwnerRequest, Reply, Request,
-    Response,
+    Address, Ask, ClusterInfo, Frame, ObjectLocator, Reply, Request, Response, ask,
 };
 use crate::task::TaskSpec;
 use crate::transport::Connection;
 
+/// Where a request goes.
+#[derive(Clone, Copy)]
+pub(crate) enum To<'a> {
+    /// The control plane: answered in this process when it holds it, else sent on its head
+    /// connection.
+    Head,
+    /// This process's node (its store, its logs): on the node daemon's connection in a cluster
+    /// worker, on the head's in a worker of an embedded session (its driver holds the node);
+    /// in the process that holds the node (an embedded driver, a head, a node daemon) it is
+    /// answered here.
+    Node,
+    /// The process at the other end of this connection (an object's owner, another node).
+    Peer(&'a Arc<Connection>),
+}
+
+impl To<'_> {
+    fn name(self) -> &'static str {
+        match self {
+            To::Head => "the control plane",
+            To::Node => "the node",
+            To::Peer(_) => "the peer",
+        }
+    }
+}
+
 impl Runtime {
-    /// Sends a request to the control plane; `callback` gets the response (or an error response
-    /// when the head connection closes first).
-    pub(crate) fn head_request(self: &Arc<Self>, body: HeadRequest, callback: ResponseCallback) {
-        if let Some(head) = self.head() {
-            head.handle(None, body, Responder::local(callback));
-            return;
-        }
-        match self.head_connection() {
-            Some(conn) => self.request_on(conn, Request::Head(body), callback),
-            None => callback(Response::Error(Error::NotInitialised)),
-        }
-    }
-
-    /// Sends a request to this process's node (its store, its logs): on the node daemon's
-    /// connection in a cluster worker, on the head's in a worker of an embedded session (its
-    /// driver holds the node); in the process that holds the node (an embedded driver, a
-    /// head, a node daemon) it is answered here.
-    pub(crate) fn node_request(
-        self: &Arc<Self>,
-        body: impl Into<Request>,
-        callback: ResponseCallback,
-    ) {
-        let body = body.into();
-        match self.worker().map(|worker| worker.node.as_ref().unwrap_or(&worker.head)) {
-            Some(conn) => self.request_on(conn, body, callback),
-            None => self.on_request(None, Responder::local(callback), body),
-        }
-    }
-
-    /// Like [`Runtime::node_request`], blocking for the answer.
-    pub(crate) fn node_call(self: &Arc<Self>, body: impl Into<Request>) -> Result<Response> {
-        wait_response("the node", |callback| self.node_request(body, callback))
-    }
-
-    /// Sends a request to the control plane and blocks for the response. Never call this from a
-    /// connection's reader thread.
-    pub(crate) fn head_call(self: &Arc<Self>, body: HeadRequest) -> Result<Response> {
-        let result =
-            wait_response("the control plane", |callback| self.head_request(body, callback));
+    /// Sends `request` to `to` and blocks for its answer, typed by the request (see [`Ask`]).
+    /// Never call this from a connection's reader thread.
+    pub(crate) fn ask<A: Ask>(self: &Arc<Self>, to: To<'_>, request: A) -> Result<A::Reply> {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        self.send(to, request, move |answer| {
+            let _ = tx.send(answer);
+        });
+        let answer =
+            rx.recv().unwrap_or_else(|_| Err(Error::Transport(format!("{} went away", to.name()))));
         // A request that failed because the head's connection closed (before its reader
         // thread got to say so) ends the process the same way.
-        if let Err(e) = &result
+        if matches!(to, To::Head)
+            && let Err(e) = &answer
             && let Some(conn) = self.head_connection().filter(|c| c.is_closed())
         {
             self.on_head_lost(conn, &e.to_string());
         }
-        result
+        answer
     }
 
-    /// Sends a request to the control plane and blocks for its typed answer (see [`Reply`]).
-    pub(crate) fn call<R: Reply>(self: &Arc<Self>, body: HeadRequest) -> Result<R> {
-        self.head_call(body).and_then(R::from_response)
+    /// Sends `request` to `to`; `then` gets its answer, typed by the request (an error when
+    /// the connection closes first).
+    pub(crate) fn send<A: Ask>(
+        self: &Arc<Self>,
+        to: To<'_>,
+        request: A,
+        then: impl FnOnce(Result<A::Reply>) + Send + 'static,
+    ) {
+        let callback: ResponseCallback =
+            Box::new(move |response| then(<A::Reply as Reply>::from_response(response)));
+        let request = request.into();
+        match to {
+            To::Head => match (self.head(), request) {
+                (Some(head), Request::Head(body)) => {
+                    head.handle(None, body, Responder::local(callback))
+                }
+                (None, request @ Request::Head(_)) => match self.head_connection() {
+                    Some(conn) => self.send_on(conn, request, callback),
+                    None => callback(Response::Error(Error::NotInitialised)),
+                },
+                (_, other) => callback(Response::Error(Error::Invalid(format!(
+                    "not a request for the control plane: {other:?}"
+                )))),
+            },
+            To::Node => {
+                match self.worker().map(|worker| worker.node.as_ref().unwrap_or(&worker.head)) {
+                    Some(conn) => self.send_on(conn, request, callback),
+                    None => self.on_request(None, Responder::local(callback), request),
+                }
+            }
+            To::Peer(conn) => self.send_on(conn, request, callback),
+        }
     }
 
-    /// Sends a request on `conn` and blocks for the response.
-    pub(crate) fn call_on(
-        &self,
-        conn: &Arc<Connection>,
-        body: impl Into<Request>,
-    ) -> Result<Response> {
-        wait_response("the peer", |callback| self.request_on(conn, body.into(), callback))
-    }
-
-    /// Sends a request on `conn` and blocks for its typed answer (see [`Reply`]).
-    pub(crate) fn ask_on<R: Reply>(
-        &self,
-        conn: &Arc<Connection>,
-        body: impl Into<Request>,
-    ) -> Result<R> {
-        self.call_on(conn, body).and_then(R::from_response)
-    }
-
-    /// Sends a request to this process's node and blocks for its typed answer.
-    pub(crate) fn node_ask<R: Reply>(self: &Arc<Self>, body: impl Into<Request>) -> Result<R> {
-        self.node_call(body).and_then(R::from_response)
-    }
-
-    /// Sends a request on `conn`.
-    pub(crate) fn request_on(
+    /// Sends a request on `conn`; `callback` gets the response (an error response when `conn`
+    /// closes first). [`Runtime::send`] types it; this is the frame underneath.
+    pub(super) fn send_on(
         &self,
         conn: &Arc<Connection>,
         body: Request,
@@ -120,7 +122,7 @@ impl Runtime {
     }
 
     /// Fetches an object's value from its owner into `slot`.
-    pub(crate) fn fetch_object(&self, id: ObjectId, owner: &Address, slot: Arc<Slot>) {
+    pub(crate) fn fetch_object(self: &Arc<Self>, id: ObjectId, owner: &Address, slot: Arc<Slot>) {
         let conn = match self.endpoint().connect(owner) {
             Ok(conn) => conn,
             Err(e) => {
@@ -131,30 +133,21 @@ impl Runtime {
                 return;
             }
         };
-        self.request_on(
-            &conn,
-            Request::Owner(OwnerRequest::FetchObject { id }),
-            Box::new(move |response| {
-                let result = Outcome::from_response(response).and_then(outcome_to_result);
-                let result = result.map_err(|e| match e {
-                    Error::Transport(reason) => Error::ObjectLost { id, reason },
-                    e => e,
-                });
-                slot.complete(result);
-            }),
-        );
+        self.send(To::Peer(&conn), ask::FetchObject { id }, move |outcome| {
+            let result = outcome.and_then(outcome_to_result).map_err(|e| match e {
+                Error::Transport(reason) => Error::ObjectLost { id, reason },
+                e => e,
+            });
+            slot.complete(result);
+        });
     }
 
     /// Frees an object, here if we own it, else at its owner.
-    pub(crate) fn free_object(&self, locator: &ObjectLocator) {
+    pub(crate) fn free_object(self: &Arc<Self>, locator: &ObjectLocator) {
         if &locator.owner == self.address() {
             self.objects.free_owned(locator.id);
         } else if let Ok(conn) = self.endpoint().connect(&locator.owner) {
-            self.request_on(
-                &conn,
-                Request::Owner(OwnerRequest::FreeObjects { ids: vec![locator.id] }),
-                Box::new(|_| {}),
-            );
+            self.send(To::Peer(&conn), ask::FreeObjects { ids: vec![locator.id] }, |_| {});
         }
     }
 
@@ -168,7 +161,7 @@ impl Runtime {
         if spec.options.namespace.is_none() && spec.options.name.is_some() {
             spec.options.namespace = Some(self.namespace.clone());
         }
-        self.call(HeadRequest::CreateActor(Box::new(spec)))
+        self.ask(To::Head, ask::CreateActor { spec: Box::new(spec) })
     }
 
     pub(crate) fn get_actor_by_name(
@@ -177,24 +170,24 @@ impl Runtime {
         namespace: Option<&str>,
     ) -> Result<ActorInfo> {
         let namespace = namespace.unwrap_or(&self.namespace).to_owned();
-        self.call(HeadRequest::GetActorByName { name: name.to_owned(), namespace })
+        self.ask(To::Head, ask::GetActorByName { name: name.to_owned(), namespace })
     }
 
     /// Every actor the control plane knows, dead ones included.
     pub(crate) fn list_actors(self: &Arc<Self>) -> Result<Vec<crate::protocol::ActorSummary>> {
-        self.call(HeadRequest::ListActors)
+        self.ask(To::Head, ask::ListActors)
     }
 
     /// Every live placement group.
     pub(crate) fn list_placement_groups(
         self: &Arc<Self>,
     ) -> Result<Vec<crate::placement_group::PlacementGroupState>> {
-        self.call(HeadRequest::ListPlacementGroups)
+        self.ask(To::Head, ask::ListPlacementGroups)
     }
 
     /// Every submitted job.
     pub(crate) fn list_jobs(self: &Arc<Self>) -> Result<Vec<crate::protocol::JobInfo>> {
-        self.call(HeadRequest::ListJobs)
+        self.ask(To::Head, ask::ListJobs)
     }
 
     /// Whether this process holds the control plane (a cluster head or an embedded driver).
@@ -214,7 +207,7 @@ impl Runtime {
     }
 
     pub(crate) fn kill_actor(self: &Arc<Self>, actor: ActorId, no_restart: bool) -> Result<()> {
-        self.call(HeadRequest::KillActor { actor, no_restart })
+        self.ask(To::Head, ask::KillActor { actor, no_restart })
     }
 
     /// Submits a task; its result arrives as the head's response.
@@ -233,30 +226,14 @@ impl Runtime {
         let spec = TaskSpec { task: id, function, args, options };
         let slot = Arc::new(Slot::default());
         let object = self.objects.create_owned(self, id, slot.clone());
-        self.head_request(
-            HeadRequest::SubmitTask(Box::new(spec)),
-            Box::new(move |response| {
-                slot.complete(Outcome::from_response(response).and_then(outcome_to_result))
-            }),
-        );
+        self.send(To::Head, ask::SubmitTask { spec: Box::new(spec) }, move |outcome| {
+            slot.complete(outcome.and_then(outcome_to_result))
+        });
         ObjectRef::from_local(object)
     }
 
     /// A summary of the cluster's resources and workers.
     pub fn cluster_info(self: &Arc<Self>) -> Result<ClusterInfo> {
-        self.call(HeadRequest::ClusterInfo)
-    }
-}
-
-/// Sends a request through `send` and blocks for its response; an error response is an `Err`.
-fn wait_response(who: &str, send: impl FnOnce(ResponseCallback)) -> Result<Response> {
-    let (tx, rx) = crossbeam_channel::bounded(1);
-    send(Box::new(move |response| {
-        let _ = tx.send(response);
-    }));
-    match rx.recv() {
-        Ok(Response::Error(e)) => Err(e),
-        Ok(response) => Ok(response),
-        Err(_) => Err(Error::Transport(format!("{who} went away"))),
+        self.ask(To::Head, ask::ClusterInfo)
     }
 }

@@ -11,8 +11,8 @@ use crate::actor::ActorInfo;
 use crate::error::{Error, Result};
 use crate::ids::ActorId;
 use crate::object::{ObjectRef, Slot};
-use crate::protocol::{Arg, CallFrame, CallTarget, Frame, HeadRequest, Response};
-use crate::runtime::Runtime;
+use crate::protocol::{AliveAt, Arg, CallFrame, CallTarget, Frame, ask};
+use crate::runtime::{Runtime, To};
 use crate::transport::Connection;
 
 pub(crate) mod state;
@@ -143,32 +143,27 @@ impl Submitter {
     fn ask_where(self: &Arc<Self>, runtime: &Arc<Runtime>, after: Option<u64>) {
         let this = self.clone();
         let rt = runtime.clone();
-        runtime.head_request(
-            HeadRequest::WaitActorAlive { actor: self.info.id, after },
-            Box::new(move |response| match response {
-                Response::ActorAlive { address, incarnation } => {
-                    match rt.endpoint().connect(&address) {
-                        Ok(conn) => {
-                            let connection = conn.id();
-                            this.on_alive(&rt, conn, incarnation);
-                            // Not under the state lock: an answer at once would take it.
-                            this.watch(&rt, connection, incarnation);
-                        }
-                        Err(e) => this.on_dead(
-                            &rt,
-                            Error::ActorDied {
-                                actor: this.info.id,
-                                reason: format!("cannot reach its worker at {address}: {e}"),
-                            },
-                        ),
+        let request = ask::WaitActorAlive { actor: self.info.id, after };
+        runtime.send(To::Head, request, move |answer| match answer {
+            Ok(AliveAt { address, incarnation }) => {
+                match rt.endpoint().connect(&address) {
+                    Ok(conn) => {
+                        let connection = conn.id();
+                        this.on_alive(&rt, conn, incarnation);
+                        // Not under the state lock: an answer at once would take it.
+                        this.watch(&rt, connection, incarnation);
                     }
+                    Err(e) => this.on_dead(
+                        &rt,
+                        Error::ActorDied {
+                            actor: this.info.id,
+                            reason: format!("cannot reach its worker at {address}: {e}"),
+                        },
+                    ),
                 }
-                Response::Error(e) => this.on_dead(&rt, e),
-                other => {
-                    this.on_dead(&rt, Error::Transport(format!("unexpected response {other:?}")))
-                }
-            }),
-        );
+            }
+            Err(e) => this.on_dead(&rt, e),
+        });
     }
 
     fn on_alive(self: &Arc<Self>, runtime: &Arc<Runtime>, conn: Arc<Connection>, incarnation: u64) {
@@ -197,10 +192,8 @@ impl Submitter {
     fn watch(self: &Arc<Self>, runtime: &Arc<Runtime>, connection: u64, incarnation: u64) {
         let this = self.clone();
         let rt = runtime.clone();
-        runtime.head_request(
-            HeadRequest::WaitActorAlive { actor: self.info.id, after: Some(incarnation) },
-            Box::new(move |_| this.on_disconnect(&rt, connection)),
-        );
+        let request = ask::WaitActorAlive { actor: self.info.id, after: Some(incarnation) };
+        runtime.send(To::Head, request, move |_| this.on_disconnect(&rt, connection));
     }
 
     /// The error of a call lost with a worker when the actor itself lives on (restarted).
@@ -331,7 +324,7 @@ impl Runtime {
                 None => {}
             }
         }
-        self.head_request(HeadRequest::CancelTask { task: id, force }, Box::new(|_| {}));
+        self.send(To::Head, ask::CancelTask { task: id, force }, |_| {});
         Ok(())
     }
 }

@@ -5,8 +5,9 @@
 use rtrun::ActorInfo;
 use rtrun::cluster::Client;
 use rtrun::placement_group::PlacementGroupState;
+use rtrun::protocol::ask as rq;
 use rtrun::protocol::{
-    ActorSummary, ClusterInfo, HeadRequest, JobInfo, NodeMemory, Reply, TaskTable, WorkerSummary,
+    ActorSummary, Ask, ClusterInfo, JobInfo, NodeMemory, TaskTable, WorkerSummary,
 };
 use rtrun::session::ask;
 
@@ -23,7 +24,7 @@ impl Inspect {
     pub fn status(&self) -> anyhow::Result<ClusterInfo> {
         match self {
             Inspect::Cluster(client) => Ok(client.status()?),
-            Inspect::Session(s) => Ok(ask(s, HeadRequest::ClusterInfo)?),
+            Inspect::Session(s) => Ok(ask(s, rq::ClusterInfo)?),
         }
     }
 
@@ -31,21 +32,21 @@ impl Inspect {
     pub fn actors(&self) -> anyhow::Result<Vec<ActorSummary>> {
         match self {
             Inspect::Cluster(client) => Ok(client.actors()?),
-            Inspect::Session(s) => Ok(ask(s, HeadRequest::ListActors)?),
+            Inspect::Session(s) => Ok(ask(s, rq::ListActors)?),
         }
     }
 
     /// Queued and running tasks, and counts by function.
     pub fn tasks(&self) -> anyhow::Result<TaskTable> {
-        self.request(HeadRequest::ListTasks)
+        self.request(rq::ListTasks)
     }
 
     /// Every worker process.
     pub fn workers(&self) -> anyhow::Result<Vec<WorkerSummary>> {
-        self.request(HeadRequest::ListWorkers)
+        self.request(rq::ListWorkers)
     }
 
-    fn request<T: Reply>(&self, request: HeadRequest) -> anyhow::Result<T> {
+    fn request<A: Ask>(&self, request: A) -> anyhow::Result<A::Reply> {
         match self {
             Inspect::Cluster(client) => Ok(client.ask(request)?),
             Inspect::Session(s) => Ok(ask(s, request)?),
@@ -56,7 +57,7 @@ impl Inspect {
     pub fn placement_groups(&self) -> anyhow::Result<Vec<PlacementGroupState>> {
         match self {
             Inspect::Cluster(client) => Ok(client.placement_groups()?),
-            Inspect::Session(s) => Ok(ask(s, HeadRequest::ListPlacementGroups)?),
+            Inspect::Session(s) => Ok(ask(s, rq::ListPlacementGroups)?),
         }
     }
 
@@ -86,12 +87,10 @@ impl Inspect {
         match self {
             Inspect::Cluster(client) => Ok(client.kill_actor(name, namespace, restart)?),
             Inspect::Session(s) => {
-                let lookup = HeadRequest::GetActorByName {
-                    name: name.to_owned(),
-                    namespace: namespace.to_owned(),
-                };
-                let info: ActorInfo = ask(s, lookup)?;
-                ask::<()>(s, HeadRequest::KillActor { actor: info.id, no_restart: !restart })?;
+                let lookup =
+                    rq::GetActorByName { name: name.to_owned(), namespace: namespace.to_owned() };
+                let info = ask(s, lookup)?;
+                ask(s, rq::KillActor { actor: info.id, no_restart: !restart })?;
                 Ok(info)
             }
         }
