@@ -31,7 +31,7 @@ use rtrun_object_store::{
 
 use crate::error::{Error, Result};
 use crate::ids::WorkerId;
-use crate::protocol::{NodeMemory, Request, Response, StoreOp};
+use crate::protocol::{NodeMemory, Request, Response, StoreOp, ask};
 use crate::runtime::{Runtime, To};
 use rtrun_proto::object::StoredValue;
 
@@ -78,6 +78,64 @@ impl Runtime {
     /// The arena fd and environment that a spawned worker needs to attach to the store.
     pub(crate) fn store_inheritance(&self) -> Option<(std::os::fd::RawFd, Vec<(String, String)>)> {
         self.store().map(|store| store.inheritance())
+    }
+
+    /// Whether a stored value lives in another node's store.
+    pub(crate) fn is_foreign(&self, value: &crate::object::StoredValue) -> bool {
+        match value.home.as_deref().map(crate::transport::Route::parse) {
+            Some(Ok(crate::transport::Route::Quic { node, .. })) => node != self.node_id.0,
+            _ => false,
+        }
+    }
+
+    /// Sends a store operation to the node daemon at `home` (answers are only logged).
+    pub(crate) fn notify_store_at(&self, home: &str, op: crate::protocol::StoreOp) {
+        let holder = rtrun_proto::address::holder_of(self.worker_id);
+        match self.endpoint().connect(&home.to_owned()) {
+            // From a frame's send hook, which has no `Arc` of the runtime: the raw send.
+            Ok(conn) => self.send_on(
+                &conn,
+                Request::Store { holder, op },
+                Box::new(|response| {
+                    if let Response::Error(error) = response {
+                        tracing::debug!(%error, "store operation at another node failed");
+                    }
+                }),
+            ),
+            Err(e) => tracing::debug!("store at {home} unreachable: {e}"),
+        }
+    }
+
+    /// The bytes of a value in another node's store: copied into this node's store (then
+    /// mapped) when this process has one, else pulled into memory.
+    pub(crate) fn fetch_foreign(
+        self: &Arc<Self>,
+        stored: &crate::object::StoredValue,
+    ) -> Result<crate::object::ObjectBytes> {
+        let home = stored.home.clone().unwrap_or_default();
+        let lost = |reason: String| Error::ObjectLost { id: stored.id, reason };
+        // A copy on a dead node is gone: say so at once (with the head's reason) rather than
+        // after a connection attempt times out.
+        if let Ok(crate::transport::Route::Quic { node, .. }) =
+            crate::transport::Route::parse(&home)
+            && let Err(e) = self.ask(To::Head, ask::NodeAlive { node })
+        {
+            return Err(lost(format!("its node is gone: {e}")));
+        }
+        if let Some(store) = self.store() {
+            let op = crate::protocol::StoreOp::Pull { id: stored.id, from: home.clone() };
+            self.ask(
+                To::Node,
+                Request::Store { holder: rtrun_proto::address::holder_of(self.worker_id), op },
+            )
+            .map_err(|e| lost(format!("copying it from {home}: {e}")))?;
+            // The pull gave this process a count on the copy; it goes with the view.
+            let count = crate::store::Hold::adopt(store, stored.id);
+            return Ok(crate::object::ObjectBytes::mapped_copy(store.view(stored.id)?, count));
+        }
+        let bytes =
+            crate::cluster::pull_to_memory(&home, stored.id).map_err(|e| lost(e.to_string()))?;
+        Ok(crate::object::ObjectBytes::inline(bytes))
     }
 }
 

@@ -100,7 +100,7 @@ impl Runtime {
 
     /// Sends a request on `conn`; `callback` gets the response (an error response when `conn`
     /// closes first). [`Runtime::send`] types it; this is the frame underneath.
-    pub(super) fn send_on(
+    pub(crate) fn send_on(
         &self,
         conn: &Arc<Connection>,
         body: Request,

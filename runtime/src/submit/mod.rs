@@ -71,6 +71,36 @@ impl Runtime {
         submitter.submit(self, call_id);
         ObjectRef::from_local(object)
     }
+
+    /// Cancels a call made by this process or a task it submitted.
+    pub(crate) fn cancel(self: &Arc<Self>, id: crate::ids::ObjectId, force: bool) -> Result<()> {
+        let call_id = id.0 as u64;
+        if self.owns_object_id(id) {
+            let queued_or_sent = self.calls.get(&call_id).map(|call| call.connection);
+            match queued_or_sent {
+                Some(None) => {
+                    fail_call(self, call_id, Error::Cancelled);
+                    return Ok(());
+                }
+                Some(Some(connection)) => {
+                    let conn =
+                        self.submitters.by_actor.iter().find_map(|s| match &*s.state.lock() {
+                            State::Connected { conn, .. } if conn.id() == connection => {
+                                Some(conn.clone())
+                            }
+                            _ => None,
+                        });
+                    if let Some(conn) = conn {
+                        conn.send(&Frame::Cancel { call_id })?;
+                    }
+                    return Ok(());
+                }
+                None => {}
+            }
+        }
+        self.send(To::Head, ask::CancelTask { task: id, force }, |_| {});
+        Ok(())
+    }
 }
 
 impl Submitters {
@@ -294,37 +324,5 @@ fn fail_call(runtime: &Runtime, call_id: u64, error: Error) {
     if let Some((_, call)) = runtime.calls.remove(&call_id) {
         tracing::debug!(call = call_id, actor = %call.actor, "call failed: {error}");
         call.slot.complete(Err(error));
-    }
-}
-
-impl Runtime {
-    /// Cancels a call made by this process or a task it submitted.
-    pub(crate) fn cancel(self: &Arc<Self>, id: crate::ids::ObjectId, force: bool) -> Result<()> {
-        let call_id = id.0 as u64;
-        if self.owns_object_id(id) {
-            let queued_or_sent = self.calls.get(&call_id).map(|call| call.connection);
-            match queued_or_sent {
-                Some(None) => {
-                    fail_call(self, call_id, Error::Cancelled);
-                    return Ok(());
-                }
-                Some(Some(connection)) => {
-                    let conn =
-                        self.submitters.by_actor.iter().find_map(|s| match &*s.state.lock() {
-                            State::Connected { conn, .. } if conn.id() == connection => {
-                                Some(conn.clone())
-                            }
-                            _ => None,
-                        });
-                    if let Some(conn) = conn {
-                        conn.send(&Frame::Cancel { call_id })?;
-                    }
-                    return Ok(());
-                }
-                None => {}
-            }
-        }
-        self.send(To::Head, ask::CancelTask { task: id, force }, |_| {});
-        Ok(())
     }
 }
