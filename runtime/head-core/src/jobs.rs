@@ -10,6 +10,23 @@ use rtrun_proto::protocol::{JobInfo, JobState, Response};
 
 use crate::members::JobEntry;
 
+/// Start submitted job `job`: lay out its working directory (`package`, when given), start its
+/// driver `worker` running `binary` with `args` and `env` (and the cluster's own variables),
+/// logging into `log`; then answer `reply` with `info`, or with the error and
+/// [`HeadCore::job_failed_to_start`].
+#[derive(Debug)]
+pub struct JobStart {
+    pub reply: ReplyToken,
+    pub job: u64,
+    pub worker: WorkerId,
+    pub binary: String,
+    pub args: Vec<String>,
+    pub env: Vec<(String, String)>,
+    pub log: std::path::PathBuf,
+    pub package: Option<String>,
+    pub info: JobInfo,
+}
+
 /// What `rtrun job submit` asks for.
 #[derive(Debug)]
 pub(super) struct Submission {
@@ -62,7 +79,7 @@ impl HeadCore {
             stop_requested: false,
             package: submission.working_dir,
         };
-        effects.push(Effect::StartJob {
+        effects.push(Effect::StartJob(Box::new(JobStart {
             reply,
             job: id,
             worker: entry.worker,
@@ -72,7 +89,7 @@ impl HeadCore {
             log: entry.log.clone(),
             package: entry.package.clone(),
             info: entry.info(id),
-        });
+        })));
         self.members.jobs.insert(id, entry);
         Ok(())
     }
@@ -109,7 +126,7 @@ impl HeadCore {
     ) -> Result<()> {
         let entry = self.members.jobs.get(&job).ok_or(Error::NotFound(Missing::Job(job)))?;
         let (log, info) = (entry.log.clone(), entry.info(job));
-        effects.push(Effect::ReadJobLog { reply, log, offset, info });
+        effects.push(Effect::ReadJobLog { reply, log, offset, info: Box::new(info) });
         Ok(())
     }
 

@@ -36,6 +36,7 @@ use rtrun_proto::protocol::{
 };
 use rtrun_proto::task::TaskSpec;
 
+pub use jobs::JobStart;
 pub(crate) use members::Members;
 
 /// The token of a request that waits for its answer: the core answers it exactly once, with
@@ -110,23 +111,11 @@ pub enum Effect {
     RemoveJobFiles { job: u64, package: Option<String> },
     /// A deleted job's log file.
     RemoveJobLog { job: u64, log: std::path::PathBuf },
-    /// Start submitted job `job`: lay out its working directory (`package`, when given),
-    /// start its driver `worker` running `binary` with `args` and `env` (and the cluster's
-    /// own variables), logging into `log`; then answer `reply` with `info`, or with the error
-    /// and [`HeadCore::job_failed_to_start`].
-    StartJob {
-        reply: ReplyToken,
-        job: u64,
-        worker: WorkerId,
-        binary: String,
-        args: Vec<String>,
-        env: Vec<(String, String)>,
-        log: std::path::PathBuf,
-        package: Option<String>,
-        info: JobInfo,
-    },
+    /// Start a submitted job (see [`JobStart`]); boxed, as it is rare and large (every
+    /// effect moves as the largest one).
+    StartJob(Box<JobStart>),
     /// Answer `reply` with job `info` and its log from `offset` (read from `log`).
-    ReadJobLog { reply: ReplyToken, log: std::path::PathBuf, offset: u64, info: JobInfo },
+    ReadJobLog { reply: ReplyToken, log: std::path::PathBuf, offset: u64, info: Box<JobInfo> },
     /// The cluster stops: its nodes, then this control plane's process (the request is
     /// answered first).
     StopCluster,
@@ -565,4 +554,13 @@ fn shortfall_message(what: &str, demand: &ResourceSet, total: &ResourceSet) -> O
     total.first_shortfall(demand).map(|(name, needed, have)| {
         format!("{what} needs {name}: {needed}, the cluster has {have} in total")
     })
+}
+
+/// Every effect moves as the largest one (into the list, out of it, into the shell's action),
+/// on every request: a rare, large one goes in a box so that the common ones stay cheap.
+#[test]
+fn effects_stay_as_small_as_the_frame_they_may_carry() {
+    let frame = std::mem::size_of::<Frame>();
+    let effect = std::mem::size_of::<Effect>();
+    assert!(effect <= frame + 32, "an Effect is {effect} bytes, a Frame {frame}: box a variant");
 }

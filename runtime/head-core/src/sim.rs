@@ -28,7 +28,9 @@ use rtrun_placement::{
     CPU, GPU, GroupId, NodeResources, Quantity, ResourceSet, Strategy as GroupStrategy,
 };
 
-use super::{ActorState, ConnToken, Effect, Event, HeadConfig, HeadCore, Origin, ReplyToken};
+use super::{
+    ActorState, ConnToken, Effect, Event, HeadConfig, HeadCore, JobStart, Origin, ReplyToken,
+};
 use rtrun_proto::actor::{ActorOptions, ActorSpec};
 use rtrun_proto::ids::{ActorId, ObjectId, WorkerId};
 use rtrun_proto::placement_group::{BundleSchedule, PlacementGroupOptions};
@@ -364,7 +366,8 @@ impl World {
                 Effect::Forget(conn) => {
                     self.conns.remove(&conn);
                 }
-                Effect::StartJob { reply, job, worker, info, .. } => {
+                Effect::StartJob(start) => {
+                    let JobStart { reply, job, worker, info, .. } = *start;
                     assert!(self.outstanding.remove(&reply).is_some(), "{reply:?} answered twice");
                     assert_eq!(info.job, job);
                     if self.job_layout_fails {
@@ -389,7 +392,7 @@ impl World {
                 }
                 Effect::ReadJobLog { reply, info, .. } => {
                     assert!(self.outstanding.remove(&reply).is_some(), "{reply:?} answered twice");
-                    answers.push((reply, Response::Logs { bytes: Vec::new(), job: info }));
+                    answers.push((reply, Response::Logs { bytes: Vec::new(), job: *info }));
                 }
                 Effect::StopNode { .. }
                 | Effect::RemoveJobFiles { .. }

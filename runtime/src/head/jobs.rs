@@ -8,18 +8,7 @@ use crate::transport::Route;
 
 use super::Head;
 use super::spawn::SpawnRequest;
-
-/// [`rtrun_head_core::Effect::StartJob`]'s fields.
-pub(super) struct JobStart {
-    pub(super) job: u64,
-    pub(super) worker: crate::ids::WorkerId,
-    pub(super) binary: String,
-    pub(super) args: Vec<String>,
-    pub(super) env: Vec<(String, String)>,
-    pub(super) log: std::path::PathBuf,
-    pub(super) package: Option<String>,
-    pub(super) info: JobInfo,
-}
+use rtrun_head_core::JobStart;
 
 impl Head {
     /// Checks what a submission needs from the head's disk before the core records it: a
@@ -45,8 +34,8 @@ impl Head {
     /// Starts a job the core recorded ([`Effect::StartJob`](rtrun_head_core::Effect)): lays
     /// out its working directory and starts its driver on the head's node. A job whose files
     /// cannot be laid out fails before its driver starts.
-    pub(super) fn start_job(&self, start: JobStart) -> Result<JobInfo> {
-        let JobStart { job, worker, binary, args, env, log, package, info } = start;
+    pub(super) fn start_job(&self, start: Box<JobStart>) -> Result<JobInfo> {
+        let JobStart { job, worker, binary, args, env, log, package, info, .. } = *start;
         let cluster = self
             .cluster
             .get()

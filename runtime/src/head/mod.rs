@@ -33,7 +33,7 @@ pub use config::{
 };
 pub(crate) use nodes::{ClusterHead, JoinAs, Joined};
 pub(crate) use rtrun_head_core::HeadConfig;
-use rtrun_head_core::{ConnToken, Effect, Event, HeadCore, Origin, ReplyToken};
+use rtrun_head_core::{ConnToken, Effect, Event, HeadCore, JobStart, Origin, ReplyToken};
 pub(crate) use spawn::{SpawnEvents, Spawner, kill_process};
 
 /// Watches that wait before the first sweep of closed ones (see `Shared::sweep_at`).
@@ -100,8 +100,8 @@ enum Action {
     StopNode(Address, String),
     RemoveJobFiles(u64, Option<String>),
     RemoveJobLog(u64, std::path::PathBuf),
-    StartJob(Option<Responder>, jobs::JobStart),
-    ReadJobLog(Option<Responder>, std::path::PathBuf, u64, JobInfo),
+    StartJob(Option<Responder>, Box<JobStart>),
+    ReadJobLog(Option<Responder>, std::path::PathBuf, u64, Box<JobInfo>),
     StopCluster,
 }
 
@@ -152,10 +152,8 @@ impl Shared {
                     actions.push(Action::RemoveJobFiles(job, package))
                 }
                 Effect::RemoveJobLog { job, log } => actions.push(Action::RemoveJobLog(job, log)),
-                Effect::StartJob { reply, job, worker, binary, args, env, log, package, info } => {
-                    let start =
-                        jobs::JobStart { job, worker, binary, args, env, log, package, info };
-                    actions.push(Action::StartJob(self.replies.remove(&reply), start));
+                Effect::StartJob(start) => {
+                    actions.push(Action::StartJob(self.replies.remove(&start.reply), start));
                 }
                 Effect::ReadJobLog { reply, log, offset, info } => {
                     actions.push(Action::ReadJobLog(self.replies.remove(&reply), log, offset, info))
@@ -395,7 +393,7 @@ impl Head {
                 }
                 Action::ReadJobLog(responder, log, offset, info) => {
                     let response = match jobs::read_from(&log, offset, 1 << 20) {
-                        Ok(bytes) => Response::Logs { bytes, job: info },
+                        Ok(bytes) => Response::Logs { bytes, job: *info },
                         Err(e) => Response::Error(e),
                     };
                     if let Some(responder) = responder {
