@@ -77,7 +77,7 @@ fn describe(sessions: &[String]) -> String {
 
 /// Sends `request` to the node process of `session` (in an embedded session, the driver, which
 /// holds the control plane) and returns its answer, typed by the request (see
-/// [`Ask`](crate::protocol::Ask)); an error answer is an `Err`.
+/// [`Ask`]); an error answer is an `Err`.
 pub fn ask<A: Ask>(session: &str, request: A) -> Result<A::Reply> {
     let request = request.into();
     let (tx, rx) = crossbeam_channel::bounded(1);

@@ -104,7 +104,7 @@ impl ActorOptions {
         self.env.insert(key.to_owned(), value.to_owned());
         self
     }
-    /// Places the actor inside a placement group (see [`crate::PlacementGroup::bundle`]).
+    /// Places the actor inside a placement group (see `rtrun::PlacementGroup::bundle`).
     pub fn placement(mut self, schedule: BundleSchedule) -> Self {
         self.placement = Some(schedule);
         self

@@ -17,8 +17,8 @@ pub struct GroupMembership {
     /// Port of rank 0's collective endpoint; 0 when rank 0 picks it and publishes its
     /// address under `rendezvous_key`.
     pub master_port: u16,
-    /// The key of the head's key-value store ([`crate::kv`]) where rank 0 publishes the
+    /// The key of the head's key-value store (`rtrun::kv`) where rank 0 publishes the
     /// address it listens on, for a group whose master port is not known in advance (every
-    /// [`crate::ActorGroup`]: rank 0 may land on any node).
+    /// `rtrun::ActorGroup`: rank 0 may land on any node).
     pub rendezvous_key: Option<String>,
 }

@@ -7,8 +7,8 @@ use crate::ids::WorkerId;
 /// The environment variable that stops the runtime from setting `CUDA_VISIBLE_DEVICES` (and
 /// `CUDA_DEVICE_ORDER`) for workers given GPUs (Ray's
 /// `RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES`). Set it in the driver's environment for every
-/// worker, or in one actor's [`ActorOptions::env`](crate::actor::ActorOptions::env) for that actor; any non-empty value other than
-/// `0` counts.
+/// worker, or in one actor's [`ActorOptions::env`](crate::actor::ActorOptions::env) for that
+/// actor; any non-empty value other than `0` counts.
 pub const NOSET_CUDA_VISIBLE_DEVICES_ENV: &str = "RTRUN_NOSET_CUDA_VISIBLE_DEVICES";
 
 /// Whether an opt-out variable is set: any non-empty value other than `0`.

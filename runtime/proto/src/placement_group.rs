@@ -23,7 +23,7 @@ pub struct PlacementGroupOptions {
     pub bundles: Vec<ResourceSet>,
     /// How to spread the bundles over nodes (default `PACK`).
     pub strategy: Strategy,
-    /// A name, unique among live groups, for [`get_placement_group`]. Without one the group
+    /// A name, unique among live groups, for `rtrun::get_placement_group`. Without one the group
     /// is named `pg-<n>`.
     pub name: Option<String>,
 }

@@ -904,8 +904,11 @@ pub mod ask {
         /// [`HeadRequest::StopCluster`].
         HeadRequest::StopCluster => ();
         /// [`NodeRequest::SpawnWorker`].
-        NodeRequest::SpawnWorker { worker: WorkerId, env: Vec<(String, String)>, job: Option<String> }
-            => ();
+        NodeRequest::SpawnWorker {
+            worker: WorkerId,
+            env: Vec<(String, String)>,
+            job: Option<String>,
+        } => ();
         /// [`NodeRequest::KillProcess`].
         NodeRequest::KillProcess { pid: u32 } => ();
         /// [`NodeRequest::ProcessExited`].

@@ -25,7 +25,7 @@ pub struct TaskOptions {
 }
 
 impl TaskOptions {
-    /// Runs the task inside a placement group (see [`crate::PlacementGroup::bundle`]).
+    /// Runs the task inside a placement group (see `rtrun::PlacementGroup::bundle`).
     pub fn placement(mut self, schedule: BundleSchedule) -> Self {
         self.placement = Some(schedule);
         self
