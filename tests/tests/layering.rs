@@ -61,8 +61,20 @@ fn modules(src: &Path) -> BTreeMap<ModulePath, String> {
 fn code(text: &str) -> String {
     // A test-only module declared in the file (`#[cfg(test)] mod sim;`) is skipped; any other
     // `#[cfg(test)]` starts the file's tests, which run to its end.
-    let text = text.replace("#[cfg(test)]\nmod sim;", "");
-    let text = text.split("#[cfg(test)]").next().unwrap_or_default();
+    let mut rest = text;
+    let mut kept = String::new();
+    while let Some(at) = rest.find("#[cfg(test)]") {
+        kept.push_str(&rest[..at]);
+        let after = rest[at + "#[cfg(test)]".len()..].trim_start();
+        let line = after.lines().next().unwrap_or_default().trim_end();
+        if !(line.starts_with("mod ") && line.ends_with(';')) {
+            rest = "";
+            break;
+        }
+        rest = &after[line.len()..];
+    }
+    kept.push_str(rest);
+    let text = kept;
     text.lines()
         .map(|line| line.split("//").next().unwrap_or_default())
         .collect::<Vec<_>>()

@@ -50,22 +50,18 @@ impl HeadCore {
         };
         // The shell names a job without a submission id at random (a restarted head reuses
         // numbers); one from elsewhere (the simulator) is named by its number.
-        let submission_id = match submission.submission_id {
-            Some(name) => {
-                check_submission_id(&name)?;
-                if self.members.jobs.values().any(|j| j.submission_id == name) {
-                    return Err(Error::Invalid(format!(
-                        "a job with submission id `{name}` exists already (`rtrun job \
+        if let Some(name) = &submission.submission_id {
+            check_submission_id(name)?;
+            if self.members.jobs.values().any(|j| &j.submission_id == name) {
+                return Err(Error::Invalid(format!(
+                    "a job with submission id `{name}` exists already (`rtrun job \
                          status {name}`); choose another"
-                    )));
-                }
-                name
+                )));
             }
-            None => String::new(),
-        };
+        }
         let id = self.members.next_id();
         let submission_id =
-            if submission_id.is_empty() { format!("rtrunsubmit_{id:016x}") } else { submission_id };
+            submission.submission_id.unwrap_or_else(|| format!("rtrunsubmit_{id:016x}"));
         let entry = JobEntry {
             worker: WorkerId(id),
             binary: submission.binary,

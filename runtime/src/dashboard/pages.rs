@@ -10,6 +10,7 @@ use super::AppState;
 use crate::error::{Error, Result};
 use crate::protocol::{Ask, JobOutput, LogChunk, NodeInfo, ask};
 use crate::runtime::{Runtime, To};
+use rtrun_proto::actor::short_type;
 
 /// The bytes of a log shown at once (its end).
 const LOG_TAIL: u64 = 64 << 10;
@@ -222,7 +223,7 @@ pub(super) fn render_page(state: &AppState, name: &str) -> Result<String> {
                 .into_iter()
                 .map(|a| {
                     context! {
-                        actor => a.actor.to_string(), type_name => short_type(&a.type_name),
+                        actor => a.actor.to_string(), type_name => short_type(&a.type_name).to_owned(),
                         name => a.name, detached => a.detached, state => a.state,
                         node => a.node.map(|n| n.to_string()), pid => a.pid,
                         restarts => a.restarts, worker => a.worker.map(|w| w.to_string()),
@@ -299,11 +300,6 @@ pub(super) fn render_page(state: &AppState, name: &str) -> Result<String> {
         }
         other => Err(Error::Invalid(format!("no dashboard page `{other}`"))),
     }
-}
-
-/// `Module::Type` → `Type`, as Ray prints class names.
-fn short_type(type_name: &str) -> String {
-    type_name.rsplit("::").next().unwrap_or(type_name).to_owned()
 }
 
 /// A node's store: asked in this process when it is the node, else over the network.
