@@ -74,6 +74,10 @@ struct EngineActorState {
     routed: HashMap<RequestId, RequestId>,
     /// The weight-sync group, once joined.
     weight_sync: Option<Communicator>,
+    /// Engine request id → the caller's tag, for requests submitted through `stream_add`.
+    streamed: HashMap<RequestId, u64>,
+    /// Streamed requests that finished, waiting for `stream_step` to return them.
+    stream_done: Vec<(u64, GenerationOutput)>,
 }
 
 /// The generation engine actor.
@@ -129,6 +133,8 @@ impl EngineActor {
                 router: RequestRouter::new(),
                 routed: HashMap::new(),
                 weight_sync: None,
+                streamed: HashMap::new(),
+                stream_done: Vec::new(),
             }),
         }
     }
@@ -309,6 +315,10 @@ impl EngineActorState {
     fn route_completed(&mut self) -> Result<(), EngineError> {
         let Role::Engine(engine) = &mut self.role else { return Ok(()) };
         for (engine_id, output) in engine.take_completed() {
+            if let Some(tag) = self.streamed.remove(&engine_id) {
+                self.stream_done.push((tag, output));
+                continue;
+            }
             match self.routed.remove(&engine_id) {
                 Some(router_id) => {
                     self.router.complete(router_id, output)?;
@@ -374,6 +384,74 @@ impl EngineActor {
         state.route_completed().map_err(|e| e.to_string())?;
         run.map_err(|e| e.to_string())?;
         Ok(state.router.take_finished(actor_rank).into_iter().map(|(_, output)| output).collect())
+    }
+
+    /// Queues requests whose outputs [`stream_step`](Self::stream_step) returns by `tag` as they
+    /// finish (the streaming form of generation, for partial and asynchronous rollouts). All
+    /// are validated first, so on an error none is queued.
+    pub fn stream_add(&mut self, requests: Vec<(u64, GenerationRequest)>) -> Result<(), String> {
+        let state = self.state();
+        let engine = state.engine()?;
+        let mut added = Vec::with_capacity(requests.len());
+        for (tag, request) in requests {
+            match engine.add_request(request) {
+                Ok(id) => added.push((id, tag)),
+                Err(error) => {
+                    let ids: Vec<RequestId> = added.iter().map(|&(id, _)| id).collect();
+                    engine.abort_requests(&ids);
+                    return Err(error.to_string());
+                }
+            }
+        }
+        state.streamed.extend(added);
+        Ok(())
+    }
+
+    /// Runs at most `max_steps` engine steps (fewer when nothing is left to run) and returns the
+    /// streamed requests that finished, by tag. Requests still running stay in the engine:
+    /// weights that arrive before the next call apply to their remaining tokens (with
+    /// `weight_updates_in_flight`). On a failed step the error is returned and the unfinished
+    /// requests are aborted; their outputs (reason `aborted`) come with the next call.
+    pub fn stream_step(&mut self, max_steps: u32) -> Result<crate::StreamPoll, String> {
+        let state = self.state();
+        let engine = state.engine()?;
+        let mut steps = 0;
+        let mut run = Ok(());
+        while steps < max_steps && engine.has_unfinished() {
+            steps += 1;
+            if let Err(error) = engine.step() {
+                run = Err(error.to_string());
+                break;
+            }
+        }
+        let weight_version = engine.weight_version();
+        state.route_completed().map_err(|e| e.to_string())?;
+        run?;
+        Ok(crate::StreamPoll {
+            finished: std::mem::take(&mut state.stream_done),
+            unfinished: state.streamed.len(),
+            steps,
+            weight_version,
+        })
+    }
+
+    /// Aborts every streamed request still unfinished and forgets the finished ones nobody
+    /// took; returns how many were dropped.
+    pub fn stream_abort(&mut self) -> Result<usize, String> {
+        let state = self.state();
+        let ids: Vec<RequestId> = state.streamed.keys().copied().collect();
+        state.engine()?.abort_requests(&ids);
+        let dropped = ids.len() + state.stream_done.len();
+        state.streamed.clear();
+        state.stream_done.clear();
+        Ok(dropped)
+    }
+
+    /// Tags every token sampled from now on with the policy version `version` (called after
+    /// each weight sync; the engine starts at 0).
+    pub fn set_weight_version(&mut self, version: u64) -> Result<(), String> {
+        self.state().engine()?.set_weight_version(version);
+        Ok(())
     }
 
     /// 1: free the KV cache and offload the weights to host memory; 2: also drop the weights

@@ -37,6 +37,10 @@ pub struct GeneratedSample {
     /// The log-prob of each generated token under the request's `logprob_mode`; empty when the
     /// request set `logprobs: false`.
     pub log_probs: Vec<f32>,
+    /// The weight version that sampled each token ([`crate::LlmEngine::set_weight_version`]):
+    /// all equal unless new weights arrived while the sample ran (a partial rollout).
+    #[serde(default)]
+    pub weight_versions: Vec<u64>,
     /// Why generation stopped.
     pub finish_reason: FinishReason,
 }
@@ -48,6 +52,20 @@ pub struct GenerationOutput {
     pub prompt_token_ids: Vec<u32>,
     /// `params.n` samples, sample 0 first.
     pub samples: Vec<GeneratedSample>,
+}
+
+/// What [`crate::EngineActor::stream_step`] returns: the streamed requests that finished, by
+/// the caller's tag, and how many are still queued or running.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct StreamPoll {
+    /// Finished requests, by the tag they were streamed with.
+    pub finished: Vec<(u64, GenerationOutput)>,
+    /// Streamed requests still unfinished.
+    pub unfinished: usize,
+    /// Engine steps this call ran.
+    pub steps: u32,
+    /// The weight version new tokens are tagged with.
+    pub weight_version: u64,
 }
 
 /// One weight as raw bytes: a Hugging Face name (as [`rtrun_rlhf_model::CausalLm::named_parameters`]

@@ -39,6 +39,11 @@ pub struct EngineConfig {
     /// process; N runs an [`crate::EngineActor`] group of N processes, each with its share of
     /// the heads and of the MLP ([`crate::tp`]). Default 1.
     pub tensor_parallel_size: usize,
+    /// Whether weight updates may arrive while requests run (partial and asynchronous
+    /// rollouts): running sequences then continue with the new weights, keeping the K/V the old
+    /// ones computed, and their tokens carry the version that sampled them. Default false: an
+    /// update needs an idle engine.
+    pub weight_updates_in_flight: bool,
 }
 
 impl Default for EngineConfig {
@@ -56,6 +61,7 @@ impl Default for EngineConfig {
             watermark: 0.01,
             max_prefill_group_area: 1 << 20,
             tensor_parallel_size: 1,
+            weight_updates_in_flight: false,
         }
     }
 }

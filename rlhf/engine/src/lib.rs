@@ -53,7 +53,9 @@ pub mod weight_ipc;
 pub mod weight_sync;
 
 pub use actor::{EngineActor, EngineActorConfig, EngineActorRef};
-pub use api::{GeneratedSample, GenerationOutput, GenerationRequest, NamedTensor, WeightBucket};
+pub use api::{
+    GeneratedSample, GenerationOutput, GenerationRequest, NamedTensor, StreamPoll, WeightBucket,
+};
 pub use config::EngineConfig;
 pub use engine::{EngineStats, LlmEngine, WakeTarget, WeightState};
 pub use error::EngineError;

@@ -104,8 +104,11 @@ pub fn reference_generate(
         .collect();
     for row in rows {
         let logprobs = requests[row.request].params.logprobs;
+        let token_ids = row.tokens[row.prompt_len..].to_vec();
         outputs[row.request].samples.push(GeneratedSample {
-            token_ids: row.tokens[row.prompt_len..].to_vec(),
+            // The reference has one version of the weights, the engine's first.
+            weight_versions: vec![0; token_ids.len()],
+            token_ids,
             log_probs: if logprobs { row.log_probs } else { Vec::new() },
             finish_reason: row.finish.unwrap_or(FinishReason::Aborted),
         });

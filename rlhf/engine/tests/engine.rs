@@ -402,6 +402,46 @@ fn update_weights_gives_the_outputs_of_the_new_weights_and_bad_buckets_change_no
 }
 
 #[test]
+fn weights_arriving_mid_request_tag_the_tokens_they_sample_and_need_the_engine_to_allow_it() {
+    let all = requests(&prompts(&[9, 25, 3], 8), &SamplingParams::greedy(12));
+    let new_model = model(ModelFamily::Qwen2, 6);
+    let bucket = WeightBucket::from_model(&new_model).unwrap();
+
+    // An engine of the synchronous loop refuses an update while requests run.
+    let mut strict = engine(model(ModelFamily::Qwen2, 5), config(64, 8));
+    let id = strict.add_request(all[0].clone()).unwrap();
+    strict.step().unwrap();
+    let err = strict.update_weights(&bucket).unwrap_err();
+    assert!(matches!(err, EngineError::Busy { .. }), "{err}");
+    strict.run_until_idle().unwrap();
+    let out = strict.take_output(id).unwrap();
+    assert_eq!(out.samples[0].weight_versions, vec![0; 12]);
+
+    // A partial-rollout engine takes the update between two steps: the running requests go
+    // on, every token before it is tagged 0 and every token after it 1.
+    let partial = EngineConfig { weight_updates_in_flight: true, ..config(64, 8) };
+    let mut engine = engine(model(ModelFamily::Qwen2, 5), partial);
+    let ids: Vec<_> = all.iter().map(|r| engine.add_request(r.clone()).unwrap()).collect();
+    for _ in 0..4 {
+        engine.step().unwrap();
+    }
+    engine.update_weights(&bucket).unwrap();
+    engine.set_weight_version(1);
+    engine.run_until_idle().unwrap();
+    let before_switch = engine.weight_version();
+    assert_eq!(before_switch, 1);
+    for id in ids {
+        let sample = &engine.take_output(id).unwrap().samples[0];
+        assert_eq!(sample.weight_versions.len(), sample.token_ids.len());
+        let old = sample.weight_versions.iter().filter(|&&v| v == 0).count();
+        // One token per step once prefilled (every prompt fits one step's budget here).
+        assert_eq!(old, 4, "{:?}", sample.weight_versions);
+        assert!(sample.weight_versions.windows(2).all(|w| w[0] <= w[1]));
+        assert_eq!(sample.weight_versions.iter().filter(|&&v| v == 1).count(), 8);
+    }
+}
+
+#[test]
 fn shared_prefixes_hit_the_prefix_cache_with_identical_outputs() {
     let prefix = prompts(&[48], 8).remove(0);
     let suffixes = prompts(&[3, 5, 1, 7], 9);
@@ -528,6 +568,57 @@ fn engine_actor_routes_two_ranks_through_the_runtime() {
     assert_eq!(stats.requests_finished, 7);
     assert_eq!(stats.weight_updates, 1);
     assert!(stats.generated_tokens_per_second > 0.0);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn streamed_requests_come_back_by_tag_as_they_finish_through_the_runtime() {
+    rtrun::init().expect("runtime starts");
+    let dir = temp_dir("stream");
+    let family_config = tiny::tiny_config(ModelFamily::Llama);
+    let saved = tiny::write_tiny_model(&dir, &family_config, 29, &SaveOptions::default()).unwrap();
+    let partial = EngineConfig { weight_updates_in_flight: true, ..config(128, 8) };
+    let actor =
+        EngineActor::remote(EngineActorConfig { model_dir: dir.clone(), engine: partial }).unwrap();
+    // Short and long answers: the short ones finish in the first call, the long one later.
+    let short = requests(&prompts(&[4, 7], 13), &SamplingParams::greedy(2));
+    let long = requests(&prompts(&[5], 14), &SamplingParams::greedy(10));
+    let tagged: Vec<(u64, GenerationRequest)> =
+        vec![(70, short[0].clone()), (71, long[0].clone()), (72, short[1].clone())];
+    actor.stream_add(tagged).get().unwrap().unwrap();
+    // A bad request is refused whole; nothing of it is queued.
+    let bad = vec![
+        (80, short[0].clone()),
+        (81, GenerationRequest::new(vec![999], SamplingParams::greedy(2))),
+    ];
+    assert!(actor.stream_add(bad).get().unwrap().is_err());
+    let first = actor.stream_step(3u32).get().unwrap().unwrap();
+    assert_eq!(first.steps, 3);
+    assert_eq!(first.unfinished, 1);
+    let mut tags: Vec<u64> = first.finished.iter().map(|(tag, _)| *tag).collect();
+    tags.sort_unstable();
+    assert_eq!(tags, vec![70, 72]);
+    for (tag, output) in &first.finished {
+        let expected = reference(&saved, &short[(*tag - 70) as usize / 2..][..1]);
+        assert_eq!(token_ids(std::slice::from_ref(output)), token_ids(&expected));
+    }
+    actor.set_weight_version(3u64).get().unwrap().unwrap();
+    let mut rest = actor.stream_step(100u32).get().unwrap().unwrap();
+    assert_eq!((rest.unfinished, rest.finished.len(), rest.weight_version), (0, 1, 3));
+    assert!(rest.steps < 100, "stops once nothing is left to run");
+    let (tag, output) = rest.finished.remove(0);
+    assert_eq!(tag, 71);
+    // Same weights, so the same tokens; the version tags say which call sampled them.
+    assert_eq!(token_ids(std::slice::from_ref(&output)), token_ids(&reference(&saved, &long)));
+    let versions = &output.samples[0].weight_versions;
+    assert_eq!(versions[..3], [0, 0, 0]);
+    assert!(versions[3..].iter().all(|&v| v == 3), "{versions:?}");
+    // Aborting drops what is still running.
+    actor.stream_add(vec![(90, long[0].clone())]).get().unwrap().unwrap();
+    actor.stream_step(1u32).get().unwrap().unwrap();
+    assert_eq!(actor.stream_abort().get().unwrap().unwrap(), 1);
+    let idle = actor.stream_step(5u32).get().unwrap().unwrap();
+    assert_eq!((idle.steps, idle.unfinished, idle.finished.len()), (0, 0, 0));
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -370,16 +370,19 @@ impl LlmEngine {
         Ok(updated)
     }
 
-    /// A weight update of any transport: needs resident weights and no running sequence, runs
-    /// `update` on the model, then resets the prefix cache (whose K/V the old weights computed)
-    /// and counts the update.
+    /// A weight update of any transport: needs resident weights and no running sequence
+    /// (unless `weight_updates_in_flight`: then running sequences continue with the new
+    /// weights, keeping the K/V the old ones computed), runs `update` on the model, then resets
+    /// the prefix cache (whose K/V the old weights computed) and counts the update.
     pub fn update_with<T>(
         &mut self,
         operation: &'static str,
         update: impl FnOnce(&CausalLm) -> Result<T, EngineError>,
     ) -> Result<T, EngineError> {
         self.weights.require_resident(operation)?;
-        self.require_idle(operation)?;
+        if !self.config.weight_updates_in_flight {
+            self.require_idle(operation)?;
+        }
         let out = update(self.runner.model());
         // Even a failed update may have written some weights.
         self.runner.weights_changed();
@@ -413,6 +416,17 @@ impl LlmEngine {
         self.update_with("receive_ipc_bucket", |model| {
             crate::weight_ipc::receive_bucket(model, bucket)
         })
+    }
+
+    /// Tags every token sampled from now on with `version` (the trainer's policy version of
+    /// the weights it just sent); outputs carry each token's version.
+    pub fn set_weight_version(&mut self, version: u64) {
+        self.scheduler.set_weight_version(version);
+    }
+
+    /// The version new tokens are tagged with (0 until [`LlmEngine::set_weight_version`]).
+    pub fn weight_version(&self) -> u64 {
+        self.scheduler.weight_version()
     }
 
     /// Forgets every cached prefix block (K/V computed by earlier weights).
@@ -612,6 +626,7 @@ fn convert_output(prompt_token_ids: Vec<u32>, output: RequestOutput) -> Generati
             .map(|s| GeneratedSample {
                 token_ids: s.token_ids,
                 log_probs: s.logprobs.unwrap_or_default(),
+                weight_versions: s.weight_versions,
                 finish_reason: s.finish_reason,
             })
             .collect(),

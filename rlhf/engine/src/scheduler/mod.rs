@@ -256,6 +256,8 @@ pub struct Scheduler {
     prefill_tokens: u64,
     cached_prompt_tokens: u64,
     generated_tokens: u64,
+    /// The weight version new tokens are tagged with.
+    weight_version: u64,
 }
 
 mod step;
@@ -292,6 +294,7 @@ impl Scheduler {
             prefill_tokens: 0,
             cached_prompt_tokens: 0,
             generated_tokens: 0,
+            weight_version: 0,
         })
     }
 
@@ -367,6 +370,7 @@ impl Scheduler {
         seq.awaiting_token = false;
         seq.tokens.push(token);
         seq.logprobs.push(logprob);
+        seq.versions.push(self.weight_version);
         self.generated_tokens += 1;
         let num_output = seq.num_output_tokens();
         let past_min = num_output >= params.min_tokens as usize;
@@ -389,6 +393,7 @@ impl Scheduler {
             }
             seq.tokens.truncate(seq.prompt_len + found.keep_tokens);
             seq.logprobs.truncate(found.keep_tokens);
+            seq.versions.truncate(found.keep_tokens);
             reason = Some(FinishReason::StopString(found.stop_index));
         }
         if reason.is_none() && num_output >= params.max_tokens as usize {
@@ -463,6 +468,16 @@ impl Scheduler {
     /// The block manager (read-only: tables, stats, invariants).
     pub fn block_manager(&self) -> &BlockManager {
         &self.blocks
+    }
+
+    /// Tags every token sampled from now on with `version` (the policy version of the weights).
+    pub fn set_weight_version(&mut self, version: u64) {
+        self.weight_version = version;
+    }
+
+    /// The version new tokens are tagged with.
+    pub fn weight_version(&self) -> u64 {
+        self.weight_version
     }
 
     /// Forgets the prefix cache (after a weight update), see [`BlockManager::reset_prefix_cache`].

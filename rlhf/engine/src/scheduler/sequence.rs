@@ -26,6 +26,9 @@ pub struct SampleOutput {
     pub token_ids: Vec<u32>,
     /// Log-prob of each generated token, when the request asked for them.
     pub logprobs: Option<Vec<f32>>,
+    /// The weight version ([`crate::LlmEngine::set_weight_version`]) that sampled each
+    /// generated token.
+    pub weight_versions: Vec<u64>,
     /// Why generation stopped.
     pub finish_reason: FinishReason,
     /// How often the sample was preempted and recomputed.
@@ -61,6 +64,8 @@ pub(crate) struct Sequence {
     /// Leading tokens whose K/V exists (or is being computed in the current step).
     pub(crate) num_computed: usize,
     pub(crate) logprobs: Vec<f32>,
+    /// The weight version that sampled each generated token.
+    pub(crate) versions: Vec<u64>,
     pub(crate) status: SequenceStatus,
     /// Scheduled with a sampled position whose token has not been reported yet.
     pub(crate) awaiting_token: bool,
@@ -77,6 +82,7 @@ impl Sequence {
             tokens: prompt,
             num_computed: 0,
             logprobs: Vec::new(),
+            versions: Vec::new(),
             status: SequenceStatus::Waiting,
             awaiting_token: false,
             admitted_at: 0,
@@ -93,6 +99,7 @@ impl Sequence {
             sample_index: self.id.sample_index,
             token_ids: self.tokens[self.prompt_len..].to_vec(),
             logprobs: with_logprobs.then(|| self.logprobs.clone()),
+            weight_versions: self.versions.clone(),
             finish_reason: match &self.status {
                 SequenceStatus::Finished(reason) => reason.clone(),
                 // Outputs are only built for finished sequences; an unfinished one reads as aborted.

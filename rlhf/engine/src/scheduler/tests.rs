@@ -91,6 +91,7 @@ fn reference(
             let finish_reason = FinishReason::StopToken(sampled.token);
             return SampleOutput {
                 sample_index,
+                weight_versions: vec![0; token_ids.len()],
                 token_ids,
                 logprobs: Some(logprobs),
                 finish_reason,
@@ -101,6 +102,7 @@ fn reference(
             let finish_reason = FinishReason::Length;
             return SampleOutput {
                 sample_index,
+                weight_versions: vec![0; token_ids.len()],
                 token_ids,
                 logprobs: Some(logprobs),
                 finish_reason,
