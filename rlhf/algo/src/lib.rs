@@ -39,7 +39,7 @@ pub use grad::{GradientSyncConfig, GradientSyncStats, all_reduce_gradients, broa
 pub use kl::{KlConfig, KlController, KlEstimator, approx_kl, kl_loss, per_token_rewards};
 pub use loss::{
     LossAggregation, PolicyLoss, PolicyLossConfig, RatioLevel, aggregate_loss, entropy_from_logits,
-    masked_entropy, policy_loss, value_loss,
+    masked_entropy, policy_loss, policy_loss_weighted, truncated_is_weight, value_loss,
 };
 pub use masked::{masked_mean, masked_normalize, masked_sum, masked_whiten};
 pub use shaping::{RunningMoments, overlong_penalty};

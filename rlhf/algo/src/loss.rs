@@ -191,6 +191,40 @@ pub fn policy_loss(
     config: &PolicyLossConfig,
     aggregation: LossAggregation,
 ) -> Result<PolicyLoss> {
+    policy_loss_weighted(
+        log_probs,
+        old_log_probs,
+        advantages,
+        action_mask,
+        None,
+        config,
+        aggregation,
+    )
+}
+
+/// A token's truncated importance weight (Yao et al. 2025, verl's `tis_imp_ratio_cap`):
+/// `min(π_old / π_behaviour, cap) = min(exp(log π_old − log π_behaviour), cap)`, where π_old is
+/// the policy the trainer holds before the update (its recomputed old log-probs) and
+/// π_behaviour the weights that sampled the token (the engine's log-probs, possibly older
+/// weights in an asynchronous or partial rollout). An undefined gap (NaN) weighs 0.
+pub fn truncated_is_weight(old_log_prob: f32, behaviour_log_prob: f32, cap: f32) -> f32 {
+    let gap = old_log_prob - behaviour_log_prob;
+    if gap.is_nan() { 0.0 } else { gap.exp().min(cap) }
+}
+
+/// [`policy_loss`] with each token's objective multiplied by a detached importance weight
+/// (`is_weights`, `[B, T]`, e.g. [`truncated_is_weight`]s): the clipped PPO surrogate corrects
+/// for the trainer's policy against the old one, the weight for the old one against the
+/// weights that sampled the token. The diagnostics are unweighted.
+pub fn policy_loss_weighted(
+    log_probs: &Tensor,
+    old_log_probs: &Tensor,
+    advantages: &Tensor,
+    action_mask: &Tensor,
+    is_weights: Option<&Tensor>,
+    config: &PolicyLossConfig,
+    aggregation: LossAggregation,
+) -> Result<PolicyLoss> {
     let shape = log_probs.size();
     expect_same_shape("old_log_probs", old_log_probs, &shape)?;
     expect_same_shape("advantages", advantages, &shape)?;
@@ -232,7 +266,14 @@ pub fn policy_loss(
             return Err(AlgoError::Config(format!("dual_clip must be > 1, found {c}")));
         }
     };
-    let loss = aggregate_loss(&objective.f_neg()?, action_mask, aggregation)?;
+    let weighted = match is_weights {
+        None => objective.shallow_clone(),
+        Some(weights) => {
+            expect_same_shape("is_weights", weights, &shape)?;
+            objective.f_mul(&weights.f_to_kind(Kind::Float)?.f_detach()?)?
+        }
+    };
+    let loss = aggregate_loss(&weighted.f_neg()?, action_mask, aggregation)?;
     let clip_fraction =
         masked_mean(&clipped.f_lt_tensor(&surrogate)?.f_to_kind(Kind::Float)?, action_mask, None)?
             .f_detach()?;
@@ -322,6 +363,62 @@ mod tests {
         assert_close(&out.loss, &[-0.090_505_96]);
         assert_close(&out.clip_fraction, &[0.4]);
         assert_close(&out.approx_kl, &[0.36]);
+    }
+
+    #[test]
+    fn truncated_importance_weights_scale_each_tokens_objective_by_hand() {
+        // The weights of the hand computation above's tokens:
+        // tok  old    behaviour  exp(old − behaviour)  cap 2   −min·w
+        // 1    −1.0   −1.0       1                     1       −1
+        // 2    −1.0   −2.0       e = 2.7182818         2       −5.12
+        // 3    −1.5   −1.0       e^−0.5 = 0.6065307    0.6065  0.4852245
+        // 4    −1.2   −1.2       1                     1       2.4428055
+        // 5    −1.0   −0.3       e^−0.7 = 0.4965853    0.4966  −0.0672051
+        // Loss = (−1 − 5.12 + 0.4852245 + 2.4428055 − 0.0672051)/5 = −3.2591751/5 = −0.6518350.
+        let w = |old: f32, behaviour: f32| truncated_is_weight(old, behaviour, 2.0);
+        assert_eq!(w(-1.0, -2.0), 2.0);
+        assert!((w(-1.5, -1.0) - 0.606_530_7).abs() < 1e-6);
+        assert_eq!(truncated_is_weight(0.0, f32::NEG_INFINITY, 2.0), 2.0);
+        assert_eq!(truncated_is_weight(f32::NAN, 0.0, 2.0), 0.0);
+        let weights = Tensor::from_slice(&[
+            w(-1.0, -1.0),
+            w(-1.0, -2.0),
+            w(-1.5, -1.0),
+            w(-1.2, -1.2),
+            w(-1.0, -0.3),
+            0.0,
+        ])
+        .reshape([2, 3]);
+        let lp = t2(&[&[-1.0, -0.5, -2.0], &[-1.0, -3.0, 0.0]]).set_requires_grad(true);
+        let old = t2(&[&[-1.0, -1.0, -1.5], &[-1.2, -1.0, 0.0]]);
+        let adv = t2(&[&[1.0, 2.0, -1.0], &[-2.0, 1.0, 5.0]]);
+        let mask = t2(&[&[1.0, 1.0, 1.0], &[1.0, 1.0, 0.0]]);
+        let config = PolicyLossConfig {
+            clip_eps_low: 0.2,
+            clip_eps_high: 0.28,
+            ..PolicyLossConfig::default()
+        };
+        let aggregation = LossAggregation::TokenMean;
+        let out =
+            policy_loss_weighted(&lp, &old, &adv, &mask, Some(&weights), &config, aggregation)
+                .unwrap();
+        assert_close(&out.loss, &[-0.651_835_0]);
+        // The diagnostics stay those of the unweighted loss.
+        assert_close(&out.clip_fraction, &[0.4]);
+        // The weight scales the gradient of the unclipped tokens: token 1's is −A·ratio·w/5.
+        out.loss.backward();
+        let grad = values(&lp.grad());
+        assert!((grad[0] + 0.2).abs() < 1e-6, "{grad:?}");
+        assert!((grad[4] - (-0.135_335_3 * 0.496_585_3 / 5.0)).abs() < 1e-6, "{grad:?}");
+        // Unit weights give the unweighted loss.
+        let ones = Tensor::ones([2, 3], (Kind::Float, tch::Device::Cpu));
+        let unit = policy_loss_weighted(&lp, &old, &adv, &mask, Some(&ones), &config, aggregation)
+            .unwrap();
+        assert_close(&unit.loss, &[-0.090_505_96]);
+        let bad = Tensor::ones([2, 2], (Kind::Float, tch::Device::Cpu));
+        assert!(
+            policy_loss_weighted(&lp, &old, &adv, &mask, Some(&bad), &config, aggregation).is_err()
+        );
     }
 
     #[test]

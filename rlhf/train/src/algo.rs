@@ -4,7 +4,8 @@
 pub use rtrun_rlhf_algo::{
     AdvantageConfig, AdvantageEstimator, AdvantageInputs, KlController, KlEstimator,
     LossAggregation, PolicyLossConfig as ClipConfig, RunningMoments, approx_kl, compute_advantages,
-    kl_loss, masked_entropy, overlong_penalty, policy_loss, value_loss,
+    kl_loss, masked_entropy, overlong_penalty, policy_loss, policy_loss_weighted,
+    truncated_is_weight, value_loss,
 };
 
 use crate::config::AlgoConfig;

@@ -42,6 +42,10 @@ pub struct ExperienceRow {
     pub advantages: Vec<f32>,
     /// Returns (critic targets; empty without a critic).
     pub returns: Vec<f32>,
+    /// Per-token truncated importance weights `min(π_old / π_engine, algo.tis_cap)` that scale
+    /// the policy loss (empty: none).
+    #[serde(default)]
+    pub is_weights: Vec<f32>,
 }
 
 /// Builds the padded batch of `sequences` on `device`.

@@ -243,7 +243,10 @@ impl TrainConfig {
     /// resolved; the dock pipeline always recomputes).
     pub fn old_logprobs_from_engine(&self) -> bool {
         let fp32 = self.policy.dtype == ModelDtype::Fp32 && self.engine.dtype == ModelDtype::Fp32;
-        self.train.pipeline == PipelineMode::Sequential
+        // A streamed sample's tokens may come from older weights: the engine's log-probs are
+        // then the behaviour policy's, which the importance weight compares with the policy's.
+        !self.rollout.streams()
+            && self.train.pipeline == PipelineMode::Sequential
             && match self.algo.old_logprobs {
                 OldLogprobs::Auto => fp32,
                 OldLogprobs::Engine => true,
@@ -385,6 +388,34 @@ pub struct RolloutConfig {
     pub weight_bucket_bytes: usize,
     /// How the policy's weights reach the engines.
     pub weight_sync_backend: WeightSyncBackend,
+    /// `sync` (generate, then train, then sync weights) or `async` (the engines generate the
+    /// next steps' samples while the policy trains; verl's fully-async trainer, TRL's
+    /// `AsyncGRPOTrainer`).
+    pub mode: RolloutMode,
+    /// `mode: async`: a sample is trained on only if its oldest token was sampled by weights
+    /// at most this many policy versions behind the policy being trained (verl's
+    /// `staleness_threshold`, TRL's `max_staleness`); older ones are dropped and counted
+    /// (`async/stale_dropped_groups`). At least 1; absent: 1.
+    pub max_staleness: Option<u64>,
+    /// `mode: sync`: a step goes on once this share of its prompt groups has finished, and the
+    /// unfinished ones carry on generating into the next step (MindSpeed-RL's partial rollout,
+    /// `rollout_threshold_rate`). In (0, 1]; absent: every group finishes.
+    pub partial_threshold: Option<f64>,
+}
+
+/// How generation and training alternate (`rollout.mode`).
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, schemars::JsonSchema,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum RolloutMode {
+    /// Each step generates, then trains, then sends the new weights.
+    #[default]
+    Sync,
+    /// A rollout thread keeps the engines generating into a queue bounded by
+    /// `rollout.max_staleness` while the policy trains on what is ready; new weights reach each
+    /// engine between two of its steps, and requests in flight continue with them.
+    Async,
 }
 
 /// The transport of the policy-to-engine weight sync.
@@ -431,7 +462,31 @@ impl Default for RolloutConfig {
             max_new_tokens: 0,
             weight_bucket_bytes: 32 << 20,
             weight_sync_backend: WeightSyncBackend::ObjectStore,
+            mode: RolloutMode::Sync,
+            max_staleness: None,
+            partial_threshold: None,
         }
+    }
+}
+
+impl RolloutConfig {
+    /// Whether samples may span weight versions (asynchronous or partial rollouts): the engines
+    /// then stream, take weights while requests run, and the loss corrects with `algo.tis_cap`.
+    pub fn streams(&self) -> bool {
+        self.mode == RolloutMode::Async || self.partial_threshold.is_some_and(|t| t < 1.0)
+    }
+
+    /// `algo.tis_cap` resolved: the explicit cap, else 2 when samples may span weight versions.
+    pub fn tis_cap(&self, algo: &AlgoConfig) -> Option<f32> {
+        match algo.tis_cap {
+            Some(cap) => Some(cap as f32),
+            None => self.streams().then_some(2.0),
+        }
+    }
+
+    /// `rollout.max_staleness` in async mode (default 1).
+    pub fn staleness(&self) -> u64 {
+        self.max_staleness.unwrap_or(1)
     }
 }
 
@@ -500,6 +555,12 @@ pub struct AlgoConfig {
     /// default) is `engine` when the policy and the engines both compute in fp32, where the gap
     /// is ~1e-7, and `policy` otherwise.
     pub old_logprobs: OldLogprobs,
+    /// Truncated importance sampling (Yao et al. 2025; verl's `tis_imp_ratio_cap`): each
+    /// token's policy loss is weighted by `min(π_old / π_engine, tis_cap)`, correcting for the
+    /// weights that sampled it when they were not the policy's (an asynchronous or partial
+    /// rollout, or an engine that computes differently). Absent: 2 when samples may span
+    /// weight versions (`rollout.mode: async` or `rollout.partial_threshold`), else off.
+    pub tis_cap: Option<f64>,
     /// Horizon of the adaptive controller.
     pub kl_horizon: f64,
     /// Rewards are clipped to ±this.
@@ -519,6 +580,7 @@ impl Default for AlgoConfig {
             overlong_penalty: None,
             normalize_reward: false,
             dynamic_sampling: None,
+            tis_cap: None,
             loss_agg_mode: LossAggMode::TokenMean,
             value_clip: 0.5,
             entropy_coef: 0.0,

@@ -5,11 +5,14 @@ use rtrun_rlhf_algo::AdvantageEstimator;
 use rtrun_rlhf_shard::ZeroStage;
 
 use super::{
-    AlgoConfig, CheckpointConfig, ClusterConfig, ModelShape, PipelineMode, RewardKind, TrainConfig,
-    WarmupConfig, WeightSyncBackend, WorkerThreads,
+    AlgoConfig, CheckpointConfig, ClusterConfig, ModelShape, PipelineMode, RewardKind, RolloutMode,
+    TrainConfig, WarmupConfig, WeightSyncBackend, WorkerThreads,
 };
 use crate::demo::task::TaskConfig;
 use crate::error::{Result, TrainError};
+
+/// The largest `rollout.max_staleness`.
+pub const MAX_STALENESS: u64 = 64;
 
 /// `value` is at least 1 (an error naming `key` otherwise).
 pub(crate) fn positive(key: &str, value: usize) -> Result<()> {
@@ -98,6 +101,109 @@ impl TrainConfig {
             return Err(TrainError::config(
                 "rollout.top_p",
                 format!("expected a number in (0, 1], found {}", r.top_p),
+            ));
+        }
+        self.validate_streaming()
+    }
+
+    /// `rollout.mode`, `max_staleness`, `partial_threshold` and `algo.tis_cap` together, and
+    /// against what a streamed rollout cannot do yet.
+    fn validate_streaming(&self) -> Result<()> {
+        let r = &self.rollout;
+        let asynchronous = r.mode == RolloutMode::Async;
+        match (r.mode, r.max_staleness) {
+            (RolloutMode::Sync, Some(k)) => {
+                return Err(TrainError::config(
+                    "rollout.max_staleness",
+                    format!(
+                        "expected it only with rollout.mode: async (a sync step trains on samples \
+                         of the weights it just sent), found {k} with mode sync"
+                    ),
+                ));
+            }
+            (RolloutMode::Async, Some(0)) => {
+                return Err(TrainError::config(
+                    "rollout.max_staleness",
+                    "expected at least 1 (0 allows no sample generated while the policy \
+                     trains: that is rollout.mode: sync), found 0",
+                ));
+            }
+            (RolloutMode::Async, Some(k)) if k > MAX_STALENESS => {
+                return Err(TrainError::config(
+                    "rollout.max_staleness",
+                    format!(
+                        "expected at most {MAX_STALENESS} (the rollout queue holds max_staleness \
+                         steps of samples), found {k}"
+                    ),
+                ));
+            }
+            _ => {}
+        }
+        if let Some(threshold) = r.partial_threshold {
+            if asynchronous {
+                return Err(TrainError::config(
+                    "rollout.partial_threshold",
+                    "expected it only with rollout.mode: sync (an async rollout already streams \
+                     every group to whichever step is ready for it), found it with mode async",
+                ));
+            }
+            if !(threshold > 0.0 && threshold <= 1.0) {
+                return Err(TrainError::config(
+                    "rollout.partial_threshold",
+                    format!(
+                        "expected a share of the step's prompt groups in (0, 1], found {threshold}"
+                    ),
+                ));
+            }
+        }
+        if let Some(cap) = self.algo.tis_cap
+            && !(cap.is_finite() && cap >= 1.0)
+        {
+            return Err(TrainError::config(
+                "algo.tis_cap",
+                format!(
+                    "expected a finite number >= 1 (the largest weight π_old / π_engine may give \
+                     a token), found {cap}"
+                ),
+            ));
+        }
+        if self.algo.tis_cap.is_some() && self.train.pipeline != PipelineMode::Sequential {
+            return Err(TrainError::config(
+                "algo.tis_cap",
+                "expected it absent for train.pipeline `dock` (its training stage reads no \
+                 engine log-probs), found it set",
+            ));
+        }
+        if !r.streams() {
+            return Ok(());
+        }
+        let key = if asynchronous { "rollout.mode" } else { "rollout.partial_threshold" };
+        let what = if asynchronous { "an async rollout" } else { "a partial rollout" };
+        if self.train.pipeline != PipelineMode::Sequential {
+            return Err(TrainError::config(
+                key,
+                format!(
+                    "expected train.pipeline `sequential` for {what} (the dock pipeline's stages \
+                     run one step's fixed set of prompt groups), found `dock`"
+                ),
+            ));
+        }
+        if self.algo.dynamic_sampling.is_some() {
+            return Err(TrainError::config(
+                key,
+                format!(
+                    "expected algo.dynamic_sampling off for {what} (dynamic sampling refills one \
+                     step's groups synchronously), found it on"
+                ),
+            ));
+        }
+        if self.cluster.colocate_all {
+            return Err(TrainError::config(
+                key,
+                format!(
+                    "expected cluster.colocate_all false for {what}: colocated engines sleep \
+                     while the policy trains, and a sleeping engine cannot keep requests running"
+                ),
             ));
         }
         Ok(())

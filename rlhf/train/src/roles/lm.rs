@@ -1018,11 +1018,16 @@ impl LmWorkerState {
             let mask = action_mask.f_to_kind(Kind::Float)?;
             let log_probs = rtrun_rlhf_model::logprobs::token_log_probs(&logits, &response_ids)?
                 .f_mul(&mask)?;
-            let out = algo::policy_loss(
+            let is_weights = match chunk.iter().any(|r| !r.is_weights.is_empty()) {
+                true => Some(column(|r| &r.is_weights)?),
+                false => None,
+            };
+            let out = algo::policy_loss_weighted(
                 &log_probs,
                 &old_log_probs,
                 &advantages,
                 &mask,
+                is_weights.as_ref(),
                 &clip,
                 aggregation,
             )?;

@@ -18,6 +18,7 @@ pub mod pipeline;
 pub mod roles;
 pub mod rollout;
 pub mod stages;
+pub mod stream;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -114,7 +115,7 @@ pub struct Trainer {
     pub config: TrainConfig,
     /// The run directory's files.
     pub paths: RunPaths,
-    train_data: Vec<PromptRecord>,
+    train_data: Arc<Vec<PromptRecord>>,
     eval_data: Vec<PromptRecord>,
     /// The role groups and engines.
     pub roles: Roles,
@@ -147,6 +148,11 @@ pub struct Trainer {
     gap_measured: bool,
     /// `samples.jsonl` (`logging.samples_per_step`).
     samples: SamplesWriter,
+    /// `rollout.partial_threshold`: the engines' stream, with the groups carried to the next
+    /// step.
+    stream: Option<stream::RolloutStream>,
+    /// `rollout.mode: async`: the rollout thread, from the first step to the last.
+    rollouter: Option<stream::AsyncRollout>,
 }
 
 impl Trainer {
@@ -160,6 +166,18 @@ impl Trainer {
         roles: Roles,
         resume: Option<&Path>,
     ) -> Result<Self> {
+        if config.rollout.streams() && roles.placements.hybrid() {
+            let key = match config.rollout.mode {
+                crate::config::RolloutMode::Async => "rollout.mode",
+                crate::config::RolloutMode::Sync => "rollout.partial_threshold",
+            };
+            return Err(TrainError::config(
+                key,
+                "expected engines that are not colocated with the policy (the placement spec \
+                 colocates all roles): colocated engines sleep while the policy trains, and a \
+                 sleeping engine cannot keep requests running",
+            ));
+        }
         let state = TrainerState {
             step: 0,
             loader: PromptLoader::new(train_data.len(), config.seed),
@@ -175,7 +193,7 @@ impl Trainer {
         let mut trainer = Trainer {
             config,
             paths,
-            train_data,
+            train_data: Arc::new(train_data),
             eval_data,
             roles,
             tokenizer,
@@ -190,6 +208,8 @@ impl Trainer {
             gap_measured: true,
             samples,
             watch,
+            stream: None,
+            rollouter: None,
         };
         if let Some(dir) = resume {
             trainer.load_checkpoint(dir)?;
@@ -412,19 +432,14 @@ impl Trainer {
         step: u64,
         progress: &mut dyn ProgressObserver,
     ) -> Result<StepMetrics> {
-        let prompts_per_step = self.config.rollout.prompts_per_step;
-        let indices = self.state.loader.next_batch(prompts_per_step);
-        let records: Vec<PromptRecord> =
-            indices.iter().map(|&i| self.train_data[i].clone()).collect();
-        let prompt_ids = records
-            .iter()
-            .map(|r| self.tokenizer.encode_prompt(&r.prompt))
-            .collect::<Result<Vec<_>>>()?;
-
         let params = self.rollout_params();
         let seed_base = mix_seed(self.config.seed, step);
         let kl_coef = self.state.kl.value();
-        let (stats, rows, train_stats) = if self.config.train.pipeline == PipelineMode::Dock {
+        let (stats, rows, train_stats) = if self.config.rollout.streams() {
+            let rollout = self.streamed_rollout(step, params, progress)?;
+            self.experience_and_train(rollout, step, kl_coef, progress)?
+        } else if self.config.train.pipeline == PipelineMode::Dock {
+            let (records, prompt_ids) = self.next_prompts()?;
             progress.phase("pipeline");
             let out = self.timed("pipeline", |t| {
                 pipeline::run_step(t, &records, &prompt_ids, &params, seed_base, step, kl_coef)
@@ -432,6 +447,7 @@ impl Trainer {
             self.pipeline_timelines = out.timelines;
             (out.stats, out.rows, out.train)
         } else {
+            let (records, prompt_ids) = self.next_prompts()?;
             self.sequential_step(
                 &records,
                 &prompt_ids,
@@ -445,9 +461,27 @@ impl Trainer {
         self.state.kl.update(stats.kl, rows as u64);
 
         progress.phase("sync");
-        if train_stats.actor_trained {
-            self.timed("sync", |t| t.sync_weights())?;
-        }
+        // The rollout thread polls the engines under the gate: holding it, the sync changes
+        // no engine's weights while it steps.
+        let rollouter = self.rollouter.take();
+        let gate = rollouter.as_ref().map(|r| r.gate());
+        let synced = (|| -> Result<()> {
+            if train_stats.actor_trained {
+                self.timed("sync", |t| t.sync_weights())?;
+            }
+            if self.config.rollout.streams() {
+                // Version `step` is the policy this step trained (the same weights as the last
+                // version's when the policy was frozen).
+                self.set_engine_version(step)?;
+                if let Some(rollouter) = &rollouter {
+                    rollouter.set_version(step);
+                }
+            }
+            Ok(())
+        })();
+        drop(gate);
+        self.rollouter = rollouter;
+        synced?;
 
         let mut metrics = StepMetrics::new(step);
         let s = &stats;
@@ -501,6 +535,18 @@ impl Trainer {
         Ok(metrics)
     }
 
+    /// The step's prompts from the loader, and their ids.
+    fn next_prompts(&mut self) -> Result<(Vec<PromptRecord>, Vec<Vec<u32>>)> {
+        let indices = self.state.loader.next_batch(self.config.rollout.prompts_per_step);
+        let records: Vec<PromptRecord> =
+            indices.iter().map(|&i| self.train_data[i].clone()).collect();
+        let prompt_ids = records
+            .iter()
+            .map(|r| self.tokenizer.encode_prompt(&r.prompt))
+            .collect::<Result<Vec<_>>>()?;
+        Ok((records, prompt_ids))
+    }
+
     /// Generation, then make-experience over the whole batch, then training: the step of
     /// `train.pipeline: sequential`.
     #[allow(clippy::too_many_arguments)]
@@ -515,6 +561,17 @@ impl Trainer {
         progress: &mut dyn ProgressObserver,
     ) -> Result<(stages::ExperienceStats, usize, stages::TrainStats)> {
         let rollout = self.rollout(records, prompt_ids, params, seed_base, progress)?;
+        self.experience_and_train(rollout, step, kl_coef, progress)
+    }
+
+    /// Make-experience over a rollout, then training.
+    fn experience_and_train(
+        &mut self,
+        rollout: rollout::Rollout,
+        step: u64,
+        kl_coef: f64,
+        progress: &mut dyn ProgressObserver,
+    ) -> Result<(stages::ExperienceStats, usize, stages::TrainStats)> {
         let sample_records: Vec<&PromptRecord> = rollout.records.iter().collect();
         let engine_log_probs = rollout.engine_log_probs;
 

@@ -398,6 +398,7 @@ impl StepContext<'_> {
                 values: Vec::new(),
                 advantages: advantages.get(i).cloned().unwrap_or_default(),
                 returns: returns.get(i).cloned().unwrap_or_default(),
+                is_weights: Vec::new(),
             })
             .collect();
         let stats = stages::train(self.trainer, &rows, self.step, self.kl_coef)?;

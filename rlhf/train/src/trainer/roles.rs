@@ -334,6 +334,7 @@ fn create_engines(
             kv_cache_bytes: e.kv_cache_bytes,
             max_num_seqs: e.max_num_seqs,
             tensor_parallel_size: e.tensor_parallel_size,
+            weight_updates_in_flight: config.rollout.streams(),
             ..EngineConfig::default()
         },
     };

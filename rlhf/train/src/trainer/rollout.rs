@@ -6,11 +6,13 @@
 
 use rtrun_rlhf_engine::SamplingParams;
 
+use crate::config::RolloutMode;
 use crate::error::Result;
 use crate::experience::Sequence;
 use crate::prompts::PromptRecord;
 use crate::rng::mix_seed;
-use crate::trainer::{ProgressObserver, Trainer, stages};
+use crate::trainer::stream::{self, AsyncRollout, AsyncSetup, RolloutStream, STEPS_PER_POLL};
+use crate::trainer::{ENGINE, ProgressObserver, Trainer, calls, stages};
 
 /// Rewards of a group at most this far apart count as equal.
 pub const EQUAL_REWARDS: f32 = 1e-6;
@@ -119,6 +121,113 @@ impl Trainer {
             metrics.push(("dynamic_sampling/filled_groups".into(), filled as f64));
         }
         Ok(flatten(kept, true))
+    }
+
+    /// A streamed step's samples: in async mode, `prompts_per_step` finished groups from the
+    /// rollout thread at most `max_staleness` versions old; with `partial_threshold`, the
+    /// groups carried from the last step plus fresh ones, once that share has finished.
+    pub(super) fn streamed_rollout(
+        &mut self,
+        step: u64,
+        params: SamplingParams,
+        progress: &mut dyn ProgressObserver,
+    ) -> Result<Rollout> {
+        progress.phase("generate");
+        let wanted = self.config.rollout.prompts_per_step;
+        // Step `step` trains the policy of version `step - 1` (the weights the engines hold).
+        let policy_version = step - 1;
+        let groups = if self.config.rollout.mode == RolloutMode::Async {
+            if self.rollouter.is_none() {
+                self.set_engine_version(policy_version)?;
+                self.rollouter = Some(AsyncRollout::start(AsyncSetup {
+                    stream: RolloutStream::new(self.roles.engines.clone(), self.watch, params),
+                    loader: self.state.loader.clone(),
+                    data: self.train_data.clone(),
+                    tokenizer: self.tokenizer.clone(),
+                    seed: self.config.seed,
+                    version: policy_version,
+                    per_step: wanted,
+                    staleness: self.config.rollout.staleness(),
+                })?);
+            }
+            let oldest_allowed = policy_version.saturating_sub(self.config.rollout.staleness());
+            let taken = self.timed("generate", |t| match &t.rollouter {
+                Some(rollouter) => rollouter.take(wanted, oldest_allowed),
+                None => Err(crate::TrainError::Data("the rollout thread is gone".into())),
+            })?;
+            let last = step >= self.total_steps();
+            if let Some(rollouter) = &self.rollouter {
+                // The checkpoint's position: prompts queued so far (what is in flight is not
+                // trained on after a resume, never twice).
+                self.state.loader = rollouter.loader();
+            }
+            if last && let Some(rollouter) = self.rollouter.take() {
+                self.state.loader = rollouter.stop()?;
+            }
+            self.push_metrics([
+                ("async/stale_dropped_groups".to_owned(), taken.stale_dropped as f64),
+                ("async/generate_s".to_owned(), taken.generate_s),
+                ("async/wait_s".to_owned(), taken.wait_s),
+            ]);
+            taken.groups
+        } else {
+            let mut stream = match self.stream.take() {
+                Some(stream) => stream,
+                None => {
+                    self.set_engine_version(policy_version)?;
+                    RolloutStream::new(self.roles.engines.clone(), self.watch, params)
+                }
+            };
+            let fresh = wanted.saturating_sub(stream.in_flight());
+            let threshold = self.config.rollout.partial_threshold.unwrap_or(1.0);
+            let enough = ((threshold * wanted as f64).ceil() as usize).clamp(1, wanted);
+            let seed = self.config.seed;
+            let groups = stream::draw_groups(
+                &mut self.state.loader,
+                fresh,
+                &self.train_data,
+                self.tokenizer.as_ref(),
+                seed,
+            )?;
+            let carried = stream.in_flight();
+            let finished = self.timed("generate", |_| -> Result<_> {
+                stream.submit(groups)?;
+                let mut finished = Vec::new();
+                while finished.len() < enough && stream.in_flight() > 0 {
+                    finished.extend(stream.poll(STEPS_PER_POLL)?);
+                }
+                Ok(finished)
+            });
+            let left = stream.in_flight();
+            self.stream = Some(stream);
+            let finished = finished?;
+            self.push_metrics([
+                ("partial/carried_in_groups".to_owned(), carried as f64),
+                ("partial/carried_out_groups".to_owned(), left as f64),
+            ]);
+            finished
+        };
+        let (rollout, versions) = stream::into_rollout(groups, policy_version);
+        self.push_metrics(versions.metrics());
+        Ok(rollout)
+    }
+
+    /// Tags the engines' next tokens with policy version `version`.
+    pub(super) fn set_engine_version(&self, version: u64) -> Result<()> {
+        let engines = &self.roles.engines;
+        self.watch
+            .wait(
+                "set_weight_version",
+                calls::each(ENGINE, engines, |e| e.set_weight_version(version)),
+            )
+            .map(drop)
+    }
+
+    /// Adds figures to this step's metrics.
+    pub(super) fn push_metrics(&self, figures: impl IntoIterator<Item = (String, f64)>) {
+        if let Ok(mut metrics) = self.phase_metrics.lock() {
+            metrics.extend(figures);
+        }
     }
 
     /// `n` samples per prompt from the engines, one group per prompt.

@@ -490,6 +490,10 @@ pub fn assemble(
         overlong_penalty: penalty_sum / count.max(1) as f64,
     };
 
+    let is_weights = match trainer.config.rollout.tis_cap(algo_config) {
+        Some(cap) => Some(truncated_is_weights(trainer, &old_log_probs, engine_log_probs, cap)?),
+        None => None,
+    };
     let empty = Vec::new();
     let ref_rows = ref_log_probs.as_deref().map(as_rows);
     let value_rows = values.as_deref().map(as_rows);
@@ -503,9 +507,54 @@ pub fn assemble(
             values: value_rows.as_ref().map_or_else(|| empty.clone(), |v| v[i].clone()),
             advantages: adv_rows[i].clone(),
             returns: ret_rows[i].clone(),
+            is_weights: is_weights.as_ref().map_or_else(|| empty.clone(), |w| w[i].clone()),
         })
         .collect();
     Ok(ExperienceBatch { rows, stats, rewards: scalar_rewards, reward_moments })
+}
+
+/// `algo.tis_cap`: each token's truncated importance weight of the policy before the update
+/// (`old`) against the engine that sampled it; the step's metrics get their mean
+/// (`tis/weight_mean`) and the share of tokens at the cap (`tis/capped_fraction`).
+fn truncated_is_weights(
+    trainer: &Trainer,
+    old: &[Vec<f32>],
+    engine: &[Vec<f32>],
+    cap: f32,
+) -> Result<Vec<Vec<f32>>> {
+    let (mut sum, mut capped, mut tokens) = (0.0f64, 0usize, 0usize);
+    let weights = old
+        .iter()
+        .zip(engine)
+        .enumerate()
+        .map(|(row, (old, engine))| {
+            if old.len() != engine.len() {
+                return Err(TrainError::role(
+                    "vllm_engine",
+                    format!(
+                        "expected one log-prob per response token ({}) for algo.tis_cap, found \
+                         {} in sample {row}",
+                        old.len(),
+                        engine.len()
+                    ),
+                ));
+            }
+            let row: Vec<f32> = old
+                .iter()
+                .zip(engine)
+                .map(|(&o, &e)| algo::truncated_is_weight(o, e, cap))
+                .collect();
+            sum += row.iter().map(|&w| f64::from(w)).sum::<f64>();
+            capped += row.iter().filter(|&&w| w >= cap).count();
+            tokens += row.len();
+            Ok(row)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    if let Ok(mut metrics) = trainer.phase_metrics.lock() {
+        metrics.push(("tis/weight_mean".to_owned(), sum / tokens.max(1) as f64));
+        metrics.push(("tis/capped_fraction".to_owned(), capped as f64 / tokens.max(1) as f64));
+    }
+    Ok(weights)
 }
 
 /// What the step's training did (means over mini-batches and ranks).
