@@ -151,6 +151,49 @@ fn a_killed_tensor_parallel_rank_fails_the_run_naming_the_rank_and_its_node() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// `rollout.mode: async`: the engine SIGKILLed while the rollout thread streams from it fails
+/// the run naming it; a rerun resumes from the newest checkpoint, and its first step trains on
+/// fresh samples of the resumed policy, none of the killed run's queue.
+#[test]
+fn a_killed_engine_in_async_mode_fails_the_run_naming_it_and_a_rerun_resumes() {
+    let dir = scratch("kill-async");
+    let sets = ["rollout.mode=async", "checkpoint.every_steps=2"];
+    let (mut running, stderr) = start_long_run(&dir, &sets);
+    let run_dir = dir.join("run");
+    let checkpoints = run_dir.join("checkpoints");
+    wait_until(Duration::from_secs(120), "a checkpoint", || {
+        std::fs::read_dir(&checkpoints).is_ok_and(|mut d| d.next().is_some())
+    });
+    let pid = worker_pid(running.child.id(), "vllm_engine", 0).expect("the engine's worker");
+    signal(pid, libc::SIGKILL);
+    let (ok, err) = wait_exit(&mut running, &stderr, Duration::from_secs(60));
+    assert!(!ok, "the run must fail when its engine dies: {err}");
+    let line = err.lines().find(|l| l.starts_with("Error:")).unwrap_or_default();
+    assert!(line.contains("vllm_engine rank 0 (actor-") && line.contains(" died: "), "{err}");
+    drop(running);
+
+    let newest = std::fs::read_dir(&checkpoints)
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.strip_prefix("step_")?.parse::<u64>().ok())
+        .max()
+        .expect("a checkpoint");
+    let until = format!("train.max_steps={}", newest + 2);
+    let rerun_err = dir.join("rerun.txt");
+    let config = dir.join("config.yaml");
+    let status =
+        train(&config, &run_dir, &[sets[0], sets[1], &until], &rerun_err).status().unwrap();
+    let log = std::fs::read_to_string(&rerun_err).unwrap();
+    assert!(status.success(), "the rerun failed: {log}");
+    assert_eq!(rtrun_tests::resumed_from(&log), Some(newest), "{log}");
+    let records: Vec<rtrun_rlhf_telemetry::StepMetrics> =
+        rtrun_rlhf_telemetry::jsonl::read_jsonl(&run_dir.join("metrics.jsonl")).unwrap();
+    let first = records.iter().rev().find(|r| r.step() == newest + 1).expect("the resumed step");
+    assert_eq!(first.get("rollout/oldest_version"), Some(newest as f64), "{first:?}");
+    assert_eq!(records.last().unwrap().step(), newest + 2);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 #[test]
 fn a_stopped_worker_fails_the_step_at_the_call_deadline_naming_its_role_and_rank() {
     let dir = scratch("stop");

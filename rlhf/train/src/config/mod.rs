@@ -1256,6 +1256,66 @@ mod tests {
     }
 
     #[test]
+    fn streamed_rollout_keys_are_checked_together() {
+        let err = |sets: &[&str]| {
+            let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+            TrainConfig::from_yaml("", "bad.yaml", &sets).unwrap_err().to_string()
+        };
+        let ok = |sets: &[&str]| {
+            let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+            TrainConfig::from_yaml("", "ok.yaml", &sets).unwrap()
+        };
+        let sync_with_bound = err(&["rollout.max_staleness=2"]);
+        assert!(
+            sync_with_bound.contains("rollout.max_staleness") && sync_with_bound.contains("async"),
+            "{sync_with_bound}"
+        );
+        let zero = err(&["rollout.mode=async", "rollout.max_staleness=0"]);
+        assert!(zero.contains("rollout.max_staleness") && zero.contains("found 0"), "{zero}");
+        assert!(
+            err(&["rollout.mode=async", "rollout.max_staleness=100000"]).contains("at most 64")
+        );
+        assert!(err(&["rollout.max_staleness=-1"]).contains("rollout.max_staleness"));
+        assert!(err(&["rollout.mode=later"]).contains("rollout.mode"));
+        for bad in ["0", "-0.5", "1.5"] {
+            let e = err(&[&format!("rollout.partial_threshold={bad}")]);
+            assert!(e.contains("rollout.partial_threshold") && e.contains("(0, 1]"), "{bad}: {e}");
+        }
+        let both = err(&["rollout.mode=async", "rollout.partial_threshold=0.8"]);
+        assert!(both.contains("rollout.partial_threshold") && both.contains("async"), "{both}");
+        for bad in ["0.5", ".inf", "-2"] {
+            assert!(err(&[&format!("algo.tis_cap={bad}")]).contains("algo.tis_cap"), "{bad}");
+        }
+        let dock = err(&[
+            "rollout.mode=async",
+            "train.pipeline=dock",
+            "algo.advantage_estimator=group_norm",
+            "train.train_batch_size=128",
+        ]);
+        assert!(dock.contains("rollout.mode") && dock.contains("sequential"), "{dock}");
+        let dynamic = err(&[
+            "rollout.partial_threshold=0.8",
+            "algo.advantage_estimator=group_norm",
+            "algo.dynamic_sampling.max_gen_batches=2",
+        ]);
+        assert!(dynamic.contains("rollout.partial_threshold"), "{dynamic}");
+        let hybrid = err(&["rollout.mode=async", "cluster.colocate_all=true"]);
+        assert!(hybrid.contains("rollout.mode") && hybrid.contains("colocate_all"), "{hybrid}");
+        // What is accepted, and what it resolves to.
+        let asynchronous = ok(&["rollout.mode=async"]);
+        assert!(asynchronous.rollout.streams());
+        assert_eq!(asynchronous.rollout.staleness(), 1);
+        assert_eq!(asynchronous.rollout.tis_cap(&asynchronous.algo), Some(2.0));
+        assert!(!asynchronous.old_logprobs_from_engine(), "the engine's log-probs are behaviour");
+        let partial = ok(&["rollout.partial_threshold=0.8", "algo.tis_cap=3"]);
+        assert!(partial.rollout.streams());
+        assert_eq!(partial.rollout.tis_cap(&partial.algo), Some(3.0));
+        let whole = ok(&["rollout.partial_threshold=1"]);
+        assert!(!whole.rollout.streams(), "a threshold of 1 waits for every group");
+        assert_eq!(whole.rollout.tis_cap(&whole.algo), None);
+    }
+
+    #[test]
     fn bad_configs_name_the_key() {
         let err = |yaml: &str, sets: &[&str]| {
             let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
