@@ -23,12 +23,19 @@
 #      micro-batches of 8: training tokens per second (rtrun one rank unpacked, two ranks
 #      packed); and the exported reward model loaded by transformers'
 #      AutoModelForSequenceClassification, its held-out accuracy beside rtrun's.
+#   5. (part `streamed`, issue 43) the main job's GRPO (deploy/examples/rlhf/grpo.yaml) three
+#      ways from the same seed and data: sync, `rollout.mode: async` with `max_staleness: 1`
+#      (held-out reward every 16 steps: the wall time at which async first reaches the sync
+#      run's final reward, over the sync run's wall time), and with a long tail of responses
+#      (3% of the prompts 100-200 digits long, `max_new_tokens` 256) with and without
+#      `rollout.partial_threshold: 0.8` (mean step time). Each run's phase medians are
+#      printed (the timeline that says what limits the overlap).
 #
 # Usage: scripts/bench-rlhf.sh [--quick]
 #   --quick: 1 round, 1 seed, 12 rollout steps (a smoke run of the script; not a measurement).
 # Environment: BENCH_DIR (default ~/.cache/rtrun/bench-rlhf), THREADS (default: every core),
 #   ROUNDS (3), SEEDS ("1 2 3"), STEPS (40 rollout / SFT / RM / DPO steps per run), PARTS
-#   ("engine grpo sft lora pairs": which
+#   ("engine grpo sft lora pairs streamed": which
 #   halves to run; the report then covers those), BENCH_VENV (a venv that
 #   already has them, e.g. the parity venv of rlhf/model/parity).
 # Python side: transformers 5.23, TRL 1.16 and torch 2.13 from PyPI in ~/.cache/rtrun/bench-venv,
@@ -46,7 +53,7 @@ fi
 THREADS=${THREADS:-$(nproc)}
 BENCH_DIR=${BENCH_DIR:-$HOME/.cache/rtrun/bench-rlhf}
 VENV=${BENCH_VENV:-$HOME/.cache/rtrun/bench-venv}
-PARTS=${PARTS:-"engine grpo sft lora pairs"}
+PARTS=${PARTS:-"engine grpo sft lora pairs streamed"}
 mkdir -p "$BENCH_DIR/runs"
 REPORT=$BENCH_DIR/report.jsonl
 : >"$REPORT"
@@ -212,6 +219,31 @@ for mode in rm dpo; do
         "$PY" scripts/bench/hf_reward_model_check.py "$run/final_reward_model" \
             "$SW/data/preference_test.jsonl" "$run" 2>/dev/null | tail -1 >>"$REPORT"
     fi
+done
+fi
+
+# --- 5. async and partial rollouts against the sync step ------------------------------------------
+if [[ " $PARTS " == *" streamed "* ]]; then
+STREAMED_STEPS=${STREAMED_STEPS:-256}
+[[ "${1:-}" == "--quick" ]] && STREAMED_STEPS=24
+for seed in $SEEDS; do
+    for variant in sync async tail-sync tail-partial; do
+        sets=(--set seed="$seed" --set train.max_steps="$STREAMED_STEPS" --set eval.every_steps=16
+              --set checkpoint.every_steps=0)
+        case $variant in
+            async) sets+=(--set rollout.mode=async --set rollout.max_staleness=1) ;;
+            tail-*) sets+=(--set rollout.max_new_tokens=256 --set data.synthetic.long_tail.share=0.03
+                           --set data.synthetic.long_tail.min_digits=100
+                           --set data.synthetic.long_tail.max_digits=200
+                           --set train.max_steps=$(( STREAMED_STEPS / 4 )) --set eval.every_steps=0) ;;
+        esac
+        [[ $variant == tail-partial ]] && sets+=(--set rollout.partial_threshold=0.8)
+        run=$BENCH_DIR/runs/streamed-$variant-seed$seed
+        rm -rf "$run"
+        (cd "$BENCH_DIR" && "$TRAIN" --config "$ROOT/deploy/examples/rlhf/grpo.yaml" \
+            --set run_dir="$run" "${sets[@]}" >"$run.log" 2>&1) || { tail -20 "$run.log" >&2; exit 1; }
+        "$PY" scripts/bench/summarize_streamed.py "$run" "$seed" "$variant" >>"$REPORT"
+    done
 done
 fi
 

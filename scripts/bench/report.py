@@ -121,3 +121,36 @@ for r in rows:
         print(f"\nExported reward model loaded by transformers ({r['hf_rm_check']}): held-out pair "
               f"accuracy {r['transformers_accuracy']:.4f} (rtrun {r['rtrun_accuracy']:.4f}), mean "
               f"margin {r['transformers_margin']:.6f} (rtrun {r['rtrun_margin']:.6f})")
+
+streamed = [r for r in rows if "streamed" in r]
+if streamed:
+    print("\n## Async and partial rollouts against the sync step (main job, same seed and data)\n")
+    print("| seed | sync wall s | sync final | async reaches it at s | ratio | async final | "
+          "tail: sync step s | partial step s | cut |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    by = {(r["seed"], r["streamed"]): r for r in streamed}
+    for seed in sorted({r["seed"] for r in streamed}):
+        sync, asyn = by.get((seed, "sync")), by.get((seed, "async"))
+        tail, part = by.get((seed, "tail-sync")), by.get((seed, "tail-partial"))
+        cells = [str(seed)]
+        if sync and asyn:
+            target = sync["evals"][-1][2]
+            reached = next((t for _, t, reward in asyn["evals"] if reward >= target), None)
+            cells += [f"{sync['wall_s']:.1f}", f"{target:.3f}",
+                      f"{reached:.1f}" if reached is not None else "not reached",
+                      f"{reached / sync['wall_s']:.2f}x" if reached is not None
+                      else f"({asyn['wall_s'] / sync['wall_s']:.2f}x wall)",
+                      f"{asyn['evals'][-1][2]:.3f}"]
+        else:
+            cells += ["—"] * 5
+        if tail and part:
+            cut = 1 - part["step_s_mean"] / tail["step_s_mean"]
+            cells += [f"{tail['step_s_mean']:.3f}", f"{part['step_s_mean']:.3f}", f"{cut:.0%}"]
+        else:
+            cells += ["—"] * 3
+        print("| " + " | ".join(cells) + " |")
+    for r in streamed:
+        phases = ", ".join(f"{k} {v:.3f}" for k, v in r["phase_s_median"].items())
+        print(f"\n{r['streamed']} seed {r['seed']}: phase medians (s) {phases}; response length "
+              f"mean {r['response_length_mean']:.1f}, step max {r['response_length_max']:.1f}; "
+              f"max staleness {r['max_staleness']:.0f}, stale groups dropped {r['stale_dropped']:.0f}")

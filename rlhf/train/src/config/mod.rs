@@ -1301,6 +1301,19 @@ mod tests {
         assert!(dynamic.contains("rollout.partial_threshold"), "{dynamic}");
         let hybrid = err(&["rollout.mode=async", "cluster.colocate_all=true"]);
         assert!(hybrid.contains("rollout.mode") && hybrid.contains("colocate_all"), "{hybrid}");
+        let tail = |share: &str, min: &str, max: &str| {
+            err(&[
+                &format!("data.synthetic.long_tail.share={share}"),
+                &format!("data.synthetic.long_tail.min_digits={min}"),
+                &format!("data.synthetic.long_tail.max_digits={max}"),
+            ])
+        };
+        assert!(tail("1.5", "10", "20").contains("data.synthetic.long_tail.share"));
+        assert!(tail("0.1", "30", "20").contains("data.synthetic.long_tail.min_digits"));
+        assert!(
+            tail("0.1", "10", "600").contains("at most 512")
+                || tail("0.1", "10", "600").contains("<= 512")
+        );
         // What is accepted, and what it resolves to.
         let asynchronous = ok(&["rollout.mode=async"]);
         assert!(asynchronous.rollout.streams());

@@ -510,7 +510,27 @@ fn validate_task(t: &TaskConfig) -> Result<()> {
         ));
     }
     positive("data.synthetic.train_size", t.train_size)?;
-    positive("data.synthetic.eval_size", t.eval_size)
+    positive("data.synthetic.eval_size", t.eval_size)?;
+    if let Some(tail) = &t.long_tail {
+        if t.kind == crate::demo::task::TaskKind::Add {
+            return Err(TrainError::config(
+                "data.synthetic.long_tail",
+                "expected kind reverse_digits or sort_digits (a sum of long numbers would not fit \
+                 its 128-bit check), found add",
+            ));
+        }
+        unit_interval("data.synthetic.long_tail.share", tail.share)?;
+        if tail.min_digits == 0 || tail.min_digits > tail.max_digits || tail.max_digits > 512 {
+            return Err(TrainError::config(
+                "data.synthetic.long_tail.min_digits",
+                format!(
+                    "expected 1 <= min_digits <= max_digits <= 512, found {}..={}",
+                    tail.min_digits, tail.max_digits
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 impl CheckpointConfig {

@@ -38,6 +38,21 @@ pub struct TaskConfig {
     pub train_size: usize,
     /// Number of held-out prompts (never trained on).
     pub eval_size: usize,
+    /// A share of prompts far longer than the rest (`reverse_digits` and `sort_digits`): a
+    /// long-tailed response-length distribution, as real rollouts have. Absent: none.
+    pub long_tail: Option<LongTail>,
+}
+
+/// `data.synthetic.long_tail`: `share` of the prompts have `min_digits..=max_digits` digits.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct LongTail {
+    /// The share of long prompts, in [0, 1].
+    pub share: f64,
+    /// Fewest digits of a long prompt.
+    pub min_digits: usize,
+    /// Most digits of a long prompt (at most 512).
+    pub max_digits: usize,
 }
 
 impl Default for TaskConfig {
@@ -48,6 +63,7 @@ impl Default for TaskConfig {
             max_digits: 6,
             train_size: 4096,
             eval_size: 128,
+            long_tail: None,
         }
     }
 }
@@ -56,7 +72,7 @@ impl TaskConfig {
     /// Longest answer in tokens, `<eos>` included: the generation budget.
     pub fn max_answer_tokens(&self) -> usize {
         match self.kind {
-            TaskKind::ReverseDigits | TaskKind::SortDigits => self.max_digits + 1,
+            TaskKind::ReverseDigits | TaskKind::SortDigits => self.longest() + 1,
             TaskKind::Add => self.max_digits + 2,
         }
     }
@@ -64,16 +80,28 @@ impl TaskConfig {
     /// Longest prompt in tokens, `<bos>` included.
     pub fn max_prompt_tokens(&self) -> usize {
         match self.kind {
-            TaskKind::ReverseDigits | TaskKind::SortDigits => self.max_digits + 2,
+            TaskKind::ReverseDigits | TaskKind::SortDigits => self.longest() + 2,
             TaskKind::Add => 2 * self.max_digits + 3,
         }
     }
 
+    /// The most digits of any prompt (the long tail's included).
+    fn longest(&self) -> usize {
+        self.long_tail.as_ref().map_or(self.max_digits, |t| t.max_digits.max(self.max_digits))
+    }
+
     /// One record drawn from `rng`.
     pub fn sample(&self, rng: &mut SplitMix64) -> PromptRecord {
-        let span = (self.max_digits - self.min_digits + 1) as u64;
+        let (min, max) = match &self.long_tail {
+            // 2^-53 steps: `share` of the draws land in the tail.
+            Some(t) if ((rng.next_u64() >> 11) as f64 / ((1u64 << 53) as f64)) < t.share => {
+                (t.min_digits, t.max_digits)
+            }
+            _ => (self.min_digits, self.max_digits),
+        };
+        let span = (max - min + 1) as u64;
         let digits = |rng: &mut SplitMix64| -> String {
-            let len = self.min_digits + rng.below(span) as usize;
+            let len = min + rng.below(span) as usize;
             (0..len).map(|_| char::from(b'0' + rng.below(10) as u8)).collect()
         };
         match self.kind {
@@ -149,6 +177,26 @@ impl TaskConfig {
 mod tests {
     use super::*;
     use crate::demo::chars::CharTokenizer;
+
+    #[test]
+    fn a_long_tail_is_its_share_of_long_prompts_and_widens_the_budget() {
+        let tail = LongTail { share: 0.1, min_digits: 30, max_digits: 40 };
+        let config = TaskConfig {
+            train_size: 2000,
+            eval_size: 10,
+            long_tail: Some(tail),
+            ..Default::default()
+        };
+        let (train, _) = config.generate(3).unwrap();
+        let long = train.iter().filter(|r| r.label.len() >= 30).count();
+        assert!((150..=250).contains(&long), "{long} of 2000 long prompts for a share of 0.1");
+        assert!(
+            train.iter().all(|r| r.label.len() <= 40
+                && r.label.chars().rev().collect::<String>() + ">" == r.prompt)
+        );
+        assert_eq!(config.max_answer_tokens(), 41);
+        assert_eq!(config.max_prompt_tokens(), 42);
+    }
 
     #[test]
     fn tasks_give_checkable_answers_and_disjoint_splits() {

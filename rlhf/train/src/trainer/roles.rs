@@ -9,7 +9,9 @@ use rtrun_rlhf_model::train::{OptimizerConfig, ScheduleConfig};
 
 use rtrun_rlhf_dock::RemoteDock;
 
-use crate::config::{LrScheduler, PipelineMode, RewardKind, TrainConfig, WorkerThreads};
+use crate::config::{
+    LrScheduler, PipelineMode, RewardKind, RolloutMode, TrainConfig, WorkerThreads,
+};
 use crate::error::{Result, TrainError};
 use crate::placement_map::RolePlacements;
 use crate::python_reward::{PythonRewardConfig, PythonRewardWorker};
@@ -51,13 +53,16 @@ pub struct Roles {
 /// at once in each phase (all of them counted, wherever they are placed, so co-located ranks
 /// never oversubscribe a machine; on a cluster that errs towards too few threads, never too many).
 /// Experience: policy (old log-probs, unless the engine's serve), reference, critic and
-/// reward-model ranks in parallel; training: policy and critic ranks.
+/// reward-model ranks in parallel; training: policy and critic ranks. With `rollout.mode:
+/// async` the engines generate through every phase, so they count in both.
 fn thread_plan(config: &TrainConfig, p: &RolePlacements, reward_model: bool) -> ThreadPlan {
     match config.cluster.threads_per_worker {
         WorkerThreads::Fixed(n) => ThreadPlan::Fixed(n),
         WorkerThreads::Auto => {
             let count = |yes: bool, replicas: usize| if yes { replicas as u32 } else { 0 };
-            let critic = count(config.algo.needs_critic(), p.critic.replicas);
+            let engines = count(config.rollout.mode == RolloutMode::Async, p.engine.replicas);
+            // Workers that compute in both phases: the critic, and async engines.
+            let critic = count(config.algo.needs_critic(), p.critic.replicas) + engines;
             let experience = count(!config.old_logprobs_from_engine(), p.actor.replicas)
                 + count(
                     config.algo.needs_reference() && !config.reference_from_policy(),
@@ -345,7 +350,7 @@ fn create_engines(
         .map(|engine| {
             let name = format!("vllm_engine-{engine}");
             let group = EngineActor::create_group(&name, &engine_config, |rank, base| {
-                let base = match e.threads {
+                let base = match e.threads.or_else(|| async_engine_threads(config, p)) {
                     Some(n) => base.env("OMP_NUM_THREADS", &n.to_string()),
                     None => base,
                 };
@@ -356,6 +361,21 @@ fn create_engines(
             Ok(group.members().to_vec())
         })
         .collect()
+}
+
+/// `rollout.mode: async` with `cluster.threads_per_worker: auto` and no `engine.threads`: the
+/// engines generate while the policy trains, so each gets the training phase's share of the
+/// cores (the policy, critic and engine ranks computing at once) rather than every core.
+fn async_engine_threads(config: &TrainConfig, p: &RolePlacements) -> Option<i32> {
+    if config.rollout.mode != RolloutMode::Async
+        || config.cluster.threads_per_worker != WorkerThreads::Auto
+    {
+        return None;
+    }
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    let critic = if config.algo.needs_critic() { p.critic.replicas } else { 0 };
+    let sharing = p.actor.replicas + critic + p.engine.replicas;
+    Some(i32::try_from(cores / sharing.max(1)).unwrap_or(i32::MAX).max(1))
 }
 
 /// The number of engines: `cluster.engine_replicas` without a placement spec; with one, the
