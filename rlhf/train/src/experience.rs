@@ -25,6 +25,24 @@ pub struct Sequence {
     pub prompt_ids: Vec<u32>,
     /// Response ids.
     pub response_ids: Vec<u32>,
+    /// Which response tokens the model wrote (`true`) and which entered its context from
+    /// elsewhere (`false`: a tool's answer in a multi-turn rollout), one per response token;
+    /// only the model's count in the losses, the KL and the advantages. Empty: every token is
+    /// the model's.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub loss_mask: Vec<bool>,
+}
+
+impl Sequence {
+    /// A prompt and a response the model wrote whole.
+    pub fn new(prompt_ids: Vec<u32>, response_ids: Vec<u32>) -> Self {
+        Self { prompt_ids, response_ids, loss_mask: Vec::new() }
+    }
+
+    /// Whether response token `i` is the model's (counts in the losses).
+    pub fn counts(&self, i: usize) -> bool {
+        self.loss_mask.get(i).copied().unwrap_or(true)
+    }
 }
 
 /// One sequence with everything training needs; vectors are per response token.
@@ -75,7 +93,7 @@ pub fn response_batch(sequences: &[&Sequence], device: Device) -> Result<Respons
         for (i, &t) in s.response_ids.iter().enumerate() {
             ids[base + prompt_len + i] = i64::from(t);
             attention[base + prompt_len + i] = 1;
-            actions[row * response_len + i] = 1;
+            actions[row * response_len + i] = i64::from(s.counts(i));
         }
     }
     let shape = |w: usize| [rows as i64, w as i64];
@@ -202,7 +220,7 @@ pub fn shared_prompt_batch(sequences: &[&Sequence], device: Device) -> Result<Sh
                 let from = if j == 0 { prompt.len() - 1 } else { at + j - 1 };
                 predict[i * responses + j] = (base + from) as i64;
                 response_ids[i * responses + j] = i64::from(t);
-                actions[i * responses + j] = 1;
+                actions[i * responses + j] = i64::from(sequences[i].counts(j));
             }
             at += response.len();
         }
@@ -310,8 +328,8 @@ mod tests {
 
     #[test]
     fn batch_left_pads_prompts_and_right_pads_responses() {
-        let a = Sequence { prompt_ids: vec![1, 5, 6], response_ids: vec![7, 2] };
-        let b = Sequence { prompt_ids: vec![1, 5], response_ids: vec![8, 9, 2] };
+        let a = Sequence::new(vec![1, 5, 6], vec![7, 2]);
+        let b = Sequence::new(vec![1, 5], vec![8, 9, 2]);
         let batch = response_batch(&[&a, &b], Device::Cpu).unwrap();
         let ids = Vec::<i64>::try_from(batch.input_ids.view([-1])).unwrap();
         assert_eq!(ids, vec![1, 5, 6, 7, 2, 0, 0, 1, 5, 8, 9, 2]);
@@ -325,7 +343,47 @@ mod tests {
     }
 
     fn sequence(prompt: &[u32], response: &[u32]) -> Sequence {
-        Sequence { prompt_ids: prompt.to_vec(), response_ids: response.to_vec() }
+        Sequence::new(prompt.to_vec(), response.to_vec())
+    }
+
+    /// A multi-turn response whose middle tokens are a tool's answer: both layouts mask them
+    /// out of the actions, so no loss reads them.
+    #[test]
+    fn tool_tokens_are_out_of_both_layouts_action_masks_and_take_no_gradient() {
+        use rtrun_rlhf_model::{ModelFamily, tiny};
+        let model = tiny::tiny_model(&tiny::tiny_config(ModelFamily::Qwen2), 5).unwrap();
+        let turn = |tool: [u32; 3]| {
+            let mut s = sequence(&[1, 5, 6], &[10, 11, tool[0], tool[1], tool[2], 12, 2]);
+            s.loss_mask = vec![true, true, false, false, false, true, true];
+            s
+        };
+        let (a, b) = (turn([30, 31, 32]), turn([40, 41, 42]));
+        let plain = sequence(&[1, 5, 6], &[13, 2]);
+        assert!(a.counts(1) && !a.counts(2) && a.counts(6) && plain.counts(0) && plain.counts(9));
+        let expected = vec![1, 1, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 0];
+        for seqs in [[&a, &plain], [&b, &plain]] {
+            let padded = response_batch(&seqs, Device::Cpu).unwrap();
+            let shared = shared_prompt_batch(&seqs, Device::Cpu).unwrap();
+            for mask in [&padded.action_mask, &shared.action_mask] {
+                assert_eq!(Vec::<i64>::try_from(mask.reshape([-1])).unwrap(), expected);
+            }
+        }
+        // The log-probs every loss reads are zero at the tool's positions (so no loss or
+        // gradient comes from them) and not at the model's.
+        for s in [&a, &b] {
+            let batch = response_batch(&[s], Device::Cpu).unwrap();
+            let log_probs = model.response_log_probs(&batch).unwrap();
+            assert_eq!(log_probs.narrow(1, 2, 3).abs().sum(Kind::Float).double_value(&[]), 0.0);
+            let own = log_probs.narrow(1, 0, 2).abs().sum(Kind::Float).double_value(&[]);
+            assert!(own > 0.0 && own.is_finite());
+        }
+        // Serialised without a mask, a sequence reads back as the model's whole.
+        let json = serde_json::to_string(&plain).unwrap();
+        assert!(!json.contains("loss_mask"), "{json}");
+        let back: Sequence = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, plain);
+        let masked: Sequence = serde_json::from_str(&serde_json::to_string(&a).unwrap()).unwrap();
+        assert_eq!(masked.loss_mask, a.loss_mask);
     }
 
     #[test]

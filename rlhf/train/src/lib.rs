@@ -41,6 +41,7 @@ pub mod roles;
 pub mod run;
 pub mod stage;
 pub mod tokenizer;
+pub mod tools;
 pub mod trainer;
 pub mod trainer_actor;
 

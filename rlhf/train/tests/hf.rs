@@ -724,10 +724,7 @@ fn grpo_with_lora_trains_the_adapters_and_exports_both_forms() {
     // The reference is the base model: the policy ranks with their adapters off compute the
     // base checkpoint's log-probs; with them on, the trained policy's differ.
     let sequences: Vec<Sequence> = (0..4u32)
-        .map(|i| Sequence {
-            prompt_ids: vec![1, 40 + i, 41, 42, 43],
-            response_ids: vec![50 + i, 60, 70, 2],
-        })
+        .map(|i| Sequence::new(vec![1, 40 + i, 41, 42, 43], vec![50 + i, 60, 70, 2]))
         .collect();
     let rank0 = &trainer.roles.actor.members()[0];
     let reference = rank0.reference_log_probs(sequences.clone()).get().unwrap().unwrap();

@@ -164,7 +164,7 @@ pub fn write_walkthrough(out: &Path, config: &WalkthroughConfig) -> Result<Walkt
                 pretrained.apply_chat_template(&[ChatMessage::new("user", &p.question)], true)?;
             let mut response_ids = pretrained.tokenizer.encode(&p.answer, false)?;
             response_ids.push(im_end as u32);
-            Ok(Sequence { prompt_ids: pretrained.tokenizer.encode(&prompt, false)?, response_ids })
+            Ok(Sequence::new(pretrained.tokenizer.encode(&prompt, false)?, response_ids))
         })
         .collect::<Result<Vec<_>>>()?;
     let longest = sequences.iter().map(|s| s.prompt_ids.len() + s.response_ids.len()).max();

@@ -40,7 +40,7 @@ pub fn supervised_sequence(record: &PromptRecord) -> Result<Sequence> {
     let tok = CharTokenizer;
     let mut response_ids = tok.encode(&record.label)?;
     response_ids.push(EOS_ID);
-    Ok(Sequence { prompt_ids: tok.encode_prompt(&record.prompt)?, response_ids })
+    Ok(Sequence::new(tok.encode_prompt(&record.prompt)?, response_ids))
 }
 
 /// What the warm-up did.

@@ -379,10 +379,7 @@ impl Trainer {
         let mut records: Vec<&PromptRecord> = Vec::with_capacity(outputs.len() * k);
         for ((output, prompt_ids), record) in outputs.iter().zip(&prompts).zip(&self.eval_data) {
             for sample in &output.samples {
-                sequences.push(Sequence {
-                    prompt_ids: prompt_ids.clone(),
-                    response_ids: sample.token_ids.clone(),
-                });
+                sequences.push(Sequence::new(prompt_ids.clone(), sample.token_ids.clone()));
                 records.push(record);
             }
         }

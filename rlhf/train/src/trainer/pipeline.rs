@@ -161,7 +161,7 @@ impl SortedBatch {
         Ok(prompts
             .into_iter()
             .zip(responses)
-            .map(|(prompt_ids, response_ids)| Sequence { prompt_ids, response_ids })
+            .map(|(prompt_ids, response_ids)| Sequence::new(prompt_ids, response_ids))
             .collect())
     }
 

@@ -265,10 +265,7 @@ impl Trainer {
         for group in groups.iter() {
             for response in &group.responses {
                 records.push(&group.record);
-                sequences.push(Sequence {
-                    prompt_ids: group.prompt_ids.clone(),
-                    response_ids: response.clone(),
-                });
+                sequences.push(Sequence::new(group.prompt_ids.clone(), response.clone()));
             }
         }
         let answer = stages::rewards(self, &records, &sequences)?.get(&self.watch)?;
@@ -295,9 +292,7 @@ fn flatten(groups: Vec<Group>, scored: bool) -> Rollout {
     for group in groups {
         for (response, log_probs) in group.responses.into_iter().zip(group.engine_log_probs) {
             rollout.records.push(group.record.clone());
-            rollout
-                .sequences
-                .push(Sequence { prompt_ids: group.prompt_ids.clone(), response_ids: response });
+            rollout.sequences.push(Sequence::new(group.prompt_ids.clone(), response));
             rollout.engine_log_probs.push(log_probs);
         }
         if let Some(rewards) = &mut rollout.rewards {

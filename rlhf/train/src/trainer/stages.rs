@@ -241,7 +241,7 @@ fn retokenize(
                 // prompt's end, which the reward model must still see as a response position.
                 response_ids.extend(rm_eos.first());
             }
-            Ok(Sequence { prompt_ids: rm.encode_prompt(&record.prompt)?, response_ids })
+            Ok(Sequence::new(rm.encode_prompt(&record.prompt)?, response_ids))
         })
         .collect()
 }
@@ -436,7 +436,12 @@ pub fn assemble(
         let refs: Vec<&[f32]> = v.iter().map(Vec::as_slice).collect();
         pad_rows(&refs, width, device)
     };
-    let ones: Vec<Vec<f32>> = lengths.iter().map(|&l| vec![1.0; l]).collect();
+    // The model's tokens (a tool's answer in a multi-turn response takes no loss, KL or
+    // advantage).
+    let ones: Vec<Vec<f32>> = sequences
+        .iter()
+        .map(|s| (0..s.response_ids.len()).map(|i| f32::from(u8::from(s.counts(i)))).collect())
+        .collect();
     let mask = tensor_of(&ones)?;
     let old = tensor_of(&old_log_probs)?;
     let kl = match &ref_log_probs {

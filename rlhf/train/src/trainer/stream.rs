@@ -234,9 +234,7 @@ pub fn into_rollout(groups: Vec<StreamedGroup>, policy_version: u64) -> (Rollout
         }
         for (response, log_probs) in group.responses.into_iter().zip(group.engine_log_probs) {
             rollout.records.push(group.record.clone());
-            rollout
-                .sequences
-                .push(Sequence { prompt_ids: group.prompt_ids.clone(), response_ids: response });
+            rollout.sequences.push(Sequence::new(group.prompt_ids.clone(), response));
             rollout.engine_log_probs.push(log_probs);
         }
     }
