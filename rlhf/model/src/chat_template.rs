@@ -4,8 +4,8 @@
 //! Python string and dict methods, `raise_exception`, `strftime_now` and a `tojson` that writes
 //! what Python's `json.dumps` writes.
 //!
-//! Variables passed to the template: `messages`, `add_generation_prompt`, and every special
-//! token of the tokenizer config (`bos_token`, `eos_token`, `pad_token`, `unk_token`, …), as
+//! Variables passed to the template: `messages`, `add_generation_prompt`, `tools` when a
+//! conversation has tools, and every special token of the tokenizer config (`bos_token`, `eos_token`, `pad_token`, `unk_token`, …), as
 //! transformers does.
 
 use std::collections::BTreeMap;
@@ -78,6 +78,18 @@ impl ChatTemplate {
     /// Renders `messages`, ending with the assistant's turn header when
     /// `add_generation_prompt` is set (the prompt of a generation).
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
+        self.render_with_tools(messages, add_generation_prompt, &[])
+    }
+
+    /// [`ChatTemplate::render`] with `tools`, OpenAI function schemas (`{"type": "function",
+    /// "function": {…}}`), as transformers' `apply_chat_template(tools=…)` passes them; none
+    /// leaves `tools` undefined, as transformers' `tools=None` does.
+    pub fn render_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        tools: &[serde_json::Value],
+    ) -> Result<String> {
         let template = self
             .env
             .get_template(TEMPLATE_NAME)
@@ -89,6 +101,9 @@ impl ChatTemplate {
             .collect();
         context.insert("messages".to_owned(), Value::from(minijinja::value::Serde(messages)));
         context.insert("add_generation_prompt".to_owned(), Value::from(add_generation_prompt));
+        if !tools.is_empty() {
+            context.insert("tools".to_owned(), Value::from(minijinja::value::Serde(tools)));
+        }
         template.render(context).map_err(|e| template_error("rendering", &self.source, &e))
     }
 }

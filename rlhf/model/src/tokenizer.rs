@@ -237,6 +237,17 @@ impl PretrainedTokenizer {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<String> {
+        self.apply_chat_template_with_tools(messages, add_generation_prompt, &[])
+    }
+
+    /// [`PretrainedTokenizer::apply_chat_template`] with the conversation's tools (OpenAI
+    /// function schemas).
+    pub fn apply_chat_template_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        tools: &[serde_json::Value],
+    ) -> Result<String> {
         let template = self.chat_template.as_ref().ok_or_else(|| {
             ModelError::Tokenizer(
                 "the tokenizer has no chat template (`chat_template` in tokenizer_config.json \
@@ -244,7 +255,7 @@ impl PretrainedTokenizer {
                     .to_owned(),
             )
         })?;
-        template.render(messages, add_generation_prompt)
+        template.render_with_tools(messages, add_generation_prompt, tools)
     }
 }
 

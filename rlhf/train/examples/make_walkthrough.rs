@@ -2,8 +2,9 @@
 //! ChatML chat template, generation config, a short supervised warm-up) and GSM8K-format
 //! `train.jsonl` / `test.jsonl`, for `deploy/examples/rlhf/grpo-hf.yaml`.
 //!
-//! `cargo run --release -p rtrun-rlhf --example make_walkthrough -- [OUT_DIR] [--warmup-steps N]`
-//! (default `walkthrough/`).
+//! `cargo run --release -p rtrun-rlhf --example make_walkthrough -- [OUT_DIR] [--warmup-steps N]
+//! [--tools]` (default `walkthrough/`; `--tools`: a checkpoint warmed up to call the calculator,
+//! for `deploy/examples/rlhf/grpo-tools.yaml`).
 
 use std::path::PathBuf;
 
@@ -21,11 +22,14 @@ struct Args {
     /// Optimizer steps of the supervised warm-up (0 skips it: the checkpoint stays random).
     #[arg(long, value_name = "N", default_value_t = WalkthroughConfig::default().warmup.steps)]
     warmup_steps: u64,
+    /// Warm the checkpoint up to call the `calculator` tool (Qwen2.5's tool-call format).
+    #[arg(long)]
+    tools: bool,
 }
 
 fn main() -> anyhow::Result<()> {
-    let Args { out_dir: out, warmup_steps } = Args::parse();
-    let mut config = WalkthroughConfig::default();
+    let Args { out_dir: out, warmup_steps, tools } = Args::parse();
+    let mut config = WalkthroughConfig { tool_calls: tools, ..WalkthroughConfig::default() };
     config.warmup.steps = warmup_steps;
     let files = write_walkthrough(&out, &config)?;
     if files.warmup.steps == 0 {

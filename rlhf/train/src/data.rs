@@ -302,6 +302,7 @@ pub fn to_prompt_record(
     record: &RawRecord,
     config: &DataConfig,
     tokenizer: &HfTokenizer,
+    tools: &[serde_json::Value],
 ) -> Result<PromptRecord> {
     let at = &record.location;
     let keys = || -> String {
@@ -326,7 +327,7 @@ pub fn to_prompt_record(
             }
         }
         serde_json::Value::String(text) => {
-            render(at, tokenizer, &[ChatMessage::new("user", text)])?
+            render(at, tokenizer, &[ChatMessage::new("user", text)], tools)?
         }
         serde_json::Value::Array(items) => {
             if !config.apply_chat_template {
@@ -335,7 +336,7 @@ pub fn to_prompt_record(
                     config.input_key
                 )));
             }
-            render(at, tokenizer, &chat_messages(at, &config.input_key, items)?)?
+            render(at, tokenizer, &chat_messages(at, &config.input_key, items)?, tools)?
         }
         other => {
             return Err(TrainError::Data(format!(
@@ -427,8 +428,18 @@ pub(crate) fn chat_messages(
         .collect()
 }
 
-fn render(at: &str, tokenizer: &HfTokenizer, messages: &[ChatMessage]) -> Result<String> {
-    render_chat(at, tokenizer, messages, true)
+/// A prompt's text: `messages` through the chat template with the run's `tools` (the
+/// assistant's turn opened).
+fn render(
+    at: &str,
+    tokenizer: &HfTokenizer,
+    messages: &[ChatMessage],
+    tools: &[serde_json::Value],
+) -> Result<String> {
+    tokenizer
+        .pretrained()
+        .apply_chat_template_with_tools(messages, true, tools)
+        .map_err(|e| TrainError::Data(format!("{at}: {e}")))
 }
 
 /// `messages` through the tokenizer's chat template (with the assistant's turn opened when
@@ -518,13 +529,14 @@ pub fn load_prompts(
     config: &DataConfig,
     tokenizer: &HfTokenizer,
     seed: u64,
+    tools: &[serde_json::Value],
 ) -> Result<LoadedPrompts> {
     // Each record with the index of its file (for `prompt_probs`).
     let read_all = |paths: &PathList| -> Result<Vec<(usize, PromptRecord)>> {
         let mut out = Vec::new();
         for (file, path) in paths.0.iter().enumerate() {
             for record in read_records(path)? {
-                out.push((file, to_prompt_record(&record, config, tokenizer)?));
+                out.push((file, to_prompt_record(&record, config, tokenizer, tools)?));
             }
         }
         Ok(out)

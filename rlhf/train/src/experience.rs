@@ -29,7 +29,7 @@ pub struct Sequence {
     /// elsewhere (`false`: a tool's answer in a multi-turn rollout), one per response token;
     /// only the model's count in the losses, the KL and the advantages. Empty: every token is
     /// the model's.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[serde(default)]
     pub loss_mask: Vec<bool>,
 }
 
@@ -377,10 +377,9 @@ mod tests {
             let own = log_probs.narrow(1, 0, 2).abs().sum(Kind::Float).double_value(&[]);
             assert!(own > 0.0 && own.is_finite());
         }
-        // Serialised without a mask, a sequence reads back as the model's whole.
-        let json = serde_json::to_string(&plain).unwrap();
-        assert!(!json.contains("loss_mask"), "{json}");
-        let back: Sequence = serde_json::from_str(&json).unwrap();
+        // A sequence written before masks existed reads back as the model's whole.
+        let back: Sequence =
+            serde_json::from_str(r#"{"prompt_ids": [1, 5, 6], "response_ids": [13, 2]}"#).unwrap();
         assert_eq!(back, plain);
         let masked: Sequence = serde_json::from_str(&serde_json::to_string(&a).unwrap()).unwrap();
         assert_eq!(masked.loss_mask, a.loss_mask);

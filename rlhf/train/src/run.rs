@@ -258,6 +258,11 @@ pub fn prepare(config: &TrainConfig, paths: &RunPaths) -> Result<Prepared> {
     let data_dir = paths.train_data.parent().unwrap_or(&paths.root);
     std::fs::create_dir_all(data_dir).map_err(|e| TrainError::io(data_dir, e))?;
     let synthetic = config.data.synthetic_task();
+    // Prompts are rendered with the tools' schemas (the chat template lists them).
+    let tool_schemas = match config.tools.any() {
+        true => crate::tools::from_config(&config.tools)?.schemas(),
+        false => Vec::new(),
+    };
     let key = match &synthetic {
         Some(task) => serde_json::json!({
             "seed": config.seed,
@@ -272,6 +277,10 @@ pub fn prepare(config: &TrainConfig, paths: &RunPaths) -> Result<Prepared> {
             "policy": config.policy.pretrain,
         }),
     };
+    let mut key = key;
+    if !tool_schemas.is_empty() {
+        key["tools"] = serde_json::Value::from(tool_schemas.clone());
+    }
     let key_path = paths.root.join(PREPARED_FILE);
     let previous: Option<serde_json::Value> =
         std::fs::read(&key_path).ok().and_then(|bytes| serde_json::from_slice(&bytes).ok());
@@ -304,7 +313,7 @@ pub fn prepare(config: &TrainConfig, paths: &RunPaths) -> Result<Prepared> {
             (None, Some(dir)) => {
                 let tokenizer = HfTokenizer::from_dir(dir, config.data.apply_chat_template)
                     .map_err(|e| TrainError::config("policy.pretrain", e.to_string()))?;
-                let loaded = load_prompts(&config.data, &tokenizer, config.seed)?;
+                let loaded = load_prompts(&config.data, &tokenizer, config.seed, &tool_schemas)?;
                 (loaded.train, loaded.eval, loaded.dropped_too_long)
             }
             (None, None) => {

@@ -63,6 +63,40 @@ pub struct TrainConfig {
     pub checkpoint: CheckpointConfig,
     /// What the run logs beside its metrics.
     pub logging: LoggingConfig,
+    /// Tools the policy may call in multi-turn rollouts.
+    pub tools: ToolsConfig,
+}
+
+/// `tools.*`: what the policy may call (verl's `multi_turn.tool_config_path`, OpenRLHF's agent
+/// functions). Any tool makes rollouts multi-turn: a model turn that writes
+/// `<tool_call>{"name": …, "arguments": {…}}</tool_call>` gets the answers as the next message
+/// and goes on, for at most `rollout.max_turns` model turns and `rollout.max_tool_calls` calls;
+/// the answers' tokens are masked out of the loss and the KL.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+#[serde(default, deny_unknown_fields)]
+pub struct ToolsConfig {
+    /// Built-in tools by name: `calculator` (arithmetic: + - * / % ^ and parentheses).
+    pub enabled: Vec<String>,
+    /// An HTTP endpoint serving more tools: `GET` lists them (`{"tools": [OpenAI function
+    /// schemas]}`), `POST {"name", "arguments"}` calls one (`{"content": …}` or `{"error": …}`).
+    pub url: Option<String>,
+    /// Seconds a tool call may take before the model reads a timeout error instead.
+    pub timeout_s: f64,
+    /// Longest answer the model reads, in bytes; longer ones are cut (and say so).
+    pub max_output_bytes: usize,
+}
+
+impl Default for ToolsConfig {
+    fn default() -> Self {
+        Self { enabled: Vec::new(), url: None, timeout_s: 10.0, max_output_bytes: 2048 }
+    }
+}
+
+impl ToolsConfig {
+    /// Whether rollouts are multi-turn.
+    pub fn any(&self) -> bool {
+        !self.enabled.is_empty() || self.url.is_some()
+    }
 }
 
 /// `logging.*`: what the run logs beside its metrics.
@@ -96,6 +130,7 @@ impl Default for TrainConfig {
             eval: EvalConfig::default(),
             checkpoint: CheckpointConfig::default(),
             logging: LoggingConfig::default(),
+            tools: ToolsConfig::default(),
         }
     }
 }
@@ -401,6 +436,11 @@ pub struct RolloutConfig {
     /// unfinished ones carry on generating into the next step (MindSpeed-RL's partial rollout,
     /// `rollout_threshold_rate`). In (0, 1]; absent: every group finishes.
     pub partial_threshold: Option<f64>,
+    /// With tools: model turns per response at most (verl's `multi_turn.max_assistant_turns`).
+    pub max_turns: usize,
+    /// With tools: tool calls per response at most; a turn asking for more than are left has
+    /// only the first ones run, and the response ends once none are left.
+    pub max_tool_calls: usize,
 }
 
 /// How generation and training alternate (`rollout.mode`).
@@ -465,6 +505,8 @@ impl Default for RolloutConfig {
             mode: RolloutMode::Sync,
             max_staleness: None,
             partial_threshold: None,
+            max_turns: 4,
+            max_tool_calls: 4,
         }
     }
 }
@@ -1311,6 +1353,13 @@ mod tests {
         assert!(tail("1.5", "10", "20").contains("data.synthetic.long_tail.share"));
         assert!(tail("0.1", "30", "20").contains("data.synthetic.long_tail.min_digits"));
         assert!(tail("0.1", "10", "600").contains("<= 512"));
+        // Tools: known built-ins, a chat-template policy, one-step rollouts.
+        assert!(err(&["tools.enabled=[search]"]).contains("tools.enabled"));
+        let synthetic = err(&["tools.enabled=[calculator]"]);
+        assert!(synthetic.contains("policy.pretrain"), "{synthetic}");
+        assert!(err(&["tools.timeout_s=0"]).contains("tools.timeout_s"));
+        assert!(err(&["tools.max_output_bytes=0"]).contains("tools.max_output_bytes"));
+        assert!(err(&["rollout.max_turns=0"]).contains("rollout.max_turns"));
         // What is accepted, and what it resolves to.
         let asynchronous = ok(&["rollout.mode=async"]);
         assert!(asynchronous.rollout.streams());

@@ -57,7 +57,65 @@ impl TrainConfig {
         self.validate_train()?;
         self.validate_dock()?;
         self.validate_eval()?;
-        self.validate_reward()
+        self.validate_reward()?;
+        self.validate_tools()
+    }
+
+    /// `tools.*` and the multi-turn limits.
+    fn validate_tools(&self) -> Result<()> {
+        let t = &self.tools;
+        for name in &t.enabled {
+            if !crate::tools::BUILT_IN.contains(&name.as_str()) {
+                return Err(TrainError::config(
+                    "tools.enabled",
+                    format!(
+                        "expected built-in tools of {:?} (others come from tools.url), found `{name}`",
+                        crate::tools::BUILT_IN
+                    ),
+                ));
+            }
+        }
+        if !(t.timeout_s.is_finite() && t.timeout_s > 0.0) {
+            return Err(TrainError::config(
+                "tools.timeout_s",
+                format!("expected a finite number of seconds > 0, found {}", t.timeout_s),
+            ));
+        }
+        positive("tools.max_output_bytes", t.max_output_bytes)?;
+        positive("rollout.max_turns", self.rollout.max_turns)?;
+        if !t.any() {
+            return Ok(());
+        }
+        if self.policy.pretrain.is_none() || !self.data.apply_chat_template {
+            return Err(TrainError::config(
+                "tools",
+                "expected a policy checkpoint (policy.pretrain) with data.apply_chat_template: \
+                 true (tool calls and answers are turns of its chat template), found neither",
+            ));
+        }
+        let what = "multi-turn tool rollouts";
+        if self.train.pipeline != PipelineMode::Sequential {
+            return Err(TrainError::config(
+                "tools",
+                format!("expected train.pipeline `sequential` for {what}, found `dock`"),
+            ));
+        }
+        if self.rollout.streams() {
+            return Err(TrainError::config(
+                "tools",
+                format!(
+                    "expected rollout.mode: sync without rollout.partial_threshold for {what} \
+                     (a conversation's turns are generated within one step)"
+                ),
+            ));
+        }
+        if self.algo.dynamic_sampling.is_some() {
+            return Err(TrainError::config(
+                "tools",
+                format!("expected algo.dynamic_sampling off for {what}"),
+            ));
+        }
+        Ok(())
     }
 
     /// `engine.*`: sequences and cache above 0.

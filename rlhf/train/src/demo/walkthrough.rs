@@ -20,15 +20,41 @@ use crate::experience::Sequence;
 use crate::rng::SplitMix64;
 
 /// The chat template of the walkthrough checkpoint: ChatML as Qwen2.5 writes it (a default
-/// system message when the conversation has none).
-pub const CHATML_TEMPLATE: &str = "{%- for message in messages %}\n\
-{%- if loop.first and message['role'] != 'system' %}\n\
+/// system message when the conversation has none), with Qwen2.5's tools: the `tools` listed in
+/// the system message, calls as `<tool_call>` JSON in the assistant's turn, and `tool` messages
+/// as `<tool_response>` blocks of a user turn.
+pub const CHATML_TEMPLATE: &str = "{%- if tools %}\n\
+{{- '<|im_start|>system\\n' }}\n\
+{%- if messages[0]['role'] == 'system' %}\n\
+{{- messages[0]['content'] }}\n\
+{%- else %}\n\
+{{- 'You are a helpful assistant.' }}\n\
+{%- endif %}\n\
+{{- '\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}\n\
+{%- for tool in tools %}\n\
+{{- '\\n' + (tool | tojson) }}\n\
+{%- endfor %}\n\
+{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}\n\
+{%- endif %}\n\
+{%- for message in messages %}\n\
+{%- if tools and loop.first and message['role'] == 'system' %}\n\
+{%- elif message['role'] == 'tool' %}\n\
+{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}\n\
+{{- '<|im_start|>user' }}\n\
+{%- endif %}\n\
+{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}\n\
+{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}\n\
+{{- '<|im_end|>\\n' }}\n\
+{%- endif %}\n\
+{%- else %}\n\
+{%- if loop.first and message['role'] != 'system' and not tools %}\n\
 {{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}\n\
 {%- endif %}\n\
 {%- if message['role'] not in ['system', 'user', 'assistant'] %}\n\
 {{- raise_exception('Unknown role: ' + message['role']) }}\n\
 {%- endif %}\n\
 {{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}\n\
+{%- endif %}\n\
 {%- endfor %}\n\
 {%- if add_generation_prompt %}\n\
 {{- '<|im_start|>assistant\\n' }}\n\
@@ -52,6 +78,11 @@ pub struct WalkthroughConfig {
     pub warmup: WarmupConfig,
     /// Seed of everything.
     pub seed: u64,
+    /// Warm the checkpoint up to call the `calculator` tool (Qwen2.5's tool-call format): the
+    /// answer's first turn calls it with the worked sum, the second turn writes the answer
+    /// after the tool's response (masked out of the warm-up's loss).
+    #[serde(default)]
+    pub tool_calls: bool,
 }
 
 impl Default for WalkthroughConfig {
@@ -63,6 +94,7 @@ impl Default for WalkthroughConfig {
             vocab_size: 512,
             warmup: WarmupConfig { steps: 150, batch_size: 32, lr: 3e-3 },
             seed: 1,
+            tool_calls: false,
         }
     }
 }
@@ -140,7 +172,11 @@ pub fn write_walkthrough(out: &Path, config: &WalkthroughConfig) -> Result<Walkt
         write_lines(path, &pairs)?;
     }
 
-    let tokenizer = write_tokenizer_files(&model_dir, &problems, config.vocab_size)?;
+    let tools = match config.tool_calls {
+        true => vec![crate::tools::Tool::schema(&crate::tools::Calculator)],
+        false => Vec::new(),
+    };
+    let tokenizer = write_tokenizer_files(&model_dir, &problems, config.vocab_size, &tools)?;
     let (end_of_text, im_end) = (0i64, 2i64);
     write_json(
         &model_dir.join("generation_config.json"),
@@ -157,14 +193,30 @@ pub fn write_walkthrough(out: &Path, config: &WalkthroughConfig) -> Result<Walkt
     model_config.initializer_range = 0.05;
 
     let pretrained = PretrainedTokenizer::from_dir(&model_dir)?;
+    let chat = crate::tokenizer::HfTokenizer::from_dir(&model_dir, true)?;
     let sequences = problems
         .iter()
         .map(|p| -> Result<Sequence> {
-            let prompt =
-                pretrained.apply_chat_template(&[ChatMessage::new("user", &p.question)], true)?;
-            let mut response_ids = pretrained.tokenizer.encode(&p.answer, false)?;
-            response_ids.push(im_end as u32);
-            Ok(Sequence::new(pretrained.tokenizer.encode(&prompt, false)?, response_ids))
+            let user = [ChatMessage::new("user", &p.question)];
+            let prompt = pretrained.apply_chat_template_with_tools(&user, true, &tools)?;
+            let prompt_ids = pretrained.tokenizer.encode(&prompt, false)?;
+            let mut answer_ids = pretrained.tokenizer.encode(&p.answer, false)?;
+            answer_ids.push(im_end as u32);
+            if !config.tool_calls {
+                return Ok(Sequence::new(prompt_ids, answer_ids));
+            }
+            let (call, result) = tool_call_of(p);
+            let mut response = pretrained.tokenizer.encode(&call, false)?;
+            let mut mask = vec![true; response.len()];
+            let answer =
+                crate::tokenizer::PromptTokenizer::tool_turn(&chat, &call, &[result], &tools)?;
+            mask.extend(std::iter::repeat_n(false, answer.len()));
+            response.extend(answer);
+            mask.extend(std::iter::repeat_n(true, answer_ids.len()));
+            response.extend(answer_ids);
+            let mut sequence = Sequence::new(prompt_ids, response);
+            sequence.loss_mask = mask;
+            Ok(sequence)
         })
         .collect::<Result<Vec<_>>>()?;
     let longest = sequences.iter().map(|s| s.prompt_ids.len() + s.response_ids.len()).max();
@@ -187,6 +239,15 @@ pub fn write_walkthrough(out: &Path, config: &WalkthroughConfig) -> Result<Walkt
         preference_test,
         warmup,
     })
+}
+
+/// The calculator call of a worked answer (`"4 + 3 = 7\n#### 7"` → a call computing `4 + 3`)
+/// and what the calculator answers.
+pub fn tool_call_of(problem: &MathProblem) -> (String, String) {
+    let worked = problem.answer.lines().next().unwrap_or_default();
+    let (expression, result) = worked.split_once(" = ").unwrap_or((worked, ""));
+    let call = serde_json::json!({"name": "calculator", "arguments": {"expression": expression}});
+    (format!("<tool_call>\n{call}\n</tool_call>"), result.to_owned())
 }
 
 /// The walkthrough's distinct problems, training ones first then held-out ones.
@@ -220,14 +281,22 @@ fn write_tokenizer_files(
     model_dir: &Path,
     problems: &[MathProblem],
     vocab_size: usize,
+    tools: &[serde_json::Value],
 ) -> Result<TextTokenizer> {
-    // The tokenizer learns the chat markup's words too, so rendered prompts tokenize compactly.
+    // The tokenizer learns the chat markup's words too, so rendered prompts tokenize compactly
+    // (and with tools, the tool-call markup and the calls).
     let chat_words = "system user assistant You are a helpful assistant.";
-    let corpus: Vec<String> = problems
+    let mut corpus: Vec<String> = problems
         .iter()
         .flat_map(|p| [p.question.clone(), p.answer.clone()])
         .chain(std::iter::once(chat_words.to_owned()))
         .collect();
+    if !tools.is_empty() {
+        corpus.extend(problems.iter().map(|p| tool_call_of(p).0));
+        let tool_words = "<tool_call> </tool_call> <tool_response> </tool_response> # Tools";
+        corpus.push(tool_words.to_owned());
+        corpus.extend(tools.iter().map(|t| t.to_string()));
+    }
     let tokenizer = TextTokenizer::train_byte_level_bpe(
         corpus.iter().map(String::as_str),
         vocab_size,
@@ -294,6 +363,60 @@ fn write_json(path: &Path, value: &serde_json::Value) -> Result<()> {
 mod tests {
     use super::*;
 
+    /// The template with tools renders Qwen2.5's layout (written out by hand here), and a tool
+    /// answer's turn is the close of the call's turn, the `<tool_response>` block and the next
+    /// turn's header.
+    #[test]
+    fn the_template_lists_tools_and_renders_their_answers_as_qwen_does() {
+        let dir = std::env::temp_dir().join(format!("rtrun-wt-tools-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let config =
+            WalkthroughConfig { train_problems: 50, test_problems: 2, ..Default::default() };
+        let problems = walkthrough_problems(&config).unwrap();
+        let tools = vec![crate::tools::Tool::schema(&crate::tools::Calculator)];
+        write_tokenizer_files(&dir, &problems, 300, &tools).unwrap();
+        let pretrained = PretrainedTokenizer::from_dir(&dir).unwrap();
+        let messages = [
+            ChatMessage::new("user", "Ada has 4 pens and gets 3 more. How many pens now?"),
+            ChatMessage::new("assistant", "<tool_call>\n{}\n</tool_call>"),
+            ChatMessage::new("tool", "7"),
+        ];
+        let text = pretrained.apply_chat_template_with_tools(&messages, true, &tools).unwrap();
+        let schema = crate::tools::Tool::schema(&crate::tools::Calculator).to_string();
+        let expected = format!(
+            "<|im_start|>system\nYou are a helpful assistant.\n\n# Tools\n\nYou may call one or \
+             more functions to assist with the user query.\n\nYou are provided with function \
+             signatures within <tools></tools> XML tags:\n<tools>\n{schema}\n</tools>\n\nFor \
+             each function call, return a json object with function name and arguments within \
+             <tool_call></tool_call> XML tags:\n<tool_call>\n{{\"name\": <function-name>, \
+             \"arguments\": <args-json-object>}}\n</tool_call><|im_end|>\n<|im_start|>user\nAda \
+             has 4 pens and gets 3 more. How many pens now?<|im_end|>\n<|im_start|>assistant\n\
+             <tool_call>\n{{}}\n</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n7\n\
+             </tool_response><|im_end|>\n<|im_start|>assistant\n"
+        );
+        // `tojson` writes Python's separators, serde_json none: compare without them.
+        let squeeze = |t: &str| t.replace(": ", ":").replace(", ", ",");
+        assert_eq!(squeeze(&text), squeeze(&expected));
+        let tokenizer = crate::tokenizer::HfTokenizer::from_dir(&dir, true).unwrap();
+        let turn = crate::tokenizer::PromptTokenizer::tool_turn(
+            &tokenizer,
+            "<tool_call>\n{}\n</tool_call>",
+            &["7".to_owned(), "error: x".to_owned()],
+            &tools,
+        )
+        .unwrap();
+        assert_eq!(
+            pretrained.tokenizer.decode(&turn, false).unwrap(),
+            "<|im_end|>\n<|im_start|>user\n<tool_response>\n7\n</tool_response>\n<tool_response>\n\
+             error: x\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+        );
+        let (call, result) =
+            tool_call_of(&MathProblem { question: "q".into(), answer: "9 - 4 = 5\n#### 5".into() });
+        assert_eq!(result, "5");
+        assert!(call.starts_with("<tool_call>\n{") && call.contains("\"9 - 4\""), "{call}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
     #[test]
     fn rejected_answers_are_wrong_only_in_their_result() {
         let mut rng = SplitMix64::new(5);
@@ -333,7 +456,8 @@ mod tests {
         let problems = walkthrough_problems(&config).unwrap();
         let dir = std::env::temp_dir().join(format!("rtrun-wt-tokens-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        write_tokenizer_files(&dir, &problems[..config.train_problems], config.vocab_size).unwrap();
+        write_tokenizer_files(&dir, &problems[..config.train_problems], config.vocab_size, &[])
+            .unwrap();
         let pretrained = PretrainedTokenizer::from_dir(&dir).unwrap();
         std::fs::remove_dir_all(&dir).unwrap();
         let texts = golden["texts"].as_array().unwrap();

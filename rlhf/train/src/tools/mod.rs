@@ -26,6 +26,38 @@ use serde_json::Value;
 
 pub use http::HttpTools;
 
+/// The built-in tools' names (`tools.enabled`).
+pub const BUILT_IN: [&str; 1] = ["calculator"];
+
+/// The run's tools: the built-ins `config` enables and an endpoint's (a clear error naming
+/// `tools.url` when it cannot be listed).
+pub fn from_config(config: &crate::config::ToolsConfig) -> crate::Result<ToolBox> {
+    let mut tools = ToolBox::new(config.max_output_bytes);
+    for name in &config.enabled {
+        match name.as_str() {
+            "calculator" => tools.add(Arc::new(Calculator)),
+            other => {
+                return Err(crate::TrainError::config(
+                    "tools.enabled",
+                    format!("expected built-in tools of {BUILT_IN:?}, found `{other}`"),
+                ));
+            }
+        }
+    }
+    if let Some(url) = &config.url {
+        let timeout = std::time::Duration::from_secs_f64(config.timeout_s);
+        // The body may be larger than what the model reads (it is cut then); beyond 16× it is
+        // refused as an error observation.
+        let limit = (config.max_output_bytes as u64).saturating_mul(16).max(1 << 16);
+        for tool in HttpTools::connect(url, timeout, limit)
+            .map_err(|e| crate::TrainError::config("tools.url", e))?
+        {
+            tools.add(tool);
+        }
+    }
+    Ok(tools)
+}
+
 /// One call the model asked for.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ToolCall {

@@ -11,6 +11,7 @@
 //! it owns no tensors that matter, and keeping it in the driver means every role handle, the
 //! metrics files and the progress bar live in one process.
 
+pub mod agent;
 pub mod calls;
 pub mod checkpoint;
 pub mod dock_layout;
@@ -153,6 +154,8 @@ pub struct Trainer {
     stream: Option<stream::RolloutStream>,
     /// `rollout.mode: async`: the rollout thread, from the first step to the last.
     rollouter: Option<stream::AsyncRollout>,
+    /// `tools.*`: the tools of multi-turn rollouts.
+    tools: Option<agent::RunTools>,
 }
 
 impl Trainer {
@@ -190,6 +193,13 @@ impl Trainer {
         let watch = CallWatch::from_config(&config.cluster);
         let old_logprobs_from_engine = config.old_logprobs_from_engine();
         let samples = SamplesWriter::new(&paths.root);
+        let tools = match config.tools.any() {
+            true => {
+                let toolbox = crate::tools::from_config(&config.tools)?;
+                Some(agent::RunTools { schemas: toolbox.schemas(), toolbox })
+            }
+            false => None,
+        };
         let mut trainer = Trainer {
             config,
             paths,
@@ -210,6 +220,7 @@ impl Trainer {
             watch,
             stream: None,
             rollouter: None,
+            tools,
         };
         if let Some(dir) = resume {
             trainer.load_checkpoint(dir)?;
@@ -336,12 +347,23 @@ impl Trainer {
     ) -> Result<Vec<GenerationOutput>> {
         let indexed = prompts.iter().map(Vec::as_slice).enumerate();
         let requests = stages::generation_requests(indexed, params, seed_base);
+        self.generate_requests(requests, params.n as usize)
+    }
+
+    /// Runs `requests` (of `samples` samples each) on the engines, split in contiguous chunks;
+    /// the outputs in the requests' order.
+    fn generate_requests(
+        &self,
+        requests: Vec<rtrun_rlhf_engine::GenerationRequest>,
+        samples: usize,
+    ) -> Result<Vec<GenerationOutput>> {
+        let count = requests.len();
         let engines = &self.roles.engines;
         let chunks = rtrun::split_batch(requests, engines.len());
         let outputs = self
             .watch
             .gather("generate", calls::each_with(ENGINE, engines, chunks, |e, c| e.generate(c)))?;
-        stages::check_outputs(outputs, prompts.len(), params.n as usize)
+        stages::check_outputs(outputs, count, samples)
     }
 
     /// The sampling parameters of training rollouts.
@@ -374,18 +396,37 @@ impl Trainer {
             stop_token_ids: self.tokenizer.eos_token_ids(),
             ..SamplingParams::default()
         };
-        let outputs = self.generate(&prompts, &params, mix_seed(self.config.seed, u64::MAX))?;
-        let mut sequences = Vec::with_capacity(outputs.len() * k);
-        let mut records: Vec<&PromptRecord> = Vec::with_capacity(outputs.len() * k);
-        for ((output, prompt_ids), record) in outputs.iter().zip(&prompts).zip(&self.eval_data) {
-            for sample in &output.samples {
-                sequences.push(Sequence::new(prompt_ids.clone(), sample.token_ids.clone()));
-                records.push(record);
+        let seed = mix_seed(self.config.seed, u64::MAX);
+        let mut sequences = Vec::with_capacity(prompts.len() * k);
+        let mut records: Vec<&PromptRecord> = Vec::with_capacity(prompts.len() * k);
+        if self.tools.is_some() {
+            // Held-out answers may call the tools too, as the trained policy will.
+            let (groups, _) = self.agent_groups(&self.eval_data, &prompts, &params, seed)?;
+            for (group, record) in groups.into_iter().zip(&self.eval_data) {
+                for (response, mask) in group.responses.into_iter().zip(group.loss_masks) {
+                    let mut sequence = Sequence::new(group.prompt_ids.clone(), response);
+                    sequence.loss_mask = mask;
+                    sequences.push(sequence);
+                    records.push(record);
+                }
+            }
+        } else {
+            let outputs = self.generate(&prompts, &params, seed)?;
+            for ((output, prompt_ids), record) in outputs.iter().zip(&prompts).zip(&self.eval_data)
+            {
+                for sample in &output.samples {
+                    sequences.push(Sequence::new(prompt_ids.clone(), sample.token_ids.clone()));
+                    records.push(record);
+                }
             }
         }
         let rewards = stages::rewards(self, &records, &sequences)?.get(&self.watch)?.rewards;
         self.sleep_engines_if_hybrid()?;
-        let lengths: Vec<usize> = sequences.iter().map(|s| s.response_ids.len()).collect();
+        // Length in the model's own tokens (a tool's answers are not its response).
+        let lengths: Vec<usize> = sequences
+            .iter()
+            .map(|s| (0..s.response_ids.len()).filter(|&i| s.counts(i)).count())
+            .collect();
         Ok(eval_result(&rewards, &lengths, k))
     }
 
@@ -649,7 +690,7 @@ impl Trainer {
             .map(|((row, record), &reward)| SampleRow {
                 step,
                 prompt: record.prompt.clone(),
-                response: self.tokenizer.decode_response(&row.sequence.response_ids),
+                response: crate::tokenizer::response_text(self.tokenizer.as_ref(), &row.sequence),
                 reward: f64::from(reward),
                 label: record.label.clone(),
             })

@@ -18,17 +18,33 @@ use crate::trainer::{ENGINE, ProgressObserver, Trainer, calls, stages};
 pub const EQUAL_REWARDS: f32 = 1e-6;
 
 /// One prompt's samples.
-struct Group {
-    record: PromptRecord,
-    prompt_ids: Vec<u32>,
-    responses: Vec<Vec<u32>>,
-    engine_log_probs: Vec<Vec<f32>>,
+#[derive(Debug, Clone)]
+pub(super) struct Group {
+    pub(super) record: PromptRecord,
+    pub(super) prompt_ids: Vec<u32>,
+    pub(super) responses: Vec<Vec<u32>>,
+    pub(super) engine_log_probs: Vec<Vec<f32>>,
+    /// Per response, which tokens are the model's (multi-turn rollouts; empty: all).
+    pub(super) loss_masks: Vec<Vec<bool>>,
     rewards: Vec<f32>,
     /// What the filter reads: the reward source's `scores` when it gave them, else the rewards.
     scores: Vec<f32>,
 }
 
 impl Group {
+    /// No samples yet.
+    pub(super) fn new(record: PromptRecord, prompt_ids: Vec<u32>) -> Self {
+        Self {
+            record,
+            prompt_ids,
+            responses: Vec::new(),
+            engine_log_probs: Vec::new(),
+            loss_masks: Vec::new(),
+            rewards: Vec::new(),
+            scores: Vec::new(),
+        }
+    }
+
     fn informative(&self) -> bool {
         let (lo, hi) = self
             .scores
@@ -238,6 +254,11 @@ impl Trainer {
         params: &SamplingParams,
         seed_base: u64,
     ) -> Result<Vec<Group>> {
+        if self.tools.is_some() {
+            let (groups, stats) = self.agent_groups(records, prompt_ids, params, seed_base)?;
+            self.push_metrics(stats.metrics());
+            return Ok(groups);
+        }
         let outputs = self.generate(prompt_ids, params, seed_base)?;
         outputs
             .into_iter()
@@ -246,14 +267,9 @@ impl Trainer {
             .map(|((output, ids), record)| {
                 let (responses, engine_log_probs) =
                     output.samples.into_iter().map(|s| (s.token_ids, s.log_probs)).unzip();
-                Ok(Group {
-                    record: record.clone(),
-                    prompt_ids: ids.clone(),
-                    responses,
-                    engine_log_probs,
-                    rewards: Vec::new(),
-                    scores: Vec::new(),
-                })
+                let mut group = Group::new(record.clone(), ids.clone());
+                (group.responses, group.engine_log_probs) = (responses, engine_log_probs);
+                Ok(group)
             })
             .collect()
     }
@@ -263,9 +279,11 @@ impl Trainer {
         let mut records = Vec::new();
         let mut sequences = Vec::new();
         for group in groups.iter() {
-            for response in &group.responses {
+            for (i, response) in group.responses.iter().enumerate() {
                 records.push(&group.record);
-                sequences.push(Sequence::new(group.prompt_ids.clone(), response.clone()));
+                let mut sequence = Sequence::new(group.prompt_ids.clone(), response.clone());
+                sequence.loss_mask = group.loss_masks.get(i).cloned().unwrap_or_default();
+                sequences.push(sequence);
             }
         }
         let answer = stages::rewards(self, &records, &sequences)?.get(&self.watch)?;
@@ -290,9 +308,12 @@ fn flatten(groups: Vec<Group>, scored: bool) -> Rollout {
         rewards: scored.then(Vec::new),
     };
     for group in groups {
+        let mut masks = group.loss_masks.into_iter();
         for (response, log_probs) in group.responses.into_iter().zip(group.engine_log_probs) {
             rollout.records.push(group.record.clone());
-            rollout.sequences.push(Sequence::new(group.prompt_ids.clone(), response));
+            let mut sequence = Sequence::new(group.prompt_ids.clone(), response);
+            sequence.loss_mask = masks.next().unwrap_or_default();
+            rollout.sequences.push(sequence);
             rollout.engine_log_probs.push(log_probs);
         }
         if let Some(rewards) = &mut rollout.rewards {
@@ -312,6 +333,7 @@ mod tests {
             prompt_ids: vec![1, 2],
             responses: rewards.iter().map(|_| vec![3]).collect(),
             engine_log_probs: rewards.iter().map(|_| vec![-0.5]).collect(),
+            loss_masks: Vec::new(),
             rewards: rewards.to_vec(),
             scores: rewards.to_vec(),
         }
@@ -332,5 +354,11 @@ mod tests {
         assert_eq!(rollout.sequences.len(), 4);
         assert_eq!(rollout.rewards, Some(vec![0.0, 1.0, 0.5, 0.5]));
         assert!(flatten(vec![group(&[1.0])], false).rewards.is_none());
+        // A multi-turn group's masks reach its sequences.
+        let mut masked = group(&[1.0, 0.0]);
+        masked.loss_masks = vec![vec![false], vec![true]];
+        let rollout = flatten(vec![masked], false);
+        assert_eq!(rollout.sequences[0].loss_mask, vec![false]);
+        assert_eq!(rollout.sequences[1].loss_mask, vec![true]);
     }
 }

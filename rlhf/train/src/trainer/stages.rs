@@ -167,7 +167,7 @@ pub fn rewards(
         .zip(sequences)
         .map(|(record, s)| RewardQuery {
             prompt: record.prompt.clone(),
-            response: trainer.tokenizer.decode_response(&s.response_ids),
+            response: crate::tokenizer::response_text(trainer.tokenizer.as_ref(), s),
             label: record.label.clone(),
             data_source: record.data_source.clone(),
         })
@@ -229,8 +229,8 @@ fn retokenize(
         .iter()
         .zip(sequences)
         .map(|(record, s)| {
-            let mut response_ids =
-                rm.encode_response(&trainer.tokenizer.decode_response(&s.response_ids))?;
+            let mut response_ids = rm
+                .encode_response(&crate::tokenizer::response_text(trainer.tokenizer.as_ref(), s))?;
             if s.response_ids.last().is_some_and(|id| eos.contains(id))
                 && let Some(&end) = rm_eos.first()
             {
