@@ -30,12 +30,15 @@
 #      (3% of the prompts 100-200 digits long, `max_new_tokens` 256) with and without
 #      `rollout.partial_threshold: 0.8` (mean step time). Each run's phase medians are
 #      printed (the timeline that says what limits the overlap).
+#   6. (part `tools`, issue 43) deploy/examples/rlhf/grpo-tools.yaml from the walkthrough
+#      checkpoint warmed up to call the calculator, with the tool and with `tools.enabled: []`
+#      (the same checkpoint answering alone): held-out accuracy before and after.
 #
 # Usage: scripts/bench-rlhf.sh [--quick]
 #   --quick: 1 round, 1 seed, 12 rollout steps (a smoke run of the script; not a measurement).
 # Environment: BENCH_DIR (default ~/.cache/rtrun/bench-rlhf), THREADS (default: every core),
 #   ROUNDS (3), SEEDS ("1 2 3"), STEPS (40 rollout / SFT / RM / DPO steps per run), PARTS
-#   ("engine grpo sft lora pairs streamed": which
+#   ("engine grpo sft lora pairs streamed tools": which
 #   halves to run; the report then covers those), BENCH_VENV (a venv that
 #   already has them, e.g. the parity venv of rlhf/model/parity).
 # Python side: transformers 5.23, TRL 1.16 and torch 2.13 from PyPI in ~/.cache/rtrun/bench-venv,
@@ -53,7 +56,7 @@ fi
 THREADS=${THREADS:-$(nproc)}
 BENCH_DIR=${BENCH_DIR:-$HOME/.cache/rtrun/bench-rlhf}
 VENV=${BENCH_VENV:-$HOME/.cache/rtrun/bench-venv}
-PARTS=${PARTS:-"engine grpo sft lora pairs streamed"}
+PARTS=${PARTS:-"engine grpo sft lora pairs streamed tools"}
 mkdir -p "$BENCH_DIR/runs"
 REPORT=$BENCH_DIR/report.jsonl
 : >"$REPORT"
@@ -243,6 +246,27 @@ for seed in $SEEDS; do
         (cd "$BENCH_DIR" && "$TRAIN" --config "$ROOT/deploy/examples/rlhf/grpo.yaml" \
             --set run_dir="$run" "${sets[@]}" >"$run.log" 2>&1) || { tail -20 "$run.log" >&2; exit 1; }
         "$PY" scripts/bench/summarize_streamed.py "$run" "$seed" "$variant" >>"$REPORT"
+    done
+done
+fi
+
+# --- 6. tool use against the same checkpoint without tools -----------------------------------------
+if [[ " $PARTS " == *" tools "* ]]; then
+TW=$BENCH_DIR/walkthrough-tools
+if [[ ! -f $TW/model/config.json ]]; then
+    "$ROOT/target/release/examples/make_walkthrough" "$TW" --tools >&2
+fi
+for seed in $SEEDS; do
+    for variant in tools none; do
+        run=$BENCH_DIR/runs/tools-$variant-seed$seed
+        rm -rf "$run"
+        sets=(--set seed="$seed" --set run_dir="$run" --set policy.pretrain="$TW/model"
+              --set data.prompt_data="$TW/data/train.jsonl" --set data.eval_data="$TW/data/test.jsonl"
+              --set train.max_steps="$STEPS" --set eval.every_steps=0 --set checkpoint.every_steps=0)
+        [[ $variant == none ]] && sets+=(--set "tools.enabled=[]")
+        (cd "$BENCH_DIR" && "$TRAIN" --config "$ROOT/deploy/examples/rlhf/grpo-tools.yaml" \
+            "${sets[@]}" >"$run.log" 2>&1) || { tail -20 "$run.log" >&2; exit 1; }
+        "$PY" scripts/bench/summarize_streamed.py "$run" "$seed" "tools-$variant" >>"$REPORT"
     done
 done
 fi

@@ -122,7 +122,7 @@ for r in rows:
               f"accuracy {r['transformers_accuracy']:.4f} (rtrun {r['rtrun_accuracy']:.4f}), mean "
               f"margin {r['transformers_margin']:.6f} (rtrun {r['rtrun_margin']:.6f})")
 
-streamed = [r for r in rows if "streamed" in r]
+streamed = [r for r in rows if "streamed" in r and not r["streamed"].startswith("tools-")]
 if streamed:
     print("\n## Async and partial rollouts against the sync step (main job, same seed and data)\n")
     print("| seed | sync wall s | sync final | async reaches it at s | ratio | async final | "
@@ -154,3 +154,14 @@ if streamed:
         print(f"\n{r['streamed']} seed {r['seed']}: phase medians (s) {phases}; response length "
               f"mean {r['response_length_mean']:.1f}, step max {r['response_length_max']:.1f}; "
               f"max staleness {r['max_staleness']:.0f}, stale groups dropped {r['stale_dropped']:.0f}")
+
+tools = {(r["seed"], r["streamed"]): r for r in rows if str(r.get("streamed", "")).startswith("tools-")}
+if tools:
+    print("\n## Tool use against the same checkpoint without tools (held-out accuracy)\n")
+    print("| seed | with the calculator: before -> after | calls per sample | without tools: before -> after |")
+    print("|---:|---|---:|---|")
+    for seed in sorted({s for s, _ in tools}):
+        w, n = tools.get((seed, "tools-tools")), tools.get((seed, "tools-none"))
+        cell = lambda r: f"{r['accuracy'][0][1]:.3f} -> {r['accuracy'][-1][1]:.3f}" if r else "—"
+        calls = f"{w['tool_calls_per_sample']:.2f}" if w else "—"
+        print(f"| {seed} | {cell(w)} | {calls} | {cell(n)} |")

@@ -32,4 +32,6 @@ print(json.dumps({
     "response_length_max": max(r["response_length"] for r in steps),
     "max_staleness": max((r.get("rollout/max_staleness", 0.0) for r in steps), default=0.0),
     "stale_dropped": sum(r.get("async/stale_dropped_groups", 0.0) for r in steps),
+    "accuracy": [(r["step"], r["eval/accuracy"]) for r in records if "eval/accuracy" in r],
+    "tool_calls_per_sample": statistics.mean(r.get("tools/calls_per_sample", 0.0) for r in steps),
 }))

@@ -585,16 +585,16 @@ fn bad_inputs_get_errors_naming_what_and_where() {
     assert!(err.contains("bad.parquet: row 1") && err.contains("`question`"), "{err}");
 
     // A chat template that refuses the messages.
-    let chat = dir.join("tool.jsonl");
+    let chat = dir.join("robot.jsonl");
     std::fs::write(
         &chat,
-        "{\"messages\": [{\"role\": \"tool\", \"content\": \"x\"}], \"answer\": \"1\"}\n",
+        "{\"messages\": [{\"role\": \"robot\", \"content\": \"x\"}], \"answer\": \"1\"}\n",
     )
     .unwrap();
     c.data.prompt_data = rtrun_rlhf::data::OneOrMany(vec![chat]);
     c.data.input_key = "messages".into();
     let err = prepare_err(&c);
-    assert!(err.contains("tool.jsonl:1") && err.contains("Unknown role: tool"), "{err}");
+    assert!(err.contains("robot.jsonl:1") && err.contains("Unknown role: robot"), "{err}");
 
     // max_prompt_len dropping every prompt.
     let mut c = base.clone();
