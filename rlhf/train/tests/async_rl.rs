@@ -103,6 +103,10 @@ fn a_partial_rollout_carries_unfinished_groups_into_the_next_step() {
     assert_eq!(report.steps, 24);
     let steps: Vec<_> = metrics(&dir).into_iter().filter(|r| r.step() > 0).collect();
     let (mut carried, mut mixed, mut trained) = (0.0, 0.0, 0.0);
+    // Carried at most `partial_max_carry` (2) steps: no token lags the policy by more.
+    for r in &steps {
+        assert!(get(r, "rollout/max_staleness") <= 2.0, "{r:?}");
+    }
     let mut previous_out = 0.0;
     for r in &steps {
         let groups = get(r, "rollout/groups");

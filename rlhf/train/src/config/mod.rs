@@ -436,6 +436,10 @@ pub struct RolloutConfig {
     /// unfinished ones carry on generating into the next step (MindSpeed-RL's partial rollout,
     /// `rollout_threshold_rate`). In (0, 1]; absent: every group finishes.
     pub partial_threshold: Option<f64>,
+    /// With `partial_threshold`: a group is carried into at most this many later steps, then
+    /// finished in the step it would exceed it (bounding how stale its first tokens get;
+    /// MindSpeed-RL's `partial_rollout_max_split`). At least 1.
+    pub partial_max_carry: usize,
     /// With tools: model turns per response at most (verl's `multi_turn.max_assistant_turns`).
     pub max_turns: usize,
     /// With tools: tool calls per response at most; a turn asking for more than are left has
@@ -505,6 +509,7 @@ impl Default for RolloutConfig {
             mode: RolloutMode::Sync,
             max_staleness: None,
             partial_threshold: None,
+            partial_max_carry: 2,
             max_turns: 4,
             max_tool_calls: 4,
         }
@@ -1360,6 +1365,7 @@ mod tests {
         assert!(err(&["tools.timeout_s=0"]).contains("tools.timeout_s"));
         assert!(err(&["tools.max_output_bytes=0"]).contains("tools.max_output_bytes"));
         assert!(err(&["rollout.max_turns=0"]).contains("rollout.max_turns"));
+        assert!(err(&["rollout.partial_max_carry=0"]).contains("rollout.partial_max_carry"));
         // What is accepted, and what it resolves to.
         let asynchronous = ok(&["rollout.mode=async"]);
         assert!(asynchronous.rollout.streams());

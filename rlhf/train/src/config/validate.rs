@@ -197,6 +197,7 @@ impl TrainConfig {
             }
             _ => {}
         }
+        positive("rollout.partial_max_carry", r.partial_max_carry)?;
         if let Some(threshold) = r.partial_threshold {
             if asynchronous {
                 return Err(TrainError::config(

@@ -206,10 +206,15 @@ impl Trainer {
                 seed,
             )?;
             let carried = stream.in_flight();
+            // A group queued `partial_max_carry` steps ago finishes in this one.
+            let max_carry = self.config.rollout.partial_max_carry as u64;
+            let overdue = |stream: &RolloutStream| {
+                stream.oldest_step().is_some_and(|queued| step - queued >= max_carry)
+            };
             let finished = self.timed("generate", |_| -> Result<_> {
-                stream.submit(groups)?;
+                stream.submit(groups, step)?;
                 let mut finished = Vec::new();
-                while finished.len() < enough && stream.in_flight() > 0 {
+                while (finished.len() < enough || overdue(&stream)) && stream.in_flight() > 0 {
                     finished.extend(stream.poll(STEPS_PER_POLL)?);
                 }
                 Ok(finished)

@@ -79,6 +79,8 @@ struct Pending {
     record: PromptRecord,
     prompt_ids: Vec<u32>,
     engine: usize,
+    /// The step that queued it.
+    step: u64,
 }
 
 /// The engines as a stream of prompt groups (see the module doc).
@@ -104,9 +106,14 @@ impl RolloutStream {
         self.pending.len()
     }
 
-    /// Queues `groups` (prompt, its ids, its sampling seed), each on the engine with the fewest
-    /// groups in flight.
-    pub fn submit(&mut self, groups: Vec<(PromptRecord, Vec<u32>, u64)>) -> Result<()> {
+    /// The step that queued the oldest group in flight.
+    pub fn oldest_step(&self) -> Option<u64> {
+        self.pending.values().map(|p| p.step).min()
+    }
+
+    /// Queues `groups` (prompt, its ids, its sampling seed) for step `step`, each on the engine
+    /// with the fewest groups in flight.
+    pub fn submit(&mut self, groups: Vec<(PromptRecord, Vec<u32>, u64)>, step: u64) -> Result<()> {
         if self.engines.is_empty() {
             return Err(TrainError::role(ENGINE, "the rollout has no engine"));
         }
@@ -119,7 +126,7 @@ impl RolloutStream {
             let params = SamplingParams { seed: Some(seed), ..self.params.clone() };
             batches[engine].push((tag, GenerationRequest::new(prompt_ids.clone(), params)));
             self.per_engine[engine] += 1;
-            self.pending.insert(tag, Pending { record, prompt_ids, engine });
+            self.pending.insert(tag, Pending { record, prompt_ids, engine, step });
         }
         let adds = calls::each_with(ENGINE, &self.engines, batches, |e, batch| e.stream_add(batch));
         self.watch.wait("stream_add", adds).map(drop)
@@ -496,7 +503,8 @@ fn rollout_thread(shared: &Shared, setup: AsyncSetup) {
                 groups
             };
             if !groups.is_empty() {
-                stream.submit(groups)?;
+                let version = shared.queue().version;
+                stream.submit(groups, version)?;
             }
             let started = Instant::now();
             let finished = {
