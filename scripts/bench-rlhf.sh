@@ -254,7 +254,7 @@ fi
 if [[ " $PARTS " == *" tools "* ]]; then
 TW=$BENCH_DIR/walkthrough-tools
 if [[ ! -f $TW/model/config.json ]]; then
-    "$ROOT/target/release/examples/make_walkthrough" "$TW" --tools >&2
+    "$ROOT/target/release/examples/make_walkthrough" "$TW" --tools --warmup-steps 600 >&2
 fi
 for seed in $SEEDS; do
     for variant in tools none; do
