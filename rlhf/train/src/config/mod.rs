@@ -523,6 +523,14 @@ impl RolloutConfig {
         self.mode == RolloutMode::Async || self.partial_threshold.is_some_and(|t| t < 1.0)
     }
 
+    /// The key that makes samples span weight versions (what errors about it name).
+    pub fn streaming_key(&self) -> &'static str {
+        match self.mode {
+            RolloutMode::Async => "rollout.mode",
+            RolloutMode::Sync => "rollout.partial_threshold",
+        }
+    }
+
     /// `algo.tis_cap` resolved: the explicit cap, else 2 when samples may span weight versions.
     pub fn tis_cap(&self, algo: &AlgoConfig) -> Option<f32> {
         match algo.tis_cap {

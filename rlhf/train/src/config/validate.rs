@@ -236,7 +236,7 @@ impl TrainConfig {
         if !r.streams() {
             return Ok(());
         }
-        let key = if asynchronous { "rollout.mode" } else { "rollout.partial_threshold" };
+        let key = r.streaming_key();
         let what = if asynchronous { "an async rollout" } else { "a partial rollout" };
         if self.train.pipeline != PipelineMode::Sequential {
             return Err(TrainError::config(

@@ -36,7 +36,6 @@ use crate::config::{
     OLD_LOGPROB_CHECK_EVERY, OLD_LOGPROB_MAX_GAP, PipelineMode, TrainConfig, WeightSyncBackend,
 };
 use crate::error::{Result, TrainError};
-use crate::experience::Sequence;
 use crate::prompts::{PromptLoader, PromptRecord};
 use crate::rng::mix_seed;
 use crate::tokenizer::{HfTokenizer, PromptTokenizer, run_tokenizer};
@@ -170,12 +169,8 @@ impl Trainer {
         resume: Option<&Path>,
     ) -> Result<Self> {
         if config.rollout.streams() && roles.placements.hybrid() {
-            let key = match config.rollout.mode {
-                crate::config::RolloutMode::Async => "rollout.mode",
-                crate::config::RolloutMode::Sync => "rollout.partial_threshold",
-            };
             return Err(TrainError::config(
-                key,
+                config.rollout.streaming_key(),
                 "expected engines that are not colocated with the policy (the placement spec \
                  colocates all roles): colocated engines sleep while the policy trains, and a \
                  sleeping engine cannot keep requests running",
@@ -397,27 +392,15 @@ impl Trainer {
             ..SamplingParams::default()
         };
         let seed = mix_seed(self.config.seed, u64::MAX);
+        // With tools the held-out answers call them too, as the trained policy will; their
+        // figures are not the step's.
+        let (groups, _) = self.sample_groups(&self.eval_data, &prompts, &params, seed)?;
         let mut sequences = Vec::with_capacity(prompts.len() * k);
         let mut records: Vec<&PromptRecord> = Vec::with_capacity(prompts.len() * k);
-        if self.tools.is_some() {
-            // Held-out answers may call the tools too, as the trained policy will.
-            let (groups, _) = self.agent_groups(&self.eval_data, &prompts, &params, seed)?;
-            for (group, record) in groups.into_iter().zip(&self.eval_data) {
-                for (response, mask) in group.responses.into_iter().zip(group.loss_masks) {
-                    let mut sequence = Sequence::new(group.prompt_ids.clone(), response);
-                    sequence.loss_mask = mask;
-                    sequences.push(sequence);
-                    records.push(record);
-                }
-            }
-        } else {
-            let outputs = self.generate(&prompts, &params, seed)?;
-            for ((output, prompt_ids), record) in outputs.iter().zip(&prompts).zip(&self.eval_data)
-            {
-                for sample in &output.samples {
-                    sequences.push(Sequence::new(prompt_ids.clone(), sample.token_ids.clone()));
-                    records.push(record);
-                }
+        for group in &groups {
+            for i in 0..group.responses.len() {
+                sequences.push(group.sequence(i));
+                records.push(&group.record);
             }
         }
         let rewards = stages::rewards(self, &records, &sequences)?.get(&self.watch)?.rewards;

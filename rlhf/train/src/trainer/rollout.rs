@@ -11,6 +11,7 @@ use crate::error::Result;
 use crate::experience::Sequence;
 use crate::prompts::PromptRecord;
 use crate::rng::mix_seed;
+use crate::trainer::agent::ToolStats;
 use crate::trainer::stream::{self, AsyncRollout, AsyncSetup, RolloutStream, STEPS_PER_POLL};
 use crate::trainer::{ENGINE, ProgressObserver, Trainer, calls, stages};
 
@@ -43,6 +44,13 @@ impl Group {
             rewards: Vec::new(),
             scores: Vec::new(),
         }
+    }
+
+    /// Sample `i` as a sequence (with its loss mask).
+    pub(super) fn sequence(&self, i: usize) -> Sequence {
+        let mut sequence = Sequence::new(self.prompt_ids.clone(), self.responses[i].clone());
+        sequence.loss_mask = self.loss_masks.get(i).cloned().unwrap_or_default();
+        sequence
     }
 
     fn informative(&self) -> bool {
@@ -259,13 +267,28 @@ impl Trainer {
         params: &SamplingParams,
         seed_base: u64,
     ) -> Result<Vec<Group>> {
+        let (groups, tools) = self.sample_groups(records, prompt_ids, params, seed_base)?;
+        if let Some(stats) = tools {
+            self.push_metrics(stats.metrics());
+        }
+        Ok(groups)
+    }
+
+    /// [`Trainer::generate_groups`] without recording metrics: the groups, and with tools what
+    /// the tools did (multi-turn conversations, [`Trainer::agent_groups`]).
+    pub(super) fn sample_groups(
+        &self,
+        records: &[PromptRecord],
+        prompt_ids: &[Vec<u32>],
+        params: &SamplingParams,
+        seed_base: u64,
+    ) -> Result<(Vec<Group>, Option<ToolStats>)> {
         if self.tools.is_some() {
             let (groups, stats) = self.agent_groups(records, prompt_ids, params, seed_base)?;
-            self.push_metrics(stats.metrics());
-            return Ok(groups);
+            return Ok((groups, Some(stats)));
         }
         let outputs = self.generate(prompt_ids, params, seed_base)?;
-        outputs
+        let groups = outputs
             .into_iter()
             .zip(prompt_ids)
             .zip(records)
@@ -274,9 +297,10 @@ impl Trainer {
                     output.samples.into_iter().map(|s| (s.token_ids, s.log_probs)).unzip();
                 let mut group = Group::new(record.clone(), ids.clone());
                 (group.responses, group.engine_log_probs) = (responses, engine_log_probs);
-                Ok(group)
+                group
             })
-            .collect()
+            .collect();
+        Ok((groups, None))
     }
 
     /// Every sample's reward, into its group.
@@ -284,11 +308,9 @@ impl Trainer {
         let mut records = Vec::new();
         let mut sequences = Vec::new();
         for group in groups.iter() {
-            for (i, response) in group.responses.iter().enumerate() {
+            for i in 0..group.responses.len() {
                 records.push(&group.record);
-                let mut sequence = Sequence::new(group.prompt_ids.clone(), response.clone());
-                sequence.loss_mask = group.loss_masks.get(i).cloned().unwrap_or_default();
-                sequences.push(sequence);
+                sequences.push(group.sequence(i));
             }
         }
         let answer = stages::rewards(self, &records, &sequences)?.get(&self.watch)?;
