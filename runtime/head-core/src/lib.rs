@@ -16,6 +16,7 @@ mod actors;
 mod groups;
 mod jobs;
 mod members;
+pub mod scale;
 #[cfg(test)]
 mod sim;
 mod tasks;
