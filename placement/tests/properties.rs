@@ -95,6 +95,9 @@ fn cluster() -> impl Strategy<Value = ClusterState> {
 
 /// The books balance exactly: per node, per GPU and per bundle.
 fn check_books(cluster: &ClusterState) -> Result<(), TestCaseError> {
+    if let Err(e) = cluster.verify_indexes() {
+        prop_assert!(false, "{}", e);
+    }
     let tables: Vec<BundleTable> = cluster
         .groups()
         .filter(|(_, _, status)| *status == GroupStatus::Placed)

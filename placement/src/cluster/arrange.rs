@@ -4,7 +4,10 @@
 //! Everything here works on scratch copies of the nodes; the caller commits the copy only when
 //! every bundle found a place, which is what makes reservation all-or-nothing.
 
+use std::collections::BTreeMap;
+
 use crate::cluster::Strategy;
+use crate::cluster::fit::FitIndex;
 use crate::error::Infeasibility;
 use crate::gpu::GpuShare;
 use crate::node::NodeResources;
@@ -13,39 +16,93 @@ use crate::resources::{Quantity, ResourceSet};
 /// Where each bundle went: the node's position in the cluster and the GPU shares it holds.
 pub(crate) type Arrangement = Vec<(usize, Vec<GpuShare>)>;
 
-/// Places every bundle on a copy of `nodes`, returning the updated copy and each bundle's node
-/// and GPU shares, or `None` when the strategy finds no arrangement.
+/// The nodes an arrangement changed, by position, as it left them.
+pub(crate) type Changed = BTreeMap<usize, NodeResources>;
+
+/// The cluster as an arrangement in progress sees it: the nodes, with the ones it took from
+/// copied on first use (copy-on-write: a group of 32 bundles copies at most 32 of 10,000 nodes),
+/// and an index to find candidates without scanning. With `empty`, every node is seen with
+/// nothing in use (and `fit` must index totals): "could this group ever fit".
+pub(crate) struct Scratch<'a> {
+    nodes: &'a [NodeResources],
+    fit: &'a FitIndex,
+    empty: bool,
+    changed: Changed,
+}
+
+impl<'a> Scratch<'a> {
+    pub(crate) fn new(nodes: &'a [NodeResources], fit: &'a FitIndex, empty: bool) -> Scratch<'a> {
+        Scratch { nodes, fit, empty, changed: BTreeMap::new() }
+    }
+
+    /// Node `position` as this arrangement sees it, copied.
+    fn current(&self, position: usize) -> NodeResources {
+        match self.changed.get(&position) {
+            Some(node) => node.clone(),
+            None if self.empty => self.nodes[position].emptied(),
+            None => self.nodes[position].clone(),
+        }
+    }
+
+    fn can_take(&self, position: usize, demand: &ResourceSet) -> bool {
+        match self.changed.get(&position) {
+            Some(node) => node.can_take(demand),
+            None if self.empty => self.nodes[position].emptied().can_take(demand),
+            None => self.nodes[position].can_take(demand),
+        }
+    }
+
+    fn take(&mut self, position: usize, demand: &ResourceSet) -> Option<Vec<GpuShare>> {
+        if !self.changed.contains_key(&position) {
+            let node = self.current(position);
+            self.changed.insert(position, node);
+        }
+        self.changed.get_mut(&position)?.take(demand)
+    }
+
+    /// The first node in cluster order that can take `demand` and that `also` allows. The
+    /// index holds amounts before this arrangement took anything, an upper bound of what the
+    /// copies hold, so it never skips a node that could take the demand.
+    fn first(&self, demand: &ResourceSet, also: impl Fn(usize) -> bool) -> Option<usize> {
+        self.fit.first(demand, |position| also(position) && self.can_take(position, demand))
+    }
+}
+
+/// Places every bundle on `scratch`, returning the nodes it changed and each bundle's node and
+/// GPU shares, or `None` when the strategy finds no arrangement.
 ///
 /// Identical bundles are then re-ordered so that their nodes follow cluster order with
 /// ascending bundle index (bundle order grouped by node), and reserved again in index order so
 /// that GPU indices also ascend with the bundle index on each node.
 pub(crate) fn arrange(
     nodes: &[NodeResources],
+    fit: &FitIndex,
+    empty: bool,
     bundles: &[ResourceSet],
     strategy: Strategy,
-) -> Option<(Vec<NodeResources>, Arrangement)> {
-    let mut scratch = nodes.to_vec();
+) -> Option<(Changed, Arrangement)> {
+    let mut scratch = Scratch::new(nodes, fit, empty);
     let first = choose(&mut scratch, bundles, strategy)?;
     let chosen: Vec<usize> = first.iter().map(|(node, _)| *node).collect();
     let canonical = group_by_node(bundles, &chosen);
     if canonical == chosen {
-        return Some((scratch, first));
+        return Some((scratch.changed, first));
     }
-    let mut again = nodes.to_vec();
+    let mut again = Scratch::new(nodes, fit, empty);
     let mut arrangement = Vec::with_capacity(bundles.len());
     for (bundle, &node) in bundles.iter().zip(&canonical) {
-        match again[node].take(bundle) {
+        match again.take(node, bundle) {
             Some(shares) => arrangement.push((node, shares)),
             // The canonical order puts the same multiset of bundles on each node, so this
             // cannot fail; should it, the first arrangement is still a valid one.
-            None => return Some((scratch, first)),
+            None => return Some((scratch.changed, first)),
         }
     }
-    Some((again, arrangement))
+    Some((again.changed, arrangement))
 }
 
 fn choose(
-    scratch: &mut [NodeResources],
+    scratch: &mut Scratch<'_>,
     bundles: &[ResourceSet],
     strategy: Strategy,
 ) -> Option<Arrangement> {
@@ -58,31 +115,35 @@ fn choose(
 }
 
 /// All bundles on the first node (in cluster order) that holds them all.
-fn single_node(scratch: &mut [NodeResources], bundles: &[ResourceSet]) -> Option<Arrangement> {
-    'nodes: for (position, node) in scratch.iter_mut().enumerate() {
-        let mut trial = node.clone();
+fn single_node(scratch: &mut Scratch<'_>, bundles: &[ResourceSet]) -> Option<Arrangement> {
+    // A node that holds every bundle has at least their sum free: the index prunes by it.
+    let mut sum = ResourceSet::new();
+    bundles.iter().for_each(|bundle| sum.add(bundle));
+    let mut found = None;
+    let position = scratch.fit.first(&sum, |position| {
+        let mut trial = scratch.current(position);
         let mut arrangement = Vec::with_capacity(bundles.len());
         for bundle in bundles {
             match trial.take(bundle) {
                 Some(shares) => arrangement.push((position, shares)),
-                None => continue 'nodes,
+                None => return false,
             }
         }
-        *node = trial;
-        return Some(arrangement);
-    }
-    None
+        found = Some((trial, arrangement));
+        true
+    })?;
+    let (trial, arrangement) = found?;
+    scratch.changed.insert(position, trial);
+    Some(arrangement)
 }
 
 /// Each bundle on the first node (in cluster order) with room: fills nodes one after another.
-fn first_fit(scratch: &mut [NodeResources], bundles: &[ResourceSet]) -> Option<Arrangement> {
+fn first_fit(scratch: &mut Scratch<'_>, bundles: &[ResourceSet]) -> Option<Arrangement> {
     let mut arrangement = Vec::with_capacity(bundles.len());
     for bundle in bundles {
-        let placed = scratch
-            .iter_mut()
-            .enumerate()
-            .find_map(|(position, node)| node.take(bundle).map(|shares| (position, shares)))?;
-        arrangement.push(placed);
+        let position = scratch.first(bundle, |_| true)?;
+        let shares = scratch.take(position, bundle)?;
+        arrangement.push((position, shares));
     }
     Some(arrangement)
 }
@@ -90,18 +151,25 @@ fn first_fit(scratch: &mut [NodeResources], bundles: &[ResourceSet]) -> Option<A
 /// Each bundle on the node with room that holds the fewest bundles of this group so far (ties
 /// in cluster order); with `reuse` false a node never takes a second bundle.
 fn least_used(
-    scratch: &mut [NodeResources],
+    scratch: &mut Scratch<'_>,
     bundles: &[ResourceSet],
     reuse: bool,
 ) -> Option<Arrangement> {
-    let mut used = vec![0usize; scratch.len()];
+    let mut used: BTreeMap<usize, usize> = BTreeMap::new();
     let mut arrangement = Vec::with_capacity(bundles.len());
     for bundle in bundles {
-        let position = (0..scratch.len())
-            .filter(|&i| (reuse || used[i] == 0) && scratch[i].can_take(bundle))
-            .min_by_key(|&i| (used[i], i))?;
-        let shares = scratch[position].take(bundle)?;
-        used[position] += 1;
+        // A node this group has not used yet beats every used one; among those, the first.
+        let position = match scratch.first(bundle, |position| !used.contains_key(&position)) {
+            Some(position) => position,
+            None if reuse => used
+                .iter()
+                .filter(|(position, _)| scratch.can_take(**position, bundle))
+                .min_by_key(|(position, count)| (**count, **position))
+                .map(|(position, _)| *position)?,
+            None => return None,
+        };
+        let shares = scratch.take(position, bundle)?;
+        *used.entry(position).or_default() += 1;
         arrangement.push((position, shares));
     }
     Some(arrangement)
@@ -191,6 +259,15 @@ mod tests {
         (0..count)
             .map(|i| NodeResources::with_fake_gpus(NodeId::new(format!("n{i}")), 16, gpus))
             .collect()
+    }
+
+    fn arrange(
+        nodes: &[NodeResources],
+        bundles: &[ResourceSet],
+        strategy: Strategy,
+    ) -> Option<(Changed, Arrangement)> {
+        let fit = FitIndex::new(crate::cluster::fit::Amounts::Available, nodes);
+        super::arrange(nodes, &fit, false, bundles, strategy)
     }
 
     fn gpu_bundles(count: usize, gpu: f64) -> Vec<ResourceSet> {

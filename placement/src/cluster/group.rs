@@ -32,8 +32,11 @@ impl ClusterState {
         let slot = match self.try_reserve(id, &request) {
             Some(slot) => slot,
             None => {
-                let empty: Vec<NodeResources> = self.nodes.iter().map(|n| n.emptied()).collect();
-                if arrange(&empty, &request.bundles, request.strategy).is_none() {
+                let ever =
+                    arrange(&self.nodes, &self.whole, true, &request.bundles, request.strategy);
+                if ever.is_none() {
+                    let empty: Vec<NodeResources> =
+                        self.nodes.iter().map(|n| n.emptied()).collect();
                     let reason = diagnose(&empty, &request.bundles, request.strategy);
                     return Err(PlacementError::Infeasible { group: request.name, reason });
                 }
@@ -45,7 +48,7 @@ impl ClusterState {
             GroupSlot::Pending => GroupStatus::Pending,
             GroupSlot::Placed { .. } => GroupStatus::Placed,
         };
-        self.groups.insert(id, GroupRecord { request, slot });
+        self.insert_group(id, GroupRecord { request, slot });
         Ok((id, status))
     }
 
@@ -53,25 +56,53 @@ impl ClusterState {
     /// after anything is released or a node joins; a group that still does not fit stays
     /// pending without blocking younger ones.
     pub fn schedule_pending(&mut self) -> Vec<GroupId> {
-        let pending: Vec<GroupId> = self
-            .groups
-            .iter()
-            .filter(|(_, record)| record.slot == GroupSlot::Pending)
-            .map(|(id, _)| *id)
-            .collect();
+        let pending: Vec<GroupId> = self.pending.iter().copied().collect();
         let mut placed = Vec::new();
         for id in pending {
             let Some(request) = self.groups.get(&id).map(|record| record.request.clone()) else {
                 continue;
             };
-            if let Some(slot) = self.try_reserve(id, &request)
-                && let Some(record) = self.groups.get_mut(&id)
-            {
-                record.slot = slot;
+            if let Some(slot) = self.try_reserve(id, &request) {
+                self.insert_group(id, GroupRecord { request, slot });
                 placed.push(id);
             }
         }
         placed
+    }
+
+    /// Records a group (new, or placed after pending) and what finds it: its name, the pending
+    /// set, the nodes holding its bundles.
+    pub(super) fn insert_group(&mut self, id: GroupId, record: GroupRecord) {
+        self.names.insert(record.request.name.clone(), id);
+        match &record.slot {
+            GroupSlot::Pending => {
+                self.pending.insert(id);
+            }
+            GroupSlot::Placed { table, .. } => {
+                self.pending.remove(&id);
+                for bundle in &table.bundles {
+                    self.groups_on.entry(bundle.node.clone()).or_default().insert(id);
+                }
+            }
+        }
+        self.groups.insert(id, record);
+    }
+
+    /// Forgets a group and what finds it.
+    fn forget_group(&mut self, id: GroupId) {
+        let Some(record) = self.groups.remove(&id) else { return };
+        self.names.remove(&record.request.name);
+        self.pending.remove(&id);
+        if let GroupSlot::Placed { table, .. } = &record.slot {
+            for bundle in &table.bundles {
+                if let Some(set) = self.groups_on.get_mut(&bundle.node) {
+                    set.remove(&id);
+                    if set.is_empty() {
+                        self.groups_on.remove(&bundle.node);
+                    }
+                }
+            }
+        }
     }
 
     /// Removes a group: releases every allocation in its bundles (returned so the runtime can
@@ -81,7 +112,7 @@ impl ClusterState {
         let record = self.groups.get(&id).ok_or(PlacementError::UnknownGroup(id))?;
         let name = record.request.name.clone();
         let GroupSlot::Placed { table, bundles } = &record.slot else {
-            self.groups.remove(&id);
+            self.forget_group(id);
             return Ok(RemovedGroup { name, released: Vec::new() });
         };
         let members: BTreeSet<_> =
@@ -90,7 +121,7 @@ impl ClusterState {
         // Only the nodes holding bundles change; copy those, so a failure changes nothing.
         let mut touched: Vec<(usize, NodeResources)> = Vec::new();
         for placement in &table.bundles {
-            let position = self.nodes.iter().position(|node| node.id() == &placement.node);
+            let position = self.node_position(&placement.node);
             let returned = position.is_some_and(|p| {
                 let slot = match touched.iter().position(|(q, _)| *q == p) {
                     Some(slot) => slot,
@@ -111,9 +142,9 @@ impl ClusterState {
         let released: Vec<Allocation> =
             members.iter().filter_map(|member| self.allocations.remove(member)).collect();
         for (position, node) in touched {
-            self.nodes[position] = node;
+            self.set_node(position, node);
         }
-        self.groups.remove(&id);
+        self.forget_group(id);
         Ok(RemovedGroup { name, released })
     }
 
@@ -135,7 +166,17 @@ impl ClusterState {
 
     /// The id of the live group with this name.
     pub fn group_by_name(&self, name: &str) -> Option<GroupId> {
-        self.groups.iter().find(|(_, record)| record.request.name == name).map(|(id, _)| *id)
+        self.names.get(name).copied()
+    }
+
+    /// A live group's request and status.
+    pub fn group(&self, id: GroupId) -> Option<(&PlacementGroupRequest, GroupStatus)> {
+        let record = self.groups.get(&id)?;
+        let status = match record.slot {
+            GroupSlot::Pending => GroupStatus::Pending,
+            GroupSlot::Placed { .. } => GroupStatus::Placed,
+        };
+        Some((&record.request, status))
     }
 
     /// Every live group: id, request and status, oldest first.
@@ -164,7 +205,8 @@ impl ClusterState {
     /// Reserves every bundle of `request` now, committing the new node state, or returns
     /// `None` and changes nothing.
     fn try_reserve(&mut self, id: GroupId, request: &PlacementGroupRequest) -> Option<GroupSlot> {
-        let (nodes, arrangement) = arrange(&self.nodes, &request.bundles, request.strategy)?;
+        let (changed, arrangement) =
+            arrange(&self.nodes, &self.free, false, &request.bundles, request.strategy)?;
         let mut placements = Vec::with_capacity(arrangement.len());
         let mut states = Vec::with_capacity(arrangement.len());
         for (index, ((position, gpus), resources)) in
@@ -177,12 +219,14 @@ impl ClusterState {
             });
             placements.push(BundlePlacement {
                 index,
-                node: nodes[position].id().clone(),
+                node: self.nodes[position].id().clone(),
                 resources: resources.clone(),
                 gpus,
             });
         }
-        self.nodes = nodes;
+        for (position, node) in changed {
+            self.set_node(position, node);
+        }
         let table = BundleTable { group: id, name: request.name.clone(), bundles: placements };
         Some(GroupSlot::Placed { table, bundles: states })
     }

@@ -1,5 +1,6 @@
 //! Nodes leaving the cluster: what dies with a node and which groups must be placed again.
 
+use crate::cluster::fit::{Amounts, FitIndex};
 use crate::cluster::{Allocation, ClusterState, GroupId, GroupRecord, GroupSlot};
 use crate::error::PlacementError;
 use crate::node::{NodeId, NodeResources};
@@ -24,15 +25,8 @@ impl ClusterState {
         if self.node(id).is_none() {
             return Err(PlacementError::UnknownNode(id.clone()));
         }
-        let affected: Vec<GroupId> = self
-            .groups
-            .iter()
-            .filter(|(_, record)| match &record.slot {
-                GroupSlot::Placed { table, .. } => table.bundles.iter().any(|b| &b.node == id),
-                GroupSlot::Pending => false,
-            })
-            .map(|(group, _)| *group)
-            .collect();
+        let affected: Vec<GroupId> =
+            self.groups_on.get(id).map(|set| set.iter().copied().collect()).unwrap_or_default();
         let mut lost_allocations = Vec::new();
         for group in &affected {
             let Some(request) = self.groups.get(group).map(|record| record.request.clone()) else {
@@ -40,20 +34,24 @@ impl ClusterState {
             };
             let removed = self.remove_group(*group)?;
             lost_allocations.extend(removed.released);
-            self.groups.insert(*group, GroupRecord { request, slot: GroupSlot::Pending });
+            self.insert_group(*group, GroupRecord { request, slot: GroupSlot::Pending });
         }
-        let direct: Vec<_> = self
-            .allocations
-            .values()
-            .filter(|allocation| allocation.bundle.is_none() && &allocation.node == id)
-            .map(|allocation| allocation.id)
-            .collect();
+        let direct = self.direct_on.remove(id).unwrap_or_default();
         lost_allocations.extend(direct.iter().filter_map(|a| self.allocations.remove(a)));
-        let position = self.nodes.iter().position(|node| node.id() == id);
+        self.groups_on.remove(id);
+        let position = self.positions.remove(id);
         // Invariant: the node was found at the top and nothing above removes nodes.
         let node = position.map(|p| self.nodes.remove(p)).ok_or_else(|| {
             PlacementError::Accounting(format!("node `{id}` vanished while being removed"))
         })?;
+        // The nodes after it move up one place: renumber them and index the nodes anew.
+        if let Some(removed_at) = position {
+            for (offset, later) in self.nodes[removed_at..].iter().enumerate() {
+                self.positions.insert(later.id().clone(), removed_at + offset);
+            }
+        }
+        self.free = FitIndex::new(Amounts::Available, &self.nodes);
+        self.whole = FitIndex::new(Amounts::Total, &self.nodes);
         Ok(LostNode { node, lost_allocations, requeued_groups: affected })
     }
 }

@@ -8,10 +8,11 @@
 //! every pending group that now fits, oldest first.
 
 mod arrange;
+mod fit;
 mod group;
 mod membership;
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
 
 use serde::{Deserialize, Serialize};
@@ -22,6 +23,7 @@ use crate::error::PlacementError;
 use crate::gpu::{GpuPool, GpuShare, cuda_visible_devices};
 use crate::node::{NodeId, NodeResources};
 use crate::resources::{GPU, ResourceSet};
+use fit::{Amounts, FitIndex};
 
 /// How a placement group spreads its bundles over nodes.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -211,13 +213,49 @@ struct GroupRecord {
 }
 
 /// The whole cluster: nodes in registration order, groups, and allocations.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+///
+/// Every decision costs about the same at 10,000 nodes as at 10: nodes are found by id through
+/// a map, the first node that can take a demand through a [`FitIndex`] (not a scan), groups by
+/// name through a map, and what lives on a node through per-node sets.
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ClusterState {
     nodes: Vec<NodeResources>,
     groups: BTreeMap<GroupId, GroupRecord>,
     allocations: BTreeMap<AllocationId, Allocation>,
     next_group: u64,
     next_allocation: u64,
+    /// Each node's position in `nodes`.
+    positions: HashMap<NodeId, usize>,
+    /// What each node has free, and has at all, for first-fit searches.
+    free: FitIndex,
+    whole: FitIndex,
+    /// Live groups by name.
+    names: HashMap<String, GroupId>,
+    /// Groups waiting to be placed.
+    pending: BTreeSet<GroupId>,
+    /// The placed groups with a bundle on each node.
+    groups_on: HashMap<NodeId, BTreeSet<GroupId>>,
+    /// The allocations made on each node outside any bundle.
+    direct_on: HashMap<NodeId, BTreeSet<AllocationId>>,
+}
+
+impl Default for ClusterState {
+    fn default() -> ClusterState {
+        ClusterState {
+            nodes: Vec::new(),
+            groups: BTreeMap::new(),
+            allocations: BTreeMap::new(),
+            next_group: 0,
+            next_allocation: 0,
+            positions: HashMap::new(),
+            free: FitIndex::new(Amounts::Available, &[]),
+            whole: FitIndex::new(Amounts::Total, &[]),
+            names: HashMap::new(),
+            pending: BTreeSet::new(),
+            groups_on: HashMap::new(),
+            direct_on: HashMap::new(),
+        }
+    }
 }
 
 impl ClusterState {
@@ -233,9 +271,67 @@ impl ClusterState {
         for i in 0..nodes {
             let id = NodeId::new(format!("node-{i}"));
             let node = NodeResources::with_fake_gpus(id, cpus, gpus_per_node);
-            cluster.nodes.push(node);
+            // Invariant: the names are distinct.
+            if let Err(e) = cluster.add_node(node) {
+                unreachable!("fake nodes have distinct names: {e}");
+            }
         }
         cluster
+    }
+
+    /// Checks that the state's indexes agree with what they index — node positions, the
+    /// first-fit indexes, group names, the pending set, the groups and direct allocations on
+    /// each node — naming the first disagreement (for tests and simulators: every operation
+    /// keeps them true).
+    pub fn verify_indexes(&self) -> Result<(), String> {
+        let mut problems = Vec::new();
+        let positions: HashMap<NodeId, usize> =
+            self.nodes.iter().enumerate().map(|(p, node)| (node.id().clone(), p)).collect();
+        if positions != self.positions {
+            problems.push("node positions");
+        }
+        if self.free != FitIndex::new(Amounts::Available, &self.nodes) {
+            problems.push("the free-resource index");
+        }
+        if self.whole != FitIndex::new(Amounts::Total, &self.nodes) {
+            problems.push("the total-resource index");
+        }
+        let names: HashMap<String, GroupId> =
+            self.groups.iter().map(|(id, record)| (record.request.name.clone(), *id)).collect();
+        if names != self.names {
+            problems.push("group names");
+        }
+        let pending: BTreeSet<GroupId> = self
+            .groups
+            .iter()
+            .filter(|(_, record)| record.slot == GroupSlot::Pending)
+            .map(|(id, _)| *id)
+            .collect();
+        if pending != self.pending {
+            problems.push("the pending groups");
+        }
+        let mut groups_on: HashMap<NodeId, BTreeSet<GroupId>> = HashMap::new();
+        for (id, record) in &self.groups {
+            if let GroupSlot::Placed { table, .. } = &record.slot {
+                for bundle in &table.bundles {
+                    groups_on.entry(bundle.node.clone()).or_default().insert(*id);
+                }
+            }
+        }
+        if groups_on != self.groups_on {
+            problems.push("the groups on each node");
+        }
+        let mut direct_on: HashMap<NodeId, BTreeSet<AllocationId>> = HashMap::new();
+        for allocation in self.allocations.values().filter(|a| a.bundle.is_none()) {
+            direct_on.entry(allocation.node.clone()).or_default().insert(allocation.id);
+        }
+        if direct_on != self.direct_on {
+            problems.push("the allocations on each node");
+        }
+        match problems.is_empty() {
+            true => Ok(()),
+            false => Err(format!("stale indexes: {}", problems.join(", "))),
+        }
     }
 
     /// Registers a node; later nodes come later in cluster order.
@@ -243,6 +339,10 @@ impl ClusterState {
         if self.node_position(node.id()).is_some() {
             return Err(PlacementError::DuplicateNode(node.id().clone()));
         }
+        let position = self.nodes.len();
+        self.positions.insert(node.id().clone(), position);
+        self.free.update(position, &node);
+        self.whole.update(position, &node);
         self.nodes.push(node);
         Ok(())
     }
@@ -289,6 +389,9 @@ impl ClusterState {
         };
         let id = AllocationId(self.next_allocation);
         self.next_allocation += 1;
+        if bundle.is_none() {
+            self.direct_on.entry(node.clone()).or_default().insert(id);
+        }
         let allocation = Allocation { id, node, resources: demand.clone(), gpus, bundle };
         self.allocations.insert(id, allocation.clone());
         Ok(allocation)
@@ -301,11 +404,29 @@ impl ClusterState {
             self.allocations.get(&id).cloned().ok_or(PlacementError::UnknownAllocation(id))?;
         self.give_back(&allocation)?;
         self.allocations.remove(&id);
+        if allocation.bundle.is_none() {
+            self.forget_direct(&allocation.node, id);
+        }
         Ok(allocation)
     }
 
     fn node_position(&self, id: &NodeId) -> Option<usize> {
-        self.nodes.iter().position(|node| node.id() == id)
+        self.positions.get(id).copied()
+    }
+
+    /// Replaces node `position`'s state, keeping the free-resource index true.
+    fn set_node(&mut self, position: usize, node: NodeResources) {
+        self.free.update(position, &node);
+        self.nodes[position] = node;
+    }
+
+    fn forget_direct(&mut self, node: &NodeId, id: AllocationId) {
+        if let Some(set) = self.direct_on.get_mut(node) {
+            set.remove(&id);
+            if set.is_empty() {
+                self.direct_on.remove(node);
+            }
+        }
     }
 
     fn take_on_nodes(
@@ -313,17 +434,28 @@ impl ClusterState {
         demand: &ResourceSet,
         only: Option<usize>,
     ) -> Result<(NodeId, Vec<GpuShare>, Option<BundleRef>), PlacementError> {
-        let candidates: Vec<usize> = match only {
-            Some(position) => vec![position],
-            None => (0..self.nodes.len()).collect(),
-        };
-        for &position in &candidates {
-            if let Some(shares) = self.nodes[position].take(demand) {
-                return Ok((self.nodes[position].id().clone(), shares, None));
+        let found = match only {
+            Some(position) => self.nodes[position].can_take(demand).then_some(position),
+            None => {
+                let nodes = &self.nodes;
+                self.free.first(demand, |position| nodes[position].can_take(demand))
             }
+        };
+        if let Some(position) = found
+            && let Some(shares) = self.nodes[position].take(demand)
+        {
+            self.free.update(position, &self.nodes[position]);
+            return Ok((self.nodes[position].id().clone(), shares, None));
         }
-        let fits_when_empty =
-            candidates.iter().any(|&position| self.nodes[position].emptied().can_take(demand));
+        let fits_when_empty = match only {
+            Some(position) => self.nodes[position].emptied().can_take(demand),
+            None => {
+                let nodes = &self.nodes;
+                self.whole
+                    .first(demand, |position| nodes[position].emptied().can_take(demand))
+                    .is_some()
+            }
+        };
         let place = match only {
             Some(position) => format!("node `{}`", self.nodes[position].id()),
             None => format!("any of {} nodes", self.nodes.len()),
@@ -334,6 +466,10 @@ impl ClusterState {
                 reason: format!("{place} is busy"),
             });
         }
+        let candidates: Vec<usize> = match only {
+            Some(position) => vec![position],
+            None => (0..self.nodes.len()).collect(),
+        };
         let mut largest = ResourceSet::new();
         for &position in &candidates {
             for (name, amount) in self.nodes[position].total().iter() {
@@ -422,6 +558,7 @@ impl ClusterState {
                 if !self.nodes[position].give_back(&allocation.resources, &allocation.gpus) {
                     return Err(broken());
                 }
+                self.free.update(position, &self.nodes[position]);
             }
             Some(bundle) => {
                 let record = self.groups.get_mut(&bundle.group).ok_or_else(broken)?;

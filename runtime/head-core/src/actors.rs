@@ -70,6 +70,9 @@ impl HeadCore {
         lineage.detached |= options.detached;
         let id = ActorId(self.next_actor);
         self.next_actor += 1;
+        if let Some(owner) = lineage.owner {
+            self.children.entry(owner).or_default().push(id);
+        }
         if let Some(key) = name_key {
             self.names.insert(key, id);
         }
@@ -162,6 +165,7 @@ impl HeadCore {
                 continue;
             };
             let node = self.members.node_of(&allocation.node);
+            self.holders.insert(allocation.id, id);
             entry.allocation = Some(allocation);
             let incarnation = entry.incarnation;
             let lineage = entry.lineage.clone();
@@ -227,6 +231,7 @@ impl HeadCore {
     ) {
         let Some(entry) = self.actors.get_mut(&actor) else { return };
         if let Some(allocation) = entry.allocation.take() {
+            self.holders.remove(&allocation.id);
             self.release(allocation.id);
         }
         let Some(entry) = self.actors.get_mut(&actor) else { return };

@@ -77,14 +77,16 @@ impl HeadCore {
     fn end_owned(&mut self, effects: &mut Vec<Effect>) {
         for owner in std::mem::take(&mut self.ended_owners) {
             let children: Vec<ActorId> = self
-                .actors
-                .iter()
-                .filter(|(_, a)| {
-                    a.lineage.owner == Some(owner)
-                        && !a.spec.options.detached
-                        && !matches!(a.state, ActorState::Dead { .. })
+                .children
+                .get(&owner)
+                .into_iter()
+                .flatten()
+                .copied()
+                .filter(|id| {
+                    self.actors.get(id).is_some_and(|a| {
+                        !a.spec.options.detached && !matches!(a.state, ActorState::Dead { .. })
+                    })
                 })
-                .map(|(id, _)| *id)
                 .collect();
             for child in children {
                 let _ = self.kill_actor(child, true, effects);
@@ -110,12 +112,8 @@ impl HeadCore {
 
     /// Removes every group `owner` created (its driver went, or its incarnation ended).
     pub(super) fn remove_groups_of(&mut self, owner: GroupOwner, effects: &mut Vec<Effect>) {
-        let groups: Vec<GroupId> = self
-            .group_owners
-            .iter()
-            .filter(|(_, o)| **o == owner)
-            .map(|(group, _)| *group)
-            .collect();
+        let groups: Vec<GroupId> =
+            self.owned_groups.get(&owner).into_iter().flatten().copied().collect();
         for group in groups {
             if let Err(e) = self.remove_group(group, effects) {
                 tracing::debug!(%group, ?owner, "removing a group whose owner ended: {e}");
@@ -131,7 +129,14 @@ impl HeadCore {
             e => Error::Invalid(e.to_string()),
         })?;
         self.pending_groups.remove(&group);
-        self.group_owners.remove(&group);
+        if let Some(owner) = self.group_owners.remove(&group)
+            && let Some(set) = self.owned_groups.get_mut(&owner)
+        {
+            set.remove(&group);
+            if set.is_empty() {
+                self.owned_groups.remove(&owner);
+            }
+        }
         let reason = format!("its placement group `{}` was removed", removed.name);
         for reply in self.group_waiters.remove(&group).unwrap_or_default() {
             effects.push(Effect::Respond(
@@ -147,27 +152,33 @@ impl HeadCore {
             placement.is_some_and(|schedule| schedule.group == group)
         };
         // Actors: those holding a bundle's resources are killed; those still waiting die now.
-        let mut waiting_actors = Vec::new();
+        // (Found through the allocations' holders and the pending queue, not by a scan of
+        // every actor.)
         let mut to_kill = Vec::new();
-        for (id, entry) in &mut self.actors {
-            let placed_here =
-                entry.allocation.as_ref().is_some_and(|alloc| released.contains(&alloc.id));
-            if placed_here {
-                entry.allocation = None;
-                entry.killed = true;
-                entry.death_reason = Some(reason.clone());
-                match entry.state {
-                    ActorState::Starting { worker } | ActorState::Alive { worker, .. } => {
-                        to_kill.push(worker)
-                    }
-                    _ => continue,
-                };
-            } else if matches!(entry.state, ActorState::Pending)
-                && in_group(entry.spec.options.placement)
+        for allocation in &released {
+            let Some(id) = self.holders.remove(allocation) else { continue };
+            let Some(entry) = self.actors.get_mut(&id) else { continue };
+            entry.allocation = None;
+            entry.killed = true;
+            entry.death_reason = Some(reason.clone());
+            if let ActorState::Starting { worker } | ActorState::Alive { worker, .. } = entry.state
             {
-                waiting_actors.push(*id);
+                to_kill.push(worker);
             }
         }
+        let waiting_actors: Vec<ActorId> = self
+            .pending_actors
+            .iter()
+            .copied()
+            .filter(|id| {
+                self.actors.get(id).is_some_and(|entry| {
+                    matches!(entry.state, ActorState::Pending)
+                        && in_group(entry.spec.options.placement)
+                })
+            })
+            .collect::<BTreeSet<_>>()
+            .into_iter()
+            .collect();
         for worker in to_kill {
             self.kill_worker(worker, effects);
         }
@@ -220,7 +231,7 @@ impl HeadCore {
     }
 
     pub(super) fn group_state(&self, id: GroupId) -> Option<PlacementGroupState> {
-        let (_, request, status) = self.cluster.groups().find(|(group, _, _)| *group == id)?;
+        let (request, status) = self.cluster.group(id)?;
         Some(state_of(id, request, status, self.cluster.bundle_table(id).cloned()))
     }
 
@@ -257,13 +268,12 @@ impl HeadCore {
                 None => Ok(()),
             };
         };
-        let (_, request, _) =
-            self.cluster.groups().find(|(id, _, _)| *id == schedule.group).ok_or_else(|| {
-                Error::Invalid(format!(
-                    "{what} asks for placement group {}, which was removed or never existed",
-                    schedule.group
-                ))
-            })?;
+        let (request, _) = self.cluster.group(schedule.group).ok_or_else(|| {
+            Error::Invalid(format!(
+                "{what} asks for placement group {}, which was removed or never existed",
+                schedule.group
+            ))
+        })?;
         let name = &request.name;
         let candidates: Vec<(usize, &ResourceSet)> = match schedule.bundle_index {
             Some(index) => match request.bundles.get(index) {

@@ -156,7 +156,7 @@ struct Lineage {
 }
 
 /// Who a placement group ends with.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 enum GroupOwner {
     /// The driver whose job created it: removed when that driver goes.
     Driver(WorkerId),
@@ -242,11 +242,19 @@ pub struct HeadCore {
     /// Who created each group (groups the embedded driver creates are absent): they are
     /// removed when that driver goes or that actor's incarnation ends.
     group_owners: HashMap<GroupId, GroupOwner>,
+    /// The same, by owner.
+    owned_groups: HashMap<GroupOwner, BTreeSet<GroupId>>,
+    /// The actors each actor created (whatever became of them), in creation order.
+    children: HashMap<ActorId, Vec<ActorId>>,
+    /// The actor holding each actor allocation.
+    holders: HashMap<AllocationId, ActorId>,
+    /// The workers on each node.
     /// Actors whose incarnation ended since the last reschedule: what they owned ends next.
     ended_owners: Vec<ActorId>,
     next_actor: u64,
     /// The next task call id.
     next_call: u64,
+    workers_on: HashMap<u64, BTreeSet<WorkerId>>,
     workers: HashMap<WorkerId, WorkerEntry>,
     actors: HashMap<ActorId, ActorEntry>,
     names: HashMap<(String, String), ActorId>,
@@ -287,6 +295,10 @@ impl HeadCore {
             group_waiters: HashMap::new(),
             unnamed_groups: 0,
             group_owners: HashMap::new(),
+            owned_groups: HashMap::new(),
+            children: HashMap::new(),
+            holders: HashMap::new(),
+            workers_on: HashMap::new(),
             ended_owners: Vec::new(),
             next_actor: 1,
             next_call: 1,
@@ -348,6 +360,43 @@ impl HeadCore {
             self.reschedule(&mut effects);
         }
         effects
+    }
+
+    /// Checks that the core's indexes agree with what they index — workers by node, actors
+    /// by allocation, children and groups by owner, and the placement state's own — naming
+    /// the first disagreement (the simulator checks it after every event).
+    pub fn verify_indexes(&self) -> std::result::Result<(), String> {
+        self.cluster.verify_indexes()?;
+        let mut workers_on: HashMap<u64, BTreeSet<WorkerId>> = HashMap::new();
+        for (worker, entry) in &self.workers {
+            workers_on.entry(entry.node).or_default().insert(*worker);
+        }
+        if workers_on != self.workers_on {
+            return Err("stale index: the workers on each node".into());
+        }
+        let holders: HashMap<AllocationId, ActorId> = self
+            .actors
+            .iter()
+            .filter_map(|(id, actor)| actor.allocation.as_ref().map(|a| (a.id, *id)))
+            .collect();
+        if holders != self.holders {
+            return Err("stale index: the actor holding each allocation".into());
+        }
+        let mut owned: HashMap<GroupOwner, BTreeSet<GroupId>> = HashMap::new();
+        for (group, owner) in &self.group_owners {
+            owned.entry(*owner).or_default().insert(*group);
+        }
+        if owned != self.owned_groups {
+            return Err("stale index: the groups of each owner".into());
+        }
+        for (id, actor) in &self.actors {
+            if let Some(owner) = actor.lineage.owner
+                && !self.children.get(&owner).is_some_and(|c| c.contains(id))
+            {
+                return Err(format!("stale index: actor {id} is missing from {owner}'s children"));
+            }
+        }
+        Ok(())
     }
 
     /// Whether every worker of the head's own node has been reaped (after
@@ -471,6 +520,7 @@ impl HeadCore {
                     };
                     if let Some(owner) = owner {
                         self.group_owners.insert(state.id, owner);
+                        self.owned_groups.entry(owner).or_default().insert(state.id);
                     }
                     Response::PlacementGroup(Box::new(state))
                 }

@@ -73,6 +73,8 @@ pub(crate) struct Members {
     next: u64,
     pub(crate) nodes: BTreeMap<u64, NodeEntry>,
     by_placement: HashMap<rtrun_placement::NodeId, u64>,
+    /// Live nodes by name (a dead node's name is free for a node that rejoins).
+    live_by_name: HashMap<String, u64>,
     /// Connected drivers and the job binary each runs.
     pub(crate) drivers: HashMap<WorkerId, Option<String>>,
     pub(crate) jobs: BTreeMap<u64, JobEntry>,
@@ -87,6 +89,7 @@ impl Members {
             next: head_node.max(1) + 1,
             nodes: BTreeMap::new(),
             by_placement: HashMap::new(),
+            live_by_name: HashMap::new(),
             drivers: HashMap::new(),
             jobs: BTreeMap::new(),
         }
@@ -195,6 +198,7 @@ impl HeadCore {
         let node = self.config.node.clone();
         let head_node = self.members.head_node;
         self.members.by_placement.insert(node.id().clone(), head_node);
+        self.members.live_by_name.insert(node_name.clone(), head_node);
         self.members.nodes.insert(
             head_node,
             NodeEntry {
@@ -244,9 +248,7 @@ impl HeadCore {
         effects: &mut Vec<Effect>,
     ) -> Result<(u64, WorkerId)> {
         self.head_address()?;
-        if let Some((other, _)) =
-            self.members.nodes.iter().find(|(_, n)| n.name == name && n.dead.is_none())
-        {
+        if let Some(other) = self.members.live_by_name.get(&name) {
             return Err(Error::Invalid(format!(
                 "a live node named `{name}` is already in the cluster ({})",
                 NodeId(*other)
@@ -270,6 +272,7 @@ impl HeadCore {
             &rtrun_proto::address::socket_name(&self.session, worker),
         );
         self.members.by_placement.insert(placement.clone(), id);
+        self.members.live_by_name.insert(name.clone(), id);
         self.members
             .nodes
             .insert(id, NodeEntry { name, address, placement, resources, dead: None });
@@ -318,13 +321,7 @@ impl HeadCore {
     /// The node named `name` stopped answering: it is removed (see [`HeadCore::node_died`])
     /// and told to stop, in case it is only paused or cut off and would live on as a zombie.
     pub(super) fn node_dead(&mut self, name: &str, reason: &str, effects: &mut Vec<Effect>) {
-        let Some(id) = self
-            .members
-            .nodes
-            .iter()
-            .find(|(_, n)| n.name == name && n.dead.is_none())
-            .map(|(id, _)| *id)
-        else {
+        let Some(id) = self.members.live_by_name.get(name).copied() else {
             return;
         };
         if id == self.members.head_node {
@@ -343,6 +340,9 @@ impl HeadCore {
         tracing::warn!("{reason}");
         let Some(entry) = self.members.nodes.get_mut(&id) else { return };
         entry.dead = Some(reason.clone());
+        if self.members.live_by_name.get(&entry.name) == Some(&id) {
+            self.members.live_by_name.remove(&entry.name);
+        }
         let placement = entry.placement.clone();
         let lost = match self.cluster.remove_node(&placement) {
             Ok(lost) => lost,
@@ -353,16 +353,20 @@ impl HeadCore {
         };
         let lost_ids: HashSet<_> = lost.lost_allocations.iter().map(|a| a.id).collect();
         // Actors whose allocation went with the node start anew (elsewhere) when restarts remain.
-        for actor in self.actors.values_mut() {
-            if actor.allocation.as_ref().is_some_and(|a| lost_ids.contains(&a.id)) {
-                actor.allocation = None;
+        let mut lost_holders = Vec::new();
+        for allocation in &lost_ids {
+            if let Some(actor) = self.holders.remove(allocation) {
+                if let Some(entry) = self.actors.get_mut(&actor) {
+                    entry.allocation = None;
+                }
+                lost_holders.push(actor);
             }
         }
         for group in &lost.requeued_groups {
             self.pending_groups.insert(*group);
         }
         let workers: Vec<WorkerId> =
-            self.workers.iter().filter(|(_, w)| w.node == id).map(|(w, _)| *w).collect();
+            self.workers_on.get(&id).into_iter().flatten().copied().collect();
         for worker in workers {
             self.worker_exited(worker, reason.clone(), effects);
         }
@@ -370,9 +374,10 @@ impl HeadCore {
         self.fail_running_tasks(|allocation| lost_ids.contains(&allocation), &reason, effects);
         // Actors still alive elsewhere whose allocation was in a requeued group are stopped and
         // restart with the group.
-        let displaced: Vec<(u64, u32)> = self
-            .actors
-            .values()
+        lost_holders.sort_unstable();
+        let displaced: Vec<(u64, u32)> = lost_holders
+            .iter()
+            .filter_map(|actor| self.actors.get(actor))
             .filter(|a| a.allocation.is_none())
             .filter_map(|a| match a.state {
                 ActorState::Alive { worker, .. } | ActorState::Starting { worker } => {

@@ -147,6 +147,9 @@ pub struct Scale {
     nodes: Vec<(String, u64)>,
     /// Workers the core asked for and the node each runs on, not started yet.
     to_start: VecDeque<(WorkerId, u64)>,
+    /// Started workers by node and pid, and those the core ordered killed (which exit).
+    pids: std::collections::HashMap<(u64, u32), WorkerId>,
+    killed: Vec<WorkerId>,
     /// Every actor the driver created.
     actors: Vec<ActorId>,
     next_reply: u64,
@@ -185,6 +188,8 @@ impl Scale {
             driver,
             nodes: Vec::new(),
             to_start: VecDeque::new(),
+            pids: std::collections::HashMap::new(),
+            killed: Vec::new(),
             actors: Vec::new(),
             next_reply: 0,
             next_conn: 1,
@@ -276,6 +281,11 @@ impl Scale {
             match effect {
                 Effect::Respond(reply, response) => answers.push((reply, response)),
                 Effect::Spawn { node, worker, .. } => self.to_start.push_back((worker, node)),
+                Effect::Kill { node, pid } => {
+                    if let Some(worker) = self.pids.remove(&(node, pid)) {
+                        self.killed.push(worker);
+                    }
+                }
                 _ => {}
             }
         }
@@ -390,6 +400,7 @@ impl Scale {
             self.next_pid = self.next_pid.wrapping_add(1);
             let effects =
                 self.decide(phase, Origin::default(), Event::WorkerSpawned { worker, pid }, probe);
+            self.pids.insert((node, pid), worker);
             self.play(effects);
             let conn = ConnToken(self.next_conn);
             self.next_conn += 1;
@@ -436,6 +447,7 @@ impl Scale {
             let event = Event::NodeDead { name, reason: "no heartbeat".into() };
             let effects = self.decide(Phase::NodeDeath, Origin::default(), event, probe);
             self.play(effects);
+            self.pids.retain(|(node, _), _| *node != id);
             for worker in on_node {
                 let status = WorkerExit::Lost("its node died".into());
                 let effects = self.decide(
@@ -444,6 +456,15 @@ impl Scale {
                     Event::WorkerExited { worker, status },
                     probe,
                 );
+                self.play(effects);
+            }
+        }
+        // Actors of a group that lost a node were stopped on the others (the group is placed
+        // again as a whole): their workers exit as ordered.
+        while !self.killed.is_empty() {
+            for worker in std::mem::take(&mut self.killed) {
+                let event = Event::WorkerExited { worker, status: WorkerExit::Signal(9) };
+                let effects = self.decide(Phase::NodeDeath, Origin::default(), event, probe);
                 self.play(effects);
             }
         }

@@ -856,70 +856,7 @@ impl World {
                 job.state
             );
         }
-        // Resources: each allocation has exactly one holder, and each holder's allocation
-        // exists.
-        let mut holders: HashMap<rtrun_placement::AllocationId, String> = HashMap::new();
-        for (id, actor) in &core.actors {
-            if let Some(allocation) = &actor.allocation {
-                assert!(
-                    holders.insert(allocation.id, format!("actor {id}")).is_none(),
-                    "allocation {} held twice",
-                    allocation.id
-                );
-                assert!(
-                    !matches!(actor.state, ActorState::Dead { .. }),
-                    "dead actor {id} holds {}",
-                    allocation.id
-                );
-            }
-        }
-        for (call, run) in &core.running_tasks {
-            if let Some(other) = holders.insert(run.allocation, format!("task call {call}")) {
-                panic!("allocation {} held by {other} and task call {call}", run.allocation);
-            }
-        }
-        let live: BTreeSet<_> = core.cluster.allocations().map(|a| a.id).collect();
-        let held: BTreeSet<_> = holders.keys().copied().collect();
-        assert_eq!(live, held, "allocations without a holder, or holders without one");
-        for node in core.cluster.nodes() {
-            assert!(
-                node.total().first_shortfall(node.available()).is_none(),
-                "{} hands out more than it has: {:?} of {:?}",
-                node.id(),
-                node.available(),
-                node.total()
-            );
-        }
-        // Actors: one worker each, names only for the living.
-        let mut hosts: HashMap<ActorId, WorkerId> = HashMap::new();
-        for (worker, entry) in &core.workers {
-            if let super::WorkerRole::Actor { actor, .. } = entry.role
-                && let Some(other) = hosts.insert(actor, *worker)
-            {
-                panic!("actor {actor} lives in workers {other} and {worker}");
-            }
-        }
-        for (id, actor) in &core.actors {
-            if let ActorState::Starting { worker } | ActorState::Alive { worker, .. } = actor.state
-            {
-                let entry = core.workers.get(&worker).expect("a starting or alive actor's worker");
-                assert!(
-                    matches!(entry.role, super::WorkerRole::Actor { actor: a, incarnation }
-                        if a == *id && incarnation == actor.incarnation),
-                    "actor {id}'s worker {worker} hosts something else"
-                );
-            }
-        }
-        for ((namespace, name), id) in &core.names {
-            let actor = &core.actors[id];
-            assert!(
-                !matches!(actor.state, ActorState::Dead { .. }),
-                "dead actor {id} keeps {namespace}/{name}"
-            );
-        }
-        // Groups: none pending that would fit now.
-        let mut cluster = core.cluster.clone();
-        assert!(cluster.schedule_pending().is_empty(), "a pending group fits but waits");
+        check_core(core);
         // Connections: the core refers only to those it remembered.
         for (worker, entry) in &core.workers {
             if let Some(conn) = entry.conn {
@@ -997,6 +934,77 @@ impl World {
         assert!(self.core.names.is_empty(), "names left: {:?}", self.core.names);
         assert!(self.core.task_queue.is_empty() && self.core.running_tasks.is_empty());
     }
+}
+
+/// The invariants of the core alone (resources, actors, names, groups, indexes): what
+/// [`World::check`] checks besides the world's processes, jobs and connections.
+fn check_core(core: &HeadCore) {
+    // Resources: each allocation has exactly one holder, and each holder's allocation
+    // exists.
+    let mut holders: HashMap<rtrun_placement::AllocationId, String> = HashMap::new();
+    for (id, actor) in &core.actors {
+        if let Some(allocation) = &actor.allocation {
+            assert!(
+                holders.insert(allocation.id, format!("actor {id}")).is_none(),
+                "allocation {} held twice",
+                allocation.id
+            );
+            assert!(
+                !matches!(actor.state, ActorState::Dead { .. }),
+                "dead actor {id} holds {}",
+                allocation.id
+            );
+        }
+    }
+    for (call, run) in &core.running_tasks {
+        if let Some(other) = holders.insert(run.allocation, format!("task call {call}")) {
+            panic!("allocation {} held by {other} and task call {call}", run.allocation);
+        }
+    }
+    let live: BTreeSet<_> = core.cluster.allocations().map(|a| a.id).collect();
+    let held: BTreeSet<_> = holders.keys().copied().collect();
+    assert_eq!(live, held, "allocations without a holder, or holders without one");
+    for node in core.cluster.nodes() {
+        assert!(
+            node.total().first_shortfall(node.available()).is_none(),
+            "{} hands out more than it has: {:?} of {:?}",
+            node.id(),
+            node.available(),
+            node.total()
+        );
+    }
+    // Actors: one worker each, names only for the living.
+    let mut hosts: HashMap<ActorId, WorkerId> = HashMap::new();
+    for (worker, entry) in &core.workers {
+        if let super::WorkerRole::Actor { actor, .. } = entry.role
+            && let Some(other) = hosts.insert(actor, *worker)
+        {
+            panic!("actor {actor} lives in workers {other} and {worker}");
+        }
+    }
+    for (id, actor) in &core.actors {
+        if let ActorState::Starting { worker } | ActorState::Alive { worker, .. } = actor.state {
+            let entry = core.workers.get(&worker).expect("a starting or alive actor's worker");
+            assert!(
+                matches!(entry.role, super::WorkerRole::Actor { actor: a, incarnation }
+                        if a == *id && incarnation == actor.incarnation),
+                "actor {id}'s worker {worker} hosts something else"
+            );
+        }
+    }
+    for ((namespace, name), id) in &core.names {
+        let actor = &core.actors[id];
+        assert!(
+            !matches!(actor.state, ActorState::Dead { .. }),
+            "dead actor {id} keeps {namespace}/{name}"
+        );
+    }
+    // Groups: none pending that would fit now; the core's indexes agree.
+    if let Err(e) = core.verify_indexes() {
+        panic!("{e}");
+    }
+    let mut cluster = core.cluster.clone();
+    assert!(cluster.schedule_pending().is_empty(), "a pending group fits but waits");
 }
 
 fn simulate(ops: Vec<Op>) {
@@ -1142,4 +1150,67 @@ fn a_worker_that_dies_on_another_node_says_which() {
     };
     assert!(reason.contains("signal 11") && reason.contains(" on node-2 (node-0)"), "{reason}");
     world.wind_down();
+}
+
+/// Checks the core's invariants every `stride` decisions and at the end of every phase.
+struct Invariants {
+    stride: usize,
+    decisions: usize,
+    checks: usize,
+}
+
+impl crate::scale::Probe for Invariants {
+    fn after(&mut self, _phase: crate::scale::Phase, core: &HeadCore) {
+        self.decisions += 1;
+        if self.decisions.is_multiple_of(self.stride) {
+            check_core(core);
+            self.checks += 1;
+        }
+    }
+    fn phase_done(&mut self, _phase: crate::scale::Phase, core: &HeadCore) {
+        check_core(core);
+        self.checks += 1;
+    }
+}
+
+/// Ray's RL scheduling shapes at 2,000 nodes (issue 44): every group is placed, every actor
+/// comes alive in its bundle, the actors of the 10 nodes that die restart on the spare nodes,
+/// and the invariants hold throughout.
+#[test]
+fn two_thousand_nodes_keep_the_invariants_in_every_shape() {
+    use crate::scale::{Layout, Scale, Shape};
+    for layout in [
+        Layout::GroupPerNode,
+        Layout::GroupPerRack { rack: 32 },
+        Layout::PlainActors { actors: 40_000 },
+    ] {
+        let shape = Shape::ray_benchmark(2_000, layout, 10);
+        let mut scale = Scale::new(shape);
+        let mut probe = Invariants { stride: 2_000, decisions: 0, checks: 0 };
+        let reached = scale.run(&mut probe);
+        assert_eq!(reached.groups_placed, shape.groups(), "{layout:?}");
+        assert_eq!(reached.actors_alive, shape.actors(), "{layout:?}");
+        assert_eq!(reached.actors_not_restarted, 0, "{layout:?}: {reached:?}");
+        assert!(reached.actors_restarted > 0, "{layout:?}: no actor was on a dying node");
+        // A dying node's 4 actors restart; in a rack, so do the other 31 nodes' (a group that
+        // lost a bundle is placed again as a whole; the 10 deaths hit 10 racks).
+        let restarted = match layout {
+            Layout::GroupPerNode => Some(10 * shape.actors_per_node),
+            Layout::GroupPerRack { rack } => Some(10 * rack * shape.actors_per_node),
+            Layout::PlainActors { .. } => None,
+        };
+        if let Some(restarted) = restarted {
+            assert_eq!(reached.actors_restarted, restarted, "{layout:?}");
+        }
+        assert!(probe.checks > 20, "{layout:?}: only {} checks", probe.checks);
+        // Every node but the dead is in the placement state, and the resources balance.
+        let core = scale.core();
+        assert_eq!(core.cluster.nodes().len(), 1 + 2_000 - 10);
+        let held: u64 = core.cluster.allocations().map(|a| a.resources.get(GPU).raw()).sum();
+        let expected = match layout {
+            Layout::PlainActors { .. } => 0,
+            _ => shape.actors() as u64 * 2 * Quantity::SCALE,
+        };
+        assert_eq!(held, expected, "{layout:?}: GPUs held by actors");
+    }
 }

@@ -57,7 +57,9 @@ impl HeadCore {
     /// Starts queued tasks that fit, on idle task workers of the node and job each task is
     /// placed on, spawning workers there as needed.
     pub(super) fn dispatch_tasks(&mut self, effects: &mut Vec<Effect>) {
-        if self.shutting_down {
+        // Nothing queued: nothing to do (and no count of the task workers, a scan of every
+        // worker, on each of the many events that reschedule).
+        if self.shutting_down || self.task_queue.is_empty() {
             return;
         }
         let mut wanted: Vec<(u64, Lineage)> = Vec::new();

@@ -47,6 +47,7 @@ impl HeadCore {
             namespace: "default".into(),
         };
         env.push(spec.to_env());
+        self.workers_on.entry(node).or_default().insert(worker);
         self.workers.insert(
             worker,
             WorkerEntry {
@@ -167,6 +168,12 @@ impl HeadCore {
         effects: &mut Vec<Effect>,
     ) {
         let Some(entry) = self.workers.remove(&worker) else { return };
+        if let Some(set) = self.workers_on.get_mut(&entry.node) {
+            set.remove(&worker);
+            if set.is_empty() {
+                self.workers_on.remove(&entry.node);
+            }
+        }
         if let Some(conn) = entry.conn {
             effects.push(Effect::Forget(conn));
         }
