@@ -1,6 +1,5 @@
 //! Nodes leaving the cluster: what dies with a node and which groups must be placed again.
 
-use crate::cluster::fit::{Amounts, FitIndex};
 use crate::cluster::{Allocation, ClusterState, GroupId, GroupRecord, GroupSlot};
 use crate::error::PlacementError;
 use crate::node::{NodeId, NodeResources};
@@ -39,19 +38,15 @@ impl ClusterState {
         let direct = self.direct_on.remove(id).unwrap_or_default();
         lost_allocations.extend(direct.iter().filter_map(|a| self.allocations.remove(a)));
         self.groups_on.remove(id);
-        let position = self.positions.remove(id);
         // Invariant: the node was found at the top and nothing above removes nodes.
-        let node = position.map(|p| self.nodes.remove(p)).ok_or_else(|| {
+        let position = self.node_position(id).ok_or_else(|| {
             PlacementError::Accounting(format!("node `{id}` vanished while being removed"))
         })?;
-        // The nodes after it move up one place: renumber them and index the nodes anew.
-        if let Some(removed_at) = position {
-            for (offset, later) in self.nodes[removed_at..].iter().enumerate() {
-                self.positions.insert(later.id().clone(), removed_at + offset);
-            }
-        }
-        self.free = FitIndex::new(Amounts::Available, &self.nodes);
-        self.whole = FitIndex::new(Amounts::Total, &self.nodes);
+        let node = self.nodes.remove(position);
+        self.order.remove(position);
+        self.serials.remove(id);
+        self.free.remove(position);
+        self.whole.remove(position);
         Ok(LostNode { node, lost_allocations, requeued_groups: affected })
     }
 }

@@ -224,8 +224,12 @@ pub struct ClusterState {
     allocations: BTreeMap<AllocationId, Allocation>,
     next_group: u64,
     next_allocation: u64,
-    /// Each node's position in `nodes`.
-    positions: HashMap<NodeId, usize>,
+    /// Each node's serial number, counted up as nodes register, and the serials of `nodes` in
+    /// order (ascending, as nodes keep registration order): a node's position is a binary
+    /// search away, and a node leaving renumbers nothing.
+    serials: HashMap<NodeId, u64>,
+    order: Vec<u64>,
+    next_serial: u64,
     /// What each node has free, and has at all, for first-fit searches.
     free: FitIndex,
     whole: FitIndex,
@@ -247,7 +251,9 @@ impl Default for ClusterState {
             allocations: BTreeMap::new(),
             next_group: 0,
             next_allocation: 0,
-            positions: HashMap::new(),
+            serials: HashMap::new(),
+            order: Vec::new(),
+            next_serial: 0,
             free: FitIndex::new(Amounts::Available, &[]),
             whole: FitIndex::new(Amounts::Total, &[]),
             names: HashMap::new(),
@@ -285,15 +291,21 @@ impl ClusterState {
     /// keeps them true).
     pub fn verify_indexes(&self) -> Result<(), String> {
         let mut problems = Vec::new();
-        let positions: HashMap<NodeId, usize> =
-            self.nodes.iter().enumerate().map(|(p, node)| (node.id().clone(), p)).collect();
-        if positions != self.positions {
+        let positions_agree = self.nodes.len() == self.order.len()
+            && self.serials.len() == self.nodes.len()
+            && self.order.windows(2).all(|pair| pair[0] < pair[1])
+            && self
+                .nodes
+                .iter()
+                .enumerate()
+                .all(|(p, node)| self.node_position(node.id()) == Some(p));
+        if !positions_agree {
             problems.push("node positions");
         }
-        if self.free != FitIndex::new(Amounts::Available, &self.nodes) {
+        if !self.free.agrees_with(&self.nodes) {
             problems.push("the free-resource index");
         }
-        if self.whole != FitIndex::new(Amounts::Total, &self.nodes) {
+        if !self.whole.agrees_with(&self.nodes) {
             problems.push("the total-resource index");
         }
         let names: HashMap<String, GroupId> =
@@ -340,7 +352,9 @@ impl ClusterState {
             return Err(PlacementError::DuplicateNode(node.id().clone()));
         }
         let position = self.nodes.len();
-        self.positions.insert(node.id().clone(), position);
+        self.serials.insert(node.id().clone(), self.next_serial);
+        self.order.push(self.next_serial);
+        self.next_serial += 1;
         self.free.update(position, &node);
         self.whole.update(position, &node);
         self.nodes.push(node);
@@ -411,7 +425,8 @@ impl ClusterState {
     }
 
     fn node_position(&self, id: &NodeId) -> Option<usize> {
-        self.positions.get(id).copied()
+        let serial = self.serials.get(id)?;
+        self.order.binary_search(serial).ok()
     }
 
     /// Replaces node `position`'s state, keeping the free-resource index true.

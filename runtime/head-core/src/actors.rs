@@ -79,7 +79,7 @@ impl HeadCore {
         let info = info_of(id, &spec);
         self.actors.insert(
             id,
-            ActorEntry {
+            Box::new(ActorEntry {
                 lineage,
                 restarts_left: spec.options.max_restarts,
                 spec,
@@ -91,7 +91,7 @@ impl HeadCore {
                 death_reason: None,
                 waiters: Vec::new(),
                 last_worker: None,
-            },
+            }),
         );
         self.pending_actors.push_back(id);
         self.schedule_pending_actors(effects);

@@ -256,7 +256,9 @@ pub struct HeadCore {
     next_call: u64,
     workers_on: HashMap<u64, BTreeSet<WorkerId>>,
     workers: HashMap<WorkerId, WorkerEntry>,
-    actors: HashMap<ActorId, ActorEntry>,
+    /// Boxed: the table doubles as it grows, and moving 40,000 inline entries of a few hundred
+    /// bytes stalled one decision for ~20 ms (the scale harness's maximum).
+    actors: HashMap<ActorId, Box<ActorEntry>>,
     names: HashMap<(String, String), ActorId>,
     /// The key-value store (`rtrun::kv`).
     kv: HashMap<String, Vec<u8>>,
