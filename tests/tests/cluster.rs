@@ -1014,3 +1014,91 @@ fn the_dashboard_shows_nodes_actors_groups_jobs_and_logs_in_chromium() {
     let (_, _, stopped) = head_rtrun(&cluster, &["job", "stop", "dash-job"]);
     assert!(stopped);
 }
+
+/// Ray's RL scheduling shape on real processes (issue 44; `scripts/cluster-scale.sh` runs 64
+/// nodes): 16 node daemons join one head, a driver creates a single-bundle group per node and
+/// 4 actors in each and calls every one; `rtrun status`, the metrics endpoint and the
+/// dashboard answer while it runs and count every node and actor.
+#[test]
+fn sixteen_nodes_host_a_group_per_node_and_answer_status_metrics_and_dashboard() {
+    const NODES: usize = 16;
+    let (metrics_port, dashboard_port) = (common::free_udp_port(), {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.local_addr().unwrap().port()
+    });
+    let head = common::NodeSpec { name: "head", cpus: 0, gpus: 0, resources: None };
+    let nodes: Vec<common::NodeSpec> = (0..NODES)
+        .map(|i| common::NodeSpec {
+            name: Box::leak(format!("s{i}").into_boxed_str()),
+            cpus: 4,
+            gpus: 0,
+            resources: None,
+        })
+        .collect();
+    let args = [
+        "--metrics-port",
+        &metrics_port.to_string(),
+        "--dashboard-port",
+        &dashboard_port.to_string(),
+    ];
+    let cluster = common::start_cluster_with_args("scale", "10", &head, &args, &nodes);
+    let mut driver = Command::new(env!("CARGO_BIN_EXE_scale_driver"))
+        .env("RTRUN_ADDRESS", &cluster.address)
+        .env("RTRUN_CREDENTIALS_DIR", cluster.dir.join("head-credentials"))
+        .args(["--nodes", &NODES.to_string(), "--actors-per-node", "4", "--hold", "60"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdout = driver.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufRead::lines(std::io::BufReader::new(stdout)).map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    // While the actors start, the head keeps answering.
+    let metrics = format!("127.0.0.1:{metrics_port}");
+    let dashboard = format!("http://127.0.0.1:{dashboard_port}");
+    let mut lines = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(240);
+    let mut polls = 0;
+    while !lines.iter().any(|l| l == "ok") {
+        match rx.recv_timeout(Duration::from_millis(200)) {
+            Ok(line) => lines.push(line),
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+            Err(e) => panic!("the driver ended early ({e}): {lines:?} {:?}", driver.wait()),
+        }
+        if lines.is_empty() || polls < 3 {
+            assert!(status(&cluster).contains(&format!("nodes: {} alive", NODES + 1)));
+            assert_eq!(
+                sum_of(&scrape(&metrics), "rtrun_nodes", r#"state="alive""#),
+                (NODES + 1) as f64
+            );
+            polls += 1;
+        }
+        assert!(Instant::now() < deadline, "the driver did not finish: {lines:?}");
+    }
+    assert!(polls >= 1, "nothing was polled while the driver ran");
+    let field = |key: &str| -> f64 {
+        let line = lines.iter().find(|l| l.starts_with(&format!("{key} "))).unwrap();
+        line.split_whitespace().nth(1).unwrap().parse().unwrap()
+    };
+    assert_eq!(field("groups"), NODES as f64);
+    assert_eq!(field("actors"), (4 * NODES) as f64);
+    assert_eq!(field("nodes"), NODES as f64, "one node per group: {lines:?}");
+    eprintln!("{}", lines.join("\n"));
+
+    // Everything is alive and counted the same way by all three.
+    let status = status(&cluster);
+    assert!(status.contains("alive actors: 64"), "{status}");
+    let samples = scrape(&metrics);
+    assert_eq!(sum_of(&samples, "rtrun_actors", r#"state="alive""#), 64.0, "{samples:?}");
+    let mut page = ureq::get(&format!("{dashboard}/nodes")).call().unwrap();
+    let body = page.body_mut().read_to_string().unwrap();
+    for i in 0..NODES {
+        assert!(body.contains(&format!(">s{i}<")), "node s{i} is missing from the dashboard");
+    }
+    let _ = driver.kill();
+    let _ = driver.wait();
+}
