@@ -1099,6 +1099,21 @@ fn sixteen_nodes_host_a_group_per_node_and_answer_status_metrics_and_dashboard()
     for i in 0..NODES {
         assert!(body.contains(&format!(">s{i}<")), "node s{i} is missing from the dashboard");
     }
+    // A reader that leaves early (`rtrun status | head -1`) ends the client quietly by SIGPIPE,
+    // not with a panic about a broken pipe.
+    let mut piped = Command::new(rtrun_binary())
+        .args(["status", "--address", &cluster.address])
+        .arg("--credentials-dir")
+        .arg(cluster.dir.join("head-credentials"))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(piped.stdout.take());
+    let out = piped.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_eq!(std::os::unix::process::ExitStatusExt::signal(&out.status), Some(13), "{stderr}");
     let _ = driver.kill();
     let _ = driver.wait();
 }
