@@ -214,6 +214,17 @@ fn write_fd(fd: std::os::fd::RawFd, bytes: &[u8]) -> std::io::Result<()> {
     file.write_all(bytes)
 }
 
+/// Lets SIGPIPE end this process, as it ends other Unix tools: a command whose output is piped
+/// into `head` or `grep -m1` then stops quietly when the reader leaves (Rust ignores SIGPIPE,
+/// so `println!` would panic on the closed pipe). For the CLI's clients, never for a daemon: a
+/// closed stdout must not stop a head or a node. Call it before any thread starts.
+pub fn exit_on_closed_stdout() {
+    // SAFETY: restores a signal's default disposition; no handler runs, no memory is shared.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+}
+
 /// Whether `name` is a log file a node serves (`worker-N.log`, `job-N.log`, or one of their
 /// rotated copies `….log.K`): no paths, nothing else in the directory.
 pub fn valid_name(name: &str) -> bool {

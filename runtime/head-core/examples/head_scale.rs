@@ -8,41 +8,21 @@
 //!     [--nodes 2000,10000] [--layouts node,rack,plain] [--deaths-per-mille 5] [--json FILE]
 //! ```
 
-use std::alloc::{GlobalAlloc, Layout as AllocLayout, System};
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicIsize, Ordering};
 use std::time::Instant;
 
+use cap::Cap;
 use clap::Parser;
 use rtrun_head_core::HeadCore;
 use rtrun_head_core::scale::{Layout, Phase, Probe, Scale, Shape};
 
 /// Counts the bytes the process holds, so the core's memory is measured, not estimated.
-struct Counting;
-
-static LIVE: AtomicIsize = AtomicIsize::new(0);
-
-// SAFETY: every call is forwarded to the system allocator unchanged; only a counter is kept.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: AllocLayout) -> *mut u8 {
-        LIVE.fetch_add(layout.size() as isize, Ordering::Relaxed);
-        // SAFETY: the caller's contract is passed on as is.
-        unsafe { System.alloc(layout) }
-    }
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: AllocLayout) {
-        LIVE.fetch_sub(layout.size() as isize, Ordering::Relaxed);
-        // SAFETY: as above.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-    unsafe fn realloc(&self, ptr: *mut u8, layout: AllocLayout, new_size: usize) -> *mut u8 {
-        LIVE.fetch_add(new_size as isize - layout.size() as isize, Ordering::Relaxed);
-        // SAFETY: as above.
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
-
 #[global_allocator]
-static ALLOCATOR: Counting = Counting;
+static ALLOCATOR: Cap<std::alloc::System> = Cap::new(std::alloc::System, usize::MAX);
+
+fn live() -> isize {
+    ALLOCATOR.allocated() as isize
+}
 
 #[derive(Parser)]
 #[command(about = "The head core at cluster scale (no I/O): throughput and time per decision")]
@@ -80,7 +60,7 @@ impl Probe for Timing {
         }
     }
     fn phase_done(&mut self, phase: Phase, _core: &HeadCore) {
-        self.live_at_end.insert(phase, LIVE.load(Ordering::Relaxed));
+        self.live_at_end.insert(phase, live());
     }
 }
 
@@ -123,7 +103,7 @@ fn run(nodes: usize, layout_name: &str, deaths_per_mille: usize) -> anyhow::Resu
     let layout = layout_of(layout_name)?;
     let deaths = (nodes * deaths_per_mille / 1000).max(1);
     let shape = Shape::ray_benchmark(nodes, layout, deaths);
-    let start_live = LIVE.load(Ordering::Relaxed);
+    let start_live = live();
     let wall = Instant::now();
     let mut scale = Scale::new(shape);
     let mut timing = Timing { started: None, times: BTreeMap::new(), live_at_end: BTreeMap::new() };

@@ -183,14 +183,9 @@ fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
-    // A client's output piped into `head` or `grep -m1` ends quietly when the reader leaves, as
-    // other Unix tools do (Rust ignores SIGPIPE, so `println!` would panic on the closed pipe).
-    // Daemons keep ignoring it: a closed stdout must not stop a head or a node.
+    // A client piped into `head` ends quietly when the reader leaves; daemons keep running.
     if !matches!(cli.command, Command::Head { .. } | Command::Join { .. }) {
-        // SAFETY: restoring a signal's default disposition before any thread is started.
-        unsafe {
-            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
-        }
+        rtrun::logs::exit_on_closed_stdout();
     }
     match cli.command {
         Command::Microbenchmark { pattern, round_seconds } => {
