@@ -215,7 +215,7 @@ struct GroupRecord {
 /// The whole cluster: nodes in registration order, groups, and allocations.
 ///
 /// Every decision costs about the same at 10,000 nodes as at 10: nodes are found by id through
-/// a map, the first node that can take a demand through a [`FitIndex`] (not a scan), groups by
+/// a map, the first node that can take a demand through a max segment tree (not a scan), groups by
 /// name through a map, and what lives on a node through per-node sets.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ClusterState {
