@@ -6,7 +6,7 @@ use std::collections::BTreeSet;
 use crate::cluster::arrange::{arrange, diagnose};
 use crate::cluster::{
     Allocation, BundlePlacement, BundleState, BundleTable, ClusterState, GroupId, GroupRecord,
-    GroupSlot, GroupStatus, PlacementGroupRequest, RemovedGroup,
+    GroupSlot, GroupStatus, PlacementGroupRequest, RemovedGroup, remove_member,
 };
 use crate::error::PlacementError;
 use crate::gpu::GpuPool;
@@ -44,10 +44,7 @@ impl ClusterState {
             }
         };
         self.next_group += 1;
-        let status = match slot {
-            GroupSlot::Pending => GroupStatus::Pending,
-            GroupSlot::Placed { .. } => GroupStatus::Placed,
-        };
+        let status = slot.status();
         self.insert_group(id, GroupRecord { request, slot });
         Ok((id, status))
     }
@@ -95,12 +92,7 @@ impl ClusterState {
         self.pending.remove(&id);
         if let GroupSlot::Placed { table, .. } = &record.slot {
             for bundle in &table.bundles {
-                if let Some(set) = self.groups_on.get_mut(&bundle.node) {
-                    set.remove(&id);
-                    if set.is_empty() {
-                        self.groups_on.remove(&bundle.node);
-                    }
-                }
+                remove_member(&mut self.groups_on, &bundle.node, &id);
             }
         }
     }
@@ -150,10 +142,7 @@ impl ClusterState {
 
     /// Whether a live group is placed or pending.
     pub fn group_status(&self, id: GroupId) -> Option<GroupStatus> {
-        self.groups.get(&id).map(|record| match record.slot {
-            GroupSlot::Pending => GroupStatus::Pending,
-            GroupSlot::Placed { .. } => GroupStatus::Placed,
-        })
+        self.group(id).map(|(_, status)| status)
     }
 
     /// The bundle table of a placed group (`None` while pending or when unknown).
@@ -172,22 +161,12 @@ impl ClusterState {
     /// A live group's request and status.
     pub fn group(&self, id: GroupId) -> Option<(&PlacementGroupRequest, GroupStatus)> {
         let record = self.groups.get(&id)?;
-        let status = match record.slot {
-            GroupSlot::Pending => GroupStatus::Pending,
-            GroupSlot::Placed { .. } => GroupStatus::Placed,
-        };
-        Some((&record.request, status))
+        Some((&record.request, record.slot.status()))
     }
 
     /// Every live group: id, request and status, oldest first.
     pub fn groups(&self) -> impl Iterator<Item = (GroupId, &PlacementGroupRequest, GroupStatus)> {
-        self.groups.iter().map(|(id, record)| {
-            let status = match record.slot {
-                GroupSlot::Pending => GroupStatus::Pending,
-                GroupSlot::Placed { .. } => GroupStatus::Placed,
-            };
-            (*id, &record.request, status)
-        })
+        self.groups.iter().map(|(id, record)| (*id, &record.request, record.slot.status()))
     }
 
     /// The ids of the allocations living in a group's bundles.

@@ -206,6 +206,15 @@ enum GroupSlot {
     Placed { table: BundleTable, bundles: Vec<BundleState> },
 }
 
+impl GroupSlot {
+    fn status(&self) -> GroupStatus {
+        match self {
+            GroupSlot::Pending => GroupStatus::Pending,
+            GroupSlot::Placed { .. } => GroupStatus::Placed,
+        }
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct GroupRecord {
     request: PlacementGroupRequest,
@@ -419,7 +428,7 @@ impl ClusterState {
         self.give_back(&allocation)?;
         self.allocations.remove(&id);
         if allocation.bundle.is_none() {
-            self.forget_direct(&allocation.node, id);
+            remove_member(&mut self.direct_on, &allocation.node, &id);
         }
         Ok(allocation)
     }
@@ -434,23 +443,31 @@ impl ClusterState {
         self.free.update(position, &node);
         self.nodes[position] = node;
     }
+}
 
-    fn forget_direct(&mut self, node: &NodeId, id: AllocationId) {
-        if let Some(set) = self.direct_on.get_mut(node) {
-            set.remove(&id);
-            if set.is_empty() {
-                self.direct_on.remove(node);
-            }
+/// Removes `item` from `key`'s set, and the set when it empties (the per-node indexes).
+fn remove_member<K, V>(map: &mut HashMap<K, BTreeSet<V>>, key: &K, item: &V)
+where
+    K: std::hash::Hash + Eq,
+    V: Ord,
+{
+    if let Some(set) = map.get_mut(key) {
+        set.remove(item);
+        if set.is_empty() {
+            map.remove(key);
         }
     }
+}
 
+impl ClusterState {
     fn take_on_nodes(
         &mut self,
         demand: &ResourceSet,
         only: Option<usize>,
     ) -> Result<(NodeId, Vec<GpuShare>, Option<BundleRef>), PlacementError> {
+        // (`take` checks the exact fit itself.)
         let found = match only {
-            Some(position) => self.nodes[position].can_take(demand).then_some(position),
+            Some(position) => Some(position),
             None => {
                 let nodes = &self.nodes;
                 self.free.first(demand, |position| nodes[position].can_take(demand))

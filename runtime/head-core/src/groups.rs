@@ -129,13 +129,8 @@ impl HeadCore {
             e => Error::Invalid(e.to_string()),
         })?;
         self.pending_groups.remove(&group);
-        if let Some(owner) = self.group_owners.remove(&group)
-            && let Some(set) = self.owned_groups.get_mut(&owner)
-        {
-            set.remove(&group);
-            if set.is_empty() {
-                self.owned_groups.remove(&owner);
-            }
+        if let Some(owner) = self.group_owners.remove(&group) {
+            super::remove_member(&mut self.owned_groups, &owner, &group);
         }
         let reason = format!("its placement group `{}` was removed", removed.name);
         for reply in self.group_waiters.remove(&group).unwrap_or_default() {

@@ -248,12 +248,12 @@ pub struct HeadCore {
     children: HashMap<ActorId, Vec<ActorId>>,
     /// The actor holding each actor allocation.
     holders: HashMap<AllocationId, ActorId>,
-    /// The workers on each node.
     /// Actors whose incarnation ended since the last reschedule: what they owned ends next.
     ended_owners: Vec<ActorId>,
     next_actor: u64,
     /// The next task call id.
     next_call: u64,
+    /// The workers on each node.
     workers_on: HashMap<u64, BTreeSet<WorkerId>>,
     workers: HashMap<WorkerId, WorkerEntry>,
     /// Boxed: the table doubles as it grows, and moving 40,000 inline entries of a few hundred
@@ -588,6 +588,20 @@ impl HeadCore {
             // Only a group removal releases allocations behind our back, and it clears the
             // owner's record first; anything else is a bookkeeping bug worth seeing.
             tracing::warn!(%allocation, "could not release an allocation: {e}");
+        }
+    }
+}
+
+/// Removes `item` from `key`'s set, and the set when it empties (the core's per-key indexes).
+fn remove_member<K, V>(map: &mut HashMap<K, BTreeSet<V>>, key: &K, item: &V)
+where
+    K: std::hash::Hash + Eq,
+    V: Ord,
+{
+    if let Some(set) = map.get_mut(key) {
+        set.remove(item);
+        if set.is_empty() {
+            map.remove(key);
         }
     }
 }

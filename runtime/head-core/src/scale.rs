@@ -436,14 +436,10 @@ impl Scale {
         let stride = self.nodes.len() / deaths;
         let dying: Vec<(String, u64)> =
             (0..deaths).map(|d| self.nodes[d * stride].clone()).collect();
+        let dead: Vec<u64> = dying.iter().map(|(_, id)| *id).collect();
         for (name, id) in dying {
-            let on_node: Vec<WorkerId> = self
-                .core
-                .workers
-                .iter()
-                .filter(|(_, w)| w.node == id)
-                .map(|(worker, _)| *worker)
-                .collect();
+            let on_node: Vec<WorkerId> =
+                self.core.workers_on.get(&id).into_iter().flatten().copied().collect();
             let event = Event::NodeDead { name, reason: "no heartbeat".into() };
             let effects = self.decide(Phase::NodeDeath, Origin::default(), event, probe);
             self.play(effects);
@@ -469,14 +465,6 @@ impl Scale {
             }
         }
         // Workers spawned on a node that died before they started never start.
-        let dead: Vec<u64> = self
-            .core
-            .members
-            .nodes
-            .iter()
-            .filter(|(_, n)| n.dead.is_some())
-            .map(|(id, _)| *id)
-            .collect();
         self.to_start.retain(|(_, node)| !dead.contains(node));
     }
 

@@ -168,12 +168,7 @@ impl HeadCore {
         effects: &mut Vec<Effect>,
     ) {
         let Some(entry) = self.workers.remove(&worker) else { return };
-        if let Some(set) = self.workers_on.get_mut(&entry.node) {
-            set.remove(&worker);
-            if set.is_empty() {
-                self.workers_on.remove(&entry.node);
-            }
-        }
+        super::remove_member(&mut self.workers_on, &entry.node, &worker);
         if let Some(conn) = entry.conn {
             effects.push(Effect::Forget(conn));
         }
