@@ -195,6 +195,21 @@ impl GpuPool {
         Some(shares)
     }
 
+    /// Takes exactly `shares` (a restored allocation's). Fails, changing nothing, when a share
+    /// names a GPU this pool does not own or more of it than is free.
+    pub fn take_exact(&mut self, shares: &[GpuShare]) -> Result<(), GpuShare> {
+        let mut updated = self.slots.clone();
+        for share in shares {
+            let slot = updated
+                .iter_mut()
+                .find(|slot| slot.gpu == share.gpu)
+                .ok_or_else(|| share.clone())?;
+            slot.free = slot.free.checked_sub(share.share).ok_or_else(|| share.clone())?;
+        }
+        self.slots = updated;
+        Ok(())
+    }
+
     /// Returns shares handed out by [`GpuPool::take`]. Fails, changing nothing, when a share
     /// names a GPU this pool does not own or would overfill its slot.
     pub fn give_back(&mut self, shares: &[GpuShare]) -> Result<(), GpuShare> {

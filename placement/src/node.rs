@@ -151,6 +151,22 @@ impl NodeResources {
         true
     }
 
+    /// Takes `demand` with exactly these GPU shares (what a restarting control plane finds
+    /// already handed out); `false`, changing nothing, when they are not free.
+    pub(crate) fn take_exact(&mut self, demand: &ResourceSet, shares: &[GpuShare]) -> bool {
+        let mut available = self.available.clone();
+        if available.try_subtract(demand).is_err() {
+            return false;
+        }
+        let mut gpus = self.gpus.clone();
+        if gpus.take_exact(shares).is_err() {
+            return false;
+        }
+        self.available = available;
+        self.gpus = gpus;
+        true
+    }
+
     /// This node with nothing reserved or allocated.
     pub(crate) fn emptied(&self) -> NodeResources {
         let gpus = GpuPool::whole(self.gpus.slots().iter().map(|slot| slot.gpu.clone()));

@@ -271,14 +271,14 @@ fn modules_import_one_way_inside_each_crate() {
 
 /// The leaf crates and the only crates each may depend on (its `[dependencies]`): the wire
 /// types need serde, the error derive and the placement and store types they carry; the head
-/// core the wire types, the placement state machine and the `tracing` facade (the shell's
-/// subscriber writes).
+/// core the wire types, the placement state machine, serde (its durable records) and the
+/// `tracing` facade (the shell's subscriber writes).
 const LEAF_CRATES: [(&str, &[&str]); 2] = [
     (
         "runtime/proto",
         &["rtrun-placement", "rtrun-object-store", "serde", "serde_bytes", "thiserror"],
     ),
-    ("runtime/head-core", &["rtrun-proto", "rtrun-placement", "tracing"]),
+    ("runtime/head-core", &["rtrun-proto", "rtrun-placement", "serde", "tracing"]),
 ];
 
 /// What the head core's sources may not name: it does no I/O, keeps no clock and takes no

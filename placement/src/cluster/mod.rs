@@ -11,6 +11,7 @@ mod arrange;
 mod fit;
 mod group;
 mod membership;
+mod restore;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;

@@ -77,6 +77,7 @@ impl HeadCore {
             self.names.insert(key, id);
         }
         let info = info_of(id, &spec);
+        self.journal.actor(id);
         self.actors.insert(
             id,
             Box::new(ActorEntry {
@@ -165,6 +166,7 @@ impl HeadCore {
                 continue;
             };
             let node = self.members.node_of(&allocation.node);
+            self.journal.actor(id);
             self.holders.insert(allocation.id, id);
             entry.allocation = Some(allocation);
             let incarnation = entry.incarnation;
@@ -187,6 +189,7 @@ impl HeadCore {
         effects: &mut Vec<Effect>,
     ) -> Result<()> {
         let entry = self.actors.get_mut(&actor).ok_or(Error::NotFound(Missing::Actor(actor)))?;
+        self.journal.actor(actor);
         if no_restart {
             entry.killed = true;
             entry.death_reason = Some("it was killed".into());
@@ -230,6 +233,7 @@ impl HeadCore {
         effects: &mut Vec<Effect>,
     ) {
         let Some(entry) = self.actors.get_mut(&actor) else { return };
+        self.journal.actor(actor);
         if let Some(allocation) = entry.allocation.take() {
             self.holders.remove(&allocation.id);
             self.release(allocation.id);
@@ -261,6 +265,7 @@ impl HeadCore {
         if entry.incarnation != incarnation {
             return;
         }
+        self.journal.actor(actor);
         match result {
             Ok(()) => {
                 let Some(address) = self.workers.get(&worker).and_then(|w| w.address.clone())

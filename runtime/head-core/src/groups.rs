@@ -90,6 +90,7 @@ impl HeadCore {
                 .collect();
             for child in children {
                 let _ = self.kill_actor(child, true, effects);
+                self.journal.actor(child);
                 if let Some(entry) = self.actors.get_mut(&child) {
                     entry.death_reason = Some(format!("its owner, actor {owner}, ended"));
                 }
@@ -129,6 +130,7 @@ impl HeadCore {
             e => Error::Invalid(e.to_string()),
         })?;
         self.pending_groups.remove(&group);
+        self.journal.group(group);
         if let Some(owner) = self.group_owners.remove(&group) {
             super::remove_member(&mut self.owned_groups, &owner, &group);
         }
@@ -153,6 +155,7 @@ impl HeadCore {
         for allocation in &released {
             let Some(id) = self.holders.remove(allocation) else { continue };
             let Some(entry) = self.actors.get_mut(&id) else { continue };
+            self.journal.actor(id);
             entry.allocation = None;
             entry.killed = true;
             entry.death_reason = Some(reason.clone());
@@ -207,6 +210,7 @@ impl HeadCore {
         if !self.pending_groups.is_empty() {
             for id in self.cluster.schedule_pending() {
                 self.pending_groups.remove(&id);
+                self.journal.group(id);
                 let waiters = self.group_waiters.remove(&id).unwrap_or_default();
                 if waiters.is_empty() {
                     continue;

@@ -86,12 +86,14 @@ impl HeadCore {
             package: entry.package.clone(),
             info: entry.info(id),
         })));
+        self.journal.job(id);
         self.members.jobs.insert(id, entry);
         Ok(())
     }
 
     /// The shell could not start job `job` (its files could not be laid out).
     pub fn job_failed_to_start(&mut self, job: u64, reason: String) {
+        self.journal.job(job);
         if let Some(entry) = self.members.jobs.get_mut(&job) {
             entry.state = JobState::Failed { reason };
         }
@@ -104,6 +106,7 @@ impl HeadCore {
         let head_node = self.members.head_node;
         let entry = self.members.jobs.get_mut(&job).ok_or(Error::NotFound(Missing::Job(job)))?;
         if entry.state == JobState::Running {
+            self.journal.job(job);
             entry.stop_requested = true;
             if let Some(pid) = entry.pid {
                 effects.push(Effect::Kill { node: head_node, pid });
@@ -130,6 +133,7 @@ impl HeadCore {
     pub(super) fn delete_job(&mut self, job: u64, effects: &mut Vec<Effect>) -> Response {
         match self.members.delete_job(job) {
             Ok((info, log)) => {
+                self.journal.job(job);
                 effects.push(Effect::RemoveJobLog { job, log });
                 Response::Jobs(vec![info])
             }

@@ -13,6 +13,7 @@
 //! actor calls).
 
 mod actors;
+mod durable;
 mod groups;
 mod jobs;
 mod members;
@@ -37,6 +38,7 @@ use rtrun_proto::protocol::{
 };
 use rtrun_proto::task::TaskSpec;
 
+pub use durable::{DurableState, Record, STATE_VERSION};
 pub use jobs::JobStart;
 pub(crate) use members::Members;
 
@@ -136,13 +138,14 @@ pub struct HeadConfig {
     pub task_worker_idle_timeout: std::time::Duration,
 }
 
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 enum WorkerRole {
     Actor { actor: ActorId, incarnation: u64 },
     Tasks { running: Option<u64> },
 }
 
 /// Which driver's job a worker, actor or task belongs to.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug, Default, serde::Serialize, serde::Deserialize)]
 struct Lineage {
     /// The job binary (`None`: the embedded driver's own executable).
     job: Option<String>,
@@ -156,7 +159,9 @@ struct Lineage {
 }
 
 /// Who a placement group ends with.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+)]
 enum GroupOwner {
     /// The driver whose job created it: removed when that driver goes.
     Driver(WorkerId),
@@ -164,19 +169,22 @@ enum GroupOwner {
     Actor(ActorId),
 }
 
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 struct WorkerEntry {
     /// The node it runs on.
     node: u64,
     lineage: Lineage,
     pid: Option<u32>,
     address: Option<Address>,
-    /// The connection it registered on (none until it has).
+    /// The connection it registered on (none until it has; a restarted head has none).
+    #[serde(skip)]
     conn: Option<ConnToken>,
     role: WorkerRole,
     /// Killed before its pid was known: kill it as soon as it is.
     kill_requested: bool,
 }
 
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 enum ActorState {
     /// Waiting for resources.
     Pending,
@@ -188,6 +196,7 @@ enum ActorState {
     Dead { reason: String },
 }
 
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 struct ActorEntry {
     /// The job that created it (it dies with that job's driver).
     lineage: Lineage,
@@ -202,6 +211,7 @@ struct ActorEntry {
     /// Why the actor must die when its worker exits (a failed constructor).
     death_reason: Option<String>,
     /// Who waits for it to be alive (after an incarnation, if given).
+    #[serde(skip)]
     waiters: Vec<(Option<u64>, ReplyToken)>,
     /// Its latest worker and that worker's node (whose log holds its output, also once dead).
     last_worker: Option<(WorkerId, u64)>,
@@ -280,6 +290,10 @@ pub struct HeadCore {
     shutting_down: bool,
     /// Nodes, drivers and jobs of a cluster (the embedded session has only its own node).
     pub(crate) members: Members,
+    /// Which durable entries changed since the shell last took its records.
+    journal: durable::Journal,
+    /// The nodes and drivers a recovered head waits for.
+    awaiting: durable::Awaiting,
 }
 
 impl HeadCore {
@@ -320,6 +334,8 @@ impl HeadCore {
             task_totals: BTreeMap::new(),
             shutting_down: false,
             members: Members::new(head_node),
+            journal: durable::Journal::default(),
+            awaiting: durable::Awaiting::default(),
         })
     }
 
@@ -520,6 +536,7 @@ impl HeadCore {
                         (None, Some(driver)) => Some(GroupOwner::Driver(driver)),
                         (None, None) => None,
                     };
+                    self.journal.group(state.id);
                     if let Some(owner) = owner {
                         self.group_owners.insert(state.id, owner);
                         self.owned_groups.entry(owner).or_default().insert(state.id);
@@ -550,6 +567,7 @@ impl HeadCore {
             },
             HeadRequest::ListPlacementGroups => Response::PlacementGroups(self.list_groups()),
             HeadRequest::KvPut { key, value } => {
+                self.journal.kv(&key);
                 self.kv.insert(key, value);
                 Response::Done
             }
@@ -557,6 +575,7 @@ impl HeadCore {
                 self.kv.get(&key).cloned().map(rtrun_proto::protocol::ByteBuf::from),
             ),
             HeadRequest::KvDelete { key } => {
+                self.journal.kv(&key);
                 Response::KvValue(self.kv.remove(&key).map(rtrun_proto::protocol::ByteBuf::from))
             }
         };
@@ -569,6 +588,8 @@ impl HeadCore {
             // A submitted job's driver was reaped: the driver is gone now, so its actors and
             // groups go at once rather than when its connection times out.
             Some((driver, files)) => {
+                // A job's driver has the job's number as its id.
+                self.journal.job(worker.0);
                 if let Some(driver) = driver {
                     self.driver_gone(driver, effects);
                 }

@@ -14,6 +14,7 @@ use rtrun_proto::ids::{NodeId, WorkerId};
 use rtrun_proto::protocol::{Address, JobInfo, JobState, NodeInfo, WorkerExit};
 
 /// A node as the head knows it.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub(crate) struct NodeEntry {
     /// The name its certificate carries (unique among live nodes).
     pub(crate) name: String,
@@ -22,12 +23,13 @@ pub(crate) struct NodeEntry {
     /// Its id in the placement state.
     placement: rtrun_placement::NodeId,
     /// Resources it registered with.
-    resources: NodeResources,
+    pub(crate) resources: NodeResources,
     /// `None` while alive; why it died otherwise.
     pub(crate) dead: Option<String>,
 }
 
 /// A submitted job: a driver process the head runs on its own node.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub(crate) struct JobEntry {
     pub(crate) worker: WorkerId,
     pub(crate) binary: String,
@@ -70,7 +72,7 @@ pub(crate) struct Members {
     /// Where submitted jobs' logs go (cluster only).
     pub(crate) job_log_dir: Option<PathBuf>,
     /// Ids of workers, drivers and nodes come from one counter, so none collide.
-    next: u64,
+    pub(crate) next: u64,
     pub(crate) nodes: BTreeMap<u64, NodeEntry>,
     by_placement: HashMap<rtrun_placement::NodeId, u64>,
     /// Live nodes by name (a dead node's name is free for a node that rejoins).
@@ -100,6 +102,17 @@ impl Members {
         let id = self.next;
         self.next += 1;
         id
+    }
+
+    /// Indexes live node `id` (restored from the durable state) by name and placement id.
+    pub(crate) fn restore_live_node(&mut self, id: u64, node: &NodeEntry) {
+        self.by_placement.insert(node.placement.clone(), id);
+        self.live_by_name.insert(node.name.clone(), id);
+    }
+
+    /// Records node `id` as restored from the durable state.
+    pub(crate) fn restore_node(&mut self, id: u64, node: NodeEntry) {
+        self.nodes.insert(id, node);
     }
 
     /// The node id of a placement node.
@@ -273,6 +286,7 @@ impl HeadCore {
         );
         self.members.by_placement.insert(placement.clone(), id);
         self.members.live_by_name.insert(name.clone(), id);
+        self.journal.node(id);
         self.members
             .nodes
             .insert(id, NodeEntry { name, address, placement, resources, dead: None });
@@ -286,10 +300,13 @@ impl HeadCore {
         self.head_address()?;
         let worker = WorkerId(self.members.next_id());
         self.members.drivers.insert(worker, binary);
-        if let Some(entry) = job.and_then(|job| self.members.jobs.get_mut(&job))
+        self.journal.driver(worker);
+        if let Some(job) = job
+            && let Some(entry) = self.members.jobs.get_mut(&job)
             && entry.driver.is_none()
         {
             entry.driver = Some(worker);
+            self.journal.job(job);
         }
         Ok(worker)
     }
@@ -301,6 +318,8 @@ impl HeadCore {
         if self.members.drivers.remove(&driver).is_none() {
             return;
         }
+        self.journal.driver(driver);
+        self.awaiting.drivers.remove(&driver);
         let actors: Vec<_> = self
             .actors
             .iter()
@@ -339,6 +358,8 @@ impl HeadCore {
     fn node_died(&mut self, id: u64, reason: String, effects: &mut Vec<Effect>) {
         tracing::warn!("{reason}");
         let Some(entry) = self.members.nodes.get_mut(&id) else { return };
+        self.journal.node(id);
+        self.awaiting.nodes.remove(&id);
         entry.dead = Some(reason.clone());
         if self.members.live_by_name.get(&entry.name) == Some(&id) {
             self.members.live_by_name.remove(&entry.name);
@@ -356,6 +377,7 @@ impl HeadCore {
         let mut lost_holders = Vec::new();
         for allocation in &lost_ids {
             if let Some(actor) = self.holders.remove(allocation) {
+                self.journal.actor(actor);
                 if let Some(entry) = self.actors.get_mut(&actor) {
                     entry.allocation = None;
                 }
@@ -363,6 +385,7 @@ impl HeadCore {
             }
         }
         for group in &lost.requeued_groups {
+            self.journal.group(*group);
             self.pending_groups.insert(*group);
         }
         let workers: Vec<WorkerId> =

@@ -29,7 +29,8 @@ use rtrun_placement::{
 };
 
 use super::{
-    ActorState, ConnToken, Effect, Event, HeadConfig, HeadCore, JobStart, Origin, ReplyToken,
+    ActorState, ConnToken, DurableState, Effect, Event, HeadConfig, HeadCore, JobStart, Origin,
+    ReplyToken,
 };
 use rtrun_proto::actor::{ActorOptions, ActorSpec};
 use rtrun_proto::ids::{ActorId, ObjectId, WorkerId};
@@ -121,6 +122,13 @@ enum Op {
     StopCluster,
     /// The clock moves this many milliseconds on.
     Tick(u64),
+    /// The head process is killed and restarted from its durable state; the nodes whose bit
+    /// is set in `rejoin` (cycled) reconnect at once, the others later or never.
+    HeadRestarts {
+        rejoin: u8,
+    },
+    /// A node still awaited by a restarted head reconnects.
+    LateRejoin(u8),
 }
 
 fn op() -> impl proptest::strategy::Strategy<Value = Op> {
@@ -174,6 +182,8 @@ fn op() -> impl proptest::strategy::Strategy<Value = Op> {
         1 => any::<u8>().prop_map(Op::NodeAlive),
         1 => prop::bool::weighted(0.05).prop_map(|_| Op::StopCluster),
         2 => (0u64..8_000).prop_map(Op::Tick),
+        1 => any::<u8>().prop_map(|rejoin| Op::HeadRestarts { rejoin }),
+        1 => any::<u8>().prop_map(Op::LateRejoin),
     ]
 }
 
@@ -199,9 +209,20 @@ enum Asked {
     Other,
 }
 
+/// How long a restarted head waits for nodes and drivers in the simulation.
+const RECONNECT_WINDOW_MS: u64 = 3_000;
+
 /// Everything outside the core.
 struct World {
     core: HeadCore,
+    /// The durable state as the head's state directory holds it (every record replayed).
+    durable: DurableState,
+    /// Nodes a restarted head still waits for.
+    awaiting: Vec<u64>,
+    /// Head restarts played, actors kept alive across them, and nodes given up after them.
+    restarts: usize,
+    kept_across_restarts: usize,
+    given_up: usize,
     /// Requests not answered yet.
     outstanding: BTreeMap<ReplyToken, Asked>,
     next_reply: u64,
@@ -245,27 +266,47 @@ fn resources(cpus: u8, gpus: u8) -> ResourceSet {
     set
 }
 
+fn sim_config() -> HeadConfig {
+    let head_node = 0;
+    HeadConfig {
+        node: NodeResources::with_fake_gpus(
+            rtrun_placement::NodeId::new(rtrun_proto::ids::NodeId(head_node).to_string()),
+            2,
+            1,
+        ),
+        max_task_workers: 3,
+        noset_cuda_visible_devices: false,
+        task_worker_idle_timeout: std::time::Duration::from_millis(5_000),
+    }
+}
+
+/// A fresh cluster head, as `rtrun head` makes one.
+fn sim_head() -> HeadCore {
+    let mut core = HeadCore::new("5151".into(), sim_config(), 0).expect("a valid node");
+    core.enable_cluster(
+        "quic://127.0.0.1:1/0/rtrun-5151-0".into(),
+        "head".into(),
+        "/sim/logs".into(),
+    );
+    core
+}
+
+/// The durable state as JSON, to compare two of them.
+fn json(state: &DurableState) -> serde_json::Value {
+    serde_json::to_value(state).expect("a durable state serialises")
+}
+
 impl World {
     fn new() -> World {
-        let head_node = 0;
-        let config = HeadConfig {
-            node: NodeResources::with_fake_gpus(
-                rtrun_placement::NodeId::new(rtrun_proto::ids::NodeId(head_node).to_string()),
-                2,
-                1,
-            ),
-            max_task_workers: 3,
-            noset_cuda_visible_devices: false,
-            task_worker_idle_timeout: std::time::Duration::from_millis(5_000),
-        };
-        let mut core = HeadCore::new("5151".into(), config, head_node).expect("a valid node");
-        core.enable_cluster(
-            "quic://127.0.0.1:1/0/rtrun-5151-0".into(),
-            "head".into(),
-            "/sim/logs".into(),
-        );
+        let mut core = sim_head();
+        let durable = core.journal_from_now();
         World {
             core,
+            durable,
+            awaiting: Vec::new(),
+            restarts: 0,
+            kept_across_restarts: 0,
+            given_up: 0,
             outstanding: BTreeMap::new(),
             next_reply: 0,
             next_conn: 1,
@@ -468,6 +509,7 @@ impl World {
                     return;
                 };
                 let (name, id) = self.nodes.remove(index);
+                self.awaiting.retain(|n| *n != id);
                 self.handle(
                     Origin::default(),
                     Event::NodeDead { name, reason: "no heartbeat".into() },
@@ -717,6 +759,12 @@ impl World {
             Op::Tick(ms) => {
                 self.clock_ms += ms;
                 self.handle(Origin::default(), Event::Tick { now_ms: self.clock_ms });
+                self.drop_expired_nodes();
+            }
+            Op::HeadRestarts { rejoin } => self.restart_head(rejoin),
+            Op::LateRejoin(selector) => {
+                let Some(node) = pick(&self.awaiting, selector) else { return };
+                self.rejoin(node);
             }
             Op::Views => {
                 let info = self.request(Origin::default(), HeadRequest::ClusterInfo);
@@ -862,6 +910,154 @@ impl World {
             if let Some(conn) = entry.conn {
                 assert!(self.conns.contains(&conn), "worker {worker} on forgotten {conn:?}");
             }
+        }
+    }
+
+    /// Appends what the core journaled to the durable state, which must then equal what the
+    /// core holds (a replay of the state directory gives back the core's durable tables).
+    fn persist(&mut self) {
+        for record in self.core.take_records() {
+            self.durable.apply(record);
+        }
+        let held = json(&self.core.durable_state());
+        assert!(
+            json(&self.durable) == held,
+            "the journal missed a change: replayed {:#} vs held {held:#}",
+            json(&self.durable)
+        );
+    }
+
+    /// The head process is SIGKILLed and restarted on its state directory: requests in flight
+    /// are lost, and so are the processes of the head's own node (its children); the nodes in
+    /// `rejoin` reconnect at once with what they run, every registered worker re-registers and
+    /// every driver reconnects. Actors alive on a node that rejoined keep their worker and
+    /// incarnation; the key-value store is whole.
+    fn restart_head(&mut self, rejoin: u8) {
+        self.persist();
+        self.restarts += 1;
+        let head_node = self.core.members.head_node;
+        let alive_before: BTreeMap<ActorId, (WorkerId, u64, u64)> = self
+            .core
+            .actors
+            .iter()
+            .filter_map(|(id, a)| match a.state {
+                ActorState::Alive { worker, .. } => {
+                    let node = self.core.workers.get(&worker)?.node;
+                    Some((*id, (worker, a.incarnation, node)))
+                }
+                _ => None,
+            })
+            .collect();
+        let mut core = sim_head();
+        let effects = core
+            .recover(self.durable.clone(), self.clock_ms, RECONNECT_WINDOW_MS)
+            .expect("a head recovers what it persisted");
+        self.durable = core.journal_from_now();
+        self.core = core;
+        self.outstanding.clear();
+        self.conns.clear();
+        self.calls.clear();
+        self.processes.retain(|_, p| p.node != head_node);
+        for p in self.processes.values_mut() {
+            p.conn = None;
+        }
+        self.apply(effects);
+        self.awaiting = self.nodes.iter().map(|(_, id)| *id).collect();
+        let now: Vec<u64> = self
+            .awaiting
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| rejoin & (1 << (i % 8)) != 0)
+            .map(|(_, id)| *id)
+            .collect();
+        for node in now {
+            self.rejoin(node);
+        }
+        // Every process the new head does not know (a task worker) is refused and exits; the
+        // others that had registered register again.
+        let workers: Vec<WorkerId> = self.processes.keys().copied().collect();
+        for worker in workers {
+            if !self.core.workers.contains_key(&worker) {
+                self.exits(worker, WorkerExit::Code(1));
+                continue;
+            }
+            let Some(p) = self.processes.get(&worker) else { continue };
+            if p.actor.is_none() {
+                continue;
+            }
+            let pid = p.pid.expect("a registered worker has started");
+            let conn = ConnToken(self.next_conn);
+            self.next_conn += 1;
+            if let Some(p) = self.processes.get_mut(&worker) {
+                p.conn = Some(conn);
+            }
+            let from = Origin { conn: Some(conn), process: Some(worker) };
+            let address = format!("unix:@rtrun-5151-{}", worker.0);
+            let answer = self.request(from, HeadRequest::RegisterWorker { worker, address, pid });
+            assert!(matches!(answer, Some(Response::Assignment(_))), "{worker}: {answer:?}");
+        }
+        for driver in self.drivers.clone() {
+            self.core.rejoin_driver(driver).expect("a driver of the old head rejoins");
+        }
+        self.jobs.retain(|job| self.core.members.jobs.contains_key(job));
+        for (actor, (worker, incarnation, node)) in alive_before {
+            if node == head_node || self.awaiting.contains(&node) {
+                continue;
+            }
+            let Some(entry) = self.core.actors.get(&actor) else { panic!("{actor} was lost") };
+            let kept = matches!(entry.state, ActorState::Alive { worker: w, .. } if w == worker)
+                && entry.incarnation == incarnation;
+            let killed = self.processes.get(&worker).is_none_or(|p| p.killed);
+            assert!(kept || killed, "{actor} on a rejoined node lost its worker {worker}");
+            self.kept_across_restarts += usize::from(kept);
+        }
+        for (key, value) in &self.kv {
+            assert_eq!(self.core.kv.get(key), Some(value), "{key} was lost in the restart");
+        }
+        assert_eq!(self.core.kv.len(), self.kv.len(), "keys appeared in the restart");
+    }
+
+    /// Node `node` reconnects to a restarted head, reporting the processes it runs.
+    fn rejoin(&mut self, node: u64) {
+        self.awaiting.retain(|n| *n != node);
+        let Some((name, _)) = self.nodes.iter().find(|(_, id)| *id == node).cloned() else {
+            return;
+        };
+        let running: Vec<(WorkerId, Option<u32>)> = self
+            .processes
+            .iter()
+            .filter(|(_, p)| p.node == node)
+            .map(|(w, p)| (*w, p.pid))
+            .collect();
+        let mut effects = Vec::new();
+        self.core
+            .rejoin_node(node, &name, &running, &mut effects)
+            .expect("an awaited node rejoins");
+        self.events += 1;
+        self.apply(effects);
+    }
+
+    /// Drops the nodes a restarted head gave up on (they did not reconnect in time) and their
+    /// processes, reporting their exits late.
+    fn drop_expired_nodes(&mut self) {
+        let dead: Vec<(String, u64)> = self
+            .nodes
+            .iter()
+            .filter(|(_, id)| self.core.members.nodes.get(id).is_some_and(|n| n.dead.is_some()))
+            .cloned()
+            .collect();
+        for (name, id) in dead {
+            self.given_up += 1;
+            self.nodes.retain(|(_, n)| *n != id);
+            self.awaiting.retain(|n| *n != id);
+            let gone: Vec<WorkerId> =
+                self.processes.iter().filter(|(_, p)| p.node == id).map(|(w, _)| *w).collect();
+            for worker in gone {
+                self.exits(worker, WorkerExit::Lost(format!("{name} was given up")));
+            }
+            let mut effects = Vec::new();
+            let refused = self.core.rejoin_node(id, &name, &[], &mut effects);
+            assert!(refused.is_err() && effects.is_empty(), "a node given up rejoined");
         }
     }
 
@@ -1011,6 +1207,7 @@ fn simulate(ops: Vec<Op>) {
     let mut world = World::new();
     for op in ops {
         world.run(op);
+        world.persist();
         world.check();
     }
     world.wind_down();
@@ -1039,6 +1236,8 @@ struct Reached {
     placed_groups: usize,
     pending_groups: usize,
     dead_nodes: usize,
+    restarts: usize,
+    given_up: usize,
     events: usize,
     kinds: BTreeSet<&'static str>,
 }
@@ -1077,6 +1276,8 @@ fn the_schedules_reach_every_kind_of_state() {
             world.observe(&mut reached);
         }
         reached.events += world.events;
+        reached.restarts += world.restarts;
+        reached.given_up += world.given_up;
         world.wind_down();
         reached.kinds.extend(&world.kinds);
     }
@@ -1092,6 +1293,8 @@ fn the_schedules_reach_every_kind_of_state() {
         ("dead nodes", reached.dead_nodes),
         ("answered tasks", reached.tasks_answered as usize),
         ("failed tasks", reached.tasks_failed as usize),
+        ("head restarts", reached.restarts),
+        ("nodes given up after a head restart", reached.given_up),
     ] {
         assert!(count > 0, "no schedule reached {what}: {reached:?}");
     }
@@ -1213,4 +1416,70 @@ fn two_thousand_nodes_keep_the_invariants_in_every_shape() {
         };
         assert_eq!(held, expected, "{layout:?}: GPUs held by actors");
     }
+}
+
+/// A head killed and restarted on its durable state: the actor on the node that rejoins keeps
+/// its worker and incarnation (its state lives on), the named detached actor on the head's own
+/// node restarts, the key-value store is whole; the node that never reconnects is given up
+/// when the window closes and its actor is placed anew.
+#[test]
+fn a_restarted_head_keeps_what_rejoins_and_gives_up_what_does_not() {
+    let mut world = World::new();
+    // The head offers 2 CPUs: actors of 3 go to the nodes, which offer 3 each.
+    world.run(Op::JoinNode { cpus: 3, gpus: 0 });
+    world.run(Op::JoinNode { cpus: 3, gpus: 0 });
+    world.run(Op::DriverJoins);
+    let actor = |cpus, name, detached| Op::CreateActor {
+        by: 1,
+        cpus,
+        gpus: 0,
+        name,
+        restarts: 1,
+        detached,
+        get_if_exists: false,
+        group: None,
+    };
+    world.run(actor(3, None, false));
+    world.run(actor(3, None, false));
+    world.run(actor(1, Some(0), true));
+    for _ in 0..3 {
+        world.run(Op::ProcessStarts(0));
+        world.run(Op::ProcessRegisters(0));
+        world.run(Op::ActorConstructed { process: 0, ok: true });
+    }
+    world.run(Op::Kv { op: 0, key: 1 });
+    world.persist();
+    world.check();
+    let [on_first, on_second, named] = [0, 1, 2].map(|i| world.actors[i]);
+    let before = |world: &World, actor| match world.core.actors[&actor].state {
+        ActorState::Alive { worker, .. } => (worker, world.core.workers[&worker].node),
+        ref other => panic!("{actor} is {other:?}"),
+    };
+    let (first_worker, first_node) = before(&world, on_first);
+    let (_, second_node) = before(&world, on_second);
+    assert_ne!(first_node, second_node);
+    assert_eq!(before(&world, named).1, 0, "the small actor runs on the head's node");
+    // Only the first node reconnects at once (its index is bit 0).
+    let first_index = world.nodes.iter().position(|(_, id)| *id == first_node).unwrap();
+    world.run(Op::HeadRestarts { rejoin: 1 << first_index });
+    world.persist();
+    world.check();
+    assert!(matches!(world.core.actors[&on_first].state,
+        ActorState::Alive { worker, .. } if worker == first_worker));
+    assert_eq!(world.core.actors[&on_first].incarnation, 0);
+    assert_eq!(world.kept_across_restarts, 1);
+    // The named actor's worker ended with the head: it restarts under the same name.
+    assert!(matches!(world.core.actors[&named].state, ActorState::Starting { .. }));
+    assert_eq!(world.core.actors[&named].incarnation, 1);
+    assert!(world.core.names.values().any(|id| *id == named));
+    world.run(Op::Kv { op: 1, key: 1 });
+    // The window closes: the second node is given up, its actor waits to be placed anew.
+    world.run(Op::Tick(RECONNECT_WINDOW_MS));
+    world.persist();
+    world.check();
+    assert_eq!(world.given_up, 1);
+    assert!(world.core.members.nodes[&second_node].dead.is_some());
+    assert!(matches!(world.core.actors[&on_second].state, ActorState::Pending));
+    assert_eq!(world.core.actors[&on_second].incarnation, 1);
+    world.wind_down();
 }

@@ -224,6 +224,9 @@ impl HeadCore {
         for (worker, _) in expired {
             self.kill_worker(worker, effects);
         }
+        if self.awaiting_reconnects() {
+            self.expire_awaiting(effects);
+        }
     }
 
     /// The driver `driver` is gone: its tasks, queued or running, are dropped (failed with the

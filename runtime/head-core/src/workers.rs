@@ -48,6 +48,7 @@ impl HeadCore {
         };
         env.push(spec.to_env());
         self.workers_on.entry(node).or_default().insert(worker);
+        self.journal.worker(worker);
         self.workers.insert(
             worker,
             WorkerEntry {
@@ -78,6 +79,7 @@ impl HeadCore {
             .workers
             .get_mut(&worker)
             .ok_or_else(|| Error::Invalid(format!("unknown worker {worker} (pid {pid})")))?;
+        self.journal.worker(worker);
         if let Some(old) = entry.conn.replace(conn)
             && old != conn
         {
@@ -122,6 +124,8 @@ impl HeadCore {
     /// before it started); a worker killed before its pid was known is killed now.
     pub(super) fn worker_spawned(&mut self, worker: WorkerId, pid: u32, effects: &mut Vec<Effect>) {
         if let Some(stop) = self.members.job_spawned(worker, pid) {
+            // A job's driver has the job's number as its id.
+            self.journal.job(worker.0);
             if stop {
                 effects.push(Effect::Kill { node: self.members.head_node, pid });
             }
@@ -129,6 +133,7 @@ impl HeadCore {
         }
         let shutting_down = self.shutting_down;
         if let Some(entry) = self.workers.get_mut(&worker) {
+            self.journal.worker(worker);
             entry.pid = Some(pid);
             if entry.kill_requested || shutting_down {
                 effects.push(Effect::Kill { node: entry.node, pid });
@@ -139,6 +144,7 @@ impl HeadCore {
     /// Kills a worker's process, now or as soon as its pid is known.
     pub(super) fn kill_worker(&mut self, worker: WorkerId, effects: &mut Vec<Effect>) {
         if let Some(w) = self.workers.get_mut(&worker) {
+            self.journal.worker(worker);
             match w.pid {
                 Some(pid) => effects.push(Effect::Kill { node: w.node, pid }),
                 None => w.kill_requested = true,
@@ -168,6 +174,7 @@ impl HeadCore {
         effects: &mut Vec<Effect>,
     ) {
         let Some(entry) = self.workers.remove(&worker) else { return };
+        self.journal.worker(worker);
         super::remove_member(&mut self.workers_on, &entry.node, &worker);
         if let Some(conn) = entry.conn {
             effects.push(Effect::Forget(conn));
@@ -218,6 +225,7 @@ impl HeadCore {
         if actor_entry.incarnation != incarnation {
             return;
         }
+        self.journal.actor(actor);
         self.ended_owners.push(actor);
         let Some(actor_entry) = self.actors.get_mut(&actor) else { return };
         let restart = !actor_entry.killed && actor_entry.restarts_left != 0;
