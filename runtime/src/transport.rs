@@ -387,6 +387,11 @@ impl Endpoint {
     /// The connection to the cluster head at `head`: [`Endpoint::connect`], and every later
     /// connection to it, with the control plane's idle timeout, so that a head that stalls for
     /// longer than the ordinary idle timeout does not lose every peer.
+    /// The head's address, once [`Endpoint::connect_head`] named it.
+    pub(crate) fn head_address(&self) -> Option<&Address> {
+        self.head.get()
+    }
+
     pub(crate) fn connect_head(&self, head: &Address) -> Result<Arc<Connection>> {
         let _ = self.head.set(head.clone());
         self.connect(head)

@@ -525,6 +525,24 @@ impl HeadCore {
         Ok(())
     }
 
+    /// The addresses of what a recovered head waits for — the nodes' daemons and their
+    /// registered workers — to tell them it restarted (so they reconnect at once, rather than
+    /// when their dead connections to the old head time out).
+    pub fn reconnect_targets(&self) -> Vec<rtrun_proto::protocol::Address> {
+        let mut targets = Vec::new();
+        for node in self.awaiting.nodes.keys() {
+            if let Some(entry) = self.members.nodes.get(node) {
+                targets.push(entry.address.clone());
+            }
+            for worker in self.workers_on.get(node).into_iter().flatten() {
+                if let Some(address) = self.workers.get(worker).and_then(|w| w.address.clone()) {
+                    targets.push(address);
+                }
+            }
+        }
+        targets
+    }
+
     /// Whether a recovered head still waits for nodes or drivers to reconnect.
     pub fn awaiting_reconnects(&self) -> bool {
         !self.awaiting.nodes.is_empty() || !self.awaiting.drivers.is_empty()

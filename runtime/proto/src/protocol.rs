@@ -527,6 +527,13 @@ pub enum NodeRequest {
     },
     /// A node's log files and their sizes.
     ListLogs,
+    /// Head → the node daemons, workers and drivers of the cluster it recovered: it restarted
+    /// at `head` (its address, as before); their old connection to it is dead, so they
+    /// reconnect now rather than when that connection times out.
+    HeadRestarted {
+        /// The restarted head's address.
+        head: Address,
+    },
 }
 
 /// Requests to the owner of an object (the process that created it).

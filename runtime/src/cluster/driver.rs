@@ -69,15 +69,22 @@ pub(crate) fn start_driver(config: &Config, address: &str, binary: bool) -> Resu
     let job = std::env::var(JOB_ENV).ok().and_then(|job| job.parse().ok()).filter(|_| binary);
     let (reply, _) = control_request(
         &member,
-        NetRequest::JoinDriver { binary: digest, endpoint, job },
+        NetRequest::JoinDriver { binary: digest.clone(), endpoint, job, resume: None },
         Vec::new(),
     )?;
-    let NetReply::Joined { session, worker, node: node_id, head: head_address } = reply else {
+    let NetReply::Joined { session, worker, node: node_id, head: head_address, reconnect_ms } =
+        reply
+    else {
         return Err(Error::Transport("unexpected answer to a join".into()));
     };
     member.link.node.store(node_id, std::sync::atomic::Ordering::Release);
     let address = Route::quic(endpoint, node_id, &crate::runtime::socket_name(&session, worker));
-    member.install();
+    let member = member.install();
+    // A driver (not a one-command client) reconnects to a head that restarts.
+    if let Some(digest) = digest {
+        member.set_driver_binary(digest);
+        member.set_reconnect_window(reconnect_ms.map(Duration::from_millis));
+    }
     // Peers (the head above all, which ends the job's actors) learn of a normal exit at once;
     // a killed driver is noticed when its heartbeats stop.
     close_connections_at_exit();

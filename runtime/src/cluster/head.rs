@@ -38,7 +38,18 @@ pub struct HeadOptions {
     pub config: Config,
     /// Silence after which a node is dead.
     pub heartbeat_timeout: Duration,
+    /// Where the head persists its durable state (`--state-dir`): a head restarted on the same
+    /// directory and address recovers its cluster. `None`: today's head, whose nodes exit
+    /// when they lose it.
+    pub state_dir: Option<PathBuf>,
+    /// How long nodes and drivers reconnect to a head with a state directory after losing it
+    /// (`--reconnect-window`; default [`DEFAULT_RECONNECT_WINDOW`]).
+    pub reconnect_window: Duration,
 }
+
+/// How long nodes, workers and drivers reconnect to a restarting head by default (Ray's
+/// raylets wait 60 s for a restarted GCS).
+pub const DEFAULT_RECONNECT_WINDOW: Duration = Duration::from_secs(60);
 
 /// A running head.
 pub struct HeadHandle {
@@ -94,7 +105,31 @@ pub fn start_head(options: HeadOptions) -> Result<HeadHandle> {
         bound.ip()
     });
     let advertised = SocketAddr::new(ip, bound.port());
-    let session = format!("{:016x}", crate::runtime::random_u64());
+    // A head with a state directory takes the session (and so its processes' addresses) of the
+    // cluster it recovers.
+    let cluster_id: String =
+        credentials.authority.fingerprint().iter().map(|b| format!("{b:02x}")).collect();
+    let state = match &options.state_dir {
+        Some(dir) => Some((dir.clone(), crate::head::state_dir::StateDir::read(dir, &cluster_id)?)),
+        None => None,
+    };
+    let recovered_meta =
+        state.as_ref().and_then(|(_, (_, found))| found.as_ref().map(|f| f.meta.clone()));
+    let session = match &recovered_meta {
+        Some(meta) => meta.session.clone(),
+        None => format!("{:016x}", crate::runtime::random_u64()),
+    };
+    if let Some(meta) = &recovered_meta
+        && meta.address != advertised.to_string()
+    {
+        tracing::warn!(
+            "this head was at {} before it restarted and is at {advertised} now: its nodes and \
+             drivers reconnect to the address they joined, so they cannot find it (restart it \
+             with --port {} and the same --advertise)",
+            meta.address,
+            meta.address.rsplit(':').next().unwrap_or("?")
+        );
+    }
     let worker = crate::ids::DRIVER_WORKER_ID;
     let address = Route::quic(advertised, 0, &crate::runtime::socket_name(&session, worker));
     let link = Arc::new(NetLink {
@@ -131,6 +166,30 @@ pub fn start_head(options: HeadOptions) -> Result<HeadHandle> {
         }),
         options.node_name.clone(),
     );
+    if let Some((dir, (lock, found))) = state {
+        let generation = found.as_ref().map_or(0, |f| f.meta.generation) + 1;
+        if let Some(found) = &found {
+            tracing::info!(
+                dir = %dir.display(),
+                generation = found.meta.generation,
+                log_records = found.log_records,
+                "recovering the cluster: {}",
+                found.state.summary()
+            );
+        }
+        head.enable_persistence(crate::head::Persistence {
+            dir,
+            lock,
+            meta: crate::head::state_dir::Meta {
+                cluster: cluster_id,
+                session: session.clone(),
+                address: advertised.to_string(),
+                generation,
+            },
+            recovered: found.map(|f| f.state),
+            reconnect_window: options.reconnect_window,
+        })?;
+    }
     // The network service: joins and job binaries.
     let drivers: Arc<parking_lot::Mutex<HashMap<String, WorkerId>>> = Arc::default();
     let service = Arc::new(HeadService {
@@ -197,6 +256,20 @@ impl NetService for HeadService {
                 self.monitor.watch(&peer);
                 Ok((joined.into(), Vec::new()))
             }
+            NetRequest::RejoinNode { node, workers, endpoint: _ } => {
+                let (head_address, window) = head.rejoin_node(node, &peer, &workers)?;
+                self.monitor.watch(&peer);
+                let reconnect_ms = window.map(|w| u64::try_from(w.as_millis()).unwrap_or(u64::MAX));
+                Ok((NetReply::Rejoined { head: head_address, reconnect_ms }, Vec::new()))
+            }
+            NetRequest::JoinDriver { binary, resume: Some(worker), .. } => {
+                let joined = head.join(&self.session, JoinAs::ResumedDriver { worker })?;
+                if binary.is_some() {
+                    self.drivers.lock().insert(link.clone(), joined.worker);
+                    self.monitor.watch(&link);
+                }
+                Ok((joined.into(), Vec::new()))
+            }
             NetRequest::JoinDriver { binary, job, .. } => {
                 if let Some(digest) = &binary
                     && !self.binaries.contains(digest)
@@ -261,6 +334,9 @@ impl From<crate::head::Joined> for NetReply {
             worker: joined.worker,
             node: joined.node,
             head: joined.head,
+            reconnect_ms: joined
+                .reconnect_window
+                .map(|w| u64::try_from(w.as_millis()).unwrap_or(u64::MAX)),
         }
     }
 }

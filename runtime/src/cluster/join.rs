@@ -168,7 +168,7 @@ pub fn start_node(options: JoinOptions) -> Result<Arc<Runtime>> {
         .link
         .wait(async move { control.request(request, Vec::new()).await })?
         .map_err(net_error("joining the cluster"))?;
-    let NetReply::Joined { session, worker, node: node_id, head: head_address } =
+    let NetReply::Joined { session, worker, node: node_id, head: head_address, reconnect_ms } =
         crate::codec::decode(&frame.head)?
     else {
         return Err(Error::Transport("unexpected answer to a join".into()));
@@ -190,7 +190,7 @@ pub fn start_node(options: JoinOptions) -> Result<Arc<Runtime>> {
         options.credentials_dir.clone(),
         joining.net,
     );
-    member.install();
+    member.install().set_reconnect_window(reconnect_ms.map(Duration::from_millis));
     let cache = Arc::new(BinaryCache::open(options.data_dir.join("binaries"))?);
     let log_dir = options.data_dir.join("logs");
     std::fs::create_dir_all(&log_dir)

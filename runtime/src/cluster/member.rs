@@ -20,10 +20,16 @@ use crate::transport::NetLink;
 pub(crate) struct Member {
     /// Its QUIC side.
     pub(crate) link: Arc<NetLink>,
-    /// Its connection to the head's endpoint (joins, binaries, a node's heartbeats).
-    pub(crate) control: Option<rtrun_net::Connection>,
-    /// Keeps a node daemon's heartbeats going.
-    _heartbeats: Option<rtrun_net::HeartbeatSender>,
+    /// Its connection to the head's endpoint (joins, binaries, a node's heartbeats); replaced
+    /// when it reconnects to a restarted head.
+    control: parking_lot::Mutex<Option<rtrun_net::Connection>>,
+    /// Keeps a node daemon's or driver's heartbeats going.
+    heartbeats: parking_lot::Mutex<Option<rtrun_net::HeartbeatSender>>,
+    /// How long it reconnects after losing the head (set when a head with a state directory
+    /// accepted it; `None`: it ends when it loses the head).
+    reconnect_window: OnceLock<Duration>,
+    /// A driver's executable digest (it joins again with it).
+    driver_binary: OnceLock<String>,
     /// The IP it binds and advertises.
     pub(crate) bind_ip: IpAddr,
     /// The node daemon's address (store operations go there).
@@ -55,14 +61,59 @@ impl Member {
     ) -> Member {
         Member {
             link,
-            control,
-            _heartbeats: heartbeats,
+            control: parking_lot::Mutex::new(control),
+            heartbeats: parking_lot::Mutex::new(heartbeats),
+            reconnect_window: OnceLock::new(),
+            driver_binary: OnceLock::new(),
             bind_ip,
             node_address,
             credentials_dir,
             _net: net,
             pulls: Default::default(),
         }
+    }
+
+    /// The connection to the head's endpoint, if this process has one.
+    pub(crate) fn control(&self) -> Option<rtrun_net::Connection> {
+        self.control.lock().clone()
+    }
+
+    /// Replaces the connection to the head (and its heartbeats) after a reconnect.
+    pub(super) fn replace_control(
+        &self,
+        control: rtrun_net::Connection,
+        heartbeats: Option<rtrun_net::HeartbeatSender>,
+    ) {
+        *self.control.lock() = Some(control);
+        *self.heartbeats.lock() = heartbeats;
+    }
+
+    /// Whether this process sends heartbeats to the head (a node daemon, a driver).
+    pub(super) fn sends_heartbeats(&self) -> bool {
+        self.heartbeats.lock().is_some()
+    }
+
+    /// Sets how long this process reconnects after losing the head (from the head's answer
+    /// to its join, or its node's environment).
+    pub(crate) fn set_reconnect_window(&self, window: Option<Duration>) {
+        if let Some(window) = window {
+            let _ = self.reconnect_window.set(window);
+        }
+    }
+
+    /// Records a driver's executable digest.
+    pub(super) fn set_driver_binary(&self, digest: String) {
+        let _ = self.driver_binary.set(digest);
+    }
+
+    /// A driver's executable digest.
+    pub(super) fn driver_binary(&self) -> Option<String> {
+        self.driver_binary.get().cloned()
+    }
+
+    /// How long this process reconnects after losing the head (`None`: it ends).
+    pub(crate) fn reconnect_window(&self) -> Option<Duration> {
+        self.reconnect_window.get().copied()
     }
 
     /// Makes this the process's membership (once: a process is part of one cluster).
@@ -83,11 +134,19 @@ pub(crate) fn member() -> Option<&'static Arc<Member>> {
 /// to take part in the cluster.
 pub(crate) fn node_env(node: u64, node_address: &str) -> Vec<(String, String)> {
     let Some(member) = member() else { return Vec::new() };
-    vec![
+    let mut env = vec![
         (NODE_ENV.into(), format!("{node};{node_address};{}", member.bind_ip)),
         (CREDENTIALS_ENV.into(), member.credentials_dir.display().to_string()),
-    ]
+    ];
+    if let Some(window) = member.reconnect_window() {
+        env.push((RECONNECT_ENV.into(), window.as_millis().to_string()));
+    }
+    env
 }
+
+/// Set in workers of a cluster whose head persists its state: how many milliseconds they
+/// reconnect after losing it.
+pub(crate) const RECONNECT_ENV: &str = "RTRUN_RECONNECT_MS";
 
 /// Set once this process has begun to exit.
 static EXITING: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
@@ -139,8 +198,7 @@ pub(crate) fn control_request(
     parts: Vec<Bytes>,
 ) -> Result<(NetReply, Vec<Bytes>)> {
     let control = member
-        .control
-        .clone()
+        .control()
         .ok_or_else(|| Error::Invalid("this process has no connection to the head".into()))?;
     let head = encode_request(&request)?;
     let frame = member

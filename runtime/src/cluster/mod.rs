@@ -23,12 +23,13 @@ mod member;
 pub(crate) mod node;
 pub(crate) mod protocol;
 mod pull;
+pub(crate) mod reconnect;
 mod worker;
 pub mod working_dir;
 
 pub use client::Client;
 pub(crate) use driver::start_driver;
-pub use head::{HeadHandle, HeadOptions, start_head};
+pub use head::{DEFAULT_RECONNECT_WINDOW, HeadHandle, HeadOptions, start_head};
 pub use join::{JoinOptions, start_node};
 pub(crate) use member::{Member, control_request, exiting, member, node_env, upload_bytes};
 use protocol::net_error;

@@ -102,6 +102,8 @@ impl NodeAgent {
             request @ (NodeRequest::ReadLog { .. } | NodeRequest::ListLogs) => {
                 respond(crate::logs::answer(&self.config.log_dir, &request))
             }
+            // Answered before it reaches the agent (`Runtime::on_request`).
+            NodeRequest::HeadRestarted { .. } => respond(Response::Done),
         }
     }
 
@@ -146,6 +148,12 @@ impl NodeAgent {
             (NetReply::Done, Some(bytes)) => self.config.binaries.insert(digest, bytes),
             _ => Err(Error::Transport(format!("the head sent no binary {digest}"))),
         }
+    }
+
+    /// The workers this node runs, with their pids once started (what it reports when it
+    /// rejoins a restarted head).
+    pub(crate) fn children(&self) -> Vec<(WorkerId, Option<u32>)> {
+        self.children.lock().iter().map(|(w, p)| (*w, *p)).collect()
     }
 
     /// Kills every child.

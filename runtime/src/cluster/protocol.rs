@@ -31,6 +31,17 @@ pub(crate) enum NetRequest {
         endpoint: SocketAddr,
         /// The submitted job it is the driver of ([`super::JOB_ENV`]), if any.
         job: Option<u64>,
+        /// The driver id it had before the head restarted (a reconnect, not a new driver).
+        resume: Option<WorkerId>,
+    },
+    /// A node daemon reconnects to a head that restarted (or whose connection it lost).
+    RejoinNode {
+        /// The node id the head gave it.
+        node: u64,
+        /// The workers it runs, with their pids once started.
+        workers: Vec<(WorkerId, Option<u32>)>,
+        /// Its QUIC endpoint.
+        endpoint: SocketAddr,
     },
     /// Whether the head has a job binary.
     HasBinary {
@@ -62,6 +73,16 @@ pub(crate) enum NetReply {
         node: u64,
         /// The control plane's address.
         head: Address,
+        /// How long the nodes and drivers of a head that persists its state
+        /// (`--state-dir`) reconnect after losing it, in milliseconds (`None`: they exit).
+        reconnect_ms: Option<u64>,
+    },
+    /// Reconnected to a restarted head.
+    Rejoined {
+        /// The control plane's address (a process that knew another one refuses it).
+        head: Address,
+        /// As in [`NetReply::Joined`].
+        reconnect_ms: Option<u64>,
     },
     /// Yes or no.
     Present(bool),

@@ -41,6 +41,11 @@ pub(crate) fn start_worker_link(name: &str) -> Result<Option<(u64, Address, Addr
         requests: OnceLock::new(),
     });
     let member = Member::new(link, None, None, bind_ip, Some(node_address.clone()), dir, net);
-    member.install();
+    // A worker of a head with a state directory reconnects to it as its node does.
+    let window = std::env::var(super::member::RECONNECT_ENV)
+        .ok()
+        .and_then(|ms| ms.parse().ok())
+        .map(std::time::Duration::from_millis);
+    member.install().set_reconnect_window(window);
     Ok(Some((node, node_address, Route::quic(local, node, name))))
 }

@@ -12,6 +12,7 @@ pub(crate) mod config;
 mod jobs;
 mod nodes;
 pub(crate) mod spawn;
+pub(crate) mod state_dir;
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, OnceLock, Weak};
@@ -31,7 +32,7 @@ pub(crate) use config::head_config;
 pub use config::{
     DEFAULT_TASK_WORKER_IDLE_TIMEOUT, NOSET_CUDA_VISIBLE_DEVICES_ENV, TASK_WORKER_IDLE_TIMEOUT_ENV,
 };
-pub(crate) use nodes::{ClusterHead, JoinAs, Joined};
+pub(crate) use nodes::{ClusterHead, JoinAs, Joined, Persistence};
 pub(crate) use rtrun_head_core::HeadConfig;
 use rtrun_head_core::{ConnToken, Effect, Event, HeadCore, JobStart, Origin, ReplyToken};
 pub(crate) use spawn::{SpawnEvents, Spawner, kill_process};
@@ -87,12 +88,22 @@ struct Shared {
     next_reply: u64,
     /// The connections the core refers to (workers' registrations).
     conns: HashMap<ConnToken, Arc<Connection>>,
+    /// Where the durable state goes (`rtrun head --state-dir`).
+    state_dir: Option<state_dir::StateDir>,
+    /// How long nodes and drivers reconnect to this head after losing it (with a state
+    /// directory only: a head without one comes back knowing nobody).
+    reconnect_window: Option<Duration>,
 }
 
 /// An effect with its tokens resolved, carried out after the lock is released.
 enum Action {
     Respond(Responder, Response),
-    Spawn { node: u64, worker: WorkerId, env: Vec<(String, String)>, job: Option<String> },
+    Spawn {
+        node: u64,
+        worker: WorkerId,
+        env: Vec<(String, String)>,
+        job: Option<String>,
+    },
     Call(Arc<Connection>, u64, Frame),
     Send(Arc<Connection>, Frame),
     Kill(u64, u32),
@@ -103,12 +114,19 @@ enum Action {
     StartJob(Option<Responder>, Box<JobStart>),
     ReadJobLog(Option<Responder>, std::path::PathBuf, u64, Box<JobInfo>),
     StopCluster,
+    /// The state directory could not be written: the head ends rather than act on changes it
+    /// could not persist.
+    PersistFailed(String),
 }
 
 impl Shared {
     /// Resolves the core's tokens: answers leave `replies`, connections are looked up (the one
     /// a request came on is kept once the core remembers it).
     fn resolve(&mut self, effects: Vec<Effect>, origin: Option<&Arc<Connection>>) -> Vec<Action> {
+        // Write-ahead: what the effects act on is on disk before any of them is carried out.
+        if let Err(e) = self.persist() {
+            return vec![Action::PersistFailed(e.to_string())];
+        }
         let mut actions = Vec::with_capacity(effects.len());
         for effect in effects {
             match effect {
@@ -162,6 +180,17 @@ impl Shared {
             }
         }
         actions
+    }
+
+    /// Appends what the core changed to the state directory (and starts a new generation when
+    /// the log has outgrown its snapshot).
+    fn persist(&mut self) -> Result<()> {
+        let Some(state_dir) = self.state_dir.as_mut() else { return Ok(()) };
+        state_dir.append(&self.core.take_records())?;
+        if state_dir.needs_compaction() {
+            state_dir.compact(&self.core.durable_state())?;
+        }
+        Ok(())
     }
 
     /// Forgets the watches whose connections closed, telling the core, once enough wait.
@@ -239,6 +268,8 @@ impl Head {
                 sweep_at: MIN_WATCH_SWEEP,
                 next_reply: 0,
                 conns: HashMap::new(),
+                state_dir: None,
+                reconnect_window: None,
             }),
             spawner,
             local_node: runtime.node_id.0,
@@ -399,6 +430,17 @@ impl Head {
                     if let Some(responder) = responder {
                         responder.respond(response);
                     }
+                }
+                Action::PersistFailed(message) => {
+                    tracing::error!("{message}");
+                    if let Some(runtime) = self.runtime() {
+                        runtime.end(crate::runtime::Ending::HeadLost(format!(
+                            "rtrun head: cannot write its state directory ({message}); exiting \
+                             rather than act on what it could not persist (restart it on the \
+                             same --state-dir once this is fixed: its nodes reconnect)"
+                        )));
+                    }
+                    return;
                 }
                 Action::StopCluster => {
                     if let Some(head) = self.weak.upgrade() {

@@ -35,6 +35,18 @@ pub(crate) enum JoinAs {
     /// A driver running `binary` (its digest; `None` for command-line clients), the driver of
     /// submitted job `job` if that is set.
     Driver { binary: Option<String>, job: Option<u64> },
+    /// A driver that had joined the head before it restarted, as `worker`.
+    ResumedDriver { worker: WorkerId },
+}
+
+/// How a head with a state directory starts: its directory (locked), what it held, and how
+/// long its nodes and drivers have to reconnect.
+pub(crate) struct Persistence {
+    pub(crate) dir: std::path::PathBuf,
+    pub(crate) lock: super::state_dir::DirLock,
+    pub(crate) meta: super::state_dir::Meta,
+    pub(crate) recovered: Option<rtrun_head_core::DurableState>,
+    pub(crate) reconnect_window: Duration,
 }
 
 /// What a joining process learns.
@@ -43,6 +55,8 @@ pub(crate) struct Joined {
     pub(crate) worker: WorkerId,
     pub(crate) node: u64,
     pub(crate) head: Address,
+    /// How long a member reconnects after losing the head (a head with a state directory).
+    pub(crate) reconnect_window: Option<Duration>,
 }
 
 impl Head {
@@ -70,12 +84,86 @@ impl Head {
                     let worker = state.core.join_driver(binary, job)?;
                     (worker.0, worker)
                 }
+                JoinAs::ResumedDriver { worker } => {
+                    state.core.rejoin_driver(worker)?;
+                    (worker.0, worker)
+                }
             };
-            let joined = Joined { session: session.to_owned(), worker, node, head };
+            let reconnect_window = state.reconnect_window;
+            let joined =
+                Joined { session: session.to_owned(), worker, node, head, reconnect_window };
             (joined, state.resolve(effects, None))
         };
         self.execute(actions);
         Ok(joined)
+    }
+
+    /// Starts persisting to a state directory (called once, after [`Head::enable_cluster`] and
+    /// before anything joins): a head that finds a state there recovers it first, and waits
+    /// for its nodes and drivers to reconnect.
+    pub(crate) fn enable_persistence(&self, persistence: Persistence) -> Result<()> {
+        let window = persistence.reconnect_window;
+        let actions = {
+            let mut state = self.state.lock();
+            let window_ms = u64::try_from(window.as_millis()).unwrap_or(u64::MAX);
+            let effects = match persistence.recovered {
+                Some(durable) => state.core.recover(durable, 0, window_ms)?,
+                None => Vec::new(),
+            };
+            let snapshot = state.core.journal_from_now();
+            let dir = &persistence.dir;
+            let started = super::state_dir::StateDir::start(
+                persistence.lock,
+                dir,
+                persistence.meta,
+                &snapshot,
+            )?;
+            state.state_dir = Some(started);
+            state.reconnect_window = Some(window);
+            let targets = state.core.reconnect_targets();
+            (state.resolve(effects, None), targets)
+        };
+        let (actions, targets) = actions;
+        self.execute(actions);
+        self.announce_restart(targets);
+        Ok(())
+    }
+
+    /// Tells each of `targets` (the recovered cluster's node daemons and workers) that this
+    /// head restarted, each from its own thread (a dead node's handshake must not hold up the
+    /// others).
+    fn announce_restart(&self, targets: Vec<Address>) {
+        let Some(runtime) = self.runtime() else { return };
+        let head = runtime.address().clone();
+        for target in targets {
+            let (runtime, head) = (runtime.clone(), head.clone());
+            std::thread::spawn(move || match runtime.endpoint().connect(&target) {
+                Ok(conn) => runtime.send(
+                    To::Peer(&conn),
+                    Request::Node(NodeRequest::HeadRestarted { head }),
+                    |_: Result<Response>| {},
+                ),
+                Err(e) => tracing::debug!(%target, "cannot tell it the head restarted: {e}"),
+            });
+        }
+    }
+
+    /// Node `node` (named `name`) reconnects after the head restarted, running `workers`.
+    pub(crate) fn rejoin_node(
+        &self,
+        node: u64,
+        name: &str,
+        workers: &[(WorkerId, Option<u32>)],
+    ) -> Result<(Address, Option<Duration>)> {
+        let (answer, actions) = {
+            let mut state = self.state.lock();
+            let head = state.core.head_address()?;
+            let mut effects = Vec::new();
+            state.core.rejoin_node(node, name, workers, &mut effects)?;
+            ((head, state.reconnect_window), state.resolve(effects, None))
+        };
+        self.execute(actions);
+        Ok(answer)
     }
 
     /// A node stopped sending heartbeats (or its daemon went away): everything on it is lost.

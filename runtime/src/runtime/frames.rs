@@ -144,6 +144,10 @@ impl Runtime {
         body: Request,
     ) {
         match body {
+            Request::Node(crate::protocol::NodeRequest::HeadRestarted { head }) => {
+                responder.respond(Response::Done);
+                self.on_head_restarted(&head);
+            }
             Request::Head(request) => match self.head() {
                 Some(head) => head.handle(origin, request, responder),
                 None => responder.respond(Response::Error(Error::Invalid(format!(
@@ -247,6 +251,19 @@ impl Runtime {
         }
     }
 
+    /// The head at `head` says it restarted: the connection to it (a dead one, whose silence
+    /// would be noticed only at its idle timeout) is closed now, and this process reconnects.
+    fn on_head_restarted(self: &Arc<Self>, head: &str) {
+        let ours = self.endpoint().head_address().is_some_and(|address| address == head);
+        let Some(conn) = self.head_connection().filter(|_| ours) else {
+            tracing::warn!(%head, "a head that is not this process's says it restarted");
+            return;
+        };
+        tracing::info!(%head, "the head restarted; reconnecting");
+        conn.shutdown();
+        self.on_close(&conn, "the head restarted");
+    }
+
     /// Tells this process that the head is about to exit at its request (`rtrun stop`), so
     /// that the connection closing is not reported as a failure.
     pub(crate) fn expect_head_exit(&self) {
@@ -272,6 +289,26 @@ impl Runtime {
             Ok(crate::transport::Route::Quic { addr, .. }) => addr.to_string(),
             _ => peer,
         };
+        if let ProcessRole::Worker(_) = role
+            && crate::cluster::member().is_none()
+        {
+            return self.end(Ending::Stopped);
+        }
+        // A head with a state directory comes back: its members reconnect meanwhile.
+        if !matches!(role, ProcessRole::ControlPlane { .. })
+            && let Some(window) = crate::cluster::member().and_then(|m| m.reconnect_window())
+            && let Ok(runtime) = super::current()
+        {
+            crate::cluster::reconnect::start(runtime.clone(), window, format!("{head}: {reason}"));
+            return;
+        }
+        self.give_up_on_head(&head, reason);
+    }
+
+    /// This process lost the head for good (it has no state directory, or did not come back
+    /// in time, or refused this process): it ends, a node daemon after stopping its workers.
+    pub(crate) fn give_up_on_head(&self, head: &str, reason: &str) {
+        let Some(role) = self.role() else { return };
         let message = match role {
             ProcessRole::Worker(_) if crate::cluster::member().is_none() => {
                 return self.end(Ending::Stopped);

@@ -59,7 +59,7 @@ impl Runtime {
             && let Err(e) = &answer
             && let Some(conn) = self.head_connection().filter(|c| c.is_closed())
         {
-            self.on_head_lost(conn, &e.to_string());
+            self.on_head_lost(&conn, &e.to_string());
         }
         answer
     }
@@ -81,7 +81,7 @@ impl Runtime {
                     head.handle(None, body, Responder::local(callback))
                 }
                 (None, request @ Request::Head(_)) => match self.head_connection() {
-                    Some(conn) => self.send_on(conn, request, callback),
+                    Some(conn) => self.send_on(&conn, request, callback),
                     None => callback(Response::Error(Error::NotInitialised)),
                 },
                 (_, other) => callback(Response::Error(Error::Invalid(format!(
@@ -89,8 +89,9 @@ impl Runtime {
                 )))),
             },
             To::Node => {
-                match self.worker().map(|worker| worker.node.as_ref().unwrap_or(&worker.head)) {
-                    Some(conn) => self.send_on(conn, request, callback),
+                let node = self.worker().map(|w| w.node.clone().unwrap_or_else(|| w.head.get()));
+                match node {
+                    Some(conn) => self.send_on(&conn, request, callback),
                     None => self.on_request(None, Responder::local(callback), request),
                 }
             }

@@ -31,7 +31,7 @@ pub(crate) enum ProcessRole {
     /// `rtrun join`: the node's store and its workers, under a remote head.
     NodeDaemon {
         /// The connection to the head.
-        head: Arc<Connection>,
+        head: HeadLink,
         /// The node's store, opened here.
         store: Arc<StoreClient>,
         /// The node's worker supervision.
@@ -40,7 +40,7 @@ pub(crate) enum ProcessRole {
     /// A driver or command-line client of a cluster: no store of its own.
     ClusterDriver {
         /// The connection to the head.
-        head: Arc<Connection>,
+        head: HeadLink,
     },
     /// A worker process, of an embedded session or of a cluster.
     Worker(WorkerRole),
@@ -49,7 +49,7 @@ pub(crate) enum ProcessRole {
 /// What a worker process holds.
 pub(crate) struct WorkerRole {
     /// The connection to the control plane.
-    pub(super) head: Arc<Connection>,
+    pub(super) head: HeadLink,
     /// A cluster worker's connection to its node daemon (its store operations go there).
     pub(super) node: Option<Arc<Connection>>,
     /// Its access to the node's store (attached through the inherited arena).
@@ -66,7 +66,31 @@ impl WorkerRole {
         node: Option<Arc<Connection>>,
         store: Option<Arc<StoreClient>>,
     ) -> WorkerRole {
-        WorkerRole { head, node, store, hosted: OnceLock::new(), tasks: OnceLock::new() }
+        WorkerRole {
+            head: HeadLink::new(head),
+            node,
+            store,
+            hosted: OnceLock::new(),
+            tasks: OnceLock::new(),
+        }
+    }
+}
+
+/// The connection to a remote control plane: replaced when the process reconnects to a head
+/// that restarted on its state directory.
+pub(crate) struct HeadLink(parking_lot::RwLock<Arc<Connection>>);
+
+impl HeadLink {
+    pub(crate) fn new(conn: Arc<Connection>) -> HeadLink {
+        HeadLink(parking_lot::RwLock::new(conn))
+    }
+
+    pub(crate) fn get(&self) -> Arc<Connection> {
+        self.0.read().clone()
+    }
+
+    pub(crate) fn replace(&self, conn: Arc<Connection>) {
+        *self.0.write() = conn;
     }
 }
 
@@ -162,8 +186,8 @@ impl Runtime {
         }
     }
 
-    /// The connection to a remote control plane.
-    pub(super) fn head_connection(&self) -> Option<&Arc<Connection>> {
+    /// The link to a remote control plane.
+    pub(crate) fn head_link(&self) -> Option<&HeadLink> {
         match self.role()? {
             ProcessRole::NodeDaemon { head, .. } | ProcessRole::ClusterDriver { head } => {
                 Some(head)
@@ -171,6 +195,11 @@ impl Runtime {
             ProcessRole::Worker(worker) => Some(&worker.head),
             ProcessRole::ControlPlane { .. } => None,
         }
+    }
+
+    /// The connection to a remote control plane.
+    pub(super) fn head_connection(&self) -> Option<Arc<Connection>> {
+        self.head_link().map(HeadLink::get)
     }
 
     /// A node daemon's worker supervision.

@@ -9,6 +9,7 @@ use dashmap::DashMap;
 
 use super::frames::Handler;
 use super::role::EndSignal;
+use super::role::HeadLink;
 use super::{
     CURRENT, Config, ProcessRole, Runtime, WorkerRole, current, random_u64, socket_name,
     worker_address,
@@ -153,7 +154,11 @@ impl Runtime {
         let store = runtime.open_store(config, worker)?;
         let agent = crate::cluster::node::NodeAgent::start(&runtime, agent)?;
         let head = runtime.endpoint().connect_head(&head_address)?;
-        runtime.install_role(ProcessRole::NodeDaemon { head, store, agent })?;
+        runtime.install_role(ProcessRole::NodeDaemon {
+            head: HeadLink::new(head),
+            store,
+            agent,
+        })?;
         let _ = CURRENT.set(runtime.clone());
         Ok(runtime)
     }
@@ -176,7 +181,7 @@ impl Runtime {
             config.transport.clone(),
         )?;
         let head = runtime.endpoint().connect_head(&head_address)?;
-        runtime.install_role(ProcessRole::ClusterDriver { head })?;
+        runtime.install_role(ProcessRole::ClusterDriver { head: HeadLink::new(head) })?;
         Ok(runtime)
     }
 

@@ -56,6 +56,9 @@ struct Args {
     /// worker's pid).
     #[arg(long)]
     task: bool,
+    /// Service mode: CPUs the counter asks for (a head with no CPUs then places it on a node).
+    #[arg(long, default_value_t = 0.0, value_name = "N")]
+    counter_cpus: f64,
 }
 
 /// A deterministic 64-bit checksum (FNV-1a over 8-byte words).
@@ -146,7 +149,8 @@ impl Counter {
 /// The service modes (see the module's documentation); `None` when no mode was asked for.
 fn service(args: &Args, out: &mut impl Write) -> anyhow::Result<Option<()>> {
     let counter = if let Some(name) = &args.shared {
-        Counter::remote_with(ActorOptions::default().name(name).detached().get_if_exists())?
+        let options = ActorOptions::default().name(name).detached().get_if_exists();
+        Counter::remote_with(options.num_cpus(args.counter_cpus))?
     } else if let Some(name) = &args.owned {
         Counter::remote_with(ActorOptions::default().name(name))?
     } else if let Some(name) = &args.lookup {

@@ -104,9 +104,16 @@ pub fn head(
     bind: IpAddr,
     advertise: Option<IpAddr>,
     heartbeat_timeout: f64,
+    persistence: PersistenceArgs,
     dashboard: DashboardArgs,
     node: NodeArgs,
 ) -> anyhow::Result<()> {
+    if !(persistence.reconnect_window.is_finite() && persistence.reconnect_window > 0.0) {
+        bail!(
+            "--reconnect-window: expected a positive number of seconds, found {}",
+            persistence.reconnect_window
+        );
+    }
     let name = node.node_name();
     let credentials_dir = node.credentials_dir();
     let handle = cluster::start_head(HeadOptions {
@@ -117,6 +124,8 @@ pub fn head(
         data_dir: node.data_dir(&name),
         config: node.config()?,
         heartbeat_timeout: Duration::from_secs_f64(heartbeat_timeout),
+        state_dir: persistence.state_dir,
+        reconnect_window: Duration::from_secs_f64(persistence.reconnect_window),
     })?;
     let address_file = credentials_dir.join(cluster::client::HEAD_ADDRESS_FILE);
     std::fs::write(&address_file, handle.address.to_string())
@@ -134,6 +143,21 @@ pub fn head(
     std::io::stdout().flush()?;
     // Runs until `rtrun stop` has stopped every node.
     rtrun::current()?.wait_for_end().exit()
+}
+
+/// Head fault tolerance (Ray's GCS fault tolerance).
+#[derive(Args, Debug, Clone)]
+pub struct PersistenceArgs {
+    /// Persists the cluster's durable state here (nodes, actors, placement groups, jobs, the
+    /// key-value store): a head restarted on the same directory and address recovers the
+    /// cluster while its nodes, workers and drivers reconnect. Without it, losing the head
+    /// ends every node and job.
+    #[arg(long)]
+    state_dir: Option<PathBuf>,
+    /// Seconds the nodes, workers and drivers of a head with --state-dir keep reconnecting
+    /// after losing it (and the restarted head waits for them) before giving up.
+    #[arg(long, default_value_t = 60.0)]
+    reconnect_window: f64,
 }
 
 /// The web dashboard of a head.

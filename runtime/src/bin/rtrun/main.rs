@@ -51,6 +51,8 @@ enum Command {
         #[arg(long, default_value_t = 5.0)]
         heartbeat_timeout: f64,
         #[command(flatten)]
+        persistence: cluster::PersistenceArgs,
+        #[command(flatten)]
         dashboard: cluster::DashboardArgs,
         #[command(flatten)]
         node: cluster::NodeArgs,
@@ -194,9 +196,15 @@ fn main() -> anyhow::Result<()> {
             microbenchmark::run(&pattern, round_seconds)
         }
         Command::Memory { session } => memory::run(session.as_deref()),
-        Command::Head { port, bind, advertise, heartbeat_timeout, dashboard, node } => {
-            cluster::head(port, bind, advertise, heartbeat_timeout, dashboard, node)
-        }
+        Command::Head {
+            port,
+            bind,
+            advertise,
+            heartbeat_timeout,
+            persistence,
+            dashboard,
+            node,
+        } => cluster::head(port, bind, advertise, heartbeat_timeout, persistence, dashboard, node),
         Command::Join { address, token, bind_ip, connect_timeout, node } => {
             cluster::join(address, token, bind_ip, connect_timeout, node)
         }
