@@ -46,8 +46,8 @@ enum Change {
     Actor(ActorId, Option<Box<ActorEntry>>),
     Group(GroupId, Option<GroupRecord>),
     Job(u64, Option<JobEntry>),
-    /// A connected driver and the job binary it runs.
-    Driver(WorkerId, Option<Option<String>>),
+    /// A connected driver: the job binary it runs and its address.
+    Driver(WorkerId, Option<DriverRecord>),
     Kv(String, Option<ByteBuf>),
 }
 
@@ -93,6 +93,9 @@ struct GroupRecord {
     owner: Option<GroupOwner>,
 }
 
+/// A connected driver as persisted.
+type DriverRecord = (Option<String>, Option<rtrun_proto::protocol::Address>);
+
 /// Everything a head persists, as a replay of its records leaves it.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct DurableState {
@@ -102,7 +105,7 @@ pub struct DurableState {
     actors: BTreeMap<ActorId, Box<ActorEntry>>,
     groups: BTreeMap<GroupId, GroupRecord>,
     jobs: BTreeMap<u64, JobEntry>,
-    drivers: BTreeMap<WorkerId, Option<String>>,
+    drivers: BTreeMap<WorkerId, DriverRecord>,
     kv: BTreeMap<String, ByteBuf>,
 }
 
@@ -284,13 +287,18 @@ impl HeadCore {
             records.push(Record(Change::Job(id, self.members.jobs.get(&id).cloned())));
         }
         for id in std::mem::take(&mut self.journal.drivers) {
-            records.push(Record(Change::Driver(id, self.members.drivers.get(&id).cloned())));
+            records.push(Record(Change::Driver(id, self.driver_record(id))));
         }
         for key in std::mem::take(&mut self.journal.kv) {
             let value = self.kv.get(&key).cloned().map(ByteBuf::from);
             records.push(Record(Change::Kv(key, value)));
         }
         records
+    }
+
+    fn driver_record(&self, id: WorkerId) -> Option<DriverRecord> {
+        let binary = self.members.drivers.get(&id)?.clone();
+        Some((binary, self.members.driver_addresses.get(&id).cloned()))
     }
 
     fn group_record(&self, id: GroupId) -> Option<GroupRecord> {
@@ -327,7 +335,12 @@ impl HeadCore {
                 .filter_map(|(id, _, _)| Some((id, self.group_record(id)?)))
                 .collect(),
             jobs: self.members.jobs.iter().map(|(id, j)| (*id, j.clone())).collect(),
-            drivers: self.members.drivers.iter().map(|(id, b)| (*id, b.clone())).collect(),
+            drivers: self
+                .members
+                .drivers
+                .keys()
+                .filter_map(|id| Some((*id, self.driver_record(*id)?)))
+                .collect(),
             kv: self.kv.iter().map(|(k, v)| (k.clone(), ByteBuf::from(v.clone()))).collect(),
         }
     }
@@ -409,8 +422,11 @@ impl HeadCore {
             self.workers.insert(id, worker);
         }
         self.kv = state.kv.into_iter().map(|(k, v)| (k, v.into_vec())).collect();
-        for (id, binary) in state.drivers {
+        for (id, (binary, address)) in state.drivers {
             self.members.drivers.insert(id, binary);
+            if let Some(address) = address {
+                self.members.driver_addresses.insert(id, address);
+            }
             self.awaiting.drivers.insert(id, deadline);
         }
         self.members.jobs = state.jobs;
@@ -525,8 +541,8 @@ impl HeadCore {
         Ok(())
     }
 
-    /// The addresses of what a recovered head waits for — the nodes' daemons and their
-    /// registered workers — to tell them it restarted (so they reconnect at once, rather than
+    /// The addresses of what a recovered head waits for — the nodes' daemons, their
+    /// registered workers and the drivers — to tell them it restarted (so they reconnect at once, rather than
     /// when their dead connections to the old head time out).
     pub fn reconnect_targets(&self) -> Vec<rtrun_proto::protocol::Address> {
         let mut targets = Vec::new();
@@ -538,6 +554,11 @@ impl HeadCore {
                 if let Some(address) = self.workers.get(worker).and_then(|w| w.address.clone()) {
                     targets.push(address);
                 }
+            }
+        }
+        for driver in self.awaiting.drivers.keys() {
+            if let Some(address) = self.members.driver_addresses.get(driver) {
+                targets.push(address.clone());
             }
         }
         targets

@@ -79,6 +79,8 @@ pub(crate) struct Members {
     live_by_name: HashMap<String, u64>,
     /// Connected drivers and the job binary each runs.
     pub(crate) drivers: HashMap<WorkerId, Option<String>>,
+    /// Drivers' addresses (a restarted head tells them it is back).
+    pub(crate) driver_addresses: HashMap<WorkerId, Address>,
     pub(crate) jobs: BTreeMap<u64, JobEntry>,
 }
 
@@ -93,6 +95,7 @@ impl Members {
             by_placement: HashMap::new(),
             live_by_name: HashMap::new(),
             drivers: HashMap::new(),
+            driver_addresses: HashMap::new(),
             jobs: BTreeMap::new(),
         }
     }
@@ -295,11 +298,22 @@ impl HeadCore {
         Ok((id, worker))
     }
 
-    /// Registers a driver running `binary` (the driver of submitted job `job` if given).
-    pub fn join_driver(&mut self, binary: Option<String>, job: Option<u64>) -> Result<WorkerId> {
+    /// Registers a driver running `binary` (the driver of submitted job `job` if given) whose
+    /// endpoint is `endpoint`, if it has one.
+    pub fn join_driver(
+        &mut self,
+        binary: Option<String>,
+        job: Option<u64>,
+        endpoint: Option<std::net::SocketAddr>,
+    ) -> Result<WorkerId> {
         self.head_address()?;
         let worker = WorkerId(self.members.next_id());
         self.members.drivers.insert(worker, binary);
+        if let Some(endpoint) = endpoint {
+            let name = rtrun_proto::address::socket_name(&self.session, worker);
+            let address = rtrun_proto::address::Route::quic(endpoint, worker.0, &name);
+            self.members.driver_addresses.insert(worker, address);
+        }
         self.journal.driver(worker);
         if let Some(job) = job
             && let Some(entry) = self.members.jobs.get_mut(&job)
@@ -320,6 +334,7 @@ impl HeadCore {
         }
         self.journal.driver(driver);
         self.awaiting.drivers.remove(&driver);
+        self.members.driver_addresses.remove(&driver);
         let actors: Vec<_> = self
             .actors
             .iter()

@@ -178,7 +178,7 @@ impl Scale {
             Err(e) => unreachable!("an empty head node is valid: {e}"),
         };
         core.enable_cluster("quic://127.0.0.1:1/0/rtrun-scale-0".into(), "head".into(), "/".into());
-        let driver = match core.join_driver(Some("scale".into()), None) {
+        let driver = match core.join_driver(Some("scale".into()), None, None) {
             Ok(driver) => driver,
             Err(e) => unreachable!("a cluster head takes drivers: {e}"),
         };

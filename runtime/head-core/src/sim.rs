@@ -533,8 +533,14 @@ impl World {
                 }
             }
             Op::DriverJoins => {
-                let driver =
-                    self.core.join_driver(Some("job".into()), None).expect("a cluster head");
+                let driver = self
+                    .core
+                    .join_driver(
+                        Some("job".into()),
+                        None,
+                        Some("127.0.0.1:7".parse().expect("an address")),
+                    )
+                    .expect("a cluster head");
                 self.drivers.push(driver);
             }
             Op::DriverLeaves(selector) => {

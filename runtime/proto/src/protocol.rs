@@ -254,8 +254,9 @@ pub enum Request {
     Owner(OwnerRequest),
 }
 
-/// Requests to the control plane (the head).
-#[derive(Debug, Serialize, Deserialize)]
+/// Requests to the control plane (the head). `Clone`: a process reconnecting to a head that
+/// restarted sends the requests it had in flight again.
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub enum HeadRequest {
     /// A freshly started worker announces itself; answered with its assignment.
     RegisterWorker {

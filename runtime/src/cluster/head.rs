@@ -270,7 +270,7 @@ impl NetService for HeadService {
                 }
                 Ok((joined.into(), Vec::new()))
             }
-            NetRequest::JoinDriver { binary, job, .. } => {
+            NetRequest::JoinDriver { binary, job, endpoint, .. } => {
                 if let Some(digest) = &binary
                     && !self.binaries.contains(digest)
                 {
@@ -279,7 +279,7 @@ impl NetService for HeadService {
                     )));
                 }
                 let watch = binary.is_some();
-                let joined = head.join(&self.session, JoinAs::Driver { binary, job })?;
+                let joined = head.join(&self.session, JoinAs::Driver { binary, job, endpoint })?;
                 // A driver (not a command-line client) sends heartbeats; it is watched like
                 // a node, by its connection: drivers with the same credentials share a peer
                 // name, and one's beats must not keep another alive.

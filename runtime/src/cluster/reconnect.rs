@@ -78,6 +78,7 @@ pub(crate) fn start(runtime: Arc<Runtime>, window: Duration, lost: String) {
         };
         RECONNECTING.store(false, Ordering::Release);
         if let Some(why) = ending {
+            runtime.fail_parked(&why);
             runtime.give_up_on_head(&lost, &why);
         }
     });
@@ -171,8 +172,9 @@ fn attempt(runtime: &Arc<Runtime>) -> std::result::Result<(), Failed> {
         }
     }
     if let Some(link) = runtime.head_link() {
-        link.replace(conn);
+        link.replace(conn.clone());
     }
+    runtime.resend_parked(&conn);
     Ok(())
 }
 

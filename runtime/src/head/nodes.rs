@@ -34,7 +34,7 @@ pub(crate) enum JoinAs {
     Node { name: String, resources: NodeResources, endpoint: std::net::SocketAddr },
     /// A driver running `binary` (its digest; `None` for command-line clients), the driver of
     /// submitted job `job` if that is set.
-    Driver { binary: Option<String>, job: Option<u64> },
+    Driver { binary: Option<String>, job: Option<u64>, endpoint: std::net::SocketAddr },
     /// A driver that had joined the head before it restarted, as `worker`.
     ResumedDriver { worker: WorkerId },
 }
@@ -80,8 +80,10 @@ impl Head {
                 JoinAs::Node { name, resources, endpoint } => {
                     state.core.join_node(name, &resources, endpoint, &mut effects)?
                 }
-                JoinAs::Driver { binary, job } => {
-                    let worker = state.core.join_driver(binary, job)?;
+                JoinAs::Driver { binary, job, endpoint } => {
+                    // Only drivers (not one-command clients) hear that a head restarted.
+                    let endpoint = binary.is_some().then_some(endpoint);
+                    let worker = state.core.join_driver(binary, job, endpoint)?;
                     (worker.0, worker)
                 }
                 JoinAs::ResumedDriver { worker } => {

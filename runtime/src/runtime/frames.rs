@@ -18,6 +18,8 @@ pub(super) struct PendingRequest {
     pub(super) connection: u64,
     /// Behind a mutex only to make the entry `Sync`; it is taken exactly once.
     pub(super) callback: parking_lot::Mutex<Option<ResponseCallback>>,
+    /// A request to a head that restarts: what to send again once reconnected.
+    pub(super) resend: Option<crate::protocol::HeadRequest>,
 }
 
 impl PendingRequest {
@@ -226,20 +228,32 @@ impl Runtime {
     }
 
     fn on_close(self: &Arc<Self>, conn: &Arc<Connection>, reason: &str) {
+        let head_lost = self.head_connection().is_some_and(|h| h.id() == conn.id());
+        // A head that restarts is waited for: its requests are held for it.
+        let reconnects = head_lost && self.reconnects_to_head();
         // First, so that no caller that would see its request fail can exit with another code.
         // The head learns of worker deaths from the reaper (waitpid), not from closed sockets.
-        if self.head_connection().is_some_and(|h| h.id() == conn.id()) {
+        if head_lost && !reconnects {
             self.on_head_lost(conn, reason);
         }
         let failed: Vec<u64> =
             self.requests.iter().filter(|r| r.connection == conn.id()).map(|r| *r.key()).collect();
         for req_id in failed {
-            if let Some((_, pending)) = self.requests.remove(&req_id) {
+            if let Some((_, mut pending)) = self.requests.remove(&req_id) {
+                if let (true, Some(body)) = (reconnects, pending.resend.take())
+                    && let Some(callback) = pending.callback.lock().take()
+                {
+                    self.parked.lock().push((body, callback));
+                    continue;
+                }
                 pending.answer(Response::Error(Error::Transport(format!(
                     "connection to {} closed: {reason}",
                     conn.peer().unwrap_or_default()
                 ))));
             }
+        }
+        if reconnects {
+            self.on_head_lost(conn, reason);
         }
         self.submitters.on_connection_closed(self, conn);
         // A driver of a cluster went away: its job's actors go with it.
@@ -251,14 +265,57 @@ impl Runtime {
         }
     }
 
+    /// Whether this process reconnects to its head when it loses it (a member of a cluster
+    /// whose head persists its state, not exiting).
+    pub(super) fn reconnects_to_head(&self) -> bool {
+        let expected = self.head_exit_expected.load(std::sync::atomic::Ordering::Acquire);
+        !expected
+            && !crate::cluster::exiting()
+            && crate::cluster::member().is_some_and(|m| m.reconnect_window().is_some())
+    }
+
+    /// Sends the requests held while the head was away on the new connection to it.
+    pub(crate) fn resend_parked(&self, conn: &Arc<Connection>) {
+        let parked = std::mem::take(&mut *self.parked.lock());
+        if !parked.is_empty() {
+            tracing::info!(requests = parked.len(), "sending the requests held for the head again");
+        }
+        for (body, callback) in parked {
+            self.send_on(conn, Request::Head(body), callback);
+        }
+    }
+
+    /// Fails the requests held for a head that did not come back.
+    pub(crate) fn fail_parked(&self, why: &str) {
+        for (_, callback) in std::mem::take(&mut *self.parked.lock()) {
+            callback(Response::Error(Error::Transport(format!("the cluster head is gone: {why}"))));
+        }
+    }
+
     /// The head at `head` says it restarted: the connection to it (a dead one, whose silence
     /// would be noticed only at its idle timeout) is closed now, and this process reconnects.
     fn on_head_restarted(self: &Arc<Self>, head: &str) {
-        let ours = self.endpoint().head_address().is_some_and(|address| address == head);
-        let Some(conn) = self.head_connection().filter(|_| ours) else {
-            tracing::warn!(%head, "a head that is not this process's says it restarted");
+        let Some(ours) = self.endpoint().head_address().cloned() else { return };
+        let Some(conn) = self.head_connection() else { return };
+        if ours != head {
+            // It recovered this cluster's state at another address (another port, or another
+            // --advertise): this process cannot follow it there.
+            let show = |address: &str| match crate::transport::Route::parse(address) {
+                Ok(crate::transport::Route::Quic { addr, .. }) => addr.to_string(),
+                _ => address.to_owned(),
+            };
+            self.give_up_on_head(
+                &show(&ours),
+                &format!(
+                    "the cluster head restarted at {}, but this process joined it at {}: restart \
+                     the head at {} (--port, --advertise), or join anew",
+                    show(head),
+                    show(&ours),
+                    show(&ours)
+                ),
+            );
             return;
-        };
+        }
         tracing::info!(%head, "the head restarted; reconnecting");
         conn.shutdown();
         self.on_close(&conn, "the head restarted");

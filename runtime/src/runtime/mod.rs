@@ -106,6 +106,9 @@ pub struct Runtime {
     pub(crate) calls: DashMap<u64, ActorCall>,
     pub(crate) submitters: Submitters,
     requests: DashMap<u64, PendingRequest>,
+    /// Requests to a head that restarts, held until this process has reconnected to it (then
+    /// sent again) or gives up (then failed).
+    parked: parking_lot::Mutex<Vec<(crate::protocol::HeadRequest, ResponseCallback)>>,
     pub(crate) actor_context: parking_lot::Mutex<Option<crate::protocol::ActorStart>>,
     namespace: String,
     tokio: tokio::runtime::Runtime,

@@ -108,16 +108,32 @@ impl Runtime {
         callback: ResponseCallback,
     ) {
         let req_id = self.next_id();
+        // A request to a head that restarts is kept to be sent again after a reconnect.
+        let resend = match &body {
+            Request::Head(request) if self.reconnects_to_head() => Some(request.clone()),
+            _ => None,
+        };
         self.requests.insert(
             req_id,
             PendingRequest {
                 connection: conn.id(),
                 callback: parking_lot::Mutex::new(Some(callback)),
+                resend,
             },
         );
         if let Err(e) = conn.send(&Frame::Request { req_id, body })
-            && let Some((_, pending)) = self.requests.remove(&req_id)
+            && let Some((_, mut pending)) = self.requests.remove(&req_id)
         {
+            // The head's connection is down: held until this process has reconnected.
+            let head = self.head_connection().is_some_and(|h| h.id() == conn.id());
+            if head
+                && let Some(body) = pending.resend.take()
+                && let Some(callback) = pending.callback.lock().take()
+            {
+                self.parked.lock().push((body, callback));
+                self.on_head_lost(conn, &e.to_string());
+                return;
+            }
             pending.answer(Response::Error(e));
         }
     }

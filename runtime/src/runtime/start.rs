@@ -107,6 +107,7 @@ impl Runtime {
             calls: DashMap::new(),
             submitters: Submitters::default(),
             requests: DashMap::new(),
+            parked: parking_lot::Mutex::new(Vec::new()),
             actor_context: parking_lot::Mutex::new(None),
             namespace,
             tokio,

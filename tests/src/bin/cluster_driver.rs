@@ -59,6 +59,13 @@ struct Args {
     /// Service mode: CPUs the counter asks for (a head with no CPUs then places it on a node).
     #[arg(long, default_value_t = 0.0, value_name = "N")]
     counter_cpus: f64,
+    /// Head-restart mode: puts key `before`, creates a counter of `--counter-cpus` CPUs,
+    /// prints `ready pid P`, and calls it with a call that takes SECONDS (the test kills and
+    /// restarts the head meanwhile); then prints `slow count N pid P`, reads `before` back
+    /// (`kv V`), creates a second counter and bumps both (`after count N pid P`, `second count
+    /// N pid P`), runs a task from the first (`task pid P`) and prints `ok`.
+    #[arg(long, value_name = "SECONDS", group = "service")]
+    across_restart: Option<f64>,
 }
 
 /// A deterministic 64-bit checksum (FNV-1a over 8-byte words).
@@ -136,6 +143,12 @@ impl Counter {
         (self.calls, std::process::id())
     }
 
+    /// Sleeps `seconds`, then counts a call like [`Counter::bump`].
+    pub fn slow_bump(&mut self, seconds: f64) -> (u64, u32) {
+        std::thread::sleep(std::time::Duration::from_secs_f64(seconds));
+        self.bump()
+    }
+
     /// Runs a task (owned by this actor) and returns its worker's pid.
     pub fn task_pid(&mut self) -> Result<u32, String> {
         let free = rtrun::TaskOptions { num_cpus: 0.0, ..Default::default() };
@@ -155,6 +168,9 @@ fn service(args: &Args, out: &mut impl Write) -> anyhow::Result<Option<()>> {
         Counter::remote_with(ActorOptions::default().name(name))?
     } else if let Some(name) = &args.lookup {
         rtrun::get_actor::<Counter>(name, None)?
+    } else if let Some(seconds) = args.across_restart {
+        across_restart(args, seconds, out)?;
+        return Ok(Some(()));
     } else {
         return Ok(None);
     };
@@ -169,6 +185,29 @@ fn service(args: &Args, out: &mut impl Write) -> anyhow::Result<Option<()>> {
         writeln!(out, "named {}/{} {}{lifetime}", named.namespace, named.name, named.type_name)?;
     }
     Ok(Some(()))
+}
+
+/// The head-restart mode (see [`Args::across_restart`]).
+fn across_restart(args: &Args, seconds: f64, out: &mut impl Write) -> anyhow::Result<()> {
+    rtrun::kv::put("before", b"kept")?;
+    let options = || ActorOptions::default().num_cpus(args.counter_cpus);
+    let counter = Counter::remote_with(options())?;
+    let (_, pid) = counter.bump().get()?;
+    writeln!(out, "ready pid {pid}")?;
+    out.flush()?;
+    let (count, pid) = counter.slow_bump(seconds).get()?;
+    writeln!(out, "slow count {count} pid {pid}")?;
+    let kept = rtrun::kv::get("before")?.map(|v| String::from_utf8_lossy(&v).into_owned());
+    writeln!(out, "kv {}", kept.unwrap_or_else(|| "<none>".into()))?;
+    let second = Counter::remote_with(options())?;
+    let (count, pid) = counter.bump().get()?;
+    writeln!(out, "after count {count} pid {pid}")?;
+    let (count, pid) = second.bump().get()?;
+    writeln!(out, "second count {count} pid {pid}")?;
+    let task = counter.task_pid().get()?.map_err(anyhow::Error::msg)?;
+    writeln!(out, "task pid {task}")?;
+    writeln!(out, "ok")?;
+    Ok(())
 }
 
 /// The variable `name` as a task worker sees it, and the worker's pid.
