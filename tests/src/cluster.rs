@@ -16,6 +16,9 @@ pub struct Cluster {
     pub nodes: Vec<Child>,
     pub address: String,
     pub token: String,
+    /// How the head was started (for [`Cluster::restart_head`]).
+    head_args: Vec<std::ffi::OsString>,
+    head_env: Vec<(String, String)>,
 }
 
 impl Drop for Cluster {
@@ -113,34 +116,72 @@ pub fn start_cluster_with_env(
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let port = free_udp_port();
-    let mut head = Command::new(rtrun_binary())
-        .args(["head", "--bind", "127.0.0.1", "--port", &port.to_string()])
-        .args(["--num-cpus", &head_spec.cpus.to_string()])
-        .args(["--num-gpus", &head_spec.gpus.to_string()])
-        .args(["--node-name", head_spec.name, "--object-store-memory", "700000000"])
-        .args(["--heartbeat-timeout", heartbeat_timeout])
-        .arg("--credentials-dir")
-        .arg(dir.join("head-credentials"))
-        .arg("--data-dir")
-        .arg(dir.join("head-data"))
-        .arg("--object-spill-dir")
-        .arg(dir.join("spill"))
-        .args(head_args)
-        .envs(head_env.iter().copied())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("rtrun head starts");
+    let mut args: Vec<std::ffi::OsString> = Vec::new();
+    let mut arg = |a: &dyn AsRef<std::ffi::OsStr>| args.push(a.as_ref().to_owned());
+    for a in ["head", "--bind", "127.0.0.1", "--port", &port.to_string()] {
+        arg(&a);
+    }
+    for a in ["--num-cpus", &head_spec.cpus.to_string(), "--num-gpus", &head_spec.gpus.to_string()]
+    {
+        arg(&a);
+    }
+    for a in ["--node-name", head_spec.name, "--object-store-memory", "700000000"] {
+        arg(&a);
+    }
+    for a in ["--heartbeat-timeout", heartbeat_timeout] {
+        arg(&a);
+    }
+    for (flag, path) in [
+        ("--credentials-dir", "head-credentials"),
+        ("--data-dir", "head-data"),
+        ("--object-spill-dir", "spill"),
+    ] {
+        arg(&flag);
+        arg(&dir.join(path));
+    }
+    for a in head_args {
+        arg(a);
+    }
+    let head_env: Vec<(String, String)> =
+        head_env.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect();
+    let mut head = spawn_head(&args, &head_env);
     let token_line = wait_line(&mut head, "join token: ", "rtrun head");
     let token = token_line.trim_start_matches("join token: ").to_owned();
     let address = format!("127.0.0.1:{port}");
-    let mut cluster = Cluster { dir, head, nodes: Vec::new(), address, token };
+    let mut cluster =
+        Cluster { dir, head, nodes: Vec::new(), address, token, head_args: args, head_env };
     for node in nodes {
         cluster.join(node);
     }
     cluster
 }
 
+fn spawn_head(args: &[std::ffi::OsString], env: &[(String, String)]) -> Child {
+    Command::new(rtrun_binary())
+        .args(args)
+        .envs(env.iter().map(|(k, v)| (k, v)))
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("rtrun head starts")
+}
+
 impl Cluster {
+    /// Starts the head again with the arguments it first had, those of `replace` given new
+    /// values (after it was killed), and waits until it listens; the old head's process is
+    /// replaced.
+    pub fn restart_head(&mut self, replace: &[(&str, &str)]) {
+        let mut args = self.head_args.clone();
+        for (flag, value) in replace {
+            let at = args.iter().position(|a| a == flag).expect("a flag the head was given");
+            args[at + 1] = (*value).into();
+        }
+        let mut head = spawn_head(&args, &self.head_env);
+        wait_line(&mut head, "join token: ", "the restarted rtrun head");
+        let mut old = std::mem::replace(&mut self.head, head);
+        let _ = old.kill();
+        let _ = old.wait();
+    }
+
     /// Starts a node that joins this cluster (appended to `nodes`) and waits until it has.
     pub fn join(&mut self, node: &NodeSpec) {
         self.join_with_args(node, &[]);

@@ -419,3 +419,157 @@ fn token_only_clients_leave_no_credentials_and_stop_waits_for_every_node() {
         .unwrap_or_default();
     assert!(left.is_empty(), "left in {}: {left:?}", spill.display());
 }
+
+/// Waits for a line of `lines` containing `needle`; returns it.
+fn expect_containing(lines: &Receiver<String>, needle: &str, what: &str) -> String {
+    let mut seen = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while Instant::now() < deadline {
+        match lines.recv_timeout(Duration::from_millis(100)) {
+            Ok(line) if line.contains(needle) => return line,
+            Ok(line) => seen.push(line),
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+            Err(_) => break,
+        }
+    }
+    panic!("{what}: no line with `{needle}`; output: {seen:?}");
+}
+
+/// A cluster whose head persists its state (`--state-dir`) and has no CPUs, so actors go to
+/// its two nodes (2 CPUs each); the state directory is removed when the guard goes.
+fn start_persistent_cluster(name: &str) -> (Cluster, tempfile::TempDir) {
+    let state = tempfile::tempdir().unwrap();
+    let dir = state.path().display().to_string();
+    let node = |name| common::NodeSpec { name, cpus: 2, gpus: 0, resources: None };
+    let cluster = common::start_cluster_with_args(
+        name,
+        "5",
+        &common::NodeSpec { name: "head", cpus: 0, gpus: 0, resources: None },
+        &["--state-dir", &dir, "--reconnect-window", "20"],
+        &[node("n1"), node("n2")],
+    );
+    (cluster, state)
+}
+
+/// SIGKILL the head of a cluster with a state directory and start it again on the same
+/// address and directory: both nodes reconnect (timed: restart to every node re-registered),
+/// a driver blocked in `get` on a call to its actor gets its answer, the detached actor a
+/// finished driver left keeps its state and process, the key-value store is whole, and new
+/// actors and tasks run after the restart.
+#[test]
+fn a_head_killed_and_restarted_on_its_state_directory_keeps_the_cluster_running() {
+    let (mut cluster, _state) = start_persistent_cluster("restart");
+    let shared = |cluster: &Cluster| {
+        let (mut driver, lines) =
+            start_driver(cluster, &["--shared", "kept", "--counter-cpus", "1"]);
+        let line = expect_containing(&lines, "count ", "the shared counter's driver");
+        assert!(driver.wait().unwrap().success());
+        line
+    };
+    let before = shared(&cluster);
+    assert!(before.starts_with("count 1 pid "), "{before}");
+    let (mut driver, lines) =
+        start_driver(&cluster, &["--across-restart", "5", "--counter-cpus", "1"]);
+    let ready = expect_containing(&lines, "ready pid ", "the driver across the restart");
+    let pid = ready.trim_start_matches("ready pid ").to_owned();
+    let node_logs: Vec<Receiver<String>> =
+        cluster.nodes.iter_mut().map(|n| read_lines(n.stderr.take().unwrap())).collect();
+
+    kill9(cluster.head.id());
+    let _ = cluster.head.wait();
+    let restarted = Instant::now();
+    cluster.restart_head(&[]);
+    for (i, log) in node_logs.iter().enumerate() {
+        expect_containing(log, "reconnected to the restarted cluster head", &format!("node {i}"));
+    }
+    let recovery = restarted.elapsed();
+    eprintln!("head restart to both nodes re-registered: {:.3} s", recovery.as_secs_f64());
+    assert!(recovery < Duration::from_secs(20), "recovery took {recovery:?}");
+
+    // The driver blocked in `get` got its answer from the same actor process, and goes on.
+    for expected in
+        [format!("slow count 2 pid {pid}"), "kv kept".into(), format!("after count 3 pid {pid}")]
+    {
+        expect_line(&lines, &expected, "the driver across the restart");
+    }
+    expect_containing(&lines, "second count 1 pid ", "the driver across the restart");
+    expect_containing(&lines, "task pid ", "the driver across the restart");
+    expect_line(&lines, "ok", "the driver across the restart");
+    let ended = wait_exit(&mut driver, Duration::from_secs(30)).expect("the driver ends");
+    assert!(ended.success(), "{ended:?}: {}", stderr_of(&mut driver));
+    // The detached counter kept its count and its process.
+    let after = shared(&cluster);
+    assert_eq!(after, before.replace("count 1 ", "count 2 "));
+    let text = status(&cluster);
+    assert!(text.contains("nodes: 3 alive, 0 dead"), "{text}");
+}
+
+/// What a restarted head cannot take up is refused with an error that names it: a head
+/// restarted on another port (its nodes name both addresses and exit), a state directory with
+/// a damaged file, another cluster's, or one a running head holds.
+#[test]
+fn a_restarted_head_refuses_what_it_cannot_recover_and_says_which() {
+    let (mut cluster, state) = start_persistent_cluster("refuse");
+    let node_logs: Vec<Receiver<String>> =
+        cluster.nodes.iter_mut().map(|n| read_lines(n.stderr.take().unwrap())).collect();
+    // A second head on the same state directory.
+    let out = Command::new(rtrun_binary())
+        .args(["head", "--bind", "127.0.0.1", "--port", "0", "--num-cpus", "0"])
+        .arg("--credentials-dir")
+        .arg(cluster.dir.join("head-credentials"))
+        .arg("--state-dir")
+        .arg(state.path())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && stderr.contains("is in use by another head"), "{stderr}");
+
+    kill9(cluster.head.id());
+    let _ = cluster.head.wait();
+    let port = common::free_udp_port().to_string();
+    cluster.restart_head(&[("--port", &port)]);
+    let old = cluster.address.clone();
+    let new = format!("127.0.0.1:{port}");
+    for (i, log) in node_logs.iter().enumerate() {
+        let line = expect_containing(log, "the cluster head restarted at", &format!("node {i}"));
+        assert!(line.contains(&new) && line.contains(&old), "{line}");
+    }
+    for node in &mut cluster.nodes {
+        let status = wait_exit(node, Duration::from_secs(20)).expect("a node of a moved head");
+        assert_eq!(status.code(), Some(HEAD_LOST));
+    }
+    kill9(cluster.head.id());
+    let _ = cluster.head.wait();
+
+    let head_on = |credentials: &str| {
+        let out = Command::new(rtrun_binary())
+            .args(["head", "--bind", "127.0.0.1", "--port", "0", "--num-cpus", "0"])
+            .arg("--credentials-dir")
+            .arg(cluster.dir.join(credentials))
+            .arg("--data-dir")
+            .arg(cluster.dir.join("refused-data"))
+            .arg("--state-dir")
+            .arg(state.path())
+            .stdout(Stdio::null())
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "a head started on a state it must refuse");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    // Another cluster's credentials.
+    let stderr = head_on("other-credentials");
+    assert!(stderr.contains("belongs to another cluster"), "{stderr}");
+    // A damaged snapshot.
+    let snapshot = std::fs::read_dir(state.path())
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| p.file_name().unwrap().to_string_lossy().starts_with("snapshot-"))
+        .expect("a snapshot");
+    let mut bytes = std::fs::read(&snapshot).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0xff;
+    std::fs::write(&snapshot, &bytes).unwrap();
+    let stderr = head_on("head-credentials");
+    assert!(stderr.contains(&format!("state file {} is corrupt", snapshot.display())), "{stderr}");
+}
