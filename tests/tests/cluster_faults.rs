@@ -436,11 +436,11 @@ fn expect_containing(lines: &Receiver<String>, needle: &str, what: &str) -> Stri
 }
 
 /// A cluster whose head persists its state (`--state-dir`) and has no CPUs, so actors go to
-/// its two nodes (2 CPUs each); the state directory is removed when the guard goes.
+/// its two nodes (3 CPUs each); the state directory is removed when the guard goes.
 fn start_persistent_cluster(name: &str) -> (Cluster, tempfile::TempDir) {
     let state = tempfile::tempdir().unwrap();
     let dir = state.path().display().to_string();
-    let node = |name| common::NodeSpec { name, cpus: 2, gpus: 0, resources: None };
+    let node = |name| common::NodeSpec { name, cpus: 3, gpus: 0, resources: None };
     let cluster = common::start_cluster_with_args(
         name,
         "5",
@@ -453,9 +453,10 @@ fn start_persistent_cluster(name: &str) -> (Cluster, tempfile::TempDir) {
 
 /// SIGKILL the head of a cluster with a state directory and start it again on the same
 /// address and directory: both nodes reconnect (timed: restart to every node re-registered),
-/// a driver blocked in `get` on a call to its actor gets its answer, the detached actor a
-/// finished driver left keeps its state and process, the key-value store is whole, and new
-/// actors and tasks run after the restart.
+/// a driver blocked in `get` on a call to its actor gets its answer, and so does a submitted
+/// job's (its driver outlives the head, which adopts it; `rtrun submit` follows it to its end),
+/// the detached actor a finished driver left keeps its state and process, the key-value store
+/// is whole, and new actors and tasks run after the restart.
 #[test]
 fn a_head_killed_and_restarted_on_its_state_directory_keeps_the_cluster_running() {
     let (mut cluster, _state) = start_persistent_cluster("restart");
@@ -468,10 +469,17 @@ fn a_head_killed_and_restarted_on_its_state_directory_keeps_the_cluster_running(
     };
     let before = shared(&cluster);
     assert!(before.starts_with("count 1 pid "), "{before}");
-    let (mut driver, lines) =
-        start_driver(&cluster, &["--across-restart", "5", "--counter-cpus", "1"]);
+    let across = ["--across-restart", "5", "--counter-cpus", "1"];
+    let (mut driver, lines) = start_driver(&cluster, &across);
     let ready = expect_containing(&lines, "ready pid ", "the driver across the restart");
     let pid = ready.trim_start_matches("ready pid ").to_owned();
+    let mut submitted = submit_command(&cluster, &across)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let job_lines = read_lines(submitted.stdout.take().unwrap());
+    expect_containing(&job_lines, "ready pid ", "the submitted job");
     let node_logs: Vec<Receiver<String>> =
         cluster.nodes.iter_mut().map(|n| read_lines(n.stderr.take().unwrap())).collect();
 
@@ -497,6 +505,16 @@ fn a_head_killed_and_restarted_on_its_state_directory_keeps_the_cluster_running(
     expect_line(&lines, "ok", "the driver across the restart");
     let ended = wait_exit(&mut driver, Duration::from_secs(30)).expect("the driver ends");
     assert!(ended.success(), "{ended:?}: {}", stderr_of(&mut driver));
+    // The submitted job too: `rtrun submit` printed its log to the end and exits 0.
+    for needle in ["slow count 2 pid ", "kv kept", "after count 3 pid ", "task pid "] {
+        expect_containing(&job_lines, needle, "the submitted job");
+    }
+    expect_line(&job_lines, "ok", "the submitted job");
+    let ended = wait_exit(&mut submitted, Duration::from_secs(30)).expect("rtrun submit ends");
+    assert!(ended.success(), "{ended:?}: {}", stderr_of(&mut submitted));
+    let jobs = rtrun(&cluster, &["job", "list"], &cluster.dir.join("head-credentials"));
+    let jobs = String::from_utf8_lossy(&jobs.stdout);
+    assert!(jobs.contains("SUCCEEDED"), "{jobs}");
     // The detached counter kept its count and its process.
     let after = shared(&cluster);
     assert_eq!(after, before.replace("count 1 ", "count 2 "));

@@ -349,8 +349,8 @@ impl HeadCore {
     /// placement groups and allocations where they were, actors in the states they were in,
     /// jobs, drivers and keys. Each remote node and driver has until `now_ms + window_ms` to
     /// reconnect; the head's own node restarted with this process, so its workers are gone
-    /// (their actors restart or die) and so are the submitted jobs' drivers it ran. Returns what
-    /// to do about that.
+    /// (their actors restart or die), while the submitted jobs' drivers outlived it and are
+    /// adopted ([`Effect::AdoptJob`]). Returns what to do about that.
     pub fn recover(
         &mut self,
         state: DurableState,
@@ -439,6 +439,8 @@ impl HeadCore {
         for worker in lost {
             self.worker_exited(worker, reason.to_owned(), &mut effects);
         }
+        // A running job's driver outlived the old head (a head with a state directory starts
+        // them so): it is taken up. One the old head had not started yet never will be.
         let running: Vec<u64> = self
             .members
             .jobs
@@ -448,8 +450,15 @@ impl HeadCore {
             .collect();
         for job in running {
             let Some(entry) = self.members.jobs.get_mut(&job) else { continue };
-            entry.state = JobState::Failed { reason: format!("its driver ended: {reason}") };
-            entry.pid = None;
+            if let Some(pid) = entry.pid {
+                let (worker, log) = (entry.worker, entry.log.clone());
+                effects.push(Effect::AdoptJob { job, worker, pid, log });
+                continue;
+            }
+            entry.state = JobState::Failed {
+                reason: "its driver had not started when the head restarted".into(),
+            };
+            self.journal.job(job);
             if let Some(driver) = entry.driver {
                 self.awaiting.drivers.remove(&driver);
                 self.driver_gone(driver, &mut effects);

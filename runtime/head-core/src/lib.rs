@@ -34,7 +34,7 @@ use rtrun_proto::actor::ActorSpec;
 use rtrun_proto::error::{Error, Missing, Result};
 use rtrun_proto::ids::{ActorId, NodeId, WorkerId};
 use rtrun_proto::protocol::{
-    Address, Frame, HeadRequest, JobInfo, Outcome, Response, TaskCounts, WorkerExit,
+    Address, Frame, HeadRequest, JobInfo, JobState, Outcome, Response, TaskCounts, WorkerExit,
 };
 use rtrun_proto::task::TaskSpec;
 
@@ -122,6 +122,10 @@ pub enum Effect {
     /// The cluster stops: its nodes, then this control plane's process (the request is
     /// answered first).
     StopCluster,
+    /// A recovered head takes up a submitted job's driver that outlived the head before it
+    /// (process `pid` on the head's node, logging into `log`): its exit is reported as
+    /// [`Event::WorkerExited`] of `worker`.
+    AdoptJob { job: u64, worker: WorkerId, pid: u32, log: std::path::PathBuf },
 }
 
 /// Control-plane settings.
@@ -366,6 +370,13 @@ impl HeadCore {
                 for w in self.workers.values().filter(|w| w.node == head_node) {
                     if let Some(pid) = w.pid {
                         effects.push(Effect::Kill { node: w.node, pid });
+                    }
+                }
+                // Submitted jobs' drivers too (those of a head with a state directory would
+                // outlive it).
+                for job in self.members.jobs.values() {
+                    if let (JobState::Running, Some(pid)) = (&job.state, job.pid) {
+                        effects.push(Effect::Kill { node: head_node, pid });
                     }
                 }
             }

@@ -435,6 +435,13 @@ impl World {
                     assert!(self.outstanding.remove(&reply).is_some(), "{reply:?} answered twice");
                     answers.push((reply, Response::Logs { bytes: Vec::new(), job: *info }));
                 }
+                Effect::AdoptJob { job, worker, pid, .. } => {
+                    let driver = self.processes.get(&worker);
+                    assert!(
+                        driver.is_some_and(|p| p.job && p.pid == Some(pid)),
+                        "job {job} adopted without its driver {worker} (pid {pid}): {driver:?}"
+                    );
+                }
                 Effect::StopNode { .. }
                 | Effect::RemoveJobFiles { .. }
                 | Effect::RemoveJobLog { .. }
@@ -963,7 +970,9 @@ impl World {
         self.outstanding.clear();
         self.conns.clear();
         self.calls.clear();
-        self.processes.retain(|_, p| p.node != head_node);
+        // The head's own node's workers were its children; the submitted jobs' drivers it had
+        // started outlive it (it starts them so), the ones it had not never start.
+        self.processes.retain(|_, p| p.node != head_node || (p.job && p.pid.is_some()));
         for p in self.processes.values_mut() {
             p.conn = None;
         }

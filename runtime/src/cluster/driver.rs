@@ -80,11 +80,11 @@ pub(crate) fn start_driver(config: &Config, address: &str, binary: bool) -> Resu
     member.link.node.store(node_id, std::sync::atomic::Ordering::Release);
     let address = Route::quic(endpoint, node_id, &crate::runtime::socket_name(&session, worker));
     let member = member.install();
-    // A driver (not a one-command client) reconnects to a head that restarts.
+    // A driver, or a client following a job's log, reconnects to a head that restarts.
     if let Some(digest) = digest {
         member.set_driver_binary(digest);
-        member.set_reconnect_window(reconnect_ms.map(Duration::from_millis));
     }
+    member.set_reconnect_window(reconnect_ms.map(Duration::from_millis));
     // Peers (the head above all, which ends the job's actors) learn of a normal exit at once;
     // a killed driver is noticed when its heartbeats stop.
     close_connections_at_exit();

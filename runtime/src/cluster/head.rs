@@ -263,6 +263,7 @@ impl NetService for HeadService {
                 Ok((NetReply::Rejoined { head: head_address, reconnect_ms }, Vec::new()))
             }
             NetRequest::JoinDriver { binary, resume: Some(worker), .. } => {
+                // A client (no binary) sends no heartbeats and is not watched.
                 let joined = head.join(&self.session, JoinAs::ResumedDriver { worker })?;
                 if binary.is_some() {
                     self.drivers.lock().insert(link.clone(), joined.worker);

@@ -129,6 +129,7 @@ impl NodeAgent {
             job: Some(digest),
             args: Vec::new(),
             cwd: None,
+            outlives_head: None,
         })
     }
 

@@ -7,7 +7,7 @@ use crate::protocol::JobInfo;
 use crate::transport::Route;
 
 use super::Head;
-use super::spawn::SpawnRequest;
+use super::spawn::{SUPERVISOR_NAME, SpawnRequest, supervised_exit};
 use rtrun_head_core::JobStart;
 
 impl Head {
@@ -57,10 +57,14 @@ impl Head {
         if let (Some(dir), Some(package)) = (&cwd, &package) {
             crate::cluster::working_dir::unpack(package, dir)?;
         }
+        // A head with a state directory starts drivers that outlive it (a restarted head
+        // adopts them); otherwise a job's driver ends with its head.
+        let persistent = self.state.lock().reconnect_window.is_some();
         let request = SpawnRequest {
             worker,
             env,
             binary: Some(cluster.binaries.path(&binary)),
+            outlives_head: persistent.then(|| status_file(&log)),
             log: Some(log),
             job: Some(binary),
             args: Vec::new(),
@@ -68,6 +72,40 @@ impl Head {
         };
         self.spawner.spawn(request.with_args(args))?;
         Ok(info)
+    }
+
+    /// Takes up the driver of a submitted job that outlived the previous head (`pid`, under
+    /// its supervising shell): a thread watches it (this process is not its parent, so it cannot
+    /// wait for it) and reports its exit with the status its shell wrote.
+    pub(super) fn adopt_job(
+        &self,
+        worker: crate::ids::WorkerId,
+        pid: u32,
+        log: std::path::PathBuf,
+    ) {
+        let head = self.weak.clone();
+        let status = status_file(&log);
+        let watching =
+            std::thread::Builder::new().name(format!("rtrun-job-{}", worker.0)).spawn(move || {
+                // A pid reused by another process is not the job's shell.
+                let ours = std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|cmdline| {
+                    cmdline.split(|b| *b == 0).any(|arg| arg == SUPERVISOR_NAME.as_bytes())
+                });
+                while ours && running(pid) {
+                    std::thread::sleep(std::time::Duration::from_millis(100));
+                }
+                let exit = supervised_exit(&status).unwrap_or_else(|| {
+                    crate::protocol::WorkerExit::Lost(
+                        "its supervising shell ended without saying how the driver did".into(),
+                    )
+                });
+                if let Some(head) = head.upgrade() {
+                    head.on_worker_exit(worker, exit);
+                }
+            });
+        if let Err(e) = watching {
+            tracing::error!("cannot watch an adopted job's driver: {e}");
+        }
     }
 
     /// Removes an ended job's unpacked working directory and, when given, its package (the
@@ -84,6 +122,19 @@ impl Head {
             remove_file(job, "package", &cluster.binaries.path(&digest));
         }
     }
+}
+
+/// Whether process `pid` runs (it exists and is not a zombie waiting for its new parent).
+fn running(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+        // The state follows the command name's closing parenthesis.
+        stat.rsplit_once(')').and_then(|(_, rest)| rest.trim_start().chars().next()) != Some('Z')
+    })
+}
+
+/// Where a job driver that outlives its head leaves its exit status: beside its log.
+pub(super) fn status_file(log: &std::path::Path) -> std::path::PathBuf {
+    log.with_extension("status")
 }
 
 /// Removes one of job `job`'s files (`what`: its package, its log), warning when it cannot (one

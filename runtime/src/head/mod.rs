@@ -117,6 +117,11 @@ enum Action {
     /// The state directory could not be written: the head ends rather than act on changes it
     /// could not persist.
     PersistFailed(String),
+    AdoptJob {
+        worker: WorkerId,
+        pid: u32,
+        log: std::path::PathBuf,
+    },
 }
 
 impl Shared {
@@ -177,6 +182,9 @@ impl Shared {
                     actions.push(Action::ReadJobLog(self.replies.remove(&reply), log, offset, info))
                 }
                 Effect::StopCluster => actions.push(Action::StopCluster),
+                Effect::AdoptJob { worker, pid, log, .. } => {
+                    actions.push(Action::AdoptJob { worker, pid, log })
+                }
             }
         }
         actions
@@ -431,6 +439,7 @@ impl Head {
                         responder.respond(response);
                     }
                 }
+                Action::AdoptJob { worker, pid, log } => self.adopt_job(worker, pid, log),
                 Action::PersistFailed(message) => {
                     tracing::error!("{message}");
                     if let Some(runtime) = self.runtime() {

@@ -81,9 +81,7 @@ impl Head {
                     state.core.join_node(name, &resources, endpoint, &mut effects)?
                 }
                 JoinAs::Driver { binary, job, endpoint } => {
-                    // Only drivers (not one-command clients) hear that a head restarted.
-                    let endpoint = binary.is_some().then_some(endpoint);
-                    let worker = state.core.join_driver(binary, job, endpoint)?;
+                    let worker = state.core.join_driver(binary, job, Some(endpoint))?;
                     (worker.0, worker)
                 }
                 JoinAs::ResumedDriver { worker } => {
@@ -215,7 +213,16 @@ impl Head {
         if local && let Some(cluster) = cluster {
             env.extend(crate::cluster::node_env(self.local_node, &cluster.address));
         }
-        SpawnRequest { worker, env, binary, log, job, args: Vec::new(), cwd: None }
+        SpawnRequest {
+            worker,
+            env,
+            binary,
+            log,
+            job,
+            args: Vec::new(),
+            cwd: None,
+            outlives_head: None,
+        }
     }
 
     pub(super) fn spawn_remote(&self, node: u64, request: SpawnRequest) {

@@ -52,6 +52,30 @@ pub(crate) struct SpawnRequest {
     pub(crate) args: Vec<String>,
     /// The directory it starts in (a submitted job's working directory; else inherited).
     pub(crate) cwd: Option<std::path::PathBuf>,
+    /// A submitted job's driver that must outlive this process (a head with a state
+    /// directory): started under a supervising shell in its own session, without the
+    /// parent-death signal, its output appended straight to its log (no pipe through this
+    /// process), and its exit code written to this file (see [`SUPERVISOR`]).
+    pub(crate) outlives_head: Option<std::path::PathBuf>,
+}
+
+/// The supervising shell of a job driver that outlives its head: runs the driver, writes its
+/// exit status (`$?`: the code, or 128 + the signal) to `$RTRUN_JOB_STATUS` by an atomic
+/// rename, and exits with it. Its `$0` names it in `ps` and `/proc/PID/cmdline`.
+const SUPERVISOR: &str = r#""$@"; code=$?; printf '%s
+' "$code" > "$RTRUN_JOB_STATUS.tmp" && mv -f "$RTRUN_JOB_STATUS.tmp" "$RTRUN_JOB_STATUS"; exit "$code""#;
+
+/// The supervisor's `$0`.
+pub(crate) const SUPERVISOR_NAME: &str = "rtrun-job-supervisor";
+
+/// Where a supervised job's status file says how it ended: `None` while it has not.
+pub(crate) fn supervised_exit(status_file: &std::path::Path) -> Option<WorkerExit> {
+    let text = std::fs::read_to_string(status_file).ok()?;
+    let code: i32 = text.trim().parse().ok()?;
+    Some(match code {
+        129..=192 => WorkerExit::Signal(code - 128),
+        code => WorkerExit::Code(code),
+    })
 }
 
 impl SpawnRequest {
@@ -108,6 +132,10 @@ impl SpawnerInbox {
                 let parent = std::process::id();
                 for request in self.requests {
                     let Some(head) = head.upgrade() else { return };
+                    if let Some(status) = &request.outlives_head {
+                        spawn_supervised(&head, &request, status);
+                        continue;
+                    }
                     let mut command = match &request.binary {
                         Some(binary) => {
                             let mut command = Command::new(binary);
@@ -199,6 +227,54 @@ impl SpawnerInbox {
     }
 }
 
+/// Starts a job driver that outlives this process under [`SUPERVISOR`] (see
+/// [`SpawnRequest::outlives_head`]) and reaps it while this process lives.
+fn spawn_supervised<H: SpawnEvents>(
+    head: &Arc<H>,
+    request: &SpawnRequest,
+    status: &std::path::Path,
+) {
+    let started = (|| -> std::io::Result<std::process::Child> {
+        let binary = request.binary.as_ref().ok_or_else(|| {
+            std::io::Error::new(std::io::ErrorKind::InvalidInput, "a job driver has a binary")
+        })?;
+        let _ = std::fs::remove_file(status);
+        let mut command = Command::new("/bin/sh");
+        command.arg("-c").arg(SUPERVISOR).arg(SUPERVISOR_NAME).arg(binary).args(&request.args);
+        command.envs(request.env.iter().cloned()).env("RTRUN_JOB_STATUS", status);
+        command.stdin(Stdio::null());
+        if let Some(dir) = &request.cwd {
+            command.current_dir(dir);
+        }
+        if let Some(log) = &request.log {
+            let file = std::fs::OpenOptions::new().create(true).append(true).open(log)?;
+            command.stdout(file.try_clone()?).stderr(file);
+        }
+        // SAFETY: the closure runs in the forked child before exec and only calls setsid,
+        // which is async-signal-safe.
+        unsafe {
+            command.pre_exec(|| {
+                // Its own session and process group: a signal to the head's group (a
+                // terminal's ^C) does not reach it, and `rtrun job stop` kills the group.
+                if libc::setsid() < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        command.spawn()
+    })();
+    match started {
+        Ok(child) => {
+            head.on_spawned(request.worker, child.id());
+            start_reaper(head, request.worker, child);
+        }
+        Err(e) => {
+            head.on_worker_exit(request.worker, WorkerExit::Lost(format!("failed to start: {e}")))
+        }
+    }
+}
+
 /// Where a spawned worker's stdout and stderr go: its log file (rotating) when it has one, this
 /// process's stdout/stderr when the head echoes output, else nowhere special (inherited).
 fn output_sinks<H: SpawnEvents>(
@@ -277,12 +353,15 @@ fn start_reaper<H: SpawnEvents>(head: &Arc<H>, worker: WorkerId, mut child: std:
     }
 }
 
-/// Sends SIGKILL to a process.
+/// Sends SIGKILL to a process, and to its process group when it leads one (a supervised job
+/// driver's shell leads its session: the driver goes with it).
 pub(crate) fn kill_process(pid: u32) {
     let Ok(pid) = libc::pid_t::try_from(pid) else { return };
     // SAFETY: kill(2) has no memory-safety preconditions; a stale pid at worst signals nothing
-    // (the reaper has not yet waited for it, so it cannot have been reused).
+    // (the reaper has not yet waited for it, so it cannot have been reused). A worker leads no
+    // group, so the group kill finds none for it.
     unsafe {
+        libc::kill(-pid, libc::SIGKILL);
         libc::kill(pid, libc::SIGKILL);
     }
 }

@@ -354,9 +354,9 @@ impl Runtime {
         // A head with a state directory comes back: its members reconnect meanwhile.
         if !matches!(role, ProcessRole::ControlPlane { .. })
             && let Some(window) = crate::cluster::member().and_then(|m| m.reconnect_window())
-            && let Ok(runtime) = super::current()
+            && let Some(runtime) = self.me.upgrade()
         {
-            crate::cluster::reconnect::start(runtime.clone(), window, format!("{head}: {reason}"));
+            crate::cluster::reconnect::start(runtime, window, format!("{head}: {reason}"));
             return;
         }
         self.give_up_on_head(&head, reason);

@@ -89,6 +89,8 @@ pub(super) type ResponseCallback = Box<dyn FnOnce(Response) + Send>;
 
 /// One process's runtime.
 pub struct Runtime {
+    /// This runtime (for the threads it starts from `&self`: a reconnect to the head).
+    me: std::sync::Weak<Runtime>,
     /// What this process is, with what that role holds; set once as it starts.
     role: OnceLock<ProcessRole>,
     /// How this process's part in the session ended, once it has.

@@ -132,6 +132,13 @@ impl Runtime {
             {
                 self.parked.lock().push((body, callback));
                 self.on_head_lost(conn, &e.to_string());
+                // A reconnect that finished meanwhile sent what was held before this was.
+                if let Some(current) = self.head_connection()
+                    && current.id() != conn.id()
+                    && !current.is_closed()
+                {
+                    self.resend_parked(&current);
+                }
                 return;
             }
             pending.answer(Response::Error(e));

@@ -92,7 +92,8 @@ impl Runtime {
         if let Some(member) = crate::cluster::member() {
             endpoint.attach_net(member.link.clone());
         }
-        let runtime = Arc::new(Runtime {
+        let runtime = Arc::new_cyclic(|me| Runtime {
+            me: me.clone(),
             role: OnceLock::new(),
             ended: EndSignal::default(),
             head_exit_expected: std::sync::atomic::AtomicBool::new(false),
