@@ -415,3 +415,81 @@ fn a_detached_run_outlives_its_driver_and_train_attach_follows_it_to_the_end() {
     let text = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && text.contains("no run is training in"), "{text}");
 }
+
+/// The metrics of a run without its timings, per step.
+fn comparable(run: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(run.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|line| {
+            let mut record: serde_json::Value = serde_json::from_str(line).unwrap();
+            if let Some(fields) = record.as_object_mut() {
+                fields.retain(|name, _| !name.starts_with("time/") && name != "wall_time");
+            }
+            record
+        })
+        .collect()
+}
+
+/// `train --detach` on a cluster whose head persists its state (`--state-dir`): the head is
+/// SIGKILLed mid-run and started again on its directory. The trainer actor and its roles run
+/// on through the restart (the trainer's reward tasks and actor watches wait for the new head
+/// and are sent again), the driver following it reconnects and prints the summary, and every
+/// step's metrics equal those of the same run done before without an interruption.
+#[test]
+fn a_detached_run_lives_through_a_head_restart_and_matches_an_uninterrupted_run() {
+    let state = tempfile::tempdir().unwrap();
+    let state_dir = state.path().display().to_string();
+    let mut cluster = rtrun_tests::cluster::start_cluster_with_args(
+        "headrestart",
+        "3",
+        &NodeSpec { name: "head", cpus: 1, gpus: 0, resources: None },
+        &["--state-dir", &state_dir, "--reconnect-window", "30"],
+        &[node("train", r#"{"train_node": 1}"#), node("rollout", r#"{"rollout_node": 1}"#)],
+    );
+    let dir = cluster.dir.join("job");
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = write_config(&dir);
+    const STEPS: usize = 60;
+    let sets = |run: &Path| {
+        [
+            "--set".to_owned(),
+            format!("run_dir={}", run.display()),
+            "--set".to_owned(),
+            format!("train.max_steps={STEPS}"),
+            "--set".to_owned(),
+            "checkpoint.every_steps=100".to_owned(),
+            "--set".to_owned(),
+            "eval.every_steps=20".to_owned(),
+        ]
+    };
+    let straight = dir.join("straight");
+    let log = dir.join("straight.log");
+    let status = train(&cluster, &config, &log).args(sets(&straight)).status().unwrap();
+    assert!(status.success(), "{}", std::fs::read_to_string(&log).unwrap());
+
+    let run = dir.join("run");
+    let log = dir.join("detached.log");
+    let mut driver =
+        train(&cluster, &config, &log).args(sets(&run)).arg("--detach").spawn().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(240);
+    while steps_done(&run) < 8 {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        assert!(driver.try_wait().unwrap().is_none(), "the run ended early:\n{text}");
+        assert!(Instant::now() < deadline, "8 records within 240 s:\n{text}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    rtrun_tests::kill9(cluster.head.id());
+    let _ = cluster.head.wait();
+    let killed_at = steps_done(&run);
+    cluster.restart_head(&[]);
+    let status = rtrun_tests::cluster::wait_exit(&mut driver, Duration::from_secs(240))
+        .expect("the detached run ends");
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(status.success(), "the run across the head restart failed:\n{text}");
+    assert!(killed_at < STEPS + 1, "the run ended before the head was killed");
+    eprintln!("head killed after {killed_at} of {} records", STEPS + 1);
+    assert!(text.contains("reconnected to the restarted cluster head"), "{text}");
+    assert_eq!(comparable(&run), comparable(&straight), "the run across the restart differs");
+    assert!(run.join("final_policy/model.safetensors").is_file());
+}

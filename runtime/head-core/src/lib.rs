@@ -140,6 +140,10 @@ pub struct HeadConfig {
     /// A task worker idle for this long ends (a finished detached run's, an idle job's): a
     /// pooled worker holds its job's environment, memory and a process slot.
     pub task_worker_idle_timeout: std::time::Duration,
+    /// Whether actors and tasks may be placed on the head's own node. A head that persists its
+    /// state places none there: its node's processes end with the head's, the joined nodes'
+    /// live through a restart.
+    pub workers_on_head: bool,
 }
 
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
@@ -304,9 +308,11 @@ impl HeadCore {
     /// A control plane for `session` whose own node is `head_node`, holding `config.node`.
     pub fn new(session: String, config: HeadConfig, head_node: u64) -> Result<HeadCore> {
         let mut cluster = ClusterState::new();
-        cluster
-            .add_node(config.node.clone())
-            .map_err(|e| Error::Invalid(format!("node resources: {e}")))?;
+        if config.workers_on_head {
+            cluster
+                .add_node(config.node.clone())
+                .map_err(|e| Error::Invalid(format!("node resources: {e}")))?;
+        }
         Ok(HeadCore {
             session,
             config,

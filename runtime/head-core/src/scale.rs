@@ -171,6 +171,7 @@ impl Scale {
             max_task_workers: 0,
             noset_cuda_visible_devices: false,
             task_worker_idle_timeout: std::time::Duration::from_secs(60),
+            workers_on_head: true,
         };
         // Invariant: a node of no resources is valid (the error is only for malformed sets).
         let mut core = match HeadCore::new("scale".into(), config, head_node) {

@@ -277,6 +277,7 @@ fn sim_config() -> HeadConfig {
         max_task_workers: 3,
         noset_cuda_visible_devices: false,
         task_worker_idle_timeout: std::time::Duration::from_millis(5_000),
+        workers_on_head: true,
     }
 }
 

@@ -148,7 +148,14 @@ pub fn start_head(options: HeadOptions) -> Result<HeadHandle> {
         net.clone(),
     );
     member.install();
-    let runtime = Runtime::start_cluster_head(&options.config, session.clone(), address.clone())?;
+    // A head that persists its state runs no workers on its own node: they would end with it.
+    let workers_on_head = options.state_dir.is_none();
+    let runtime = Runtime::start_cluster_head(
+        &options.config,
+        session.clone(),
+        address.clone(),
+        workers_on_head,
+    )?;
     runtime.endpoint().attach_net(link.clone());
     let _ = store_source.set(runtime.store_client()?.object_source()?);
     let binaries = Arc::new(BinaryCache::open(options.data_dir.join("binaries"))?);

@@ -57,6 +57,7 @@ pub(crate) fn head_config(config: &Config) -> Result<HeadConfig> {
         max_task_workers,
         noset_cuda_visible_devices: noset,
         task_worker_idle_timeout: task_worker_idle_timeout()?,
+        workers_on_head: true,
     })
 }
 

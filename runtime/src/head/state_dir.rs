@@ -406,6 +406,7 @@ mod tests {
             max_task_workers: 1,
             noset_cuda_visible_devices: false,
             task_worker_idle_timeout: Duration::from_secs(5),
+            workers_on_head: true,
         };
         let mut core = HeadCore::new("5151".into(), config, 0).unwrap();
         core.enable_cluster("quic://127.0.0.1:1/0/rtrun-5151-0".into(), "head".into(), "/l".into());

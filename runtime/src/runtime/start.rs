@@ -120,7 +120,7 @@ impl Runtime {
     pub(super) fn start_driver(config: Config) -> Result<Arc<Runtime>> {
         let session = format!("{:016x}", random_u64());
         let address = worker_address(&session, DRIVER_WORKER_ID);
-        Runtime::start_control_plane(false, &config, session, address)
+        Runtime::start_control_plane(false, &config, session, address, true)
     }
 
     /// A cluster head's runtime: an embedded session's, at a cluster address.
@@ -128,8 +128,10 @@ impl Runtime {
         config: &Config,
         session: String,
         address: Address,
+        workers_on_head: bool,
     ) -> Result<Arc<Runtime>> {
-        let runtime = Runtime::start_control_plane(true, config, session, address)?;
+        let runtime =
+            Runtime::start_control_plane(true, config, session, address, workers_on_head)?;
         let _ = CURRENT.set(runtime.clone());
         Ok(runtime)
     }
@@ -216,6 +218,7 @@ impl Runtime {
         config: &Config,
         session: String,
         address: Address,
+        workers_on_head: bool,
     ) -> Result<Arc<Runtime>> {
         let runtime = Runtime::new(
             session.clone(),
@@ -226,7 +229,9 @@ impl Runtime {
             config.transport.clone(),
         )?;
         let store = runtime.open_store(config, DRIVER_WORKER_ID)?;
-        let head = Head::start(&runtime, crate::head::head_config(config)?)?;
+        let head_config =
+            crate::head::HeadConfig { workers_on_head, ..crate::head::head_config(config)? };
+        let head = Head::start(&runtime, head_config)?;
         runtime.install_role(ProcessRole::ControlPlane { head, store })?;
         tracing::debug!(session = %session, cluster, "control plane started");
         Ok(runtime)
