@@ -591,3 +591,35 @@ fn a_restarted_head_refuses_what_it_cannot_recover_and_says_which() {
     let stderr = head_on("head-credentials");
     assert!(stderr.contains(&format!("state file {} is corrupt", snapshot.display())), "{stderr}");
 }
+
+/// A node paused across a head restart until the restarted head gave up on it (its reconnect
+/// window closed: what ran there is written off) is told so when it wakes up, and exits saying
+/// why instead of living on as a zombie; the node that reconnected in time keeps running.
+#[test]
+fn a_node_given_up_by_a_restarted_head_is_told_so_and_exits() {
+    let (mut cluster, _state) = start_persistent_cluster("givenup");
+    let mut node_logs: Vec<Receiver<String>> =
+        cluster.nodes.iter_mut().map(|n| read_lines(n.stderr.take().unwrap())).collect();
+    let paused = cluster.nodes[1].id();
+    signal(paused, libc::SIGSTOP);
+    kill9(cluster.head.id());
+    let _ = cluster.head.wait();
+    cluster.restart_head(&[("--reconnect-window", "2")]);
+    expect_containing(&node_logs[0], "reconnected to the restarted cluster head", "node n1");
+    // Past the window (and a tick of the head's clock) the paused node is dead to the head.
+    std::thread::sleep(Duration::from_secs(4));
+    let text = status(&cluster);
+    assert!(text.contains("nodes: 2 alive, 1 dead"), "{text}");
+    signal(paused, libc::SIGCONT);
+    let status = wait_exit(&mut cluster.nodes[1], Duration::from_secs(40))
+        .expect("the node given up exits once it wakes up");
+    let log = node_logs.remove(1);
+    let said: Vec<String> = log.try_iter().collect();
+    assert_eq!(status.code(), Some(HEAD_LOST), "{said:?}");
+    assert!(
+        said.iter().any(|l| l.contains("declared") && l.contains("dead")),
+        "the node does not say it was given up: {said:?}"
+    );
+    assert!(cluster.nodes[0].try_wait().unwrap().is_none(), "the node that reconnected exited");
+    eprintln!("the node given up said: {:?}", said.iter().rev().take(2).collect::<Vec<_>>());
+}
