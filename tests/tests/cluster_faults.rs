@@ -607,9 +607,10 @@ fn a_node_given_up_by_a_restarted_head_is_told_so_and_exits() {
     cluster.restart_head(&[("--reconnect-window", "2")]);
     expect_containing(&node_logs[0], "reconnected to the restarted cluster head", "node n1");
     // Past the window (and a tick of the head's clock) the paused node is dead to the head.
-    std::thread::sleep(Duration::from_secs(4));
-    let text = status(&cluster);
-    assert!(text.contains("nodes: 2 alive, 1 dead"), "{text}");
+    let given_up = rtrun_tests::wait_until(Duration::from_secs(20), || {
+        status(&cluster).contains("nodes: 2 alive, 1 dead")
+    });
+    assert!(given_up, "{}", status(&cluster));
     signal(paused, libc::SIGCONT);
     let status = wait_exit(&mut cluster.nodes[1], Duration::from_secs(40))
         .expect("the node given up exits once it wakes up");
