@@ -266,7 +266,7 @@ mod tests {
         bundles: &[ResourceSet],
         strategy: Strategy,
     ) -> Option<(Changed, Arrangement)> {
-        let fit = FitIndex::new(crate::cluster::fit::Amounts::Available, nodes);
+        let fit = FitIndex::new(crate::cluster::fit::Amounts::Available, nodes, &[]);
         super::arrange(nodes, &fit, false, bundles, strategy)
     }
 

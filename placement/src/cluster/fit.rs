@@ -4,6 +4,10 @@
 //! is then checked exactly (other resources, the GPU arrangement) by the caller. The result is
 //! the same node a scan in cluster order finds, at O(log n) per skipped range instead of O(n):
 //! at 10,000 nodes a full cluster costs a placement a few dozen steps, not 10,000.
+//!
+//! Leaves hold each amount plus one, so a leaf of zeros — past the last node, or a node that
+//! left (a tombstone until the state compacts) — admits nothing, not even a demand of zero,
+//! and a node leaving changes one leaf and its ancestors.
 
 use crate::node::NodeResources;
 use crate::resources::{CPU, GPU, ResourceSet};
@@ -17,7 +21,7 @@ pub(crate) enum Amounts {
     Total,
 }
 
-/// The index; leaves past the last node hold nothing.
+/// The index; leaves past the last node, and those of nodes that left, hold nothing.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct FitIndex {
     amounts: Amounts,
@@ -31,12 +35,14 @@ pub(crate) struct FitIndex {
 }
 
 impl FitIndex {
-    /// An index over `nodes`.
-    pub(crate) fn new(amounts: Amounts, nodes: &[NodeResources]) -> FitIndex {
+    /// An index over `nodes`, but those `gone` says left.
+    pub(crate) fn new(amounts: Amounts, nodes: &[NodeResources], gone: &[bool]) -> FitIndex {
         let width = nodes.len().next_power_of_two().max(1);
         let mut index = FitIndex { amounts, len: nodes.len(), width, max: vec![[0, 0]; 2 * width] };
         for (position, node) in nodes.iter().enumerate() {
-            index.max[width + position] = index.key(node);
+            if !gone.get(position).copied().unwrap_or(false) {
+                index.max[width + position] = index.key(node);
+            }
         }
         for i in (1..width).rev() {
             index.max[i] = combine(index.max[2 * i], index.max[2 * i + 1]);
@@ -49,14 +55,14 @@ impl FitIndex {
             Amounts::Available => node.available(),
             Amounts::Total => node.total(),
         };
-        key_of(set)
+        leaf_of(set)
     }
 
     /// Node `position`'s amounts changed (or it is the node just appended).
     pub(crate) fn update(&mut self, position: usize, node: &NodeResources) {
         if position >= self.width {
             // Appending past the leaves: grow by rebuilding at twice the width (amortised O(1)).
-            let mut grown = FitIndex::new(self.amounts, &[]);
+            let mut grown = FitIndex::new(self.amounts, &[], &[]);
             grown.width = (position + 1).next_power_of_two();
             grown.max = vec![[0, 0]; 2 * grown.width];
             grown.max[grown.width..grown.width + self.len]
@@ -76,11 +82,11 @@ impl FitIndex {
         }
     }
 
-    /// Whether this index holds what an index built from `nodes` would: the same amounts per
-    /// node, and every maximum the maximum of its children (the width may differ: an index
-    /// keeps its width when nodes leave).
-    pub(crate) fn agrees_with(&self, nodes: &[NodeResources]) -> bool {
-        let built = FitIndex::new(self.amounts, nodes);
+    /// Whether this index holds what an index built from `nodes` (but those `gone`) would: the
+    /// same amounts per node, and every maximum the maximum of its children (the width may
+    /// differ: an index keeps its width when the state compacts).
+    pub(crate) fn agrees_with(&self, nodes: &[NodeResources], gone: &[bool]) -> bool {
+        let built = FitIndex::new(self.amounts, nodes, gone);
         self.len == built.len
             && self.max[self.width..self.width + self.len]
                 == built.max[built.width..built.width + built.len]
@@ -88,19 +94,16 @@ impl FitIndex {
             && (1..self.width).all(|i| self.max[i] == combine(self.max[2 * i], self.max[2 * i + 1]))
     }
 
-    /// Node `position` left: the nodes after it move up one place. The leaves shift and the
-    /// maxima are recomputed from them — a memory move and one pass over the tree, without
-    /// reading any node's resource set again.
-    pub(crate) fn remove(&mut self, position: usize) {
+    /// Node `position` left: its leaf admits nothing any more (the positions of the others
+    /// stay). O(log n).
+    pub(crate) fn clear(&mut self, position: usize) {
         if position >= self.len {
             return;
         }
-        let start = self.width + position;
-        let end = self.width + self.len;
-        self.max.copy_within(start + 1..end, start);
-        self.max[end - 1] = [0, 0];
-        self.len -= 1;
-        for i in (1..self.width).rev() {
+        let mut i = self.width + position;
+        self.max[i] = [0, 0];
+        while i > 1 {
+            i /= 2;
             self.max[i] = combine(self.max[2 * i], self.max[2 * i + 1]);
         }
     }
@@ -113,6 +116,8 @@ impl FitIndex {
         mut accept: impl FnMut(usize) -> bool,
     ) -> Option<usize> {
         let need = key_of(demand);
+        // Leaves hold amounts plus one (see the module's documentation).
+        let need = [need[0].saturating_add(1), need[1].saturating_add(1)];
         let admits = |i: usize| self.max[i][0] >= need[0] && self.max[i][1] >= need[1];
         // Depth-first, left child first: positions come out in cluster order.
         let mut stack = vec![1usize];
@@ -138,6 +143,12 @@ fn key_of(set: &ResourceSet) -> [u64; 2] {
     [set.get(CPU).raw(), set.get(GPU).raw()]
 }
 
+/// A node's leaf: its amounts plus one (zeros are "no node").
+fn leaf_of(set: &ResourceSet) -> [u64; 2] {
+    let [cpu, gpu] = key_of(set);
+    [cpu.saturating_add(1), gpu.saturating_add(1)]
+}
+
 fn combine(a: [u64; 2], b: [u64; 2]) -> [u64; 2] {
     [a[0].max(b[0]), a[1].max(b[1])]
 }
@@ -160,7 +171,7 @@ mod tests {
     #[test]
     fn finds_the_first_node_a_scan_finds() {
         let mut nodes: Vec<NodeResources> = Vec::new();
-        let mut index = FitIndex::new(Amounts::Available, &nodes);
+        let mut index = FitIndex::new(Amounts::Available, &nodes, &[]);
         for i in 0..37u64 {
             nodes.push(node(&format!("n{i}"), (i * 7) % 11, ((i * 5) % 9) as u32));
             index.update(nodes.len() - 1, &nodes[nodes.len() - 1]);
@@ -170,7 +181,7 @@ mod tests {
             nodes[p].take(&demand(1.0, 1.0));
             index.update(p, &nodes[p]);
         }
-        assert!(index.agrees_with(&nodes), "updates = a rebuild");
+        assert!(index.agrees_with(&nodes, &[]), "updates = a rebuild");
         for cpus in 0..12 {
             for gpus in 0..10 {
                 let d = demand(f64::from(cpus), f64::from(gpus));
@@ -182,17 +193,26 @@ mod tests {
         let d = demand(1.0, 0.0);
         let second = index.first(&d, |p| p > 1 && nodes[p].can_take(&d));
         assert_eq!(second, nodes.iter().enumerate().position(|(p, n)| p > 1 && n.can_take(&d)));
-        // Removing nodes shifts the later ones up, as a rebuild would place them.
+        // Nodes that leave keep their places and are never found, not even for nothing.
+        let mut gone = vec![false; nodes.len()];
         for p in [36usize, 0, 17] {
-            nodes.remove(p);
-            index.remove(p);
-            assert!(index.agrees_with(&nodes), "after removing {p}");
+            gone[p] = true;
+            index.clear(p);
+            assert!(index.agrees_with(&nodes, &gone), "after removing {p}");
         }
-        let total = FitIndex::new(Amounts::Total, &nodes);
+        for cpus in 0..12 {
+            let d = demand(f64::from(cpus), 0.0);
+            let scan = (0..nodes.len()).find(|p| !gone[*p] && nodes[*p].can_take(&d));
+            assert_eq!(index.first(&d, |p| nodes[p].can_take(&d)), scan, "{d}");
+        }
+        let total = FitIndex::new(Amounts::Total, &nodes, &gone);
         let d = demand(10.0, 8.0);
-        let scan = nodes.iter().position(|n| n.total().contains(&d));
+        let scan = (0..nodes.len()).find(|p| !gone[*p] && nodes[*p].total().contains(&d));
         assert!(scan.is_some());
         assert_eq!(total.first(&d, |_| true), scan);
-        assert_eq!(FitIndex::new(Amounts::Total, &[]).first(&demand(0.0, 0.0), |_| true), None);
+        let nothing = demand(0.0, 0.0);
+        assert_eq!(FitIndex::new(Amounts::Total, &[], &[]).first(&nothing, |_| true), None);
+        let only_gone = FitIndex::new(Amounts::Total, &nodes[..1], &[true]);
+        assert_eq!(only_gone.first(&nothing, |_| true), None);
     }
 }

@@ -36,7 +36,7 @@ impl ClusterState {
                     arrange(&self.nodes, &self.whole, true, &request.bundles, request.strategy);
                 if ever.is_none() {
                     let empty: Vec<NodeResources> =
-                        self.nodes.iter().map(|n| n.emptied()).collect();
+                        self.live_nodes().map(|n| n.emptied()).collect();
                     let reason = diagnose(&empty, &request.bundles, request.strategy);
                     return Err(PlacementError::Infeasible { group: request.name, reason });
                 }

@@ -229,7 +229,11 @@ struct GroupRecord {
 /// name through a map, and what lives on a node through per-node sets.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ClusterState {
+    /// The nodes in registration order, with the places of those that left (`gone`) kept
+    /// until they outnumber the live ones: a node leaving moves no other node.
     nodes: Vec<NodeResources>,
+    gone: Vec<bool>,
+    gone_count: usize,
     groups: BTreeMap<GroupId, GroupRecord>,
     allocations: BTreeMap<AllocationId, Allocation>,
     next_group: u64,
@@ -257,6 +261,8 @@ impl Default for ClusterState {
     fn default() -> ClusterState {
         ClusterState {
             nodes: Vec::new(),
+            gone: Vec::new(),
+            gone_count: 0,
             groups: BTreeMap::new(),
             allocations: BTreeMap::new(),
             next_group: 0,
@@ -264,8 +270,8 @@ impl Default for ClusterState {
             serials: HashMap::new(),
             order: Vec::new(),
             next_serial: 0,
-            free: FitIndex::new(Amounts::Available, &[]),
-            whole: FitIndex::new(Amounts::Total, &[]),
+            free: FitIndex::new(Amounts::Available, &[], &[]),
+            whole: FitIndex::new(Amounts::Total, &[], &[]),
             names: HashMap::new(),
             pending: BTreeSet::new(),
             groups_on: HashMap::new(),
@@ -302,20 +308,23 @@ impl ClusterState {
     pub fn verify_indexes(&self) -> Result<(), String> {
         let mut problems = Vec::new();
         let positions_agree = self.nodes.len() == self.order.len()
-            && self.serials.len() == self.nodes.len()
+            && self.gone.len() == self.nodes.len()
+            && self.gone.iter().filter(|g| **g).count() == self.gone_count
+            && self.serials.len() == self.nodes.len() - self.gone_count
             && self.order.windows(2).all(|pair| pair[0] < pair[1])
             && self
                 .nodes
                 .iter()
                 .enumerate()
+                .filter(|(p, _)| !self.gone[*p])
                 .all(|(p, node)| self.node_position(node.id()) == Some(p));
         if !positions_agree {
             problems.push("node positions");
         }
-        if !self.free.agrees_with(&self.nodes) {
+        if !self.free.agrees_with(&self.nodes, &self.gone) {
             problems.push("the free-resource index");
         }
-        if !self.whole.agrees_with(&self.nodes) {
+        if !self.whole.agrees_with(&self.nodes, &self.gone) {
             problems.push("the total-resource index");
         }
         let names: HashMap<String, GroupId> =
@@ -368,12 +377,18 @@ impl ClusterState {
         self.free.update(position, &node);
         self.whole.update(position, &node);
         self.nodes.push(node);
+        self.gone.push(false);
         Ok(())
     }
 
     /// The nodes in cluster order.
-    pub fn nodes(&self) -> &[NodeResources] {
-        &self.nodes
+    pub fn nodes(&self) -> Vec<&NodeResources> {
+        self.live_nodes().collect()
+    }
+
+    /// The nodes in cluster order, one at a time.
+    pub fn live_nodes(&self) -> impl Iterator<Item = &NodeResources> {
+        self.nodes.iter().zip(&self.gone).filter(|(_, gone)| !**gone).map(|(node, _)| node)
     }
 
     /// One node.
@@ -491,7 +506,7 @@ impl ClusterState {
         };
         let place = match only {
             Some(position) => format!("node `{}`", self.nodes[position].id()),
-            None => format!("any of {} nodes", self.nodes.len()),
+            None => format!("any of {} nodes", self.nodes.len() - self.gone_count),
         };
         if fits_when_empty {
             return Err(PlacementError::Unavailable {
@@ -501,7 +516,7 @@ impl ClusterState {
         }
         let candidates: Vec<usize> = match only {
             Some(position) => vec![position],
-            None => (0..self.nodes.len()).collect(),
+            None => (0..self.nodes.len()).filter(|p| !self.gone[*p]).collect(),
         };
         let mut largest = ResourceSet::new();
         for &position in &candidates {

@@ -336,11 +336,10 @@ impl HeadCore {
 
     /// The total resources of the node that best fits `demand` (a demand must fit on one node).
     pub(super) fn node_total(&self, demand: &ResourceSet) -> ResourceSet {
-        let nodes = self.cluster.nodes();
-        nodes
-            .iter()
+        self.cluster
+            .live_nodes()
             .find(|node| node.total().first_shortfall(demand).is_none())
-            .or_else(|| nodes.first())
+            .or_else(|| self.cluster.live_nodes().next())
             .map(|node| node.total().clone())
             .unwrap_or_default()
     }

@@ -17,7 +17,7 @@ impl HeadCore {
         let local = self.members.head_node;
         let mut total: BTreeMap<String, f64> = BTreeMap::new();
         let mut available: BTreeMap<String, f64> = BTreeMap::new();
-        for node in self.cluster.nodes() {
+        for node in self.cluster.live_nodes() {
             for (name, amount) in floats(node.total()) {
                 *total.entry(name).or_default() += amount;
             }
