@@ -198,32 +198,32 @@ impl GpuPool {
     /// Takes exactly `shares` (a restored allocation's). Fails, changing nothing, when a share
     /// names a GPU this pool does not own or more of it than is free.
     pub fn take_exact(&mut self, shares: &[GpuShare]) -> Result<(), GpuShare> {
-        let mut updated = self.slots.clone();
-        for share in shares {
-            let slot = updated
-                .iter_mut()
-                .find(|slot| slot.gpu == share.gpu)
-                .ok_or_else(|| share.clone())?;
-            slot.free = slot.free.checked_sub(share.share).ok_or_else(|| share.clone())?;
-        }
-        self.slots = updated;
-        Ok(())
+        self.adjust(shares, |slot, share| slot.free.checked_sub(share))
     }
 
     /// Returns shares handed out by [`GpuPool::take`]. Fails, changing nothing, when a share
     /// names a GPU this pool does not own or would overfill its slot.
     pub fn give_back(&mut self, shares: &[GpuShare]) -> Result<(), GpuShare> {
+        self.adjust(shares, |slot, share| {
+            slot.free.checked_add(share).filter(|free| *free <= slot.capacity)
+        })
+    }
+
+    /// Sets each share's slot free amount to what `free_after` says (`None`: refused), on a
+    /// copy committed only when every share names a GPU of this pool and is accepted; else the
+    /// first share refused.
+    fn adjust(
+        &mut self,
+        shares: &[GpuShare],
+        free_after: impl Fn(&GpuSlot, Quantity) -> Option<Quantity>,
+    ) -> Result<(), GpuShare> {
         let mut updated = self.slots.clone();
         for share in shares {
             let slot = updated
                 .iter_mut()
                 .find(|slot| slot.gpu == share.gpu)
                 .ok_or_else(|| share.clone())?;
-            let free = slot.free.checked_add(share.share).ok_or_else(|| share.clone())?;
-            if free > slot.capacity {
-                return Err(share.clone());
-            }
-            slot.free = free;
+            slot.free = free_after(slot, share.share).ok_or_else(|| share.clone())?;
         }
         self.slots = updated;
         Ok(())

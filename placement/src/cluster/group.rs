@@ -115,14 +115,7 @@ impl ClusterState {
         for placement in &table.bundles {
             let position = self.node_position(&placement.node);
             let returned = position.is_some_and(|p| {
-                let slot = match touched.iter().position(|(q, _)| *q == p) {
-                    Some(slot) => slot,
-                    None => {
-                        touched.push((p, self.nodes[p].clone()));
-                        touched.len() - 1
-                    }
-                };
-                touched[slot].1.give_back(&placement.resources, &placement.gpus)
+                self.touched_copy(&mut touched, p).give_back(&placement.resources, &placement.gpus)
             });
             if !returned {
                 return Err(PlacementError::Accounting(format!(

@@ -454,6 +454,23 @@ impl ClusterState {
         self.order.binary_search(serial).ok()
     }
 
+    /// Node `position`'s copy in `touched`, made on first use: a change over several nodes
+    /// works on copies and commits them ([`ClusterState::set_node`]) only once all succeeded.
+    fn touched_copy<'a>(
+        &self,
+        touched: &'a mut Vec<(usize, NodeResources)>,
+        position: usize,
+    ) -> &'a mut NodeResources {
+        let slot = match touched.iter().position(|(p, _)| *p == position) {
+            Some(slot) => slot,
+            None => {
+                touched.push((position, self.nodes[position].clone()));
+                touched.len() - 1
+            }
+        };
+        &mut touched[slot].1
+    }
+
     /// Replaces node `position`'s state, keeping the free-resource index true.
     fn set_node(&mut self, position: usize, node: NodeResources) {
         self.free.update(position, &node);

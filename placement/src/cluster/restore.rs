@@ -46,14 +46,8 @@ impl ClusterState {
                     let position = self.node_position(&placement.node).ok_or_else(|| {
                         accounting(format!("bundle {} is on unknown node", placement.index))
                     })?;
-                    let slot = match touched.iter().position(|(p, _)| *p == position) {
-                        Some(slot) => slot,
-                        None => {
-                            touched.push((position, self.nodes[position].clone()));
-                            touched.len() - 1
-                        }
-                    };
-                    if !touched[slot].1.take_exact(&placement.resources, &placement.gpus) {
+                    let node = self.touched_copy(&mut touched, position);
+                    if !node.take_exact(&placement.resources, &placement.gpus) {
                         return Err(accounting(format!(
                             "bundle {} no longer fits on node `{}`",
                             placement.index, placement.node

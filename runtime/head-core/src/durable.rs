@@ -133,18 +133,15 @@ impl DurableState {
 
     /// The records that rebuild this state from nothing (a snapshot).
     pub fn records(&self) -> Vec<Record> {
-        let mut records = vec![Record(Change::Marks(self.marks))];
-        let cloned = |change| Record(change);
-        records.extend(self.nodes.iter().map(|(k, v)| cloned(Change::Node(*k, Some(v.clone())))));
-        records
-            .extend(self.workers.iter().map(|(k, v)| cloned(Change::Worker(*k, Some(v.clone())))));
-        records.extend(self.actors.iter().map(|(k, v)| cloned(Change::Actor(*k, Some(v.clone())))));
-        records.extend(self.groups.iter().map(|(k, v)| cloned(Change::Group(*k, Some(v.clone())))));
-        records.extend(self.jobs.iter().map(|(k, v)| cloned(Change::Job(*k, Some(v.clone())))));
-        records
-            .extend(self.drivers.iter().map(|(k, v)| cloned(Change::Driver(*k, Some(v.clone())))));
-        records.extend(self.kv.iter().map(|(k, v)| cloned(Change::Kv(k.clone(), Some(v.clone())))));
-        records
+        let mut changes = vec![Change::Marks(self.marks)];
+        changes.extend(self.nodes.iter().map(|(k, v)| Change::Node(*k, Some(v.clone()))));
+        changes.extend(self.workers.iter().map(|(k, v)| Change::Worker(*k, Some(v.clone()))));
+        changes.extend(self.actors.iter().map(|(k, v)| Change::Actor(*k, Some(v.clone()))));
+        changes.extend(self.groups.iter().map(|(k, v)| Change::Group(*k, Some(v.clone()))));
+        changes.extend(self.jobs.iter().map(|(k, v)| Change::Job(*k, Some(v.clone()))));
+        changes.extend(self.drivers.iter().map(|(k, v)| Change::Driver(*k, Some(v.clone()))));
+        changes.extend(self.kv.iter().map(|(k, v)| Change::Kv(k.clone(), Some(v.clone()))));
+        changes.into_iter().map(Record).collect()
     }
 
     /// What it holds, for the head's log line: `3 nodes, 12 actors, ...`.
@@ -378,7 +375,6 @@ impl HeadCore {
             if node.dead.is_none() {
                 let resources = node.resources.clone();
                 self.cluster.add_node(resources).map_err(|e| corrupt(format!("node {id}: {e}")))?;
-                self.members.restore_live_node(id, &node);
                 self.awaiting.nodes.insert(id, deadline);
             }
             self.members.restore_node(id, node);

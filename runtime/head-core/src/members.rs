@@ -107,14 +107,13 @@ impl Members {
         id
     }
 
-    /// Indexes live node `id` (restored from the durable state) by name and placement id.
-    pub(crate) fn restore_live_node(&mut self, id: u64, node: &NodeEntry) {
-        self.by_placement.insert(node.placement.clone(), id);
-        self.live_by_name.insert(node.name.clone(), id);
-    }
-
-    /// Records node `id` as restored from the durable state.
+    /// Records node `id` as restored from the durable state, a live one indexed by name and
+    /// placement id.
     pub(crate) fn restore_node(&mut self, id: u64, node: NodeEntry) {
+        if node.dead.is_none() {
+            self.by_placement.insert(node.placement.clone(), id);
+            self.live_by_name.insert(node.name.clone(), id);
+        }
         self.nodes.insert(id, node);
     }
 

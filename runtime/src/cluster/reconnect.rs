@@ -183,7 +183,9 @@ fn local_endpoint(member: &super::Member) -> std::result::Result<std::net::Socke
     member.link.endpoint.local_addr().map_err(|e| Failed::Refused(e.to_string()))
 }
 
-/// Sends `request` on `conn` and waits for its answer.
+/// Sends `request` on `conn` and waits for its answer, at most [`ATTEMPT_TIMEOUT`]
+/// (`Runtime::ask` waits without a bound, which would let a head that accepts and never answers
+/// hold the reconnect past its window).
 fn ask_on<A: crate::protocol::Ask>(
     runtime: &Arc<Runtime>,
     conn: &Arc<crate::transport::Connection>,

@@ -103,7 +103,7 @@ impl Head {
     /// for its nodes and drivers to reconnect.
     pub(crate) fn enable_persistence(&self, persistence: Persistence) -> Result<()> {
         let window = persistence.reconnect_window;
-        let actions = {
+        let (actions, targets) = {
             let mut state = self.state.lock();
             let window_ms = u64::try_from(window.as_millis()).unwrap_or(u64::MAX);
             let effects = match persistence.recovered {
@@ -123,7 +123,6 @@ impl Head {
             let targets = state.core.reconnect_targets();
             (state.resolve(effects, None), targets)
         };
-        let (actions, targets) = actions;
         self.execute(actions);
         self.announce_restart(targets);
         Ok(())

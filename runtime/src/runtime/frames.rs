@@ -300,18 +300,13 @@ impl Runtime {
         if ours != head {
             // It recovered this cluster's state at another address (another port, or another
             // --advertise): this process cannot follow it there.
-            let show = |address: &str| match crate::transport::Route::parse(address) {
-                Ok(crate::transport::Route::Quic { addr, .. }) => addr.to_string(),
-                _ => address.to_owned(),
-            };
+            let joined = host_port(&ours);
             self.give_up_on_head(
-                &show(&ours),
+                &joined,
                 &format!(
-                    "the cluster head restarted at {}, but this process joined it at {}: restart \
-                     the head at {} (--port, --advertise), or join anew",
-                    show(head),
-                    show(&ours),
-                    show(&ours)
+                    "the cluster head restarted at {}, but this process joined it at {joined}: \
+                     restart the head at {joined} (--port, --advertise), or join anew",
+                    host_port(head),
                 ),
             );
             return;
@@ -341,11 +336,7 @@ impl Runtime {
             }
             return;
         }
-        let peer = conn.peer().unwrap_or_default();
-        let head = match crate::transport::Route::parse(&peer) {
-            Ok(crate::transport::Route::Quic { addr, .. }) => addr.to_string(),
-            _ => peer,
-        };
+        let head = host_port(&conn.peer().unwrap_or_default());
         if let ProcessRole::Worker(_) = role
             && crate::cluster::member().is_none()
         {
@@ -389,5 +380,13 @@ impl Runtime {
             }
         };
         self.end(Ending::HeadLost(message));
+    }
+}
+
+/// A cluster address as operators write it (`host:port`); any other address as it is.
+fn host_port(address: &str) -> String {
+    match crate::transport::Route::parse(address) {
+        Ok(crate::transport::Route::Quic { addr, .. }) => addr.to_string(),
+        _ => address.to_owned(),
     }
 }
