@@ -4,6 +4,8 @@
         Writes two random-weight Qwen2 checkpoints (nothing is downloaded) and the prompts:
         DIR/tiny (hidden 128, 2 layers, 4/2 heads, vocab 1024, ~0.4M parameters),
         DIR/27m (hidden 512, 8 layers, 8/2 heads, vocab 8192, ~27M parameters),
+        DIR/110m (hidden 768, 12 layers, 12/4 heads of 64, vocab 32000, ~110M parameters:
+        the shape of `tiny::bench_config_110m`, beyond what the engine's kernels were tuned on),
         DIR/prompts-<model>.json (64 prompts of 32 token ids each).
     hf_generate.py generate DIR MODEL BATCHES NEW THREADS REPEATS
         `model.generate` with its KV cache (the default DynamicCache), greedy, float32, on
@@ -23,6 +25,8 @@ MODELS = {
                  num_attention_heads=4, num_key_value_heads=2, vocab_size=1024),
     "27m": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
                 num_attention_heads=8, num_key_value_heads=2, vocab_size=8192),
+    "110m": dict(hidden_size=768, intermediate_size=2432, num_hidden_layers=12,
+                 num_attention_heads=12, num_key_value_heads=4, head_dim=64, vocab_size=32000),
 }
 PROMPTS = 64
 PROMPT_LEN = 32

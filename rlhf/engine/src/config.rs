@@ -44,6 +44,13 @@ pub struct EngineConfig {
     /// ones computed, and their tokens carry the version that sampled them. Default false: an
     /// update needs an idle engine.
     pub weight_updates_in_flight: bool,
+    /// Whether steps of decodes only run the static-shape decode step (batch-size buckets,
+    /// fixed-width block tables; [`crate::runner::static_decode`]). Absent: on a GPU yes, on
+    /// the CPU no (its decode lanes are faster there).
+    pub static_decode: Option<bool>,
+    /// Whether the static decode step runs eagerly instead of replaying a CUDA graph captured
+    /// per bucket (vLLM's name). Default false; graphs exist only on a GPU.
+    pub enforce_eager: bool,
 }
 
 impl Default for EngineConfig {
@@ -62,6 +69,8 @@ impl Default for EngineConfig {
             max_prefill_group_area: 1 << 20,
             tensor_parallel_size: 1,
             weight_updates_in_flight: false,
+            static_decode: None,
+            enforce_eager: false,
         }
     }
 }

@@ -107,6 +107,48 @@ fn greedy_outputs_equal_the_reference_decode_at_several_batch_sizes_and_prompt_l
     }
 }
 
+/// The static-shape decode step (batch-size buckets, fixed-width block tables, the scratch
+/// block for padding rows) gives the tokens of today's step on the CPU: greedy and seeded
+/// sampling, three model families, 1 to 13 sequences of mixed lengths (so steps run at buckets
+/// 1 to 16 with padding, as requests finish at different lengths), contexts that cross block
+/// boundaries (widths 1 to 8 blocks of 4 slots), prefix-cache hits and `n` samples.
+#[test]
+fn the_static_decode_step_gives_the_tokens_of_the_paged_step() {
+    let sampled = SamplingParams {
+        temperature: 0.8,
+        top_k: Some(40),
+        top_p: 0.9,
+        n: 2,
+        max_tokens: 19,
+        seed: Some(99),
+        ..SamplingParams::default()
+    };
+    for family in [ModelFamily::Llama, ModelFamily::Qwen2, ModelFamily::Qwen3] {
+        for params in [SamplingParams::greedy(23), sampled.clone()] {
+            let lengths = [3, 11, 1, 7, 13, 5, 2, 9, 4, 6, 12, 8, 10];
+            let mut all = requests(&prompts(&lengths, 3), &params);
+            // Different lengths: sequences leave the batch one by one.
+            for (i, request) in all.iter_mut().enumerate() {
+                request.params.max_tokens = params.max_tokens - i as u32;
+            }
+            // Two requests share a prompt (a prefix-cache hit on the second).
+            all.push(all[4].clone());
+            let run = |static_decode: bool| {
+                let config = EngineConfig { static_decode: Some(static_decode), ..config(256, 4) };
+                let mut engine = engine(model(family, 21), config);
+                let outputs = engine.generate(all.clone()).unwrap();
+                (outputs, engine.stats().static_decode.steps)
+            };
+            let ((found, static_steps), (expected, none)) = (run(true), run(false));
+            assert_same(&found, &expected);
+            // Every decode step ran static (the generation's longest sample decodes 22 or 18
+            // steps after its prefill); without it none did.
+            assert!(static_steps >= params.max_tokens as u64 - 1, "{static_steps} static steps");
+            assert_eq!(none, 0);
+        }
+    }
+}
+
 /// Sliding windows shorter than the prompts and the generations (Qwen2's on one layer, Mistral's
 /// on both): the engine's masks over the paged cache and the decode lanes equal the training
 /// forward's, token for token, in one batch of mixed lengths.

@@ -443,6 +443,7 @@ impl LlmEngine {
             self.runner.has_kv_cache(),
             self.completed.len(),
             self.config.block_size,
+            self.runner.static_decode_stats(),
         )
     }
 

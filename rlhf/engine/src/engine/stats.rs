@@ -3,6 +3,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::{Counters, WeightState};
+use crate::runner::static_decode::StaticDecodeStats;
 use crate::scheduler::SchedulerStats;
 
 /// A snapshot of the engine's counters.
@@ -54,6 +55,8 @@ pub struct EngineStats {
     pub kv_cache_allocated: bool,
     /// Finished outputs not taken yet.
     pub outputs_waiting: usize,
+    /// Static decode steps and their CUDA graphs.
+    pub static_decode: StaticDecodeStats,
 }
 
 impl EngineStats {
@@ -64,6 +67,7 @@ impl EngineStats {
         kv_cache_allocated: bool,
         outputs_waiting: usize,
         block_size: usize,
+        static_decode: StaticDecodeStats,
     ) -> Self {
         let per_second = |count: u64| {
             if counters.busy_seconds > 0.0 { count as f64 / counters.busy_seconds } else { 0.0 }
@@ -94,6 +98,7 @@ impl EngineStats {
             weights,
             kv_cache_allocated,
             outputs_waiting,
+            static_decode,
         }
     }
 }

@@ -266,6 +266,10 @@ pub(crate) fn rank_runner(
     model.params.set_requires_grad(false)?;
     let shapes = parameter_shapes(&model);
     let mut runner = crate::runner::ModelRunner::new(model, tp, config.block_size)?;
+    if let Some(on) = config.static_decode {
+        runner.set_static_decode(on);
+    }
+    runner.set_enforce_eager(config.enforce_eager);
     let num_blocks = kv_blocks(config, &runner)?;
     runner.allocate_kv_cache(num_blocks)?;
     Ok((runner, shapes, num_blocks))

@@ -92,16 +92,17 @@ pub fn head_major_rows(t: &Tensor) -> Result<Tensor, EngineError> {
 pub struct KvCache {
     /// One entry per decoder layer.
     pub layers: Vec<LayerCache>,
-    /// Blocks in the pool.
+    /// Blocks in the pool (the block manager's; the tensors hold one more, the scratch block).
     pub num_blocks: usize,
-    /// Slots per head (`num_blocks * block_size`).
+    /// Slots per head (`(num_blocks + 1) * block_size`).
     slots: i64,
     /// Key/value heads.
     kv_heads: i64,
 }
 
 impl KvCache {
-    /// Allocates a zeroed cache of `num_blocks` blocks on `device`.
+    /// Allocates a zeroed cache of `num_blocks` blocks on `device`, plus the scratch block
+    /// ([`KvCache::scratch_block`]).
     pub fn allocate(
         shape: &KvCacheShape,
         num_blocks: usize,
@@ -110,7 +111,11 @@ impl KvCache {
         let overflow = || {
             EngineError::InvalidConfig(format!("{num_blocks} kv blocks overflow the slot index"))
         };
-        let slots = i64::try_from(num_blocks * shape.block_size).map_err(|_| overflow())?;
+        let blocks = num_blocks.checked_add(1).ok_or_else(overflow)?;
+        let slots = blocks
+            .checked_mul(shape.block_size)
+            .and_then(|slots| i64::try_from(slots).ok())
+            .ok_or_else(overflow)?;
         let rows = slots.checked_mul(shape.num_kv_heads).ok_or_else(overflow)?;
         let size = [rows, shape.head_dim];
         let layers = (0..shape.num_layers)
@@ -122,6 +127,23 @@ impl KvCache {
             })
             .collect::<Result<Vec<_>, _>>()?;
         Ok(Self { layers, num_blocks, slots, kv_heads: shape.num_kv_heads })
+    }
+
+    /// The block after the pool's, which no sequence owns: the static decode step's padding
+    /// rows write their keys and values there ([`super::static_decode`]), so a padded step
+    /// never touches a real sequence's slots.
+    pub fn scratch_block(&self) -> i64 {
+        self.num_blocks as i64
+    }
+
+    /// Slots per head, the scratch block's included (the stride between heads' rows).
+    pub fn slots_per_head(&self) -> i64 {
+        self.slots
+    }
+
+    /// Key/value heads.
+    pub fn kv_heads(&self) -> i64 {
+        self.kv_heads
     }
 
     /// The cache rows of `slots` for every head, head by head: `h * slots_per_head + slot`.

@@ -15,6 +15,7 @@ pub mod batch;
 pub(crate) mod cpu_kernels;
 pub mod decode_lanes;
 pub mod kv_cache;
+pub mod static_decode;
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -91,6 +92,15 @@ pub struct ModelRunner {
     /// storage changes hands ([`ModelRunner::fuse`], [`ModelRunner::unfuse`]) or the engine
     /// updates them ([`ModelRunner::weights_changed`]).
     packed: RefCell<HashMap<WeightKey, PackedWeight>>,
+    /// Whether steps of decodes only run the static-shape step ([`static_decode`]): the
+    /// default on a GPU; on the CPU the decode lanes are faster (see `docs/engine.md`).
+    static_decode: bool,
+    /// Whether static decode steps run eagerly rather than as CUDA graphs
+    /// (`EngineConfig::enforce_eager`).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    enforce_eager: bool,
+    /// What the static decode steps did.
+    static_stats: RefCell<static_decode::StaticDecodeStats>,
 }
 
 /// A weight matrix by its address, shape (`[out, in]`) and strides.
@@ -185,6 +195,9 @@ impl ModelRunner {
             use_lanes: true,
             attention_kernel: fused_ops && cpu_kernels::decode_attention_supported(),
             packed: RefCell::new(HashMap::new()),
+            static_decode: !weight_left,
+            enforce_eager: false,
+            static_stats: RefCell::default(),
         };
         if runner.weight_left {
             runner.rope_table = Some(rope_table(&runner.model)?);
@@ -232,6 +245,17 @@ impl ModelRunner {
     /// bump the weights' in-place versions).
     pub fn weights_changed(&mut self) {
         self.packed.get_mut().clear();
+    }
+
+    /// Turns the static-shape decode step ([`static_decode`]) on or off (on by default on a
+    /// GPU, off on the CPU).
+    pub fn set_static_decode(&mut self, on: bool) {
+        self.static_decode = on;
+    }
+
+    /// Runs static decode steps eagerly (no CUDA graphs) when `on`.
+    pub fn set_enforce_eager(&mut self, on: bool) {
+        self.enforce_eager = on;
     }
 
     /// The model.
@@ -294,7 +318,10 @@ impl ModelRunner {
             return Ok(Tensor::f_zeros([0], (Kind::Float, Device::Cpu))?);
         };
         self.choose_threads(batch);
-        let logits = tch::no_grad(|| self.execute_inner(batch, cache))?;
+        let logits = tch::no_grad(|| match self.execute_static(batch, cache)? {
+            Some(logits) => Ok(logits),
+            None => self.execute_inner(batch, cache),
+        })?;
         Ok(logits.f_to_kind(Kind::Float)?.f_to_device(Device::Cpu)?.f_contiguous()?)
     }
 
@@ -310,7 +337,11 @@ impl ModelRunner {
         };
         self.choose_threads(batch);
         tch::no_grad(|| {
-            let logits = self.execute_inner(batch, cache)?.f_to_kind(Kind::Float)?;
+            let logits = match self.execute_static(batch, cache)? {
+                Some(logits) => logits,
+                None => self.execute_inner(batch, cache)?,
+            };
+            let logits = logits.f_to_kind(Kind::Float)?;
             let tokens = logits.f_argmax(-1, true)?;
             let logprobs = logits.f_log_softmax(-1, Kind::Float)?.f_gather(-1, &tokens, false)?;
             let tokens = Vec::<i64>::try_from(tokens.f_view(-1)?.f_to_device(Device::Cpu)?)?;
