@@ -5,6 +5,36 @@
 /// Compiles `sources` (relative to the crate) with the extra `flags` into the static library
 /// `name`.
 pub fn compile(sources: &[&str], flags: &[&str], name: &str) {
+    compile_with(sources, flags, &[], name);
+}
+
+/// [`compile`] for a shim that includes libtorch's CUDA headers: they need the CUDA runtime's
+/// headers, which the nvidia-cuda-runtime wheel installs at `nvidia/cu*/include` beside
+/// libtorch's `torch` directory.
+#[allow(dead_code)] // Only the engine's build script compiles CUDA shims.
+pub fn compile_cuda(sources: &[&str], name: &str) {
+    let Ok(lib_dir) = std::env::var("DEP_TCH_LIBTORCH_LIB") else {
+        panic!("torch-sys did not say where libtorch is (DEP_TCH_LIBTORCH_LIB)");
+    };
+    let site =
+        std::path::Path::new(&lib_dir).ancestors().nth(2).unwrap_or(std::path::Path::new("/"));
+    let include = std::fs::read_dir(site.join("nvidia"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|entry| entry.path().join("include"))
+        .find(|dir| dir.join("cuda_runtime_api.h").is_file())
+        .unwrap_or_else(|| {
+            panic!(
+                "the cuda feature needs the CUDA runtime headers (cuda_runtime_api.h) under {}; \
+                 scripts/setup-libtorch.sh installs them with the nvidia-cuda-runtime wheel",
+                site.join("nvidia").display()
+            )
+        });
+    compile_with(sources, &[], &[include], name);
+}
+
+fn compile_with(sources: &[&str], flags: &[&str], includes: &[std::path::PathBuf], name: &str) {
     for source in sources {
         println!("cargo:rerun-if-changed={source}");
     }
@@ -15,6 +45,9 @@ pub fn compile(sources: &[&str], flags: &[&str], name: &str) {
     let mut build = cc::Build::new();
     for flag in flags {
         build.flag(flag);
+    }
+    for include in includes {
+        build.include(include);
     }
     build
         .cpp(true)

@@ -73,6 +73,25 @@ _rtrun_setup_libtorch() {
         exec 213>&-
     fi
 
+    # The CUDA runtime headers need the `crt/` headers of one more small wheel (about 1 MB) to
+    # compile: only the `cuda` feature's shims include them (`cargo clippy --features cuda` in
+    # CI, scripts/build-gpu.sh). Added after the fact to installs made before it: the headers
+    # go to a private directory and are renamed into place.
+    local crt_version="13.0.88"
+    local crt="$target/nvidia/cu13/include/crt"
+    if [[ -d "$target/nvidia/cu13/include" && ! -f "$crt/host_config.h" ]]; then
+        local crt_staging
+        crt_staging="$(mktemp -d "$cache_root/.cuda-crt.XXXXXX")" || return 1
+        if PIP_ROOT_USER_ACTION=ignore "$python" -m pip install --quiet --no-deps --no-compile \
+            --target "$crt_staging" "nvidia-cuda-crt==$crt_version" \
+            && [[ -f "$crt_staging/nvidia/cu13/include/crt/host_config.h" ]]; then
+            mv -T "$crt_staging/nvidia/cu13/include/crt" "$crt" 2>/dev/null || true
+        else
+            echo "setup-libtorch: installing nvidia-cuda-crt failed (only the cuda feature needs it)" >&2
+        fi
+        rm -rf "$crt_staging"
+    fi
+
     export LIBTORCH="$target/torch"
     # The include and lib paths follow from LIBTORCH; spelled out for tools that read them.
     export LIBTORCH_INCLUDE="$LIBTORCH"

@@ -33,6 +33,9 @@ fn main() {
     );
     println!("cargo:rustc-link-lib=dylib:+verbatim=libgomp.so.1");
     if std::env::var_os("CARGO_FEATURE_CUDA").is_some() {
+        // The static decode step's CUDA graphs, against the CUDA runtime headers of the
+        // nvidia-cuda-runtime wheel installed beside libtorch (scripts/setup-libtorch.sh).
+        libtorch_shim::compile_cuda(&["src/runner/graph.cpp"], "rtrun_cuda_graphs");
         println!("cargo:rustc-link-arg=-Wl,--no-as-needed");
         println!("cargo:rustc-link-arg=-ltorch");
         println!("cargo:rustc-link-arg=-Wl,--as-needed");

@@ -28,7 +28,7 @@ fn check(comm: &Communicator, t: &Tensor, kind: Option<Kind>) -> Result<usize> {
         return Err(ShardError::Config(format!("expected {kind:?}, found {:?}", t.kind())));
     }
     let world = comm.world_size();
-    if t.numel() % world != 0 {
+    if !t.numel().is_multiple_of(world) {
         return Err(ShardError::Config(format!(
             "{} elements do not divide among {world} ranks",
             t.numel()

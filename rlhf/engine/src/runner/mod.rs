@@ -14,6 +14,8 @@
 pub mod batch;
 pub(crate) mod cpu_kernels;
 pub mod decode_lanes;
+#[cfg(feature = "cuda")]
+mod graph;
 pub mod kv_cache;
 pub mod static_decode;
 
@@ -101,6 +103,9 @@ pub struct ModelRunner {
     enforce_eager: bool,
     /// What the static decode steps did.
     static_stats: RefCell<static_decode::StaticDecodeStats>,
+    /// The static decode step's CUDA graphs.
+    #[cfg(feature = "cuda")]
+    graphs: RefCell<graph::Graphs>,
 }
 
 /// A weight matrix by its address, shape (`[out, in]`) and strides.
@@ -198,6 +203,8 @@ impl ModelRunner {
             static_decode: !weight_left,
             enforce_eager: false,
             static_stats: RefCell::default(),
+            #[cfg(feature = "cuda")]
+            graphs: RefCell::default(),
         };
         if runner.weight_left {
             runner.rope_table = Some(rope_table(&runner.model)?);
@@ -206,18 +213,16 @@ impl ModelRunner {
         Ok(runner)
     }
 
-    /// On the CPU, concatenates each layer's q/k/v projections and its gate/up projections into
-    /// one weight each and points the model's parameters at views of them: a step then runs
-    /// two products where it ran five, and a weight update that copies into the parameters
-    /// lands in the fused weights. Call again after the parameters' storage was replaced (a
+    /// Concatenates each layer's q/k/v projections and its gate/up projections into one weight
+    /// each and points the model's parameters at views of them: a step then runs two products
+    /// where it ran five (on a GPU, two kernel launches where it ran five), and a weight update
+    /// that copies into the parameters (every transport does) lands in the fused weights. Call again after the parameters' storage was replaced (a
     /// wake-up); [`ModelRunner::unfuse`] before releasing it (a sleep). Layers whose q/k/v
     /// mix biased and unbiased projections stay unfused.
     pub fn fuse(&mut self) -> Result<(), EngineError> {
         self.fused.clear();
         self.packed.get_mut().clear();
-        if !self.weight_left {
-            return Ok(());
-        }
+        self.forget_graphs();
         let mut fused = Vec::new();
         for layer in &self.model.backbone.layers {
             let attn = &layer.self_attn;
@@ -238,6 +243,13 @@ impl ModelRunner {
     pub fn unfuse(&mut self) {
         self.fused.clear();
         self.packed.get_mut().clear();
+        self.forget_graphs();
+    }
+
+    /// Drops the static decode step's CUDA graphs: the weights or the cache they read moved.
+    fn forget_graphs(&mut self) {
+        #[cfg(feature = "cuda")]
+        self.graphs.get_mut().clear();
     }
 
     /// Forgets the weights packed for oneDNN: the engine calls it after every weight update,
@@ -286,6 +298,7 @@ impl ModelRunner {
 
     /// Allocates (zeroed) a cache of `num_blocks` blocks, replacing any previous one.
     pub fn allocate_kv_cache(&mut self, num_blocks: usize) -> Result<(), EngineError> {
+        self.forget_graphs();
         self.cache = None;
         *self.lanes.get_mut() = None;
         self.cache = Some(KvCache::allocate(&self.cache_shape, num_blocks, self.device())?);
@@ -294,6 +307,7 @@ impl ModelRunner {
 
     /// Frees the cache (its K/V content is lost).
     pub fn free_kv_cache(&mut self) {
+        self.forget_graphs();
         self.cache = None;
         *self.lanes.get_mut() = None;
     }

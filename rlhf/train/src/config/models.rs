@@ -206,6 +206,10 @@ pub struct EngineSection {
     /// `--vllm_tensor_parallel_size`): each holds its share of the heads and of the MLP. Must
     /// divide the policy's query heads and intermediate size. Default 1.
     pub tensor_parallel_size: usize,
+    /// Run steps of decodes only eagerly instead of replaying the CUDA graph captured for
+    /// their batch-size bucket (vLLM's `enforce_eager`, OpenRLHF's `--enforce_eager`). Graphs
+    /// exist only on a GPU. Default false.
+    pub enforce_eager: bool,
 }
 
 impl Default for EngineSection {
@@ -218,6 +222,7 @@ impl Default for EngineSection {
             max_num_seqs: engine.max_num_seqs,
             threads: None,
             tensor_parallel_size: 1,
+            enforce_eager: engine.enforce_eager,
         }
     }
 }

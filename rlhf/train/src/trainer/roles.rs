@@ -340,6 +340,7 @@ fn create_engines(
             max_num_seqs: e.max_num_seqs,
             tensor_parallel_size: e.tensor_parallel_size,
             weight_updates_in_flight: config.rollout.streams(),
+            enforce_eager: e.enforce_eager,
             ..EngineConfig::default()
         },
     };
