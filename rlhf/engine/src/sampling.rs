@@ -383,5 +383,6 @@ fn lane_sum_exp(values: &[f32], max: f32) -> f64 {
     lane_sum(&weights[..values.len()])
 }
 
+pub mod device;
 #[cfg(test)]
 mod tests;

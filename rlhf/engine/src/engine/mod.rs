@@ -27,9 +27,11 @@ use crate::api::{GeneratedSample, GenerationOutput, GenerationRequest, WeightBuc
 use crate::block::BlockManagerConfig;
 use crate::config::EngineConfig;
 use crate::error::EngineError;
+use crate::params::SamplingParams;
 use crate::rng::token_uniform;
 use crate::runner::ModelRunner;
 use crate::runner::batch::{ChunkView, StepBatch};
+use crate::sampling::device::RowSampling;
 use crate::sampling::{SampledToken, Sampler, SamplingError};
 use crate::scheduler::{RequestOutput, Scheduler, SchedulerConfig};
 use crate::tp::{Followers, RankCommand};
@@ -483,22 +485,24 @@ impl LlmEngine {
             }
             StepBatch::build(block_size, self.config.max_prefill_group_area, &views)?
         };
-        // On a GPU, a step whose rows are all greedy picks its tokens on the device (the
-        // host sampler would first copy `[rows, vocab]` logits over PCIe). On the CPU the host
-        // sampler stays the one path: it is exact in f64 and the tests' oracle.
-        let all_greedy = batch
-            .sampled
-            .iter()
-            .all(|&s| self.scheduler.sampling_context(s).is_some_and(|c| c.params.is_greedy()));
         let command = match self.followers.is_some() {
             true => RankCommand::Step(batch.clone()),
             false => RankCommand::Step(StepBatch::default()),
         };
-        if self.runner.device().is_cuda() && all_greedy {
-            let picked =
-                self.on_every_rank(command, |engine| engine.runner.execute_greedy(&batch))?;
-            for (&sequence, (token, logprob)) in batch.sampled.iter().zip(picked) {
-                self.record(sequence, SampledToken { token, logprob })?;
+        // On a GPU every row is sampled on the device (`sampling::device`): only the chosen
+        // tokens and their log-probs cross to the host, not `[rows, vocab]` logits. On the CPU
+        // the host sampler stays the one path: it is exact in f64 and the tests' oracle.
+        if self.runner.device().is_cuda() {
+            let contexts = self.sampling_contexts(&batch.sampled)?;
+            let picked = self.on_every_rank(command, |engine| {
+                let rows: Vec<RowSampling<'_>> = contexts
+                    .iter()
+                    .map(|(params, uniform)| RowSampling { params, uniform: *uniform })
+                    .collect();
+                engine.runner.execute_sampled(&batch, &rows)
+            })?;
+            for (&sequence, sampled) in batch.sampled.iter().zip(picked) {
+                self.record(sequence, sampled)?;
             }
             return Ok(());
         }
@@ -512,6 +516,23 @@ impl LlmEngine {
         Ok(())
     }
 
+    /// Each of `sequences`' sampling parameters and the uniform number of its next token.
+    fn sampling_contexts(
+        &self,
+        sequences: &[SequenceId],
+    ) -> Result<Vec<(SamplingParams, f64)>, EngineError> {
+        sequences
+            .iter()
+            .map(|&sequence| {
+                let unknown = crate::scheduler::SchedulerError::UnknownSequence(sequence);
+                let context = self.scheduler.sampling_context(sequence).ok_or(unknown)?;
+                let uniform =
+                    token_uniform(context.seed, context.sample_index, context.output_position);
+                Ok((context.params.clone(), uniform))
+            })
+            .collect()
+    }
+
     /// Samples row `i` of `logits` (`[rows, vocab]`) for `sequences[i]`, the rows split over
     /// the intra-op threads from [`PARALLEL_SAMPLING_FLOATS`] logits on; each row's draw
     /// depends only on its request's seed and position, so the split changes no result.
@@ -521,16 +542,7 @@ impl LlmEngine {
         logits: &[f32],
     ) -> Result<Vec<Result<SampledToken, EngineError>>, EngineError> {
         let vocab = logits.len().checked_div(sequences.len()).unwrap_or(0);
-        let contexts = sequences
-            .iter()
-            .map(|&sequence| {
-                let unknown = crate::scheduler::SchedulerError::UnknownSequence(sequence);
-                let context = self.scheduler.sampling_context(sequence).ok_or(unknown)?;
-                let uniform =
-                    token_uniform(context.seed, context.sample_index, context.output_position);
-                Ok((context.params, uniform))
-            })
-            .collect::<Result<Vec<_>, EngineError>>()?;
+        let contexts = self.sampling_contexts(sequences)?;
         let results: Vec<OnceLock<Result<SampledToken, SamplingError>>> =
             sequences.iter().map(|_| OnceLock::new()).collect();
         let grain = PARALLEL_SAMPLING_FLOATS.div_ceil(vocab.max(1));
@@ -544,9 +556,9 @@ impl LlmEngine {
                 None => own.insert(Sampler::new()),
             };
             for row in begin..end {
-                let (params, uniform) = contexts[row];
+                let (params, uniform) = &contexts[row];
                 let sampled =
-                    sampler.sample(&logits[row * vocab..(row + 1) * vocab], params, uniform);
+                    sampler.sample(&logits[row * vocab..(row + 1) * vocab], params, *uniform);
                 let _ = results[row].set(sampled);
             }
         })?;

@@ -339,13 +339,14 @@ impl ModelRunner {
         Ok(logits.f_to_kind(Kind::Float)?.f_to_device(Device::Cpu)?.f_contiguous()?)
     }
 
-    /// Runs one step and picks every sampled row's most likely token on the device, with its
-    /// log-prob (of the unscaled distribution): greedy decoding without copying `[rows,
-    /// vocab]` logits to the host, which on a GPU costs more than the step itself at large
-    /// vocabularies (the engine uses it on a GPU; on the CPU the host sampler stays the one
-    /// path). Ties go to the lowest token id, as the host sampler's; a row with a NaN or `+inf`
-    /// logit, or with every logit `-inf`, is the host sampler's error.
-    pub fn execute_greedy(&self, batch: &StepBatch) -> Result<Vec<(u32, f32)>, EngineError> {
+    /// Runs one step and samples every sampled row on the device
+    /// ([`crate::sampling::device`]) under `rows` (in `batch.sample_rows` order): only the
+    /// chosen tokens and their log-probs cross to the host. What the engine runs on a GPU.
+    pub fn execute_sampled(
+        &self,
+        batch: &StepBatch,
+        rows: &[crate::sampling::device::RowSampling<'_>],
+    ) -> Result<Vec<crate::sampling::SampledToken>, EngineError> {
         let Some(cache) = self.cache_for(batch)? else {
             return Ok(Vec::new());
         };
@@ -355,19 +356,7 @@ impl ModelRunner {
                 Some(logits) => logits,
                 None => self.execute_inner(batch, cache)?,
             };
-            let logits = logits.f_to_kind(Kind::Float)?;
-            let tokens = logits.f_argmax(-1, true)?;
-            let logprobs = logits.f_log_softmax(-1, Kind::Float)?.f_gather(-1, &tokens, false)?;
-            let tokens = Vec::<i64>::try_from(tokens.f_view(-1)?.f_to_device(Device::Cpu)?)?;
-            let logprobs = Vec::<f32>::try_from(logprobs.f_view(-1)?.f_to_device(Device::Cpu)?)?;
-            // The chosen token's log-prob is finite (at least -ln(vocab)) unless its row holds
-            // a NaN or +inf logit or none above -inf: exactly the rows the host sampler refuses,
-            // which then names the bad entry.
-            if let Some(row) = logprobs.iter().position(|lp| !lp.is_finite()) {
-                let row = logits.f_get(row as i64)?.f_to_device(Device::Cpu)?.f_contiguous()?;
-                crate::sampling::checked_max(&Vec::<f32>::try_from(row)?)?;
-            }
-            Ok(tokens.into_iter().map(|t| t as u32).zip(logprobs).collect())
+            crate::sampling::device::sample(&logits, rows)
         })
     }
 
@@ -1434,9 +1423,10 @@ mod tests {
     /// The greedy path picks the host sampler's tokens (log-probs within 1e-5) and refuses the
     /// logits it refuses.
     #[test]
-    fn greedy_steps_pick_the_host_samplers_tokens_and_refuse_what_it_refuses() {
+    fn device_sampled_steps_pick_the_host_samplers_tokens_and_refuse_what_it_refuses() {
         use crate::block::BlockId;
         use crate::sampling::SamplingError;
+        use crate::sampling::device::RowSampling;
         use crate::{RequestId, SequenceId};
         use rtrun_rlhf_model::{ModelFamily, tiny};
 
@@ -1457,24 +1447,31 @@ mod tests {
             .collect();
         let batch = StepBatch::build(4, usize::MAX, &chunks).unwrap();
         let logits = runner.execute(&batch).unwrap();
-        let picked = runner.execute_greedy(&batch).unwrap();
         let width = logits.len() / 2;
         let mut sampler = crate::sampling::Sampler::default();
-        for (row, &(token, logprob)) in picked.iter().enumerate() {
-            let host = sampler
-                .sample(&logits[row * width..][..width], &crate::SamplingParams::greedy(1), 0.5)
-                .unwrap();
-            assert_eq!(token, host.token, "row {row}");
-            assert!(
-                (logprob - host.logprob).abs() < 1e-5,
-                "row {row}: {logprob} vs {}",
-                host.logprob
-            );
+        let warm = crate::SamplingParams { temperature: 0.9, top_p: 0.8, ..Default::default() };
+        for params in [crate::SamplingParams::greedy(1), warm] {
+            let rows: Vec<RowSampling<'_>> = [0.31, 0.77]
+                .into_iter()
+                .map(|uniform| RowSampling { params: &params, uniform })
+                .collect();
+            // The K/V the step writes are the same each time: the step can run again.
+            let picked = runner.execute_sampled(&batch, &rows).unwrap();
+            for (row, found) in picked.iter().enumerate() {
+                let host = sampler
+                    .sample(&logits[row * width..][..width], &params, rows[row].uniform)
+                    .unwrap();
+                assert_eq!(found.token, host.token, "row {row}");
+                let gap = (found.logprob - host.logprob).abs();
+                assert!(gap < 1e-5, "row {row}: {} vs {}", found.logprob, host.logprob);
+            }
         }
         // NaN weights make every logit NaN: the step is the host sampler's error, not token 0.
         let norm = runner.model().params.get("model.norm.weight").unwrap().shallow_clone();
         let _nan = tch::no_grad(|| norm.shallow_clone().f_fill_(f64::NAN)).unwrap();
-        let err = runner.execute_greedy(&batch).unwrap_err();
+        let greedy = crate::SamplingParams::greedy(1);
+        let rows = [RowSampling { params: &greedy, uniform: 0.5 }; 2];
+        let err = runner.execute_sampled(&batch, &rows).unwrap_err();
         assert!(
             matches!(err, EngineError::Sampling(SamplingError::NonFiniteLogit { .. })),
             "{err}"

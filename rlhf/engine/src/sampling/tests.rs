@@ -243,3 +243,95 @@ proptest! {
             "token {} covers [{}, {}), target {}", got, before, through, target);
     }
 }
+
+/// The device sampler (here on CPU tensors) picks the host sampler's token for the same uniform
+/// on every row, in every mode (greedy, full, top-k, top-p, both, three log-prob modes), at a
+/// 32k vocabulary and a small one, with log-probs equal up to float rounding.
+#[test]
+fn the_device_sampler_draws_the_host_samplers_tokens() {
+    use tch::{Device, Kind, Tensor};
+    let mut rng = SplitMix64::new(17);
+    for vocab in [37usize, 32_000] {
+        let mut all_params = Vec::new();
+        for temperature in [0.0, 0.6, 1.0, 1.4] {
+            for top_k in [None, Some(1), Some(7), Some(100)] {
+                for top_p in [1.0, 0.9, 0.4] {
+                    for logprob_mode in
+                        [LogprobMode::Raw, LogprobMode::TemperatureScaled, LogprobMode::Processed]
+                    {
+                        let p = params(temperature, top_k, top_p);
+                        all_params.push(SamplingParams { logprob_mode, ..p });
+                    }
+                }
+            }
+        }
+        let rows = all_params.len();
+        // Logits spread over ~12 nats, with ties (rounded to 1/8) so tie-breaking is exercised.
+        let logits: Vec<f32> = (0..rows * vocab)
+            .map(|_| ((rng.next_f64() * 12.0 - 6.0) * 8.0).round() as f32 / 8.0)
+            .collect();
+        let uniforms: Vec<f64> = (0..rows).map(|row| token_uniform(5, 0, row)).collect();
+        let rows_sampling: Vec<device::RowSampling<'_>> = all_params
+            .iter()
+            .zip(&uniforms)
+            .map(|(params, &uniform)| device::RowSampling { params, uniform })
+            .collect();
+        let tensor = Tensor::from_slice(&logits).view([rows as i64, vocab as i64]);
+        let found = device::sample(&tensor, &rows_sampling).unwrap();
+        let mut sampler = Sampler::new();
+        for (row, (params, found)) in all_params.iter().zip(&found).enumerate() {
+            let expected = sampler
+                .sample(&logits[row * vocab..(row + 1) * vocab], params, uniforms[row])
+                .unwrap();
+            assert_eq!(found.token, expected.token, "vocab {vocab} row {row}: {params:?}");
+            let gap = (found.logprob - expected.logprob).abs();
+            assert!(gap < 1e-4, "vocab {vocab} row {row}: log-prob {gap} off ({params:?})");
+        }
+        // A float16 tensor gives the same draws as its float32 values.
+        let half = tensor.to_kind(Kind::Half).to_kind(Kind::Float);
+        let again = device::sample(&half.to_kind(Kind::Half), &rows_sampling).unwrap();
+        assert_eq!(again, device::sample(&half, &rows_sampling).unwrap());
+        assert_eq!(tensor.device(), Device::Cpu);
+    }
+}
+
+/// Many draws from one row through the device sampler follow the distribution the host
+/// computes for it (top-k and top-p included), and a bad row or uniform is the host's error.
+#[test]
+fn device_draws_follow_the_truncated_softmax_and_bad_rows_are_refused() {
+    use tch::Tensor;
+    let draws = 20_000usize;
+    for p in [params(1.0, None, 1.0), params(0.7, Some(5), 1.0), params(1.3, None, 0.8)] {
+        let logits: Vec<f32> = LOGITS.iter().copied().cycle().take(draws * LOGITS.len()).collect();
+        let tensor = Tensor::from_slice(&logits).view([draws as i64, LOGITS.len() as i64]);
+        let uniforms: Vec<f64> = (0..draws).map(|i| token_uniform(11, 2, i)).collect();
+        let rows: Vec<device::RowSampling<'_>> =
+            uniforms.iter().map(|&uniform| device::RowSampling { params: &p, uniform }).collect();
+        let mut counts = [0usize; LOGITS.len()];
+        for sampled in device::sample(&tensor, &rows).unwrap() {
+            counts[sampled.token as usize] += 1;
+        }
+        let expected = reference_distribution(&LOGITS, p.temperature, p.top_k, p.top_p);
+        for (token, (&count, &probability)) in counts.iter().zip(&expected).enumerate() {
+            let frequency = count as f64 / draws as f64;
+            // 4.5 standard deviations of a frequency over 20,000 draws, at most ~0.016.
+            let bound = 4.5 * (probability * (1.0 - probability) / draws as f64).sqrt() + 1e-9;
+            assert!(
+                (frequency - probability).abs() <= bound,
+                "{p:?} token {token}: {frequency} drawn, {probability} expected"
+            );
+        }
+    }
+    let greedy = params(0.0, None, 1.0);
+    let warm = params(1.0, None, 1.0);
+    for (row, p) in [(vec![1.0, f32::NAN, 0.0], &warm), (vec![f32::INFINITY, 0.0, 1.0], &greedy)] {
+        let tensor = Tensor::from_slice(&row).view([1, 3]);
+        let rows = [device::RowSampling { params: p, uniform: 0.5 }];
+        let error = device::sample(&tensor, &rows).unwrap_err().to_string();
+        let expected = checked_max(&row).unwrap_err().to_string();
+        assert!(error.contains(&expected), "{error}");
+    }
+    let tensor = Tensor::from_slice(&[0.0f32, 1.0]).view([1, 2]);
+    let rows = [device::RowSampling { params: &warm, uniform: 1.0 }];
+    assert!(device::sample(&tensor, &rows).unwrap_err().to_string().contains("uniform"));
+}
