@@ -10,8 +10,13 @@
 # report.md (the summary), each step's stderr, nvidia-smi output, and the GRPO run's log,
 # metrics and memory trace. Checks, with Hugging Face on the same GPU as the anchor:
 #   forward   model forward, CUDA fp32 vs CPU fp32 (max |Δlogits| ≤ 1e-4), bf16 vs fp32
-#   engine    rtrun's engine vs HF `generate` (KV cache), greedy, batch 1/64/256, 64 new tokens,
-#             on a random Qwen2-0.5B-shaped checkpoint, fp32 and bf16; fp32 outputs compared
+#   engine    rtrun's engine vs HF `generate` (KV cache), greedy, 64 new tokens, on a random
+#             Qwen2-0.5B-shaped checkpoint: bf16 at batch 1/64/256 (the speed targets), fp32 at
+#             256 (token identity on 256 sequences); per batch also the mean engine step, a
+#             temperature-1 run, the static decode step's CUDA graphs (captured, replayed,
+#             memory, failures) and the same engine with enforce_eager at the middle batch
+#   sampling  sampling on the device against the host sampler (256 rows x 152k vocabulary,
+#             every mode), 20,000 draws against the softmax, seeded requests batch-independent
 #   sleep     engine sleep/wake frees what it claims (driver-level used memory)
 #   ipc       weight sync by CUDA IPC into another process: weights equal, GB/s
 #   nccl      two NCCL ranks on one GPU are refused with a clear error, not a hang
@@ -61,17 +66,20 @@ ckpt="$work/qwen2-0.5b"
 prompts="$work/prompts.json"
 [[ -f "$ckpt/config.json" ]] || step make "$py" scripts/gpu/hf_anchor.py make "$ckpt" "$prompts"
 step forward "$bin/gpu_check" forward "$ckpt"
-for dtype in f32 bf16; do
-    step "engine-$dtype" "$bin/gpu_check" engine "$ckpt" "$prompts" "$work/ours-$dtype.json" \
-        "$dtype" 1,64,256 64
-    step "hf-$dtype" "$py" scripts/gpu/hf_anchor.py generate "$ckpt" "$prompts" \
-        "$work/hf-$dtype.json" "$dtype" 1,64,256 64
+# fp32 only at 256 (the identity check): the window is 8 minutes, GPU start included.
+for spec in f32:256 bf16:1,64,256; do
+    dtype=${spec%%:*} batches=${spec#*:}
+    step "engine-$dtype" timeout 150 "$bin/gpu_check" engine "$ckpt" "$prompts" \
+        "$work/ours-$dtype.json" "$dtype" "$batches" 64
+    step "hf-$dtype" timeout 120 "$py" scripts/gpu/hf_anchor.py generate "$ckpt" "$prompts" \
+        "$work/hf-$dtype.json" "$dtype" "$batches" 64
 done
+step sampling timeout 90 "$bin/gpu_check" sampling "$ckpt" "$prompts"
 step greedy-f32 "$py" scripts/gpu/hf_anchor.py compare "$work/ours-f32.json" "$work/hf-f32.json"
 step greedy-bf16 "$py" scripts/gpu/hf_anchor.py compare "$work/ours-bf16.json" "$work/hf-bf16.json" \
     report
-step sleep "$bin/gpu_check" sleep "$ckpt"
-step ipc "$bin/gpu_check" ipc "$ckpt" $((64 << 20))
+step sleep timeout 60 "$bin/gpu_check" sleep "$ckpt"
+step ipc timeout 60 "$bin/gpu_check" ipc "$ckpt" $((64 << 20))
 step nccl timeout 120 "$bin/gpu_check" nccl-same-gpu
 step zero timeout 180 "$bin/gpu_check" zero "$ckpt"
 step tp timeout 120 "$bin/gpu_check" tp "$ckpt"
@@ -82,7 +90,7 @@ nvidia-smi --query-gpu=timestamp,memory.used --format=csv,noheader,nounits -lms 
 smi=$!
 echo "== grpo" >&2
 start=$SECONDS
-"$bin/train" --config deploy/examples/rlhf/grpo.yaml --overwrite \
+timeout 180 "$bin/train" --config deploy/examples/rlhf/grpo.yaml --overwrite \
     --set run_dir="$work/grpo" \
     --set cluster.num_gpus=1 \
     --set cluster.placement_spec=deploy/examples/rlhf/placement/hybrid.yaml \
@@ -143,4 +151,5 @@ EOF
 "$py" scripts/gpu/hf_anchor.py report "$report" > "$out/report.md"
 cat "$out/report.md"
 grep -h "CUDA IPC\|held-out\|baseline\|reward " "$out/grpo.log" | tail -8
+echo "gpu-check: $SECONDS s in all" >&2
 exit $failed

@@ -100,15 +100,24 @@ def report(path) -> None:
     lines = [json.loads(l) for l in open(path) if l.strip().startswith("{")]
     engine = {l["dtype"]: l for l in lines if l.get("check") == "engine"}
     hf = {l["dtype"]: l for l in lines if l.get("check") == "hf_generate"}
-    print("| dtype | batch | rtrun engine tok/s | HF generate tok/s | ratio |")
-    print("|---|---|---|---|---|")
+    print("| dtype | batch | rtrun tok/s (greedy) | HF generate tok/s | ratio | engine step ms "
+          "| temperature 1 tok/s (vs greedy) |")
+    print("|---|---|---|---|---|---|---|")
     for dtype in engine:
         if dtype not in hf:
             continue
         for ours, theirs in zip(engine[dtype]["rows"], hf[dtype]["rows"]):
             ratio = ours["tokens_per_s"] / theirs["tokens_per_s"]
+            sampled = ours.get("sampled_tokens_per_s")
+            sampled = f"{sampled:.0f} ({ours['sampled_vs_greedy']:.2f})" if sampled else "-"
             print(f"| {dtype} | {ours['batch']} | {ours['tokens_per_s']:.0f} | "
-                  f"{theirs['tokens_per_s']:.0f} | {ratio:.2f}x |")
+                  f"{theirs['tokens_per_s']:.0f} | {ratio:.2f}x | {ours.get('step_ms', 0):.2f} "
+                  f"| {sampled} |")
+    for dtype, l in engine.items():
+        eager = l.get("eager", {})
+        print(f"- {dtype}: weight-read floor per step {l.get('weight_read_floor_ms', 0):.2f} ms; "
+              f"graphs {json.dumps(l.get('graphs'))}; enforce_eager at batch {eager.get('batch')}: "
+              f"{eager.get('tokens_per_s', 0):.0f} tok/s, step {eager.get('step_ms', 0):.2f} ms")
     for l in lines:
         if l.get("check") not in ("engine", "hf_generate"):
             print(f"- {l.get('check')}: ok={l.get('ok')} {json.dumps(l)}")

@@ -61,6 +61,15 @@ enum Check {
         /// Tokens generated per prompt.
         new: u32,
     },
+    /// Sampling on the device: the host sampler's tokens for the same uniforms on a
+    /// 152k-vocabulary batch, a distribution check, and seeded engine requests that give the
+    /// same tokens alone and inside a larger batch.
+    Sampling {
+        /// The Hugging Face checkpoint directory.
+        ckpt: PathBuf,
+        /// The prompts: a JSON list of token-id lists.
+        prompts: PathBuf,
+    },
     /// Engine sleep and wake: the device memory freed against what the engine claims.
     Sleep {
         /// The Hugging Face checkpoint directory.
@@ -126,6 +135,7 @@ fn run(check: Check) -> Result<()> {
         Check::Engine { ckpt, prompts, out, dtype, batches, new } => {
             engine(&ckpt, &prompts, &out, &dtype, &batches, new)
         }
+        Check::Sampling { ckpt, prompts } => sampling(&ckpt, &prompts),
         Check::Sleep { ckpt } => sleep(&ckpt),
         Check::Ipc { ckpt, bucket_bytes } => ipc_send(&ckpt, bucket_bytes),
         Check::IpcReceive { ckpt } => ipc_receive(&ckpt),
@@ -222,36 +232,170 @@ fn engine(
         block_size,
         ..EngineConfig::default()
     };
-    let mut engine = LlmEngine::new(model, None, config)?;
-    let params = SamplingParams {
+    // The decode step reads every weight once: its floor at the H100's ~3.35 TB/s.
+    let weight_bytes = model.params.numel() as f64 * kind_of(dtype)?.elt_size_in_bytes() as f64;
+    let eager_model = CausalLm::from_pretrained(dir, Device::Cuda(0), kind_of(dtype)?)?;
+    let mut engine = LlmEngine::new(model, None, config.clone())?;
+    let greedy = SamplingParams {
         temperature: 0.0,
         max_tokens: new,
         min_tokens: new,
         logprobs: false,
         ..SamplingParams::default()
     };
-    let requests = |b: usize| -> Vec<GenerationRequest> {
+    // RL's sampling: temperature 1, seeded per request.
+    let warm = SamplingParams { temperature: 1.0, seed: Some(7), ..greedy.clone() };
+    let requests = |b: usize, params: &SamplingParams| -> Vec<GenerationRequest> {
         prompts[..b].iter().map(|p| GenerationRequest::new(p.clone(), params.clone())).collect()
+    };
+    // One timed run (after a warm-up run at the same shapes, as the anchor does): seconds,
+    // tokens/s, and the mean engine step (busy time over steps, the prefill step included).
+    let timed = |engine: &mut LlmEngine, b: usize, params: &SamplingParams| -> Result<_> {
+        engine.generate(requests(b, params))?;
+        tch::Cuda::synchronize(0);
+        let before = engine.stats();
+        let start = Instant::now();
+        let outputs = engine.generate(requests(b, params))?;
+        tch::Cuda::synchronize(0);
+        let seconds = start.elapsed().as_secs_f64();
+        let after = engine.stats();
+        let steps = (after.steps - before.steps).max(1) as f64;
+        let step_ms = 1e3 * (after.busy_seconds - before.busy_seconds) / steps;
+        let tokens: usize = outputs.iter().map(|o| o.samples[0].token_ids.len()).sum();
+        Ok((outputs, seconds, tokens as f64 / seconds, step_ms))
     };
     let mut rows = Vec::new();
     let mut last = Vec::new();
     for &b in batches {
-        // Warm-up at this batch size (kernel choices and allocator blocks per shape), as the
-        // anchor does; the second run is timed.
-        engine.generate(requests(b))?;
-        tch::Cuda::synchronize(0);
-        let start = Instant::now();
-        let outputs = engine.generate(requests(b))?;
-        tch::Cuda::synchronize(0);
-        let seconds = start.elapsed().as_secs_f64();
-        let tokens: usize = outputs.iter().map(|o| o.samples[0].token_ids.len()).sum();
-        rows.push(json!({"batch": b, "seconds": seconds, "tokens_per_s": tokens as f64 / seconds}));
+        let (outputs, seconds, tokens_per_s, step_ms) = timed(&mut engine, b, &greedy)?;
+        let (_, _, sampled_tokens_per_s, sampled_step_ms) = timed(&mut engine, b, &warm)?;
+        rows.push(json!({
+            "batch": b, "seconds": seconds, "tokens_per_s": tokens_per_s, "step_ms": step_ms,
+            "sampled_tokens_per_s": sampled_tokens_per_s, "sampled_step_ms": sampled_step_ms,
+            "sampled_vs_greedy": sampled_tokens_per_s / tokens_per_s,
+        }));
         if b == max_batch {
             last = outputs.into_iter().map(|o| o.samples[0].token_ids.clone()).collect();
         }
     }
+    let graphs = engine.stats().static_decode;
+    drop(engine);
+    // The same engine with `enforce_eager` at the middle batch size: what the graphs gain.
+    let b = batches[batches.len() / 2];
+    let eager_config = EngineConfig { enforce_eager: true, ..config };
+    let mut eager = LlmEngine::new(eager_model, None, eager_config)?;
+    let (_, _, eager_tokens_per_s, eager_step_ms) = timed(&mut eager, b, &greedy)?;
     std::fs::write(out, serde_json::to_string(&last)?)?;
-    emit(json!({"check": "engine", "dtype": dtype, "new_tokens": new, "rows": rows, "ok": true}));
+    emit(json!({
+        "check": "engine", "dtype": dtype, "new_tokens": new, "rows": rows,
+        "weight_read_floor_ms": 1e3 * weight_bytes / 3.35e12,
+        "graphs": graphs,
+        "eager": {"batch": b, "tokens_per_s": eager_tokens_per_s, "step_ms": eager_step_ms},
+        "ok": graphs.capture_failures == 0 && graphs.graph_replays > 0,
+    }));
+    Ok(())
+}
+
+/// Sampling on the device against the host sampler and its distribution, and seeded engine
+/// requests that do not depend on the batch they run in.
+fn sampling(dir: &Path, prompts: &Path) -> Result<()> {
+    use rtrun_rlhf_engine::sampling::device::{self, RowSampling};
+    use rtrun_rlhf_engine::{LogprobMode, Sampler};
+    let vocab = 151_936i64;
+    let rows = 256usize;
+    tch::manual_seed(3);
+    let logits = (Tensor::randn([rows as i64, vocab], (Kind::Float, Device::Cuda(0))) * 3.0)
+        .to_kind(Kind::BFloat16)
+        .to_kind(Kind::Float);
+    let modes = [LogprobMode::Raw, LogprobMode::TemperatureScaled, LogprobMode::Processed];
+    let params: Vec<SamplingParams> = (0..rows)
+        .map(|i| SamplingParams {
+            temperature: [0.0, 0.7, 1.0, 1.0][i % 4],
+            top_k: [None, None, Some(50), None][(i / 4) % 4],
+            top_p: [1.0, 0.9][(i / 16) % 2],
+            logprob_mode: modes[i % 3],
+            ..SamplingParams::default()
+        })
+        .collect();
+    let uniforms: Vec<f64> =
+        (0..rows).map(|i| rtrun_rlhf_engine::rng::token_uniform(9, 0, i)).collect();
+    let sampling: Vec<RowSampling<'_>> = params
+        .iter()
+        .zip(&uniforms)
+        .map(|(params, &uniform)| RowSampling { params, uniform })
+        .collect();
+    let start = Instant::now();
+    let found = device::sample(&logits, &sampling)?;
+    tch::Cuda::synchronize(0);
+    let device_ms = start.elapsed().as_secs_f64() * 1e3;
+    let host_logits = Vec::<f32>::try_from(logits.to_device(Device::Cpu).view([-1]))?;
+    let mut sampler = Sampler::new();
+    let (mut same, mut gap) = (0, 0.0f32);
+    for (row, found) in found.iter().enumerate() {
+        let row_logits = &host_logits[row * vocab as usize..(row + 1) * vocab as usize];
+        let host = sampler.sample(row_logits, &params[row], uniforms[row])?;
+        same += usize::from(host.token == found.token);
+        gap = gap.max((host.logprob - found.logprob).abs());
+    }
+    // 20,000 draws of one 8-token row at temperature 1 against its softmax.
+    let row = Tensor::from_slice(&[2.0f32, 1.5, 1.2, 0.5, 0.0, -0.5, -1.0, -3.0]);
+    let draws = 20_000usize;
+    let many = row.to_device(Device::Cuda(0)).unsqueeze(0).expand([draws as i64, 8], false);
+    let one = SamplingParams { temperature: 1.0, ..SamplingParams::default() };
+    let draws_uniforms: Vec<f64> =
+        (0..draws).map(|i| rtrun_rlhf_engine::rng::token_uniform(4, 1, i)).collect();
+    let many_rows: Vec<RowSampling<'_>> =
+        draws_uniforms.iter().map(|&uniform| RowSampling { params: &one, uniform }).collect();
+    let mut counts = [0f64; 8];
+    for sampled in device::sample(&many.contiguous(), &many_rows)? {
+        counts[sampled.token as usize] += 1.0 / draws as f64;
+    }
+    let expected = Vec::<f32>::try_from(row.softmax(-1, Kind::Float))?;
+    let worst_sigma = counts
+        .iter()
+        .zip(&expected)
+        .map(|(&f, &p)| {
+            let p = f64::from(p);
+            (f - p).abs() / (p * (1.0 - p) / draws as f64).sqrt()
+        })
+        .fold(0.0, f64::max);
+    // Seeded requests: the same tokens alone and at positions 3 and 40 of a 64-request batch.
+    let prompts: Vec<Vec<u32>> = serde_json::from_str(&std::fs::read_to_string(prompts)?)?;
+    let model = CausalLm::from_pretrained(dir, Device::Cuda(0), Kind::BFloat16)?;
+    let config = EngineConfig {
+        num_gpu_blocks: Some(1024),
+        device: "cuda".into(),
+        dtype: "bf16".into(),
+        ..EngineConfig::default()
+    };
+    let mut engine = LlmEngine::new(model, None, config)?;
+    let seeded = |seed: u64| SamplingParams {
+        temperature: 1.0,
+        max_tokens: 32,
+        seed: Some(seed),
+        ..SamplingParams::default()
+    };
+    let mine = [
+        GenerationRequest::new(prompts[0].clone(), seeded(11)),
+        GenerationRequest::new(prompts[1].clone(), seeded(12)),
+    ];
+    let alone = engine.generate(mine.to_vec())?;
+    let mut batch: Vec<GenerationRequest> = prompts[2..64]
+        .iter()
+        .enumerate()
+        .map(|(i, p)| GenerationRequest::new(p.clone(), seeded(100 + i as u64)))
+        .collect();
+    batch.insert(3, mine[0].clone());
+    batch.insert(40, mine[1].clone());
+    let together = engine.generate(batch)?;
+    let reproduced = alone[0].samples[0].token_ids == together[3].samples[0].token_ids
+        && alone[1].samples[0].token_ids == together[40].samples[0].token_ids;
+    emit(json!({
+        "check": "sampling", "rows": rows, "vocab": vocab, "same_tokens_as_host": same,
+        "max_logprob_gap": gap, "device_ms": device_ms, "draws": draws,
+        "distribution_worst_sigma": worst_sigma, "seeded_reproduced": reproduced,
+        "ok": same == rows && gap < 1e-3 && worst_sigma < 4.5 && reproduced,
+    }));
     Ok(())
 }
 
