@@ -65,6 +65,10 @@ struct Options {
     /// with the square of the length: `off` for long contexts).
     #[arg(long, default_value = "on", value_parser = ["on", "off"])]
     reference: String,
+    /// Steps of decodes only run the static-shape decode step (`EngineConfig::static_decode`;
+    /// absent: the device's default, off on the CPU).
+    #[arg(long, value_parser = ["on", "off"])]
+    static_decode: Option<String>,
     /// Tensor-parallel sizes, comma-separated or repeated (`--tp 1,2,4`): time engines of that
     /// many actor processes instead of the runs above (TP 1 always runs, as the anchor).
     #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u64).range(1..))]
@@ -116,9 +120,13 @@ fn engine_config(num_blocks: usize, prefix_caching: bool) -> EngineConfig {
     EngineConfig {
         num_gpu_blocks: Some(num_blocks),
         enable_prefix_caching: prefix_caching,
+        static_decode: STATIC_DECODE.get().copied().flatten(),
         ..EngineConfig::default()
     }
 }
+
+/// `--static-decode`, for every engine the bench makes.
+static STATIC_DECODE: std::sync::OnceLock<Option<bool>> = std::sync::OnceLock::new();
 
 fn throughput(options: &Options, name: &str) -> Result<()> {
     let (config, model) = build_model(name)?;
@@ -503,6 +511,7 @@ fn main() -> Result<()> {
     rtrun::run_worker_if_requested();
     let options = <Options as clap::Parser>::parse();
     rtrun_rlhf_model::tch::set_num_threads(options.threads);
+    let _ = STATIC_DECODE.set(options.static_decode.as_deref().map(|on| on == "on"));
     if !options.tp.is_empty() {
         rtrun::init()?;
         let result = tensor_parallel(&options);
