@@ -149,6 +149,25 @@ fn the_static_decode_step_gives_the_tokens_of_the_paged_step() {
     }
 }
 
+/// More decodes than the largest bucket (256) run the paged step, with the same tokens.
+#[test]
+fn decodes_beyond_the_largest_bucket_run_the_paged_step() {
+    let all = requests(&prompts(&[3; 260], 8), &SamplingParams::greedy(4));
+    let run = |static_decode: bool| {
+        let config = EngineConfig {
+            static_decode: Some(static_decode),
+            max_num_seqs: 300,
+            ..config(600, 4)
+        };
+        let mut engine = engine(model(ModelFamily::Qwen2, 3), config);
+        let outputs = engine.generate(all.clone()).unwrap();
+        (outputs, engine.stats().static_decode.steps)
+    };
+    let ((found, static_steps), (expected, _)) = (run(true), run(false));
+    assert_eq!(token_ids(&found), token_ids(&expected));
+    assert_eq!(static_steps, 0, "260 decodes have no bucket");
+}
+
 /// Sliding windows shorter than the prompts and the generations (Qwen2's on one layer, Mistral's
 /// on both): the engine's masks over the paged cache and the decode lanes equal the training
 /// forward's, token for token, in one batch of mixed lengths.

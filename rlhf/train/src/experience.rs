@@ -262,6 +262,53 @@ pub fn training_order(rows: &[ExperienceRow], share_prompt: bool) -> Vec<&Experi
     grouped_by_prompt(&sequences).into_iter().map(|i| &rows[i]).collect()
 }
 
+/// Micro-batches of `sequences` (indices) under a token budget, verl's dynamic batch size
+/// (`use_dynamic_bsz` with `ppo_max_token_len_per_gpu`; `train.micro_batch_tokens`): the
+/// layout's rows (a prompt with all its responses with `share_prompt`, else one prompt and
+/// response) are sorted longest first and packed while `rows x the longest row's positions`,
+/// the cells a micro-batch pads to, stays within `budget`; a row longer than the budget is a
+/// micro-batch alone. A long response then costs its own positions instead of padding every
+/// row of a fixed-size micro-batch to its length. Sequences of one prompt stay together, and
+/// the order within a row is kept.
+pub fn token_budget_batches(
+    sequences: &[&Sequence],
+    share_prompt: bool,
+    budget: usize,
+) -> Vec<Vec<usize>> {
+    let mut rows: Vec<(usize, Vec<usize>)> = match share_prompt {
+        true => prompt_groups(sequences)
+            .into_iter()
+            .map(|(prompt, members)| {
+                let responses: usize =
+                    members.iter().map(|&i| sequences[i].response_ids.len()).sum();
+                (prompt.len() + responses, members)
+            })
+            .collect(),
+        false => sequences
+            .iter()
+            .enumerate()
+            .map(|(i, s)| (s.prompt_ids.len() + s.response_ids.len(), vec![i]))
+            .collect(),
+    };
+    // Longest first; a stable sort keeps equal rows in their order.
+    rows.sort_by(|a, b| b.0.cmp(&a.0));
+    let mut batches: Vec<Vec<usize>> = Vec::new();
+    let (mut count, mut widest) = (0usize, 0usize);
+    for (length, members) in rows {
+        let fits = count > 0 && (count + 1).saturating_mul(widest.max(length)) <= budget;
+        if !fits {
+            batches.push(Vec::new());
+            (count, widest) = (0, length);
+        }
+        count += 1;
+        widest = widest.max(length);
+        if let Some(batch) = batches.last_mut() {
+            batch.extend(members);
+        }
+    }
+    batches
+}
+
 /// The distinct prompts of `sequences` in order of first appearance, each with the indices of
 /// the sequences that answer it, in order.
 fn prompt_groups<'a>(sequences: &[&'a Sequence]) -> Vec<(&'a [u32], Vec<usize>)> {
@@ -470,6 +517,41 @@ mod tests {
         let empty = sequence(&[], &[3]);
         let err = shared_prompt_batch(&[&empty], Device::Cpu).unwrap_err().to_string();
         assert!(err.contains("sequence 0"), "{err}");
+    }
+
+    /// Token-budgeted micro-batches: every sequence once, a prompt's responses together (with
+    /// shared prompts), longest rows first, and no micro-batch of several rows padded past the
+    /// budget; a row over the budget alone.
+    #[test]
+    fn token_budget_batches_pack_rows_longest_first_under_the_budget() {
+        let long: Vec<u32> = (0..40).collect();
+        let sequences = [
+            sequence(&[1, 2], &[3]),
+            sequence(&[1, 4], &long),
+            sequence(&[1, 2], &[6, 7]),
+            sequence(&[1, 7], &[8]),
+            sequence(&[1, 4], &[9]),
+            sequence(&[5, 5, 5], &[1, 2, 3, 4]),
+        ];
+        let refs: Vec<&Sequence> = sequences.iter().collect();
+        // Shared prompts: rows are [1,4] (2 + 41 = 43), [5,5,5] (7), [1,2] (5), [1,7] (3).
+        assert_eq!(token_budget_batches(&refs, true, 16), vec![vec![1, 4], vec![5, 0, 2], vec![3]]);
+        // One row per sequence: 42, 11, 7, 4, 3, 3 positions.
+        assert_eq!(
+            token_budget_batches(&refs, false, 24),
+            vec![vec![1], vec![5, 2, 0], vec![3, 4]]
+        );
+        for budget in [1, 8, 30, 1000] {
+            for share in [true, false] {
+                let batches = token_budget_batches(&refs, share, budget);
+                let mut all: Vec<usize> = batches.iter().flatten().copied().collect();
+                all.sort_unstable();
+                assert_eq!(all, (0..sequences.len()).collect::<Vec<_>>(), "{budget} {share}");
+                if budget == 1000 {
+                    assert_eq!(batches.len(), 1);
+                }
+            }
+        }
     }
 
     #[test]

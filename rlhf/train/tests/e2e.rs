@@ -1056,6 +1056,50 @@ fn compare_shared_prompts(name: &str, extra: &str) {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// `train.micro_batch_tokens`: micro-batches packed under a token budget (rows longest first)
+/// give every metric of fixed-size micro-batches, with shared prompts and padded, in another
+/// number of passes (the loss is normalised by the whole batch, so the grouping is free).
+#[test]
+fn token_budgeted_micro_batches_change_no_metric_but_the_passes() {
+    let grpo = "algo: {advantage_estimator: group_norm, use_kl_loss: true, kl_estimator: k3, init_kl_coef: 0.01}\n";
+    for share_prompt in [true, false] {
+        let dir = scratch(&format!("micro-batch-tokens-{share_prompt}"));
+        let mut fixed = small_config(&dir.join("fixed"), grpo);
+        fixed.train.max_steps = Some(6);
+        fixed.rollout.n_samples_per_prompt = 4;
+        fixed.train.train_batch_size = 8;
+        fixed.train.micro_batch_size = 4;
+        fixed.train.share_prompt = share_prompt;
+        let mut budget = fixed.clone();
+        budget.run_dir = dir.join("budget");
+        // Shared prompts: everything in one pass (the fixed size takes two); padded: a row or two
+        // per pass (rows of 9+ positions).
+        budget.train.micro_batch_tokens = Some(if share_prompt { 10_000 } else { 16 });
+        for config in [&fixed, &budget] {
+            let (trainer, report) = rtrun_rlhf::run::run(config, &mut NoProgress).unwrap();
+            assert_eq!(report.steps, 6);
+            trainer.roles.kill();
+        }
+        let mut passes = (0.0, 0.0);
+        let checked = assert_same_metrics(&dir.join("budget"), &dir.join("fixed"), |_, name, x| {
+            if name == "actor_micro_batches" {
+                passes.0 += x.unwrap_or(0.0);
+                return true;
+            }
+            false
+        });
+        assert!(checked > 50, "compared {checked} values");
+        let fixed_passes: f64 = comparable(&dir.join("fixed"))
+            .iter()
+            .flat_map(|(_, row)| row.iter().filter(|(n, _)| n == "actor_micro_batches"))
+            .map(|(_, v)| *v)
+            .sum();
+        passes.1 = fixed_passes;
+        assert!(passes.0 > 0.0 && passes.0 != passes.1, "passes {passes:?}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
+
 /// `train --metrics-port --dashboard-port`: while the run goes, its metrics endpoint serves the
 /// newest step's metrics (the same values metrics.jsonl records for that step), its phase times
 /// and tokens/s, and the embedded session's runtime (its node, the role actors alive); its

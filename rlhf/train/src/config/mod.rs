@@ -663,6 +663,12 @@ pub struct TrainLoopConfig {
     /// Samples per forward/backward on one rank (default 32, or `train_batch_size` when that
     /// is smaller; a value set larger than `train_batch_size` is an error).
     pub micro_batch_size: usize,
+    /// Policy micro-batches by token budget instead of `micro_batch_size` samples (verl's
+    /// `use_dynamic_bsz` with `ppo_max_token_len_per_gpu`): rows sorted longest first and
+    /// packed while rows × the longest row's positions stay within this many; a longer row
+    /// runs alone. A long response then costs its own positions rather than padding a
+    /// micro-batch to its length. The loss does not depend on the grouping. Absent: off.
+    pub micro_batch_tokens: Option<usize>,
     /// Lay each prompt out once for all the responses to it in a micro-batch of the policy and
     /// reference forwards (their responses attend it and their own tokens only, so every
     /// log-prob is what it is in the padded layout); the policy's micro-batches group the
@@ -784,6 +790,7 @@ impl Default for TrainLoopConfig {
             max_steps: None,
             train_batch_size: 128,
             micro_batch_size: 32,
+            micro_batch_tokens: None,
             share_prompt: true,
             max_epochs: 1,
             actor_lr: 1e-6,

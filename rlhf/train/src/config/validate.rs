@@ -340,6 +340,9 @@ impl TrainConfig {
         unit_interval("train.min_lr_ratio", t.min_lr_ratio)?;
         positive("train.num_episodes", t.num_episodes)?;
         positive("train.micro_batch_size", t.micro_batch_size)?;
+        if let Some(tokens) = t.micro_batch_tokens {
+            positive("train.micro_batch_tokens", tokens)?;
+        }
         positive("train.max_epochs", t.max_epochs)?;
         positive("train.dock_groups_per_batch", t.dock_groups_per_batch)?;
         if t.dock_max_poll_pause_ms == 0 {

@@ -44,6 +44,10 @@ pub struct PolicyLossConfig {
     pub kl_estimator: KlEstimator,
     /// Sequences per forward/backward.
     pub micro_batch_size: usize,
+    /// Micro-batches by token budget instead of `micro_batch_size` sequences
+    /// ([`crate::experience::token_budget_batches`]; `train.micro_batch_tokens`).
+    #[serde(default)]
+    pub micro_batch_tokens: Option<usize>,
     /// Lay each prompt out once for all the responses to it in a micro-batch
     /// ([`crate::experience::SharedPromptBatch`]; `train.share_prompt`).
     #[serde(default = "share_prompt_default")]
@@ -143,6 +147,9 @@ pub struct PolicyTrainStats {
     pub grad_norm: f64,
     /// Learning rate of the step.
     pub lr: f64,
+    /// Forward/backward passes (micro-batches) of the step on this rank.
+    #[serde(default)]
+    pub micro_batches: f64,
 }
 
 /// A policy or reference rank.
@@ -945,22 +952,24 @@ impl LmWorkerState {
     }
 
     fn log_probs_impl(&self, sequences: &[Sequence]) -> crate::Result<Vec<Vec<f32>>> {
-        let mut out = Vec::with_capacity(sequences.len());
-        let micro = self.loss.micro_batch_size.max(1);
-        let chunks: Vec<&[Sequence]> = sequences.chunks(micro).collect();
+        let refs: Vec<&Sequence> = sequences.iter().collect();
+        let chunks = self.micro_batches(&refs);
         let passes = self.sharded.balance(chunks.len(), false)?;
+        let mut out: Vec<Vec<f32>> = vec![Vec::new(); sequences.len()];
         tch::no_grad(|| -> crate::Result<()> {
             let device = self.model.params.device();
             for chunk in &chunks {
-                let refs: Vec<&Sequence> = chunk.iter().collect();
+                let refs: Vec<&Sequence> = chunk.iter().map(|&i| &sequences[i]).collect();
                 let log_probs = if self.loss.share_prompt {
                     shared_prompt_batch(&refs, device)?.response_log_probs(&self.model)?
                 } else {
                     self.model.response_log_probs(&response_batch(&refs, device)?)?
                 };
                 self.model.backbone.release_parameters()?;
-                let lengths: Vec<usize> = chunk.iter().map(|s| s.response_ids.len()).collect();
-                out.extend(unpad_rows(&log_probs, &lengths)?);
+                let lengths: Vec<usize> = refs.iter().map(|s| s.response_ids.len()).collect();
+                for (&i, row) in chunk.iter().zip(unpad_rows(&log_probs, &lengths)?) {
+                    out[i] = row;
+                }
             }
             Ok(())
         })?;
@@ -968,6 +977,20 @@ impl LmWorkerState {
             self.sharded.idle_forward()?;
         }
         Ok(out)
+    }
+
+    /// The micro-batches of `sequences`, as indices: by token budget with
+    /// `micro_batch_tokens`, else `micro_batch_size` at a time in order.
+    fn micro_batches(&self, sequences: &[&Sequence]) -> Vec<Vec<usize>> {
+        match self.loss.micro_batch_tokens {
+            Some(budget) => {
+                crate::experience::token_budget_batches(sequences, self.loss.share_prompt, budget)
+            }
+            None => {
+                let indices: Vec<usize> = (0..sequences.len()).collect();
+                indices.chunks(self.loss.micro_batch_size.max(1)).map(<[usize]>::to_vec).collect()
+            }
+        }
     }
 
     fn train_impl(
@@ -995,10 +1018,15 @@ impl LmWorkerState {
         // The loss sums over micro-batches, so which rows share one is free: with shared
         // prompts, the responses to one prompt go together and the prompt is computed once.
         let rows = training_order(rows, self.loss.share_prompt);
-        let chunks: Vec<&[&ExperienceRow]> =
-            rows.chunks(self.loss.micro_batch_size.max(1)).collect();
+        let sequences: Vec<&Sequence> = rows.iter().map(|r| &r.sequence).collect();
+        let chunks: Vec<Vec<&ExperienceRow>> = self
+            .micro_batches(&sequences)
+            .into_iter()
+            .map(|chunk| chunk.into_iter().map(|i| rows[i]).collect())
+            .collect();
         let passes = self.sharded.balance(chunks.len(), true)?;
-        for &chunk in &chunks {
+        stats.micro_batches = chunks.len() as f64;
+        for chunk in &chunks {
             let sequences: Vec<&Sequence> = chunk.iter().map(|r| &r.sequence).collect();
             let (logits, response_ids, action_mask) = if self.loss.share_prompt {
                 let batch = shared_prompt_batch(&sequences, device)?;

@@ -522,6 +522,7 @@ impl Trainer {
             ("entropy", t.policy.entropy),
             ("actor_grad_norm", t.policy.grad_norm),
             ("actor_lr", t.policy.lr),
+            ("actor_micro_batches", t.policy.micro_batches),
             ("critic_loss", t.critic.value_loss),
             ("critic_grad_norm", t.critic.grad_norm),
         ] {

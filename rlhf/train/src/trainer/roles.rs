@@ -212,6 +212,7 @@ fn policy_config(
         use_kl_loss: config.algo.use_kl_loss,
         kl_estimator: config.algo.kl_estimator,
         micro_batch_size: config.train.micro_batch_size,
+        micro_batch_tokens: config.train.micro_batch_tokens,
         share_prompt: config.train.share_prompt,
         loss_agg_mode: config.algo.loss_agg_mode,
         max_new_tokens: config.max_new_tokens(),

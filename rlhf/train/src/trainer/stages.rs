@@ -647,6 +647,7 @@ fn add_policy(total: &mut PolicyTrainStats, s: &PolicyTrainStats) {
     total.entropy += s.entropy;
     total.grad_norm += s.grad_norm;
     total.lr += s.lr;
+    total.micro_batches += s.micro_batches;
 }
 
 fn scale_policy(total: &mut PolicyTrainStats, calls: usize) {
@@ -661,4 +662,5 @@ fn scale_policy(total: &mut PolicyTrainStats, calls: usize) {
     total.entropy /= k;
     total.grad_norm /= k;
     total.lr /= k;
+    total.micro_batches /= k;
 }
