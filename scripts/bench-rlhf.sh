@@ -230,7 +230,7 @@ if [[ " $PARTS " == *" streamed "* ]]; then
 STREAMED_STEPS=${STREAMED_STEPS:-256}
 [[ "${1:-}" == "--quick" ]] && STREAMED_STEPS=24
 for seed in $SEEDS; do
-    for variant in sync async tail-sync tail-partial; do
+    for variant in sync async tail-sync tail-partial tail-sync-tokens tail-partial-tokens; do
         sets=(--set seed="$seed" --set train.max_steps="$STREAMED_STEPS" --set eval.every_steps=16
               --set checkpoint.every_steps=0)
         case $variant in
@@ -240,7 +240,9 @@ for seed in $SEEDS; do
                            --set data.synthetic.long_tail.max_digits=200
                            --set train.max_steps=$(( STREAMED_STEPS / 4 )) --set eval.every_steps=0) ;;
         esac
-        [[ $variant == tail-partial ]] && sets+=(--set rollout.partial_threshold=0.8)
+        [[ $variant == tail-partial* ]] && sets+=(--set rollout.partial_threshold=0.8)
+        # Micro-batches by token budget (a long group costs its own positions): both sides.
+        [[ $variant == *-tokens ]] && sets+=(--set train.micro_batch_tokens=4096)
         run=$BENCH_DIR/runs/streamed-$variant-seed$seed
         rm -rf "$run"
         (cd "$BENCH_DIR" && "$TRAIN" --config "$ROOT/deploy/examples/rlhf/grpo.yaml" \

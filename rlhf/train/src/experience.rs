@@ -291,7 +291,7 @@ pub fn token_budget_batches(
             .collect(),
     };
     // Longest first; a stable sort keeps equal rows in their order.
-    rows.sort_by(|a, b| b.0.cmp(&a.0));
+    rows.sort_by_key(|row| std::cmp::Reverse(row.0));
     let mut batches: Vec<Vec<usize>> = Vec::new();
     let (mut count, mut widest) = (0usize, 0usize);
     for (length, members) in rows {
