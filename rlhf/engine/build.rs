@@ -36,6 +36,7 @@ fn main() {
         // The static decode step's CUDA graphs, against the CUDA runtime headers of the
         // nvidia-cuda-runtime wheel installed beside libtorch (scripts/setup-libtorch.sh).
         libtorch_shim::compile_cuda(&["src/runner/graph.cpp"], "rtrun_cuda_graphs");
+        libtorch_shim::link_cuda_runtime();
         println!("cargo:rustc-link-arg=-Wl,--no-as-needed");
         println!("cargo:rustc-link-arg=-ltorch");
         println!("cargo:rustc-link-arg=-Wl,--as-needed");
