@@ -43,7 +43,8 @@ pub fn link_cuda_runtime() {
         panic!("torch-sys did not say where libtorch is (DEP_TCH_LIBTORCH_LIB)");
     };
     println!("cargo:rustc-link-lib=dylib=c10_cuda");
-    let site = std::path::Path::new(&lib_dir).ancestors().nth(2).unwrap_or(std::path::Path::new("/"));
+    let site =
+        std::path::Path::new(&lib_dir).ancestors().nth(2).unwrap_or(std::path::Path::new("/"));
     let cudart = std::fs::read_dir(site.join("nvidia"))
         .into_iter()
         .flatten()
@@ -62,7 +63,8 @@ pub fn link_cuda_runtime() {
                 site.join("nvidia").display()
             )
         });
-    if let (Some(dir), Some(name)) = (cudart.parent(), cudart.file_name().and_then(|n| n.to_str())) {
+    if let (Some(dir), Some(name)) = (cudart.parent(), cudart.file_name().and_then(|n| n.to_str()))
+    {
         println!("cargo:rustc-link-search=native={}", dir.display());
         println!("cargo:rustc-link-lib=dylib:+verbatim={name}");
         println!("cargo:rustc-link-arg=-Wl,-rpath,{}", dir.display());
