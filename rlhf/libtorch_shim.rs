@@ -13,24 +13,8 @@ pub fn compile(sources: &[&str], flags: &[&str], name: &str) {
 /// libtorch's `torch` directory.
 #[allow(dead_code)] // Only the engine's build script compiles CUDA shims.
 pub fn compile_cuda(sources: &[&str], name: &str) {
-    let Ok(lib_dir) = std::env::var("DEP_TCH_LIBTORCH_LIB") else {
-        panic!("torch-sys did not say where libtorch is (DEP_TCH_LIBTORCH_LIB)");
-    };
-    let site =
-        std::path::Path::new(&lib_dir).ancestors().nth(2).unwrap_or(std::path::Path::new("/"));
-    let include = std::fs::read_dir(site.join("nvidia"))
-        .into_iter()
-        .flatten()
-        .flatten()
-        .map(|entry| entry.path().join("include"))
-        .find(|dir| dir.join("cuda_runtime_api.h").is_file())
-        .unwrap_or_else(|| {
-            panic!(
-                "the cuda feature needs the CUDA runtime headers (cuda_runtime_api.h) under {}; \
-                 scripts/setup-libtorch.sh installs them with the nvidia-cuda-runtime wheel",
-                site.join("nvidia").display()
-            )
-        });
+    let header = nvidia_file("include", |name| name == "cuda_runtime_api.h", "cuda_runtime_api.h");
+    let include = header.parent().map(std::path::Path::to_path_buf).unwrap_or_default();
     compile_with(sources, &[], &[include], name);
 }
 
@@ -39,36 +23,39 @@ pub fn compile_cuda(sources: &[&str], name: &str) {
 /// libtorch (`libcudart.so.N`, which has no unversioned name there), with an rpath to it.
 #[allow(dead_code)] // Only the engine's build script links CUDA shims.
 pub fn link_cuda_runtime() {
-    let Ok(lib_dir) = std::env::var("DEP_TCH_LIBTORCH_LIB") else {
-        panic!("torch-sys did not say where libtorch is (DEP_TCH_LIBTORCH_LIB)");
-    };
     println!("cargo:rustc-link-lib=dylib=c10_cuda");
-    let site =
-        std::path::Path::new(&lib_dir).ancestors().nth(2).unwrap_or(std::path::Path::new("/"));
-    let cudart = std::fs::read_dir(site.join("nvidia"))
-        .into_iter()
-        .flatten()
-        .flatten()
-        .map(|entry| entry.path().join("lib"))
-        .flat_map(|dir| std::fs::read_dir(&dir).into_iter().flatten().flatten().map(|e| e.path()))
-        .find(|path| {
-            path.file_name()
-                .and_then(|name| name.to_str())
-                .is_some_and(|name| name.starts_with("libcudart.so."))
-        })
-        .unwrap_or_else(|| {
-            panic!(
-                "the cuda feature needs the CUDA runtime (libcudart.so.N) under {}; \
-                 scripts/setup-libtorch.sh installs it with the nvidia-cuda-runtime wheel",
-                site.join("nvidia").display()
-            )
-        });
+    let cudart = nvidia_file("lib", |name| name.starts_with("libcudart.so."), "libcudart.so.N");
     if let (Some(dir), Some(name)) = (cudart.parent(), cudart.file_name().and_then(|n| n.to_str()))
     {
         println!("cargo:rustc-link-search=native={}", dir.display());
         println!("cargo:rustc-link-lib=dylib:+verbatim={name}");
         println!("cargo:rustc-link-arg=-Wl,-rpath,{}", dir.display());
     }
+}
+
+/// The first file of the nvidia wheels beside libtorch (`nvidia/*/<dir>/`) whose name passes
+/// `wanted`; a build error naming `what` when there is none.
+#[allow(dead_code)] // Only the engine's build script builds CUDA shims.
+fn nvidia_file(dir: &str, wanted: impl Fn(&str) -> bool, what: &str) -> std::path::PathBuf {
+    let Ok(lib_dir) = std::env::var("DEP_TCH_LIBTORCH_LIB") else {
+        panic!("torch-sys did not say where libtorch is (DEP_TCH_LIBTORCH_LIB)");
+    };
+    let site =
+        std::path::Path::new(&lib_dir).ancestors().nth(2).unwrap_or(std::path::Path::new("/"));
+    std::fs::read_dir(site.join("nvidia"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .flat_map(|wheel| std::fs::read_dir(wheel.path().join(dir)).into_iter().flatten().flatten())
+        .map(|entry| entry.path())
+        .find(|path| path.file_name().and_then(|name| name.to_str()).is_some_and(&wanted))
+        .unwrap_or_else(|| {
+            panic!(
+                "the cuda feature needs the CUDA runtime ({what}) under {}/*/{dir}; \
+                 scripts/setup-libtorch.sh installs it with the nvidia-cuda-runtime wheel",
+                site.join("nvidia").display()
+            )
+        })
 }
 
 fn compile_with(sources: &[&str], flags: &[&str], includes: &[std::path::PathBuf], name: &str) {

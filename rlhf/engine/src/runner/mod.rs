@@ -23,7 +23,7 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 
 use rtrun_rlhf_model::CausalLm;
-use rtrun_rlhf_model::layers::{Attention, Linear, RmsNorm};
+use rtrun_rlhf_model::layers::{Attention, DecoderLayer, Linear, RmsNorm};
 use rtrun_rlhf_model::rope::apply_rotary;
 use tch::{Device, Kind, Tensor};
 
@@ -586,23 +586,7 @@ impl ModelRunner {
             };
             let out = self.reduce(self.linear(&attn.o_proj, &attended)?)?;
             let normed = self.add_norm(&layer.post_attention_layernorm, &mut hidden, Some(out))?;
-            let activated = match self.fused.get(index) {
-                Some(fused) => {
-                    let gate_up = self.linear(&fused.gate_up, &normed)?;
-                    match self.fused_ops && last_contiguous(&gate_up) {
-                        true => cpu_kernels::silu_mul(&gate_up)?,
-                        false => {
-                            let width = gate_up.size()[1] / 2;
-                            let gate = gate_up.f_narrow(1, 0, width)?.f_silu()?;
-                            gate.f_mul(&gate_up.f_narrow(1, width, width)?)?
-                        }
-                    }
-                }
-                None => {
-                    let gate = self.linear(&layer.mlp.gate_proj, &normed)?.f_silu()?;
-                    gate.f_mul(&self.linear(&layer.mlp.up_proj, &normed)?)?
-                }
-            };
+            let activated = self.mlp_activation(index, layer, &normed)?;
             let mlp = self.reduce(self.linear(&layer.mlp.down_proj, &activated)?)?;
             pending = Some(mlp);
         }
@@ -616,6 +600,27 @@ impl ModelRunner {
             self.lanes.replace(Some(step.lanes));
         }
         Ok(hidden)
+    }
+
+    /// Layer `index`'s `silu(gate) * up` of its normed rows: one fused gate/up product where
+    /// the layer is fused (then the CPU's fused kernel where it applies), else two.
+    fn mlp_activation(
+        &self,
+        index: usize,
+        layer: &DecoderLayer,
+        normed: &Tensor,
+    ) -> Result<Tensor, EngineError> {
+        let Some(fused) = self.fused.get(index) else {
+            let gate = self.linear(&layer.mlp.gate_proj, normed)?.f_silu()?;
+            return Ok(gate.f_mul(&self.linear(&layer.mlp.up_proj, normed)?)?);
+        };
+        let gate_up = self.linear(&fused.gate_up, normed)?;
+        if self.fused_ops && last_contiguous(&gate_up) {
+            return cpu_kernels::silu_mul(&gate_up);
+        }
+        let width = gate_up.size()[1] / 2;
+        let gate = gate_up.f_narrow(1, 0, width)?.f_silu()?;
+        Ok(gate.f_mul(&gate_up.f_narrow(1, width, width)?)?)
     }
 
     /// The logits of the sampled rows of the last hidden states `hidden: [T, hidden]`.

@@ -4,7 +4,7 @@
 //! writes, a block table of a fixed width and the context lengths. Everything else (the slots
 //! a row reads, the attention mask, the RoPE rows) is computed from those on the device, inside
 //! the step, so the step reads nothing from the host and allocates at fixed sizes: what a CUDA
-//! graph captures once per bucket and replays ([`super::graph`], with the `cuda` feature).
+//! graph captures once per bucket and replays (`runner/graph.rs`, with the `cuda` feature).
 //!
 //! Padding rows decode token 0 at position 0 of the KV cache's scratch block
 //! ([`KvCache::scratch_block`]), which no sequence owns, with a context of one key; their
@@ -12,7 +12,7 @@
 //! rounded up to a power of two, so a bucket has a handful of widths rather than one per
 //! context length; a row reads `width * block_size` keys and masks those past its context.
 //!
-//! Attention multiplies each key/value head's queries at once ([`super::decode_attention`]):
+//! Attention multiplies each key/value head's queries at once (the runner's `decode_attention`):
 //! no `repeat_kv` copy of the keys for grouped-query attention.
 //!
 //! The same code runs eagerly on the CPU, where it is tested for token identity with the
@@ -300,18 +300,7 @@ impl ModelRunner {
             let attended = decode_attention(attn, &q, &keys_read, &values_read, &additive, rows)?;
             let out = self.linear(&attn.o_proj, &attended)?;
             let normed = self.add_norm(&layer.post_attention_layernorm, &mut hidden, Some(out))?;
-            let activated = match self.fused.get(index) {
-                Some(fused) => {
-                    let gate_up = self.linear(&fused.gate_up, &normed)?;
-                    let width = gate_up.size()[1] / 2;
-                    let gate = gate_up.f_narrow(1, 0, width)?.f_silu()?;
-                    gate.f_mul(&gate_up.f_narrow(1, width, width)?)?
-                }
-                None => {
-                    let gate = self.linear(&layer.mlp.gate_proj, &normed)?.f_silu()?;
-                    gate.f_mul(&self.linear(&layer.mlp.up_proj, &normed)?)?
-                }
-            };
+            let activated = self.mlp_activation(index, layer, &normed)?;
             pending = Some(self.linear(&layer.mlp.down_proj, &activated)?);
         }
         if let Some(mlp) = pending {
@@ -326,7 +315,7 @@ impl ModelRunner {
 
     /// Runs `batch` as a static decode step when it is one ([`ModelRunner::static_step`]):
     /// the logits of its rows, `[rows, vocab]` on the device (through a captured graph where
-    /// one is, [`super::graph`]).
+    /// one is, `runner/graph.rs`).
     pub(super) fn execute_static(
         &self,
         batch: &StepBatch,
