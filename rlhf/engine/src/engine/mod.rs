@@ -493,7 +493,12 @@ impl LlmEngine {
         // tokens and their log-probs cross to the host, not `[rows, vocab]` logits. On the CPU
         // the host sampler stays the one path: it is exact in f64 and the tests' oracle.
         if self.runner.device().is_cuda() {
-            let contexts = self.sampling_contexts(&batch.sampled)?;
+            // Owned: the step below borrows the engine mutably.
+            let contexts: Vec<(SamplingParams, f64)> = self
+                .sampling_contexts(&batch.sampled)?
+                .into_iter()
+                .map(|(params, uniform)| (params.clone(), uniform))
+                .collect();
             let picked = self.on_every_rank(command, |engine| {
                 let rows: Vec<RowSampling<'_>> = contexts
                     .iter()
@@ -520,7 +525,7 @@ impl LlmEngine {
     fn sampling_contexts(
         &self,
         sequences: &[SequenceId],
-    ) -> Result<Vec<(SamplingParams, f64)>, EngineError> {
+    ) -> Result<Vec<(&SamplingParams, f64)>, EngineError> {
         sequences
             .iter()
             .map(|&sequence| {
@@ -528,7 +533,7 @@ impl LlmEngine {
                 let context = self.scheduler.sampling_context(sequence).ok_or(unknown)?;
                 let uniform =
                     token_uniform(context.seed, context.sample_index, context.output_position);
-                Ok((context.params.clone(), uniform))
+                Ok((context.params, uniform))
             })
             .collect()
     }
@@ -556,9 +561,9 @@ impl LlmEngine {
                 None => own.insert(Sampler::new()),
             };
             for row in begin..end {
-                let (params, uniform) = &contexts[row];
+                let (params, uniform) = contexts[row];
                 let sampled =
-                    sampler.sample(&logits[row * vocab..(row + 1) * vocab], params, *uniform);
+                    sampler.sample(&logits[row * vocab..(row + 1) * vocab], params, uniform);
                 let _ = results[row].set(sampled);
             }
         })?;

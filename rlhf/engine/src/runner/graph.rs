@@ -152,14 +152,10 @@ impl ModelRunner {
     ) -> Result<Tensor, EngineError> {
         let device = self.device();
         let tch::Device::Cuda(index) = device else {
-            let mut inputs = DecodeInputs::new(shape, device)?;
-            inputs.load(host)?;
-            return self.static_forward(&inputs, cache);
+            return self.run_static_eagerly(shape, host, cache);
         };
         if self.enforce_eager {
-            let mut inputs = DecodeInputs::new(shape, device)?;
-            inputs.load(host)?;
-            return self.static_forward(&inputs, cache);
+            return self.run_static_eagerly(shape, host, cache);
         }
         let mut graphs = self.graphs.borrow_mut();
         match graphs.entries.get_mut(&shape) {

@@ -332,10 +332,7 @@ impl ModelRunner {
             return Ok(Tensor::f_zeros([0], (Kind::Float, Device::Cpu))?);
         };
         self.choose_threads(batch);
-        let logits = tch::no_grad(|| match self.execute_static(batch, cache)? {
-            Some(logits) => Ok(logits),
-            None => self.execute_inner(batch, cache),
-        })?;
+        let logits = tch::no_grad(|| self.step_logits(batch, cache))?;
         Ok(logits.f_to_kind(Kind::Float)?.f_to_device(Device::Cpu)?.f_contiguous()?)
     }
 
@@ -351,13 +348,7 @@ impl ModelRunner {
             return Ok(Vec::new());
         };
         self.choose_threads(batch);
-        tch::no_grad(|| {
-            let logits = match self.execute_static(batch, cache)? {
-                Some(logits) => logits,
-                None => self.execute_inner(batch, cache)?,
-            };
-            crate::sampling::device::sample(&logits, rows)
-        })
+        tch::no_grad(|| crate::sampling::device::sample(&self.step_logits(batch, cache)?, rows))
     }
 
     /// On the CPU, runs a step of fewer than [`SMALL_STEP_MACS`] multiply-adds on one intra-op
@@ -383,6 +374,15 @@ impl ModelRunner {
             .as_ref()
             .ok_or(EngineError::Asleep { operation: "a forward step", part: "kv cache" })?;
         Ok((batch.num_tokens() > 0).then_some(cache))
+    }
+
+    /// The step's logits of its sampled rows on the device, `[rows, vocab]`: by the static
+    /// decode step where it applies, else by the paged step.
+    fn step_logits(&self, batch: &StepBatch, cache: &KvCache) -> Result<Tensor, EngineError> {
+        match self.execute_static(batch, cache)? {
+            Some(logits) => Ok(logits),
+            None => self.execute_inner(batch, cache),
+        }
     }
 
     /// The forward step; logits of the sampled rows on the device, `[rows, vocab]`.

@@ -333,8 +333,7 @@ impl ModelRunner {
 
     /// The static step of `shape` over `host`, eagerly (on the CPU, or with
     /// `enforce_eager`).
-    #[cfg(not(feature = "cuda"))]
-    fn run_static(
+    pub(super) fn run_static_eagerly(
         &self,
         shape: DecodeShape,
         host: &HostInputs,
@@ -343,6 +342,17 @@ impl ModelRunner {
         let mut inputs = DecodeInputs::new(shape, self.device())?;
         inputs.load(host)?;
         self.static_forward(&inputs, cache)
+    }
+
+    /// Without CUDA graphs every static step runs eagerly.
+    #[cfg(not(feature = "cuda"))]
+    fn run_static(
+        &self,
+        shape: DecodeShape,
+        host: &HostInputs,
+        cache: &KvCache,
+    ) -> Result<Tensor, EngineError> {
+        self.run_static_eagerly(shape, host, cache)
     }
 }
 

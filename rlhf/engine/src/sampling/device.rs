@@ -18,7 +18,7 @@
 
 use tch::{Device, Kind, Tensor};
 
-use super::{SampledToken, SamplingError, checked_max};
+use super::{SampledToken, SamplingError, checked_max, truncates};
 use crate::error::EngineError;
 use crate::params::{LogprobMode, SamplingParams};
 
@@ -56,7 +56,7 @@ pub fn sample(logits: &Tensor, rows: &[RowSampling<'_>]) -> Result<Vec<SampledTo
     // Three kinds of rows, each sampled in one batch: greedy, all tokens kept, truncated.
     let mut kinds: [Vec<usize>; 3] = Default::default();
     for (i, row) in rows.iter().enumerate() {
-        let kind = match (row.params.is_greedy(), truncates(row.params, vocab)) {
+        let kind = match (row.params.is_greedy(), truncates(row.params, vocab as usize)) {
             (true, _) => 0,
             (false, false) => 1,
             (false, true) => 2,
@@ -85,11 +85,6 @@ pub fn sample(logits: &Tensor, rows: &[RowSampling<'_>]) -> Result<Vec<SampledTo
         }
     }
     Ok(out)
-}
-
-/// Whether `params` may drop tokens of a row of `vocab` (the host's rule).
-fn truncates(params: &SamplingParams, vocab: i64) -> bool {
-    params.top_k.is_some_and(|k| i64::from(k) < vocab) || params.top_p < 1.0
 }
 
 /// Argmax (ties to the lowest id: libtorch's `argmax` returns the first maximum) and the raw
