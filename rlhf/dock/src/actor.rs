@@ -94,6 +94,18 @@ impl DockActor {
         self.dock.get_experience_packed(&consumer, &columns, request)
     }
 
+    /// Hands `consumer` whatever whole prompt groups are ready in every one of `columns` and
+    /// that it has not received, at most `max_rows` rows ([`RowRequest::UpTo`]); `None` when no
+    /// group is.
+    pub fn get_available(
+        &self,
+        consumer: String,
+        columns: Vec<String>,
+        max_rows: usize,
+    ) -> Result<Option<PackedBatch>, DockError> {
+        self.dock.get_experience_packed(&consumer, &columns, RowRequest::UpTo(max_rows))
+    }
+
     /// Whether `consumer` has received every row.
     pub fn all_consumed(&self, consumer: String) -> Result<bool, DockError> {
         self.dock.all_consumed(&consumer)
@@ -182,6 +194,16 @@ impl RemoteDock {
             .actor
             .get_experience(consumer.to_owned(), columns.to_vec(), count, rows)
             .get()??)
+    }
+
+    /// See [`DockActor::get_available`].
+    pub fn get_available(
+        &self,
+        consumer: &str,
+        columns: &[String],
+        max_rows: usize,
+    ) -> Result<Option<PackedBatch>, DockCallError> {
+        Ok(self.actor.get_available(consumer.to_owned(), columns.to_vec(), max_rows).get()??)
     }
 
     /// See [`DockActor::all_consumed`].

@@ -80,6 +80,58 @@ fn an_async_run_learns_and_never_trains_on_samples_older_than_its_bound() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// Async GRPO through the TransferDock (`train.pipeline: dock`): the rollout thread writes
+/// each finished group into a dock slot, the `reward` and `ref_log_prob` stages score groups as
+/// they arrive while the policy trains on earlier ones, and the run learns within the same
+/// staleness bound, every trained row scored by the dock's stages.
+#[test]
+fn an_async_run_streams_groups_through_the_dock_whose_stages_score_them_while_the_policy_trains() {
+    let dir = scratch("async-dock");
+    let sets = [
+        "rollout.mode=async",
+        "rollout.max_staleness=1",
+        "train.pipeline=dock",
+        "train.dock_groups_per_batch=2",
+        "logging.samples_per_step=0",
+    ];
+    let config = example(&dir, 96, &sets);
+    let (trainer, report) = rtrun_rlhf::run::run(&config, &mut NoProgress).unwrap();
+    trainer.roles.kill();
+    assert_eq!(report.steps, 96);
+    let (before, after) = (report.baseline.mean_reward, report.final_result.mean_reward);
+    assert!(after > before + 0.04, "held-out reward {before} -> {after}");
+    let steps: Vec<_> = metrics(&dir).into_iter().filter(|r| r.step() > 0).collect();
+    assert_eq!(steps.len(), 96);
+    let (mut behind, mut scored, mut referenced, mut overlapped) = (0, 0.0, 0.0, 0);
+    for r in &steps {
+        let policy = r.step() - 1;
+        // The versions travelled through the dock with the tokens.
+        let oldest = get(r, "rollout/oldest_version") as u64;
+        assert!(oldest <= policy && policy - oldest <= 1, "step {}: oldest {oldest}", r.step());
+        assert_eq!(get(r, "rollout/groups"), 16.0);
+        let weight = get(r, "tis/weight_mean");
+        assert!(weight > 0.5 && weight < 2.0, "step {}: {weight}", r.step());
+        behind += usize::from(policy > oldest);
+        scored += get(r, "pipeline/reward/rows");
+        referenced += get(r, "pipeline/ref_log_prob/rows");
+        assert_eq!(get(r, "pipeline/actor_train/rows"), 128.0);
+        // The rollout thread generated while the step ran (its polls end after training began).
+        let train_start = get(r, "pipeline/actor_train/start_s");
+        overlapped += usize::from(get(r, "pipeline/rollout/end_s") > train_start);
+    }
+    assert!(behind > 70, "only {behind} of 96 steps trained on samples generated while training");
+    assert!(overlapped > 70, "the rollout overlapped training in only {overlapped} of 96 steps");
+    // Every trained row was scored by the dock's stages, and at most the dock's 2 steps of
+    // slots more (scored ahead, untrained when the run ended).
+    let trained = 96.0 * 128.0;
+    for (name, rows) in [("reward", scored), ("ref_log_prob", referenced)] {
+        assert!((trained..=trained + 256.0).contains(&rows), "{name}: {rows} rows");
+    }
+    let dropped: f64 = steps.iter().map(|r| get(r, "async/stale_dropped_groups")).sum();
+    assert_eq!(dropped, 0.0);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// A partial rollout (`partial_threshold: 0.5`): a step trains once half its groups finished,
 /// the rest carry on generating into the next step with the new weights (their tokens tagged
 /// with both versions), and every prompt is trained on once.

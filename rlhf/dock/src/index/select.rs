@@ -20,6 +20,11 @@ pub enum RowRequest<'a> {
     /// Exactly these rows (whole prompt groups, in this order), e.g. a DP rank's fixed range
     /// when the order must be guaranteed.
     Rows(&'a [usize]),
+    /// Whatever whole groups are ready in every requested column and not yet consumed, at most
+    /// `count` rows (a positive multiple of the samples per prompt), chosen by the sampling
+    /// policy; `None` only when no group is. What a stream's consumer asks for: a dock whose
+    /// groups arrive one by one, for as long as the run lasts, has no final batch to wait for.
+    UpTo(usize),
 }
 
 /// Which rows a clear resets.
@@ -139,7 +144,8 @@ pub(crate) fn select_rows(
     request: RowRequest<'_>,
 ) -> Result<Option<Vec<usize>>, DockError> {
     match request {
-        RowRequest::Count(count) => select_count(config, ready, ledger, columns, count),
+        RowRequest::Count(count) => select_count(config, ready, ledger, columns, count, false),
+        RowRequest::UpTo(count) => select_count(config, ready, ledger, columns, count, true),
         RowRequest::Rows(rows) => select_explicit(config, ready, ledger, consumer, columns, rows),
     }
 }
@@ -150,6 +156,7 @@ fn select_count(
     ledger: &mut ConsumerLedger,
     columns: &[ColumnId],
     count: usize,
+    up_to: bool,
 ) -> Result<Option<Vec<usize>>, DockError> {
     let n = config.samples_per_prompt;
     let total = config.rows();
@@ -165,7 +172,14 @@ fn select_count(
     let group_rows = |group: usize| group * n..(group + 1) * n;
     let mut groups: Vec<usize> =
         (0..config.prompts).filter(|group| usable.all_set_in(group_rows(*group))).collect();
-    if groups.len() < wanted {
+    if groups.len() >= wanted {
+        pick_groups(&mut groups, wanted, config.sampling.order, &mut ledger.rng);
+    } else if up_to {
+        // Fewer than asked for: every usable group (none: nothing to hand out yet).
+        if groups.is_empty() {
+            return Ok(None);
+        }
+    } else {
         // A short final batch is only handed out when nothing else can ever become usable:
         // every group this consumer has not received yet is ready now.
         let unconsumed = (0..config.prompts)
@@ -177,8 +191,6 @@ fn select_count(
         if !short_final {
             return Ok(None);
         }
-    } else {
-        pick_groups(&mut groups, wanted, config.sampling.order, &mut ledger.rng);
     }
     let rows: Vec<usize> = groups.iter().flat_map(|group| group_rows(*group)).collect();
     rows.iter().for_each(|row| ledger.consumed.set(*row));

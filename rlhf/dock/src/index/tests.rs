@@ -180,3 +180,27 @@ fn random_order_is_reproducible_and_varies() {
     assert_ne!(run(1), run(2));
     assert_ne!(run(1), Some((0..8).collect()));
 }
+
+#[test]
+fn up_to_hands_out_whatever_whole_groups_are_ready_and_slots_can_be_reused() {
+    let mut index = index(SampleOrder::Ascending);
+    let up_to = |n| RowRequest::UpTo(n);
+    assert_eq!(index.sample("reward", &["responses"], up_to(6)).unwrap(), None);
+    // One whole group and half of another: the whole one, though three were asked for.
+    index.mark_ready("responses", &[4, 5, 6]).unwrap();
+    assert_eq!(index.sample("reward", &["responses"], up_to(6)).unwrap(), Some(vec![4, 5]));
+    assert_eq!(index.sample("reward", &["responses"], up_to(6)).unwrap(), None);
+    // More ready than asked for: the sampling order picks (lowest first here).
+    index.mark_ready("responses", &[0, 1, 2, 3, 7]).unwrap();
+    assert_eq!(index.sample("reward", &["responses"], up_to(2)).unwrap(), Some(vec![0, 1]));
+    assert_eq!(index.sample("reward", &["responses"], up_to(8)).unwrap(), Some(vec![2, 3, 6, 7]));
+    // A cleared group is a free slot: refilled, it is handed out again.
+    index.clear(ClearScope::Rows(&[4, 5])).unwrap();
+    assert_eq!(index.sample("reward", &["responses"], up_to(8)).unwrap(), None);
+    index.mark_ready("responses", &[4, 5]).unwrap();
+    assert_eq!(index.sample("reward", &["responses"], up_to(8)).unwrap(), Some(vec![4, 5]));
+    // The count is checked as a count's is.
+    assert!(index.sample("reward", &["responses"], up_to(3)).is_err());
+    assert!(index.sample("reward", &["responses"], up_to(0)).is_err());
+    assert!(index.sample("reward", &["responses"], up_to(10)).is_err());
+}

@@ -226,11 +226,14 @@ impl TrainConfig {
                 ),
             ));
         }
-        if self.algo.tis_cap.is_some() && self.train.pipeline != PipelineMode::Sequential {
+        if self.algo.tis_cap.is_some()
+            && self.train.pipeline != PipelineMode::Sequential
+            && !asynchronous
+        {
             return Err(TrainError::config(
                 "algo.tis_cap",
-                "expected it absent for train.pipeline `dock` (its training stage reads no \
-                 engine log-probs), found it set",
+                "expected it absent for train.pipeline `dock` in sync mode (its training stage \
+                 reads no engine log-probs), found it set",
             ));
         }
         if !r.streams() {
@@ -238,12 +241,13 @@ impl TrainConfig {
         }
         let key = r.streaming_key();
         let what = if asynchronous { "an async rollout" } else { "a partial rollout" };
-        if self.train.pipeline != PipelineMode::Sequential {
+        if self.train.pipeline != PipelineMode::Sequential && !asynchronous {
             return Err(TrainError::config(
                 key,
                 format!(
                     "expected train.pipeline `sequential` for {what} (the dock pipeline's stages \
-                     run one step's fixed set of prompt groups), found `dock`"
+                     run one step's fixed set of prompt groups; rollout.mode `async` streams \
+                     into the dock), found `dock`"
                 ),
             ));
         }

@@ -456,10 +456,13 @@ impl Trainer {
         let params = self.rollout_params();
         let seed_base = mix_seed(self.config.seed, step);
         let kl_coef = self.state.kl.value();
-        let (stats, rows, train_stats) = if self.config.rollout.streams() {
+        let docked = self.config.train.pipeline == PipelineMode::Dock;
+        let (stats, rows, train_stats) = if self.config.rollout.streams() && docked {
+            self.docked_async_step(step, params, kl_coef, progress)?
+        } else if self.config.rollout.streams() {
             let rollout = self.streamed_rollout(step, params, progress)?;
             self.experience_and_train(rollout, step, kl_coef, progress)?
-        } else if self.config.train.pipeline == PipelineMode::Dock {
+        } else if docked {
             let (records, prompt_ids) = self.next_prompts()?;
             progress.phase("pipeline");
             let out = self.timed("pipeline", |t| {
@@ -612,7 +615,7 @@ impl Trainer {
                 rollout.sequences,
                 &engine_log_probs,
                 stages::ExperienceSettings { kl_coef, recompute_old: recompute },
-                rollout.rewards,
+                stages::Known { rewards: rollout.rewards, ref_log_probs: None },
             )
         })?;
         self.gap_measured = recompute;

@@ -29,6 +29,7 @@ use std::collections::BTreeMap;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use rtrun_rlhf_dock::pipeline::StageSpan;
 use rtrun_rlhf_dock::{
     ColumnValues, DockCallError, ExperienceBatch as DockBatch, ExperienceStore, PackedBatch,
     PackedNamedColumn, PipelineSummary, PollConfig, RemoteDock, StageSpec, StageTimeline,
@@ -43,9 +44,12 @@ use crate::prompts::PromptRecord;
 use crate::trainer::calls;
 use crate::trainer::dock_layout::{
     ADVANTAGES, ENGINE_LOG_PROBS, OLD_LOG_PROB, PROMPTS, REF_LOG_PROB, RESPONSES, RETURNS,
-    RM_SCORES, STAGES,
+    RM_SCORES, STAGES, VERSIONS,
 };
-use crate::trainer::stages::{self, ExperienceStats, LogProbs, RoleResults, TrainStats};
+use crate::trainer::stages::{
+    self, ExperienceSettings, ExperienceStats, Known, LogProbs, RoleResults, TrainStats,
+};
+use crate::trainer::stream::{self, AsyncRollout, StreamedGroup, VersionStats};
 use crate::trainer::{Trainer, telemetry_error};
 
 /// What a stage reports when it stopped because another one failed.
@@ -65,9 +69,14 @@ pub struct DockStep {
 
 /// The dock with a stop switch: once a stage fails, every other stage's next get fails too,
 /// so the step ends with the first error instead of waiting for the stall timeout.
+///
+/// With `done` (an async step's stream of groups, which has no last row), a get takes whatever
+/// groups are ready ([`RemoteDock::get_available`]), and a stage has consumed everything once
+/// the step sets `done`.
 struct StepDock<'a> {
     dock: &'a RemoteDock,
     failed: &'a AtomicBool,
+    done: Option<&'a AtomicBool>,
 }
 
 impl ExperienceStore for StepDock<'_> {
@@ -84,11 +93,18 @@ impl ExperienceStore for StepDock<'_> {
         if self.failed.load(Ordering::SeqCst) {
             return Err(DockCallError::Runtime(rtrun::Error::Invalid(STOPPED.to_owned())));
         }
-        self.dock.get_experience(consumer, columns, count, None)
+        match self.done {
+            None => self.dock.get_experience(consumer, columns, count, None),
+            Some(done) if done.load(Ordering::SeqCst) => Ok(None),
+            Some(_) => self.dock.get_available(consumer, columns, count),
+        }
     }
 
     fn all_consumed(&self, consumer: &str) -> std::result::Result<bool, DockCallError> {
-        self.dock.all_consumed(consumer)
+        match self.done {
+            None => self.dock.all_consumed(consumer),
+            Some(done) => Ok(done.load(Ordering::SeqCst)),
+        }
     }
 }
 
@@ -225,14 +241,14 @@ pub fn run_step(
     let has_ref = trainer.config.algo.needs_reference()
         && (roles.reference.is_some() || roles.reference_from_policy);
     let failed = AtomicBool::new(false);
-    let store = StepDock { dock, failed: &failed };
+    let store = StepDock { dock, failed: &failed, done: None };
     let poll = PollConfig {
         max_backoff: std::time::Duration::from_millis(trainer.config.train.dock_max_poll_pause_ms),
         ..PollConfig::default()
     };
     let ctx = StepContext {
         trainer,
-        records,
+        records: Records::Step(records),
         n,
         has_ref,
         step,
@@ -241,17 +257,8 @@ pub fn run_step(
         trained: Mutex::new(None),
     };
     let stages = stage_list(&ctx, params, seed_base, poll);
-    let mut timelines = Vec::new();
-    let mut errors = Vec::new();
-    for result in run_concurrently(&store, stages) {
-        match result {
-            Ok(timeline) => timelines.push(timeline),
-            Err(e) => errors.push(e),
-        }
-    }
-    if !errors.is_empty() {
-        return Err(root_error(errors));
-    }
+    let (_, results) = run_concurrently(&store, stages, || Ok(()));
+    let timelines = timelines_or_error(results, Ok(()))?;
     check_every_row_once(&timelines, total)?;
     let StepContext { trained, stats_parts, .. } = ctx;
     let (train, rows) = trained
@@ -261,6 +268,191 @@ pub fn run_step(
         .ok_or_else(|| TrainError::role("pipeline", "the training stage never ran"))?;
     let parts = stats_parts.into_inner().unwrap_or_default();
     Ok(DockStep { stats: combine_stats(&parts), rows, train, timelines })
+}
+
+/// What a step of `rollout.mode: async` on the dock produced.
+pub struct AsyncDockStep {
+    /// The experience trained on, prompt group by group.
+    pub batch: stages::ExperienceBatch,
+    /// Each row's prompt.
+    pub records: Vec<PromptRecord>,
+    /// What training did.
+    pub train: TrainStats,
+    /// How old the samples were.
+    pub versions: VersionStats,
+    /// The rollout thread's polls, the stages' ranks, make-experience and training.
+    pub timelines: Vec<StageTimeline>,
+}
+
+/// One step of `rollout.mode: async` with `train.pipeline: dock` over the groups in `slots`.
+///
+/// The rollout thread keeps writing finished groups into the dock ([`super::stream`]); during
+/// the step the `reward` and `ref_log_prob` stages score whatever groups have arrived, those of
+/// this step and of the next ones, while this thread waits for its own groups to be scored,
+/// then recomputes their old log-probs with the policy it is about to update (the groups may
+/// be a version older), computes the advantages and trains. Its slots are then cleared and
+/// freed for the rollout. The rollout thread's polls since the last step join the timelines,
+/// so the chart shows generation beside the stages and training.
+pub fn run_async_step(
+    trainer: &Trainer,
+    rollout: &AsyncRollout,
+    slots: &[usize],
+    step: u64,
+    kl_coef: f64,
+) -> Result<AsyncDockStep> {
+    let dock = trainer.roles.dock.as_ref().ok_or_else(|| {
+        TrainError::role("dock", "train.pipeline is `dock` but no dock actor was created")
+    })?;
+    let roles = &trainer.roles;
+    let n = trainer.config.rollout.n_samples_per_prompt;
+    let has_ref = trainer.config.algo.needs_reference()
+        && (roles.reference.is_some() || roles.reference_from_policy);
+    let (failed, done) = (AtomicBool::new(false), AtomicBool::new(false));
+    let store = StepDock { dock, failed: &failed, done: Some(&done) };
+    let poll = PollConfig {
+        max_backoff: std::time::Duration::from_millis(trainer.config.train.dock_max_poll_pause_ms),
+        ..PollConfig::default()
+    };
+    let ctx = StepContext {
+        trainer,
+        records: Records::Slots(rollout),
+        n,
+        has_ref,
+        step,
+        kl_coef,
+        stats_parts: Mutex::new(Vec::new()),
+        trained: Mutex::new(None),
+    };
+    let batch_rows = trainer.config.train.dock_groups_per_batch * n;
+    let spec = |name: &str, output: &str| {
+        StageSpec::new(name, &[PROMPTS, RESPONSES], &[output], batch_rows).with_poll(poll)
+    };
+    let shared = &ctx;
+    let mut stages: Vec<(StageSpec, Work<'_>)> =
+        vec![(spec("reward", RM_SCORES), Box::new(|b: &PackedBatch| shared.reward(b)))];
+    if has_ref {
+        let work = move |b: &PackedBatch| log_probs(trainer, LogProbs::Reference, REF_LOG_PROB, b);
+        stages.push((spec("ref_log_prob", REF_LOG_PROB), Box::new(work)));
+    }
+    let rows: Vec<usize> = slots.iter().flat_map(|slot| slot * n..(slot + 1) * n).collect();
+    let mut columns = vec![PROMPTS, RESPONSES, ENGINE_LOG_PROBS, VERSIONS, RM_SCORES];
+    if has_ref {
+        columns.push(REF_LOG_PROB);
+    }
+    let columns: Vec<String> = columns.into_iter().map(str::to_owned).collect();
+    let dock_error = |e: DockCallError| TrainError::role("dock", e);
+
+    let (out, results) = run_concurrently(&store, stages, || {
+        let batch = wait_for_rows(&store, &columns, &rows, poll)?;
+        let input = SortedBatch::new(&batch)?;
+        let records = ctx.records_of(&input.rows)?;
+        let (prompts, responses) = (input.token_ids(PROMPTS)?, input.token_ids(RESPONSES)?);
+        let (engine, versions) = (input.floats(ENGINE_LOG_PROBS)?, input.token_ids(VERSIONS)?);
+        let mut groups: Vec<StreamedGroup> = Vec::new();
+        for (i, record) in records.into_iter().enumerate() {
+            if i % n == 0 {
+                groups.push(StreamedGroup {
+                    record,
+                    prompt_ids: prompts.get(i).cloned().unwrap_or_default(),
+                    responses: Vec::new(),
+                    engine_log_probs: Vec::new(),
+                    versions: Vec::new(),
+                });
+            }
+            if let Some(group) = groups.last_mut() {
+                group.responses.push(responses.get(i).cloned().unwrap_or_default());
+                group.engine_log_probs.push(engine.get(i).cloned().unwrap_or_default());
+                let tags = versions.get(i).map(Vec::as_slice).unwrap_or_default();
+                group.versions.push(tags.iter().map(|&v| u64::from(v)).collect());
+            }
+        }
+        let (samples, versions) = stream::into_rollout(groups, step - 1);
+        let known = Known {
+            rewards: Some(input.scalars(RM_SCORES)?),
+            ref_log_probs: if has_ref { Some(input.floats(REF_LOG_PROB)?) } else { None },
+        };
+        let started_us = stream::epoch_us();
+        let record_refs: Vec<&PromptRecord> = samples.records.iter().collect();
+        let settings = ExperienceSettings { kl_coef, recompute_old: true };
+        let batch = stages::make_experience(
+            trainer,
+            &record_refs,
+            samples.sequences,
+            &samples.engine_log_probs,
+            settings,
+            known,
+        )?;
+        let experienced_us = stream::epoch_us();
+        let train = stages::train(trainer, &batch.rows, step, kl_coef)?;
+        let trained_us = stream::epoch_us();
+        dock.clear(Some(rows.clone())).map_err(dock_error)?;
+        rollout.free_slots(slots);
+        let spans = [(started_us, experienced_us), (experienced_us, trained_us)];
+        Ok((batch, samples.records, train, versions, spans))
+    });
+    let (result, main) = match out {
+        Ok(done) => (Some(done), Ok(())),
+        Err(e) => (None, Err(e)),
+    };
+    let mut timelines = timelines_or_error(results, main)?;
+    let (batch, records, train, versions, spans) =
+        result.ok_or_else(|| TrainError::role("pipeline", "the async step never trained"))?;
+    let [experience, training] = spans;
+    let span = |(started_us, finished_us): (u64, u64), rows: &[usize]| StageSpan {
+        rows: rows.to_vec(),
+        requested_us: started_us,
+        started_us,
+        finished_us,
+    };
+    let timeline = |consumer: &str, spans: Vec<StageSpan>| StageTimeline {
+        consumer: consumer.to_owned(),
+        rank: 0,
+        started_us: spans.first().map_or(0, |s| s.started_us),
+        finished_us: spans.last().map_or(0, |s| s.finished_us),
+        spans,
+        empty_polls: 0,
+    };
+    let polls = rollout.take_polls().into_iter().map(|p| span(p, &[])).collect();
+    timelines.insert(0, timeline("rollout", polls));
+    timelines.push(timeline("old_log_prob", vec![span(experience, &rows)]));
+    timelines.push(timeline("actor_train", vec![span(training, &rows)]));
+    Ok(AsyncDockStep { batch, records, train, versions, timelines })
+}
+
+/// Waits until `rows` are ready in `columns` and takes them as the training stage, or fails
+/// once a stage has failed or nothing arrived within the stall timeout.
+fn wait_for_rows(
+    store: &StepDock<'_>,
+    columns: &[String],
+    rows: &[usize],
+    poll: PollConfig,
+) -> Result<PackedBatch> {
+    let started = std::time::Instant::now();
+    let mut backoff = poll.initial_backoff;
+    loop {
+        if store.failed.load(Ordering::SeqCst) {
+            return Err(TrainError::role("pipeline", format!("`actor_train`: {STOPPED}")));
+        }
+        let batch = store
+            .dock
+            .get_experience("actor_train", columns, rows.len(), Some(rows.to_vec()))
+            .map_err(|e| TrainError::role("dock", e))?;
+        if let Some(batch) = batch {
+            return Ok(batch);
+        }
+        if started.elapsed() > poll.stall_timeout {
+            return Err(TrainError::role(
+                "pipeline",
+                format!(
+                    "`actor_train` waited {:?} for its {} rows to be scored",
+                    poll.stall_timeout,
+                    rows.len()
+                ),
+            ));
+        }
+        std::thread::sleep(backoff);
+        backoff = (backoff * 2).min(poll.max_backoff);
+    }
 }
 
 /// The step's stage ranks, each with what it reads and writes and the work it does: a rollout
@@ -276,7 +468,7 @@ fn stage_list<'a>(
         StageSpec::new(consumer, inputs, outputs, rows).with_poll(poll)
     };
     let batch_rows = trainer.config.train.dock_groups_per_batch * n;
-    let total = ctx.records.len() * n;
+    let total = ctx.records.groups() * n;
     let mut adv_inputs = vec![PROMPTS, RESPONSES, ENGINE_LOG_PROBS, RM_SCORES, OLD_LOG_PROB];
     let mut train_inputs = vec![PROMPTS, RESPONSES, OLD_LOG_PROB, ADVANTAGES, RETURNS];
     if has_ref {
@@ -314,7 +506,7 @@ fn stage_list<'a>(
 /// advantage and training stages leave their aggregates for the step's metrics.
 struct StepContext<'a> {
     trainer: &'a Trainer,
-    records: &'a [PromptRecord],
+    records: Records<'a>,
     n: usize,
     has_ref: bool,
     step: u64,
@@ -323,15 +515,40 @@ struct StepContext<'a> {
     trained: Mutex<Option<(TrainStats, usize)>>,
 }
 
+/// Where a dock row's prompt is: the step's prompts (group `row / n`), or the async rollout's
+/// slot table.
+enum Records<'a> {
+    Step(&'a [PromptRecord]),
+    Slots(&'a AsyncRollout),
+}
+
+impl Records<'_> {
+    /// The step's prompt groups (0 for slots, which outlive a step).
+    fn groups(&self) -> usize {
+        match self {
+            Records::Step(records) => records.len(),
+            Records::Slots(_) => 0,
+        }
+    }
+}
+
 impl StepContext<'_> {
-    fn records_of(&self, rows: &[usize]) -> Result<Vec<&PromptRecord>> {
+    fn records_of(&self, rows: &[usize]) -> Result<Vec<PromptRecord>> {
         rows.iter()
             .map(|&row| {
-                self.records.get(row / self.n).ok_or_else(|| {
-                    TrainError::Data(format!(
+                let group = row / self.n;
+                let record = match &self.records {
+                    Records::Step(records) => records.get(group).cloned(),
+                    Records::Slots(rollout) => rollout.slot_record(group),
+                };
+                record.ok_or_else(|| match &self.records {
+                    Records::Step(records) => TrainError::Data(format!(
                         "dock row {row} is beyond the step's {} rows",
-                        self.records.len() * self.n
-                    ))
+                        records.len() * self.n
+                    )),
+                    Records::Slots(_) => {
+                        TrainError::Data(format!("dock row {row}: its slot {group} holds no group"))
+                    }
                 })
             })
             .collect()
@@ -342,6 +559,7 @@ impl StepContext<'_> {
         let input = SortedBatch::new(batch)?;
         let sequences = input.sequences()?;
         let records = self.records_of(&input.rows)?;
+        let records: Vec<&PromptRecord> = records.iter().collect();
         let scores =
             stages::rewards(self.trainer, &records, &sequences)?.get(&self.trainer.watch)?;
         self.trainer.log_reward_extras(&scores);
@@ -425,12 +643,14 @@ fn log_probs(
     Ok(vec![input.floats_out(column, trainer.watch.gather("log_probs", calls)?)])
 }
 
-/// Runs every stage rank on its own thread until all return; a failing one flips the stop
-/// switch so the others end too.
-fn run_concurrently(
+/// Runs every stage rank on its own thread, and `main` on this one, until all return; a
+/// failing one flips the stop switch so the others end too. Once `main` returns, an async
+/// step's stages are done (they finish the batch they hold).
+fn run_concurrently<T>(
     store: &StepDock<'_>,
     stages: Vec<(StageSpec, Work<'_>)>,
-) -> Vec<std::result::Result<StageTimeline, String>> {
+    main: impl FnOnce() -> Result<T>,
+) -> (Result<T>, Vec<std::result::Result<StageTimeline, String>>) {
     std::thread::scope(|scope| {
         let handles: Vec<_> = stages
             .into_iter()
@@ -445,11 +665,41 @@ fn run_concurrently(
                 })
             })
             .collect();
-        handles
+        let out = main();
+        if out.is_err() {
+            store.failed.store(true, Ordering::SeqCst);
+        }
+        if let Some(done) = store.done {
+            done.store(true, Ordering::SeqCst);
+        }
+        let results = handles
             .into_iter()
             .map(|h| h.join().unwrap_or_else(|_| Err("a stage thread panicked".to_owned())))
-            .collect()
+            .collect();
+        (out, results)
     })
+}
+
+/// The stages' timelines, or the step's error (`main`'s among the stages').
+fn timelines_or_error(
+    results: Vec<std::result::Result<StageTimeline, String>>,
+    main: Result<()>,
+) -> Result<Vec<StageTimeline>> {
+    let mut timelines = Vec::new();
+    let mut errors = Vec::new();
+    if let Err(e) = main {
+        errors.push(e.to_string());
+    }
+    for result in results {
+        match result {
+            Ok(timeline) => timelines.push(timeline),
+            Err(e) => errors.push(e),
+        }
+    }
+    match errors.is_empty() {
+        true => Ok(timelines),
+        false => Err(root_error(errors)),
+    }
 }
 
 /// The step's error: the stages that failed first, not the ones they stopped.
@@ -595,7 +845,6 @@ pub fn record_summary(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rtrun_rlhf_dock::pipeline::StageSpan;
 
     fn timeline(consumer: &str, batches: &[&[usize]]) -> StageTimeline {
         StageTimeline {

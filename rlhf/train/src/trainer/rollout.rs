@@ -6,14 +6,16 @@
 
 use rtrun_rlhf_engine::SamplingParams;
 
-use crate::config::RolloutMode;
+use crate::config::{PipelineMode, RolloutMode};
 use crate::error::Result;
 use crate::experience::Sequence;
 use crate::prompts::PromptRecord;
 use crate::rng::mix_seed;
 use crate::trainer::agent::ToolStats;
-use crate::trainer::stream::{self, AsyncRollout, AsyncSetup, RolloutStream, STEPS_PER_POLL};
-use crate::trainer::{ENGINE, ProgressObserver, Trainer, calls, stages};
+use crate::trainer::stream::{
+    self, AsyncBatch, AsyncRollout, AsyncSetup, DockSink, Finished, RolloutStream, STEPS_PER_POLL,
+};
+use crate::trainer::{ENGINE, ProgressObserver, Trainer, calls, pipeline, stages};
 
 /// Rewards of a group at most this far apart count as equal.
 pub const EQUAL_REWARDS: f32 = 1e-6;
@@ -161,39 +163,19 @@ impl Trainer {
         // Step `step` trains the policy of version `step - 1` (the weights the engines hold).
         let policy_version = step - 1;
         let groups = if self.config.rollout.mode == RolloutMode::Async {
-            if self.rollouter.is_none() {
-                self.set_engine_version(policy_version)?;
-                self.rollouter = Some(AsyncRollout::start(AsyncSetup {
-                    stream: RolloutStream::new(self.roles.engines.clone(), self.watch, params),
-                    loader: self.state.loader.clone(),
-                    data: self.train_data.clone(),
-                    tokenizer: self.tokenizer.clone(),
-                    seed: self.config.seed,
-                    version: policy_version,
-                    per_step: wanted,
-                    staleness: self.config.rollout.staleness(),
-                })?);
-            }
-            let oldest_allowed = policy_version.saturating_sub(self.config.rollout.staleness());
-            let taken = self.timed("generate", |t| match &t.rollouter {
-                Some(rollouter) => rollouter.take(wanted, oldest_allowed),
-                None => Err(crate::TrainError::Data("the rollout thread is gone".into())),
-            })?;
-            let last = step >= self.total_steps();
-            if let Some(rollouter) = &self.rollouter {
-                // The checkpoint's position: prompts queued so far (what is in flight is not
-                // trained on after a resume, never twice).
-                self.state.loader = rollouter.loader();
-            }
-            if last && let Some(rollouter) = self.rollouter.take() {
-                self.state.loader = rollouter.stop()?;
-            }
-            self.push_metrics([
-                ("async/stale_dropped_groups".to_owned(), taken.stale_dropped as f64),
-                ("async/generate_s".to_owned(), taken.generate_s),
-                ("async/wait_s".to_owned(), taken.wait_s),
-            ]);
-            taken.groups
+            let taken = self.take_async(step, params)?;
+            self.stop_async_if_last(step)?;
+            taken
+                .groups
+                .into_iter()
+                .map(|finished| match finished {
+                    Finished::Group(group) => Ok(group),
+                    Finished::Docked { slot, .. } => Err(crate::TrainError::role(
+                        "pipeline",
+                        format!("group in dock slot {slot} in a step without the dock"),
+                    )),
+                })
+                .collect::<Result<Vec<_>>>()?
         } else {
             let mut stream = match self.stream.take() {
                 Some(stream) => stream,
@@ -239,6 +221,134 @@ impl Trainer {
         let (rollout, versions) = stream::into_rollout(groups, policy_version);
         self.push_metrics(versions.metrics());
         Ok(rollout)
+    }
+
+    /// `rollout.mode: async`: starts the rollout thread on the first step (writing finished
+    /// groups into the dock with `train.pipeline: dock`), then takes the step's
+    /// `prompts_per_step` groups at most `max_staleness` versions old.
+    fn take_async(&mut self, step: u64, params: SamplingParams) -> Result<AsyncBatch> {
+        let wanted = self.config.rollout.prompts_per_step;
+        // Step `step` trains the policy of version `step - 1` (the weights the engines hold).
+        let policy_version = step - 1;
+        if self.rollouter.is_none() {
+            self.set_engine_version(policy_version)?;
+            let dock = match self.config.train.pipeline {
+                PipelineMode::Dock => {
+                    let dock = self.roles.dock.clone().ok_or_else(|| {
+                        crate::TrainError::role(
+                            "dock",
+                            "train.pipeline is `dock` but no dock actor was created",
+                        )
+                    })?;
+                    let config = dock.config().map_err(|e| crate::TrainError::role("dock", e))?;
+                    let (samples, slots) = (config.samples_per_prompt, config.prompts);
+                    Some(DockSink { dock, samples, slots })
+                }
+                PipelineMode::Sequential => None,
+            };
+            self.rollouter = Some(AsyncRollout::start(AsyncSetup {
+                stream: RolloutStream::new(self.roles.engines.clone(), self.watch, params),
+                loader: self.state.loader.clone(),
+                data: self.train_data.clone(),
+                tokenizer: self.tokenizer.clone(),
+                seed: self.config.seed,
+                version: policy_version,
+                per_step: wanted,
+                staleness: self.config.rollout.staleness(),
+                dock,
+            })?);
+        }
+        let oldest_allowed = policy_version.saturating_sub(self.config.rollout.staleness());
+        let taken = self.timed("generate", |t| match &t.rollouter {
+            Some(rollouter) => rollouter.take(wanted, oldest_allowed),
+            None => Err(crate::TrainError::Data("the rollout thread is gone".into())),
+        })?;
+        if let Some(rollouter) = &self.rollouter {
+            // The checkpoint's position: prompts queued so far (what is in flight is not
+            // trained on after a resume, never twice).
+            self.state.loader = rollouter.loader();
+        }
+        self.push_metrics([
+            ("async/stale_dropped_groups".to_owned(), taken.stale_dropped as f64),
+            ("async/generate_s".to_owned(), taken.generate_s),
+            ("async/wait_s".to_owned(), taken.wait_s),
+        ]);
+        Ok(taken)
+    }
+
+    /// Stops the rollout thread after the run's last step.
+    fn stop_async_if_last(&mut self, step: u64) -> Result<()> {
+        if step >= self.total_steps()
+            && let Some(rollouter) = self.rollouter.take()
+        {
+            self.state.loader = rollouter.stop()?;
+        }
+        Ok(())
+    }
+
+    /// A step of `rollout.mode: async` with `train.pipeline: dock`: the step's groups are
+    /// slots of the dock, scored there by its stages while they waited
+    /// ([`pipeline::run_async_step`]).
+    pub(super) fn docked_async_step(
+        &mut self,
+        step: u64,
+        params: SamplingParams,
+        kl_coef: f64,
+        progress: &mut dyn ProgressObserver,
+    ) -> Result<(stages::ExperienceStats, usize, stages::TrainStats)> {
+        progress.phase("generate");
+        let taken = self.take_async(step, params)?;
+        let dock = self.roles.dock.as_ref().ok_or_else(|| {
+            crate::TrainError::role(
+                "dock",
+                "train.pipeline is `dock` but no dock actor was created",
+            )
+        })?;
+        if !taken.dropped_slots.is_empty() {
+            // No stage runs between two steps: the dropped groups' rows are nobody's.
+            let n = self.config.rollout.n_samples_per_prompt;
+            let rows = taken.dropped_slots.iter().flat_map(|s| s * n..(s + 1) * n).collect();
+            dock.clear(Some(rows)).map_err(|e| crate::TrainError::role("dock", e))?;
+            if let Some(rollouter) = &self.rollouter {
+                rollouter.free_slots(&taken.dropped_slots);
+            }
+        }
+        let slots = taken
+            .groups
+            .iter()
+            .map(|finished| match finished {
+                Finished::Docked { slot, .. } => Ok(*slot),
+                Finished::Group(_) => Err(crate::TrainError::role(
+                    "pipeline",
+                    "a step on the dock was handed a group outside it",
+                )),
+            })
+            .collect::<Result<Vec<usize>>>()?;
+        progress.phase("pipeline");
+        let out = self.timed("pipeline", |t| match &t.rollouter {
+            Some(rollouter) => pipeline::run_async_step(t, rollouter, &slots, step, kl_coef),
+            None => Err(crate::TrainError::Data("the rollout thread is gone".into())),
+        });
+        let mut out = match out {
+            Ok(out) => out,
+            Err(e) => {
+                // The rollout thread's own failure (a dead engine) names the cause.
+                if let Some(rollouter) = self.rollouter.take() {
+                    rollouter.stop()?;
+                }
+                return Err(e);
+            }
+        };
+        self.stop_async_if_last(step)?;
+        self.pipeline_timelines = std::mem::take(&mut out.timelines);
+        self.push_metrics(out.versions.metrics());
+        self.gap_measured = true;
+        if let Some(moments) = out.batch.reward_moments.take() {
+            self.state.reward_moments = moments;
+        }
+        self.log_samples(step, &out.records, &out.batch, progress)?;
+        self.record_gpu_memory("train")?;
+        Ok((out.batch.stats, out.batch.rows.len(), out.train))
     }
 
     /// Tags the engines' next tokens with policy version `version`.

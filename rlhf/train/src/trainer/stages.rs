@@ -289,6 +289,16 @@ pub struct ExperienceBatch {
     pub reward_moments: Option<RunningMoments>,
 }
 
+/// What a step's samples already have when make-experience starts (the dock's stages, or
+/// dynamic sampling, computed it).
+#[derive(Debug, Clone, Default)]
+pub struct Known {
+    /// Each sample's reward.
+    pub rewards: Option<Vec<f32>>,
+    /// Each sample's per-token reference log-probs.
+    pub ref_log_probs: Option<Vec<Vec<f32>>>,
+}
+
 /// How a step makes its experience.
 #[derive(Debug, Clone, Copy)]
 pub struct ExperienceSettings {
@@ -300,7 +310,7 @@ pub struct ExperienceSettings {
     pub recompute_old: bool,
 }
 
-/// Rewards (unless `scored` holds them already), reference log-probs, old log-probs and
+/// Rewards and reference log-probs (unless `known` holds them already), old log-probs and
 /// values in parallel, then advantages.
 pub fn make_experience(
     trainer: &Trainer,
@@ -308,16 +318,19 @@ pub fn make_experience(
     sequences: Vec<Sequence>,
     engine_log_probs: &[Vec<f32>],
     settings: ExperienceSettings,
-    scored: Option<Vec<f32>>,
+    known: Known,
 ) -> Result<ExperienceBatch> {
     let ExperienceSettings { kl_coef, recompute_old } = settings;
     let roles = &trainer.roles;
     // Everything in flight at once: the roles run in their own processes.
-    let pending_rewards = match scored {
+    let pending_rewards = match known.rewards {
         Some(rewards) => PendingRewards::done(RewardAnswer::rewards(rewards)),
         None => rewards(trainer, records, &sequences)?,
     };
-    let ref_calls = start_log_probs(trainer, LogProbs::Reference, sequences.clone());
+    let ref_calls = match known.ref_log_probs {
+        Some(_) => None,
+        None => start_log_probs(trainer, LogProbs::Reference, sequences.clone()),
+    };
     let old_calls = match recompute_old {
         true => start_log_probs(trainer, LogProbs::Old, sequences.clone()),
         false => None,
@@ -336,7 +349,7 @@ pub fn make_experience(
     };
     let ref_log_probs = match ref_calls {
         Some(calls) => Some(watch.gather("log_probs", calls)?),
-        None => None,
+        None => known.ref_log_probs,
     };
     let values = match value_calls {
         Some(calls) => Some(watch.gather("values", calls)?),

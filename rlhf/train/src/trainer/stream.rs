@@ -19,15 +19,25 @@
 //!   the engines' weight version, dropped groups not counted): taken in order, group `g` trains
 //!   the policy of version `g / prompts_per_step`, at most `max_staleness` after the version
 //!   that was current when it was queued, so no compute goes to samples that would be too
-//!   stale, and the engines never run more than `max_staleness` steps ahead. The weight sync holds [`AsyncRollout::gate`], which the rollout thread holds
-//!   around each poll, so an engine takes new weights between two of its steps and never
-//!   samples from half-updated weights.
+//!   stale, and the engines never run more than `max_staleness` steps ahead. The weight sync
+//!   holds [`AsyncRollout::gate`], which the rollout thread holds around each poll, so an
+//!   engine takes new weights between two of its steps and never samples from half-updated
+//!   weights.
+//!
+//! With `train.pipeline: dock` the async thread writes each finished group into the run's
+//! TransferDock instead ([`DockSink`]): one slot of `n` rows per group, with its prompt,
+//! responses, the engine's log-probs and every token's version. The dock has
+//! `(max_staleness + 1) × prompts_per_step` slots, as many finished groups as the rule above
+//! lets exist at once (groups the trainer holds included); a slot is freed once its group is
+//! trained on or dropped. The queue then holds the slots ([`Finished::Docked`]), and the dock's
+//! stages score the groups while they wait ([`super::pipeline::run_async_step`]).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use rtrun_rlhf_dock::{ColumnValues, PackedBatch, PackedNamedColumn, RemoteDock};
 use rtrun_rlhf_engine::{EngineActorRef, GenerationRequest, SamplingParams, StreamPoll};
 
 use crate::error::{Result, TrainError};
@@ -37,6 +47,7 @@ use crate::rng::mix_seed;
 use crate::tokenizer::PromptTokenizer;
 use crate::trainer::CallWatch;
 use crate::trainer::calls;
+use crate::trainer::dock_layout::{ENGINE_LOG_PROBS, PROMPTS, RESPONSES, VERSIONS};
 use crate::trainer::rollout::Rollout;
 
 /// Engine steps per poll: short enough that a weight sync waits little for the gate, long
@@ -71,6 +82,41 @@ impl StreamedGroup {
     pub fn newest_version(&self) -> Option<u64> {
         self.versions.iter().flatten().copied().max()
     }
+}
+
+/// A finished group waiting for the trainer.
+#[derive(Debug)]
+pub enum Finished {
+    /// Its samples, in the driver's queue.
+    Group(StreamedGroup),
+    /// Written to the dock: its rows are `slot × n .. (slot + 1) × n`.
+    Docked {
+        /// The dock slot.
+        slot: usize,
+        /// The oldest weight version of its tokens.
+        oldest: Option<u64>,
+    },
+}
+
+impl Finished {
+    fn oldest_version(&self) -> Option<u64> {
+        match self {
+            Finished::Group(group) => group.oldest_version(),
+            Finished::Docked { oldest, .. } => *oldest,
+        }
+    }
+}
+
+/// Where `rollout.mode: async` with `train.pipeline: dock` leaves finished groups: the run's
+/// dock, a slot of `samples` rows per group (see the module doc).
+#[derive(Debug)]
+pub struct DockSink {
+    /// The run's dock.
+    pub dock: RemoteDock,
+    /// Rows per group (`n`).
+    pub samples: usize,
+    /// Groups the dock holds.
+    pub slots: usize,
 }
 
 /// A group queued on an engine.
@@ -283,7 +329,7 @@ impl VersionStats {
 /// What the rollout thread and the trainer share.
 #[derive(Debug)]
 struct Queue {
-    ready: VecDeque<StreamedGroup>,
+    ready: VecDeque<Finished>,
     /// Groups queued or running on the engines.
     in_flight: usize,
     /// The engines' weight version.
@@ -304,6 +350,12 @@ struct Queue {
     generate_s: f64,
     /// Groups that finished since the trainer last asked.
     finished: u64,
+    /// The rollout thread's polls since the trainer last asked for them: (start, end), µs
+    /// since the Unix epoch (the dock pipeline's timeline clock).
+    polls: Vec<(u64, u64)>,
+    /// With a dock: the free slots, and the prompt of each slot in use.
+    free_slots: Vec<usize>,
+    slot_records: Vec<Option<PromptRecord>>,
 }
 
 impl Queue {
@@ -352,15 +404,20 @@ pub struct AsyncSetup {
     pub per_step: usize,
     /// `rollout.max_staleness`.
     pub staleness: u64,
+    /// With `train.pipeline: dock`, the dock finished groups go to.
+    pub dock: Option<DockSink>,
 }
 
 /// What the trainer takes for a step.
 #[derive(Debug)]
 pub struct AsyncBatch {
-    /// The groups, oldest first.
-    pub groups: Vec<StreamedGroup>,
+    /// The groups, in the order they finished.
+    pub groups: Vec<Finished>,
     /// Groups dropped as too stale while taking them.
     pub stale_dropped: usize,
+    /// The dock slots of the dropped groups: the caller clears their rows, then frees them
+    /// ([`AsyncRollout::free_slots`]).
+    pub dropped_slots: Vec<usize>,
     /// Seconds the rollout thread polled since the last take.
     pub generate_s: f64,
     /// Seconds the trainer waited for the groups.
@@ -370,6 +427,7 @@ pub struct AsyncBatch {
 impl AsyncRollout {
     /// Starts the rollout thread.
     pub fn start(setup: AsyncSetup) -> Result<Self> {
+        let slots = setup.dock.as_ref().map_or(0, |d| d.slots);
         let shared = Arc::new(Shared {
             queue: Mutex::new(Queue {
                 ready: VecDeque::new(),
@@ -384,6 +442,10 @@ impl AsyncRollout {
                 stop: false,
                 generate_s: 0.0,
                 finished: 0,
+                polls: Vec::new(),
+                // Lowest slot first.
+                free_slots: (0..slots).rev().collect(),
+                slot_records: vec![None; slots],
             }),
             changed: Condvar::new(),
             gate: Mutex::new(()),
@@ -418,22 +480,30 @@ impl AsyncRollout {
     pub fn take(&self, count: usize, oldest_allowed: u64) -> Result<AsyncBatch> {
         let started = Instant::now();
         let mut queue = self.shared.queue();
-        let mut stale_dropped = 0;
+        let (mut stale_dropped, mut dropped_slots) = (0, Vec::new());
         loop {
             let before = queue.ready.len();
-            queue.ready.retain(|g| g.oldest_version().is_none_or(|v| v >= oldest_allowed));
-            stale_dropped += before - queue.ready.len();
-            queue.dropped += (before - queue.ready.len()) as u64;
+            let (kept, stale): (VecDeque<Finished>, VecDeque<Finished>) = queue
+                .ready
+                .drain(..)
+                .partition(|g| g.oldest_version().is_none_or(|v| v >= oldest_allowed));
+            queue.ready = kept;
+            stale_dropped += stale.len();
+            queue.dropped += stale.len() as u64;
+            dropped_slots.extend(stale.iter().filter_map(|g| match g {
+                Finished::Docked { slot, .. } => Some(*slot),
+                Finished::Group(_) => None,
+            }));
             if before != queue.ready.len() {
                 self.shared.changed.notify_all();
             }
             if queue.ready.len() >= count {
-                let groups: Vec<StreamedGroup> = queue.ready.drain(..count).collect();
+                let groups: Vec<Finished> = queue.ready.drain(..count).collect();
                 let generate_s = std::mem::take(&mut queue.generate_s);
                 queue.finished = 0;
                 self.shared.changed.notify_all();
                 let wait_s = started.elapsed().as_secs_f64();
-                return Ok(AsyncBatch { groups, stale_dropped, generate_s, wait_s });
+                return Ok(AsyncBatch { groups, stale_dropped, dropped_slots, generate_s, wait_s });
             }
             if let Some(error) = queue.error.take() {
                 return Err(error);
@@ -448,6 +518,28 @@ impl AsyncRollout {
                 .unwrap_or_else(std::sync::PoisonError::into_inner)
                 .0;
         }
+    }
+
+    /// Gives dock slots back once their rows are cleared: the thread may write groups there.
+    pub fn free_slots(&self, slots: &[usize]) {
+        let mut queue = self.shared.queue();
+        for &slot in slots {
+            if let Some(record) = queue.slot_records.get_mut(slot) {
+                *record = None;
+                queue.free_slots.push(slot);
+            }
+        }
+        self.shared.changed.notify_all();
+    }
+
+    /// The rollout thread's polls since the last call: (start, end), µs since the Unix epoch.
+    pub fn take_polls(&self) -> Vec<(u64, u64)> {
+        std::mem::take(&mut self.shared.queue().polls)
+    }
+
+    /// The prompt of the group in dock slot `slot`.
+    pub fn slot_record(&self, slot: usize) -> Option<PromptRecord> {
+        self.shared.queue().slot_records.get(slot).cloned().flatten()
     }
 
     /// Stops the thread (the engines abort what is in flight) and returns the loader.
@@ -477,9 +569,11 @@ impl Drop for AsyncRollout {
     }
 }
 
-/// The rollout thread: tops the engines up to capacity, polls them, queues what finished.
+/// The rollout thread: tops the engines up to capacity, polls them, queues what finished
+/// (with a dock: writes it to a free slot first; groups wait in `backlog` for one).
 fn rollout_thread(shared: &Shared, setup: AsyncSetup) {
-    let AsyncSetup { mut stream, data, tokenizer, seed, .. } = setup;
+    let AsyncSetup { mut stream, data, tokenizer, seed, dock, .. } = setup;
+    let mut backlog: VecDeque<StreamedGroup> = VecDeque::new();
     let result = (|| -> Result<()> {
         loop {
             let groups = {
@@ -488,7 +582,8 @@ fn rollout_thread(shared: &Shared, setup: AsyncSetup) {
                     if queue.stop {
                         return Ok(());
                     }
-                    if queue.room() > 0 || queue.in_flight > 0 {
+                    let can_dock = !backlog.is_empty() && !queue.free_slots.is_empty();
+                    if queue.room() > 0 || queue.in_flight > 0 || can_dock {
                         break;
                     }
                     queue = shared
@@ -506,17 +601,32 @@ fn rollout_thread(shared: &Shared, setup: AsyncSetup) {
                 let version = shared.queue().version;
                 stream.submit(groups, version)?;
             }
-            let started = Instant::now();
-            let finished = {
-                let _gate = shared.gate.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-                stream.poll(STEPS_PER_POLL)?
+            let mut finished = Vec::new();
+            if stream.in_flight() > 0 {
+                let started = Instant::now();
+                let start_us = epoch_us();
+                finished = {
+                    let _gate =
+                        shared.gate.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                    stream.poll(STEPS_PER_POLL)?
+                };
+                let mut queue = shared.queue();
+                queue.generate_s += started.elapsed().as_secs_f64();
+                queue.polls.push((start_us, epoch_us()));
+                queue.in_flight -= finished.len();
+                queue.finished += finished.len() as u64;
+            }
+            let ready: Vec<Finished> = match &dock {
+                None => finished.into_iter().map(Finished::Group).collect(),
+                Some(sink) => {
+                    backlog.extend(finished);
+                    write_to_dock(shared, sink, &mut backlog)?
+                }
             };
-            let mut queue = shared.queue();
-            queue.generate_s += started.elapsed().as_secs_f64();
-            queue.in_flight -= finished.len();
-            queue.finished += finished.len() as u64;
-            queue.ready.extend(finished);
-            shared.changed.notify_all();
+            if !ready.is_empty() {
+                shared.queue().ready.extend(ready);
+                shared.changed.notify_all();
+            }
         }
     })();
     if let Err(error) = stream.abort() {
@@ -528,6 +638,65 @@ fn rollout_thread(shared: &Shared, setup: AsyncSetup) {
     }
     queue.stop = true;
     shared.changed.notify_all();
+}
+
+/// Writes as many of `backlog`'s groups as there are free slots into the dock, in one put, and
+/// returns them as queue entries (a group is queued only once its rows are in the dock).
+fn write_to_dock(
+    shared: &Shared,
+    sink: &DockSink,
+    backlog: &mut VecDeque<StreamedGroup>,
+) -> Result<Vec<Finished>> {
+    let placed: Vec<(usize, StreamedGroup)> = {
+        let mut queue = shared.queue();
+        let count = backlog.len().min(queue.free_slots.len());
+        let mut placed = Vec::with_capacity(count);
+        for group in backlog.drain(..count) {
+            let Some(slot) = queue.free_slots.pop() else { break };
+            if let Some(record) = queue.slot_records.get_mut(slot) {
+                *record = Some(group.record.clone());
+            }
+            placed.push((slot, group));
+        }
+        placed
+    };
+    if placed.is_empty() {
+        return Ok(Vec::new());
+    }
+    let ids = |tokens: &[u32]| tokens.iter().map(|&t| i64::from(t)).collect::<Vec<i64>>();
+    let (mut rows, mut prompts, mut responses, mut log_probs, mut versions) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for (slot, group) in &placed {
+        for (i, response) in group.responses.iter().enumerate() {
+            rows.push(slot * sink.samples + i);
+            prompts.push(ids(&group.prompt_ids));
+            responses.push(ids(response));
+            log_probs.push(group.engine_log_probs.get(i).cloned().unwrap_or_default());
+            let tags = group.versions.get(i).map(Vec::as_slice).unwrap_or_default();
+            versions.push(tags.iter().map(|&v| v as i64).collect());
+        }
+    }
+    let batch = PackedBatch {
+        rows,
+        columns: vec![
+            PackedNamedColumn::new(PROMPTS, &ColumnValues::TokenIds(prompts)),
+            PackedNamedColumn::new(RESPONSES, &ColumnValues::TokenIds(responses)),
+            PackedNamedColumn::new(ENGINE_LOG_PROBS, &ColumnValues::Floats(log_probs)),
+            PackedNamedColumn::new(VERSIONS, &ColumnValues::TokenIds(versions)),
+        ],
+    };
+    sink.dock.put_experience(batch).map_err(|e| TrainError::role("dock", e))?;
+    Ok(placed
+        .into_iter()
+        .map(|(slot, group)| Finished::Docked { slot, oldest: group.oldest_version() })
+        .collect())
+}
+
+/// Microseconds since the Unix epoch (the clock of the dock pipeline's timelines).
+pub fn epoch_us() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64)
 }
 
 #[cfg(test)]
