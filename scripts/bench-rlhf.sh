@@ -26,7 +26,8 @@
 #   5. (part `streamed`, issue 43) the main job's GRPO (deploy/examples/rlhf/grpo.yaml) three
 #      ways from the same seed and data: sync, `rollout.mode: async` with `max_staleness: 1`
 #      (held-out reward every 16 steps: the wall time at which async first reaches the sync
-#      run's final reward, over the sync run's wall time), and with a long tail of responses
+#      run's final reward, over the sync run's wall time), the same async run with
+#      `train.pipeline: dock` (groups stream into the TransferDock), and with a long tail of responses
 #      (3% of the prompts 100-200 digits long, `max_new_tokens` 256) with and without
 #      `rollout.partial_threshold: 0.8` (mean step time). Each run's phase medians are
 #      printed (the timeline that says what limits the overlap).
@@ -230,11 +231,15 @@ if [[ " $PARTS " == *" streamed "* ]]; then
 STREAMED_STEPS=${STREAMED_STEPS:-256}
 [[ "${1:-}" == "--quick" ]] && STREAMED_STEPS=24
 for seed in $SEEDS; do
-    for variant in sync async tail-sync tail-partial tail-sync-tokens tail-partial-tokens; do
+    for variant in sync async async-dock tail-sync tail-partial tail-sync-tokens tail-partial-tokens; do
         sets=(--set seed="$seed" --set train.max_steps="$STREAMED_STEPS" --set eval.every_steps=16
               --set checkpoint.every_steps=0)
         case $variant in
             async) sets+=(--set rollout.mode=async --set rollout.max_staleness=1) ;;
+            # The same through the TransferDock: reward and reference stages score groups
+            # while the policy trains.
+            async-dock) sets+=(--set rollout.mode=async --set rollout.max_staleness=1
+                               --set train.pipeline=dock --set logging.samples_per_step=0) ;;
             tail-*) sets+=(--set rollout.max_new_tokens=256 --set data.synthetic.long_tail.share=0.03
                            --set data.synthetic.long_tail.min_digits=100
                            --set data.synthetic.long_tail.max_digits=200

@@ -126,23 +126,27 @@ streamed = [r for r in rows if "streamed" in r and not r["streamed"].startswith(
 if streamed:
     print("\n## Async and partial rollouts against the sync step (main job, same seed and data)\n")
     print("| seed | sync wall s | sync final | async reaches it at s | ratio | async final | "
+          "async on the dock: reaches it at s | ratio | final | "
           "tail: sync step s | partial step s | cut |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     by = {(r["seed"], r["streamed"]): r for r in streamed}
     for seed in sorted({r["seed"] for r in streamed}):
-        sync, asyn = by.get((seed, "sync")), by.get((seed, "async"))
+        sync = by.get((seed, "sync"))
         tail, part = by.get((seed, "tail-sync")), by.get((seed, "tail-partial"))
         cells = [str(seed)]
-        if sync and asyn:
-            target = sync["evals"][-1][2]
-            reached = next((t for _, t, reward in asyn["evals"] if reward >= target), None)
-            cells += [f"{sync['wall_s']:.1f}", f"{target:.3f}",
-                      f"{reached:.1f}" if reached is not None else "not reached",
-                      f"{reached / sync['wall_s']:.2f}x" if reached is not None
-                      else f"({asyn['wall_s'] / sync['wall_s']:.2f}x wall)",
-                      f"{asyn['evals'][-1][2]:.3f}"]
-        else:
-            cells += ["—"] * 5
+        for variant in ("async", "async-dock"):
+            asyn = by.get((seed, variant))
+            if sync and asyn:
+                target = sync["evals"][-1][2]
+                reached = next((t for _, t, reward in asyn["evals"] if reward >= target), None)
+                if variant == "async":
+                    cells += [f"{sync['wall_s']:.1f}", f"{target:.3f}"]
+                cells += [f"{reached:.1f}" if reached is not None else "not reached",
+                          f"{reached / sync['wall_s']:.2f}x" if reached is not None
+                          else f"({asyn['wall_s'] / sync['wall_s']:.2f}x wall)",
+                          f"{asyn['evals'][-1][2]:.3f}"]
+            else:
+                cells += ["—"] * (5 if variant == "async" else 3)
         if tail and part:
             cut = 1 - part["step_s_mean"] / tail["step_s_mean"]
             cells += [f"{tail['step_s_mean']:.3f}", f"{part['step_s_mean']:.3f}", f"{cut:.0%}"]

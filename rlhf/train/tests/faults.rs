@@ -156,8 +156,23 @@ fn a_killed_tensor_parallel_rank_fails_the_run_naming_the_rank_and_its_node() {
 /// fresh samples of the resumed policy, none of the killed run's queue.
 #[test]
 fn a_killed_engine_in_async_mode_fails_the_run_naming_it_and_a_rerun_resumes() {
-    let dir = scratch("kill-async");
-    let sets = ["rollout.mode=async", "checkpoint.every_steps=2"];
+    killed_engine_in_async_mode("kill-async", &[]);
+}
+
+/// The same with `train.pipeline: dock`: the killed run's groups were in its dock, and the
+/// rerun's new dock holds none of them.
+#[test]
+fn a_killed_engine_in_async_mode_on_the_dock_fails_the_run_naming_it_and_a_rerun_resumes() {
+    killed_engine_in_async_mode(
+        "kill-async-dock",
+        &["train.pipeline=dock", "logging.samples_per_step=0"],
+    );
+}
+
+fn killed_engine_in_async_mode(name: &str, extra: &[&str]) {
+    let dir = scratch(name);
+    let mut sets = vec!["rollout.mode=async", "checkpoint.every_steps=2"];
+    sets.extend_from_slice(extra);
     let (mut running, stderr) = start_long_run(&dir, &sets);
     let run_dir = dir.join("run");
     let checkpoints = run_dir.join("checkpoints");
@@ -181,8 +196,8 @@ fn a_killed_engine_in_async_mode_fails_the_run_naming_it_and_a_rerun_resumes() {
     let until = format!("train.max_steps={}", newest + 2);
     let rerun_err = dir.join("rerun.txt");
     let config = dir.join("config.yaml");
-    let status =
-        train(&config, &run_dir, &[sets[0], sets[1], &until], &rerun_err).status().unwrap();
+    sets.push(&until);
+    let status = train(&config, &run_dir, &sets, &rerun_err).status().unwrap();
     let log = std::fs::read_to_string(&rerun_err).unwrap();
     assert!(status.success(), "the rerun failed: {log}");
     assert_eq!(rtrun_tests::resumed_from(&log), Some(newest), "{log}");

@@ -1348,13 +1348,36 @@ mod tests {
         for bad in ["0.5", ".inf", "-2"] {
             assert!(err(&[&format!("algo.tis_cap={bad}")]).contains("algo.tis_cap"), "{bad}");
         }
+        // A partial rollout runs one step's groups; an async one streams into the dock.
         let dock = err(&[
-            "rollout.mode=async",
+            "rollout.partial_threshold=0.8",
             "train.pipeline=dock",
             "algo.advantage_estimator=group_norm",
             "train.train_batch_size=128",
         ]);
-        assert!(dock.contains("rollout.mode") && dock.contains("sequential"), "{dock}");
+        assert!(
+            dock.contains("rollout.partial_threshold") && dock.contains("sequential"),
+            "{dock}"
+        );
+        let docked = ok(&[
+            "rollout.mode=async",
+            "train.pipeline=dock",
+            "algo.advantage_estimator=group_norm",
+            "algo.tis_cap=3",
+        ]);
+        assert_eq!(docked.rollout.tis_cap(&docked.algo), Some(3.0));
+        let dock_groups = |c: &TrainConfig| crate::trainer::dock_layout::dock_config(c).prompts;
+        assert_eq!(dock_groups(&docked), 2 * docked.rollout.prompts_per_step);
+        let bound = ok(&[
+            "rollout.mode=async",
+            "rollout.max_staleness=3",
+            "train.pipeline=dock",
+            "algo.advantage_estimator=rloo",
+        ]);
+        assert_eq!(dock_groups(&bound), 4 * bound.rollout.prompts_per_step);
+        let sync_tis =
+            err(&["train.pipeline=dock", "algo.advantage_estimator=rloo", "algo.tis_cap=3"]);
+        assert!(sync_tis.contains("algo.tis_cap") && sync_tis.contains("sync"), "{sync_tis}");
         let dynamic = err(&[
             "rollout.partial_threshold=0.8",
             "algo.advantage_estimator=group_norm",
