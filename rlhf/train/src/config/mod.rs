@@ -711,11 +711,14 @@ pub struct TrainLoopConfig {
     pub gradient_checkpointing: bool,
     /// How a step's experience is made: `sequential` (generate everything, then every role
     /// over the whole batch; the default) or `dock` (GRPO stages streaming prompt groups
-    /// through a TransferDock actor, see [`crate::trainer::pipeline`]).
+    /// through a TransferDock actor, see [`crate::trainer::pipeline`]; with `rollout.mode:
+    /// async` the rollout thread streams every finished group into the dock, whose reward and
+    /// reference stages score it while the policy trains).
     pub pipeline: PipelineMode,
     /// `pipeline: dock`: prompt groups each stage (each rollout rank) takes per call; fewer
     /// mean earlier overlap, more mean larger engine and log-prob batches. The last call of a
-    /// step may get fewer.
+    /// step may get fewer; with `rollout.mode: async` a call takes whatever groups have
+    /// arrived, at most this many.
     pub dock_groups_per_batch: usize,
     /// `pipeline: dock`: the longest pause, in milliseconds, of a stage waiting for rows (its
     /// pauses double from 0.2 ms up to this); shorter means a batch is picked up sooner after

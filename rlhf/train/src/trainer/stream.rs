@@ -524,8 +524,8 @@ impl AsyncRollout {
     pub fn free_slots(&self, slots: &[usize]) {
         let mut queue = self.shared.queue();
         for &slot in slots {
-            if let Some(record) = queue.slot_records.get_mut(slot) {
-                *record = None;
+            // A slot in use holds its group's prompt: freeing one twice frees it once.
+            if queue.slot_records.get_mut(slot).and_then(Option::take).is_some() {
                 queue.free_slots.push(slot);
             }
         }
@@ -711,6 +711,78 @@ mod tests {
             engine_log_probs: versions.iter().map(|v| vec![-0.5; v.len()]).collect(),
             versions: versions.iter().map(|v| v.to_vec()).collect(),
         }
+    }
+
+    /// An `AsyncRollout` over a queue with no thread, with `slots` dock slots.
+    fn queue_only(slots: usize, staleness: u64) -> AsyncRollout {
+        let loader = PromptLoader::new(4, 1);
+        let shared = Arc::new(Shared {
+            queue: Mutex::new(Queue {
+                ready: VecDeque::new(),
+                in_flight: 0,
+                version: 0,
+                submitted: 0,
+                dropped: 0,
+                per_step: 2,
+                staleness,
+                loader,
+                error: None,
+                stop: false,
+                generate_s: 0.0,
+                finished: 0,
+                polls: Vec::new(),
+                free_slots: (0..slots).rev().collect(),
+                slot_records: vec![None; slots],
+            }),
+            changed: Condvar::new(),
+            gate: Mutex::new(()),
+        });
+        AsyncRollout { shared, thread: None }
+    }
+
+    #[test]
+    fn a_take_drops_stale_docked_groups_and_hands_back_their_slots_to_free() {
+        let rollout = queue_only(4, 1);
+        {
+            let mut queue = rollout.shared.queue();
+            // Slots 0-3 hold groups with oldest versions 3, 5, 6 and 4.
+            for (slot, oldest) in [(0, 3), (1, 5), (2, 6), (3, 4)] {
+                queue.free_slots.retain(|&s| s != slot);
+                queue.slot_records[slot] =
+                    Some(PromptRecord { prompt: format!("p{slot}"), ..Default::default() });
+                queue.ready.push_back(Finished::Docked { slot, oldest: Some(oldest) });
+            }
+            queue.submitted = 4;
+        }
+        assert_eq!(rollout.slot_record(2).unwrap().prompt, "p2");
+        // Policy 6 with a bound of 1: versions 3 and 4 are too old.
+        let taken = rollout.take(2, 5).unwrap();
+        let slots: Vec<usize> = taken
+            .groups
+            .iter()
+            .map(|g| match g {
+                Finished::Docked { slot, .. } => *slot,
+                Finished::Group(_) => panic!("a docked queue handed out a group"),
+            })
+            .collect();
+        assert_eq!(slots, [1, 2], "the fresh groups, in the order they finished");
+        assert_eq!((taken.stale_dropped, taken.dropped_slots.clone()), (2, vec![0, 3]));
+        // Dropped groups count against the submission rule as if never queued.
+        assert_eq!(rollout.shared.queue().dropped, 2);
+        // Until freed, a slot keeps its prompt (the stages may still read it) and is not free.
+        assert!(rollout.shared.queue().free_slots.is_empty());
+        rollout.free_slots(&taken.dropped_slots);
+        rollout.free_slots(&slots);
+        let queue = rollout.shared.queue();
+        let mut free = queue.free_slots.clone();
+        free.sort_unstable();
+        assert_eq!(free, [0, 1, 2, 3]);
+        assert!(queue.slot_records.iter().all(Option::is_none));
+        drop(queue);
+        assert_eq!(rollout.slot_record(2), None);
+        // A slot out of range, or freed twice, is ignored rather than corrupting the list.
+        rollout.free_slots(&[9, 2]);
+        assert_eq!(rollout.shared.queue().free_slots.len(), 4);
     }
 
     #[test]
