@@ -32,8 +32,10 @@
 #      `rollout.partial_threshold: 0.8` (mean step time). Each run's phase medians are
 #      printed (the timeline that says what limits the overlap).
 #   6. (part `tools`, issue 43) deploy/examples/rlhf/grpo-tools.yaml from the walkthrough
-#      checkpoint warmed up to call the calculator, with the tool and with `tools.enabled: []`
-#      (the same checkpoint answering alone): held-out accuracy before and after.
+#      checkpoint warmed up to call the calculator (250 steps: it calls the tool but answers
+#      most problems wrong, so the tool helps without solving the task), with the tool and
+#      with `tools.enabled: []` (the same checkpoint answering alone): held-out accuracy
+#      before, every 20 steps and after.
 #
 # Usage: scripts/bench-rlhf.sh [--quick]
 #   --quick: 1 round, 1 seed, 12 rollout steps (a smoke run of the script; not a measurement).
@@ -259,9 +261,11 @@ fi
 
 # --- 6. tool use against the same checkpoint without tools -----------------------------------------
 if [[ " $PARTS " == *" tools "* ]]; then
-TW=$BENCH_DIR/walkthrough-tools
+TW=$BENCH_DIR/walkthrough-tools-250
+TOOL_STEPS=${TOOL_STEPS:-60}
+[[ "${1:-}" == "--quick" ]] && TOOL_STEPS=12
 if [[ ! -f $TW/model/config.json ]]; then
-    "$ROOT/target/release/examples/make_walkthrough" "$TW" --tools --warmup-steps 600 >&2
+    "$ROOT/target/release/examples/make_walkthrough" "$TW" --tools --warmup-steps 250 >&2
 fi
 for seed in $SEEDS; do
     for variant in tools none; do
@@ -269,7 +273,8 @@ for seed in $SEEDS; do
         rm -rf "$run"
         sets=(--set seed="$seed" --set run_dir="$run" --set policy.pretrain="$TW/model"
               --set data.prompt_data="$TW/data/train.jsonl" --set data.eval_data="$TW/data/test.jsonl"
-              --set train.max_steps="$STEPS" --set eval.every_steps=0 --set checkpoint.every_steps=0)
+              --set train.max_steps="$TOOL_STEPS" --set eval.every_steps=20
+              --set checkpoint.every_steps=0)
         [[ $variant == none ]] && sets+=(--set "tools.enabled=[]")
         (cd "$BENCH_DIR" && "$TRAIN" --config "$ROOT/deploy/examples/rlhf/grpo-tools.yaml" \
             "${sets[@]}" >"$run.log" 2>&1) || { tail -20 "$run.log" >&2; exit 1; }

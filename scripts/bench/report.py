@@ -162,10 +162,11 @@ if streamed:
 tools = {(r["seed"], r["streamed"]): r for r in rows if str(r.get("streamed", "")).startswith("tools-")}
 if tools:
     print("\n## Tool use against the same checkpoint without tools (held-out accuracy)\n")
-    print("| seed | with the calculator: before -> after | calls per sample | without tools: before -> after |")
+    print("| seed | with the calculator: before -> every 20 steps -> after | calls per sample | "
+          "without tools: the same |")
     print("|---:|---|---:|---|")
     for seed in sorted({s for s, _ in tools}):
         w, n = tools.get((seed, "tools-tools")), tools.get((seed, "tools-none"))
-        cell = lambda r: f"{r['accuracy'][0][1]:.3f} -> {r['accuracy'][-1][1]:.3f}" if r else "—"
+        cell = lambda r: " -> ".join(f"{a:.3f}" for _, a in r["accuracy"]) if r else "—"
         calls = f"{w['tool_calls_per_sample']:.2f}" if w else "—"
         print(f"| {seed} | {cell(w)} | {calls} | {cell(n)} |")
