@@ -41,6 +41,7 @@ use rtrun_rlhf_telemetry::StepMetrics;
 use crate::error::{Result, TrainError};
 use crate::experience::{ExperienceRow, Sequence};
 use crate::prompts::PromptRecord;
+use crate::trainer::ProgressObserver;
 use crate::trainer::calls;
 use crate::trainer::dock_layout::{
     ADVANTAGES, ENGINE_LOG_PROBS, OLD_LOG_PROB, PROMPTS, REF_LOG_PROB, RESPONSES, RETURNS,
@@ -49,7 +50,7 @@ use crate::trainer::dock_layout::{
 use crate::trainer::stages::{
     self, ExperienceSettings, ExperienceStats, Known, LogProbs, RoleResults, TrainStats,
 };
-use crate::trainer::stream::{self, AsyncRollout, StreamedGroup, VersionStats};
+use crate::trainer::stream::{self, AsyncRollout, Finished, StreamedGroup, VersionStats};
 use crate::trainer::{Trainer, telemetry_error};
 
 /// What a stage reports when it stopped because another one failed.
@@ -417,6 +418,73 @@ pub fn run_async_step(
     timelines.push(timeline("old_log_prob", vec![span(experience, &rows)]));
     timelines.push(timeline("actor_train", vec![span(training, &rows)]));
     Ok(AsyncDockStep { batch, records, train, versions, timelines })
+}
+
+impl Trainer {
+    /// A step of `rollout.mode: async` with `train.pipeline: dock`: the step's groups are
+    /// slots of the dock, scored there by its stages while they waited
+    /// ([`run_async_step`]).
+    pub(super) fn docked_async_step(
+        &mut self,
+        step: u64,
+        params: SamplingParams,
+        kl_coef: f64,
+        progress: &mut dyn ProgressObserver,
+    ) -> Result<(stages::ExperienceStats, usize, stages::TrainStats)> {
+        progress.phase("generate");
+        let taken = self.take_async(step, params)?;
+        let dock = self.roles.dock.as_ref().ok_or_else(|| {
+            crate::TrainError::role(
+                "dock",
+                "train.pipeline is `dock` but no dock actor was created",
+            )
+        })?;
+        if !taken.dropped_slots.is_empty() {
+            // No stage runs between two steps: the dropped groups' rows are nobody's.
+            let n = self.config.rollout.n_samples_per_prompt;
+            let rows = taken.dropped_slots.iter().flat_map(|s| s * n..(s + 1) * n).collect();
+            dock.clear(Some(rows)).map_err(|e| crate::TrainError::role("dock", e))?;
+            if let Some(rollouter) = &self.rollouter {
+                rollouter.free_slots(&taken.dropped_slots);
+            }
+        }
+        let slots = taken
+            .groups
+            .iter()
+            .map(|finished| match finished {
+                Finished::Docked { slot, .. } => Ok(*slot),
+                Finished::Group(_) => Err(crate::TrainError::role(
+                    "pipeline",
+                    "a step on the dock was handed a group outside it",
+                )),
+            })
+            .collect::<Result<Vec<usize>>>()?;
+        progress.phase("pipeline");
+        let out = self.timed("pipeline", |t| match &t.rollouter {
+            Some(rollouter) => run_async_step(t, rollouter, &slots, step, kl_coef),
+            None => Err(crate::TrainError::Data("the rollout thread is gone".into())),
+        });
+        let mut out = match out {
+            Ok(out) => out,
+            Err(e) => {
+                // The rollout thread's own failure (a dead engine) names the cause.
+                if let Some(rollouter) = self.rollouter.take() {
+                    rollouter.stop()?;
+                }
+                return Err(e);
+            }
+        };
+        self.stop_async_if_last(step)?;
+        self.pipeline_timelines = std::mem::take(&mut out.timelines);
+        self.push_metrics(out.versions.metrics());
+        self.gap_measured = true;
+        if let Some(moments) = out.batch.reward_moments.take() {
+            self.state.reward_moments = moments;
+        }
+        self.log_samples(step, &out.records, &out.batch, progress)?;
+        self.record_gpu_memory("train")?;
+        Ok((out.batch.stats, out.batch.rows.len(), out.train))
+    }
 }
 
 /// Waits until `rows` are ready in `columns` and takes them as the training stage, or fails

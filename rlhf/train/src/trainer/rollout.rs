@@ -15,7 +15,7 @@ use crate::trainer::agent::ToolStats;
 use crate::trainer::stream::{
     self, AsyncBatch, AsyncRollout, AsyncSetup, DockSink, Finished, RolloutStream, STEPS_PER_POLL,
 };
-use crate::trainer::{ENGINE, ProgressObserver, Trainer, calls, pipeline, stages};
+use crate::trainer::{ENGINE, ProgressObserver, Trainer, calls, stages};
 
 /// Rewards of a group at most this far apart count as equal.
 pub const EQUAL_REWARDS: f32 = 1e-6;
@@ -226,7 +226,7 @@ impl Trainer {
     /// `rollout.mode: async`: starts the rollout thread on the first step (writing finished
     /// groups into the dock with `train.pipeline: dock`), then takes the step's
     /// `prompts_per_step` groups at most `max_staleness` versions old.
-    fn take_async(&mut self, step: u64, params: SamplingParams) -> Result<AsyncBatch> {
+    pub(super) fn take_async(&mut self, step: u64, params: SamplingParams) -> Result<AsyncBatch> {
         let wanted = self.config.rollout.prompts_per_step;
         // Step `step` trains the policy of version `step - 1` (the weights the engines hold).
         let policy_version = step - 1;
@@ -277,78 +277,13 @@ impl Trainer {
     }
 
     /// Stops the rollout thread after the run's last step.
-    fn stop_async_if_last(&mut self, step: u64) -> Result<()> {
+    pub(super) fn stop_async_if_last(&mut self, step: u64) -> Result<()> {
         if step >= self.total_steps()
             && let Some(rollouter) = self.rollouter.take()
         {
             self.state.loader = rollouter.stop()?;
         }
         Ok(())
-    }
-
-    /// A step of `rollout.mode: async` with `train.pipeline: dock`: the step's groups are
-    /// slots of the dock, scored there by its stages while they waited
-    /// ([`pipeline::run_async_step`]).
-    pub(super) fn docked_async_step(
-        &mut self,
-        step: u64,
-        params: SamplingParams,
-        kl_coef: f64,
-        progress: &mut dyn ProgressObserver,
-    ) -> Result<(stages::ExperienceStats, usize, stages::TrainStats)> {
-        progress.phase("generate");
-        let taken = self.take_async(step, params)?;
-        let dock = self.roles.dock.as_ref().ok_or_else(|| {
-            crate::TrainError::role(
-                "dock",
-                "train.pipeline is `dock` but no dock actor was created",
-            )
-        })?;
-        if !taken.dropped_slots.is_empty() {
-            // No stage runs between two steps: the dropped groups' rows are nobody's.
-            let n = self.config.rollout.n_samples_per_prompt;
-            let rows = taken.dropped_slots.iter().flat_map(|s| s * n..(s + 1) * n).collect();
-            dock.clear(Some(rows)).map_err(|e| crate::TrainError::role("dock", e))?;
-            if let Some(rollouter) = &self.rollouter {
-                rollouter.free_slots(&taken.dropped_slots);
-            }
-        }
-        let slots = taken
-            .groups
-            .iter()
-            .map(|finished| match finished {
-                Finished::Docked { slot, .. } => Ok(*slot),
-                Finished::Group(_) => Err(crate::TrainError::role(
-                    "pipeline",
-                    "a step on the dock was handed a group outside it",
-                )),
-            })
-            .collect::<Result<Vec<usize>>>()?;
-        progress.phase("pipeline");
-        let out = self.timed("pipeline", |t| match &t.rollouter {
-            Some(rollouter) => pipeline::run_async_step(t, rollouter, &slots, step, kl_coef),
-            None => Err(crate::TrainError::Data("the rollout thread is gone".into())),
-        });
-        let mut out = match out {
-            Ok(out) => out,
-            Err(e) => {
-                // The rollout thread's own failure (a dead engine) names the cause.
-                if let Some(rollouter) = self.rollouter.take() {
-                    rollouter.stop()?;
-                }
-                return Err(e);
-            }
-        };
-        self.stop_async_if_last(step)?;
-        self.pipeline_timelines = std::mem::take(&mut out.timelines);
-        self.push_metrics(out.versions.metrics());
-        self.gap_measured = true;
-        if let Some(moments) = out.batch.reward_moments.take() {
-            self.state.reward_moments = moments;
-        }
-        self.log_samples(step, &out.records, &out.batch, progress)?;
-        self.record_gpu_memory("train")?;
-        Ok((out.batch.stats, out.batch.rows.len(), out.train))
     }
 
     /// Tags the engines' next tokens with policy version `version`.
