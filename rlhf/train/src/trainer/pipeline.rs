@@ -215,9 +215,7 @@ pub fn run_step(
     step: u64,
     kl_coef: f64,
 ) -> Result<DockStep> {
-    let dock = trainer.roles.dock.as_ref().ok_or_else(|| {
-        TrainError::role("dock", "train.pipeline is `dock` but no dock actor was created")
-    })?;
+    let dock = run_dock(trainer)?;
     if trainer.roles.placements.hybrid() {
         return Err(TrainError::config(
             "train.pipeline",
@@ -238,15 +236,9 @@ pub fn run_step(
     })
     .map_err(dock_error)?;
 
-    let roles = &trainer.roles;
-    let has_ref = trainer.config.algo.needs_reference()
-        && (roles.reference.is_some() || roles.reference_from_policy);
+    let (has_ref, poll) = (has_reference(trainer), poll_config(trainer));
     let failed = AtomicBool::new(false);
     let store = StepDock { dock, failed: &failed, done: None };
-    let poll = PollConfig {
-        max_backoff: std::time::Duration::from_millis(trainer.config.train.dock_max_poll_pause_ms),
-        ..PollConfig::default()
-    };
     let ctx = StepContext {
         trainer,
         records: Records::Step(records),
@@ -269,6 +261,25 @@ pub fn run_step(
         .ok_or_else(|| TrainError::role("pipeline", "the training stage never ran"))?;
     let parts = stats_parts.into_inner().unwrap_or_default();
     Ok(DockStep { stats: combine_stats(&parts), rows, train, timelines })
+}
+
+/// The run's dock actor.
+fn run_dock(trainer: &Trainer) -> Result<&RemoteDock> {
+    let missing = "train.pipeline is `dock` but no dock actor was created";
+    trainer.roles.dock.as_ref().ok_or_else(|| TrainError::role("dock", missing))
+}
+
+/// Whether the run's loss or reward needs the reference's log-probs and some role gives them.
+fn has_reference(trainer: &Trainer) -> bool {
+    let roles = &trainer.roles;
+    trainer.config.algo.needs_reference()
+        && (roles.reference.is_some() || roles.reference_from_policy)
+}
+
+/// How the stages poll the dock: `train.dock_max_poll_pause_ms` at most between two gets.
+fn poll_config(trainer: &Trainer) -> PollConfig {
+    let pause = trainer.config.train.dock_max_poll_pause_ms;
+    PollConfig { max_backoff: std::time::Duration::from_millis(pause), ..PollConfig::default() }
 }
 
 /// What a step of `rollout.mode: async` on the dock produced.
@@ -301,19 +312,11 @@ pub fn run_async_step(
     step: u64,
     kl_coef: f64,
 ) -> Result<AsyncDockStep> {
-    let dock = trainer.roles.dock.as_ref().ok_or_else(|| {
-        TrainError::role("dock", "train.pipeline is `dock` but no dock actor was created")
-    })?;
-    let roles = &trainer.roles;
+    let dock = run_dock(trainer)?;
     let n = trainer.config.rollout.n_samples_per_prompt;
-    let has_ref = trainer.config.algo.needs_reference()
-        && (roles.reference.is_some() || roles.reference_from_policy);
+    let (has_ref, poll) = (has_reference(trainer), poll_config(trainer));
     let (failed, done) = (AtomicBool::new(false), AtomicBool::new(false));
     let store = StepDock { dock, failed: &failed, done: Some(&done) };
-    let poll = PollConfig {
-        max_backoff: std::time::Duration::from_millis(trainer.config.train.dock_max_poll_pause_ms),
-        ..PollConfig::default()
-    };
     let ctx = StepContext {
         trainer,
         records: Records::Slots(rollout),
@@ -433,17 +436,12 @@ impl Trainer {
     ) -> Result<(stages::ExperienceStats, usize, stages::TrainStats)> {
         progress.phase("generate");
         let taken = self.take_async(step, params)?;
-        let dock = self.roles.dock.as_ref().ok_or_else(|| {
-            crate::TrainError::role(
-                "dock",
-                "train.pipeline is `dock` but no dock actor was created",
-            )
-        })?;
+        let dock = run_dock(self)?;
         if !taken.dropped_slots.is_empty() {
             // No stage runs between two steps: the dropped groups' rows are nobody's.
             let n = self.config.rollout.n_samples_per_prompt;
             let rows = taken.dropped_slots.iter().flat_map(|s| s * n..(s + 1) * n).collect();
-            dock.clear(Some(rows)).map_err(|e| crate::TrainError::role("dock", e))?;
+            dock.clear(Some(rows)).map_err(|e| TrainError::role("dock", e))?;
             if let Some(rollouter) = &self.rollouter {
                 rollouter.free_slots(&taken.dropped_slots);
             }
@@ -453,7 +451,7 @@ impl Trainer {
             .iter()
             .map(|finished| match finished {
                 Finished::Docked { slot, .. } => Ok(*slot),
-                Finished::Group(_) => Err(crate::TrainError::role(
+                Finished::Group(_) => Err(TrainError::role(
                     "pipeline",
                     "a step on the dock was handed a group outside it",
                 )),
@@ -462,7 +460,7 @@ impl Trainer {
         progress.phase("pipeline");
         let out = self.timed("pipeline", |t| match &t.rollouter {
             Some(rollouter) => run_async_step(t, rollouter, &slots, step, kl_coef),
-            None => Err(crate::TrainError::Data("the rollout thread is gone".into())),
+            None => Err(TrainError::Data("the rollout thread is gone".into())),
         });
         let mut out = match out {
             Ok(out) => out,

@@ -359,6 +359,28 @@ struct Queue {
 }
 
 impl Queue {
+    /// An empty queue at version 0 with `slots` free dock slots.
+    fn new(loader: PromptLoader, per_step: usize, staleness: u64, slots: usize) -> Self {
+        Self {
+            ready: VecDeque::new(),
+            in_flight: 0,
+            version: 0,
+            submitted: 0,
+            dropped: 0,
+            per_step: per_step as u64,
+            staleness,
+            loader,
+            error: None,
+            stop: false,
+            generate_s: 0.0,
+            finished: 0,
+            polls: Vec::new(),
+            // Lowest slot first.
+            free_slots: (0..slots).rev().collect(),
+            slot_records: vec![None; slots],
+        }
+    }
+
     /// Groups the thread may queue now (the module doc's rule).
     fn room(&self) -> usize {
         let allowed = (self.version + self.staleness + 1) * self.per_step + self.dropped;
@@ -428,24 +450,12 @@ impl AsyncRollout {
     /// Starts the rollout thread.
     pub fn start(setup: AsyncSetup) -> Result<Self> {
         let slots = setup.dock.as_ref().map_or(0, |d| d.slots);
+        let queue = Queue::new(setup.loader.clone(), setup.per_step, setup.staleness, slots);
         let shared = Arc::new(Shared {
             queue: Mutex::new(Queue {
-                ready: VecDeque::new(),
-                in_flight: 0,
                 version: setup.version,
                 submitted: setup.version * setup.per_step as u64,
-                dropped: 0,
-                per_step: setup.per_step as u64,
-                staleness: setup.staleness,
-                loader: setup.loader.clone(),
-                error: None,
-                stop: false,
-                generate_s: 0.0,
-                finished: 0,
-                polls: Vec::new(),
-                // Lowest slot first.
-                free_slots: (0..slots).rev().collect(),
-                slot_records: vec![None; slots],
+                ..queue
             }),
             changed: Condvar::new(),
             gate: Mutex::new(()),
@@ -715,25 +725,8 @@ mod tests {
 
     /// An `AsyncRollout` over a queue with no thread, with `slots` dock slots.
     fn queue_only(slots: usize, staleness: u64) -> AsyncRollout {
-        let loader = PromptLoader::new(4, 1);
         let shared = Arc::new(Shared {
-            queue: Mutex::new(Queue {
-                ready: VecDeque::new(),
-                in_flight: 0,
-                version: 0,
-                submitted: 0,
-                dropped: 0,
-                per_step: 2,
-                staleness,
-                loader,
-                error: None,
-                stop: false,
-                generate_s: 0.0,
-                finished: 0,
-                polls: Vec::new(),
-                free_slots: (0..slots).rev().collect(),
-                slot_records: vec![None; slots],
-            }),
+            queue: Mutex::new(Queue::new(PromptLoader::new(4, 1), 2, staleness, slots)),
             changed: Condvar::new(),
             gate: Mutex::new(()),
         });
