@@ -241,7 +241,7 @@ for seed in $SEEDS; do
             # The same through the TransferDock: reward and reference stages score groups
             # while the policy trains.
             async-dock) sets+=(--set rollout.mode=async --set rollout.max_staleness=1
-                               --set train.pipeline=dock --set logging.samples_per_step=0) ;;
+                               --set train.pipeline=dock) ;;
             tail-*) sets+=(--set rollout.max_new_tokens=256 --set data.synthetic.long_tail.share=0.03
                            --set data.synthetic.long_tail.min_digits=100
                            --set data.synthetic.long_tail.max_digits=200

@@ -92,7 +92,7 @@ fn an_async_run_streams_groups_through_the_dock_whose_stages_score_them_while_th
         "rollout.max_staleness=1",
         "train.pipeline=dock",
         "train.dock_groups_per_batch=2",
-        "logging.samples_per_step=0",
+        "logging.samples_per_step=2",
     ];
     let config = example(&dir, 96, &sets);
     let (trainer, report) = rtrun_rlhf::run::run(&config, &mut NoProgress).unwrap();
@@ -136,6 +136,12 @@ fn an_async_run_streams_groups_through_the_dock_whose_stages_score_them_while_th
     }
     let dropped: f64 = steps.iter().map(|r| get(r, "async/stale_dropped_groups")).sum();
     assert_eq!(dropped, 0.0);
+    // The step holds every row, so it logs samples as the sequential step does.
+    let samples = std::fs::read_to_string(dir.join("samples.jsonl")).unwrap();
+    let samples: Vec<serde_json::Value> =
+        samples.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(samples.len(), 2 * 96);
+    assert!(samples.iter().all(|s| s["prompt"].is_string() && s["reward"].is_number()));
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

@@ -1536,6 +1536,10 @@ mod tests {
         let dock =
             ["train.pipeline=dock", "algo.advantage_estimator=rloo", "logging.samples_per_step=2"];
         assert!(err("", &dock).contains("logging.samples_per_step"));
+        // An async step on the dock holds every row: it may log samples.
+        let with_async: Vec<String> =
+            dock.iter().chain(&["rollout.mode=async"]).map(|s| s.to_string()).collect();
+        assert!(TrainConfig::from_yaml("", "ok.yaml", &with_async).is_ok());
         assert!(err("", &["eval.n_samples=0"]).contains("eval.n_samples"));
         // The default micro-batch (32) shrinks to a small batch.
         let small = ["train.train_batch_size=8".to_owned()];

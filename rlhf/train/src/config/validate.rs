@@ -434,11 +434,12 @@ impl TrainConfig {
                 ),
             ));
         }
-        if self.logging.samples_per_step > 0 {
+        if self.logging.samples_per_step > 0 && self.rollout.mode != RolloutMode::Async {
             return Err(TrainError::config(
                 "logging.samples_per_step",
-                "expected 0 for train.pipeline `dock` (its rows never meet in one place before \
-                 training; use train.pipeline `sequential`), found more",
+                "expected 0 for train.pipeline `dock` in sync mode (its rows never meet in one \
+                 place before training; use train.pipeline `sequential` or rollout.mode \
+                 `async`), found more",
             ));
         }
         if self.algo.dynamic_sampling.is_some() {
