@@ -30,13 +30,20 @@ pub struct RankName {
     pub rank: usize,
     /// The runtime's actor; `None` for a task (the reward functions run as tasks).
     pub actor: Option<ActorId>,
+    /// A tensor-parallel engine's rank other than 0, called directly (a weight sync gives each
+    /// rank its shard): that rank and its node.
+    pub shard: Option<(usize, String)>,
 }
 
 impl std::fmt::Display for RankName {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self.actor {
-            Some(actor) => write!(f, "{} rank {} ({actor})", self.role, self.rank),
-            None => write!(f, "{} task {}", self.role, self.rank),
+            Some(actor) => write!(f, "{} rank {} ({actor})", self.role, self.rank)?,
+            None => write!(f, "{} task {}", self.role, self.rank)?,
+        }
+        match &self.shard {
+            Some((rank, node)) => write!(f, ", tensor-parallel rank {rank} (on node {node})"),
+            None => Ok(()),
         }
     }
 }
@@ -103,7 +110,15 @@ pub fn actor_call<M, A, T>(
 where
     M: Deref<Target = ActorRef<A>>,
 {
-    RankCall { rank: RankName { role, rank, actor: Some(member.id()) }, answer }
+    RankCall { rank: RankName { role, rank, actor: Some(member.id()), shard: None }, answer }
+}
+
+impl<T> RankCall<T> {
+    /// The call goes to rank `rank` of a tensor-parallel engine, on `node`, not to its rank 0.
+    pub fn on_shard(mut self, rank: usize, node: &str) -> Self {
+        self.rank.shard = Some((rank, node.to_owned()));
+        self
+    }
 }
 
 /// Deadlines of the trainer's calls (`cluster.call_timeout_s`, `cluster.stall_warn_s`).
@@ -211,9 +226,18 @@ mod tests {
 
     #[test]
     fn rank_names_say_role_rank_and_actor() {
-        let engine = RankName { role: "vllm_engine", rank: 0, actor: Some(ActorId(3)) };
+        let engine =
+            RankName { role: "vllm_engine", rank: 0, actor: Some(ActorId(3)), shard: None };
         assert_eq!(engine.to_string(), format!("vllm_engine rank 0 ({})", ActorId(3)));
-        let task = RankName { role: "reward", rank: 2, actor: None };
+        let shard = RankName { shard: Some((1, "n2 (10.0.0.2)".into())), ..engine };
+        assert_eq!(
+            shard.to_string(),
+            format!(
+                "vllm_engine rank 0 ({}), tensor-parallel rank 1 (on node n2 (10.0.0.2))",
+                ActorId(3)
+            )
+        );
+        let task = RankName { role: "reward", rank: 2, actor: None, shard: None };
         assert_eq!(task.to_string(), "reward task 2");
     }
 }

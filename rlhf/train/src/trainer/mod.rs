@@ -778,7 +778,7 @@ impl Trainer {
                     .iter()
                     .enumerate()
                     .map(|(engine, m)| {
-                        calls::actor_call(ENGINE, engine, *m, m.update_weights(bucket))
+                        self.engine_rank_call(engine, rank, m, m.update_weights(bucket))
                     })
                     .collect();
                 watch.wait("update_weights", updates)?;
@@ -792,6 +792,22 @@ impl Trainer {
         }
         self.record_sync(&buckets.bytes_by_rank, Some(buckets.reshard_seconds));
         Ok(())
+    }
+
+    /// A call to rank `rank` of engine `engine`, named with that rank and its node when it is
+    /// not the engine's rank 0.
+    fn engine_rank_call<T>(
+        &self,
+        engine: usize,
+        rank: usize,
+        member: &rtrun_rlhf_engine::EngineActorRef,
+        answer: calls::Answer<T>,
+    ) -> calls::RankCall<T> {
+        let call = calls::actor_call(ENGINE, engine, member, answer);
+        match self.roles.engine_rank_nodes.get(engine).and_then(|nodes| nodes.get(rank)) {
+            Some(node) if rank > 0 => call.on_shard(rank, node),
+            _ => call,
+        }
     }
 
     /// The weight sync's figures in this step's metrics: `weight_sync/bytes_per_rank` (the
@@ -867,7 +883,7 @@ impl Trainer {
                 .enumerate()
                 .map(|(engine, m)| {
                     let receive = m.receive_weights(rank_metas.clone(), bucket_bytes);
-                    calls::actor_call(ENGINE, engine, *m, receive)
+                    self.engine_rank_call(engine, rank, m, receive)
                 })
                 .collect();
             bytes_by_rank.push(watch.wait_one("broadcast_weights", send)? as u64);
@@ -919,7 +935,8 @@ impl Trainer {
                 .iter()
                 .enumerate()
                 .map(|(engine, m)| {
-                    calls::actor_call(ENGINE, engine, *m, m.join_weight_sync(group(engine + 1)))
+                    let join = m.join_weight_sync(group(engine + 1));
+                    self.engine_rank_call(engine, rank, m, join)
                 })
                 .collect();
             self.watch.wait_one("join_weight_sync", policy)?;

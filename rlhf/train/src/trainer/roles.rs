@@ -43,6 +43,9 @@ pub struct Roles {
     /// Every rank of each engine (`engine_ranks[e][r]`; one per engine without tensor
     /// parallelism): weight syncs give each rank its own shard.
     pub engine_ranks: Vec<Vec<EngineActorRef>>,
+    /// The node of each rank of each engine (`engine_rank_nodes[e][r]`, as the rank reports
+    /// it; empty without tensor parallelism), for errors that name a rank other than 0.
+    pub engine_rank_nodes: Vec<Vec<String>>,
     /// Where everything was placed.
     pub placements: RolePlacements,
     /// The TransferDock actor of `train.pipeline: dock`.
@@ -150,6 +153,7 @@ impl Roles {
         let python_reward = create_python_reward(config)?;
         let engine_ranks = create_engines(config, p, policy_dir)?;
         let engines = engine_ranks.iter().filter_map(|ranks| ranks.first().cloned()).collect();
+        let engine_rank_nodes = engine_nodes(&engine_ranks);
         let dock = match config.train.pipeline {
             PipelineMode::Dock => Some(
                 RemoteDock::create(
@@ -169,6 +173,7 @@ impl Roles {
             python_reward,
             engines,
             engine_ranks,
+            engine_rank_nodes,
             placements,
             dock,
         })
@@ -361,6 +366,25 @@ fn create_engines(
             })
             .map_err(|e| TrainError::role("vllm_engine", e))?;
             Ok(group.members().to_vec())
+        })
+        .collect()
+}
+
+/// Where each rank of each tensor-parallel engine runs (nothing for one-rank engines): the
+/// weight sync calls every rank, and a rank that died is named with its node.
+fn engine_nodes(engine_ranks: &[Vec<EngineActorRef>]) -> Vec<Vec<String>> {
+    engine_ranks
+        .iter()
+        .map(|ranks| match ranks.len() {
+            1 => Vec::new(),
+            _ => ranks
+                .iter()
+                .map(|rank| match rank.whereabouts().get() {
+                    Ok(Ok(node)) => node,
+                    Ok(Err(e)) => format!("unknown ({e})"),
+                    Err(e) => format!("unknown ({e})"),
+                })
+                .collect(),
         })
         .collect()
 }

@@ -182,7 +182,7 @@ pub fn rewards(
         .filter(|c| !c.is_empty())
         .enumerate()
         .collect();
-    let rank = |i| RankName { role: "reward", rank: i, actor: None };
+    let rank = |i| RankName { role: "reward", rank: i, actor: None, shard: None };
     if config.kind == RewardKind::Remote {
         let calls = chunks
             .into_iter()
