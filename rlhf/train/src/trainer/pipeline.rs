@@ -29,7 +29,7 @@ use std::collections::BTreeMap;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use rtrun_rlhf_dock::pipeline::StageSpan;
+use rtrun_rlhf_dock::pipeline::{StageSpan, now_us};
 use rtrun_rlhf_dock::{
     ColumnValues, DockCallError, ExperienceBatch as DockBatch, ExperienceStore, PackedBatch,
     PackedNamedColumn, PipelineSummary, PollConfig, RemoteDock, StageSpec, StageTimeline,
@@ -375,7 +375,7 @@ pub fn run_async_step(
             rewards: Some(input.scalars(RM_SCORES)?),
             ref_log_probs: if has_ref { Some(input.floats(REF_LOG_PROB)?) } else { None },
         };
-        let started_us = stream::epoch_us();
+        let started_us = now_us();
         let record_refs: Vec<&PromptRecord> = samples.records.iter().collect();
         let settings = ExperienceSettings { kl_coef, recompute_old: true };
         let batch = stages::make_experience(
@@ -386,9 +386,9 @@ pub fn run_async_step(
             settings,
             known,
         )?;
-        let experienced_us = stream::epoch_us();
+        let experienced_us = now_us();
         let train = stages::train(trainer, &batch.rows, step, kl_coef)?;
-        let trained_us = stream::epoch_us();
+        let trained_us = now_us();
         dock.clear(Some(rows.clone())).map_err(dock_error)?;
         rollout.free_slots(slots);
         let spans = [(started_us, experienced_us), (experienced_us, trained_us)];

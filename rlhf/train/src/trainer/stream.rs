@@ -37,6 +37,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use rtrun_rlhf_dock::pipeline::now_us;
 use rtrun_rlhf_dock::{ColumnValues, PackedBatch, PackedNamedColumn, RemoteDock};
 use rtrun_rlhf_engine::{EngineActorRef, GenerationRequest, SamplingParams, StreamPoll};
 
@@ -614,7 +615,7 @@ fn rollout_thread(shared: &Shared, setup: AsyncSetup) {
             let mut finished = Vec::new();
             if stream.in_flight() > 0 {
                 let started = Instant::now();
-                let start_us = epoch_us();
+                let start_us = now_us();
                 finished = {
                     let _gate =
                         shared.gate.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -622,7 +623,7 @@ fn rollout_thread(shared: &Shared, setup: AsyncSetup) {
                 };
                 let mut queue = shared.queue();
                 queue.generate_s += started.elapsed().as_secs_f64();
-                queue.polls.push((start_us, epoch_us()));
+                queue.polls.push((start_us, now_us()));
                 queue.in_flight -= finished.len();
                 queue.finished += finished.len() as u64;
             }
@@ -700,13 +701,6 @@ fn write_to_dock(
         .into_iter()
         .map(|(slot, group)| Finished::Docked { slot, oldest: group.oldest_version() })
         .collect())
-}
-
-/// Microseconds since the Unix epoch (the clock of the dock pipeline's timelines).
-pub fn epoch_us() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_micros() as u64)
 }
 
 #[cfg(test)]
